@@ -1,0 +1,95 @@
+"""The forward pass in NumPy: the test oracle that needs no PyTorch, and the CPU backend.
+
+Same semantics as the reference module (``shared/spec/reference_module.py``):
+
+    x    = LayerNorm(pair)                                  # [B, N, N, D]
+    q, k, v, g = x Wq^T + bq, ..., sigmoid(x Wg^T + bg)     # [B, N, N, D] each
+    bias = x Wb^T                                           # [B, N, N, h]
+    s[b, i, head, j, k] = q[b,i,j] . k[b,i,k] / sqrt(d) + bias[b, j, k, head]
+                          (-inf where mask[b, j, k] == 0)   # bias and mask shared by rows i
+    o    = softmax_k(s) v, heads concatenated               # [B, N, N, D]
+    out  = (g * o) Wo^T + bo
+
+A query whose keys are all masked has no softmax; ``fully_masked="zero"`` makes its
+attention output zero (so ``out = bo`` there), ``"nan"`` returns NaN like the reference.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ._checks import check_fully_masked, check_mask_dtype, check_mask_shape, pair_geometry
+from .weights import Weights
+
+# Rows i processed together; bounds the (rows, h, N, N) score buffer.
+_SCORE_BUDGET_ELEMENTS = 1 << 25
+
+
+def layer_norm(x: np.ndarray, weight, bias, eps: float) -> np.ndarray:
+    mean = x.mean(axis=-1, keepdims=True)
+    var = ((x - mean) ** 2).mean(axis=-1, keepdims=True)  # biased, as torch.nn.LayerNorm
+    return (x - mean) / np.sqrt(var + eps) * weight + bias
+
+
+def _sigmoid(x):
+    return 0.5 * (1.0 + np.tanh(0.5 * x))  # no overflow warning for large |x|
+
+
+def triangle_attention(pair, mask, weights: Weights, *, fully_masked: str = "zero",
+                       dtype=np.float64) -> np.ndarray:
+    """Triangle self-attention on the CPU.
+
+    pair: (B, N, N, D) or (N, N, D), any real dtype. mask: (B, N, N) / (N, N) of bool,
+    int or float (0 = masked), or None. Computed and returned in `dtype` (float64 or
+    float32), shaped like `pair`.
+    """
+    check_fully_masked(fully_masked)
+    dtype = np.dtype(dtype)
+    if dtype not in (np.float32, np.float64):
+        raise ValueError(f"dtype must be float32 or float64, got {dtype}")
+    pair = np.asarray(pair)
+    if pair.dtype.kind != "f":
+        raise TypeError(f"pair must be a float array, got dtype {pair.dtype}")
+    B, N, batched = pair_geometry(pair.shape, weights.pair_dim)
+    D, h, d = weights.pair_dim, weights.num_heads, weights.head_dim
+    x = pair.astype(dtype).reshape(B, N, N, D)
+    if mask is None:
+        keep = np.ones((B, N, N), bool)
+    else:
+        mask = np.asarray(mask)
+        check_mask_dtype(mask.dtype)
+        check_mask_shape(mask.shape, B, N, batched)
+        keep = (mask != 0).reshape(B, N, N)
+
+    p = {name: value.astype(dtype) for name, value in weights.params.items()}
+    x = layer_norm(x, p["layer_norm.weight"], p["layer_norm.bias"], weights.layer_norm_eps)
+
+    def linear(name, inp):
+        return inp @ p[f"{name}.weight"].T + p[f"{name}.bias"]
+
+    g = _sigmoid(linear("gate", x))                                  # [B, N, N, D]
+    bias = np.moveaxis(x @ p["bias_proj.weight"].T, -1, 1)           # [B, h, N, N]
+    bias = np.where(keep[:, None], bias, -np.inf)                    # mask folded in
+    fully = ~keep.any(axis=-1)                                       # [B, N] queries j
+
+    out = np.empty((B, N, N, D), dtype)
+    rows = max(1, _SCORE_BUDGET_ELEMENTS // (h * N * N))
+    for b in range(B):
+        for i0 in range(0, N, rows):
+            xi = x[b, i0:i0 + rows]                                  # [R, N, D]
+            R = xi.shape[0]
+            q = linear("query", xi).reshape(R, N, h, d).transpose(0, 2, 1, 3)  # [R, h, N, d]
+            k = linear("key", xi).reshape(R, N, h, d).transpose(0, 2, 1, 3)
+            v = linear("value", xi).reshape(R, N, h, d).transpose(0, 2, 1, 3)
+            s = q @ k.transpose(0, 1, 3, 2) / np.sqrt(d) + bias[b][None]       # [R, h, N, N]
+            m = s.max(axis=-1, keepdims=True)
+            # A fully-masked query has m = -inf; exp(-inf - (-inf)) would be NaN, so
+            # subtract 0 there instead: every term is exp(-inf) = 0 and the sum is 0.
+            e = np.exp(s - np.where(np.isfinite(m), m, 0))
+            total = e.sum(axis=-1, keepdims=True)
+            with np.errstate(invalid="ignore", divide="ignore"):
+                o = (e @ v) / total                                  # [R, h, N, d]; 0/0 = NaN
+            fill = np.nan if fully_masked == "nan" else 0.0
+            o = np.where(fully[b][None, None, :, None], fill, o)
+            o = o.transpose(0, 2, 1, 3).reshape(R, N, D)             # [R, N, D]
+            out[b, i0:i0 + R] = linear("out_proj", g[b, i0:i0 + R] * o)
+    return out if batched else out[0]
