@@ -6,5 +6,9 @@ is called.
 from ._version import __version__
 from . import reference
 from .weights import Weights, parameter_shapes, random_weights
+from .api import TriangleAttention, gpu_available, triangle_attention
 
-__all__ = ["__version__", "reference", "Weights", "parameter_shapes", "random_weights"]
+__all__ = [
+    "__version__", "reference", "Weights", "parameter_shapes", "random_weights",
+    "TriangleAttention", "gpu_available", "triangle_attention",
+]

@@ -35,12 +35,14 @@ def _sigmoid(x):
 
 
 def triangle_attention(pair, mask, weights: Weights, *, fully_masked: str = "zero",
-                       dtype=np.float64) -> np.ndarray:
+                       dtype=np.float64, rows=None) -> np.ndarray:
     """Triangle self-attention on the CPU.
 
     pair: (B, N, N, D) or (N, N, D), any real dtype. mask: (B, N, N) / (N, N) of bool,
     int or float (0 = masked), or None. Computed and returned in `dtype` (float64 or
     float32), shaped like `pair`.
+    rows: optional indices i of the rows to compute (a spot check of a large input);
+    the result then has len(rows) in place of the first N axis.
     """
     check_fully_masked(fully_masked)
     dtype = np.dtype(dtype)
@@ -71,11 +73,13 @@ def triangle_attention(pair, mask, weights: Weights, *, fully_masked: str = "zer
     bias = np.where(keep[:, None], bias, -np.inf)                    # mask folded in
     fully = ~keep.any(axis=-1)                                       # [B, N] queries j
 
-    out = np.empty((B, N, N, D), dtype)
-    rows = max(1, _SCORE_BUDGET_ELEMENTS // (h * N * N))
+    rows = np.arange(N) if rows is None else np.asarray(rows, dtype=np.int64).reshape(-1)
+    out = np.empty((B, len(rows), N, D), dtype)
+    chunk = max(1, _SCORE_BUDGET_ELEMENTS // (h * N * N))
     for b in range(B):
-        for i0 in range(0, N, rows):
-            xi = x[b, i0:i0 + rows]                                  # [R, N, D]
+        for i0 in range(0, len(rows), chunk):
+            picked = rows[i0:i0 + chunk]
+            xi = x[b, picked]                                        # [R, N, D]
             R = xi.shape[0]
             q = linear("query", xi).reshape(R, N, h, d).transpose(0, 2, 1, 3)  # [R, h, N, d]
             k = linear("key", xi).reshape(R, N, h, d).transpose(0, 2, 1, 3)
@@ -91,5 +95,5 @@ def triangle_attention(pair, mask, weights: Weights, *, fully_masked: str = "zer
             fill = np.nan if fully_masked == "nan" else 0.0
             o = np.where(fully[b][None, None, :, None], fill, o)
             o = o.transpose(0, 2, 1, 3).reshape(R, N, D)             # [R, N, D]
-            out[b, i0:i0 + R] = linear("out_proj", g[b, i0:i0 + R] * o)
+            out[b, i0:i0 + R] = linear("out_proj", g[b, picked] * o)
     return out if batched else out[0]

@@ -1,0 +1,20 @@
+// Shared helpers of the triattn-cupy kernels. Textually inlined by the Python loader
+// (triattn_cupy/_compile.py), so it needs no include path at run time.
+#pragma once
+
+typedef long long i64;
+
+// log2(e): softmax runs in base 2 (exp2f is one MUFU instruction), so the query scale
+// 1/sqrt(d) and the pair bias are both pre-multiplied by log2(e) where they are produced.
+#define LOG2E_F 1.4426950408889634f
+
+__device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
+__device__ __forceinline__ float quiet_nan() { return __int_as_float(0x7fffffff); }
+
+__device__ __forceinline__ float4 ld4(const float* p) {
+    return __ldg(reinterpret_cast<const float4*>(p));
+}
+__device__ __forceinline__ void st4(float* p, float4 v) {
+    *reinterpret_cast<float4*>(p) = v;
+}
+__device__ __forceinline__ float4 zero4() { return make_float4(0.f, 0.f, 0.f, 0.f); }

@@ -1,0 +1,268 @@
+"""The GPU pipeline against the float64 NumPy reference (which tests/test_reference.py
+holds to the PyTorch spec). Skipped with a reason where there is no GPU.
+
+Every output buffer is poisoned with NaN before the launch (explicit `out=`, or the memory
+pool refilled with NaN so fresh allocations start poisoned), and `rel_l2` fails on any NaN.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import triattn_cupy as ta
+from triattn_cupy import reference
+from helpers import rel_l2
+
+pytestmark = pytest.mark.gpu
+
+FP32_TOL = 1e-5
+# (D, h) for head dims 8, 16, 32, 64, 128 and two that are not powers of two.
+SHAPES_DH = [(32, 4), (64, 4), (128, 4), (128, 2), (128, 1), (96, 4), (40, 2)]
+SWEEP_N = list(range(1, 71)) + [97, 130, 200, 257]
+
+
+@pytest.fixture
+def cp():
+    import cupy
+
+    return cupy
+
+
+def poison_pool(cp, nbytes=64 << 20):
+    """Fill freed pool memory with NaN, so an element a kernel forgets to write is NaN."""
+    junk = cp.full(nbytes // 4, np.nan, np.float32)
+    del junk  # back to the pool, still holding NaN
+
+
+def make_mask(rng, B, N, kind="bool", fully_masked_rows=True):
+    keep = rng.random((B, N, N)) > 0.25
+    if fully_masked_rows and N > 1:
+        keep[:, rng.integers(N), :] = False  # a query (b, j) with every key masked
+    if kind == "bool":
+        return keep
+    if kind == "int":
+        return keep.astype(np.int32) * rng.integers(1, 5, keep.shape).astype(np.int32)
+    if kind == "int8":
+        return keep.astype(np.int8)
+    if kind == "float":
+        return keep * rng.uniform(0.5, 2.0, keep.shape)  # nonzero float = keep
+    raise ValueError(kind)
+
+
+def check_against_reference(cp, rng, B, N, D, h, *, mask_kind="bool", fully_masked="zero",
+                            batched=True, seed=None):
+    weights = ta.random_weights(D, h, seed=int(rng.integers(1 << 31)))
+    pair = rng.standard_normal((B, N, N, D)).astype(np.float32) * 2 + 0.5
+    mask = None if mask_kind is None else make_mask(rng, B, N, mask_kind)
+    if not batched:
+        pair, mask = pair[0], (None if mask is None else mask[0])
+    expected = reference.triangle_attention(pair, mask, weights, fully_masked=fully_masked)
+    out = cp.full(pair.shape, np.nan, np.float32)
+    got = ta.triangle_attention(cp.asarray(pair), None if mask is None else cp.asarray(mask),
+                                weights, fully_masked=fully_masked, out=out)
+    assert got is out
+    got = got.get()
+    if mask is not None and fully_masked == "nan":
+        fully = ~np.asarray(mask != 0).any(axis=-1)            # [B?, N] queries j
+        fully = np.broadcast_to(fully[..., None, :, None], got.shape)
+        assert np.array_equal(np.isnan(got), fully), "NaN exactly at fully-masked queries"
+        err = rel_l2(got, expected, where=~fully) if (~fully).any() else 0.0
+    else:
+        err = rel_l2(got, expected)
+    assert err <= FP32_TOL, f"B={B} N={N} D={D} h={h}: rel L2 {err:.3g}"
+    return err
+
+
+@pytest.mark.parametrize("N", SWEEP_N)
+def test_sweep_n(cp, rng, N):
+    """Every N 1..70 and a few large ones, cycling B, head dims, mask kinds and policies."""
+    D, h = SHAPES_DH[N % len(SHAPES_DH)]
+    B = 1 + N % 3
+    mask_kind = ("bool", "int", "float", None)[N % 4]
+    policy = ("zero", "nan")[(N // 4) % 2]
+    poison_pool(cp)
+    check_against_reference(cp, rng, B, N, D, h, mask_kind=mask_kind, fully_masked=policy)
+
+
+@pytest.mark.parametrize("head_dim", ta._configs.supported_head_dims())
+def test_every_head_dim(cp, rng, head_dim):
+    h = 2 if head_dim * 2 <= ta._configs.MAX_PAIR_DIM else 1
+    check_against_reference(cp, rng, 2, 37, head_dim * h, h)
+
+
+@pytest.mark.parametrize("B", [1, 2, 3])
+@pytest.mark.parametrize("D,h", [(64, 4), (128, 4), (128, 1)])
+def test_batches_and_sizes(cp, rng, B, D, h):
+    for N in (17, 64, 113):
+        check_against_reference(cp, rng, B, N, D, h, fully_masked="nan")
+
+
+@pytest.mark.parametrize("mask_kind", ["bool", "int", "int8", "float", None])
+def test_mask_dtypes(cp, rng, mask_kind):
+    check_against_reference(cp, rng, 2, 29, 64, 4, mask_kind=mask_kind)
+
+
+def test_unbatched(cp, rng):
+    check_against_reference(cp, rng, 1, 45, 128, 4, batched=False, fully_masked="nan")
+    check_against_reference(cp, rng, 1, 45, 128, 4, batched=False, mask_kind=None)
+
+
+def test_zero_policy_gives_out_bias(cp, rng):
+    weights = ta.random_weights(64, 4, seed=3)
+    N = 23
+    pair = cp.asarray(rng.standard_normal((2, N, N, 64)).astype(np.float32))
+    mask = cp.ones((2, N, N), bool)
+    mask[1, 5, :] = False
+    mask[0, :, 7] = False  # a masked key everywhere: ordinary masking, not fully masked
+    out = ta.triangle_attention(pair, mask, weights).get()
+    np.testing.assert_array_equal(
+        out[1, :, 5], np.broadcast_to(weights["out_proj.bias"], (N, 64)))
+    assert np.isfinite(out).all()
+
+
+def test_fully_masked_everything(cp):
+    weights = ta.random_weights(32, 4, seed=4)
+    pair = cp.random.standard_normal((1, 9, 9, 32), dtype=np.float32)
+    mask = cp.zeros((1, 9, 9), np.float32)
+    zero = ta.triangle_attention(pair, mask, weights).get()
+    np.testing.assert_array_equal(zero, np.broadcast_to(weights["out_proj.bias"], zero.shape))
+    assert np.isnan(ta.triangle_attention(pair, mask, weights, fully_masked="nan").get()).all()
+
+
+@pytest.mark.parametrize("view", ["transposed", "sliced_D", "strided_D", "reversed"])
+def test_non_contiguous_pair(cp, rng, view):
+    B, N, D, h = 2, 31, 64, 4
+    weights = ta.random_weights(D, h, seed=5)
+    base = cp.asarray(rng.standard_normal((B, N, N, 2 * D)).astype(np.float32))
+    pair = {"transposed": base[..., :D].transpose(0, 2, 1, 3),
+            "sliced_D": base[..., 3:3 + D],
+            "strided_D": base[..., ::2],
+            "reversed": base[:, ::-1, :, D:]}[view]
+    assert not pair.flags.c_contiguous
+    mask = cp.asarray(make_mask(rng, B, N)).transpose(0, 2, 1)  # a non-contiguous mask too
+    poison_pool(cp)
+    got = ta.triangle_attention(pair, mask, weights)
+    expected = reference.triangle_attention(pair.get(), mask.get(), weights)
+    assert rel_l2(got, expected) <= FP32_TOL
+
+
+def test_class_api_and_repeat_calls(cp, rng):
+    weights = ta.random_weights(128, 4, seed=6)
+    module = ta.TriangleAttention(weights)
+    pair = rng.standard_normal((1, 40, 40, 128)).astype(np.float32)
+    expected = reference.triangle_attention(pair, None, weights)
+    first = module(cp.asarray(pair))
+    second = module(cp.asarray(pair))
+    assert rel_l2(first, expected) <= FP32_TOL
+    cp.testing.assert_array_equal(first, second)  # deterministic: no atomics, fixed order
+
+
+def test_from_hdf5(cp, rng, tmp_path):
+    hdf5 = pytest.importorskip("triattn_cupy.hdf5")
+    weights = ta.random_weights(64, 2, seed=7)
+    path = tmp_path / "w.h5"
+    hdf5.save_weights(weights, path)
+    module = ta.TriangleAttention.from_hdf5(path)
+    pair = rng.standard_normal((2, 11, 11, 64)).astype(np.float32)
+    assert rel_l2(module(cp.asarray(pair)), reference.triangle_attention(pair, None, weights)) <= FP32_TOL
+
+
+def test_torch_tensor_input(rng):
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("torch has no CUDA here")
+    weights = ta.random_weights(64, 4, seed=8)
+    pair = torch.randn(2, 19, 19, 64, device="cuda")
+    mask = torch.rand(2, 19, 19, device="cuda") > 0.2
+    got = ta.triangle_attention(pair, mask, weights)
+    expected = reference.triangle_attention(pair.cpu().numpy(), mask.cpu().numpy(), weights)
+    assert rel_l2(got, expected) <= FP32_TOL
+
+
+def test_large_n_memory_and_spot_rows(cp, rng):
+    """B=1, N=2048, D=128 runs; scratch stays under 5x the input; sampled rows are exact."""
+    B, N, D, h = 1, 2048, 128, 4
+    weights = ta.random_weights(D, h, seed=9)
+    pool = cp.get_default_memory_pool()
+    pool.free_all_blocks()
+    pair = cp.random.standard_normal((B, N, N, D), dtype=np.float32)
+    mask = cp.ones((B, N, N), bool)
+    mask[:, :, -N // 10:] = False  # 10% padding
+    mask[:, -N // 10:, :] = False
+    module = ta.TriangleAttention(weights)
+    held_before = pool.total_bytes()
+    out = module(pair, mask)
+    cp.cuda.Device().synchronize()
+    # Everything the pool had to hold beyond input, mask and output bounds the peak.
+    extra = pool.total_bytes() - held_before - out.nbytes
+    assert extra < 5 * pair.nbytes, f"scratch {extra / pair.nbytes:.2f}x the input"
+    rows = [0, 1, 1000, N - 1]
+    pair_h, mask_h = pair.get(), mask.get()
+    expected = reference.triangle_attention(pair_h, mask_h, weights, rows=rows)
+    assert rel_l2(out[:, rows], expected) <= FP32_TOL
+
+
+# ---- errors ----------------------------------------------------------------------------
+
+@pytest.fixture
+def small(cp):
+    weights = ta.random_weights(32, 4, seed=10)
+    return weights, cp.zeros((1, 5, 5, 32), np.float32) + 1
+
+
+def test_error_host_array(small):
+    weights, pair = small
+    with pytest.raises(TypeError, match=r"pair is a NumPy \(host\) array.*cupy.asarray"):
+        ta.triangle_attention(pair.get(), None, weights)
+
+
+def test_error_dtype(small):
+    weights, pair = small
+    with pytest.raises(TypeError, match="pair must be float32; got float64"):
+        ta.triangle_attention(pair.astype("float64"), None, weights)
+
+
+def test_error_rank_and_dim(small, cp):
+    weights, pair = small
+    with pytest.raises(ValueError, match=r"pair must have shape \(B, N, N, D\).*2 dimensions"):
+        ta.triangle_attention(pair[0, 0], None, weights)
+    with pytest.raises(ValueError, match="pair_dim 32; got 16"):
+        ta.triangle_attention(pair[..., :16], None, weights)
+    with pytest.raises(ValueError, match="square"):
+        ta.triangle_attention(cp.zeros((1, 5, 4, 32), np.float32), None, weights)
+
+
+def test_error_mask(small, cp):
+    weights, pair = small
+    with pytest.raises(ValueError, match=r"mask must have shape \(1, 5, 5\).*got \(5, 5\)"):
+        ta.triangle_attention(pair, cp.ones((5, 5)), weights)
+    with pytest.raises(TypeError, match="mask must be bool, integer or float.*complex"):
+        ta.triangle_attention(pair, cp.ones((1, 5, 5), np.complex64), weights)
+    with pytest.raises(TypeError, match="mask is a NumPy"):
+        ta.triangle_attention(pair, np.ones((1, 5, 5)), weights)
+
+
+def test_error_policy_and_out(small, cp):
+    weights, pair = small
+    with pytest.raises(ValueError, match="fully_masked must be one of"):
+        ta.triangle_attention(pair, None, weights, fully_masked="ignore")
+    with pytest.raises(ValueError, match="out must be a C-contiguous float32"):
+        ta.triangle_attention(pair, None, weights, out=cp.empty((1, 5, 5, 16), np.float32))
+
+
+def test_error_unsupported_head_dim():
+    with pytest.raises(ValueError, match="head dimension.*multiple of 4.*got 36/6 = 6"):
+        ta.TriangleAttention(ta.random_weights(36, 6))
+    with pytest.raises(ValueError, match="at most 128.*got 264/2 = 132"):
+        ta.TriangleAttention(ta.random_weights(264, 2))
+
+
+def test_error_other_device(cp):
+    if cp.cuda.runtime.getDeviceCount() < 2:
+        pytest.skip("needs two GPUs")
+    weights = ta.random_weights(32, 4)
+    module = ta.TriangleAttention(weights, device=0)
+    with cp.cuda.Device(1):
+        pair = cp.zeros((1, 3, 3, 32), np.float32)
+    with pytest.raises(ValueError, match="pair is on GPU 1 but the weights are on GPU 0"):
+        module(pair)

@@ -1,0 +1,48 @@
+"""Every kernel configuration compiles with NVRTC for sm_80 and sm_90 without a GPU, and
+ptxas reports no register spills. Runs in CI (CuPy's NVRTC comes with cupy-cuda13x[ctk])."""
+from __future__ import annotations
+
+import pytest
+
+from triattn_cupy import _compile, _configs
+
+nvrtc = pytest.importorskip("cupy_backends.cuda.libs.nvrtc",
+                            reason="CuPy's NVRTC bindings are needed to compile kernels")
+
+
+def _nvrtc_usable():
+    try:
+        nvrtc.getVersion()
+        return True
+    except Exception:
+        return False
+
+
+pytestmark = pytest.mark.skipif(not _nvrtc_usable(),
+                                reason="NVRTC library not found (pip install 'cupy-cuda13x[ctk]')")
+
+
+@pytest.mark.parametrize("arch", _compile.CHECK_ARCHS)
+@pytest.mark.parametrize("config", _configs.all_configs(),
+                         ids=lambda c: c.filename + ":" + ",".join(f"{k}={v}" for k, v in c.defines))
+def test_compiles_without_spills(config, arch):
+    log = _compile.compile_offline(config.filename, config.defines, arch)
+    report = _compile.ptxas_report(log)
+    assert report, f"no ptxas report in:\n{log}"
+    for entry, usage in report.items():
+        assert usage["spill_stores"] == 0 and usage["spill_loads"] == 0, (entry, usage)
+        assert usage["stack"] == 0, (entry, usage)
+
+
+def test_compile_error_points_at_the_file():
+    broken = (("HEAD_DIM", "32 +"),)  # a define that breaks the source
+    with pytest.raises(_compile.CompileError, match=r"kernels/attention\.cu"):
+        _compile.compile_offline("attention.cu", broken, "sm_90")
+
+
+def test_every_supported_dimension_has_a_config():
+    configs = set(_configs.all_configs())
+    for d in _configs.supported_head_dims():
+        assert _configs.attention_config(d) in configs
+    for D in (4, 64, 128, 320, 324, 768):
+        assert _configs.project_config(D) in configs

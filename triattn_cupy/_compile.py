@@ -1,0 +1,108 @@
+"""Reading the .cu sources and compiling them: at run time through cupy.RawModule, and
+offline (no GPU) through NVRTC for the compile checks.
+
+A kernel configuration is a source file plus the `#define`s that specialise it (head dim,
+tile sizes). The file guards each with `#ifndef`, so it also compiles alone. Local
+`#include "x.cuh"` lines are inlined here, so no include path is needed, and `#line`
+directives keep compiler messages pointing at the real file and line.
+"""
+from __future__ import annotations
+
+import functools
+import importlib.resources
+import pathlib
+import re
+
+_INCLUDE = re.compile(r'^\s*#include\s+"([^"]+)"\s*$', re.MULTILINE)
+# sm_80 is the oldest target we check; every kernel also runs on older GPUs (FFMA only).
+CHECK_ARCHS = ("sm_80", "sm_90")
+NVRTC_OPTIONS = ("-std=c++17",)
+
+
+def _kernels_folder():
+    try:
+        return importlib.resources.files("triattn_cupy.kernels")
+    except ModuleNotFoundError:  # a source checkout on sys.path, not installed
+        return pathlib.Path(__file__).resolve().parent.parent / "kernels"
+
+
+@functools.lru_cache(maxsize=None)
+def kernel_source(filename: str) -> str:
+    """The text of kernels/<filename>, found inside the installed package."""
+    return _kernels_folder().joinpath(filename).read_text()
+
+
+def _expand(filename: str, seen: frozenset = frozenset()) -> str:
+    if filename in seen:
+        return ""  # headers use #pragma once; this also stops accidental cycles
+    text = kernel_source(filename)
+    pieces, last = [], 0
+    for match in _INCLUDE.finditer(text):
+        line = text.count("\n", 0, match.start()) + 1
+        pieces.append(text[last:match.start()])
+        pieces.append(_expand(match.group(1), seen | {filename}))
+        pieces.append(f'\n#line {line + 1} "kernels/{filename}"\n')
+        last = match.end() + 1
+    pieces.append(text[last:])
+    return f'#line 1 "kernels/{filename}"\n' + "".join(pieces)
+
+
+def full_source(filename: str, defines: tuple[tuple[str, int], ...]) -> str:
+    """The compilable text: the `#define`s, then the file with its headers inlined."""
+    head = "".join(f"#define {name} {value}\n" for name, value in defines)
+    return head + _expand(filename)
+
+
+@functools.lru_cache(maxsize=None)
+def raw_module(filename: str, defines: tuple[tuple[str, int], ...]):
+    """A cupy.RawModule for one configuration. CuPy compiles it on the first
+    get_function, once per device, and keeps the binary in its on-disk cache."""
+    import cupy
+
+    return cupy.RawModule(code=full_source(filename, defines), options=NVRTC_OPTIONS)
+
+
+class CompileError(RuntimeError):
+    pass
+
+
+def compile_offline(filename: str, defines: tuple[tuple[str, int], ...], arch: str) -> str:
+    """Compile with NVRTC for `arch` (e.g. "sm_90") without a GPU; return ptxas' report.
+
+    Needs CuPy's NVRTC (`pip install "cupy-cuda13x[ctk]"`); raises CompileError with the
+    compiler log on failure.
+    """
+    from cupy_backends.cuda.libs import nvrtc
+
+    program = nvrtc.createProgram(full_source(filename, defines), f"kernels/{filename}", [], [])
+    try:
+        try:
+            nvrtc.compileProgram(program, [f"-arch={arch}", "--ptxas-options=-v",
+                                           *NVRTC_OPTIONS])
+        except nvrtc.NVRTCError as error:
+            raise CompileError(f"{filename} {dict(defines)} for {arch}:\n"
+                               f"{nvrtc.getProgramLog(program)}") from error
+        nvrtc.getCUBIN(program)  # the machine code really was produced
+        return nvrtc.getProgramLog(program)
+    finally:
+        nvrtc.destroyProgram(program)
+
+
+_PTXAS_ENTRY = re.compile(r"Compiling entry function '(\w+)'")
+_PTXAS_SPILL = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
+_PTXAS_REGS = re.compile(r"Used (\d+) registers")
+
+
+def ptxas_report(log: str) -> dict[str, dict[str, int]]:
+    """{entry: {"registers", "stack", "spill_stores", "spill_loads"}} from ptxas -v output."""
+    report, entry = {}, None
+    for line in log.splitlines():
+        if (found := _PTXAS_ENTRY.search(line)):
+            entry = found.group(1)
+            report[entry] = {}
+        elif entry and (found := _PTXAS_SPILL.search(line)):
+            report[entry].update(stack=int(found.group(1)), spill_stores=int(found.group(2)),
+                                 spill_loads=int(found.group(3)))
+        elif entry and (found := _PTXAS_REGS.search(line)):
+            report[entry]["registers"] = int(found.group(1))
+    return report

@@ -1,0 +1,198 @@
+"""The GPU forward pass: device weights, argument conversion and the kernel launches.
+
+Stages (one launch each):
+  keep       mask != 0 as uint8                      (only when a mask is given)
+  project    LayerNorm + q/k/v/gate + pair bias with the mask folded in  (project.cu)
+  attention  flash-style softmax attention, o written over q            (attention.cu)
+  out        (g * o) Wo^T + bo                                          (project.cu)
+Scratch: qkvg [M, 4D] and bias [B, h, N, NPK] float32, taken from CuPy's memory pool.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from . import _configs
+from ._checks import check_fully_masked, check_mask_dtype, check_mask_shape, pair_geometry
+from .weights import Weights
+
+LOG2E = math.log2(math.e)
+
+
+def _cupy():
+    try:
+        import cupy
+    except ImportError as error:  # pragma: no cover - depends on the installation
+        raise ImportError(
+            "triattn_cupy's GPU functions need CuPy: pip install 'triattn-cupy[cuda13]' "
+            "(or [cuda12], matching your CUDA driver)") from error
+    return cupy
+
+
+def gpu_available() -> bool:
+    """True when CuPy imports and sees at least one CUDA device. Never raises."""
+    try:
+        import cupy
+
+        return bool(cupy.cuda.is_available())
+    except Exception:
+        return False
+
+
+class DeviceWeights:
+    """The weights on one device, laid out for the kernels (uploaded once)."""
+
+    def __init__(self, weights: Weights, device_id: int):
+        cupy = _cupy()
+        _configs.check_dims(weights.pair_dim, weights.num_heads)
+        p = weights.params
+        with cupy.cuda.Device(device_id):
+            def up(a):
+                return cupy.asarray(np.ascontiguousarray(a, dtype=np.float32))
+
+            # Transposed [D_in, D_out] so that a block's weight chunk is a row slice.
+            self.w_qkvg_t = up(np.concatenate(
+                [p[f"{n}.weight"] for n in ("query", "key", "value", "gate")], axis=0).T)
+            self.b_qkvg = up(np.concatenate([p[f"{n}.bias"] for n in ("query", "key", "value", "gate")]))
+            self.w_out_t = up(p["out_proj.weight"].T)
+            self.b_out = up(p["out_proj.bias"])
+            self.gamma = up(p["layer_norm.weight"])
+            self.beta = up(p["layer_norm.bias"])
+            self.w_bias = up(p["bias_proj.weight"])
+        self.device_id = device_id
+        self.pair_dim, self.num_heads = weights.pair_dim, weights.num_heads
+        self.head_dim, self.eps = weights.head_dim, weights.layer_norm_eps
+
+
+def _describe(obj) -> str:
+    return f"{type(obj).__module__}.{type(obj).__qualname__}"
+
+
+def as_device_array(obj, arg: str, device_id: int):
+    """A CuPy view of `obj` (CuPy array, __cuda_array_interface__ or DLPack), no copy."""
+    cupy = _cupy()
+    if isinstance(obj, np.ndarray):
+        raise TypeError(f"{arg} is a NumPy (host) array; the GPU backend needs it on the "
+                        f"device: pass cupy.asarray({arg}) (or use triattn_cupy.reference "
+                        f"for the CPU)")
+    if isinstance(obj, cupy.ndarray):
+        array = obj
+    elif hasattr(obj, "__cuda_array_interface__"):
+        array = cupy.asarray(obj)
+    elif hasattr(obj, "__dlpack__"):
+        try:
+            array = cupy.from_dlpack(obj)
+        except Exception as error:
+            raise TypeError(f"{arg} ({_describe(obj)}) could not be taken as a GPU array "
+                            f"through DLPack: {error}") from error
+    else:
+        raise TypeError(f"{arg} must be a CuPy array or a GPU array exposing "
+                        f"__cuda_array_interface__ or DLPack; got {_describe(obj)}")
+    if array.device.id != device_id:
+        raise ValueError(f"{arg} is on GPU {array.device.id} but the weights are on GPU "
+                         f"{device_id}; move it with cupy.asarray under "
+                         f"cupy.cuda.Device({device_id}), or build the module there")
+    return array
+
+
+class Forward:
+    """One forward pass prepared: arguments checked and converted, scratch allocated.
+    `stages()` lists the launches in order; `run()` performs them all."""
+
+    def __init__(self, dw: DeviceWeights, pair, mask, fully_masked: str, out):
+        cupy = _cupy()
+        check_fully_masked(fully_masked)
+        pair = as_device_array(pair, "pair", dw.device_id)
+        if pair.dtype != np.float32:
+            raise TypeError(f"pair must be float32; got {pair.dtype} (convert with "
+                            f"pair.astype(cupy.float32))")
+        B, N, batched = pair_geometry(pair.shape, dw.pair_dim)
+        D, H, d = dw.pair_dim, dw.num_heads, dw.head_dim
+        if mask is not None:
+            mask = as_device_array(mask, "mask", dw.device_id)
+            check_mask_dtype(mask.dtype)
+            check_mask_shape(mask.shape, B, N, batched)
+        if out is None:
+            out = cupy.empty(pair.shape, np.float32)
+        else:
+            out = as_device_array(out, "out", dw.device_id)
+            if out.shape != pair.shape or out.dtype != np.float32 or not out.flags.c_contiguous:
+                raise ValueError(f"out must be a C-contiguous float32 array of shape "
+                                 f"{pair.shape}; got {out.dtype} {out.shape} "
+                                 f"(c_contiguous={out.flags.c_contiguous})")
+
+        self.dw, self.pair, self.mask, self.out = dw, pair, mask, out
+        self.B, self.N, self.D, self.H, self.d = B, N, D, H, d
+        self.M = B * N * N
+        self.nan_fully_masked = fully_masked == "nan"
+        bq, bk = _configs.attention_tiles(d)
+        self.bq, self.bk = bq, bk
+        self.npk = -(-N // bk) * bk  # key axis of the bias padded to whole tiles
+        with cupy.cuda.Device(dw.device_id):
+            self.qkvg = cupy.empty((self.M, 4 * D), np.float32)
+            self.bias = cupy.empty((B, H, N, self.npk), np.float32)
+        self.keep = None
+
+    # -- stages --------------------------------------------------------------------
+
+    def _launch(self, kernel, grid, block, args, smem):
+        if smem > 48 * 1024:
+            kernel.max_dynamic_shared_size_bytes = smem  # opt in above the 48 KiB default
+        kernel((grid,), (block,), args, shared_mem=smem)
+
+    def keep_mask(self):
+        if self.mask is not None:
+            cupy = _cupy()
+            self.keep = cupy.not_equal(self.mask, 0)  # contiguous bool = uint8 0/1
+
+    def project(self):
+        dw, pair = self.dw, self.pair
+        item = pair.itemsize
+        strides = [s // item for s in pair.strides]
+        if len(strides) == 3:
+            strides = [0] + strides
+        sb, si, sj, sc = strides
+        x_vec = int(sc == 1 and all(s % 4 == 0 for s in (sb, si, sj))
+                    and pair.data.ptr % 16 == 0)
+        keep_ptr = self.keep.data.ptr if self.keep is not None else 0
+        config = _configs.project_config(self.D)
+        rows = _configs.project_rows(self.D)
+        self._launch(
+            config.get("ln_qkvg_project"), -(-self.M // rows), _configs.PROJECT_THREADS,
+            (pair, np.int64(sb), np.int64(si), np.int64(sj), np.int64(sc), np.int32(x_vec),
+             np.int32(self.B), np.int32(self.N), np.int32(self.D), np.int32(self.H),
+             np.float32(dw.eps), np.float32(LOG2E / math.sqrt(self.d)),
+             dw.gamma, dw.beta, dw.w_qkvg_t, dw.b_qkvg, dw.w_bias, np.uint64(keep_ptr),
+             self.qkvg, self.bias, np.int32(self.npk)),
+            _configs.project_smem_bytes(self.D))
+
+    def attention(self):
+        blocks = -(-self.N // self.bq) * self.H * self.B * self.N
+        self._launch(
+            _configs.attention_config(self.d).get("attention_fp32"), blocks,
+            _configs.ATTENTION_THREADS,
+            (self.qkvg, self.bias, np.int32(self.B), np.int32(self.N), np.int32(self.H),
+             np.int32(self.npk), np.int32(self.nan_fully_masked)),
+            _configs.attention_smem_bytes(self.d))
+
+    def out_project(self):
+        dw = self.dw
+        rows = _configs.project_rows(self.D)
+        self._launch(
+            _configs.project_config(self.D).get("gated_out_project"), -(-self.M // rows),
+            _configs.PROJECT_THREADS,
+            (self.qkvg, np.int64(self.M), np.int32(self.D), dw.w_out_t, dw.b_out, self.out),
+            _configs.project_smem_bytes(self.D))
+
+    def stages(self):
+        return [("mask", self.keep_mask), ("layernorm+projections", self.project),
+                ("attention", self.attention), ("gate+out_proj", self.out_project)]
+
+    def run(self):
+        cupy = _cupy()
+        with cupy.cuda.Device(self.dw.device_id):
+            for _, launch in self.stages():
+                launch()
+        self.qkvg = self.bias = self.keep = None  # back to the pool now, not at GC
+        return self.out

@@ -1,0 +1,78 @@
+"""The public GPU API: `triangle_attention` and `TriangleAttention`."""
+from __future__ import annotations
+
+import weakref
+
+from ._gpu import DeviceWeights, Forward, _cupy, gpu_available
+from .weights import Weights
+
+__all__ = ["triangle_attention", "TriangleAttention", "gpu_available"]
+
+
+class TriangleAttention:
+    """Triangle self-attention with its weights resident on one GPU.
+
+    ``TriangleAttention(weights)`` uploads `weights` (a `Weights`) to `device` (default: the
+    current CuPy device) once; ``module(pair, mask)`` then runs the forward pass:
+
+    pair:  float32, (B, N, N, D) or (N, N, D): a CuPy array, or any GPU array exposing
+           ``__cuda_array_interface__`` or DLPack (a torch CUDA tensor), taken without a
+           copy; any strides.
+    mask:  (B, N, N) or (N, N) of bool, int or float on the same GPU (0 = masked), or None.
+    fully_masked: "zero" (default): a query whose keys are all masked gets a zero attention
+           output, so ``out = out_proj.bias`` there; "nan": NaN there, as the reference.
+    out:   optional C-contiguous float32 CuPy array shaped like pair to write into.
+    Returns a float32 CuPy array shaped like `pair`.
+    """
+
+    def __init__(self, weights: Weights, *, device=None):
+        cupy = _cupy()
+        if not isinstance(weights, Weights):
+            raise TypeError(f"weights must be a triattn_cupy.Weights (see load_weights); got "
+                            f"{type(weights).__name__}")
+        device_id = cupy.cuda.Device(device).id if device is not None else cupy.cuda.Device().id
+        self.weights = weights
+        self.device = device_id
+        self._dw = DeviceWeights(weights, device_id)
+
+    @classmethod
+    def from_hdf5(cls, path, *, device=None) -> "TriangleAttention":
+        from .hdf5 import load_weights
+
+        return cls(load_weights(path), device=device)
+
+    def __call__(self, pair, mask=None, *, fully_masked: str = "zero", out=None):
+        return Forward(self._dw, pair, mask, fully_masked, out).run()
+
+    def stage_launchers(self, pair, mask=None, *, fully_masked: str = "zero", out=None):
+        """[(stage name, callable)]: calling them in order performs one forward pass, for
+        timing each stage. The result lands in `out` (allocated if None)."""
+        return Forward(self._dw, pair, mask, fully_masked, out).stages()
+
+    def __repr__(self):
+        w = self.weights
+        return (f"TriangleAttention(pair_dim={w.pair_dim}, num_heads={w.num_heads}, "
+                f"device={self.device})")
+
+
+# One module per (weights object, device), so the function form uploads weights once.
+_modules: "weakref.WeakKeyDictionary[Weights, dict]" = weakref.WeakKeyDictionary()
+
+
+def triangle_attention(pair, mask, weights, *, fully_masked: str = "zero", out=None):
+    """Functional form: ``triangle_attention(pair, mask, weights)``.
+
+    `weights` is a `Weights` (uploaded to the pair's GPU once per object and cached) or a
+    `TriangleAttention`. Arguments and result as `TriangleAttention.__call__`.
+    """
+    if isinstance(weights, TriangleAttention):
+        return weights(pair, mask, fully_masked=fully_masked, out=out)
+    if not isinstance(weights, Weights):
+        raise TypeError(f"weights must be a triattn_cupy.Weights or TriangleAttention; got "
+                        f"{type(weights).__name__}")
+    cupy = _cupy()
+    device_id = pair.device.id if isinstance(pair, cupy.ndarray) else cupy.cuda.Device().id
+    per_device = _modules.setdefault(weights, {})
+    if device_id not in per_device:
+        per_device[device_id] = TriangleAttention(weights, device=device_id)
+    return per_device[device_id](pair, mask, fully_masked=fully_masked, out=out)
