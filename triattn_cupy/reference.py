@@ -15,6 +15,8 @@ attention output zero (so ``out = bo`` there), ``"nan"`` returns NaN like the re
 """
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from ._checks import check_fully_masked, check_mask_dtype, check_mask_shape, pair_geometry
@@ -73,7 +75,12 @@ def triangle_attention(pair, mask, weights: Weights, *, fully_masked: str = "zer
     bias = np.where(keep[:, None], bias, -np.inf)                    # mask folded in
     fully = ~keep.any(axis=-1)                                       # [B, N] queries j
 
-    rows = np.arange(N) if rows is None else np.asarray(rows, dtype=np.int64).reshape(-1)
+    if rows is None:
+        rows = np.arange(N)
+    else:
+        rows = np.asarray(rows).reshape(-1)
+        if rows.dtype.kind not in "iu" or rows.size == 0 or rows.min() < 0 or rows.max() >= N:
+            raise ValueError(f"rows must be non-empty integer indices in [0, {N}); got {rows}")
     out = np.empty((B, len(rows), N, D), dtype)
     chunk = max(1, _SCORE_BUDGET_ELEMENTS // (h * N * N))
     for b in range(B):
@@ -84,7 +91,7 @@ def triangle_attention(pair, mask, weights: Weights, *, fully_masked: str = "zer
             q = linear("query", xi).reshape(R, N, h, d).transpose(0, 2, 1, 3)  # [R, h, N, d]
             k = linear("key", xi).reshape(R, N, h, d).transpose(0, 2, 1, 3)
             v = linear("value", xi).reshape(R, N, h, d).transpose(0, 2, 1, 3)
-            s = q @ k.transpose(0, 1, 3, 2) / np.sqrt(d) + bias[b][None]       # [R, h, N, N]
+            s = q @ k.transpose(0, 1, 3, 2) * dtype.type(1 / math.sqrt(d)) + bias[b][None]  # [R, h, N, N]
             m = s.max(axis=-1, keepdims=True)
             # A fully-masked query has m = -inf; exp(-inf - (-inf)) would be NaN, so
             # subtract 0 there instead: every term is exp(-inf) = 0 and the sum is 0.

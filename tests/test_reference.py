@@ -1,0 +1,300 @@
+"""The NumPy reference (`triattn_cupy.reference.triangle_attention`) against the spec module
+(shared/spec/reference_module.py, run by PyTorch in float64).
+
+Fully-masked queries: the spec returns NaN at every (b, i, j) whose mask row (b, j, :) is all
+zero; ``fully_masked="nan"`` must give NaN exactly there, ``"zero"`` exactly out_proj.bias.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from helpers import rel_l2, spec_forward
+from triattn_cupy import random_weights
+from triattn_cupy.reference import triangle_attention
+
+TOL64 = 1e-12
+TOL32 = 1e-5
+# (pair_dim D, num_heads h): head dims 8, 16, 32, 64.
+DIMS = [(32, 4), (64, 4), (128, 4), (128, 2)]
+BATCHES = [1, 2, 3]
+SIZES = [1, 2, 5, 17, 64]
+
+
+def make_pair(rng, B, N, D, dtype=np.float64):
+    return rng.standard_normal((B, N, N, D)).astype(dtype)
+
+
+def make_keep(rng, B, N):
+    """(B, N, N) bool: ~20% of keys masked, and for N >= 2 some queries j fully masked
+    (always (0, N-1)); query 0 always keeps key 0, so some positions stay comparable."""
+    keep = rng.random((B, N, N)) < 0.8
+    if N >= 2:
+        fully = rng.random((B, N)) < 0.2
+        fully[:, 0] = False
+        fully[0, N - 1] = True
+        keep[fully] = False
+    keep[:, 0, 0] = True
+    return keep
+
+
+def as_mask(rng, keep, kind):
+    """`keep` as a mask of dtype kind: nonzero values other than 1 must also mean 'keep'."""
+    if kind == "bool":
+        return keep.copy()
+    if kind in ("int8", "int32", "int64", "uint8"):
+        return (keep * rng.integers(1, 4, keep.shape)).astype(kind)
+    if kind in ("float32", "float64"):
+        return (keep * rng.choice([0.5, 1.0, -2.0], keep.shape)).astype(kind)
+    raise AssertionError(kind)
+
+
+def fully_masked_positions(keep):
+    """(B, N, N, 1) bool: output positions (b, i, j) whose query j has no key left."""
+    fully = ~keep.any(axis=-1)                     # [B, N] queries j
+    return np.broadcast_to(fully[:, None, :, None], keep.shape + (1,))
+
+
+def check_against_spec(out, expected, keep, weights, fully_masked, tol):
+    """Compare everywhere outside fully-masked queries; check the policy inside them."""
+    bad = fully_masked_positions(keep)
+    spec_nan = np.isnan(expected)
+    # The spec's NaN are exactly the fully-masked queries (all D channels), nowhere else.
+    assert np.array_equal(spec_nan, np.broadcast_to(bad, expected.shape))
+    assert rel_l2(out, expected, where=~bad) < tol
+    if fully_masked == "nan":
+        assert np.array_equal(np.isnan(out), spec_nan)
+    else:
+        assert np.isfinite(out).all()
+        bias = weights["out_proj.bias"].astype(out.dtype)
+        where = np.broadcast_to(bad, out.shape)
+        assert np.array_equal(out[where], np.broadcast_to(bias, out.shape)[where])
+
+
+# ---------------------------------------------------------------------------- the helper
+
+def test_rel_l2_never_passes_nan_inf_or_shape_mismatch():
+    a = np.arange(1.0, 7.0).reshape(2, 3)
+    assert rel_l2(a, a) == 0.0
+    assert rel_l2(a.astype(np.float32), a) == 0.0
+    assert math.isclose(rel_l2(2 * a, a), 1.0)
+    for bad in (np.nan, np.inf, -np.inf):
+        b = a.copy()
+        b[1, 2] = bad
+        assert rel_l2(b, a) == math.inf
+        assert rel_l2(a, b) == math.inf
+        assert rel_l2(b, b) == math.inf  # NaN in both is still not a pass
+    assert rel_l2(a, a[:1]) == math.inf
+    assert rel_l2(a.ravel(), a) == math.inf
+    assert rel_l2(np.ones(3), np.zeros(3)) == math.inf
+    assert rel_l2(np.zeros(3), np.zeros(3)) == 0.0
+    b = a.copy()
+    b[1] = np.nan
+    assert rel_l2(b, a, where=np.array([[True], [False]])) == 0.0
+    with pytest.raises(ValueError, match="nothing to compare"):
+        rel_l2(a, a, where=np.zeros_like(a, bool))
+
+
+# ---------------------------------------------------------------------------- the sweep
+
+@pytest.mark.parametrize("D,h", DIMS, ids=[f"D{D}h{h}" for D, h in DIMS])
+@pytest.mark.parametrize("N", SIZES)
+@pytest.mark.parametrize("B", BATCHES)
+def test_matches_spec_float64(rng, B, N, D, h):
+    weights = random_weights(D, h, seed=int(rng.integers(2**32)))
+    pair = make_pair(rng, B, N, D)
+    keep = make_keep(rng, B, N)
+    pair_before, keep_before = pair.copy(), keep.copy()
+    expected = spec_forward(weights, pair, keep)
+    out = triangle_attention(pair, keep, weights, fully_masked="nan")
+    assert out.shape == pair.shape and out.dtype == np.float64
+    check_against_spec(out, expected, keep, weights, "nan", TOL64)
+    assert np.array_equal(pair, pair_before) and np.array_equal(keep, keep_before)
+
+
+# ---------------------------------------------------------------------------- masks
+
+@pytest.mark.parametrize("kind", ["bool", "int8", "int32", "int64", "uint8", "float32",
+                                  "float64"])
+@pytest.mark.parametrize("fully_masked", ["nan", "zero"])
+def test_mask_dtypes_and_policies(rng, kind, fully_masked):
+    B, N, D, h = 2, 17, 64, 4
+    weights = random_weights(D, h, seed=int(rng.integers(2**32)))
+    pair = make_pair(rng, B, N, D)
+    keep = make_keep(rng, B, N)
+    mask = as_mask(rng, keep, kind)
+    expected = spec_forward(weights, pair, mask)
+    out = triangle_attention(pair, mask, weights, fully_masked=fully_masked)
+    check_against_spec(out, expected, keep, weights, fully_masked, TOL64)
+
+
+def test_default_policy_is_zero(rng):
+    weights = random_weights(32, 4, seed=int(rng.integers(2**32)))
+    pair = make_pair(rng, 2, 5, 32)
+    keep = make_keep(rng, 2, 5)
+    assert np.array_equal(triangle_attention(pair, keep, weights),
+                          triangle_attention(pair, keep, weights, fully_masked="zero"))
+
+
+@pytest.mark.parametrize("fully_masked", ["nan", "zero"])
+def test_whole_batch_element_masked(rng, fully_masked):
+    B, N, D, h = 2, 5, 32, 4
+    weights = random_weights(D, h, seed=int(rng.integers(2**32)))
+    pair = make_pair(rng, B, N, D)
+    keep = make_keep(rng, B, N)
+    keep[1] = False
+    expected = spec_forward(weights, pair, keep)
+    out = triangle_attention(pair, keep, weights, fully_masked=fully_masked)
+    check_against_spec(out, expected, keep, weights, fully_masked, TOL64)
+    if fully_masked == "nan":
+        assert np.isnan(out[1]).all()
+    else:
+        assert np.array_equal(out[1], np.broadcast_to(weights["out_proj.bias"], out[1].shape))
+
+
+@pytest.mark.parametrize("N", [1, 5, 17])
+def test_mask_none_means_all_ones(rng, N):
+    B, D, h = 2, 32, 4
+    weights = random_weights(D, h, seed=int(rng.integers(2**32)))
+    pair = make_pair(rng, B, N, D)
+    expected = spec_forward(weights, pair, np.ones((B, N, N)))
+    out = triangle_attention(pair, None, weights, fully_masked="nan")
+    assert np.isfinite(out).all()
+    assert rel_l2(out, expected) < TOL64
+    assert np.array_equal(out, triangle_attention(pair, np.ones((B, N, N), bool), weights))
+
+
+# ---------------------------------------------------------------------------- shapes, dtypes
+
+@pytest.mark.parametrize("with_mask", [True, False], ids=["mask", "no-mask"])
+def test_unbatched(rng, with_mask):
+    N, D, h = 17, 64, 4
+    weights = random_weights(D, h, seed=int(rng.integers(2**32)))
+    pair = make_pair(rng, 1, N, D)[0]                     # (N, N, D)
+    keep = make_keep(rng, 1, N)[0] if with_mask else None  # (N, N)
+    expected = spec_forward(weights, pair, keep)
+    out = triangle_attention(pair, keep, weights, fully_masked="nan")
+    assert out.shape == (N, N, D)
+    if with_mask:
+        check_against_spec(out[None], expected[None], keep[None], weights, "nan", TOL64)
+    else:
+        assert rel_l2(out, expected) < TOL64
+    batched = triangle_attention(pair[None], None if keep is None else keep[None], weights,
+                                 fully_masked="nan")
+    assert np.array_equal(out, batched[0], equal_nan=True)
+
+
+@pytest.mark.parametrize("D,h", [(32, 4), (128, 4), (128, 2)], ids=["d8", "d32", "d64"])
+@pytest.mark.parametrize("fully_masked", ["nan", "zero"])
+def test_float32_path(rng, D, h, fully_masked):
+    B, N = 2, 17
+    weights = random_weights(D, h, seed=int(rng.integers(2**32)))
+    pair = make_pair(rng, B, N, D, np.float32)
+    keep = make_keep(rng, B, N)
+    expected = spec_forward(weights, pair, keep)          # float64 of the same float32 input
+    out = triangle_attention(pair, keep, weights, fully_masked=fully_masked, dtype=np.float32)
+    assert out.dtype == np.float32 and out.shape == pair.shape
+    check_against_spec(out, expected, keep, weights, fully_masked, TOL32)
+
+
+def test_float32_input_computed_in_float64_by_default(rng):
+    weights = random_weights(64, 4, seed=int(rng.integers(2**32)))
+    pair = make_pair(rng, 2, 5, 64, np.float32)
+    keep = make_keep(rng, 2, 5)
+    out = triangle_attention(pair, keep, weights, fully_masked="nan")
+    assert out.dtype == np.float64
+    check_against_spec(out, spec_forward(weights, pair, keep), keep, weights, "nan", TOL64)
+
+
+@pytest.mark.parametrize("batched", [True, False])
+def test_rows_spot_check_matches_full(rng, batched):
+    B, N, D, h = 2, 17, 64, 4
+    weights = random_weights(D, h, seed=int(rng.integers(2**32)))
+    pair = make_pair(rng, B, N, D)
+    keep = make_keep(rng, B, N)
+    if not batched:
+        pair, keep = pair[0], keep[0]
+    rows = [16, 0, 5, 5]                                   # any order, repeats allowed
+    full = triangle_attention(pair, keep, weights, fully_masked="nan")
+    part = triangle_attention(pair, keep, weights, fully_masked="nan", rows=rows)
+    expected = full[:, rows] if batched else full[rows]
+    assert part.shape == expected.shape
+    assert np.array_equal(np.isnan(part), np.isnan(expected))
+    assert rel_l2(part, expected, where=~np.isnan(expected)) < TOL64
+
+
+# ---------------------------------------------------------------------------- input errors
+
+@pytest.fixture
+def small():
+    weights = random_weights(32, 4, seed=1)
+    pair = np.random.default_rng(2).standard_normal((2, 5, 5, 32))
+    return weights, pair
+
+
+@pytest.mark.parametrize("shape", [(5, 32), (5, 5), (1, 2, 5, 5, 32), (32,)])
+def test_rejects_wrong_rank(small, shape):
+    weights, _ = small
+    with pytest.raises(ValueError, match=r"pair must have shape \(B, N, N, D\) or \(N, N, D\)"):
+        triangle_attention(np.zeros(shape), None, weights)
+
+
+def test_rejects_non_square(small):
+    weights, _ = small
+    with pytest.raises(ValueError, match=r"pair must be square .*\(2, 5, 4, 32\)"):
+        triangle_attention(np.zeros((2, 5, 4, 32)), None, weights)
+
+
+@pytest.mark.parametrize("batched", [True, False])
+def test_rejects_pair_dim_mismatch(small, batched):
+    weights, _ = small
+    shape = (2, 5, 5, 16) if batched else (5, 5, 16)
+    with pytest.raises(ValueError, match=r"last axis must equal the weights' pair_dim 32; got 16"):
+        triangle_attention(np.zeros(shape), None, weights)
+
+
+@pytest.mark.parametrize("mask_shape,expected", [
+    ((2, 5, 4), r"\(2, 5, 5\)"), ((5, 5), r"\(2, 5, 5\)"), ((1, 5, 5), r"\(2, 5, 5\)"),
+    ((2, 5, 5, 1), r"\(2, 5, 5\)"),
+])
+def test_rejects_mask_shape_mismatch(small, mask_shape, expected):
+    weights, pair = small
+    with pytest.raises(ValueError, match=rf"mask must have shape {expected} to match pair"):
+        triangle_attention(pair, np.ones(mask_shape, bool), weights)
+
+
+def test_rejects_batched_mask_for_unbatched_pair(small):
+    weights, pair = small
+    with pytest.raises(ValueError, match=r"mask must have shape \(5, 5\) to match pair; got \(1, 5, 5\)"):
+        triangle_attention(pair[0], np.ones((1, 5, 5), bool), weights)
+
+
+@pytest.mark.parametrize("dtype", [np.complex64, np.complex128, object, "U1"])
+def test_rejects_non_real_mask(small, dtype):
+    weights, pair = small
+    mask = np.ones((2, 5, 5), dtype)
+    with pytest.raises(TypeError, match=r"mask must be bool, integer or float .*got dtype"):
+        triangle_attention(pair, mask, weights)
+
+
+@pytest.mark.parametrize("policy", ["nans", "Zero", None, 0, ""])
+def test_rejects_bad_fully_masked(small, policy):
+    weights, pair = small
+    with pytest.raises(ValueError, match=r"fully_masked must be one of \('zero', 'nan'\)"):
+        triangle_attention(pair, None, weights, fully_masked=policy)
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.int32, np.complex128])
+def test_rejects_bad_compute_dtype(small, dtype):
+    weights, pair = small
+    with pytest.raises(ValueError, match=r"dtype must be float32 or float64"):
+        triangle_attention(pair, None, weights, dtype=dtype)
+
+
+@pytest.mark.parametrize("dtype", [np.int64, bool, np.complex128])
+def test_rejects_non_float_pair(small, dtype):
+    weights, pair = small
+    with pytest.raises(TypeError, match=r"pair must be a float array, got dtype"):
+        triangle_attention(pair.astype(dtype), None, weights)
