@@ -1,0 +1,749 @@
+"""`triattn-infer`: triangle self-attention over saved pair representations.
+
+    triattn-infer INPUT... --output-dir OUT [--recursive] [--device cpu | --devices 0,1]
+    triattn-infer --demo
+
+Each input file (.npy, .npz, .h5/.hdf5 holding a pair (N, N, D) or (B, N, N, D) and, except
+.npy, an optional mask) gives one output file under OUT at the same relative path: HDF5
+with the dataset ``out`` and attributes that record how it was made, or a plain .npy.
+
+How a run is organised (one process, threads):
+
+    reader thread(s)  -> ready queue -> one worker per device -> write queue -> writer thread
+    (read, check, convert       (GPU: TriangleAttention     (atomic write: temp file
+     to float32 into pinned      built once per device;      + os.replace)
+     host memory)                CPU: NumPy reference)
+
+The queues are short, so reading the next file overlaps the computation of the current
+one, and writing overlaps both, while host memory stays bounded. The main thread only
+plans, shows progress and reports. A problem with one file fails that file alone; the run
+goes on, and the exit status says whether anything failed.
+
+Exit status: 0 all files done or skipped, 1 some file failed, 2 usage or setup error
+(bad flags, no device, unusable weights), 130 interrupted (Ctrl-C).
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import datetime
+import functools
+import importlib.resources
+import json
+import logging
+import os
+import queue
+import sys
+import threading
+import time
+
+from ._version import __version__
+from ._io import (OUTPUT_DATASET, InputError, existing_output_state, input_kind,
+                  is_infer_output, output_path, read_input, remove_quietly, sha256_file,
+                  walk_inputs, write_output)
+from ._infer_backends import (ComputeError, CpuBackend, GpuBackend, SetupError, gpu_probe,
+                              parse_devices, precision_support)
+
+logger = logging.getLogger("triattn_cupy.infer")
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+_END = object()  # end of a queue's stream
+
+
+@dataclasses.dataclass
+class Task:
+    """One input to compute: `rel` names it in messages and mirrors it under the output
+    folder."""
+
+    input: str
+    kind: str
+    rel: str
+    output: str = ""
+
+
+@dataclasses.dataclass
+class Outcome:
+    input: str
+    status: str  # "done" | "skipped" | "failed"
+    reason: str = ""
+    positions: int = 0
+    device: str = ""
+
+
+@dataclasses.dataclass
+class RunResult:
+    exit_code: int
+    outcomes: list
+    seconds: float = 0.0
+    devices: tuple = ()
+    interrupted: bool = False
+    not_processed: int = 0
+
+    def count(self, status: str) -> int:
+        return sum(o.status == status for o in self.outcomes)
+
+    @property
+    def positions(self) -> int:
+        return sum(o.positions for o in self.outcomes if o.status == "done")
+
+
+# --- command line ---------------------------------------------------------------------------
+
+def _devices_arg(text: str):
+    if text.strip().lower() == "all":
+        return "all"
+    try:
+        return parse_devices(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def build_parser(prog: str = "triattn-infer") -> argparse.ArgumentParser:
+    precisions, _ = precision_support()
+    parser = argparse.ArgumentParser(
+        prog=prog,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description=(
+            "Triangle self-attention (AlphaFold-style pair attention) over saved pair\n"
+            "representations.\n\n"
+            "Each INPUT is a file or a folder of files: .npy (the pair array alone), .npz or\n"
+            ".h5/.hdf5 (a pair array and an optional mask). A pair is (N, N, D) or\n"
+            "(B, N, N, D), float32 or float64; N may differ between files. Each input gives\n"
+            "one output at the same relative path under --output-dir."),
+        epilog=(
+            "outputs are written to a temporary file and renamed into place when complete:\n"
+            "an interrupted run never leaves a half-written output, and running the same\n"
+            "command again skips the finished ones (resume). A file that cannot be used is\n"
+            "reported and skipped, and the run goes on.\n\n"
+            "exit status: 0 all files done or skipped, 1 some file failed, 2 usage or setup\n"
+            "error, 130 interrupted.\n\n"
+            "quick check of the installation:  triattn-infer --demo"))
+    add = parser.add_argument
+    add("inputs", nargs="*", metavar="INPUT",
+        help="input files (.npy, .npz, .h5, .hdf5) and/or folders of them")
+    add("-o", "--output-dir", metavar="DIR",
+        help="folder for the outputs, mirroring the inputs' relative paths; created if "
+             "needed (required, except with --demo)")
+    add("-r", "--recursive", action="store_true",
+        help="also take input files from the sub-folders of INPUT folders")
+    add("--pair-key", default="pair", metavar="NAME",
+        help="name of the pair array in .npz and .h5 inputs (default: %(default)s)")
+    add("--mask-key", default=None, metavar="NAME",
+        help="name of the optional mask (B, N, N) or (N, N) in .npz and .h5 inputs, "
+             "0 = masked; a file without it is computed unmasked (default: mask)")
+    add("--weights", metavar="PATH",
+        help="HDF5 weights file (default: the shipped default weights, pair_dim 128, "
+             "4 heads); its D must match the inputs'")
+    add("--fully-masked", choices=("zero", "nan"), default="zero",
+        help="output of a query whose keys are all masked: 'zero' attention (the output "
+             "is out_proj.bias) or 'nan' as the PyTorch reference (default: %(default)s)")
+    if precisions:
+        add("--precision", choices=precisions, default=None,
+            help="arithmetic of the GPU kernels; inputs and outputs stay float32 "
+                 f"(default: {precisions[0]})")
+    add("--output-format", choices=("hdf5", "npy"), default="hdf5",
+        help="hdf5: <name>.h5 with dataset 'out' and attributes recording the input, the "
+             "weights and their SHA-256, the version and the options; npy: <name>.npy, the "
+             "plain float32 array (default: %(default)s)")
+    add("--overwrite", action="store_true",
+        help="recompute outputs that exist already (default: skip them, so a run that was "
+             "interrupted resumes where it stopped)")
+    add("--device", choices=("auto", "gpu", "cpu"), default="auto",
+        help="auto: the GPU when one is usable, else the CPU (said in one log line); "
+             "gpu: fail if there is none; cpu: the NumPy backend (default: %(default)s)")
+    add("--devices", type=_devices_arg, metavar="LIST",
+        help="GPUs to spread the files over, one worker each: comma-separated indices "
+             "such as 0,1,2,3, or 'all' (default: 0)")
+    add("-q", "--quiet", action="store_true",
+        help="no progress bar and no summary: only warnings and errors")
+    add("-v", "--verbose", action="store_true", help="also log each file as it is done")
+    add("--demo", action="store_true",
+        help="generate a few small inputs in a temporary folder, run them with the default "
+             "weights, check one against the float64 NumPy reference and print the error "
+             "and the throughput")
+    add("--version", action="version", version=f"%(prog)s (triattn-cupy) {__version__}")
+    return parser
+
+
+def main(argv=None, *, prog: str = "triattn-infer") -> int:
+    """Entry point of `triattn-infer` and `python -m triattn_cupy`; returns the exit
+    status (see the module docstring)."""
+    parser = build_parser(prog)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # --help, --version, or a usage error already printed
+        return exc.code if isinstance(exc.code, int) else EXIT_USAGE
+    with _logging_for(args):
+        try:
+            if args.demo:
+                from ._infer_demo import run_demo
+                return run_demo(args)
+            if not args.inputs:
+                parser.print_usage(sys.stderr)
+                logger.error("no INPUT given (files or folders of .npy, .npz, .h5); "
+                             "try --demo for a first run")
+                return EXIT_USAGE
+            if not args.output_dir:
+                parser.print_usage(sys.stderr)
+                logger.error("--output-dir is required")
+                return EXIT_USAGE
+            return run(args).exit_code
+        except SetupError as exc:
+            logger.error("%s", exc)
+            return EXIT_USAGE
+        except KeyboardInterrupt:
+            logger.error("interrupted")
+            return EXIT_INTERRUPTED
+
+
+# --- the run --------------------------------------------------------------------------------
+
+def run(args, *, summary: bool = True) -> RunResult:
+    """Plan, compute and report one run described by parsed `args`. Raises SetupError
+    when the run cannot start."""
+    kind, devices = resolve_devices(args)
+    precision = getattr(args, "precision", None)
+    with contextlib.ExitStack() as stack:
+        weights, weights_path, weights_sha = load_weights(args.weights, stack)
+        output_dir = os.path.abspath(args.output_dir)
+        if os.path.exists(output_dir) and not os.path.isdir(output_dir):
+            raise SetupError(f"--output-dir {output_dir} exists and is not a folder")
+        tasks, outcomes = plan(args, output_dir, weights_sha)
+        if not tasks and not outcomes:
+            logger.error("no input files found in %s", ", ".join(args.inputs))
+            return RunResult(EXIT_FAILED, [])
+        if not tasks:
+            result = RunResult(_exit_code(outcomes, False), outcomes)
+            if summary:
+                _report(result, output_dir, args.output_format)
+            return result
+        backends = make_backends(kind, devices, weights, args.fully_masked, precision)
+        options = {"fully_masked": args.fully_masked, "precision": precision or "fp32",
+                   "pair_key": args.pair_key, "mask_key": args.mask_key or "mask",
+                   "output_format": args.output_format}
+        common_attrs = {
+            "weights_file": weights_path, "weights_sha256": weights_sha,
+            "triattn_cupy_version": __version__, "fully_masked": args.fully_masked,
+            "precision": options["precision"],
+            "options": json.dumps(options, sort_keys=True)}
+        pipeline = _Pipeline(backends, weights.pair_dim, args, common_attrs)
+        progress = _Progress(len(tasks), quiet=args.quiet)
+        start = time.perf_counter()
+        try:
+            interrupted = pipeline.run(tasks, lambda o: (outcomes.append(o), progress.add(o)))
+        finally:
+            progress.close()
+        seconds = time.perf_counter() - start
+    result = RunResult(_exit_code(outcomes, interrupted), outcomes, seconds,
+                       tuple(b.label for b in backends), interrupted)
+    if interrupted:
+        result.not_processed = len(tasks) - len(pipeline.seen)
+    if summary:
+        _report(result, output_dir, args.output_format)
+    return result
+
+
+def _exit_code(outcomes, interrupted: bool) -> int:
+    if interrupted:
+        return EXIT_INTERRUPTED
+    return EXIT_FAILED if any(o.status == "failed" for o in outcomes) else EXIT_OK
+
+
+def resolve_devices(args) -> tuple[str, list]:
+    """("cpu", []) or ("gpu", [device indices]) from --device / --devices."""
+    precision = getattr(args, "precision", None)
+    if args.device == "cpu":
+        if args.devices is not None:
+            raise SetupError("--devices selects GPUs and cannot be combined with "
+                             "--device cpu")
+        kind, devices = "cpu", []
+    else:
+        count, why = gpu_probe()
+        if args.device == "auto" and args.devices is None and count == 0:
+            logger.warning("no usable CUDA GPU (%s): running on the CPU with the NumPy "
+                           "backend, which is much slower (--device cpu silences this)", why)
+            kind, devices = "cpu", []
+        else:
+            if count == 0:
+                flag = "--devices" if args.devices is not None else "--device gpu"
+                raise SetupError(f"{flag} needs a CUDA GPU, but none is usable: {why}. "
+                                 f"Use --device cpu for the NumPy backend")
+            devices = list(range(count)) if args.devices == "all" else (args.devices or [0])
+            missing = [d for d in devices if d >= count]
+            if missing:
+                visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+                note = f" (CUDA_VISIBLE_DEVICES={visible})" if visible is not None else ""
+                raise SetupError(
+                    f"--devices: GPU {missing[0]} does not exist; this machine has {count} "
+                    f"CUDA device{'s' if count > 1 else ''}{note}, indices 0 to {count - 1}")
+            kind = "gpu"
+    if kind == "cpu" and precision not in (None, "fp32"):
+        raise SetupError(f"--precision {precision} needs the GPU backend; the CPU backend "
+                         f"computes in float32 (fp32)")
+    return kind, devices
+
+
+def load_weights(path_arg, stack: contextlib.ExitStack):
+    """(Weights, absolute path, SHA-256) of --weights or of the shipped default."""
+    from . import hdf5
+
+    if path_arg is None:
+        path = stack.enter_context(importlib.resources.as_file(hdf5.default_weights_path()))
+        what = "the default weights"
+    else:
+        path, what = path_arg, "--weights"
+    try:
+        weights = hdf5.load_weights(path)
+        sha = sha256_file(path)
+    except (hdf5.WeightsFormatError, OSError) as exc:
+        raise SetupError(f"cannot use {what}: {exc}") from None
+    logger.debug("weights %s: pair_dim %d, %d heads, sha256 %s", path, weights.pair_dim,
+                 weights.num_heads, sha)
+    return weights, os.path.abspath(path), sha
+
+
+def make_backends(kind, devices, weights, fully_masked, precision):
+    """One backend per worker, each ready to compute (kernels compiled)."""
+    if kind == "cpu":
+        return [CpuBackend(weights, fully_masked)]
+    _, where = precision_support()
+    backends = []
+    for device in devices:
+        t0 = time.perf_counter()
+        backend = GpuBackend(weights, device, fully_masked, precision, where)
+        backend.warm_up()
+        logger.debug("%s ready in %.2f s (kernels compiled)", backend.label,
+                     time.perf_counter() - t0)
+        backends.append(backend)
+    return backends
+
+
+# --- planning -------------------------------------------------------------------------------
+
+def plan(args, output_dir: str, weights_sha: str):
+    """(tasks to compute, outcomes decided without computing: failed or skipped)."""
+    outcomes = []
+    found = []  # (path, kind, rel, from_folder)
+    seen = set()
+    for given in args.inputs:
+        if os.path.isdir(given):
+            files = walk_inputs(given, args.recursive, exclude=output_dir)
+            if not files:
+                hint = ""
+                if not args.recursive and any(e.is_dir() for e in os.scandir(given)):
+                    hint = " (it has sub-folders: add --recursive)"
+                logger.warning("%s: no input files (.npy, .npz, .h5, .hdf5) in this "
+                               "folder%s", given, hint)
+            entries = [(f, os.path.relpath(f, given), True) for f in files]
+        elif os.path.isfile(given):
+            entries = [(given, os.path.basename(given), False)]
+        else:
+            outcomes.append(_fail(given, "no such file or folder"))
+            continue
+        for path, rel, from_folder in entries:
+            real = os.path.realpath(path)
+            if real in seen:
+                continue  # named twice (a file and its folder): computed once
+            seen.add(real)
+            kind = input_kind(path)
+            if kind is None:
+                outcomes.append(_fail(path, "unsupported file type (expected .npy, .npz, "
+                                            ".h5 or .hdf5)"))
+            elif from_folder and is_infer_output(path):
+                logger.debug("%s: an output of triattn-infer, not an input; ignored", path)
+                outcomes.append(Outcome(path, "skipped", "an output of triattn-infer"))
+            else:
+                found.append(Task(os.path.abspath(path), kind, rel))
+    if not found and not outcomes:
+        return [], []
+
+    inputs_real = {os.path.realpath(t.input): t.input for t in found}
+    inputs_inode = {}
+    for t in found:
+        with contextlib.suppress(OSError):
+            st = os.stat(t.input)
+            inputs_inode[(st.st_dev, st.st_ino)] = t.input
+    claimed = {}
+    tasks, resumed, stale = [], [], []
+    for task in found:
+        task.output = output_path(output_dir, task.rel, args.output_format)
+        real_out = os.path.realpath(task.output)
+        victim = inputs_real.get(real_out)
+        if victim is None and os.path.exists(task.output):
+            st = os.stat(task.output)
+            victim = inputs_inode.get((st.st_dev, st.st_ino))
+        if victim is not None:
+            outcomes.append(_fail(task.input, f"its output {task.output} would overwrite the "
+                                              f"input {victim}; choose another --output-dir"))
+            continue
+        if real_out in claimed:
+            outcomes.append(_fail(task.input, f"its output {task.output} is also the output "
+                                              f"of {claimed[real_out]}; rename one of them"))
+            continue
+        claimed[real_out] = task.input
+        state, attrs = existing_output_state(task.output, args.output_format)
+        if state == "foreign":
+            outcomes.append(_fail(task.input, f"{task.output} exists and is not an output of "
+                                              f"triattn-infer; refusing to replace it"))
+            continue
+        if state == "broken":
+            logger.warning("%s exists but cannot be read (not a complete output); it will be "
+                           "recomputed", task.output)
+        elif state == "complete" and not args.overwrite:
+            resumed.append(task)
+            outcomes.append(Outcome(task.input, "skipped", "output exists"))
+            made = (attrs.get("weights_sha256"), attrs.get("fully_masked"),
+                    attrs.get("precision"))
+            if attrs and made != (weights_sha, args.fully_masked,
+                                  getattr(args, "precision", None) or "fp32"):
+                stale.append(task.output)
+            continue
+        tasks.append(task)
+    if resumed:
+        logger.info("resuming: %d of %d output%s exist already and are skipped "
+                    "(--overwrite recomputes them)", len(resumed), len(found),
+                    "s" if len(found) > 1 else "")
+    if stale:
+        shown = ", ".join(stale[:5]) + (f" and {len(stale) - 5} more" if len(stale) > 5 else "")
+        logger.warning("%d existing output%s were made with other weights or options and "
+                       "were kept (--overwrite recomputes them): %s", len(stale),
+                       "s" if len(stale) > 1 else "", shown)
+    return tasks, outcomes
+
+
+def _fail(path, reason) -> Outcome:
+    logger.error("%s: %s", path, reason)
+    return Outcome(path, "failed", reason)
+
+
+# --- the pipeline ---------------------------------------------------------------------------
+
+class _Pipeline:
+    """Readers -> workers (one per backend) -> one writer, joined by short queues."""
+
+    def __init__(self, backends, pair_dim: int, args, common_attrs: dict):
+        self.backends = backends
+        self.pair_dim = pair_dim
+        self.pair_key = args.pair_key
+        self.mask_key = args.mask_key or "mask"
+        self.mask_key_given = args.mask_key is not None
+        self.output_format = args.output_format
+        self.common_attrs = common_attrs
+        self.stop = threading.Event()
+        self.live_temps = set()  # temporary outputs being written, for a last clean-up
+        self.seen = set()  # inputs that reached an outcome
+        n = len(backends)
+        self.tasks = queue.Queue()
+        self.ready = queue.Queue(maxsize=n)  # read, waiting for a worker
+        self.written = queue.Queue(maxsize=n)  # computed, waiting for the writer
+        self.results = queue.Queue()
+        self.lock = threading.Lock()
+        self.readers_left = n
+        self.workers_left = n
+
+    def run(self, tasks, on_outcome) -> bool:
+        """Compute `tasks`, calling `on_outcome` (in this thread) for each; True when
+        interrupted by Ctrl-C."""
+        for task in tasks:
+            self.tasks.put(task)
+        threads = [threading.Thread(target=self._reader, args=(i,), daemon=True,
+                                    name=f"triattn-read-{i}")
+                   for i in range(len(self.backends))]
+        threads += [threading.Thread(target=self._worker, args=(b,), daemon=True,
+                                     name=f"triattn-compute-{i}")
+                    for i, b in enumerate(self.backends)]
+        threads.append(threading.Thread(target=self._writer, name="triattn-write",
+                                        daemon=True))
+        for t in threads:
+            t.start()
+        interrupted = False
+        try:
+            while True:
+                try:
+                    item = self.results.get(timeout=0.2)
+                except queue.Empty:
+                    continue
+                except KeyboardInterrupt:
+                    if interrupted:  # second Ctrl-C: leave now; the finally cleans up
+                        raise
+                    interrupted = True
+                    self.stop.set()
+                    logger.error("interrupted: finishing the file in hand, then stopping "
+                                 "(Ctrl-C again to quit at once)")
+                    continue
+                if item is _END:
+                    break
+                self.seen.add(item.input)
+                on_outcome(item)
+            interrupted = interrupted or self.stop.is_set()
+        finally:
+            self.stop.set()
+            for t in threads:
+                t.join(timeout=1.0)
+            for tmp in list(self.live_temps):  # only after a second Ctrl-C mid-write
+                remove_quietly(tmp)
+        return interrupted
+
+    def _report(self, task, status, reason="", positions=0, device=""):
+        self.results.put(Outcome(task.input, status, reason, positions, device))
+
+    def _put(self, q, item) -> bool:
+        while not self.stop.is_set():
+            try:
+                q.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def _reader(self, index: int):
+        backend = self.backends[index]
+        alloc = backend.alloc  # pinned memory is "portable": usable by every device
+        try:
+            backend.thread_init()
+            while not self.stop.is_set():
+                try:
+                    task = self.tasks.get_nowait()
+                except queue.Empty:
+                    break
+                t0 = time.perf_counter()
+                try:
+                    loaded = read_input(task.input, task.kind, pair_dim=self.pair_dim,
+                                        pair_key=self.pair_key, mask_key=self.mask_key,
+                                        alloc=alloc)
+                except InputError as exc:
+                    self._fail(task, str(exc))
+                    continue
+                except MemoryError:
+                    self._fail(task, "too large to read into host memory")
+                    continue
+                except Exception as exc:  # a bug, not the file: keep the traceback
+                    logger.debug("reading %s", task.input, exc_info=True)
+                    self._fail(task, f"internal error while reading: "
+                                     f"{type(exc).__name__}: {exc}")
+                    continue
+                loaded.read_seconds = time.perf_counter() - t0
+                if loaded.mask is None and self.mask_key_given and task.kind != "npy":
+                    logger.warning("%s: no mask %r; computed without a mask", task.input,
+                                   self.mask_key)
+                if not self._put(self.ready, (task, loaded)):
+                    break
+        finally:
+            with self.lock:
+                self.readers_left -= 1
+                last = self.readers_left == 0
+            if last:
+                for _ in self.backends:
+                    self.ready.put(_END)
+
+    def _worker(self, backend):
+        try:
+            backend.thread_init()
+            while True:
+                item = self.ready.get()
+                if item is _END:
+                    break
+                if self.stop.is_set():
+                    continue  # interrupted: drop what was read
+                task, loaded = item
+                item = None
+                meta = {"input_file": task.input, "input_dtype": loaded.source_dtype,
+                        "input_shape": list(loaded.pair.shape),
+                        "mask_used": loaded.mask is not None, "device": backend.label}
+                positions = loaded.positions
+                t0 = time.perf_counter()
+                try:
+                    out = backend.compute(loaded)
+                except ComputeError as exc:
+                    self._fail(task, str(exc))
+                    continue
+                except Exception as exc:
+                    logger.debug("computing %s on %s", task.input, backend.label,
+                                 exc_info=True)
+                    self._fail(task, f"{backend.label} failed: {type(exc).__name__}: {exc}")
+                    continue
+                finally:
+                    loaded = None  # give the (pinned) input buffer back
+                meta["compute_seconds"] = time.perf_counter() - t0
+                if not self._put(self.written, (task, meta, out, positions)):
+                    break
+        finally:
+            with self.lock:
+                self.workers_left -= 1
+                last = self.workers_left == 0
+            if last:
+                self.written.put(_END)
+
+    def _writer(self):
+        try:
+            while True:
+                item = self.written.get()
+                if item is _END:
+                    break
+                if self.stop.is_set():
+                    continue
+                task, meta, out, positions = item
+                item = None
+                attrs = dict(self.common_attrs)
+                attrs.update(meta)
+                attrs["input_shape"] = json.dumps(attrs["input_shape"])
+                attrs["created_utc"] = datetime.datetime.now(
+                    datetime.timezone.utc).isoformat(timespec="seconds")
+                try:
+                    write_output(task.output, out, self.output_format, attrs, self.live_temps)
+                except BaseException as exc:  # Ctrl-C included: the temp file is gone
+                    if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+                        self.stop.set()
+                        reason = "interrupted while writing the output; nothing was written"
+                    else:
+                        reason = (f"cannot write the output {task.output}: "
+                                  f"{type(exc).__name__}: {exc}")
+                    self._fail(task, reason)
+                    continue
+                finally:
+                    out = None
+                logger.debug("%s -> %s (%s, %.3f s)", task.input, task.output,
+                             meta["device"], meta["compute_seconds"])
+                self._report(task, "done", positions=positions, device=meta["device"])
+        finally:
+            self.results.put(_END)
+
+    def _fail(self, task, reason):
+        logger.error("%s: %s", task.input, reason)
+        self._report(task, "failed", reason)
+
+
+# --- progress and report --------------------------------------------------------------------
+
+def _si(x: float) -> str:
+    for unit, scale in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(x) >= scale:
+            return f"{x / scale:.3g}{unit}"
+    return f"{x:.3g}"
+
+
+@functools.lru_cache(maxsize=None)
+def _tqdm():
+    try:
+        from tqdm import tqdm
+        return tqdm
+    except ImportError:
+        return None
+
+
+class _Progress:
+    """A tqdm bar (files, pair positions/s, ETA), or a throttled log line without tqdm."""
+
+    def __init__(self, total: int, quiet: bool):
+        self.total, self.quiet = total, quiet
+        self.count = self.positions = 0
+        self.start = self.last_log = time.perf_counter()
+        tqdm = None if quiet else _tqdm()
+        self.bar = (tqdm(total=total, unit="file", desc="triattn-infer", file=sys.stderr,
+                         dynamic_ncols=True, smoothing=0.3) if tqdm else None)
+
+    def add(self, outcome: Outcome):
+        self.count += 1
+        self.positions += outcome.positions
+        elapsed = max(time.perf_counter() - self.start, 1e-9)
+        rate = f"{_si(self.positions / elapsed)} pairs/s"
+        if self.bar is not None:
+            self.bar.set_postfix_str(rate, refresh=False)
+            self.bar.update(1)
+        elif not self.quiet:
+            now = time.perf_counter()
+            if now - self.last_log >= 2.0 or self.count in (1, self.total):
+                self.last_log = now
+                eta = elapsed / self.count * (self.total - self.count)
+                logger.info("[%d/%d files] %s, ETA %s", self.count, self.total, rate,
+                            _duration(eta))
+
+    def close(self):
+        if self.bar is not None:
+            self.bar.close()
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(round(seconds))
+    h, rem = divmod(seconds, 3600)
+    m, s = divmod(rem, 60)
+    return f"{h}:{m:02d}:{s:02d}" if h else f"{m:02d}:{s:02d}"
+
+
+def _report(result: RunResult, output_dir: str, output_format: str):
+    done, skipped, failed = (result.count(s) for s in ("done", "skipped", "failed"))
+    total = len(result.outcomes)
+    logger.info("%d file%s: %d computed, %d skipped, %d failed", total,
+                "s" if total != 1 else "", done, skipped, failed)
+    if done:
+        seconds = max(result.seconds, 1e-9)
+        if len(result.devices) > 1:
+            per = [f"{d}: {sum(o.device == d for o in result.outcomes)} files"
+                   for d in result.devices]
+            where = ", ".join(per)
+        else:
+            where = result.devices[0]
+        logger.info("time %.2f s, %s pair positions/s (B*N*N summed over %d file%s), on %s",
+                    result.seconds, _si(result.positions / seconds), done,
+                    "s" if done != 1 else "", where)
+        fmt = (f"HDF5, dataset {OUTPUT_DATASET!r}" if output_format == "hdf5"
+               else "NumPy .npy")
+        logger.info("outputs in %s (%s)", output_dir, fmt)
+    if result.interrupted:
+        logger.error("interrupted: %d file%s not processed; run the same command again to "
+                     "resume", result.not_processed, "s were" if result.not_processed != 1
+                     else " was")
+    if failed:
+        bad = [o for o in result.outcomes if o.status == "failed"]
+        lines = [f"  {o.input}: {o.reason}" for o in bad[:20]]
+        if len(bad) > 20:
+            lines.append(f"  ... and {len(bad) - 20} more")
+        logger.error("%d file%s failed:\n%s", failed, "s" if failed > 1 else "",
+                     "\n".join(lines))
+
+
+# --- logging --------------------------------------------------------------------------------
+
+class _Formatter(logging.Formatter):
+    def format(self, record):
+        text = record.getMessage()
+        if record.levelno >= logging.ERROR:
+            text = "error: " + text
+        elif record.levelno >= logging.WARNING:
+            text = "warning: " + text
+        if record.exc_info:
+            text += "\n" + self.formatException(record.exc_info)
+        return "triattn-infer: " + text
+
+
+class _Handler(logging.Handler):
+    """To stderr, through tqdm.write when tqdm is there so the bar stays intact."""
+
+    def emit(self, record):
+        try:
+            text = self.format(record)
+            tqdm = _tqdm()
+            if tqdm is not None:
+                tqdm.write(text, file=sys.stderr)
+            else:
+                sys.stderr.write(text + "\n")
+                sys.stderr.flush()
+        except Exception:
+            self.handleError(record)
+
+
+@contextlib.contextmanager
+def _logging_for(args):
+    package_logger = logging.getLogger("triattn_cupy")
+    handler = _Handler()
+    handler.setFormatter(_Formatter())
+    old_level = package_logger.level
+    package_logger.setLevel(logging.WARNING if args.quiet
+                            else logging.DEBUG if args.verbose else logging.INFO)
+    package_logger.addHandler(handler)
+    try:
+        yield
+    finally:
+        package_logger.removeHandler(handler)
+        package_logger.setLevel(old_level)
