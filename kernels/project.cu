@@ -6,7 +6,7 @@
 //                      qkvg = xn [Wq; Wk; Wv; Wg]^T + [bq; bk; bv; bg] # [M, 4D]
 //                        q columns scaled by log2(e)/sqrt(d), gate columns through sigmoid
 //                      bias[b, head, i, j] = log2(e) * xn[m] . Wb[head]  # m = (b, i, j)
-//                        -inf where keep[m] == 0, and on the padded keys j in [N, NPK)
+//                        -inf where mask[b, i, j] == 0, and on the padded keys j in [N, NPK)
 //   gated_out_project: out = (g * o) Wo^T + bo                        # [M, D]
 //                        o = qkvg[:, 0:D] (attention output, written over q)
 //                        g = qkvg[:, 3D:4D] (sigmoid gate)
@@ -17,7 +17,9 @@
 //   x     [B, N, N, D] at b*sb + i*si + j*sj + c*sc elements (any strides; x_vec = 1 when
 //         sc == 1 and every row starts 16-byte aligned, enabling float4 loads)
 //   WT    [D, NO] row-major: the PyTorch weight transposed (NO = 4D, or D for out_proj)
-//   qkvg  [M, 4D]; bias [B, H, N, NPK]; keep [M] uint8 or null; out [M, D] contiguous.
+//   mask  [B, N, N] at b*mb + i*mi + j*mj elements, of the type named by mask_kind
+//         (MASK_* below; read as is, so the caller converts nothing), or null
+//   qkvg  [M, 4D]; bias [B, H, N, NPK]; out [M, D] contiguous.
 #include "common.cuh"
 
 #ifndef BM
@@ -93,6 +95,30 @@ __device__ __forceinline__ void block_gemm(const float* As, const float* __restr
 // Row index of accumulator row r of thread ty within the block.
 __device__ __forceinline__ int acc_row(int r, int ty) { return (r / 4) * 64 + ty * 4 + (r % 4); }
 
+// mask_kind: how to read one mask element; "masked" means the element equals zero.
+#define MASK_NONE 0
+#define MASK_1BYTE 1   // bool, int8, uint8
+#define MASK_2BYTE 2   // int16, uint16
+#define MASK_4BYTE 3   // int32, uint32
+#define MASK_8BYTE 4   // int64, uint64
+#define MASK_F16 5
+#define MASK_F32 6
+#define MASK_F64 7
+
+__device__ __forceinline__ bool mask_keeps(const void* mask, int kind, i64 off) {
+    switch (kind) {
+        case MASK_NONE: return true;
+        case MASK_1BYTE: return static_cast<const unsigned char*>(mask)[off] != 0;
+        case MASK_2BYTE: return static_cast<const unsigned short*>(mask)[off] != 0;
+        case MASK_4BYTE: return static_cast<const unsigned int*>(mask)[off] != 0u;
+        case MASK_8BYTE: return static_cast<const unsigned long long*>(mask)[off] != 0ull;
+        // +0 and -0 are the only half-precision zeros; NaN keeps, as in the reference.
+        case MASK_F16: return (static_cast<const unsigned short*>(mask)[off] & 0x7fffu) != 0u;
+        case MASK_F32: return static_cast<const float*>(mask)[off] != 0.f;
+        default: return static_cast<const double*>(mask)[off] != 0.0;
+    }
+}
+
 __device__ __forceinline__ float sigmoid(float z) { return 1.0f / (1.0f + expf(-z)); }
 
 struct SmemLayout {
@@ -121,7 +147,8 @@ ln_qkvg_project(const float* __restrict__ x, i64 sb, i64 si, i64 sj, i64 sc, int
                 int B, int N, int D, int H, float eps, float q_scale,
                 const float* __restrict__ gamma, const float* __restrict__ beta,
                 const float* __restrict__ WT, const float* __restrict__ b_qkvg,
-                const float* __restrict__ Wb, const unsigned char* __restrict__ keep,
+                const float* __restrict__ Wb,
+                const void* __restrict__ mask, int mask_kind, i64 mb, i64 mi, i64 mj,
                 float* __restrict__ qkvg, float* __restrict__ bias, int npk) {
     const int dpad = (D + BK - 1) / BK * BK;
     const SmemLayout s = smem_layout(dpad);
@@ -201,8 +228,7 @@ ln_qkvg_project(const float* __restrict__ x, i64 sb, i64 si, i64 sj, i64 sc, int
         for (int k = 0; k < D; ++k) dot = fmaf(s.As[k * BM + ml], __ldg(w + k), dot);
         const i64 b = m / NN, r = m - b * NN, i = r / N, j = r - i * N;
         float* brow = bias + ((b * H + head) * N + i) * (i64)npk;
-        const bool kept = keep == nullptr || keep[m] != 0;
-        brow[j] = kept ? dot * LOG2E_F : neg_inf();
+        brow[j] = mask_keeps(mask, mask_kind, b * mb + i * mi + j * mj) ? dot * LOG2E_F : neg_inf();
         // The key axis is padded to a whole number of attention tiles; -inf there makes
         // the padded keys weigh exactly 0, so the attention kernel needs no bounds test.
         if (j == N - 1)

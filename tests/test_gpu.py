@@ -42,8 +42,8 @@ def make_mask(rng, B, N, kind="bool", fully_masked_rows=True):
         return keep
     if kind == "int":
         return keep.astype(np.int32) * rng.integers(1, 5, keep.shape).astype(np.int32)
-    if kind == "int8":
-        return keep.astype(np.int8)
+    if kind in ("int8", "uint8", "int16", "int64", "float16"):
+        return keep.astype(kind)
     if kind == "float":
         return keep * rng.uniform(0.5, 2.0, keep.shape)  # nonzero float = keep
     raise ValueError(kind)
@@ -97,7 +97,8 @@ def test_batches_and_sizes(cp, rng, B, D, h):
         check_against_reference(cp, rng, B, N, D, h, fully_masked="nan")
 
 
-@pytest.mark.parametrize("mask_kind", ["bool", "int", "int8", "float", None])
+@pytest.mark.parametrize("mask_kind", ["bool", "int", "int8", "uint8", "int16", "int64",
+                                       "float16", "float", None])
 def test_mask_dtypes(cp, rng, mask_kind):
     check_against_reference(cp, rng, 2, 29, 64, 4, mask_kind=mask_kind)
 

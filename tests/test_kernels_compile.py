@@ -45,4 +45,5 @@ def test_every_supported_dimension_has_a_config():
     for d in _configs.supported_head_dims():
         assert _configs.attention_config(d) in configs
     for D in (4, 64, 128, 320, 324, 768):
-        assert _configs.project_config(D) in configs
+        for rows_total in (1, 10**9):
+            assert _configs.project_config(_configs.project_rows(D, rows_total)) in configs

@@ -1,8 +1,8 @@
 """The GPU forward pass: device weights, argument conversion and the kernel launches.
 
 Stages (one launch each):
-  keep       mask != 0 as uint8                      (only when a mask is given)
-  project    LayerNorm + q/k/v/gate + pair bias with the mask folded in  (project.cu)
+  project    LayerNorm + q/k/v/gate + pair bias with the mask folded in  (project.cu);
+             the mask is read in place, in its own dtype and strides
   attention  flash-style softmax attention, o written over q            (attention.cu)
   out        (g * o) Wo^T + bo                                          (project.cu)
 Scratch: qkvg [M, 4D] and bias [B, h, N, NPK] float32, taken from CuPy's memory pool.
@@ -61,6 +61,7 @@ class DeviceWeights:
             self.beta = up(p["layer_norm.bias"])
             self.w_bias = up(p["bias_proj.weight"])
         self.device_id = device_id
+        self.sm_count = cupy.cuda.Device(device_id).attributes["MultiProcessorCount"]
         self.pair_dim, self.num_heads = weights.pair_dim, weights.num_heads
         self.head_dim, self.eps = weights.head_dim, weights.layer_norm_eps
 
@@ -132,19 +133,24 @@ class Forward:
         with cupy.cuda.Device(dw.device_id):
             self.qkvg = cupy.empty((self.M, 4 * D), np.float32)
             self.bias = cupy.empty((B, H, N, self.npk), np.float32)
-        self.keep = None
 
     # -- stages --------------------------------------------------------------------
 
-    def _launch(self, kernel, grid, block, args, smem):
-        if smem > 48 * 1024:
-            kernel.max_dynamic_shared_size_bytes = smem  # opt in above the 48 KiB default
-        kernel((grid,), (block,), args, shared_mem=smem)
+    @staticmethod
+    def _launch(config, name, grid, block, args, smem):
+        config.get(name, smem)((grid,), (block,), args, shared_mem=smem)
 
-    def keep_mask(self):
-        if self.mask is not None:
-            cupy = _cupy()
-            self.keep = cupy.not_equal(self.mask, 0)  # contiguous bool = uint8 0/1
+    def _mask_args(self):
+        """(pointer, kind, mb, mi, mj) for project.cu's mask reader (MASK_* codes)."""
+        mask = self.mask
+        if mask is None:
+            return np.uint64(0), np.int32(0), np.int64(0), np.int64(0), np.int64(0)
+        kind = 5 + {2: 0, 4: 1, 8: 2}[mask.itemsize] if mask.dtype.kind == "f" else \
+            {1: 1, 2: 2, 4: 3, 8: 4}[mask.itemsize]
+        strides = [s // mask.itemsize for s in mask.strides]
+        if len(strides) == 2:
+            strides = [0] + strides
+        return (np.uint64(mask.data.ptr), np.int32(kind), *map(np.int64, strides))
 
     def project(self):
         dw, pair = self.dw, self.pair
@@ -155,22 +161,21 @@ class Forward:
         sb, si, sj, sc = strides
         x_vec = int(sc == 1 and all(s % 4 == 0 for s in (sb, si, sj))
                     and pair.data.ptr % 16 == 0)
-        keep_ptr = self.keep.data.ptr if self.keep is not None else 0
-        config = _configs.project_config(self.D)
-        rows = _configs.project_rows(self.D)
+        rows = _configs.project_rows(self.D, self.M, dw.sm_count)
         self._launch(
-            config.get("ln_qkvg_project"), -(-self.M // rows), _configs.PROJECT_THREADS,
+            _configs.project_config(rows), "ln_qkvg_project", -(-self.M // rows),
+            _configs.PROJECT_THREADS,
             (pair, np.int64(sb), np.int64(si), np.int64(sj), np.int64(sc), np.int32(x_vec),
              np.int32(self.B), np.int32(self.N), np.int32(self.D), np.int32(self.H),
              np.float32(dw.eps), np.float32(LOG2E / math.sqrt(self.d)),
-             dw.gamma, dw.beta, dw.w_qkvg_t, dw.b_qkvg, dw.w_bias, np.uint64(keep_ptr),
+             dw.gamma, dw.beta, dw.w_qkvg_t, dw.b_qkvg, dw.w_bias, *self._mask_args(),
              self.qkvg, self.bias, np.int32(self.npk)),
-            _configs.project_smem_bytes(self.D))
+            _configs.project_smem_bytes(self.D, rows))
 
     def attention(self):
         blocks = -(-self.N // self.bq) * self.H * self.B * self.N
         self._launch(
-            _configs.attention_config(self.d).get("attention_fp32"), blocks,
+            _configs.attention_config(self.d), "attention_fp32", blocks,
             _configs.ATTENTION_THREADS,
             (self.qkvg, self.bias, np.int32(self.B), np.int32(self.N), np.int32(self.H),
              np.int32(self.npk), np.int32(self.nan_fully_masked)),
@@ -178,15 +183,15 @@ class Forward:
 
     def out_project(self):
         dw = self.dw
-        rows = _configs.project_rows(self.D)
+        rows = _configs.project_rows(self.D, self.M, dw.sm_count)
         self._launch(
-            _configs.project_config(self.D).get("gated_out_project"), -(-self.M // rows),
+            _configs.project_config(rows), "gated_out_project", -(-self.M // rows),
             _configs.PROJECT_THREADS,
             (self.qkvg, np.int64(self.M), np.int32(self.D), dw.w_out_t, dw.b_out, self.out),
-            _configs.project_smem_bytes(self.D))
+            _configs.project_smem_bytes(self.D, rows))
 
     def stages(self):
-        return [("mask", self.keep_mask), ("layernorm+projections", self.project),
+        return [("layernorm+projections", self.project),
                 ("attention", self.attention), ("gate+out_proj", self.out_project)]
 
     def run(self):
@@ -194,5 +199,5 @@ class Forward:
         with cupy.cuda.Device(self.dw.device_id):
             for _, launch in self.stages():
                 launch()
-        self.qkvg = self.bias = self.keep = None  # back to the pool now, not at GC
+        self.qkvg = self.bias = None  # back to the pool now, not at GC
         return self.out
