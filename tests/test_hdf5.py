@@ -1,0 +1,319 @@
+"""HDF5 weights, format version 1: round trip, layout, and every malformed-file error."""
+from __future__ import annotations
+
+import os
+
+import h5py
+import numpy as np
+import pytest
+
+from triattn_cupy import hdf5, random_weights
+from triattn_cupy.hdf5 import (WeightsFormatError, default_weights_path, load_default_weights,
+                               load_weights, save_weights)
+from triattn_cupy.weights import OPTIONAL_BIASES, parameter_shapes
+
+D, H = 16, 4
+
+
+@pytest.fixture
+def weights():
+    return random_weights(D, H, seed=1, layer_norm_eps=1e-6)
+
+
+@pytest.fixture
+def saved(tmp_path, weights):
+    """A valid file; tests edit it in place to break it."""
+    path = tmp_path / "w.h5"
+    save_weights(weights, path)
+    return path
+
+
+def edit(path):
+    return h5py.File(path, "r+")
+
+
+def assert_same(a, b):
+    assert (a.pair_dim, a.num_heads, a.layer_norm_eps) == (b.pair_dim, b.num_heads,
+                                                           b.layer_norm_eps)
+    assert a.params.keys() == b.params.keys()
+    for name in a.params:
+        assert a[name].dtype == b[name].dtype == np.float32, name
+        assert np.array_equal(a[name], b[name]), name  # bitwise: no NaN to worry about
+
+
+# --- round trip and layout ----------------------------------------------------------------
+
+def test_round_trip_is_exact(saved, weights):
+    assert_same(load_weights(saved), weights)
+    assert_same(load_weights(str(saved)), weights)
+
+
+def test_layout(saved, weights):
+    with h5py.File(saved, "r") as f:
+        assert f.attrs["format"] == "triattn-cupy/weights"
+        assert f.attrs["format_version"] == 1
+        assert (f.attrs["pair_dim"], f.attrs["num_heads"]) == (D, H)
+        assert f.attrs["layer_norm_eps"] == 1e-6
+        datasets = {}
+        f.visititems(lambda n, o: datasets.update({n: o.shape}) if isinstance(
+            o, h5py.Dataset) else None)
+        assert datasets == {name.replace(".", "/"): shape
+                            for name, shape in parameter_shapes(D, H).items()}
+        assert all(f[n].dtype == np.float32 for n in datasets)
+        assert f["query/weight"].shape == (D, D) and f["bias_proj/weight"].shape == (H, D)
+
+
+def test_zero_biases_are_written(tmp_path, weights):
+    params = {k: v for k, v in weights.params.items() if k not in OPTIONAL_BIASES}
+    path = tmp_path / "nobias.h5"
+    save_weights(type(weights)(D, H, 1e-5, params), path)
+    with h5py.File(path, "r") as f:
+        for name in OPTIONAL_BIASES:
+            assert np.array_equal(f[name.replace(".", "/")][()], np.zeros(D, np.float32))
+
+
+def test_save_replaces_and_leaves_no_temporary(saved, weights):
+    other = random_weights(D, H, seed=2)
+    save_weights(other, saved)
+    assert_same(load_weights(saved), other)
+    assert os.listdir(saved.parent) == ["w.h5"]
+
+
+def test_failed_save_keeps_old_file(saved, weights, monkeypatch):
+    def broken(f, w):
+        f.create_dataset("half", data=np.zeros(3))
+        raise RuntimeError("disk full")
+
+    monkeypatch.setattr(hdf5, "_write", broken)
+    with pytest.raises(RuntimeError, match="disk full"):
+        save_weights(random_weights(D, H, seed=2), saved)
+    assert_same(load_weights(saved), weights)
+    assert os.listdir(saved.parent) == ["w.h5"]
+
+
+def test_save_errors(tmp_path, weights):
+    with pytest.raises(TypeError, match="weights must be a triattn_cupy.Weights, got dict"):
+        save_weights(weights.params, tmp_path / "x.h5")
+    with pytest.raises(FileNotFoundError, match="folder .*nowhere does not exist"):
+        save_weights(weights, tmp_path / "nowhere" / "x.h5")
+
+
+def test_default_weights():
+    assert default_weights_path().name == "default.h5"
+    w = load_default_weights()
+    assert (w.pair_dim, w.num_heads, w.layer_norm_eps) == (128, 4, 1e-5)
+    assert np.array_equal(w["layer_norm.weight"], np.ones(128, np.float32))
+
+
+# --- conversions and optional datasets ----------------------------------------------------
+
+def test_absent_optional_biases_load_as_zeros(saved, weights):
+    with edit(saved) as f:
+        for name in OPTIONAL_BIASES:
+            del f[name.replace(".", "/")]
+    loaded = load_weights(saved)
+    for name in OPTIONAL_BIASES:
+        assert np.array_equal(loaded[name], np.zeros(D, np.float32))
+    assert np.array_equal(loaded["query.weight"], weights["query.weight"])
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float16, ">f4"])
+def test_other_float_dtypes_are_converted(saved, dtype):
+    value = np.linspace(-1, 1, D * D).reshape(D, D).astype(dtype)
+    with edit(saved) as f:
+        del f["key/weight"]
+        f.create_dataset("key/weight", data=value)
+    loaded = load_weights(saved)["key.weight"]
+    assert loaded.dtype == np.float32
+    assert np.array_equal(loaded, value.astype(np.float32))
+
+
+def test_fixed_length_format_string_and_compression(saved, weights):
+    with edit(saved) as f:
+        f.attrs["format"] = np.bytes_(b"triattn-cupy/weights")  # fixed-length ASCII
+        del f["query/weight"]
+        f.create_dataset("query/weight", data=weights["query.weight"], compression="gzip",
+                         chunks=(4, 4))
+    assert_same(load_weights(saved), weights)
+
+
+# --- malformed files ----------------------------------------------------------------------
+
+def test_missing_file(tmp_path):
+    with pytest.raises(WeightsFormatError, match=r"absent\.h5: no such file"):
+        load_weights(tmp_path / "absent.h5")
+
+
+def test_folder(tmp_path):
+    with pytest.raises(WeightsFormatError, match="is a folder"):
+        load_weights(tmp_path)
+
+
+def test_not_hdf5(tmp_path):
+    path = tmp_path / "random.h5"
+    path.write_bytes(np.random.default_rng(0).bytes(4096))
+    with pytest.raises(WeightsFormatError, match=r"random\.h5: not an HDF5 file"):
+        load_weights(path)
+
+
+def test_truncated(saved):
+    data = saved.read_bytes()
+    saved.write_bytes(data[:len(data) // 2])
+    with pytest.raises(WeightsFormatError, match=r"w\.h5: cannot read the HDF5 file "
+                                                 r"\(truncated or corrupt\?\)"):
+        load_weights(saved)
+
+
+def test_other_hdf5_file(tmp_path):
+    path = tmp_path / "other.h5"
+    with h5py.File(path, "w") as f:
+        f["x"] = np.zeros(3)
+    with pytest.raises(WeightsFormatError, match="root attribute 'format' is missing"):
+        load_weights(path)
+
+
+def test_missing_format_attribute(saved):
+    with edit(saved) as f:
+        del f.attrs["format"]
+    with pytest.raises(WeightsFormatError,
+                       match="not a triattn-cupy weights file: root attribute 'format' is "
+                             "missing"):
+        load_weights(saved)
+
+
+def test_wrong_format_attribute(saved):
+    with edit(saved) as f:
+        f.attrs["format"] = "someone-else/weights"
+    with pytest.raises(WeightsFormatError, match="'format' is 'someone-else/weights', "
+                                                 "expected 'triattn-cupy/weights'"):
+        load_weights(saved)
+
+
+@pytest.mark.parametrize("version, shown", [(2, "2"), (np.int32(0), "0"), ("1", "'1'"),
+                                            (1.0, "1.0")])
+def test_unknown_format_version(saved, version, shown):
+    with edit(saved) as f:
+        f.attrs["format_version"] = version
+    with pytest.raises(WeightsFormatError, match=f"unsupported format_version {shown}; this "
+                                                 f"version of triattn-cupy reads "
+                                                 f"format_version 1"):
+        load_weights(saved)
+
+
+def test_missing_format_version(saved):
+    with edit(saved) as f:
+        del f.attrs["format_version"]
+    with pytest.raises(WeightsFormatError, match="unsupported format_version missing"):
+        load_weights(saved)
+
+
+@pytest.mark.parametrize("required", ["layer_norm/weight", "layer_norm/bias", "query/weight",
+                                      "out_proj/weight", "bias_proj/weight"])
+def test_missing_required_dataset(saved, required):
+    with edit(saved) as f:
+        del f[required]
+    with pytest.raises(WeightsFormatError, match=f"1 problem:\n  - dataset '{required}': "
+                                                 f"missing \\(required; expected float32 of "
+                                                 f"shape \\("):
+        load_weights(saved)
+
+
+def test_wrong_shape(saved):
+    with edit(saved) as f:
+        del f["bias_proj/weight"]
+        f["bias_proj/weight"] = np.zeros((D, H), np.float32)  # transposed
+    with pytest.raises(WeightsFormatError, match=r"dataset 'bias_proj/weight': expected "
+                                                 r"shape \(4, 16\), got \(16, 4\)"):
+        load_weights(saved)
+
+
+def test_int_dtype(saved):
+    with edit(saved) as f:
+        del f["gate/bias"]
+        f["gate/bias"] = np.zeros(D, np.int32)
+    with pytest.raises(WeightsFormatError, match=r"dataset 'gate/bias': expected dtype float32 "
+                                                 r"\(float16 and float64 are converted\), "
+                                                 r"got int32"):
+        load_weights(saved)
+
+
+@pytest.mark.parametrize("bad, counts", [(np.nan, "1 NaN and 0 Inf"),
+                                         (-np.inf, "0 NaN and 1 Inf")])
+def test_non_finite(saved, bad, counts):
+    with edit(saved) as f:
+        f["value/weight"][3, 5] = bad
+    with pytest.raises(WeightsFormatError, match=rf"dataset 'value/weight': expected finite "
+                                                 rf"values, got {counts} \(first at index "
+                                                 rf"\(3, 5\)\)"):
+        load_weights(saved)
+
+
+def test_float64_overflowing_float32(saved):
+    with edit(saved) as f:
+        del f["layer_norm/bias"]
+        f["layer_norm/bias"] = np.full(D, 1e300)
+    with pytest.raises(WeightsFormatError, match="'layer_norm/bias': values of dtype float64 "
+                                                 "overflow float32"):
+        load_weights(saved)
+
+
+def test_unknown_extra_dataset(saved):
+    with edit(saved) as f:
+        f["bias_proj/bias"] = np.zeros(H, np.float32)
+    with pytest.raises(WeightsFormatError, match=r"dataset 'bias_proj/bias': unexpected "
+                                                 r"\(shape \(4,\), dtype float32\); format "
+                                                 r"version 1 has no such parameter"):
+        load_weights(saved)
+
+
+@pytest.mark.parametrize("attr, value, message", [
+    ("pair_dim", None, "root attribute 'pair_dim': expected a positive integer, got missing"),
+    ("num_heads", 0, "root attribute 'num_heads': expected a positive integer, got 0"),
+    ("num_heads", 3, "pair_dim 16 must be a multiple of num_heads 3"),
+    ("layer_norm_eps", -1.0, "root attribute 'layer_norm_eps': expected a positive finite "
+                             "number, got -1.0"),
+    ("layer_norm_eps", "1e-5", "'layer_norm_eps': expected a positive finite number, got "
+                               "'1e-5'"),
+])
+def test_bad_attributes(saved, attr, value, message):
+    with edit(saved) as f:
+        if value is None:
+            del f.attrs[attr]
+        else:
+            f.attrs[attr] = value
+    with pytest.raises(WeightsFormatError, match=message):
+        load_weights(saved)
+
+
+def test_every_problem_at_once(saved):
+    with edit(saved) as f:
+        del f["query/weight"]
+        del f["key/weight"]
+        f["key/weight"] = np.zeros((D, D + 1), np.float32)
+        f["value/weight"][0, 0] = np.nan
+        del f["gate/weight"]
+        f["gate/weight"] = np.zeros((D, D), np.int64)
+        f["extra"] = np.zeros(2)
+        del f.attrs["layer_norm_eps"]
+    with pytest.raises(WeightsFormatError) as info:
+        load_weights(saved)
+    message = str(info.value)
+    assert message.startswith(f"{saved}: invalid triattn-cupy weights file, 6 problems:\n")
+    for expected in ["root attribute 'layer_norm_eps': expected a positive finite number, "
+                     "got missing",
+                     "dataset 'query/weight': missing",
+                     "dataset 'key/weight': expected shape (16, 16), got (16, 17)",
+                     "dataset 'value/weight': expected finite values",
+                     "dataset 'gate/weight': expected dtype float32",
+                     "dataset 'extra': unexpected"]:
+        assert f"\n  - {expected}" in message
+
+
+def test_invalid_dimensions_still_report_datasets(saved):
+    with edit(saved) as f:
+        del f.attrs["num_heads"]
+        f["out_proj/bias"][0] = np.inf
+    with pytest.raises(WeightsFormatError, match=r"2 problems \(dataset shapes not checked\)"
+                                                 r":\n.*'num_heads'.*\n.*'out_proj/bias': "
+                                                 r"expected finite"):
+        load_weights(saved)

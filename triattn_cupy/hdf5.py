@@ -1,0 +1,248 @@
+"""Weights as HDF5 files: format version 1 (described in ``weights/README.md``).
+
+One float32 dataset per parameter, at the reference module's state_dict name with ``.``
+replaced by ``/`` (``query.weight`` -> ``query/weight``), in PyTorch's
+(out_features, in_features) layout. Root attributes: ``format``, ``format_version``,
+``pair_dim``, ``num_heads``, ``layer_norm_eps``.
+
+`load_weights` checks the whole file against `parameter_shapes` before returning and
+raises one `WeightsFormatError` that lists every problem it found.
+"""
+from __future__ import annotations
+
+import importlib.resources
+import math
+import os
+import pathlib
+import uuid
+
+import h5py
+import numpy as np
+
+from .weights import OPTIONAL_BIASES, Weights, parameter_shapes
+
+FORMAT = "triattn-cupy/weights"
+FORMAT_VERSION = 1
+_PARAM_NAMES = tuple(parameter_shapes(1, 1))  # the names; shapes depend on the attributes
+
+
+class WeightsFormatError(ValueError):
+    """A weights file that is missing, unreadable, or not valid format version 1."""
+
+
+def dataset_name(param: str) -> str:
+    """The HDF5 path of a state_dict name: ``"query.weight"`` -> ``"query/weight"``."""
+    return param.replace(".", "/")
+
+
+# --- reading ----------------------------------------------------------------------------
+
+def load_weights(path) -> Weights:
+    """Read and validate a format-version-1 weights file.
+
+    Returns `Weights` with float32 arrays; absent linear biases are zeros. Raises
+    `WeightsFormatError` for a missing or non-HDF5 file, a file of another format or
+    version, and for every problem with its attributes and datasets (all in one message).
+    """
+    path = os.fspath(path)
+    if not os.path.exists(path):
+        raise WeightsFormatError(f"{path}: no such file")
+    if os.path.isdir(path):
+        raise WeightsFormatError(f"{path}: is a folder, expected an HDF5 weights file")
+    if not h5py.is_hdf5(path):
+        raise WeightsFormatError(f"{path}: not an HDF5 file (no HDF5 signature found)")
+    try:
+        with h5py.File(path, "r") as f:
+            return _read(f, path)
+    except WeightsFormatError:
+        raise
+    except (OSError, RuntimeError, KeyError, TypeError, ValueError) as err:  # corrupt file
+        raise WeightsFormatError(
+            f"{path}: cannot read the HDF5 file (truncated or corrupt?): {err}") from err
+
+
+def _read(f: h5py.File, path: str) -> Weights:
+    fmt = _as_str(f.attrs.get("format"))
+    if fmt != FORMAT:
+        found = _describe_attr(f, "format") if fmt is None else repr(fmt)
+        raise WeightsFormatError(
+            f"{path}: not a triattn-cupy weights file: root attribute 'format' is {found}, "
+            f"expected {FORMAT!r}")
+    version = _as_int(f.attrs.get("format_version"))
+    if version != FORMAT_VERSION:
+        raise WeightsFormatError(
+            f"{path}: unsupported format_version {_describe_attr(f, 'format_version')}; "
+            f"this version of triattn-cupy reads format_version {FORMAT_VERSION}")
+
+    problems = []
+    pair_dim = _positive_int_attr(f, "pair_dim", problems)
+    num_heads = _positive_int_attr(f, "num_heads", problems)
+    eps = _as_float(f.attrs.get("layer_norm_eps"))
+    if eps is None or not math.isfinite(eps) or eps <= 0:
+        problems.append(f"root attribute 'layer_norm_eps': expected a positive finite "
+                        f"number, got {_describe_attr(f, 'layer_norm_eps')}")
+    if pair_dim and num_heads and pair_dim % num_heads:
+        problems.append(f"root attributes: pair_dim {pair_dim} must be a multiple of "
+                        f"num_heads {num_heads}")
+        pair_dim = None
+    shapes = parameter_shapes(pair_dim, num_heads) if pair_dim and num_heads else None
+
+    datasets = {}
+
+    def collect(name, obj):  # returns None: a value would stop visititems
+        if isinstance(obj, h5py.Dataset):  # h5py gives bytes for a name that is not UTF-8
+            datasets[name if isinstance(name, str) else repr(name)] = obj
+
+    f.visititems(collect)
+    params = {}
+    for param in _PARAM_NAMES:
+        name = dataset_name(param)
+        expected = shapes[param] if shapes else None
+        if name not in datasets:
+            if param not in OPTIONAL_BIASES:
+                detail = f"float32 of shape {expected}" if expected else "float32"
+                problems.append(f"dataset '{name}': missing (required; expected {detail})")
+            continue
+        value = _read_dataset(datasets[name], name, expected, problems)
+        if value is not None:
+            params[param] = value
+    for name in sorted(set(datasets) - {dataset_name(p) for p in _PARAM_NAMES}):
+        ds = datasets[name]
+        problems.append(f"dataset '{name}': unexpected (shape {ds.shape}, dtype {ds.dtype}); "
+                        f"format version {FORMAT_VERSION} has no such parameter")
+
+    if problems:
+        unchecked = "" if shapes else " (dataset shapes not checked)"
+        raise WeightsFormatError(
+            f"{path}: invalid triattn-cupy weights file, {len(problems)} problem"
+            f"{'s' if len(problems) > 1 else ''}{unchecked}:\n  - " + "\n  - ".join(problems))
+    try:
+        return Weights(pair_dim, num_heads, eps, params)
+    except ValueError as err:  # not expected after the checks above; keep the file name
+        raise WeightsFormatError(f"{path}: {err}") from err
+
+
+def _read_dataset(ds: h5py.Dataset, name: str, expected, problems: list):
+    """The dataset as float32, or None after appending its problems."""
+    # float16 and float64 (either byte order) are rounded to float32; nothing else is read.
+    if ds.dtype.kind != "f" or ds.dtype.itemsize not in (2, 4, 8):
+        problems.append(f"dataset '{name}': expected dtype float32 (float16 and float64 "
+                        f"are converted), got {ds.dtype}")
+        return None
+    if ds.shape is None or (expected is not None and ds.shape != expected):
+        got = "an empty dataspace" if ds.shape is None else ds.shape
+        problems.append(f"dataset '{name}': expected shape {expected or '(any)'}, got {got}")
+        return None
+    raw = np.asarray(ds[()])
+    bad = ~np.isfinite(raw)
+    if bad.any():
+        first = tuple(int(i) for i in np.argwhere(bad)[0])
+        problems.append(
+            f"dataset '{name}': expected finite values, got {int(np.isnan(raw).sum())} NaN "
+            f"and {int(np.isinf(raw).sum())} Inf (first at index {first})")
+        return None
+    with np.errstate(over="ignore"):  # reported below, with the value
+        value = raw.astype(np.float32)
+    if not np.all(np.isfinite(value)):
+        problems.append(f"dataset '{name}': values of dtype {raw.dtype} overflow float32 "
+                        f"(largest magnitude {np.abs(raw).max()})")
+        return None
+    return value
+
+
+def _as_str(value):
+    if isinstance(value, (bytes, np.bytes_)):
+        return value.decode("utf-8", "replace")
+    return value if isinstance(value, str) else None
+
+
+def _as_int(value):
+    """A scalar integer attribute as int, else None (bools and floats are not integers)."""
+    if value is None or isinstance(value, (str, bytes)):
+        return None
+    value = np.asarray(value)
+    return int(value) if value.shape == () and value.dtype.kind in "iu" else None
+
+
+def _as_float(value):
+    if value is None or isinstance(value, (str, bytes)):
+        return None
+    value = np.asarray(value)
+    return float(value) if value.shape == () and value.dtype.kind in "iuf" else None
+
+
+def _describe_attr(f: h5py.File, name: str) -> str:
+    if name not in f.attrs:
+        return "missing"
+    value = f.attrs[name]
+    return repr(value.item() if isinstance(value, np.generic) else value)
+
+
+def _positive_int_attr(f: h5py.File, name: str, problems: list):
+    value = _as_int(f.attrs.get(name))
+    if value is None or value < 1:
+        problems.append(f"root attribute '{name}': expected a positive integer, got "
+                        f"{_describe_attr(f, name)}")
+        return None
+    return value
+
+
+# --- writing ----------------------------------------------------------------------------
+
+def save_weights(weights: Weights, path) -> None:
+    """Write `weights` as a format-version-1 file, atomically.
+
+    Every parameter is written as float32, zero biases included. The file is written
+    under a temporary name in the same folder and then renamed over `path`, so readers
+    never see a half-written file and a failed write leaves an existing `path` intact.
+    """
+    if not isinstance(weights, Weights):
+        raise TypeError(f"weights must be a triattn_cupy.Weights, got {type(weights).__name__}")
+    eps = weights.layer_norm_eps
+    if not math.isfinite(eps) or eps <= 0:
+        raise ValueError(f"weights.layer_norm_eps must be a positive finite number, got {eps}")
+    path = os.fspath(path)
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise FileNotFoundError(f"cannot write {path}: folder {folder} does not exist")
+    tmp = os.path.join(folder, f".{os.path.basename(path)}.{uuid.uuid4().hex[:12]}.tmp")
+    try:
+        with h5py.File(tmp, "x") as f:  # "x": fail rather than overwrite
+            _write(f, weights)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+
+
+def _write(f: h5py.File, weights: Weights) -> None:
+    f.attrs["format"] = FORMAT
+    f.attrs["format_version"] = np.int64(FORMAT_VERSION)
+    f.attrs["pair_dim"] = np.int64(weights.pair_dim)
+    f.attrs["num_heads"] = np.int64(weights.num_heads)
+    f.attrs["layer_norm_eps"] = np.float64(weights.layer_norm_eps)
+    for param in parameter_shapes(weights.pair_dim, weights.num_heads):
+        f.create_dataset(dataset_name(param),
+                         data=np.ascontiguousarray(weights[param], dtype=np.float32))
+
+
+# --- shipped weights --------------------------------------------------------------------
+
+def default_weights_path():
+    """Where the shipped ``default.h5`` is (reference module, pair_dim 128, 4 heads, seed 0).
+
+    ``importlib.resources.files("triattn_cupy.default_weights") / "default.h5"`` in an
+    installed package; in a source checkout run without installing (``PYTHONPATH=.``),
+    where that subpackage is not importable, the ``weights/`` folder of the checkout.
+    """
+    try:
+        return importlib.resources.files("triattn_cupy.default_weights") / "default.h5"
+    except ModuleNotFoundError:
+        return pathlib.Path(__file__).resolve().parent.parent / "weights" / "default.h5"
+
+
+def load_default_weights() -> Weights:
+    """`load_weights` of `default_weights_path`."""
+    with importlib.resources.as_file(default_weights_path()) as path:
+        return load_weights(path)
