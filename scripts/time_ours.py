@@ -26,7 +26,13 @@ def median_ms(fn, repeats):
 
 def main(sizes):
     print(cp.cuda.runtime.getDeviceProperties(0)["name"].decode(), "cupy", cp.__version__)
-    for size in sizes:
+    for precision in PRECISIONS:
+        for size in sizes:
+            time_size(size, precision)
+
+
+def time_size(size, precision):
+    if True:  # noqa: one indentation level kept from the loop body
         B, N, D, h = map(int, size.split("x"))
         module = ta.TriangleAttention(ta.random_weights(D, h, seed=0))
         pair = cp.random.standard_normal((B, N, N, D), dtype=np.float32)
@@ -36,20 +42,34 @@ def main(sizes):
             mask[:, :, -pad:] = False
             mask[:, -pad:, :] = False
         repeats = 50 if N <= 512 else 10
+        kw = {} if precision == "fp32-ffma" else {"precision": precision}
         for _ in range(3):
-            module(pair, mask)
-        total = median_ms(lambda: module(pair, mask), repeats)
-        stages = module.stage_launchers(pair, mask)
+            module(pair, mask, **kw)
+        total = median_ms(lambda: module(pair, mask, **kw), repeats)
+        stages = module.stage_launchers(pair, mask, **kw)
         parts = []
         for i, (name, _) in enumerate(stages):
             def upto(i=i):
-                for _, launch in module.stage_launchers(pair, mask)[: i + 1]:
+                for _, launch in module.stage_launchers(pair, mask, **kw)[: i + 1]:
                     launch()
             parts.append((name, median_ms(upto, repeats)))
         flops = 4 * B * N**3 * D + 2 * B * N * N * D * (5 * D + h)
         line = " ".join(f"{name}={t - (parts[i-1][1] if i else 0):.3f}" for i, (name, t) in enumerate(parts))
-        print(f"{size}: {total:.3f} ms  {flops / total / 1e9:.1f} TFLOP/s  [{line}]", flush=True)
+        print(f"{precision:9s} {size}: {total:.3f} ms  {flops / total / 1e9:.1f} TFLOP/s  [{line}]", flush=True)
 
+
+PRECISIONS = ("fp32", "tf32", "bf16")
 
 if __name__ == "__main__":
+    if "--ffma" in sys.argv:  # the FFMA attention kernel in place of tensor cores, to compare
+        sys.argv.remove("--ffma")
+        from triattn_cupy import _configs
+
+        def ffma_attention(head_dim, precision, compute_capability=90):
+            return (_configs.attention_config(head_dim), "attention_fp32",
+                    _configs.attention_tiles(head_dim)[0], _configs.ATTENTION_THREADS,
+                    _configs.attention_smem_bytes(head_dim))
+
+        _configs.attention_kernel = ffma_attention
+        PRECISIONS = ("fp32-ffma",)
     main(sys.argv[1:] or ["2x128x64x4", "1x384x128x4", "1x1024x128x4"])

@@ -16,6 +16,7 @@ from helpers import rel_l2
 pytestmark = pytest.mark.gpu
 
 FP32_TOL = 1e-5
+TOLERANCE = {"fp32": FP32_TOL, "tf32": 1e-3, "bf16": 5e-3}  # rel L2 against float64
 # (D, h) for head dims 8, 16, 32, 64, 128 and two that are not powers of two.
 SHAPES_DH = [(32, 4), (64, 4), (128, 4), (128, 2), (128, 1), (96, 4), (40, 2)]
 SWEEP_N = list(range(1, 71)) + [97, 130, 200, 257]
@@ -50,7 +51,7 @@ def make_mask(rng, B, N, kind="bool", fully_masked_rows=True):
 
 
 def check_against_reference(cp, rng, B, N, D, h, *, mask_kind="bool", fully_masked="zero",
-                            batched=True, seed=None):
+                            batched=True, precision="fp32"):
     weights = ta.random_weights(D, h, seed=int(rng.integers(1 << 31)))
     pair = rng.standard_normal((B, N, N, D)).astype(np.float32) * 2 + 0.5
     mask = None if mask_kind is None else make_mask(rng, B, N, mask_kind)
@@ -59,7 +60,8 @@ def check_against_reference(cp, rng, B, N, D, h, *, mask_kind="bool", fully_mask
     expected = reference.triangle_attention(pair, mask, weights, fully_masked=fully_masked)
     out = cp.full(pair.shape, np.nan, np.float32)
     got = ta.triangle_attention(cp.asarray(pair), None if mask is None else cp.asarray(mask),
-                                weights, fully_masked=fully_masked, out=out)
+                                weights, fully_masked=fully_masked, out=out,
+                                precision=precision)
     assert got is out
     got = got.get()
     if mask is not None and fully_masked == "nan":
@@ -69,25 +71,35 @@ def check_against_reference(cp, rng, B, N, D, h, *, mask_kind="bool", fully_mask
         err = rel_l2(got, expected, where=~fully) if (~fully).any() else 0.0
     else:
         err = rel_l2(got, expected)
-    assert err <= FP32_TOL, f"B={B} N={N} D={D} h={h}: rel L2 {err:.3g}"
+    assert err <= TOLERANCE[precision], f"{precision} B={B} N={N} D={D} h={h}: rel L2 {err:.3g}"
     return err
 
 
+@pytest.mark.parametrize("precision", ["fp32", "tf32", "bf16"])
 @pytest.mark.parametrize("N", SWEEP_N)
-def test_sweep_n(cp, rng, N):
+def test_sweep_n(cp, rng, N, precision):
     """Every N 1..70 and a few large ones, cycling B, head dims, mask kinds and policies."""
     D, h = SHAPES_DH[N % len(SHAPES_DH)]
     B = 1 + N % 3
     mask_kind = ("bool", "int", "float", None)[N % 4]
     policy = ("zero", "nan")[(N // 4) % 2]
     poison_pool(cp)
-    check_against_reference(cp, rng, B, N, D, h, mask_kind=mask_kind, fully_masked=policy)
+    check_against_reference(cp, rng, B, N, D, h, mask_kind=mask_kind, fully_masked=policy,
+                            precision=precision)
 
 
+@pytest.mark.parametrize("precision", ["fp32", "tf32", "bf16"])
 @pytest.mark.parametrize("head_dim", ta._configs.supported_head_dims())
-def test_every_head_dim(cp, rng, head_dim):
+def test_every_head_dim(cp, rng, head_dim, precision):
     h = 2 if head_dim * 2 <= ta._configs.MAX_PAIR_DIM else 1
-    check_against_reference(cp, rng, 2, 37, head_dim * h, h)
+    check_against_reference(cp, rng, 2, 37, head_dim * h, h, precision=precision)
+
+
+def test_shared_memory_limits_of_one_kernel_across_sizes(cp, rng):
+    """One compiled kernel serves several D: a smaller launch must not lower the shared
+    memory limit a larger one needs (a cached-handle bug seen on the H200)."""
+    for D in (256, 64, 256):
+        check_against_reference(cp, rng, 2, 184, D, 4)
 
 
 @pytest.mark.parametrize("B", [1, 2, 3])
@@ -245,6 +257,8 @@ def test_error_mask(small, cp):
 
 def test_error_policy_and_out(small, cp):
     weights, pair = small
+    with pytest.raises(ValueError, match="precision must be one of"):
+        ta.triangle_attention(pair, None, weights, precision="fp16")
     with pytest.raises(ValueError, match="fully_masked must be one of"):
         ta.triangle_attention(pair, None, weights, fully_masked="ignore")
     with pytest.raises(ValueError, match="out must be a C-contiguous float32"):

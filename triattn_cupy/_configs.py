@@ -32,14 +32,25 @@ def _current_device() -> int:
     return cupy.cuda.runtime.getDevice()
 
 
-@functools.lru_cache(maxsize=None)
+_smem_allowed: dict = {}  # (config, name, device) -> dynamic shared memory opted in so far
+
+
 def _kernel(config: KernelConfig, name: str, smem_bytes: int, device: int):
+    kernel = _function(config, name, device)
+    key = (config, name, device)
+    # One function object serves every problem size of its configuration: only ever raise
+    # its limit, so a smaller request cannot break a larger one cached earlier.
+    if smem_bytes > max(_smem_allowed.get(key, 0), 48 * 1024):
+        kernel.max_dynamic_shared_size_bytes = smem_bytes  # opt in above the 48 KiB default
+        _smem_allowed[key] = smem_bytes
+    return kernel
+
+
+@functools.lru_cache(maxsize=None)
+def _function(config: KernelConfig, name: str, device: int):
     from ._compile import raw_module
 
-    kernel = raw_module(config.filename, config.defines).get_function(name)
-    if smem_bytes > 48 * 1024:
-        kernel.max_dynamic_shared_size_bytes = smem_bytes  # opt in above the 48 KiB default
-    return kernel
+    return raw_module(config.filename, config.defines).get_function(name)
 
 
 def supported_head_dims():
@@ -97,8 +108,70 @@ def attention_smem_bytes(head_dim: int) -> int:
     return 4 * (head_dim * (bq + bk) + bk * dv + bk * (bq + 4))
 
 
+# ---- attention on tensor cores (kernels/attention_mma.cu) ----
+
+ATTENTION_MMA_THREADS = 128
+ATTENTION_MMA_BQ = 64  # queries per block (16 per warp); the grid is ceil(N/64) * H * B*N
+ATTENTION_MMA_VARIANTS = ("tf32x3", "tf32", "bf16")  # entry point attention_<variant>
+
+
+def attention_mma_head_dims():
+    """Head dims the tensor-core kernels take: multiples of 8 up to MAX_HEAD_DIM (others
+    stay on the FFMA kernel)."""
+    return tuple(range(8, MAX_HEAD_DIM + 1, 8))
+
+
+def attention_mma_bk(head_dim: int) -> int:
+    """Keys per tile: S (BK/2 registers per thread), O (d/2) and Q (d/2) must fit in
+    255 registers without spills; at d = 128 BK = 64 fits with ~10 to spare, too few to
+    trust across compiler versions, so d > 96 takes BK = 32."""
+    return 64 if head_dim <= 96 else 32
+
+
+def attention_mma_config(head_dim: int, variant: str) -> KernelConfig:
+    """The configuration whose entry point `attention_<variant>` serves `head_dim`;
+    variant "tf32x3" (fp32-accurate 3xTF32), "tf32" or "bf16"."""
+    if head_dim % 8 or not 8 <= head_dim <= MAX_HEAD_DIM:
+        raise ValueError(f"the tensor-core attention needs a head dimension that is a "
+                         f"multiple of 8 and at most {MAX_HEAD_DIM}; got {head_dim}")
+    if variant not in ATTENTION_MMA_VARIANTS:
+        raise ValueError(f"variant must be one of {ATTENTION_MMA_VARIANTS}; got {variant!r}")
+    defines = (("HEAD_DIM", head_dim), ("BK", attention_mma_bk(head_dim)))
+    if variant == "bf16":
+        return KernelConfig("attention_mma.cu", defines + (("BF16", 1),))
+    return KernelConfig("attention_mma.cu", defines + (("SPLIT", int(variant == "tf32x3")),))
+
+
+def attention_mma_smem_bytes(head_dim: int, variant: str = "tf32x3") -> int:
+    """K and V tiles: 4*BK*(KSTR + VSTR), KSTR = d + 8 for bf16 (else d + 4), VSTR = d + 4."""
+    kstr = head_dim + (8 if variant == "bf16" else 4)
+    return 4 * attention_mma_bk(head_dim) * (kstr + head_dim + 4)
+
+
+# precision -> the attention kernel variant; the projections are FFMA fp32 in every mode.
+PRECISIONS = ("fp32", "tf32", "bf16")
+_MMA_VARIANT = {"fp32": "tf32x3", "tf32": "tf32", "bf16": "bf16"}
+
+
+def attention_kernel(head_dim: int, precision: str, compute_capability: int = 90):
+    """(config, entry point, BQ, threads, shared memory bytes) of the attention kernel for
+    `precision`: tensor cores (mma.sync, sm_80 and newer) where the head dim is a multiple
+    of 8, else the FFMA kernel, which is fp32 (so at least as accurate as any mode asks)."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}; got {precision!r}")
+    if head_dim % 8 == 0 and compute_capability >= 80:
+        variant = _MMA_VARIANT[precision]
+        return (attention_mma_config(head_dim, variant), f"attention_{variant}",
+                ATTENTION_MMA_BQ, ATTENTION_MMA_THREADS,
+                attention_mma_smem_bytes(head_dim, variant))
+    return (attention_config(head_dim), "attention_fp32", attention_tiles(head_dim)[0],
+            ATTENTION_THREADS, attention_smem_bytes(head_dim))
+
+
 def all_configs():
     """Every configuration a supported (pair_dim, num_heads) can launch."""
     configs = {project_config(64), project_config(128)}
     configs.update(attention_config(d) for d in supported_head_dims())
+    configs.update(attention_mma_config(d, v) for d in attention_mma_head_dims()
+                   for v in ATTENTION_MMA_VARIANTS)
     return sorted(configs, key=lambda c: (c.filename, c.defines))

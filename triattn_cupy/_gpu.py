@@ -3,7 +3,9 @@
 Stages (one launch each):
   project    LayerNorm + q/k/v/gate + pair bias with the mask folded in  (project.cu);
              the mask is read in place, in its own dtype and strides
-  attention  flash-style softmax attention, o written over q            (attention.cu)
+  attention  flash-style softmax attention, o written over q: tensor cores for head dims
+             that are multiples of 8 on sm_80+ (attention_mma.cu: 3xTF32 for "fp32",
+             TF32, bf16), else FFMA fp32 (attention.cu)
   out        (g * o) Wo^T + bo                                          (project.cu)
 Scratch: qkvg [M, 4D] and bias [B, h, N, NPK] float32, taken from CuPy's memory pool.
 """
@@ -61,7 +63,9 @@ class DeviceWeights:
             self.beta = up(p["layer_norm.bias"])
             self.w_bias = up(p["bias_proj.weight"])
         self.device_id = device_id
-        self.sm_count = cupy.cuda.Device(device_id).attributes["MultiProcessorCount"]
+        device = cupy.cuda.Device(device_id)
+        self.sm_count = device.attributes["MultiProcessorCount"]
+        self.compute_capability = int(device.compute_capability)  # "90" -> 90
         self.pair_dim, self.num_heads = weights.pair_dim, weights.num_heads
         self.head_dim, self.eps = weights.head_dim, weights.layer_norm_eps
 
@@ -101,9 +105,12 @@ class Forward:
     """One forward pass prepared: arguments checked and converted, scratch allocated.
     `stages()` lists the launches in order; `run()` performs them all."""
 
-    def __init__(self, dw: DeviceWeights, pair, mask, fully_masked: str, out):
+    def __init__(self, dw: DeviceWeights, pair, mask, fully_masked: str, out,
+                 precision: str = "fp32"):
         cupy = _cupy()
         check_fully_masked(fully_masked)
+        self.attention_kernel = _configs.attention_kernel(dw.head_dim, precision,
+                                                          dw.compute_capability)
         pair = as_device_array(pair, "pair", dw.device_id)
         if pair.dtype != np.float32:
             raise TypeError(f"pair must be float32; got {pair.dtype} (convert with "
@@ -173,13 +180,13 @@ class Forward:
             _configs.project_smem_bytes(self.D, rows))
 
     def attention(self):
-        blocks = -(-self.N // self.bq) * self.H * self.B * self.N
+        config, name, bq, threads, smem = self.attention_kernel
+        blocks = -(-self.N // bq) * self.H * self.B * self.N
         self._launch(
-            _configs.attention_config(self.d), "attention_fp32", blocks,
-            _configs.ATTENTION_THREADS,
+            config, name, blocks, threads,
             (self.qkvg, self.bias, np.int32(self.B), np.int32(self.N), np.int32(self.H),
              np.int32(self.npk), np.int32(self.nan_fully_masked)),
-            _configs.attention_smem_bytes(self.d))
+            smem)
 
     def out_project(self):
         dw = self.dw

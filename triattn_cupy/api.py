@@ -41,13 +41,15 @@ class TriangleAttention:
 
         return cls(load_weights(path), device=device)
 
-    def __call__(self, pair, mask=None, *, fully_masked: str = "zero", out=None):
-        return Forward(self._dw, pair, mask, fully_masked, out).run()
+    def __call__(self, pair, mask=None, *, fully_masked: str = "zero", out=None,
+                 precision: str = "fp32"):
+        return Forward(self._dw, pair, mask, fully_masked, out, precision).run()
 
-    def stage_launchers(self, pair, mask=None, *, fully_masked: str = "zero", out=None):
+    def stage_launchers(self, pair, mask=None, *, fully_masked: str = "zero", out=None,
+                        precision: str = "fp32"):
         """[(stage name, callable)]: calling them in order performs one forward pass, for
         timing each stage. The result lands in `out` (allocated if None)."""
-        return Forward(self._dw, pair, mask, fully_masked, out).stages()
+        return Forward(self._dw, pair, mask, fully_masked, out, precision).stages()
 
     def __repr__(self):
         w = self.weights
@@ -59,14 +61,15 @@ class TriangleAttention:
 _modules: "weakref.WeakKeyDictionary[Weights, dict]" = weakref.WeakKeyDictionary()
 
 
-def triangle_attention(pair, mask, weights, *, fully_masked: str = "zero", out=None):
+def triangle_attention(pair, mask, weights, *, fully_masked: str = "zero", out=None,
+                       precision: str = "fp32"):
     """Functional form: ``triangle_attention(pair, mask, weights)``.
 
     `weights` is a `Weights` (uploaded to the pair's GPU once per object and cached) or a
     `TriangleAttention`. Arguments and result as `TriangleAttention.__call__`.
     """
     if isinstance(weights, TriangleAttention):
-        return weights(pair, mask, fully_masked=fully_masked, out=out)
+        return weights(pair, mask, fully_masked=fully_masked, out=out, precision=precision)
     if not isinstance(weights, Weights):
         raise TypeError(f"weights must be a triattn_cupy.Weights or TriangleAttention; got "
                         f"{type(weights).__name__}")
@@ -75,4 +78,5 @@ def triangle_attention(pair, mask, weights, *, fully_masked: str = "zero", out=N
     per_device = _modules.setdefault(weights, {})
     if device_id not in per_device:
         per_device[device_id] = TriangleAttention(weights, device=device_id)
-    return per_device[device_id](pair, mask, fully_masked=fully_masked, out=out)
+    return per_device[device_id](pair, mask, fully_masked=fully_masked, out=out,
+                                 precision=precision)

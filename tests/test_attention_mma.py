@@ -1,0 +1,106 @@
+"""The tensor-core attention kernels (kernels/attention_mma.cu) against the FFMA kernel
+(kernels/attention.cu) on the same inputs: the pipeline's projection stage fills qkvg and
+bias, then each kernel runs on its own copy and the q slots (where o is written) are
+compared. Skipped with a reason where there is no GPU.
+
+Thresholds (relative L2 against the fp32 FFMA output): 3xTF32 1e-5, TF32 2e-3, bf16 1e-2.
+Sizes miss the 64-query and 64/32-key tiles (1, 7, 65, 130); the masks hold fully masked
+queries (NaN or 0 by policy, positions must match exactly) and a query whose first key
+tile is fully masked but later keys are not (the running max restarts from -inf).
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import triattn_cupy as ta
+from triattn_cupy import _configs
+from helpers import rel_l2
+
+pytestmark = pytest.mark.gpu
+
+TOL = {"tf32x3": 1e-5, "tf32": 2e-3, "bf16": 1e-2}
+HEAD_DIMS = [8, 16, 32, 64, 128]
+SIZES_N = [1, 7, 64, 65, 130]
+
+
+@pytest.fixture
+def cp():
+    import cupy
+
+    return cupy
+
+
+def _mask(rng, B, N):
+    keep = rng.random((B, N, N)) > 0.25
+    if N > 1:
+        keep[:, rng.integers(N), :] = False  # a query (b, j) with every key masked
+    if N > 64:
+        j = rng.integers(N)
+        keep[:, j, :64] = False  # every key of the first tile(s) masked, later keys not
+        keep[:, j, 64 + rng.integers(N - 64)] = True
+    return keep
+
+
+def _run_both(cp, rng, B, N, head_dim, variant, policy):
+    """(q slots after the FFMA kernel, q slots after the mma kernel, the rest of qkvg
+    after each), all on the host."""
+    from triattn_cupy._gpu import DeviceWeights, Forward
+
+    h = 2
+    weights = ta.random_weights(head_dim * h, h, seed=int(rng.integers(1 << 31)))
+    dw = DeviceWeights(weights, cp.cuda.runtime.getDevice())
+    pair = cp.asarray(rng.standard_normal((B, N, N, head_dim * h)).astype(np.float32) * 2 + 0.5)
+    mask = cp.asarray(_mask(rng, B, N))
+    fwd = Forward(dw, pair, mask, policy, None)
+    fwd.project()
+    qkvg_mma, bias = fwd.qkvg.copy(), fwd.bias.copy()
+    fwd.attention()  # FFMA, in place on fwd.qkvg
+
+    config = _configs.attention_mma_config(head_dim, variant)
+    smem = _configs.attention_mma_smem_bytes(head_dim, variant)
+    bq = _configs.ATTENTION_MMA_BQ
+    blocks = -(-N // bq) * h * B * N
+    kernel = config.get(f"attention_{variant}", smem)
+    kernel((blocks,), (_configs.ATTENTION_MMA_THREADS,),
+           (qkvg_mma, bias, np.int32(B), np.int32(N), np.int32(h), np.int32(fwd.npk),
+            np.int32(policy == "nan")), shared_mem=smem)
+    cp.cuda.runtime.deviceSynchronize()
+    D = fwd.D
+    ref, got = fwd.qkvg.get(), qkvg_mma.get()
+    return ref[:, :D], got[:, :D], ref[:, D:], got[:, D:]
+
+
+@pytest.mark.parametrize("variant", list(TOL))
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+@pytest.mark.parametrize("N", SIZES_N)
+@pytest.mark.parametrize("B", [1, 2])
+def test_mma_matches_ffma(cp, rng, B, N, head_dim, variant):
+    policy = ("zero", "nan")[(N + B) % 2]
+    ref, got, ref_rest, got_rest = _run_both(cp, rng, B, N, head_dim, variant, policy)
+    np.testing.assert_array_equal(got_rest, ref_rest)  # only the q slots are written
+    if policy == "nan":
+        assert np.array_equal(np.isnan(got), np.isnan(ref)), "NaN exactly where FFMA has NaN"
+        finite = ~np.isnan(ref)
+        if not finite.any():
+            return
+        err = rel_l2(got, ref, where=finite)
+    else:
+        err = rel_l2(got, ref)  # inf on any NaN
+    assert err <= TOL[variant], f"{variant} B={B} N={N} d={head_dim}: rel L2 {err:.3g}"
+
+
+@pytest.mark.parametrize("variant", list(TOL))
+def test_mma_both_policies_on_one_input(cp, rng, variant):
+    """The same input under "zero" and "nan": fully masked queries are 0 resp. NaN."""
+    B, N, d = 2, 65, 32
+    for policy in ("zero", "nan"):
+        seeded = np.random.default_rng(1234)
+        ref, got, _, _ = _run_both(cp, seeded, B, N, d, variant, policy)
+        if policy == "zero":
+            assert not np.isnan(got).any()
+        else:
+            assert np.isnan(got).any()  # _mask always makes a fully masked query
+            assert np.array_equal(np.isnan(got), np.isnan(ref))
+        finite = ~np.isnan(ref)
+        assert rel_l2(got, ref, where=finite) <= TOL[variant]
