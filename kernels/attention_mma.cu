@@ -42,6 +42,7 @@
 // the padded keys [N, NPK); keys at or past NPK are taken as -inf here, so NPK need not
 // be a multiple of BK.
 #include "common.cuh"
+#include "mma.cuh"
 
 #ifndef HEAD_DIM
 #define HEAD_DIM 32     // d, a multiple of 8, at most 128
@@ -84,75 +85,6 @@
 #else
 #define ENTRY attention_tf32
 #endif
-
-typedef unsigned int u32;
-
-// fp32 -> tf32, round to nearest (ties away): the result is an fp32 bit pattern whose low
-// 13 mantissa bits are zero, so (a - hi) is exact and is the next term of the split.
-__device__ __forceinline__ u32 to_tf32(float a) {
-    u32 r;
-    asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(a));
-    return r;
-}
-
-// The same, but volatile: the compiler may neither hoist nor merge it. Used on the query
-// fragments, whose split is the same for every key tile: hoisted out of the key loop it
-// would keep hi and lo of the whole head dim live (d registers instead of d/2) and spill.
-__device__ __forceinline__ u32 to_tf32_here(float a) {
-    u32 r;
-    asm volatile("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(a));
-    return r;
-}
-
-// D = A B + D, m16n8k8, tf32 operands, fp32 accumulation.
-__device__ __forceinline__ void mma_tf32(float (&d)[4], u32 a0, u32 a1, u32 a2, u32 a3,
-                                         u32 b0, u32 b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 "
-        "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
-// d += a b for one m16n8k8 step on fp32 values: 3 tensor-core products (SPLIT) or 1.
-// The two small cross terms go first so they are not rounded away against hi.hi'.
-template <bool PIN_A>
-__device__ __forceinline__ void mma_f32(float (&d)[4], float a0, float a1, float a2,
-                                        float a3, float b0, float b1) {
-    const u32 ah0 = PIN_A ? to_tf32_here(a0) : to_tf32(a0), ah1 = PIN_A ? to_tf32_here(a1) : to_tf32(a1);
-    const u32 ah2 = PIN_A ? to_tf32_here(a2) : to_tf32(a2), ah3 = PIN_A ? to_tf32_here(a3) : to_tf32(a3);
-    const u32 bh0 = to_tf32(b0), bh1 = to_tf32(b1);
-#if SPLIT
-    const u32 al0 = to_tf32(a0 - __uint_as_float(ah0)), al1 = to_tf32(a1 - __uint_as_float(ah1));
-    const u32 al2 = to_tf32(a2 - __uint_as_float(ah2)), al3 = to_tf32(a3 - __uint_as_float(ah3));
-    const u32 bl0 = to_tf32(b0 - __uint_as_float(bh0)), bl1 = to_tf32(b1 - __uint_as_float(bh1));
-    mma_tf32(d, al0, al1, al2, al3, bh0, bh1);
-    mma_tf32(d, ah0, ah1, ah2, ah3, bl0, bl1);
-#endif
-    mma_tf32(d, ah0, ah1, ah2, ah3, bh0, bh1);
-}
-
-// Two fp32 values as one bf16x2 register, round to nearest even; x0 in the low half
-// (the lower matrix index, as the fragments expect).
-__device__ __forceinline__ u32 pack_bf16(float x0, float x1) {
-    u32 r;
-    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(x1), "f"(x0));
-    return r;
-}
-
-// D = A B + D, m16n8k16, bf16 operands, fp32 accumulation.
-__device__ __forceinline__ void mma_bf16(float (&d)[4], u32 a0, u32 a1, u32 a2, u32 a3,
-                                         u32 b0, u32 b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
-        "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
-__device__ __forceinline__ float2 ld2(const float* p) {
-    return __ldg(reinterpret_cast<const float2*>(p));
-}
 
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
 ENTRY(float* qkvg, const float* __restrict__ bias, int B, int N, int H, int npk,
@@ -266,7 +198,7 @@ ENTRY(float* qkvg, const float* __restrict__ bias, int B, int N, int H, int npk,
 #pragma unroll
             for (int n = 0; n < NT; ++n) {
                 const float* kr = Ks + (8 * n + g) * KSTR + 8 * kk + t;
-                mma_f32<true>(s[n], qf[kk][0], qf[kk][1], qf[kk][2], qf[kk][3], kr[0], kr[4]);
+                mma_f32<true, SPLIT>(s[n], qf[kk][0], qf[kk][1], qf[kk][2], qf[kk][3], kr[0], kr[4]);
             }
         }
 #endif
@@ -322,7 +254,7 @@ ENTRY(float* qkvg, const float* __restrict__ bias, int B, int N, int H, int npk,
             const float* vr = Vs + (8 * kk + 2 * t) * VSTR + g;
 #pragma unroll
             for (int v = 0; v < DT; ++v)
-                mma_f32<false>(o[v], s[kk][0], s[kk][2], s[kk][1], s[kk][3],
+                mma_f32<false, SPLIT>(o[v], s[kk][0], s[kk][2], s[kk][1], s[kk][3],
                         vr[8 * v], vr[VSTR + 8 * v]);
         }
 #endif

@@ -11,8 +11,12 @@
 //                        o = qkvg[:, 0:D] (attention output, written over q)
 //                        g = qkvg[:, 3D:4D] (sigmoid gate)
 //
+// The products run on FFMA (MMA = 0: fp32, 8x8 register tiles) or on tensor cores
+// (MMA = 1: mma.sync m16n8k8 on operands rounded to TF32, fp32 accumulation; the "tf32"
+// and "bf16" precision modes). Everything else (LayerNorm, bias, gate) is fp32 in both.
+//
 // Launch: grid (ceil(M / BM)), block THREADS = 256, dynamic shared memory
-//   8*BM + 4*(DPAD*BM + 2*BK*BN + THREADS + 2*BM) bytes, DPAD = D rounded up to BK.
+//   8*BM + 4*(DPAD*ASTR + 2*BK*WSTR + THREADS + 2*BM) bytes, DPAD = D rounded up to BK.
 // Pointers (float32 unless noted, M = B*N*N rows):
 //   x     [B, N, N, D] at b*sb + i*si + j*sj + c*sc elements (any strides; x_vec = 1 when
 //         sc == 1 and every row starts 16-byte aligned, enabling float4 loads)
@@ -21,24 +25,129 @@
 //         (MASK_* below; read as is, so the caller converts nothing), or null
 //   qkvg  [M, 4D]; bias [B, H, N, NPK]; out [M, D] contiguous.
 #include "common.cuh"
+#include "mma.cuh"
 
 #ifndef BM
 #define BM 128          // rows per block: 128, or 64 for large D (shared memory)
 #endif
 #define BN 128          // output columns per pass
 #define BK 16           // reduction chunk of the weight, double-buffered
-#define THREADS 256
-#define TM (BM / 16)    // rows per thread: {hm*64 + ty*4 + r}
-// Columns per thread: 8, as {hn*64 + tx*4 + c}, hn in {0, 1}, c in 0..3.
+#define THREADS 256     // launched with __launch_bounds__(THREADS, 2): two blocks per SM
+                        // (shared memory allows it up to D = 320), at most 128 registers
+#ifndef MMA
+#define MMA 0           // 1: tensor cores (TF32), 0: FFMA
+#endif
+#define TM (BM / 16)    // FFMA: rows per thread: {hm*64 + ty*4 + r}
+// FFMA: columns per thread: 8, as {hn*64 + tx*4 + c}, hn in {0, 1}, c in 0..3.
+#define MT (BM / 32)    // MMA: 16-row m-tiles per warp; the 8 warps are 2 (rows) x 4 (columns)
+// Row strides of As ([k][m]) and Ws ([k][n]), padded by 4 words: the MMA fragment loads
+// As[k0+t][m0+g] and Ws[k0+t][n0+g] of a warp then fall in banks 4t + g, all distinct.
+#define ASTR (BM + 4)
+#define WSTR (BN + 4)
 
-// acc += As[0:dpad, this thread's rows] x WT[0:D, n0 + this thread's columns].
-// As is [dpad][BM] (k-major: a thread's 4 consecutive rows are one float4); Ws is the
-// [2][BK][BN] staging buffer for weight chunks. Ends with a barrier, so the caller may
-// reuse Ws at once.
+// This thread's share of one BM x BN output tile.
+struct Tile {
+#if MMA
+    float c[MT][4][4];  // [m-tile][8-column n-tile][C fragment]
+#else
+    float c[TM][8];
+#endif
+    __device__ __forceinline__ void zero() {
+        float* p = reinterpret_cast<float*>(c);
+#pragma unroll
+        for (int i = 0; i < (int)(sizeof(c) / sizeof(float)); ++i) p[i] = 0.f;
+    }
+};
+
+#if MMA
+// acc += a_k[0:BK, warp's rows] x w_k[0:BK, warp's columns] on tensor cores: warp w owns
+// rows (w / 4) * BM/2 + [0, BM/2) and columns (w % 4) * 32 + [0, 32) of the tile.
+__device__ __forceinline__ void multiply_chunk(const float* a_k, const float* w_k, Tile& acc) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+    const int row0 = (warp / 4) * (BM / 2), col0 = (warp % 4) * 32;
+#pragma unroll
+    for (int kk = 0; kk < BK; kk += 8) {
+        u32 a[MT][4], b[4][2];
+#pragma unroll
+        for (int i = 0; i < MT; ++i) {
+            const float* p = a_k + (kk + t) * ASTR + row0 + i * 16 + g;
+            a[i][0] = to_tf32(p[0]);
+            a[i][1] = to_tf32(p[8]);
+            a[i][2] = to_tf32(p[4 * ASTR]);
+            a[i][3] = to_tf32(p[4 * ASTR + 8]);
+        }
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const float* p = w_k + (kk + t) * WSTR + col0 + j * 8 + g;
+            b[j][0] = to_tf32(p[0]);
+            b[j][1] = to_tf32(p[4 * WSTR]);
+        }
+#pragma unroll
+        for (int i = 0; i < MT; ++i)
+#pragma unroll
+            for (int j = 0; j < 4; ++j)
+                mma_tf32(acc.c[i][j], a[i][0], a[i][1], a[i][2], a[i][3], b[j][0], b[j][1]);
+    }
+}
+
+// emit(row in block, column, two adjacent values) for every value this thread holds.
+template <class Emit>
+__device__ __forceinline__ void for_each_pair(const Tile& acc, int n0, Emit emit) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+    const int row0 = (warp / 4) * (BM / 2), col0 = n0 + (warp % 4) * 32;
+#pragma unroll
+    for (int i = 0; i < MT; ++i)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const int r = row0 + i * 16 + g, n = col0 + j * 8 + 2 * t;
+            emit(r, n, make_float2(acc.c[i][j][0], acc.c[i][j][1]));
+            emit(r + 8, n, make_float2(acc.c[i][j][2], acc.c[i][j][3]));
+        }
+}
+#else
+// acc += a_k[0:BK, thread's rows] x w_k[0:BK, thread's columns], 8x8 outer products.
+__device__ __forceinline__ void multiply_chunk(const float* a_k, const float* w_k, Tile& acc) {
+    const int ty = threadIdx.x / 16, tx = threadIdx.x % 16;
+#pragma unroll
+    for (int kk = 0; kk < BK; ++kk) {
+        float a[TM], w[8];
+#pragma unroll
+        for (int hm = 0; hm < TM / 4; ++hm) {
+            const float4 v = *reinterpret_cast<const float4*>(a_k + kk * ASTR + hm * 64 + ty * 4);
+            a[hm * 4 + 0] = v.x; a[hm * 4 + 1] = v.y; a[hm * 4 + 2] = v.z; a[hm * 4 + 3] = v.w;
+        }
+#pragma unroll
+        for (int hn = 0; hn < 2; ++hn) {
+            const float4 v = *reinterpret_cast<const float4*>(w_k + kk * WSTR + hn * 64 + tx * 4);
+            w[hn * 4 + 0] = v.x; w[hn * 4 + 1] = v.y; w[hn * 4 + 2] = v.z; w[hn * 4 + 3] = v.w;
+        }
+#pragma unroll
+        for (int r = 0; r < TM; ++r)
+#pragma unroll
+            for (int c = 0; c < 8; ++c) acc.c[r][c] = fmaf(a[r], w[c], acc.c[r][c]);
+    }
+}
+
+template <class Emit>
+__device__ __forceinline__ void for_each_pair(const Tile& acc, int n0, Emit emit) {
+    const int ty = threadIdx.x / 16, tx = threadIdx.x % 16;
+#pragma unroll
+    for (int r = 0; r < TM; ++r)
+#pragma unroll
+        for (int c = 0; c < 8; c += 2)
+            emit((r / 4) * 64 + ty * 4 + (r % 4), n0 + (c / 4) * 64 + tx * 4 + c % 4,
+                 make_float2(acc.c[r][c], acc.c[r][c + 1]));
+}
+#endif
+
+// acc += As[0:dpad, the block's rows] x WT[0:D, n0 + the block's columns].
+// As is [dpad][ASTR] (k-major: an FFMA thread's 4 consecutive rows are one float4); Ws is
+// the [2][BK][WSTR] staging buffer for weight chunks. Ends with a barrier, so the caller
+// may reuse Ws at once.
 __device__ __forceinline__ void block_gemm(const float* As, const float* __restrict__ WT,
                                            int D, int dpad, int NO, int n0, float* Ws,
-                                           float (&acc)[TM][8]) {
-    const int t = threadIdx.x, ty = t / 16, tx = t % 16;
+                                           Tile& acc) {
+    const int t = threadIdx.x;
     // Each thread stages 2 float4 of every BK x BN weight chunk.
     float4 stage[2];
     auto load_chunk = [&](int k0) {
@@ -55,7 +164,7 @@ __device__ __forceinline__ void block_gemm(const float* As, const float* __restr
 #pragma unroll
         for (int p = 0; p < 2; ++p) {
             const int idx = t + p * THREADS;
-            st4(buf + (idx / (BN / 4)) * BN + (idx % (BN / 4)) * 4, stage[p]);
+            st4(buf + (idx / (BN / 4)) * WSTR + (idx % (BN / 4)) * 4, stage[p]);
         }
     };
     const int nchunks = dpad / BK;
@@ -63,37 +172,16 @@ __device__ __forceinline__ void block_gemm(const float* As, const float* __restr
     store_chunk(Ws);
     __syncthreads();  // chunk 0 visible to all threads
     for (int kc = 0; kc < nchunks; ++kc) {
-        const float* buf = Ws + (kc & 1) * BK * BN;
+        const float* buf = Ws + (kc & 1) * BK * WSTR;
         // The next chunk's global loads are in flight while this one is multiplied.
         if (kc + 1 < nchunks) load_chunk((kc + 1) * BK);
-        const float* a_k = As + kc * BK * BM;
-#pragma unroll
-        for (int kk = 0; kk < BK; ++kk) {
-            float a[TM], w[8];
-#pragma unroll
-            for (int hm = 0; hm < TM / 4; ++hm) {
-                const float4 v = *reinterpret_cast<const float4*>(a_k + kk * BM + hm * 64 + ty * 4);
-                a[hm * 4 + 0] = v.x; a[hm * 4 + 1] = v.y; a[hm * 4 + 2] = v.z; a[hm * 4 + 3] = v.w;
-            }
-#pragma unroll
-            for (int hn = 0; hn < 2; ++hn) {
-                const float4 v = *reinterpret_cast<const float4*>(buf + kk * BN + hn * 64 + tx * 4);
-                w[hn * 4 + 0] = v.x; w[hn * 4 + 1] = v.y; w[hn * 4 + 2] = v.z; w[hn * 4 + 3] = v.w;
-            }
-#pragma unroll
-            for (int r = 0; r < TM; ++r)
-#pragma unroll
-                for (int c = 0; c < 8; ++c) acc[r][c] = fmaf(a[r], w[c], acc[r][c]);
-        }
+        multiply_chunk(As + kc * BK * ASTR, buf, acc);
         // The other buffer was last read in iteration kc - 1, which the barrier that
         // ended it has closed, so it can be overwritten now.
-        if (kc + 1 < nchunks) store_chunk(Ws + ((kc + 1) & 1) * BK * BN);
+        if (kc + 1 < nchunks) store_chunk(Ws + ((kc + 1) & 1) * BK * WSTR);
         __syncthreads();  // next chunk visible; this chunk's reads done before reuse
     }
 }
-
-// Row index of accumulator row r of thread ty within the block.
-__device__ __forceinline__ int acc_row(int r, int ty) { return (r / 4) * 64 + ty * 4 + (r % 4); }
 
 // mask_kind: how to read one mask element; "masked" means the element equals zero.
 #define MASK_NONE 0
@@ -123,8 +211,8 @@ __device__ __forceinline__ float sigmoid(float z) { return 1.0f / (1.0f + expf(-
 
 struct SmemLayout {
     i64* rowoff;    // [BM]   element offset of each row's first value in x
-    float* As;      // [dpad][BM]
-    float* Ws;      // [2][BK][BN]
+    float* As;      // [dpad][ASTR]
+    float* Ws;      // [2][BK][WSTR]
     float* red;     // [THREADS]
     float* mean;    // [BM]
     float* rstd;    // [BM]
@@ -135,14 +223,14 @@ __device__ __forceinline__ SmemLayout smem_layout(int dpad) {
     SmemLayout s;
     s.rowoff = reinterpret_cast<i64*>(smem4);  // first: keeps 8- and 16-byte alignment
     s.As = reinterpret_cast<float*>(s.rowoff + BM);
-    s.Ws = s.As + dpad * BM;
-    s.red = s.Ws + 2 * BK * BN;
+    s.Ws = s.As + dpad * ASTR;
+    s.red = s.Ws + 2 * BK * WSTR;
     s.mean = s.red + THREADS;
     s.rstd = s.mean + BM;
     return s;
 }
 
-extern "C" __global__ void __launch_bounds__(THREADS)
+extern "C" __global__ void __launch_bounds__(THREADS, 2)
 ln_qkvg_project(const float* __restrict__ x, i64 sb, i64 si, i64 sj, i64 sc, int x_vec,
                 int B, int N, int D, int H, float eps, float q_scale,
                 const float* __restrict__ gamma, const float* __restrict__ beta,
@@ -174,10 +262,10 @@ ln_qkvg_project(const float* __restrict__ x, i64 sb, i64 si, i64 sj, i64 sc, int
             if (x_vec) v = ld4(p + k);
             else v = make_float4(p[k * sc], p[(k + 1) * sc], p[(k + 2) * sc], p[(k + 3) * sc]);
         }
-        s.As[(k + 0) * BM + ml] = v.x;
-        s.As[(k + 1) * BM + ml] = v.y;
-        s.As[(k + 2) * BM + ml] = v.z;
-        s.As[(k + 3) * BM + ml] = v.w;
+        s.As[(k + 0) * ASTR + ml] = v.x;
+        s.As[(k + 1) * ASTR + ml] = v.y;
+        s.As[(k + 2) * ASTR + ml] = v.z;
+        s.As[(k + 3) * ASTR + ml] = v.w;
     }
     __syncthreads();  // tile complete before the statistics read it
 
@@ -186,7 +274,7 @@ ln_qkvg_project(const float* __restrict__ x, i64 sb, i64 si, i64 sj, i64 sc, int
     {
         const int ml = t % BM, part = t / BM, parts = THREADS / BM;
         float acc = 0.f;
-        for (int k = part; k < D; k += parts) acc += s.As[k * BM + ml];
+        for (int k = part; k < D; k += parts) acc += s.As[k * ASTR + ml];
         s.red[t] = acc;
         __syncthreads();  // partial sums visible
         if (t < BM) {
@@ -198,7 +286,7 @@ ln_qkvg_project(const float* __restrict__ x, i64 sb, i64 si, i64 sj, i64 sc, int
         const float mu = s.mean[ml];
         acc = 0.f;
         for (int k = part; k < D; k += parts) {
-            const float dev = s.As[k * BM + ml] - mu;
+            const float dev = s.As[k * ASTR + ml] - mu;
             acc = fmaf(dev, dev, acc);
         }
         s.red[t] = acc;
@@ -214,7 +302,8 @@ ln_qkvg_project(const float* __restrict__ x, i64 sb, i64 si, i64 sj, i64 sc, int
     // 4. Normalise in place: xn = (x - mean) * rstd * gamma + beta (pad rows k >= D stay 0).
     for (int idx = t; idx < D * BM; idx += THREADS) {
         const int ml = idx % BM, k = idx / BM;
-        s.As[idx] = (s.As[idx] - s.mean[ml]) * s.rstd[ml] * __ldg(gamma + k) + __ldg(beta + k);
+        float* a = s.As + k * ASTR + ml;
+        *a = (*a - s.mean[ml]) * s.rstd[ml] * __ldg(gamma + k) + __ldg(beta + k);
     }
     __syncthreads();  // normalised tile complete
 
@@ -225,7 +314,7 @@ ln_qkvg_project(const float* __restrict__ x, i64 sb, i64 si, i64 sj, i64 sc, int
         if (m >= M) continue;
         const float* w = Wb + (i64)head * D;
         float dot = 0.f;
-        for (int k = 0; k < D; ++k) dot = fmaf(s.As[k * BM + ml], __ldg(w + k), dot);
+        for (int k = 0; k < D; ++k) dot = fmaf(s.As[k * ASTR + ml], __ldg(w + k), dot);
         const i64 b = m / NN, r = m - b * NN, i = r / N, j = r - i * N;
         float* brow = bias + ((b * H + head) * N + i) * (i64)npk;
         brow[j] = mask_keeps(mask, mask_kind, b * mb + i * mi + j * mj) ? dot * LOG2E_F : neg_inf();
@@ -236,38 +325,30 @@ ln_qkvg_project(const float* __restrict__ x, i64 sb, i64 si, i64 sj, i64 sc, int
     }
 
     // 6. q, k, v and gate: every 4D output column of these rows, BN at a time.
-    const int NO = 4 * D, ty = t / 16, tx = t % 16;
-    for (int n0 = 0; n0 < NO; n0 += BN) {
-        float acc[TM][8];
-#pragma unroll
-        for (int r = 0; r < TM; ++r)
-#pragma unroll
-            for (int c = 0; c < 8; ++c) acc[r][c] = 0.f;
-        block_gemm(s.As, WT, D, dpad, NO, n0, s.Ws, acc);
-#pragma unroll
-        for (int hn = 0; hn < 2; ++hn) {
-            const int n = n0 + hn * 64 + tx * 4;
-            if (n >= NO) continue;
-            const int group = n / D;  // 0 q, 1 k, 2 v, 3 gate; D % 4 == 0: no float4 straddles
-            const float4 bb = ld4(b_qkvg + n);
-#pragma unroll
-            for (int r = 0; r < TM; ++r) {
-                const i64 m = m0 + acc_row(r, ty);
-                if (m >= M) continue;
-                float4 v = make_float4(acc[r][hn * 4 + 0] + bb.x, acc[r][hn * 4 + 1] + bb.y,
-                                       acc[r][hn * 4 + 2] + bb.z, acc[r][hn * 4 + 3] + bb.w);
-                if (group == 0) {
-                    v.x *= q_scale; v.y *= q_scale; v.z *= q_scale; v.w *= q_scale;
-                } else if (group == 3) {
-                    v.x = sigmoid(v.x); v.y = sigmoid(v.y); v.z = sigmoid(v.z); v.w = sigmoid(v.w);
-                }
-                st4(qkvg + m * NO + n, v);
-            }
+    const int NO = 4 * D;
+    auto emit = [&](int ml, int n, float2 v) {
+        const i64 m = m0 + ml;
+        if (m >= M || n >= NO) return;
+        const int group = n / D;  // 0 q, 1 k, 2 v, 3 gate; n even, D % 4 == 0: no pair straddles
+        const float2 bb = ld2(b_qkvg + n);
+        v.x += bb.x;
+        v.y += bb.y;
+        if (group == 0) {
+            v.x *= q_scale; v.y *= q_scale;
+        } else if (group == 3) {
+            v.x = sigmoid(v.x); v.y = sigmoid(v.y);
         }
+        *reinterpret_cast<float2*>(qkvg + m * NO + n) = v;
+    };
+    for (int n0 = 0; n0 < NO; n0 += BN) {
+        Tile acc;
+        acc.zero();
+        block_gemm(s.As, WT, D, dpad, NO, n0, s.Ws, acc);
+        for_each_pair(acc, n0, emit);
     }
 }
 
-extern "C" __global__ void __launch_bounds__(THREADS)
+extern "C" __global__ void __launch_bounds__(THREADS, 2)
 gated_out_project(const float* __restrict__ qkvg, i64 M, int D,
                   const float* __restrict__ WT, const float* __restrict__ b_out,
                   float* __restrict__ out) {
@@ -285,34 +366,24 @@ gated_out_project(const float* __restrict__ qkvg, i64 M, int D,
             const float4 o = ld4(row + k), g = ld4(row + 3 * D + k);
             v = make_float4(g.x * o.x, g.y * o.y, g.z * o.z, g.w * o.w);
         }
-        s.As[(k + 0) * BM + ml] = v.x;
-        s.As[(k + 1) * BM + ml] = v.y;
-        s.As[(k + 2) * BM + ml] = v.z;
-        s.As[(k + 3) * BM + ml] = v.w;
+        s.As[(k + 0) * ASTR + ml] = v.x;
+        s.As[(k + 1) * ASTR + ml] = v.y;
+        s.As[(k + 2) * ASTR + ml] = v.z;
+        s.As[(k + 3) * ASTR + ml] = v.w;
     }
     __syncthreads();  // tile complete before the product reads it
 
     // 2. out = A Wo^T + bo.
-    const int ty = t / 16, tx = t % 16;
+    auto emit = [&](int ml, int n, float2 v) {
+        const i64 m = m0 + ml;
+        if (m >= M || n >= D) return;
+        const float2 bb = ld2(b_out + n);
+        *reinterpret_cast<float2*>(out + m * D + n) = make_float2(v.x + bb.x, v.y + bb.y);
+    };
     for (int n0 = 0; n0 < D; n0 += BN) {
-        float acc[TM][8];
-#pragma unroll
-        for (int r = 0; r < TM; ++r)
-#pragma unroll
-            for (int c = 0; c < 8; ++c) acc[r][c] = 0.f;
+        Tile acc;
+        acc.zero();
         block_gemm(s.As, WT, D, dpad, D, n0, s.Ws, acc);
-#pragma unroll
-        for (int hn = 0; hn < 2; ++hn) {
-            const int n = n0 + hn * 64 + tx * 4;
-            if (n >= D) continue;
-            const float4 bb = ld4(b_out + n);
-#pragma unroll
-            for (int r = 0; r < TM; ++r) {
-                const i64 m = m0 + acc_row(r, ty);
-                if (m >= M) continue;
-                st4(out + m * D + n, make_float4(acc[r][hn * 4 + 0] + bb.x, acc[r][hn * 4 + 1] + bb.y,
-                                                 acc[r][hn * 4 + 2] + bb.z, acc[r][hn * 4 + 3] + bb.w));
-            }
-        }
+        for_each_pair(acc, n0, emit);
     }
 }

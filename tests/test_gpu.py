@@ -95,6 +95,13 @@ def test_every_head_dim(cp, rng, head_dim, precision):
     check_against_reference(cp, rng, 2, 37, head_dim * h, h, precision=precision)
 
 
+@pytest.mark.parametrize("precision", ["fp32", "tf32", "bf16"])
+@pytest.mark.parametrize("D,h", [(384, 4), (768, 6)])
+def test_wide_pair_dim(cp, rng, D, h, precision):
+    """D above 320 takes the 64-row projection blocks (shared memory)."""
+    check_against_reference(cp, rng, 1, 23, D, h, precision=precision)
+
+
 def test_shared_memory_limits_of_one_kernel_across_sizes(cp, rng):
     """One compiled kernel serves several D: a smaller launch must not lower the shared
     memory limit a larger one needs (a cached-handle bug seen on the H200)."""

@@ -46,4 +46,6 @@ def test_every_supported_dimension_has_a_config():
         assert _configs.attention_config(d) in configs
     for D in (4, 64, 128, 320, 324, 768):
         for rows_total in (1, 10**9):
-            assert _configs.project_config(_configs.project_rows(D, rows_total)) in configs
+            for tensor_cores in (False, True):
+                rows = _configs.project_rows(D, rows_total)
+                assert _configs.project_config(rows, tensor_cores) in configs

@@ -77,13 +77,22 @@ def project_rows(pair_dim: int, rows_total: int = 1 << 62, sm_count: int = 132) 
     return 128
 
 
-def project_config(rows: int) -> KernelConfig:
-    return KernelConfig("project.cu", (("BM", rows),))
+def project_config(rows: int, tensor_cores: bool = False) -> KernelConfig:
+    """rows per block; tensor_cores: TF32 mma.sync products (the tf32 and bf16 modes)."""
+    return KernelConfig("project.cu", (("BM", rows), ("MMA", int(tensor_cores))))
+
+
+def project_uses_tensor_cores(precision: str, compute_capability: int = 90) -> bool:
+    """fp32 keeps the FFMA products (exact fp32); tf32 and bf16 take TF32 tensor cores,
+    whose error (~1e-4) is inside both modes' bounds, on sm_80 and newer."""
+    return precision in ("tf32", "bf16") and compute_capability >= 80
 
 
 def project_smem_bytes(pair_dim: int, bm: int) -> int:
+    """rowoff (8 per row), As [DPAD][BM+4], Ws [2][BK][BN+4], red, mean, rstd."""
     dpad = -(-pair_dim // _PROJECT_BK) * _PROJECT_BK
-    return 8 * bm + 4 * (dpad * bm + 2 * _PROJECT_BK * _PROJECT_BN + PROJECT_THREADS + 2 * bm)
+    return 8 * bm + 4 * (dpad * (bm + 4) + 2 * _PROJECT_BK * (_PROJECT_BN + 4)
+                         + PROJECT_THREADS + 2 * bm)
 
 
 # ---- attention (kernels/attention.cu) ----
@@ -170,7 +179,7 @@ def attention_kernel(head_dim: int, precision: str, compute_capability: int = 90
 
 def all_configs():
     """Every configuration a supported (pair_dim, num_heads) can launch."""
-    configs = {project_config(64), project_config(128)}
+    configs = {project_config(rows, mma) for rows in (64, 128) for mma in (False, True)}
     configs.update(attention_config(d) for d in supported_head_dims())
     configs.update(attention_mma_config(d, v) for d in attention_mma_head_dims()
                    for v in ATTENTION_MMA_VARIANTS)

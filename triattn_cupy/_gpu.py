@@ -2,11 +2,12 @@
 
 Stages (one launch each):
   project    LayerNorm + q/k/v/gate + pair bias with the mask folded in  (project.cu);
-             the mask is read in place, in its own dtype and strides
+             the mask is read in place, in its own dtype and strides; FFMA products
+             for "fp32", TF32 tensor cores for "tf32" and "bf16" (sm_80+)
   attention  flash-style softmax attention, o written over q: tensor cores for head dims
              that are multiples of 8 on sm_80+ (attention_mma.cu: 3xTF32 for "fp32",
              TF32, bf16), else FFMA fp32 (attention.cu)
-  out        (g * o) Wo^T + bo                                          (project.cu)
+  out        (g * o) Wo^T + bo, products as in project              (project.cu)
 Scratch: qkvg [M, 4D] and bias [B, h, N, NPK] float32, taken from CuPy's memory pool.
 """
 from __future__ import annotations
@@ -111,6 +112,7 @@ class Forward:
         check_fully_masked(fully_masked)
         self.attention_kernel = _configs.attention_kernel(dw.head_dim, precision,
                                                           dw.compute_capability)
+        self.project_mma = _configs.project_uses_tensor_cores(precision, dw.compute_capability)
         pair = as_device_array(pair, "pair", dw.device_id)
         if pair.dtype != np.float32:
             raise TypeError(f"pair must be float32; got {pair.dtype} (convert with "
@@ -170,7 +172,7 @@ class Forward:
                     and pair.data.ptr % 16 == 0)
         rows = _configs.project_rows(self.D, self.M, dw.sm_count)
         self._launch(
-            _configs.project_config(rows), "ln_qkvg_project", -(-self.M // rows),
+            _configs.project_config(rows, self.project_mma), "ln_qkvg_project", -(-self.M // rows),
             _configs.PROJECT_THREADS,
             (pair, np.int64(sb), np.int64(si), np.int64(sj), np.int64(sc), np.int32(x_vec),
              np.int32(self.B), np.int32(self.N), np.int32(self.D), np.int32(self.H),
@@ -192,7 +194,8 @@ class Forward:
         dw = self.dw
         rows = _configs.project_rows(self.D, self.M, dw.sm_count)
         self._launch(
-            _configs.project_config(rows), "gated_out_project", -(-self.M // rows),
+            _configs.project_config(rows, self.project_mma), "gated_out_project",
+            -(-self.M // rows),
             _configs.PROJECT_THREADS,
             (self.qkvg, np.int64(self.M), np.int32(self.D), dw.w_out_t, dw.b_out, self.out),
             _configs.project_smem_bytes(self.D, rows))

@@ -1,0 +1,80 @@
+// Tensor-core building blocks through inline PTX (NVRTC cannot include <mma.h>):
+// fp32 -> tf32 / bf16 conversions and the m16n8k8 tf32 / m16n8k16 bf16 mma.sync products.
+// Fragment layouts (PTX ISA, "Matrix Fragments for mma.m16n8k8 / m16n8k16"), with
+// g = lane >> 2, t = lane & 3:
+//   m16n8k8 tf32:  A a0 (g, t) a1 (g+8, t) a2 (g, t+4) a3 (g+8, t+4);
+//                  B b0 (k=t, n=g) b1 (k=t+4, n=g)
+//   m16n8k16 bf16: A {a0,a1} (g, 2t..2t+1) {a2,a3} (g+8, 2t..) {a4,a5} (g, 2t+8..)
+//                  {a6,a7} (g+8, 2t+8..);  B {b0,b1} (k=2t..2t+1, n=g) {b2,b3} (k=2t+8.., n=g)
+//   C (both):      c0 (g, 2t) c1 (g, 2t+1) c2 (g+8, 2t) c3 (g+8, 2t+1)
+#pragma once
+
+typedef unsigned int u32;
+
+// fp32 -> tf32, round to nearest (ties away): the result is an fp32 bit pattern whose low
+// 13 mantissa bits are zero, so (a - hi) is exact and is the next term of the split.
+__device__ __forceinline__ u32 to_tf32(float a) {
+    u32 r;
+    asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(a));
+    return r;
+}
+
+// The same, but volatile: the compiler may neither hoist nor merge it. Used on the query
+// fragments, whose split is the same for every key tile: hoisted out of the key loop it
+// would keep hi and lo of the whole head dim live (d registers instead of d/2) and spill.
+__device__ __forceinline__ u32 to_tf32_here(float a) {
+    u32 r;
+    asm volatile("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(a));
+    return r;
+}
+
+// D = A B + D, m16n8k8, tf32 operands, fp32 accumulation.
+__device__ __forceinline__ void mma_tf32(float (&d)[4], u32 a0, u32 a1, u32 a2, u32 a3,
+                                         u32 b0, u32 b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 "
+        "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// d += a b for one m16n8k8 step on fp32 values: 3 tensor-core products (SPLIT3, the
+// fp32-accurate 3xTF32) or 1 (TF32). The two small cross terms go first so they are not
+// rounded away against hi.hi'. PIN_A: convert a with to_tf32_here.
+template <bool PIN_A, bool SPLIT3>
+__device__ __forceinline__ void mma_f32(float (&d)[4], float a0, float a1, float a2,
+                                        float a3, float b0, float b1) {
+    const u32 ah0 = PIN_A ? to_tf32_here(a0) : to_tf32(a0), ah1 = PIN_A ? to_tf32_here(a1) : to_tf32(a1);
+    const u32 ah2 = PIN_A ? to_tf32_here(a2) : to_tf32(a2), ah3 = PIN_A ? to_tf32_here(a3) : to_tf32(a3);
+    const u32 bh0 = to_tf32(b0), bh1 = to_tf32(b1);
+    if (SPLIT3) {
+    const u32 al0 = to_tf32(a0 - __uint_as_float(ah0)), al1 = to_tf32(a1 - __uint_as_float(ah1));
+    const u32 al2 = to_tf32(a2 - __uint_as_float(ah2)), al3 = to_tf32(a3 - __uint_as_float(ah3));
+    const u32 bl0 = to_tf32(b0 - __uint_as_float(bh0)), bl1 = to_tf32(b1 - __uint_as_float(bh1));
+    mma_tf32(d, al0, al1, al2, al3, bh0, bh1);
+    mma_tf32(d, ah0, ah1, ah2, ah3, bl0, bl1);
+    }
+    mma_tf32(d, ah0, ah1, ah2, ah3, bh0, bh1);
+}
+
+// Two fp32 values as one bf16x2 register, round to nearest even; x0 in the low half
+// (the lower matrix index, as the fragments expect).
+__device__ __forceinline__ u32 pack_bf16(float x0, float x1) {
+    u32 r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(x1), "f"(x0));
+    return r;
+}
+
+// D = A B + D, m16n8k16, bf16 operands, fp32 accumulation.
+__device__ __forceinline__ void mma_bf16(float (&d)[4], u32 a0, u32 a1, u32 a2, u32 a3,
+                                         u32 b0, u32 b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+        "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ float2 ld2(const float* p) {
+    return __ldg(reinterpret_cast<const float2*>(p));
+}
