@@ -138,12 +138,8 @@ attention_fp32(float* qkvg, const float* __restrict__ bias, int B, int N, int H,
             mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
             mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
             mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 4));
-            const float m_new = fmaxf(m[r], mx);
-            // While every key so far is masked, m_new = -inf and s - m_new would be
-            // -inf - (-inf) = NaN; subtracting 0 instead gives 2^-inf = 0 for each term.
-            const float m_ref = m_new == neg_inf() ? 0.f : m_new;
-            const float alpha = exp2f(m[r] - m_ref);  // rescales what earlier tiles summed
-            m[r] = m_new;
+            float alpha;
+            const float m_ref = online_max_update(m[r], mx, alpha);
             float sum = 0.f;
 #pragma unroll
             for (int e = 0; e < TN; ++e) {

@@ -18,3 +18,15 @@ __device__ __forceinline__ void st4(float* p, float4 v) {
     *reinterpret_cast<float4*>(p) = v;
 }
 __device__ __forceinline__ float4 zero4() { return make_float4(0.f, 0.f, 0.f, 0.f); }
+
+// One step of the online softmax's running maximum: m <- max(m, tile_max). Returns the
+// value to subtract from this tile's scores and sets alpha, the factor that rescales what
+// earlier tiles summed. While every key so far is masked, the maximum is -inf and
+// s - max would be -inf - (-inf) = NaN; subtracting 0 instead gives 2^-inf = 0 per term.
+__device__ __forceinline__ float online_max_update(float& m, float tile_max, float& alpha) {
+    const float m_new = fmaxf(m, tile_max);
+    const float m_ref = m_new == neg_inf() ? 0.f : m_new;
+    alpha = exp2f(m - m_ref);
+    m = m_new;
+    return m_ref;
+}

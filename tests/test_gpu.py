@@ -288,3 +288,7 @@ def test_error_other_device(cp):
         pair = cp.zeros((1, 3, 3, 32), np.float32)
     with pytest.raises(ValueError, match="pair is on GPU 1 but the weights are on GPU 0"):
         module(pair)
+    pair0 = cp.ones((1, 3, 3, 32), np.float32)
+    with cp.cuda.Device(1):  # the current device differs from the module's
+        out = module(pair0)
+    assert out.device.id == 0

@@ -124,7 +124,8 @@ class Forward:
             check_mask_dtype(mask.dtype)
             check_mask_shape(mask.shape, B, N, batched)
         if out is None:
-            out = cupy.empty(pair.shape, np.float32)
+            with cupy.cuda.Device(dw.device_id):
+                out = cupy.empty(pair.shape, np.float32)
         else:
             out = as_device_array(out, "out", dw.device_id)
             if out.shape != pair.shape or out.dtype != np.float32 or not out.flags.c_contiguous:
@@ -136,9 +137,10 @@ class Forward:
         self.B, self.N, self.D, self.H, self.d = B, N, D, H, d
         self.M = B * N * N
         self.nan_fully_masked = fully_masked == "nan"
-        bq, bk = _configs.attention_tiles(d)
-        self.bq, self.bk = bq, bk
-        self.npk = -(-N // bk) * bk  # key axis of the bias padded to whole tiles
+        # The key axis of the bias is padded with -inf to whole FFMA key tiles (32 or 64),
+        # which is also the even length the tensor-core kernel's float2 reads need.
+        bk = _configs.attention_tiles(d)[1]
+        self.npk = -(-N // bk) * bk
         with cupy.cuda.Device(dw.device_id):
             self.qkvg = cupy.empty((self.M, 4 * D), np.float32)
             self.bias = cupy.empty((B, H, N, self.npk), np.float32)
