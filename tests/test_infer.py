@@ -339,8 +339,12 @@ sys.exit(infer.main([{str(src)!r}, "-o", {str(out)!r}, "--weights", {str(weights
 """
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         [str(REPO), str(REPO / "tests"), os.environ.get("PYTHONPATH", "")]))
+    # A shell without job control starts background jobs with SIGINT ignored, and Python
+    # then installs no KeyboardInterrupt handler: give the child the default disposition a
+    # user's terminal would, whatever this test process inherited.
     proc = subprocess.Popen([sys.executable, "-c", script], env=env,
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.time() + 30
     while time.time() < deadline and not (out.exists() and any(
             p.name.endswith(".tmp") for p in out.iterdir())):
