@@ -32,30 +32,29 @@ def main(sizes):
 
 
 def time_size(size, precision):
-    if True:  # noqa: one indentation level kept from the loop body
-        B, N, D, h = map(int, size.split("x"))
-        module = ta.TriangleAttention(ta.random_weights(D, h, seed=0))
-        pair = cp.random.standard_normal((B, N, N, D), dtype=np.float32)
-        mask = cp.ones((B, N, N), bool)
-        pad = N // 10
-        if pad:
-            mask[:, :, -pad:] = False
-            mask[:, -pad:, :] = False
-        repeats = 50 if N <= 512 else 10
-        kw = {} if precision == "fp32-ffma" else {"precision": precision}
-        for _ in range(3):
-            module(pair, mask, **kw)
-        total = median_ms(lambda: module(pair, mask, **kw), repeats)
-        stages = module.stage_launchers(pair, mask, **kw)
-        parts = []
-        for i, (name, _) in enumerate(stages):
-            def upto(i=i):
-                for _, launch in module.stage_launchers(pair, mask, **kw)[: i + 1]:
-                    launch()
-            parts.append((name, median_ms(upto, repeats)))
-        flops = 4 * B * N**3 * D + 2 * B * N * N * D * (5 * D + h)
-        line = " ".join(f"{name}={t - (parts[i-1][1] if i else 0):.3f}" for i, (name, t) in enumerate(parts))
-        print(f"{precision:9s} {size}: {total:.3f} ms  {flops / total / 1e9:.1f} TFLOP/s  [{line}]", flush=True)
+    B, N, D, h = map(int, size.split("x"))
+    module = ta.TriangleAttention(ta.random_weights(D, h, seed=0))
+    pair = cp.random.standard_normal((B, N, N, D), dtype=np.float32)
+    mask = cp.ones((B, N, N), bool)
+    pad = N // 10
+    if pad:
+        mask[:, :, -pad:] = False
+        mask[:, -pad:, :] = False
+    repeats = 50 if N <= 512 else 10
+    kw = {} if precision == "fp32-ffma" else {"precision": precision}
+    for _ in range(3):
+        module(pair, mask, **kw)
+    total = median_ms(lambda: module(pair, mask, **kw), repeats)
+    stages = module.stage_launchers(pair, mask, **kw)
+    parts = []
+    for i, (name, _) in enumerate(stages):
+        def upto(i=i):
+            for _, launch in module.stage_launchers(pair, mask, **kw)[: i + 1]:
+                launch()
+        parts.append((name, median_ms(upto, repeats)))
+    flops = 4 * B * N**3 * D + 2 * B * N * N * D * (5 * D + h)
+    line = " ".join(f"{name}={t - (parts[i-1][1] if i else 0):.3f}" for i, (name, t) in enumerate(parts))
+    print(f"{precision:9s} {size}: {total:.3f} ms  {flops / total / 1e9:.1f} TFLOP/s  [{line}]", flush=True)
 
 
 PRECISIONS = ("fp32", "tf32", "bf16")
