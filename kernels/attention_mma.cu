@@ -1,31 +1,42 @@
 // Masked, biased softmax attention along the last pair axis, flash-style, on tensor cores
-// (mma.sync through inline PTX: NVRTC cannot include <mma.h>). Same computation, layouts
-// and edge cases as attention.cu (FFMA); for every row (b, i), head h and query j (q and
-// bias pre-scaled by log2 e, so softmax is in base 2 and exp2f is one instruction):
+// (mma.sync and ldmatrix through inline PTX: NVRTC cannot include <mma.h>). Same
+// computation, layouts and edge cases as attention.cu (FFMA); for every row (b, i), head h
+// and query j (q and bias pre-scaled by log2 e, so softmax is in base 2 and exp2f is one
+// instruction):
 //
 //   s[k]         = q[b,i,j,h] . k[b,i,k,h] + bias[b,h,j,k]    # bias = -inf where masked
 //   o[b,i,j,h]   = sum_k 2^(s[k] - max s) v[b,i,k,h] / sum_k 2^(s[k] - max s)
 //
 // Both products run on mma.sync; the online softmax (running max m, running sum l per
 // query) runs on the accumulators in registers, in fp32. Three precisions, one source:
-//   attention_tf32x3  (SPLIT=1)  fp32-accurate: every operand a = hi + lo with
-//                     hi = rna_tf32(a), lo = rna_tf32(a - hi), and
-//                     a.b ~= lo.hi' + hi.lo' + hi.hi' (lo.lo' ~ 2^-22 |a.b| is dropped),
-//                     three m16n8k8 tf32 mma per product, fp32 accumulation
-//   attention_tf32    (SPLIT=0)  one m16n8k8 tf32 mma on rna_tf32 operands
-//   attention_bf16    (BF16=1)   m16n8k16 bf16 mma (operands rounded to bf16 on the way
-//                     from shared memory to registers), fp32 accumulation
+//   PREC 0  attention_tf32x3  fp32-accurate: every operand a = hi + lo with
+//           hi = rna_tf32(a), lo = rna_tf32(a - hi), and a.b ~= lo.hi' + hi.lo' + hi.hi'
+//           (lo.lo' ~ 2^-22 |a.b| is dropped): three m16n8k8 tf32 mma per product
+//   PREC 1  attention_tf32    one m16n8k8 tf32 mma on rna_tf32 operands
+//   PREC 2  attention_bf16    m16n8k16 bf16 mma, fp32 accumulation
 // Inputs and outputs stay fp32 in every mode.
 //
-// Work split: a block of 4 warps owns BQ = 64 queries of one (row, head), 16 per warp;
-// each warp keeps its 16 query rows in registers for the whole head dim and visits the
-// keys BK at a time. The score tile S (16 x BK per warp) lives in mma C fragments; the
-// P V product takes P straight from those registers as its A operand (no shared memory):
-//   tf32: a C fragment holds keys (2t, 2t+1) of an 8-key n-tile, an A fragment columns
-//         (t, t+4) of an 8-wide k-step. Numbering the keys of each k-step so that A column
-//         t is key 2t and column t+4 is key 2t+1 makes a = (c0, c2, c1, c3); the V operand
-//         uses the same numbering: b0 = v[2t][g], b1 = v[2t+1][g].
-//   bf16: the A fragment of m16n8k16 is exactly two C fragments of adjacent n-tiles.
+// Work split: a block of 8 warps owns ROWS pair rows i (of one batch b) and BQ queries of
+// one head; the warps of a row split its BQ queries, MT m-tiles of 16 per warp, and keep
+// them in registers for the whole head dim. The rows of a block share the bias rows they
+// read (through L1), which is the larger part of the traffic from L2: the bias is indexed
+// (j, k) and read again for every row i.
+//
+// Key/value tiles (BK keys) are loaded from global memory into registers one tile ahead
+// (the loads are in flight while the current tile is multiplied) and stored into shared
+// memory already in the form the tensor cores take, once per block instead of once per
+// warp: tf32 bits (and the lo parts for 3xTF32) or bf16. Fragments then come from
+// ldmatrix, 4 B operands per instruction:
+//   K  [key][dim]: tf32: a row of 4 fp32 is one 8x8 b16 matrix row, so lane (g, t)
+//                  receives K[key g][dim t] = B(k=t, n=g) of QK^T;  bf16: the pair
+//                  (dims 2t, 2t+1) of key g = B of m16n8k16
+//   V  tf32: transposed, [dim][key position]: B(k=key, n=dim) of PV is then a plain
+//                  ldmatrix; positions permute each 8 keys (0 2 4 6 1 3 5 7) so that
+//                  P is taken straight from the S accumulators: a C fragment holds keys
+//                  (2t, 2t+1), the A fragment columns (t, t+4), so with column t = key
+//                  2t and t+4 = key 2t+1, a = (c0, c2, c1, c3)
+//      bf16: [key][dim] and ldmatrix.trans; the A fragment of m16n8k16 is exactly two C
+//                  fragments of adjacent n-tiles
 // Fragment layouts (PTX ISA, "Matrix Fragments for mma.m16n8k8 / m16n8k16"), with
 // g = lane >> 2, t = lane & 3:
 //   m16n8k8 tf32:  A a0 (g, t) a1 (g+8, t) a2 (g, t+4) a3 (g+8, t+4);
@@ -34,8 +45,8 @@
 //                  {a6,a7} (g+8, 2t+8..);  B {b0,b1} (k=2t..2t+1, n=g) {b2,b3} (k=2t+8.., n=g)
 //   C (both):      c0 (g, 2t) c1 (g, 2t+1) c2 (g+8, 2t) c3 (g+8, 2t+1)
 //
-// Launch: grid (ceil(N/BQ) * H * B*N) flattened, query tile fastest (as attention.cu);
-// block 128 threads; dynamic shared memory 4*BK*(KSTR + VSTR) bytes (K and V tiles).
+// Launch: grid ceil(N/BQ) * H * B * ceil(N/ROWS), flattened, query tile fastest; block
+// THREADS; dynamic shared memory ROWS * ROW_BYTES (triattn_cupy/_configs.py mirrors it).
 // Pointers (float32): qkvg [B*N*N, 4D] with q at column h*d, k at D + h*d, v at 2D + h*d
 // (o overwrites q: only this block reads those q values, and each warp reads its own
 // queries into registers before it writes them); bias [B, H, N, NPK], NPK even, -inf on
@@ -47,29 +58,33 @@
 #ifndef HEAD_DIM
 #define HEAD_DIM 32     // d, a multiple of 8, at most 128
 #endif
-#ifndef SPLIT
-#define SPLIT 1         // tf32 only: 1 = 3xTF32 (fp32-accurate), 0 = plain TF32
-#endif
-#ifndef BF16
-#define BF16 0          // 1 = bf16 m16n8k16 (SPLIT ignored)
+#ifndef PREC
+#define PREC 0          // 0 = 3xTF32 (fp32-accurate), 1 = TF32, 2 = bf16
 #endif
 #ifndef BK
 #define BK 64           // keys per tile (a multiple of 16)
 #endif
-#define BQ 64           // queries per block: 16 per warp
-#define THREADS 128
-#define NT (BK / 8)     // 8-key n-tiles of S per warp
-#define DT (HEAD_DIM / 8)  // 8-column n-tiles of O per warp
-// Row strides of the K and V tiles. With d % 8 == 0, d + 4 = 4 * odd words, so the tf32
-// fragment loads of a warp hit 32 distinct banks: K b0 = Ks[n0+g][k0+t] is bank
-// (4*odd*g + t) mod 32, V b0 = Vs[k0+2t][n0+g] is bank (8*odd*t + g) mod 32 (the permuted
-// key order reads V down columns, which d + 8 would make 2-way conflicting). The bf16 K
-// loads are float2 (2t, 2t+1) per lane: d + 8 keeps a half-warp's 16 lanes on distinct
-// bank pairs when d % 32 == 0.
-#ifndef KSTR
-#define KSTR (HEAD_DIM + (BF16 ? 8 : 4))
+#ifndef MT
+#define MT 1            // 16-query m-tiles per warp
 #endif
-#define VSTR (HEAD_DIM + 4)
+#ifndef ROWS
+#define ROWS 1          // pair rows per block (1, 2, 4 or 8)
+#endif
+#ifndef PREFETCH
+#define PREFETCH 1      // 1: the next key/value tile is loaded into registers during this one
+#endif
+#ifndef MIN_BLOCKS
+#define MIN_BLOCKS 1    // __launch_bounds__ occupancy hint
+#endif
+
+#define WARPS 8
+#define THREADS (32 * WARPS)
+#define ROW_WARPS (WARPS / ROWS)
+#define BQ (16 * MT * ROW_WARPS)  // queries per row and block
+#define NT (BK / 8)               // 8-key n-tiles of S
+#define DT (HEAD_DIM / 8)         // 8-column n-tiles of O
+#define SPLIT (PREC == 0)
+#define BF16 (PREC == 2)
 
 #if HEAD_DIM % 8 != 0 || HEAD_DIM > 128
 #error "attention_mma.cu: HEAD_DIM must be a multiple of 8, at most 128"
@@ -77,6 +92,42 @@
 #if BK % 16 != 0
 #error "attention_mma.cu: BK must be a multiple of 16"
 #endif
+#if WARPS % ROWS != 0
+#error "attention_mma.cu: ROWS must divide the 8 warps"
+#endif
+
+// Shared memory of one row: K (and its lo part), then V (and its lo part).
+#if BF16
+typedef unsigned short elem_t;  // bf16 bits
+// Rows of d + 8 bf16: a multiple of 16 bytes (ldmatrix rows), and the 8 rows an ldmatrix
+// reads land on distinct 16-byte bank groups when d % 16 == 0. For d % 16 == 8 the last
+// 16-wide k-step reads columns d..d+7 of K: kept zero (the q fragment is zero there too).
+#define KSTR (HEAD_DIM + 8)
+#define VSTR (HEAD_DIM + 8)
+#define K_ELEMS (BK * KSTR)
+#define V_ELEMS (BK * VSTR)
+#else
+typedef u32 elem_t;  // tf32 bits
+// K [key][dim], rows of d + 4 words = 4 * odd (d % 8 == 0): the 8 rows of an ldmatrix
+// phase start on distinct 4-bank groups. V transposed [dim][key position], rows of BK + 4
+// words, likewise; its scalar stores, one key per lane, are conflict-free.
+#define KSTR (HEAD_DIM + 4)
+#define VSTR (BK + 4)
+#define K_ELEMS (BK * KSTR)
+#define V_ELEMS (HEAD_DIM * VSTR)
+#endif
+#define PARTS (SPLIT ? 2 : 1)
+#define ROW_ELEMS (PARTS * (K_ELEMS + V_ELEMS))
+
+// 3xTF32: split the query fragments once (2 * MT * d/2 registers) when that is small,
+// else again for every key tile (volatile conversions, so they cannot be hoisted).
+#define QSPLIT_ONCE (SPLIT && MT * HEAD_DIM <= 64)
+
+// The key/value loader: each thread moves 8 consecutive dims (a whole 32-byte sector) of
+// one key, the 32 lanes of a warp 32 consecutive keys.
+#define CHUNKS (HEAD_DIM / 8)
+#define LOADS (ROWS * BK * CHUNKS)
+#define LOADS_PER_THREAD ((LOADS + THREADS - 1) / THREADS)
 
 #if BF16
 #define ENTRY attention_bf16
@@ -86,194 +137,418 @@
 #define ENTRY attention_tf32
 #endif
 
-extern "C" __global__ void __launch_bounds__(THREADS, 1)
+// Key position of `key` in a transposed V row (see the header): within each 8 keys,
+// even keys first.
+__device__ __forceinline__ int v_position(int key) {
+    return (key & ~7) | ((key & 1) << 2) | ((key >> 1) & 3);
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
 ENTRY(float* qkvg, const float* __restrict__ bias, int B, int N, int H, int npk,
       int nan_fully_masked) {
     extern __shared__ float4 smem4[];
-    float* Ks = reinterpret_cast<float*>(smem4);  // [BK][KSTR]  k of one key tile
-    float* Vs = Ks + BK * KSTR;                   // [BK][VSTR]  v of one key tile
+    elem_t* const smem = reinterpret_cast<elem_t*>(smem4);
 
     const int D = H * HEAD_DIM;
     const i64 ld = 4LL * D;
-    const int nq = (N + BQ - 1) / BQ;
+    const int nq = (N + BQ - 1) / BQ, nr = (N + ROWS - 1) / ROWS;
     const int qtile = (int)(blockIdx.x % nq);
-    const i64 rest = blockIdx.x / nq;
+    i64 rest = blockIdx.x / nq;
     const int head = (int)(rest % H);
-    const i64 bi = rest / H;  // b*N + i: the row of the pair this block attends along
-    const int b = (int)(bi / N);
+    rest /= H;
+    const int i0 = (int)(rest % nr) * ROWS;  // this block's first row
+    const int b = (int)(rest / nr);
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int g = lane >> 2, t = lane & 3;  // fragment row group, thread in group
-    const int j0 = qtile * BQ + warp * 16 + g, j1 = j0 + 8;  // this lane's two query rows
-    float* row = qkvg + bi * N * ld + head * HEAD_DIM;  // + j*ld: position (b, i, j), head
-    // Bias rows of the two queries; queries past N read row N-1 (finite, never written).
-    const float* bias_bh = bias + ((i64)b * H + head) * N * npk;
-    const float* brow0 = bias_bh + (i64)min(j0, N - 1) * npk;
-    const float* brow1 = bias_bh + (i64)min(j1, N - 1) * npk;
 
-    // Q fragments for the whole head dim, read once from global memory (queries past N
-    // are zero). tf32: fp32 values, split per k-step where used; bf16: packed once.
+    // qkvg at (b, i0 + r, j = 0), this head's q columns.
+    auto row_base = [&](int r) { return qkvg + ((i64)b * N + i0 + r) * N * ld + head * HEAD_DIM; };
+
+    // This warp: row rw of the block, queries q0 .. q0 + 16 MT - 1.
+    const int rw = warp / ROW_WARPS;
+    const bool row_ok = i0 + rw < N;
+    float* const row = row_base(rw);
+    const int q0 = qtile * BQ + (warp % ROW_WARPS) * 16 * MT;
+    elem_t* const Ks = smem + rw * ROW_ELEMS;  // K hi [, K lo], V hi [, V lo] of row rw
+    const u32 ks_addr = smem_addr(Ks), vs_addr = smem_addr(Ks + PARTS * K_ELEMS);
+#define ELEM_BYTES ((int)sizeof(elem_t))
+
+    // Bias rows of this lane's queries q0 + 16 mt + g (+ 8); queries past N read row N-1
+    // (finite, never written).
+    const float* bias_bh = bias + ((i64)b * H + head) * N * npk;
+    const float* brow[MT][2];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int r = 0; r < 2; ++r)
+            brow[mt][r] = bias_bh + (i64)min(q0 + 16 * mt + 8 * r + g, N - 1) * npk;
+
+    // ---- the query fragments, read once (queries past N and rows past N are zero) ----
 #if BF16
 #define KS ((HEAD_DIM + 15) / 16)  // 16-wide k-steps; the last is half zero when d % 16 == 8
-    u32 qa[KS][4];
+    u32 qa[MT][KS][4];
 #pragma unroll
-    for (int kk = 0; kk < KS; ++kk) {
-        const int c = 16 * kk + 2 * t;
-        float2 x0 = make_float2(0.f, 0.f), x1 = x0, x2 = x0, x3 = x0;
-        if (j0 < N) x0 = ld2(row + (i64)j0 * ld + c);
-        if (j1 < N) x1 = ld2(row + (i64)j1 * ld + c);
-        if (16 * kk + 16 <= HEAD_DIM) {  // else the upper half of the k-step is past d: 0
-            if (j0 < N) x2 = ld2(row + (i64)j0 * ld + c + 8);
-            if (j1 < N) x3 = ld2(row + (i64)j1 * ld + c + 8);
-        }
-        qa[kk][0] = pack_bf16(x0.x, x0.y);
-        qa[kk][1] = pack_bf16(x1.x, x1.y);
-        qa[kk][2] = pack_bf16(x2.x, x2.y);
-        qa[kk][3] = pack_bf16(x3.x, x3.y);
-    }
-#else
-    float qf[DT][4];
-#pragma unroll
-    for (int kk = 0; kk < DT; ++kk) {
-        const int c = 8 * kk + t;
-        qf[kk][0] = j0 < N ? row[(i64)j0 * ld + c] : 0.f;
-        qf[kk][1] = j1 < N ? row[(i64)j1 * ld + c] : 0.f;
-        qf[kk][2] = j0 < N ? row[(i64)j0 * ld + c + 4] : 0.f;
-        qf[kk][3] = j1 < N ? row[(i64)j1 * ld + c + 4] : 0.f;
-    }
-#endif
-
-    // O (16 x d per warp) in C fragments: o[v][0..1] row j0, o[v][2..3] row j1, columns
-    // 8v + 2t, 8v + 2t + 1. m, l: running max and this lane's share of the running sum of
-    // rows j0 (index 0) and j1 (index 1); the 4 lanes of a quad hold the shares of a row.
-    float o[DT][4];
-#pragma unroll
-    for (int v = 0; v < DT; ++v) o[v][0] = o[v][1] = o[v][2] = o[v][3] = 0.f;
-    float m[2] = {neg_inf(), neg_inf()}, l[2] = {0.f, 0.f};
-
-    for (int k0 = 0; k0 < N; k0 += BK) {
-        // S starts as the bias (-inf where masked, on padded keys and past NPK), so the
-        // products accumulate onto it; loaded before the barrier to hide its latency.
-        float s[NT][4];
-#pragma unroll
-        for (int n = 0; n < NT; ++n) {
-            const int k = k0 + 8 * n + 2 * t;  // even; npk even: both keys in or both out
-            float2 x0 = make_float2(neg_inf(), neg_inf()), x1 = x0;
-            if (k < npk) {
-                x0 = ld2(brow0 + k);
-                x1 = ld2(brow1 + k);
-            }
-            s[n][0] = x0.x; s[n][1] = x0.y; s[n][2] = x1.x; s[n][3] = x1.y;
-        }
-
-        __syncthreads();  // every warp is done reading the previous tile's Ks and Vs
-        // K and V tiles, row-major, one float4 per thread and step (coalesced along d).
-        // Keys past N are zero, so their scores are 0 + (-inf) and their values 0 * 0.
-        for (int idx = tid; idx < BK * (HEAD_DIM / 4); idx += THREADS) {
-            const int kl = idx / (HEAD_DIM / 4), c = (idx % (HEAD_DIM / 4)) * 4, k = k0 + kl;
-            const float* src = row + (i64)k * ld + D + c;
-            st4(Ks + kl * KSTR + c, k < N ? ld4(src) : zero4());
-            st4(Vs + kl * VSTR + c, k < N ? ld4(src + D) : zero4());
-        }
-        __syncthreads();  // Ks and Vs visible to every warp
-
-        // S += Q K^T (16 x BK per warp).
-#if BF16
+    for (int mt = 0; mt < MT; ++mt) {
+        const int j0 = q0 + 16 * mt + g, j1 = j0 + 8;
+        const bool ok0 = row_ok && j0 < N, ok1 = row_ok && j1 < N;
 #pragma unroll
         for (int kk = 0; kk < KS; ++kk) {
             const int c = 16 * kk + 2 * t;
+            float2 x0 = make_float2(0.f, 0.f), x1 = x0, x2 = x0, x3 = x0;
+            if (ok0) x0 = ld2(row + (i64)j0 * ld + c);
+            if (ok1) x1 = ld2(row + (i64)j1 * ld + c);
+            if (16 * kk + 16 <= HEAD_DIM) {  // else the upper half of the k-step is past d: 0
+                if (ok0) x2 = ld2(row + (i64)j0 * ld + c + 8);
+                if (ok1) x3 = ld2(row + (i64)j1 * ld + c + 8);
+            }
+            qa[mt][kk][0] = pack_bf16(x0.x, x0.y);
+            qa[mt][kk][1] = pack_bf16(x1.x, x1.y);
+            qa[mt][kk][2] = pack_bf16(x2.x, x2.y);
+            qa[mt][kk][3] = pack_bf16(x3.x, x3.y);
+        }
+    }
+    // Columns d..d+7 of K are read by the last k-step when d % 16 == 8: zero them once
+    // (the tile stores never write there).
+    if (HEAD_DIM % 16 == 8)
+        for (int idx = tid; idx < ROWS * BK; idx += THREADS)
+            *reinterpret_cast<uint4*>(smem + (idx / BK) * ROW_ELEMS + (idx % BK) * KSTR + HEAD_DIM) =
+                make_uint4(0u, 0u, 0u, 0u);
+#else
+    float qf[MT][DT][4];  // fp32 A fragments: a0 (j0, 8kk+t) a1 (j1, ..) a2 (j0, 8kk+t+4) a3
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+        const int j0 = q0 + 16 * mt + g, j1 = j0 + 8;
+        const bool ok0 = row_ok && j0 < N, ok1 = row_ok && j1 < N;
+#pragma unroll
+        for (int kk = 0; kk < DT; ++kk) {
+            const int c = 8 * kk + t;
+            qf[mt][kk][0] = ok0 ? row[(i64)j0 * ld + c] : 0.f;
+            qf[mt][kk][1] = ok1 ? row[(i64)j1 * ld + c] : 0.f;
+            qf[mt][kk][2] = ok0 ? row[(i64)j0 * ld + c + 4] : 0.f;
+            qf[mt][kk][3] = ok1 ? row[(i64)j1 * ld + c + 4] : 0.f;
+        }
+    }
+#if !SPLIT || QSPLIT_ONCE
+    u32 qh[MT][DT][4];
+#if SPLIT
+    u32 ql[MT][DT][4];
+#endif
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int kk = 0; kk < DT; ++kk)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                qh[mt][kk][e] = to_tf32(qf[mt][kk][e]);
+#if SPLIT
+                ql[mt][kk][e] = to_tf32(qf[mt][kk][e] - __uint_as_float(qh[mt][kk][e]));
+#endif
+            }
+#endif
+#endif
+
+    // ---- key/value tiles: global -> registers (one tile ahead) -> shared memory ----
+    float4 kv[LOADS_PER_THREAD][4];  // k dims 0..3, k dims 4..7, v dims 0..3, v dims 4..7
+    auto fetch = [&](int k0) {
+#pragma unroll
+        for (int it = 0; it < LOADS_PER_THREAD; ++it) {
+            const int idx = tid + it * THREADS;
+            const int key = idx % BK, c = (idx / BK) % CHUNKS, r = idx / (BK * CHUNKS);
+            const bool ok = (LOADS % THREADS == 0 || idx < LOADS) && i0 + r < N && k0 + key < N;
+            const float* src = row_base(r) + (i64)(k0 + key) * ld + D + 8 * c;
+            kv[it][0] = ok ? ld4(src) : zero4();
+            kv[it][1] = ok ? ld4(src + 4) : zero4();
+            kv[it][2] = ok ? ld4(src + D) : zero4();
+            kv[it][3] = ok ? ld4(src + D + 4) : zero4();
+        }
+    };
+    auto store = [&]() {
+#pragma unroll
+        for (int it = 0; it < LOADS_PER_THREAD; ++it) {
+            const int idx = tid + it * THREADS;
+            if (LOADS % THREADS != 0 && idx >= LOADS) break;
+            const int key = idx % BK, c = (idx / BK) % CHUNKS, r = idx / (BK * CHUNKS);
+            elem_t* const K = smem + r * ROW_ELEMS;
+            elem_t* const V = K + PARTS * K_ELEMS;
+            const float x[2][8] = {
+                {kv[it][0].x, kv[it][0].y, kv[it][0].z, kv[it][0].w,
+                 kv[it][1].x, kv[it][1].y, kv[it][1].z, kv[it][1].w},
+                {kv[it][2].x, kv[it][2].y, kv[it][2].z, kv[it][2].w,
+                 kv[it][3].x, kv[it][3].y, kv[it][3].z, kv[it][3].w}};
+#if BF16
+            *reinterpret_cast<uint4*>(K + key * KSTR + 8 * c) =
+                make_uint4(pack_bf16(x[0][0], x[0][1]), pack_bf16(x[0][2], x[0][3]),
+                           pack_bf16(x[0][4], x[0][5]), pack_bf16(x[0][6], x[0][7]));
+            *reinterpret_cast<uint4*>(V + key * VSTR + 8 * c) =
+                make_uint4(pack_bf16(x[1][0], x[1][1]), pack_bf16(x[1][2], x[1][3]),
+                           pack_bf16(x[1][4], x[1][5]), pack_bf16(x[1][6], x[1][7]));
+#else
+            u32 hi[2][8];
+#pragma unroll
+            for (int m = 0; m < 2; ++m)
+#pragma unroll
+                for (int e = 0; e < 8; ++e) hi[m][e] = to_tf32(x[m][e]);
+            uint4* const kdst = reinterpret_cast<uint4*>(K + key * KSTR + 8 * c);
+            kdst[0] = make_uint4(hi[0][0], hi[0][1], hi[0][2], hi[0][3]);
+            kdst[1] = make_uint4(hi[0][4], hi[0][5], hi[0][6], hi[0][7]);
+            const int p = v_position(key);
+#pragma unroll
+            for (int e = 0; e < 8; ++e) V[(8 * c + e) * VSTR + p] = hi[1][e];
+#if SPLIT
+            u32 lo[2][8];
+#pragma unroll
+            for (int m = 0; m < 2; ++m)
+#pragma unroll
+                for (int e = 0; e < 8; ++e) lo[m][e] = to_tf32(x[m][e] - __uint_as_float(hi[m][e]));
+            uint4* const kdst_lo = reinterpret_cast<uint4*>(K + K_ELEMS + key * KSTR + 8 * c);
+            kdst_lo[0] = make_uint4(lo[0][0], lo[0][1], lo[0][2], lo[0][3]);
+            kdst_lo[1] = make_uint4(lo[0][4], lo[0][5], lo[0][6], lo[0][7]);
+#pragma unroll
+            for (int e = 0; e < 8; ++e) V[V_ELEMS + (8 * c + e) * VSTR + p] = lo[1][e];
+#endif
+#endif
+        }
+    };
+
+    // O (16 x d per m-tile) in C fragments: o[mt][v][0..1] row j0, [2..3] row j1, columns
+    // 8v + 2t, 8v + 2t + 1. m, l: running max and this lane's share of the running sum of
+    // rows j0 (index 0) and j1 (index 1); the 4 lanes of a quad hold the shares of a row.
+    float o[MT][DT][4];
+    float m[MT][2], l[MT][2];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+        for (int v = 0; v < DT; ++v) o[mt][v][0] = o[mt][v][1] = o[mt][v][2] = o[mt][v][3] = 0.f;
+        m[mt][0] = m[mt][1] = neg_inf();
+        l[mt][0] = l[mt][1] = 0.f;
+    }
+
+    if (PREFETCH) fetch(0);
+    for (int k0 = 0; k0 < N; k0 += BK) {
+        // S starts as the bias (-inf where masked, on padded keys and past NPK), so the
+        // products accumulate onto it; loaded before the barrier to hide its latency.
+        float s[MT][NT][4];
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
             for (int n = 0; n < NT; ++n) {
-                const float* kr = Ks + (8 * n + g) * KSTR + c;
-                const float2 x0 = *reinterpret_cast<const float2*>(kr);
-                const float2 x1 = 16 * kk + 16 <= HEAD_DIM
-                                      ? *reinterpret_cast<const float2*>(kr + 8)
-                                      : make_float2(0.f, 0.f);  // past d: never read Ks there
-                mma_bf16(s[n], qa[kk][0], qa[kk][1], qa[kk][2], qa[kk][3],
-                         pack_bf16(x0.x, x0.y), pack_bf16(x1.x, x1.y));
+                const int k = k0 + 8 * n + 2 * t;  // even; npk even: both keys in or both out
+                float2 x0 = make_float2(neg_inf(), neg_inf()), x1 = x0;
+                if (k < npk) {
+                    x0 = ld2(brow[mt][0] + k);
+                    x1 = ld2(brow[mt][1] + k);
+                }
+                s[mt][n][0] = x0.x; s[mt][n][1] = x0.y; s[mt][n][2] = x1.x; s[mt][n][3] = x1.y;
             }
-        }
+
+        if (!PREFETCH) fetch(k0);
+        __syncthreads();  // every warp is done reading the previous tile
+        store();
+        __syncthreads();  // the tile is visible to every warp
+        if (PREFETCH && k0 + BK < N) fetch(k0 + BK);  // in flight while this tile is multiplied
+
+        // This lane's ldmatrix rows in K and V (byte addresses; see opaque()).
+        const u32 k_lane = opaque(ks_addr), v_lane = opaque(vs_addr);
+
+        // ---- S += Q K^T ----
+#if BF16
+#pragma unroll
+        for (int kk = 0; kk < KS; ++kk)
+#pragma unroll
+            for (int n2 = 0; n2 < NT / 2; ++n2) {
+                // matrices: n-tile 2 n2 (b0, b1), n-tile 2 n2 + 1 (b0, b1)
+                u32 kb[4];
+                ldsm_x4(kb, k_lane + ELEM_BYTES * ((16 * n2 + 8 * (lane >> 4) + (lane & 7)) * KSTR
+                                                   + 16 * kk + 8 * ((lane >> 3) & 1)));
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt) {
+                    mma_bf16(s[mt][2 * n2], qa[mt][kk][0], qa[mt][kk][1], qa[mt][kk][2],
+                             qa[mt][kk][3], kb[0], kb[1]);
+                    mma_bf16(s[mt][2 * n2 + 1], qa[mt][kk][0], qa[mt][kk][1], qa[mt][kk][2],
+                             qa[mt][kk][3], kb[2], kb[3]);
+                }
+            }
 #else
 #pragma unroll
         for (int kk = 0; kk < DT; ++kk) {
+            u32 ah[MT][4];
+#if SPLIT
+            u32 al[MT][4];
+#endif
 #pragma unroll
-            for (int n = 0; n < NT; ++n) {
-                const float* kr = Ks + (8 * n + g) * KSTR + 8 * kk + t;
-                mma_f32<true, SPLIT>(s[n], qf[kk][0], qf[kk][1], qf[kk][2], qf[kk][3], kr[0], kr[4]);
+            for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+#if !SPLIT || QSPLIT_ONCE
+                    ah[mt][e] = qh[mt][kk][e];
+#if SPLIT
+                    al[mt][e] = ql[mt][kk][e];
+#endif
+#else
+                    ah[mt][e] = to_tf32_here(qf[mt][kk][e]);
+                    al[mt][e] = to_tf32_here(qf[mt][kk][e] - __uint_as_float(ah[mt][e]));
+#endif
+                }
+#pragma unroll
+            for (int n2 = 0; n2 < NT / 2; ++n2) {
+                // matrices: n-tile 2 n2 (b0, b1), n-tile 2 n2 + 1 (b0, b1)
+                const u32 a = k_lane + ELEM_BYTES * ((16 * n2 + 8 * (lane >> 4) + (lane & 7)) * KSTR
+                                                     + 8 * kk + 4 * ((lane >> 3) & 1));
+                u32 kh[4];
+                ldsm_x4(kh, a);
+#if SPLIT
+                u32 kl[4];
+                ldsm_x4(kl, a + ELEM_BYTES * K_ELEMS);
+#endif
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                    for (int h = 0; h < 2; ++h) {
+#if SPLIT  // the two small cross terms first, so they are not rounded away against hi.hi
+                        mma_tf32(s[mt][2 * n2 + h], al[mt][0], al[mt][1], al[mt][2], al[mt][3],
+                                 kh[2 * h], kh[2 * h + 1]);
+                        mma_tf32(s[mt][2 * n2 + h], ah[mt][0], ah[mt][1], ah[mt][2], ah[mt][3],
+                                 kl[2 * h], kl[2 * h + 1]);
+#endif
+                        mma_tf32(s[mt][2 * n2 + h], ah[mt][0], ah[mt][1], ah[mt][2], ah[mt][3],
+                                 kh[2 * h], kh[2 * h + 1]);
+                    }
             }
         }
 #endif
 
-        // Online softmax of rows j0 (r = 0: s[n][0..1]) and j1 (r = 1: s[n][2..3]).
+        // ---- online softmax of rows j0 (r = 0: s[..][0..1]) and j1 (r = 1: s[..][2..3]) ----
 #pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            float mx = neg_inf();
+        for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-            for (int n = 0; n < NT; ++n) mx = fmaxf(mx, fmaxf(s[n][2 * r], s[n][2 * r + 1]));
-            // The 4 lanes of a quad hold this row's BK keys.
-            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-            float alpha;
-            const float m_ref = online_max_update(m[r], mx, alpha);
-            float sum = 0.f;
+            for (int r = 0; r < 2; ++r) {
+                float mx = neg_inf();
 #pragma unroll
-            for (int n = 0; n < NT; ++n) {
-                s[n][2 * r] = exp2f(s[n][2 * r] - m_ref);
-                s[n][2 * r + 1] = exp2f(s[n][2 * r + 1] - m_ref);
-                sum += s[n][2 * r] + s[n][2 * r + 1];
+                for (int n = 0; n < NT; ++n)
+                    mx = fmaxf(mx, fmaxf(s[mt][n][2 * r], s[mt][n][2 * r + 1]));
+                // The 4 lanes of a quad hold this row's BK keys.
+                mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+                mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+                float alpha;
+                const float m_ref = online_max_update(m[mt][r], mx, alpha);
+                float sum = 0.f;
+#pragma unroll
+                for (int n = 0; n < NT; ++n) {
+                    s[mt][n][2 * r] = exp2f(s[mt][n][2 * r] - m_ref);
+                    s[mt][n][2 * r + 1] = exp2f(s[mt][n][2 * r + 1] - m_ref);
+                    sum += s[mt][n][2 * r] + s[mt][n][2 * r + 1];
+                }
+                l[mt][r] = fmaf(l[mt][r], alpha, sum);
+#pragma unroll
+                for (int v = 0; v < DT; ++v) {
+                    o[mt][v][2 * r] *= alpha;
+                    o[mt][v][2 * r + 1] *= alpha;
+                }
             }
-            l[r] = fmaf(l[r], alpha, sum);
-#pragma unroll
-            for (int v = 0; v < DT; ++v) {
-                o[v][2 * r] *= alpha;
-                o[v][2 * r + 1] *= alpha;
-            }
-        }
 
-        // O += P V, P taken from the S accumulators (see the header for the key order).
+        // ---- O += P V, P taken from the S accumulators ----
 #if BF16
 #pragma unroll
         for (int kk = 0; kk < NT / 2; ++kk) {
-            const u32 a0 = pack_bf16(s[2 * kk][0], s[2 * kk][1]);
-            const u32 a1 = pack_bf16(s[2 * kk][2], s[2 * kk][3]);
-            const u32 a2 = pack_bf16(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-            const u32 a3 = pack_bf16(s[2 * kk + 1][2], s[2 * kk + 1][3]);
-            const float* vr = Vs + (16 * kk + 2 * t) * VSTR + g;
+            u32 pa[MT][4];
 #pragma unroll
-            for (int v = 0; v < DT; ++v)
-                mma_bf16(o[v], a0, a1, a2, a3,
-                         pack_bf16(vr[8 * v], vr[VSTR + 8 * v]),
-                         pack_bf16(vr[8 * VSTR + 8 * v], vr[9 * VSTR + 8 * v]));
+            for (int mt = 0; mt < MT; ++mt) {
+                pa[mt][0] = pack_bf16(s[mt][2 * kk][0], s[mt][2 * kk][1]);
+                pa[mt][1] = pack_bf16(s[mt][2 * kk][2], s[mt][2 * kk][3]);
+                pa[mt][2] = pack_bf16(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
+                pa[mt][3] = pack_bf16(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
+            }
+            // matrices: keys 16 kk + 0..7 and + 8..15 (b0, b1) of d-tiles 2 v2 and 2 v2 + 1
+            const u32 vrow = v_lane + ELEM_BYTES * (16 * kk + 8 * ((lane >> 3) & 1) + (lane & 7)) * VSTR;
+#pragma unroll
+            for (int v2 = 0; v2 < DT / 2; ++v2) {
+                u32 vb[4];
+                ldsm_x4_trans(vb, vrow + ELEM_BYTES * 8 * (2 * v2 + (lane >> 4)));
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt) {
+                    mma_bf16(o[mt][2 * v2], pa[mt][0], pa[mt][1], pa[mt][2], pa[mt][3], vb[0], vb[1]);
+                    mma_bf16(o[mt][2 * v2 + 1], pa[mt][0], pa[mt][1], pa[mt][2], pa[mt][3], vb[2], vb[3]);
+                }
+            }
+#if DT % 2
+            u32 vb[2];
+            ldsm_x2_trans(vb, vrow + ELEM_BYTES * 8 * (DT - 1));
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt)
+                mma_bf16(o[mt][DT - 1], pa[mt][0], pa[mt][1], pa[mt][2], pa[mt][3], vb[0], vb[1]);
+#endif
         }
 #else
 #pragma unroll
-        for (int kk = 0; kk < NT; ++kk) {
-            const float* vr = Vs + (8 * kk + 2 * t) * VSTR + g;
+        for (int kk = 0; kk < NT / 2; ++kk) {
+            // A fragments of k-steps 2 kk and 2 kk + 1: (c0, c2, c1, c3) of their S n-tiles
+            u32 ph[MT][2][4];
+#if SPLIT
+            u32 pl[MT][2][4];
+#endif
 #pragma unroll
-            for (int v = 0; v < DT; ++v)
-                mma_f32<false, SPLIT>(o[v], s[kk][0], s[kk][2], s[kk][1], s[kk][3],
-                        vr[8 * v], vr[VSTR + 8 * v]);
+            for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    const float* c = s[mt][2 * kk + h];
+                    const float a[4] = {c[0], c[2], c[1], c[3]};
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        ph[mt][h][e] = to_tf32(a[e]);
+#if SPLIT
+                        pl[mt][h][e] = to_tf32(a[e] - __uint_as_float(ph[mt][h][e]));
+#endif
+                    }
+                }
+            // matrices: positions 16 kk + 0..3, 4..7 (b0, b1 of k-step 2 kk), 8..11, 12..15
+            const u32 a = v_lane + ELEM_BYTES * ((lane & 7) * VSTR + 16 * kk + 4 * (lane >> 3));
+#pragma unroll
+            for (int v = 0; v < DT; ++v) {
+                u32 vh[4];
+                ldsm_x4(vh, a + ELEM_BYTES * 8 * v * VSTR);
+#if SPLIT
+                u32 vl[4];
+                ldsm_x4(vl, a + ELEM_BYTES * (V_ELEMS + 8 * v * VSTR));
+#endif
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                    for (int h = 0; h < 2; ++h) {
+#if SPLIT
+                        mma_tf32(o[mt][v], pl[mt][h][0], pl[mt][h][1], pl[mt][h][2], pl[mt][h][3],
+                                 vh[2 * h], vh[2 * h + 1]);
+                        mma_tf32(o[mt][v], ph[mt][h][0], ph[mt][h][1], ph[mt][h][2], ph[mt][h][3],
+                                 vl[2 * h], vl[2 * h + 1]);
+#endif
+                        mma_tf32(o[mt][v], ph[mt][h][0], ph[mt][h][1], ph[mt][h][2], ph[mt][h][3],
+                                 vh[2 * h], vh[2 * h + 1]);
+                    }
+            }
         }
 #endif
     }
 
     // o / l, written over q. l = 0 only when every key was masked (the maximum term of a
     // row with any unmasked key is 2^0 = 1).
+    if (!row_ok) return;
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        float total = l[r];
-        total += __shfl_xor_sync(0xffffffffu, total, 1);
-        total += __shfl_xor_sync(0xffffffffu, total, 2);
-        const int j = r ? j1 : j0;
-        if (j >= N) continue;
-        const bool fully_masked = total == 0.f;
-        const float inv = fully_masked ? 0.f : 1.0f / total;
-        const float fill = nan_fully_masked ? quiet_nan() : 0.f;
-        float* out = row + (i64)j * ld + 2 * t;
+    for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-        for (int v = 0; v < DT; ++v) {
-            float2 x = make_float2(o[v][2 * r] * inv, o[v][2 * r + 1] * inv);
-            if (fully_masked) x = make_float2(fill, fill);
-            *reinterpret_cast<float2*>(out + 8 * v) = x;
+        for (int r = 0; r < 2; ++r) {
+            float total = l[mt][r];
+            total += __shfl_xor_sync(0xffffffffu, total, 1);
+            total += __shfl_xor_sync(0xffffffffu, total, 2);
+            const int j = q0 + 16 * mt + 8 * r + g;
+            if (j >= N) continue;
+            const bool fully_masked = total == 0.f;
+            const float inv = fully_masked ? 0.f : 1.0f / total;
+            const float fill = nan_fully_masked ? quiet_nan() : 0.f;
+            float* out = row + (i64)j * ld + 2 * t;
+#pragma unroll
+            for (int v = 0; v < DT; ++v) {
+                float2 x = make_float2(o[mt][v][2 * r] * inv, o[mt][v][2 * r + 1] * inv);
+                if (fully_masked) x = make_float2(fill, fill);
+                *reinterpret_cast<float2*>(out + 8 * v) = x;
+            }
         }
-    }
 }

@@ -78,3 +78,37 @@ __device__ __forceinline__ void mma_bf16(float (&d)[4], u32 a0, u32 a1, u32 a2, 
 __device__ __forceinline__ float2 ld2(const float* p) {
     return __ldg(reinterpret_cast<const float2*>(p));
 }
+
+// Shared-memory address of a generic pointer into shared memory, for ldmatrix.
+__device__ __forceinline__ u32 smem_addr(const void* p) {
+    unsigned long long a;
+    asm("cvta.to.shared.u64 %0, %1;" : "=l"(a) : "l"(p));
+    return (u32)a;
+}
+
+// The same value, but opaque to the compiler: taken once per loop iteration, it keeps
+// `base + constant` fragment addresses inside the loop, where ptxas folds the constant
+// into the ldmatrix instruction, instead of one register per address hoisted out of it.
+__device__ __forceinline__ u32 opaque(u32 x) {
+    u32 r;
+    asm volatile("mov.b32 %0, %1;" : "=r"(r) : "r"(x));
+    return r;
+}
+
+// ldmatrix at shared address `a` (see smem_addr): each lane of the quarter-warp q (lanes
+// 8q..8q+7) names one 16-byte row of matrix q; lane l receives 32 bits of each matrix:
+// row l/4, bytes 4(l%4)..+3. As tf32 (one fp32 per 4 bytes) that is element (l/4, l%4);
+// as bf16 the pair (l/4, 2(l%4)..+1); .trans gives the bf16 pair (2(l%4)..+1, l/4).
+__device__ __forceinline__ void ldsm_x4(u32 (&r)[4], u32 a) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
+}
+__device__ __forceinline__ void ldsm_x4_trans(u32 (&r)[4], u32 a) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
+}
+// Two matrices (rows named by lanes 0..15; the other lanes' addresses are ignored).
+__device__ __forceinline__ void ldsm_x2_trans(u32 (&r)[2], u32 a) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0,%1}, [%2];"
+                 : "=r"(r[0]), "=r"(r[1]) : "r"(a));
+}

@@ -64,11 +64,6 @@ if __name__ == "__main__":
         sys.argv.remove("--ffma")
         from triattn_cupy import _configs
 
-        def ffma_attention(head_dim, precision, compute_capability=90):
-            return (_configs.attention_config(head_dim), "attention_fp32",
-                    _configs.attention_tiles(head_dim)[0], _configs.ATTENTION_THREADS,
-                    _configs.attention_smem_bytes(head_dim))
-
-        _configs.attention_kernel = ffma_attention
+        _configs.attention_kernel = lambda d, precision, cc=90: _configs.attention_ffma_launch(d)
         PRECISIONS = ("fp32-ffma",)
     main(sys.argv[1:] or ["2x128x64x4", "1x384x128x4", "1x1024x128x4"])

@@ -20,7 +20,7 @@ from helpers import rel_l2
 pytestmark = pytest.mark.gpu
 
 TOL = {"tf32x3": 1e-5, "tf32": 2e-3, "bf16": 1e-2}
-HEAD_DIMS = [8, 16, 32, 64, 128]
+HEAD_DIMS = [8, 16, 24, 32, 64, 128]
 SIZES_N = [1, 7, 64, 65, 130]
 
 
@@ -42,7 +42,7 @@ def _mask(rng, B, N):
     return keep
 
 
-def _run_both(cp, rng, B, N, head_dim, variant, policy):
+def _run_both(cp, rng, B, N, head_dim, variant, policy, tiles=None):
     """(q slots after the FFMA kernel, q slots after the mma kernel, the rest of qkvg
     after each), all on the host."""
     from triattn_cupy._gpu import DeviceWeights, Forward
@@ -57,14 +57,11 @@ def _run_both(cp, rng, B, N, head_dim, variant, policy):
     qkvg_mma, bias = fwd.qkvg.copy(), fwd.bias.copy()
     fwd.attention()  # FFMA, in place on fwd.qkvg
 
-    config = _configs.attention_mma_config(head_dim, variant)
-    smem = _configs.attention_mma_smem_bytes(head_dim, variant)
-    bq = _configs.ATTENTION_MMA_BQ
-    blocks = -(-N // bq) * h * B * N
-    kernel = config.get(f"attention_{variant}", smem)
-    kernel((blocks,), (_configs.ATTENTION_MMA_THREADS,),
+    k = _configs.attention_mma_launch(head_dim, variant, tiles)
+    kernel = k.config.get(k.name, k.smem)
+    kernel((k.blocks(B, N, h),), (k.threads,),
            (qkvg_mma, bias, np.int32(B), np.int32(N), np.int32(h), np.int32(fwd.npk),
-            np.int32(policy == "nan")), shared_mem=smem)
+            np.int32(policy == "nan")), shared_mem=k.smem)
     cp.cuda.runtime.deviceSynchronize()
     D = fwd.D
     ref, got = fwd.qkvg.get(), qkvg_mma.get()
@@ -76,8 +73,27 @@ def _run_both(cp, rng, B, N, head_dim, variant, policy):
 @pytest.mark.parametrize("N", SIZES_N)
 @pytest.mark.parametrize("B", [1, 2])
 def test_mma_matches_ffma(cp, rng, B, N, head_dim, variant):
+    if head_dim not in _configs.attention_mma_head_dims(variant):
+        pytest.skip(f"{variant} takes the FFMA kernel at d={head_dim}")
+    _check_against_ffma(cp, rng, B, N, head_dim, variant, None)
+
+
+# Every tile shape the tuning sweep (scripts/time_ours.py --tiles) may pick.
+TILES = [_configs.MmaTiles(bk, mt, rows, pf) for bk, mt, rows, pf in
+         [(64, 1, 1, 1), (64, 1, 2, 1), (64, 2, 1, 1), (64, 2, 2, 1), (32, 1, 2, 1),
+          (64, 1, 4, 1), (16, 1, 1, 0), (32, 1, 1, 0)]]
+
+
+@pytest.mark.parametrize("variant", list(TOL))
+@pytest.mark.parametrize("tiles", TILES, ids=str)
+@pytest.mark.parametrize("N", [7, 130])
+def test_mma_tile_shapes(cp, rng, N, tiles, variant):
+    _check_against_ffma(cp, rng, 2, N, 16, variant, tiles)
+
+
+def _check_against_ffma(cp, rng, B, N, head_dim, variant, tiles):
     policy = ("zero", "nan")[(N + B) % 2]
-    ref, got, ref_rest, got_rest = _run_both(cp, rng, B, N, head_dim, variant, policy)
+    ref, got, ref_rest, got_rest = _run_both(cp, rng, B, N, head_dim, variant, policy, tiles)
     np.testing.assert_array_equal(got_rest, ref_rest)  # only the q slots are written
     if policy == "nan":
         assert np.array_equal(np.isnan(got), np.isnan(ref)), "NaN exactly where FFMA has NaN"
@@ -87,7 +103,7 @@ def test_mma_matches_ffma(cp, rng, B, N, head_dim, variant):
         err = rel_l2(got, ref, where=finite)
     else:
         err = rel_l2(got, ref)  # inf on any NaN
-    assert err <= TOL[variant], f"{variant} B={B} N={N} d={head_dim}: rel L2 {err:.3g}"
+    assert err <= TOL[variant], f"{variant} {tiles} B={B} N={N} d={head_dim}: rel L2 {err:.3g}"
 
 
 @pytest.mark.parametrize("variant", list(TOL))

@@ -119,68 +119,127 @@ def attention_smem_bytes(head_dim: int) -> int:
 
 # ---- attention on tensor cores (kernels/attention_mma.cu) ----
 
-ATTENTION_MMA_THREADS = 128
-ATTENTION_MMA_BQ = 64  # queries per block (16 per warp); the grid is ceil(N/64) * H * B*N
+ATTENTION_MMA_THREADS = 256  # 8 warps
 ATTENTION_MMA_VARIANTS = ("tf32x3", "tf32", "bf16")  # entry point attention_<variant>
+_MMA_PREC = {"tf32x3": 0, "tf32": 1, "bf16": 2}
 
 
-def attention_mma_head_dims():
-    """Head dims the tensor-core kernels take: multiples of 8 up to MAX_HEAD_DIM (others
+@dataclasses.dataclass(frozen=True)
+class MmaTiles:
+    """The attention_mma.cu tile shape: BK keys per tile, MT 16-query m-tiles per warp,
+    ROWS pair rows per block (sharing their bias reads), PREFETCH the next key/value tile
+    into registers. The 8 warps give BQ = 16 * MT * 8 / ROWS queries per row."""
+    bk: int = 64
+    mt: int = 1
+    rows: int = 1
+    prefetch: int = 1
+
+    @property
+    def queries(self) -> int:
+        return 16 * self.mt * 8 // self.rows
+
+
+def attention_mma_head_dims(variant: str = "bf16"):
+    """Head dims the tensor-core kernel takes for `variant`: multiples of 8 whose tiles
+    fit in registers without spills (up to 128; up to 64 for 3xTF32, whose wider head dims
     stay on the FFMA kernel)."""
-    return tuple(range(8, MAX_HEAD_DIM + 1, 8))
+    top = 64 if variant == "tf32x3" else MAX_HEAD_DIM
+    return tuple(range(8, top + 1, 8))
 
 
-def attention_mma_bk(head_dim: int) -> int:
-    """Keys per tile: S (BK/2 registers per thread), O (d/2) and Q (d/2) must fit in
-    255 registers without spills; at d = 128 BK = 64 fits with ~10 to spare, too few to
-    trust across compiler versions, so d > 96 takes BK = 32."""
-    return 64 if head_dim <= 96 else 32
+def attention_mma_tiles(head_dim: int, variant: str) -> MmaTiles:
+    """Measured on an H200 (benchmarks/NOTES.md) within what compiles without spills
+    (tests/test_kernels_compile.py): small head dims take 2 rows per block, which halves
+    the bias traffic from L2; wide ones take fewer keys per tile to fit in registers."""
+    if head_dim <= 32:
+        return MmaTiles(bk=64, rows=2)
+    if head_dim <= 64:
+        return MmaTiles(bk=32 if variant == "tf32x3" else 64)
+    if variant == "tf32":
+        return MmaTiles(bk=16, prefetch=0)
+    return MmaTiles(bk=32)
 
 
-def attention_mma_config(head_dim: int, variant: str) -> KernelConfig:
+def attention_mma_config(head_dim: int, variant: str, tiles: MmaTiles | None = None
+                         ) -> KernelConfig:
     """The configuration whose entry point `attention_<variant>` serves `head_dim`;
     variant "tf32x3" (fp32-accurate 3xTF32), "tf32" or "bf16"."""
-    if head_dim % 8 or not 8 <= head_dim <= MAX_HEAD_DIM:
-        raise ValueError(f"the tensor-core attention needs a head dimension that is a "
-                         f"multiple of 8 and at most {MAX_HEAD_DIM}; got {head_dim}")
     if variant not in ATTENTION_MMA_VARIANTS:
         raise ValueError(f"variant must be one of {ATTENTION_MMA_VARIANTS}; got {variant!r}")
-    defines = (("HEAD_DIM", head_dim), ("BK", attention_mma_bk(head_dim)))
+    if head_dim not in attention_mma_head_dims(variant):
+        raise ValueError(f"the tensor-core attention ({variant}) takes head dims "
+                         f"{attention_mma_head_dims(variant)}; got {head_dim}")
+    tiles = tiles or attention_mma_tiles(head_dim, variant)
+    return KernelConfig("attention_mma.cu", (
+        ("HEAD_DIM", head_dim), ("PREC", _MMA_PREC[variant]), ("BK", tiles.bk),
+        ("MT", tiles.mt), ("ROWS", tiles.rows), ("PREFETCH", tiles.prefetch)))
+
+
+def attention_mma_smem_bytes(head_dim: int, variant: str, tiles: MmaTiles | None = None
+                             ) -> int:
+    """Per row: K [BK][d+4] and V^T [d][BK+4] tf32 words, twice for 3xTF32 (hi, lo);
+    bf16: K and V [BK][d+8] halves."""
+    t = tiles or attention_mma_tiles(head_dim, variant)
     if variant == "bf16":
-        return KernelConfig("attention_mma.cu", defines + (("BF16", 1),))
-    return KernelConfig("attention_mma.cu", defines + (("SPLIT", int(variant == "tf32x3")),))
+        per_row = 2 * 2 * t.bk * (head_dim + 8)
+    else:
+        per_row = (2 if variant == "tf32x3" else 1) * 4 * (
+            t.bk * (head_dim + 4) + head_dim * (t.bk + 4))
+    return t.rows * per_row
 
 
-def attention_mma_smem_bytes(head_dim: int, variant: str = "tf32x3") -> int:
-    """K and V tiles: 4*BK*(KSTR + VSTR), KSTR = d + 8 for bf16 (else d + 4), VSTR = d + 4."""
-    kstr = head_dim + (8 if variant == "bf16" else 4)
-    return 4 * attention_mma_bk(head_dim) * (kstr + head_dim + 4)
+@dataclasses.dataclass(frozen=True)
+class AttentionLaunch:
+    """One attention kernel and its launch shape: blocks of `threads` threads, each taking
+    `queries` queries of `rows` pair rows of one head."""
+    config: KernelConfig
+    name: str
+    queries: int
+    rows: int
+    threads: int
+    smem: int
+
+    def blocks(self, B: int, N: int, H: int) -> int:
+        return -(-N // self.queries) * H * B * -(-N // self.rows)
 
 
-# precision -> the attention kernel variant; the projections are FFMA fp32 in every mode.
+# precision -> the attention kernel variant
 PRECISIONS = ("fp32", "tf32", "bf16")
 _MMA_VARIANT = {"fp32": "tf32x3", "tf32": "tf32", "bf16": "bf16"}
 
 
-def attention_kernel(head_dim: int, precision: str, compute_capability: int = 90):
-    """(config, entry point, BQ, threads, shared memory bytes) of the attention kernel for
-    `precision`: tensor cores (mma.sync, sm_80 and newer) where the head dim is a multiple
-    of 8, else the FFMA kernel, which is fp32 (so at least as accurate as any mode asks)."""
+def attention_mma_launch(head_dim: int, variant: str, tiles: MmaTiles | None = None
+                         ) -> AttentionLaunch:
+    tiles = tiles or attention_mma_tiles(head_dim, variant)
+    return AttentionLaunch(attention_mma_config(head_dim, variant, tiles),
+                           f"attention_{variant}", tiles.queries, tiles.rows,
+                           ATTENTION_MMA_THREADS,
+                           attention_mma_smem_bytes(head_dim, variant, tiles))
+
+
+def attention_ffma_launch(head_dim: int) -> AttentionLaunch:
+    return AttentionLaunch(attention_config(head_dim), "attention_fp32",
+                           attention_tiles(head_dim)[0], 1, ATTENTION_THREADS,
+                           attention_smem_bytes(head_dim))
+
+
+def attention_kernel(head_dim: int, precision: str, compute_capability: int = 90
+                     ) -> AttentionLaunch:
+    """The attention kernel for `precision`: tensor cores (mma.sync, sm_80 and newer) where
+    the head dim allows (attention_mma_head_dims), else the FFMA kernel, which is fp32 (so
+    at least as accurate as any mode asks)."""
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}; got {precision!r}")
-    if head_dim % 8 == 0 and compute_capability >= 80:
-        variant = _MMA_VARIANT[precision]
-        return (attention_mma_config(head_dim, variant), f"attention_{variant}",
-                ATTENTION_MMA_BQ, ATTENTION_MMA_THREADS,
-                attention_mma_smem_bytes(head_dim, variant))
-    return (attention_config(head_dim), "attention_fp32", attention_tiles(head_dim)[0],
-            ATTENTION_THREADS, attention_smem_bytes(head_dim))
+    variant = _MMA_VARIANT[precision]
+    if compute_capability >= 80 and head_dim in attention_mma_head_dims(variant):
+        return attention_mma_launch(head_dim, variant)
+    return attention_ffma_launch(head_dim)
 
 
 def all_configs():
     """Every configuration a supported (pair_dim, num_heads) can launch."""
     configs = {project_config(rows, mma) for rows in (64, 128) for mma in (False, True)}
     configs.update(attention_config(d) for d in supported_head_dims())
-    configs.update(attention_mma_config(d, v) for d in attention_mma_head_dims()
-                   for v in ATTENTION_MMA_VARIANTS)
+    configs.update(attention_mma_config(d, v) for v in ATTENTION_MMA_VARIANTS
+                   for d in attention_mma_head_dims(v))
     return sorted(configs, key=lambda c: (c.filename, c.defines))

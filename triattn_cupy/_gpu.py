@@ -184,13 +184,12 @@ class Forward:
             _configs.project_smem_bytes(self.D, rows))
 
     def attention(self):
-        config, name, bq, threads, smem = self.attention_kernel
-        blocks = -(-self.N // bq) * self.H * self.B * self.N
+        k = self.attention_kernel
         self._launch(
-            config, name, blocks, threads,
+            k.config, k.name, k.blocks(self.B, self.N, self.H), k.threads,
             (self.qkvg, self.bias, np.int32(self.B), np.int32(self.N), np.int32(self.H),
              np.int32(self.npk), np.int32(self.nan_fully_masked)),
-            smem)
+            k.smem)
 
     def out_project(self):
         dw = self.dw

@@ -1,0 +1,68 @@
+"""Time the tensor-core attention kernel alone for each candidate tile shape, to choose
+_configs.attention_mma_tiles (CUDA events, median of repeats; FLOPs of QK^T and PV).
+
+    python3 scripts/sweep_tiles.py 1x384x128x4 1x1024x128x4
+"""
+import statistics
+import sys
+
+import cupy as cp
+import numpy as np
+
+import triattn_cupy as ta
+from triattn_cupy import _configs
+from triattn_cupy._gpu import DeviceWeights, Forward
+
+CANDIDATES = [_configs.MmaTiles(bk, mt, rows, pf) for bk, mt, rows, pf in
+              [(64, 1, 1, 1), (64, 1, 2, 1), (64, 2, 1, 1), (64, 2, 2, 1), (32, 1, 2, 1),
+               (64, 1, 4, 1), (64, 1, 2, 0), (32, 1, 1, 0)]]
+
+
+def time_attention(fwd, launch, repeats):
+    kernel = launch.config.get(launch.name, launch.smem)
+    args = (fwd.qkvg, fwd.bias, np.int32(fwd.B), np.int32(fwd.N), np.int32(fwd.H),
+            np.int32(fwd.npk), np.int32(0))
+    grid = (launch.blocks(fwd.B, fwd.N, fwd.H),)
+    run = lambda: kernel(grid, (launch.threads,), args, shared_mem=launch.smem)
+    for _ in range(3):
+        run()
+    start, stop = cp.cuda.Event(), cp.cuda.Event()
+    times = []
+    for _ in range(repeats):
+        start.record()
+        run()
+        stop.record()
+        stop.synchronize()
+        times.append(cp.cuda.get_elapsed_time(start, stop))
+    return statistics.median(times)
+
+
+def main(sizes):
+    print(cp.cuda.runtime.getDeviceProperties(0)["name"].decode(), "cupy", cp.__version__)
+    for size in sizes:
+        B, N, D, h = map(int, size.split("x"))
+        d = D // h
+        dw = DeviceWeights(ta.random_weights(D, h, seed=0), cp.cuda.runtime.getDevice())
+        pair = cp.random.standard_normal((B, N, N, D), dtype=np.float32)
+        fwd = Forward(dw, pair, None, "zero", None)
+        fwd.project()
+        flops = 4 * B * N**3 * D
+        for variant in _configs.ATTENTION_MMA_VARIANTS:
+            if d not in _configs.attention_mma_head_dims(variant):
+                continue
+            chosen = _configs.attention_mma_tiles(d, variant)
+            for tiles in CANDIDATES:
+                try:
+                    launch = _configs.attention_mma_launch(d, variant, tiles)
+                    ms = time_attention(fwd, launch, 20 if N <= 512 else 5)
+                except Exception as exc:  # a shape that does not fit: say so, go on
+                    print(f"{size} {variant:6s} {tiles}: {type(exc).__name__}: {exc}")
+                    continue
+                mark = " <- chosen" if tiles == chosen else ""
+                print(f"{size} {variant:6s} bk={tiles.bk} mt={tiles.mt} rows={tiles.rows} "
+                      f"pf={tiles.prefetch}: {ms:.3f} ms {flops / ms / 1e9:.1f} TFLOP/s{mark}",
+                      flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:] or ["1x384x128x4", "1x1024x128x4"])
