@@ -18,9 +18,9 @@
 //
 // Work split: a block of 8 warps owns ROWS pair rows i (of one batch b) and BQ queries of
 // one head; the warps of a row split its BQ queries, MT m-tiles of 16 per warp, and keep
-// them in registers for the whole head dim. The rows of a block share the bias rows they
-// read (through L1), which is the larger part of the traffic from L2: the bias is indexed
-// (j, k) and read again for every row i.
+// them in registers for the whole head dim. The rows of a block share each bias tile (in
+// shared memory): the bias is indexed (j, k) and read again for every row i, and at small
+// head dims it is the larger part of the traffic from L2 (4 bytes per score).
 //
 // Key/value tiles (BK keys) are loaded from global memory into registers one tile ahead
 // (the loads are in flight while the current tile is multiplied) and stored into shared
@@ -46,12 +46,12 @@
 //   C (both):      c0 (g, 2t) c1 (g, 2t+1) c2 (g+8, 2t) c3 (g+8, 2t+1)
 //
 // Launch: grid ceil(N/BQ) * H * B * ceil(N/ROWS), flattened, query tile fastest; block
-// THREADS; dynamic shared memory ROWS * ROW_BYTES (triattn_cupy/_configs.py mirrors it).
+// THREADS; dynamic shared memory ROWS * ROW_ELEMS elements + 2 bias tiles of BQ * BSTR
+// floats (triattn_cupy/_configs.py mirrors it).
 // Pointers (float32): qkvg [B*N*N, 4D] with q at column h*d, k at D + h*d, v at 2D + h*d
 // (o overwrites q: only this block reads those q values, and each warp reads its own
-// queries into registers before it writes them); bias [B, H, N, NPK], NPK even, -inf on
-// the padded keys [N, NPK); keys at or past NPK are taken as -inf here, so NPK need not
-// be a multiple of BK.
+// queries into registers before it writes them); bias [B, H, N, NPK], NPK a multiple of
+// BK (whole tiles are copied), -inf on the padded keys [N, NPK).
 #include "common.cuh"
 #include "mma.cuh"
 
@@ -118,6 +118,9 @@ typedef u32 elem_t;  // tf32 bits
 #endif
 #define PARTS (SPLIT ? 2 : 1)
 #define ROW_ELEMS (PARTS * (K_ELEMS + V_ELEMS))
+// Bias tiles [BQ][BSTR] fp32 (two), after the rows' K/V.
+#define BSTR (BK + 8)
+#define BIAS_TILE (BQ * BSTR)
 
 // 3xTF32: split the query fragments once (2 * MT * d/2 registers) when that is small,
 // else again for every key tile (volatile conversions, so they cannot be hoisted).
@@ -173,15 +176,22 @@ ENTRY(float* qkvg, const float* __restrict__ bias, int B, int N, int H, int npk,
     const u32 ks_addr = smem_addr(Ks), vs_addr = smem_addr(Ks + PARTS * K_ELEMS);
 #define ELEM_BYTES ((int)sizeof(elem_t))
 
-    // Bias rows of this lane's queries q0 + 16 mt + g (+ 8); queries past N read row N-1
-    // (finite, never written).
-    const float* bias_bh = bias + ((i64)b * H + head) * N * npk;
-    const float* brow[MT][2];
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-        for (int r = 0; r < 2; ++r)
-            brow[mt][r] = bias_bh + (i64)min(q0 + 16 * mt + 8 * r + g, N - 1) * npk;
+    // The bias tile of this block's BQ queries and BK keys, double-buffered in shared
+    // memory after the K/V tiles of every row: copied with cp.async one tile ahead (so its
+    // latency hides behind a whole tile of work) and read by the warps of all ROWS rows.
+    float* const bias_tiles = reinterpret_cast<float*>(smem + ROWS * ROW_ELEMS);
+    const float* const bias_bh = bias + ((i64)b * H + head) * N * npk;
+    auto copy_bias = [&](int k0, int buf) {
+        float* const dst = bias_tiles + buf * BIAS_TILE;
+        for (int idx = tid; idx < BQ * (BK / 4); idx += THREADS) {
+            const int q = idx / (BK / 4), c = 4 * (idx % (BK / 4));
+            // Queries past N copy row N-1 (finite, never written).
+            cp_async16(dst + q * BSTR + c,
+                       bias_bh + (i64)min(qtile * BQ + q, N - 1) * npk + k0 + c);
+        }
+        cp_async_commit();
+    };
+    const int bias_row = (warp % ROW_WARPS) * 16 * MT + g;  // + 16 mt + 8 r: this lane's rows
 
     // ---- the query fragments, read once (queries past N and rows past N are zero) ----
 #if BF16
@@ -324,28 +334,29 @@ ENTRY(float* qkvg, const float* __restrict__ bias, int B, int N, int H, int npk,
     }
 
     if (PREFETCH) fetch(0);
-    for (int k0 = 0; k0 < N; k0 += BK) {
-        // S starts as the bias (-inf where masked, on padded keys and past NPK), so the
-        // products accumulate onto it; loaded before the barrier to hide its latency.
+    copy_bias(0, 0);
+    for (int k0 = 0, tile = 0; k0 < N; k0 += BK, ++tile) {
+        const bool more = k0 + BK < N;
+        __syncthreads();  // every warp is done with the previous tile (and bias buffer)
+        store();
+        if (more) copy_bias(k0 + BK, (tile + 1) & 1);
+        if (more) cp_async_wait<1>(); else cp_async_wait<0>();  // this tile's bias landed
+        __syncthreads();  // K, V and bias tiles visible to every warp
+        if (PREFETCH && more) fetch(k0 + BK);  // in flight while this tile is multiplied
+
+        // S starts as the bias (-inf where masked and on the padded keys [N, NPK)), so the
+        // products accumulate onto it. Rows 8 bytes apart in a lane pair, BSTR = 8 mod 32
+        // words: each half-warp's float2 reads hit 32 distinct banks.
         float s[MT][NT][4];
+        const float* const bias_tile = bias_tiles + (tile & 1) * BIAS_TILE + bias_row * BSTR + 2 * t;
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
             for (int n = 0; n < NT; ++n) {
-                const int k = k0 + 8 * n + 2 * t;  // even; npk even: both keys in or both out
-                float2 x0 = make_float2(neg_inf(), neg_inf()), x1 = x0;
-                if (k < npk) {
-                    x0 = ld2(brow[mt][0] + k);
-                    x1 = ld2(brow[mt][1] + k);
-                }
+                const float2 x0 = *reinterpret_cast<const float2*>(bias_tile + 16 * mt * BSTR + 8 * n);
+                const float2 x1 = *reinterpret_cast<const float2*>(bias_tile + (16 * mt + 8) * BSTR + 8 * n);
                 s[mt][n][0] = x0.x; s[mt][n][1] = x0.y; s[mt][n][2] = x1.x; s[mt][n][3] = x1.y;
             }
-
-        if (!PREFETCH) fetch(k0);
-        __syncthreads();  // every warp is done reading the previous tile
-        store();
-        __syncthreads();  // the tile is visible to every warp
-        if (PREFETCH && k0 + BK < N) fetch(k0 + BK);  // in flight while this tile is multiplied
 
         // This lane's ldmatrix rows in K and V (byte addresses; see opaque()).
         const u32 k_lane = opaque(ks_addr), v_lane = opaque(vs_addr);

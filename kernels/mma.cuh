@@ -112,3 +112,12 @@ __device__ __forceinline__ void ldsm_x2_trans(u32 (&r)[2], u32 a) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0,%1}, [%2];"
                  : "=r"(r[0]), "=r"(r[1]) : "r"(a));
 }
+
+// 16-byte asynchronous copy global -> shared, cached in L2 only (.cg); committed in
+// groups, waited for with cp_async_wait<n> (at most n groups still in flight).
+__device__ __forceinline__ void cp_async16(void* dst, const void* src) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(smem_addr(dst)), "l"(src));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" :: "n"(N)); }

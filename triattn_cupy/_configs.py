@@ -13,6 +13,7 @@ MAX_PAIR_DIM = 768  # the row tile of D floats x 64 rows must fit in shared memo
 PROJECT_THREADS = 256
 ATTENTION_THREADS = 128
 _PROJECT_BK, _PROJECT_BN = 16, 128
+BIAS_KEY_ALIGN = 64  # the bias's key axis is padded to a multiple of every kernel's key tile
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,9 +142,9 @@ class MmaTiles:
 
 def attention_mma_head_dims(variant: str = "bf16"):
     """Head dims the tensor-core kernel takes for `variant`: multiples of 8 whose tiles
-    fit in registers without spills (up to 128; up to 64 for 3xTF32, whose wider head dims
-    stay on the FFMA kernel)."""
-    top = 64 if variant == "tf32x3" else MAX_HEAD_DIM
+    fit in registers without spills (bf16 up to 128, TF32 up to 120, 3xTF32 up to 64; wider
+    head dims stay on the FFMA kernel)."""
+    top = {"tf32x3": 64, "tf32": 120}.get(variant, MAX_HEAD_DIM)
     return tuple(range(8, top + 1, 8))
 
 
@@ -154,7 +155,7 @@ def attention_mma_tiles(head_dim: int, variant: str) -> MmaTiles:
     if head_dim <= 32:
         return MmaTiles(bk=64, rows=2)
     if head_dim <= 64:
-        return MmaTiles(bk=32 if variant == "tf32x3" else 64)
+        return MmaTiles(bk=16 if variant == "tf32x3" else 64)
     if variant == "tf32":
         return MmaTiles(bk=16, prefetch=0)
     return MmaTiles(bk=32)
@@ -178,14 +179,14 @@ def attention_mma_config(head_dim: int, variant: str, tiles: MmaTiles | None = N
 def attention_mma_smem_bytes(head_dim: int, variant: str, tiles: MmaTiles | None = None
                              ) -> int:
     """Per row: K [BK][d+4] and V^T [d][BK+4] tf32 words, twice for 3xTF32 (hi, lo);
-    bf16: K and V [BK][d+8] halves."""
+    bf16: K and V [BK][d+8] halves. Then two bias tiles [BQ][BK+8] fp32."""
     t = tiles or attention_mma_tiles(head_dim, variant)
     if variant == "bf16":
         per_row = 2 * 2 * t.bk * (head_dim + 8)
     else:
         per_row = (2 if variant == "tf32x3" else 1) * 4 * (
             t.bk * (head_dim + 4) + head_dim * (t.bk + 4))
-    return t.rows * per_row
+    return t.rows * per_row + 2 * 4 * t.queries * (t.bk + 8)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -137,10 +137,10 @@ class Forward:
         self.B, self.N, self.D, self.H, self.d = B, N, D, H, d
         self.M = B * N * N
         self.nan_fully_masked = fully_masked == "nan"
-        # The key axis of the bias is padded with -inf to whole FFMA key tiles (32 or 64),
-        # which is also the even length the tensor-core kernel's float2 reads need.
-        bk = _configs.attention_tiles(d)[1]
-        self.npk = -(-N // bk) * bk
+        # The key axis of the bias is padded with -inf to whole key tiles of either
+        # attention kernel (at most BIAS_KEY_ALIGN keys; the tensor-core kernel copies
+        # whole tiles).
+        self.npk = -(-N // _configs.BIAS_KEY_ALIGN) * _configs.BIAS_KEY_ALIGN
         with cupy.cuda.Device(dw.device_id):
             self.qkvg = cupy.empty((self.M, 4 * D), np.float32)
             self.bias = cupy.empty((B, H, N, self.npk), np.float32)
