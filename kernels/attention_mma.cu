@@ -337,6 +337,7 @@ ENTRY(float* qkvg, const float* __restrict__ bias, int B, int N, int H, int npk,
     copy_bias(0, 0);
     for (int k0 = 0, tile = 0; k0 < N; k0 += BK, ++tile) {
         const bool more = k0 + BK < N;
+        if (!PREFETCH) fetch(k0);
         __syncthreads();  // every warp is done with the previous tile (and bias buffer)
         store();
         if (more) copy_bias(k0 + BK, (tile + 1) & 1);
