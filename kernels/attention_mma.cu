@@ -1,8 +1,8 @@
 // Masked, biased softmax attention along the last pair axis, flash-style, on tensor cores
 // (mma.sync and ldmatrix through inline PTX: NVRTC cannot include <mma.h>). Same
 // computation, layouts and edge cases as attention.cu (FFMA); for every row (b, i), head h
-// and query j (q and bias pre-scaled by log2 e, so softmax is in base 2 and exp2f is one
-// instruction):
+// and query j (q and bias pre-scaled by log2 e, so softmax is in base 2 and 2^x is one
+// instruction, fast_exp2):
 //
 //   s[k]         = q[b,i,j,h] . k[b,i,k,h] + bias[b,h,j,k]    # bias = -inf where masked
 //   o[b,i,j,h]   = sum_k 2^(s[k] - max s) v[b,i,k,h] / sum_k 2^(s[k] - max s)
@@ -95,6 +95,9 @@
 #if WARPS % ROWS != 0
 #error "attention_mma.cu: ROWS must divide the 8 warps"
 #endif
+#if (BQ * BK / 4) % THREADS != 0
+#error "attention_mma.cu: the bias tile must be a whole number of 16-byte copies per thread"
+#endif
 
 // Shared memory of one row: K (and its lo part), then V (and its lo part).
 #if BF16
@@ -124,7 +127,7 @@ typedef u32 elem_t;  // tf32 bits
 
 // 3xTF32: split the query fragments once (2 * MT * d/2 registers) when that is small,
 // else again for every key tile (volatile conversions, so they cannot be hoisted).
-#define QSPLIT_ONCE (SPLIT && MT * HEAD_DIM <= 64)
+#define QSPLIT_ONCE (SPLIT && MT * HEAD_DIM <= 32)
 
 // The key/value loader: each thread moves 8 consecutive dims (a whole 32-byte sector) of
 // one key, the 32 lanes of a warp 32 consecutive keys.
@@ -181,14 +184,19 @@ ENTRY(float* qkvg, const float* __restrict__ bias, int B, int N, int H, int npk,
     // latency hides behind a whole tile of work) and read by the warps of all ROWS rows.
     float* const bias_tiles = reinterpret_cast<float*>(smem + ROWS * ROW_ELEMS);
     const float* const bias_bh = bias + ((i64)b * H + head) * N * npk;
+    // Thread tid copies 16 bytes at column 4 (tid % (BK/4)) of rows tid / (BK/4) + it * RSTEP.
+#define RSTEP (THREADS / (BK / 4))
+    const int copy_col = 4 * (tid % (BK / 4)), copy_row = tid / (BK / 4);
+    const int copy_q = qtile * BQ + copy_row;
     auto copy_bias = [&](int k0, int buf) {
-        float* const dst = bias_tiles + buf * BIAS_TILE;
-        for (int idx = tid; idx < BQ * (BK / 4); idx += THREADS) {
-            const int q = idx / (BK / 4), c = 4 * (idx % (BK / 4));
-            // Queries past N copy row N-1 (finite, never written).
-            cp_async16(dst + q * BSTR + c,
-                       bias_bh + (i64)min(qtile * BQ + q, N - 1) * npk + k0 + c);
-        }
+        float* const dst = bias_tiles + buf * BIAS_TILE + copy_row * BSTR + copy_col;
+        // opaque: the addresses are formed here, per tile, not hoisted out of the key loop
+        // as BQ / RSTEP live registers.
+        const float* const src = opaque(bias_bh + (i64)copy_q * npk + k0 + copy_col);
+#pragma unroll
+        for (int it = 0; it < BQ / RSTEP; ++it)  // queries past N: zeros, never written
+            cp_async16_or_zero(dst + it * RSTEP * BSTR, src + (i64)(it * RSTEP) * npk,
+                               copy_q + it * RSTEP < N);
         cp_async_commit();
     };
     const int bias_row = (warp % ROW_WARPS) * 16 * MT + g;  // + 16 mt + 8 r: this lane's rows
@@ -434,22 +442,29 @@ ENTRY(float* qkvg, const float* __restrict__ bias, int B, int N, int H, int npk,
         for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
             for (int r = 0; r < 2; ++r) {
-                float mx = neg_inf();
+                // Maximum and sum in two interleaved chains (more operations in flight
+                // than one serial chain of BK, fewer registers than a tree).
+                float mx0 = neg_inf(), mx1 = neg_inf();
 #pragma unroll
-                for (int n = 0; n < NT; ++n)
-                    mx = fmaxf(mx, fmaxf(s[mt][n][2 * r], s[mt][n][2 * r + 1]));
+                for (int n = 0; n < NT; ++n) {
+                    mx0 = fmaxf(mx0, s[mt][n][2 * r]);
+                    mx1 = fmaxf(mx1, s[mt][n][2 * r + 1]);
+                }
+                float mx = fmaxf(mx0, mx1);
                 // The 4 lanes of a quad hold this row's BK keys.
                 mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
                 mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
                 float alpha;
                 const float m_ref = online_max_update(m[mt][r], mx, alpha);
-                float sum = 0.f;
+                float sum0 = 0.f, sum1 = 0.f;
 #pragma unroll
                 for (int n = 0; n < NT; ++n) {
-                    s[mt][n][2 * r] = exp2f(s[mt][n][2 * r] - m_ref);
-                    s[mt][n][2 * r + 1] = exp2f(s[mt][n][2 * r + 1] - m_ref);
-                    sum += s[mt][n][2 * r] + s[mt][n][2 * r + 1];
+                    s[mt][n][2 * r] = fast_exp2(s[mt][n][2 * r] - m_ref);
+                    s[mt][n][2 * r + 1] = fast_exp2(s[mt][n][2 * r + 1] - m_ref);
+                    sum0 += s[mt][n][2 * r];
+                    sum1 += s[mt][n][2 * r + 1];
                 }
+                const float sum = sum0 + sum1;
                 l[mt][r] = fmaf(l[mt][r], alpha, sum);
 #pragma unroll
                 for (int v = 0; v < DT; ++v) {

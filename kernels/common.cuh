@@ -19,6 +19,15 @@ __device__ __forceinline__ void st4(float* p, float4 v) {
 }
 __device__ __forceinline__ float4 zero4() { return make_float4(0.f, 0.f, 0.f, 0.f); }
 
+// 2^x in one MUFU.EX2 instruction (exp2f adds range scaling for results below 2^-126;
+// flushing those to 0 changes no softmax weight that matters: they are < 2^-126 of the
+// row's largest).
+__device__ __forceinline__ float fast_exp2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+
 // One step of the online softmax's running maximum: m <- max(m, tile_max). Returns the
 // value to subtract from this tile's scores and sets alpha, the factor that rescales what
 // earlier tiles summed. While every key so far is masked, the maximum is -inf and

@@ -94,6 +94,12 @@ __device__ __forceinline__ u32 opaque(u32 x) {
     asm volatile("mov.b32 %0, %1;" : "=r"(r) : "r"(x));
     return r;
 }
+template <typename T>
+__device__ __forceinline__ T* opaque(T* p) {
+    unsigned long long r;
+    asm volatile("mov.b64 %0, %1;" : "=l"(r) : "l"(p));
+    return reinterpret_cast<T*>(r);
+}
 
 // ldmatrix at shared address `a` (see smem_addr): each lane of the quarter-warp q (lanes
 // 8q..8q+7) names one 16-byte row of matrix q; lane l receives 32 bits of each matrix:
@@ -117,6 +123,11 @@ __device__ __forceinline__ void ldsm_x2_trans(u32 (&r)[2], u32 a) {
 // groups, waited for with cp_async_wait<n> (at most n groups still in flight).
 __device__ __forceinline__ void cp_async16(void* dst, const void* src) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(smem_addr(dst)), "l"(src));
+}
+// The same, but when !valid nothing is read and the 16 bytes are zero-filled.
+__device__ __forceinline__ void cp_async16_or_zero(void* dst, const void* src, bool valid) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;"
+                 :: "r"(smem_addr(dst)), "l"(src), "r"(valid ? 16 : 0));
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
 template <int N>

@@ -13,9 +13,9 @@ import triattn_cupy as ta
 from triattn_cupy import _configs
 from triattn_cupy._gpu import DeviceWeights, Forward
 
-CANDIDATES = [_configs.MmaTiles(bk, mt, rows, pf) for bk, mt, rows, pf in
-              [(64, 1, 1, 1), (64, 2, 1, 1), (64, 2, 2, 1), (32, 2, 1, 1),
-               (64, 1, 1, 0), (64, 1, 2, 0), (64, 2, 1, 0), (64, 2, 2, 0), (32, 2, 2, 0)]]
+CANDIDATES = [_configs.MmaTiles(*shape) for shape in
+              [(64, 2, 1, 1, 1), (16, 2, 1, 1, 1), (64, 1, 1, 1, 2), (32, 1, 1, 1, 2),
+               (16, 1, 1, 1, 2), (32, 1, 1, 0, 2), (32, 2, 2, 1, 1)]]
 
 
 def time_attention(fwd, launch, repeats):
@@ -60,7 +60,8 @@ def main(sizes):
                     continue
                 mark = " <- chosen" if tiles == chosen else ""
                 print(f"{size} {variant:6s} bk={tiles.bk} mt={tiles.mt} rows={tiles.rows} "
-                      f"pf={tiles.prefetch}: {ms:.3f} ms {flops / ms / 1e9:.1f} TFLOP/s{mark}",
+                      f"pf={tiles.prefetch} minb={tiles.min_blocks}: {ms:.3f} ms "
+                      f"{flops / ms / 1e9:.1f} TFLOP/s{mark}",
                       flush=True)
 
 

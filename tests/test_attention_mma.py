@@ -79,9 +79,11 @@ def test_mma_matches_ffma(cp, rng, B, N, head_dim, variant):
 
 
 # Every tile shape the tuning sweep (scripts/time_ours.py --tiles) may pick.
-TILES = [_configs.MmaTiles(bk, mt, rows, pf) for bk, mt, rows, pf in
-         [(64, 1, 1, 1), (64, 1, 2, 1), (64, 2, 1, 1), (64, 2, 2, 1), (32, 2, 2, 1),
-          (32, 1, 2, 1), (64, 1, 4, 1), (32, 2, 1, 1), (64, 1, 2, 0), (16, 1, 1, 0)]]
+TILES = [_configs.MmaTiles(*shape) for shape in
+         [(64, 1, 1, 1, 1), (64, 1, 2, 1, 1), (64, 2, 1, 1, 1), (64, 2, 2, 1, 1),
+          (32, 2, 2, 1, 1), (64, 1, 4, 1, 1), (16, 2, 1, 1, 1), (64, 1, 2, 0, 1),
+          (16, 1, 1, 0, 1), (64, 1, 1, 1, 2), (32, 1, 1, 1, 2), (16, 1, 1, 1, 2),
+          (32, 1, 1, 0, 2)]]
 
 
 @pytest.mark.parametrize("variant", list(TOL))

@@ -128,12 +128,14 @@ _MMA_PREC = {"tf32x3": 0, "tf32": 1, "bf16": 2}
 @dataclasses.dataclass(frozen=True)
 class MmaTiles:
     """The attention_mma.cu tile shape: BK keys per tile, MT 16-query m-tiles per warp,
-    ROWS pair rows per block (sharing their bias reads), PREFETCH the next key/value tile
-    into registers. The 8 warps give BQ = 16 * MT * 8 / ROWS queries per row."""
+    ROWS pair rows per block (sharing their bias tiles), PREFETCH the next key/value tile
+    into registers, MIN_BLOCKS resident blocks per SM asked of the compiler (2: at most
+    128 registers per thread). The 8 warps give BQ = 16 * MT * 8 / ROWS queries per row."""
     bk: int = 64
     mt: int = 1
     rows: int = 1
     prefetch: int = 1
+    min_blocks: int = 1
 
     @property
     def queries(self) -> int:
@@ -148,12 +150,15 @@ def attention_mma_head_dims(variant: str = "bf16"):
     return tuple(range(8, top + 1, 8))
 
 
-def attention_mma_tiles(head_dim: int, variant: str) -> MmaTiles:
-    """Measured on an H200 (benchmarks/NOTES.md) within what compiles without spills
-    (tests/test_kernels_compile.py): small head dims take 2 rows per block, which halves
-    the bias traffic from L2; wide ones take fewer keys per tile to fit in registers."""
+def attention_mma_tiles(head_dim: int, variant: str, n: int = 1 << 30) -> MmaTiles:
+    """The tile shape for head dim `head_dim` and `n` keys, measured on an H200
+    (scripts/sweep_tiles.py, benchmarks/NOTES.md) within what compiles without spills
+    (tests/test_kernels_compile.py): small head dims take 2 m-tiles per warp (256 queries
+    per block, once N is large enough to fill them), wide ones fewer keys per tile."""
     if head_dim <= 32:
-        return MmaTiles(bk=64, rows=2)
+        if n <= 128:
+            return MmaTiles(bk=64)
+        return MmaTiles(bk=16 if variant == "tf32x3" else 64, mt=2)
     if head_dim <= 64:
         return MmaTiles(bk=16 if variant == "tf32x3" else 64)
     if variant == "tf32":
@@ -173,7 +178,8 @@ def attention_mma_config(head_dim: int, variant: str, tiles: MmaTiles | None = N
     tiles = tiles or attention_mma_tiles(head_dim, variant)
     return KernelConfig("attention_mma.cu", (
         ("HEAD_DIM", head_dim), ("PREC", _MMA_PREC[variant]), ("BK", tiles.bk),
-        ("MT", tiles.mt), ("ROWS", tiles.rows), ("PREFETCH", tiles.prefetch)))
+        ("MT", tiles.mt), ("ROWS", tiles.rows), ("PREFETCH", tiles.prefetch),
+        ("MIN_BLOCKS", tiles.min_blocks)))
 
 
 def attention_mma_smem_bytes(head_dim: int, variant: str, tiles: MmaTiles | None = None
@@ -209,9 +215,9 @@ PRECISIONS = ("fp32", "tf32", "bf16")
 _MMA_VARIANT = {"fp32": "tf32x3", "tf32": "tf32", "bf16": "bf16"}
 
 
-def attention_mma_launch(head_dim: int, variant: str, tiles: MmaTiles | None = None
-                         ) -> AttentionLaunch:
-    tiles = tiles or attention_mma_tiles(head_dim, variant)
+def attention_mma_launch(head_dim: int, variant: str, tiles: MmaTiles | None = None,
+                         n: int = 1 << 30) -> AttentionLaunch:
+    tiles = tiles or attention_mma_tiles(head_dim, variant, n)
     return AttentionLaunch(attention_mma_config(head_dim, variant, tiles),
                            f"attention_{variant}", tiles.queries, tiles.rows,
                            ATTENTION_MMA_THREADS,
@@ -224,8 +230,8 @@ def attention_ffma_launch(head_dim: int) -> AttentionLaunch:
                            attention_smem_bytes(head_dim))
 
 
-def attention_kernel(head_dim: int, precision: str, compute_capability: int = 90
-                     ) -> AttentionLaunch:
+def attention_kernel(head_dim: int, precision: str, compute_capability: int = 90,
+                     n: int = 1 << 30) -> AttentionLaunch:
     """The attention kernel for `precision`: tensor cores (mma.sync, sm_80 and newer) where
     the head dim allows (attention_mma_head_dims), else the FFMA kernel, which is fp32 (so
     at least as accurate as any mode asks)."""
@@ -233,7 +239,7 @@ def attention_kernel(head_dim: int, precision: str, compute_capability: int = 90
         raise ValueError(f"precision must be one of {PRECISIONS}; got {precision!r}")
     variant = _MMA_VARIANT[precision]
     if compute_capability >= 80 and head_dim in attention_mma_head_dims(variant):
-        return attention_mma_launch(head_dim, variant)
+        return attention_mma_launch(head_dim, variant, n=n)
     return attention_ffma_launch(head_dim)
 
 
@@ -241,6 +247,7 @@ def all_configs():
     """Every configuration a supported (pair_dim, num_heads) can launch."""
     configs = {project_config(rows, mma) for rows in (64, 128) for mma in (False, True)}
     configs.update(attention_config(d) for d in supported_head_dims())
-    configs.update(attention_mma_config(d, v) for v in ATTENTION_MMA_VARIANTS
-                   for d in attention_mma_head_dims(v))
+    configs.update(attention_mma_config(d, v, attention_mma_tiles(d, v, n))
+                   for v in ATTENTION_MMA_VARIANTS for d in attention_mma_head_dims(v)
+                   for n in (128, 129))
     return sorted(configs, key=lambda c: (c.filename, c.defines))

@@ -110,8 +110,8 @@ class Forward:
                  precision: str = "fp32"):
         cupy = _cupy()
         check_fully_masked(fully_masked)
-        self.attention_kernel = _configs.attention_kernel(dw.head_dim, precision,
-                                                          dw.compute_capability)
+        if precision not in _configs.PRECISIONS:
+            raise ValueError(f"precision must be one of {_configs.PRECISIONS}; got {precision!r}")
         self.project_mma = _configs.project_uses_tensor_cores(precision, dw.compute_capability)
         pair = as_device_array(pair, "pair", dw.device_id)
         if pair.dtype != np.float32:
@@ -137,6 +137,7 @@ class Forward:
         self.B, self.N, self.D, self.H, self.d = B, N, D, H, d
         self.M = B * N * N
         self.nan_fully_masked = fully_masked == "nan"
+        self.attention_kernel = _configs.attention_kernel(d, precision, dw.compute_capability, N)
         # The key axis of the bias is padded with -inf to whole key tiles of either
         # attention kernel (at most BIAS_KEY_ALIGN keys; the tensor-core kernel copies
         # whole tiles).
