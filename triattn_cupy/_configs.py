@@ -156,9 +156,11 @@ def attention_mma_tiles(head_dim: int, variant: str, n: int = 1 << 30) -> MmaTil
     (tests/test_kernels_compile.py): small head dims take 2 m-tiles per warp (256 queries
     per block, once N is large enough to fill them), wide ones fewer keys per tile."""
     if head_dim <= 32:
-        if n <= 128:
-            return MmaTiles(bk=64)
-        return MmaTiles(bk=16 if variant == "tf32x3" else 64, mt=2)
+        if variant == "tf32x3":
+            return MmaTiles(bk=32, mt=2, rows=2) if n > 128 else MmaTiles(bk=16, min_blocks=2)
+        if n <= 512:  # 2 blocks of 8 warps per SM beat bigger tiles while N is small
+            return MmaTiles(bk=32, min_blocks=2)
+        return MmaTiles(bk=64, mt=2)
     if head_dim <= 64:
         return MmaTiles(bk=16 if variant == "tf32x3" else 64)
     if variant == "tf32":
@@ -249,5 +251,5 @@ def all_configs():
     configs.update(attention_config(d) for d in supported_head_dims())
     configs.update(attention_mma_config(d, v, attention_mma_tiles(d, v, n))
                    for v in ATTENTION_MMA_VARIANTS for d in attention_mma_head_dims(v)
-                   for n in (128, 129))
+                   for n in (128, 129, 513))
     return sorted(configs, key=lambda c: (c.filename, c.defines))
