@@ -13,10 +13,15 @@
 //
 // The products run on FFMA (MMA = 0: fp32, 8x8 register tiles) or on tensor cores
 // (MMA = 1: mma.sync m16n8k8 on operands rounded to TF32, fp32 accumulation; the "tf32"
-// and "bf16" precision modes). Everything else (LayerNorm, bias, gate) is fp32 in both.
+// and "bf16" precision modes). With MMA = 1 the A tile is rounded to TF32 once, where it
+// is written to shared memory (so the pair bias, computed from it, is a TF32 product too,
+// as in PyTorch's TF32 mode), and WT must come already rounded (DeviceWeights does it):
+// the fragments are then plain shared-memory loads. LayerNorm statistics, the biases and
+// the gate are fp32 in both.
 //
 // Launch: grid (ceil(M / BM)), block THREADS = 256, dynamic shared memory
 //   8*BM + 4*(DPAD*ASTR + 2*BK*WSTR + THREADS + 2*BM) bytes, DPAD = D rounded up to BK.
+// WT is rounded to TF32 when MMA = 1.
 // Pointers (float32 unless noted, M = B*N*N rows):
 //   x     [B, N, N, D] at b*sb + i*si + j*sj + c*sc elements (any strides; x_vec = 1 when
 //         sc == 1 and every row starts 16-byte aligned, enabling float4 loads)
@@ -40,10 +45,15 @@
 #define TM (BM / 16)    // FFMA: rows per thread: {hm*64 + ty*4 + r}
 // FFMA: columns per thread: 8, as {hn*64 + tx*4 + c}, hn in {0, 1}, c in 0..3.
 #define MT (BM / 32)    // MMA: 16-row m-tiles per warp; the 8 warps are 2 (rows) x 4 (columns)
-// Row strides of As ([k][m]) and Ws ([k][n]), padded by 4 words: the MMA fragment loads
-// As[k0+t][m0+g] and Ws[k0+t][n0+g] of a warp then fall in banks 4t + g, all distinct.
-#define ASTR (BM + 4)
-#define WSTR (BN + 4)
+// Row strides of As ([k][m]) and Ws ([k][n]), padded by PAD = 8 words: the MMA fragment
+// loads As[k0+t][m0+g] and Ws[k0+t][n0+g] of a warp then fall in banks 8t + g, all
+// distinct (PAD = 4 gives 4t + g: lanes (t, g+4) and (t+1, g) collide; it is used only
+// where the tile of a wide D would not fit in shared memory otherwise).
+#ifndef PAD
+#define PAD 8
+#endif
+#define ASTR (BM + PAD)
+#define WSTR (BN + PAD)
 
 // This thread's share of one BM x BN output tile.
 struct Tile {
@@ -69,18 +79,18 @@ __device__ __forceinline__ void multiply_chunk(const float* a_k, const float* w_
     for (int kk = 0; kk < BK; kk += 8) {
         u32 a[MT][4], b[4][2];
 #pragma unroll
-        for (int i = 0; i < MT; ++i) {
+        for (int i = 0; i < MT; ++i) {  // both operands hold TF32 values already
             const float* p = a_k + (kk + t) * ASTR + row0 + i * 16 + g;
-            a[i][0] = to_tf32(p[0]);
-            a[i][1] = to_tf32(p[8]);
-            a[i][2] = to_tf32(p[4 * ASTR]);
-            a[i][3] = to_tf32(p[4 * ASTR + 8]);
+            a[i][0] = __float_as_uint(p[0]);
+            a[i][1] = __float_as_uint(p[8]);
+            a[i][2] = __float_as_uint(p[4 * ASTR]);
+            a[i][3] = __float_as_uint(p[4 * ASTR + 8]);
         }
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
             const float* p = w_k + (kk + t) * WSTR + col0 + j * 8 + g;
-            b[j][0] = to_tf32(p[0]);
-            b[j][1] = to_tf32(p[4 * WSTR]);
+            b[j][0] = __float_as_uint(p[0]);
+            b[j][1] = __float_as_uint(p[4 * WSTR]);
         }
 #pragma unroll
         for (int i = 0; i < MT; ++i)
@@ -209,6 +219,15 @@ __device__ __forceinline__ bool mask_keeps(const void* mask, int kind, i64 off) 
 
 __device__ __forceinline__ float sigmoid(float z) { return 1.0f / (1.0f + expf(-z)); }
 
+// A value as the products take it: rounded to TF32 for the tensor cores, else as is.
+__device__ __forceinline__ float operand(float a) {
+#if MMA
+    return __uint_as_float(to_tf32(a));
+#else
+    return a;
+#endif
+}
+
 struct SmemLayout {
     i64* rowoff;    // [BM]   element offset of each row's first value in x
     float* As;      // [dpad][ASTR]
@@ -303,7 +322,7 @@ ln_qkvg_project(const float* __restrict__ x, i64 sb, i64 si, i64 sj, i64 sc, int
     for (int idx = t; idx < D * BM; idx += THREADS) {
         const int ml = idx % BM, k = idx / BM;
         float* a = s.As + k * ASTR + ml;
-        *a = (*a - s.mean[ml]) * s.rstd[ml] * __ldg(gamma + k) + __ldg(beta + k);
+        *a = operand((*a - s.mean[ml]) * s.rstd[ml] * __ldg(gamma + k) + __ldg(beta + k));
     }
     __syncthreads();  // normalised tile complete
 
@@ -313,8 +332,11 @@ ln_qkvg_project(const float* __restrict__ x, i64 sb, i64 si, i64 sj, i64 sc, int
         const i64 m = m0 + ml;
         if (m >= M) continue;
         const float* w = Wb + (i64)head * D;
-        float dot = 0.f;
-        for (int k = 0; k < D; ++k) dot = fmaf(s.As[k * ASTR + ml], __ldg(w + k), dot);
+        float part[4] = {0.f, 0.f, 0.f, 0.f};  // four chains in flight (D % 4 == 0)
+        for (int k = 0; k < D; k += 4)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) part[e] = fmaf(s.As[(k + e) * ASTR + ml], __ldg(w + k + e), part[e]);
+        const float dot = (part[0] + part[1]) + (part[2] + part[3]);
         const i64 b = m / NN, r = m - b * NN, i = r / N, j = r - i * N;
         float* brow = bias + ((b * H + head) * N + i) * (i64)npk;
         brow[j] = mask_keeps(mask, mask_kind, b * mb + i * mi + j * mj) ? dot * LOG2E_F : neg_inf();
@@ -364,7 +386,8 @@ gated_out_project(const float* __restrict__ qkvg, i64 M, int D,
         if (m0 + ml < M && k < D) {
             const float* row = qkvg + (m0 + ml) * ld;
             const float4 o = ld4(row + k), g = ld4(row + 3 * D + k);
-            v = make_float4(g.x * o.x, g.y * o.y, g.z * o.z, g.w * o.w);
+            v = make_float4(operand(g.x * o.x), operand(g.y * o.y), operand(g.z * o.z),
+                            operand(g.w * o.w));
         }
         s.As[(k + 0) * ASTR + ml] = v.x;
         s.As[(k + 1) * ASTR + ml] = v.y;

@@ -48,4 +48,4 @@ def test_every_supported_dimension_has_a_config():
         for rows_total in (1, 10**9):
             for tensor_cores in (False, True):
                 rows = _configs.project_rows(D, rows_total)
-                assert _configs.project_config(rows, tensor_cores) in configs
+                assert _configs.project_config(rows, tensor_cores, D) in configs

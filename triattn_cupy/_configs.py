@@ -78,9 +78,16 @@ def project_rows(pair_dim: int, rows_total: int = 1 << 62, sm_count: int = 132) 
     return 128
 
 
-def project_config(rows: int, tensor_cores: bool = False) -> KernelConfig:
+def project_pad(pair_dim: int) -> int:
+    """Row padding of the shared-memory tiles: 8 words keeps the tensor-core fragment loads
+    free of bank conflicts; 4 where the 64-row tile of a wide D would not fit otherwise."""
+    return 8 if pair_dim <= 640 else 4
+
+
+def project_config(rows: int, tensor_cores: bool = False, pair_dim: int = 128) -> KernelConfig:
     """rows per block; tensor_cores: TF32 mma.sync products (the tf32 and bf16 modes)."""
-    return KernelConfig("project.cu", (("BM", rows), ("MMA", int(tensor_cores))))
+    return KernelConfig("project.cu", (("BM", rows), ("MMA", int(tensor_cores)),
+                                       ("PAD", project_pad(pair_dim))))
 
 
 def project_uses_tensor_cores(precision: str, compute_capability: int = 90) -> bool:
@@ -90,9 +97,10 @@ def project_uses_tensor_cores(precision: str, compute_capability: int = 90) -> b
 
 
 def project_smem_bytes(pair_dim: int, bm: int) -> int:
-    """rowoff (8 per row), As [DPAD][BM+4], Ws [2][BK][BN+4], red, mean, rstd."""
+    """rowoff (8 per row), As [DPAD][BM+PAD], Ws [2][BK][BN+PAD], red, mean, rstd."""
     dpad = -(-pair_dim // _PROJECT_BK) * _PROJECT_BK
-    return 8 * bm + 4 * (dpad * (bm + 4) + 2 * _PROJECT_BK * (_PROJECT_BN + 4)
+    pad = project_pad(pair_dim)
+    return 8 * bm + 4 * (dpad * (bm + pad) + 2 * _PROJECT_BK * (_PROJECT_BN + pad)
                          + PROJECT_THREADS + 2 * bm)
 
 
@@ -247,7 +255,8 @@ def attention_kernel(head_dim: int, precision: str, compute_capability: int = 90
 
 def all_configs():
     """Every configuration a supported (pair_dim, num_heads) can launch."""
-    configs = {project_config(rows, mma) for rows in (64, 128) for mma in (False, True)}
+    configs = {project_config(rows, mma, D) for rows in (64, 128) for mma in (False, True)
+               for D in (128, MAX_PAIR_DIM)}
     configs.update(attention_config(d) for d in supported_head_dims())
     configs.update(attention_mma_config(d, v, attention_mma_tiles(d, v, n))
                    for v in ATTENTION_MMA_VARIANTS for d in attention_mma_head_dims(v)

@@ -59,6 +59,9 @@ class DeviceWeights:
                 [p[f"{n}.weight"] for n in ("query", "key", "value", "gate")], axis=0).T)
             self.b_qkvg = up(np.concatenate([p[f"{n}.bias"] for n in ("query", "key", "value", "gate")]))
             self.w_out_t = up(p["out_proj.weight"].T)
+            # The same, rounded to TF32 once, for the tensor-core projections.
+            self.w_qkvg_t_tf32 = round_tf32(self.w_qkvg_t)
+            self.w_out_t_tf32 = round_tf32(self.w_out_t)
             self.b_out = up(p["out_proj.bias"])
             self.gamma = up(p["layer_norm.weight"])
             self.beta = up(p["layer_norm.bias"])
@@ -69,6 +72,14 @@ class DeviceWeights:
         self.compute_capability = int(device.compute_capability)  # "90" -> 90
         self.pair_dim, self.num_heads = weights.pair_dim, weights.num_heads
         self.head_dim, self.eps = weights.head_dim, weights.layer_norm_eps
+
+
+def round_tf32(a):
+    """float32 -> the nearest TF32 value (ties away from zero, as cvt.rna.tf32.f32), still
+    float32: the low 13 mantissa bits cleared. For finite values."""
+    cupy = _cupy()
+    bits = a.view(cupy.uint32)
+    return ((bits + cupy.uint32(0x1000)) & cupy.uint32(0xFFFFE000)).view(cupy.float32)
 
 
 def _describe(obj) -> str:
@@ -175,12 +186,14 @@ class Forward:
                     and pair.data.ptr % 16 == 0)
         rows = _configs.project_rows(self.D, self.M, dw.sm_count)
         self._launch(
-            _configs.project_config(rows, self.project_mma), "ln_qkvg_project", -(-self.M // rows),
+            _configs.project_config(rows, self.project_mma, self.D), "ln_qkvg_project",
+            -(-self.M // rows),
             _configs.PROJECT_THREADS,
             (pair, np.int64(sb), np.int64(si), np.int64(sj), np.int64(sc), np.int32(x_vec),
              np.int32(self.B), np.int32(self.N), np.int32(self.D), np.int32(self.H),
              np.float32(dw.eps), np.float32(LOG2E / math.sqrt(self.d)),
-             dw.gamma, dw.beta, dw.w_qkvg_t, dw.b_qkvg, dw.w_bias, *self._mask_args(),
+             dw.gamma, dw.beta, dw.w_qkvg_t_tf32 if self.project_mma else dw.w_qkvg_t,
+             dw.b_qkvg, dw.w_bias, *self._mask_args(),
              self.qkvg, self.bias, np.int32(self.npk)),
             _configs.project_smem_bytes(self.D, rows))
 
@@ -196,10 +209,11 @@ class Forward:
         dw = self.dw
         rows = _configs.project_rows(self.D, self.M, dw.sm_count)
         self._launch(
-            _configs.project_config(rows, self.project_mma), "gated_out_project",
+            _configs.project_config(rows, self.project_mma, self.D), "gated_out_project",
             -(-self.M // rows),
             _configs.PROJECT_THREADS,
-            (self.qkvg, np.int64(self.M), np.int32(self.D), dw.w_out_t, dw.b_out, self.out),
+            (self.qkvg, np.int64(self.M), np.int32(self.D),
+             dw.w_out_t_tf32 if self.project_mma else dw.w_out_t, dw.b_out, self.out),
             _configs.project_smem_bytes(self.D, rows))
 
     def stages(self):
