@@ -20,7 +20,7 @@
 // the gate are fp32 in both.
 //
 // Launch: grid (ceil(M / BM)), block THREADS = 256, dynamic shared memory
-//   8*BM + 4*(DPAD*ASTR + 2*BK*WSTR + THREADS + 2*BM) bytes, DPAD = D rounded up to BK.
+//   8*BM + 4*(DPAD*ASTR + 2*BK*WSTR + THREADS) bytes, DPAD = D rounded up to BK.
 // WT is rounded to TF32 when MMA = 1.
 // Pointers (float32 unless noted, M = B*N*N rows):
 //   x     [B, N, N, D] at b*sb + i*si + j*sj + c*sc elements (any strides; x_vec = 1 when
@@ -217,7 +217,11 @@ __device__ __forceinline__ bool mask_keeps(const void* mask, int kind, i64 off) 
     }
 }
 
-__device__ __forceinline__ float sigmoid(float z) { return 1.0f / (1.0f + expf(-z)); }
+// 1 / (1 + e^-z) from one MUFU exp2 and a fast reciprocal (relative error ~1e-7, far
+// inside every mode's bound); e^-z overflowing to inf gives 0, as it should.
+__device__ __forceinline__ float sigmoid(float z) {
+    return __fdividef(1.0f, 1.0f + fast_exp2(-z * LOG2E_F));
+}
 
 // A value as the products take it: rounded to TF32 for the tensor cores, else as is.
 __device__ __forceinline__ float operand(float a) {
@@ -233,8 +237,6 @@ struct SmemLayout {
     float* As;      // [dpad][ASTR]
     float* Ws;      // [2][BK][WSTR]
     float* red;     // [THREADS]
-    float* mean;    // [BM]
-    float* rstd;    // [BM]
 };
 
 __device__ __forceinline__ SmemLayout smem_layout(int dpad) {
@@ -244,8 +246,6 @@ __device__ __forceinline__ SmemLayout smem_layout(int dpad) {
     s.As = reinterpret_cast<float*>(s.rowoff + BM);
     s.Ws = s.As + dpad * ASTR;
     s.red = s.Ws + 2 * BK * WSTR;
-    s.mean = s.red + THREADS;
-    s.rstd = s.mean + BM;
     return s;
 }
 
@@ -288,41 +288,35 @@ ln_qkvg_project(const float* __restrict__ x, i64 sb, i64 si, i64 sj, i64 sc, int
     }
     __syncthreads();  // tile complete before the statistics read it
 
-    // 3. LayerNorm statistics, two passes (mean, then squared deviations: no cancellation),
-    //    THREADS / BM threads per row, combined through `red`.
+    // 3. LayerNorm, THREADS / BM threads per row (thread t: row t % BM, columns
+    //    k = t / BM + p * parts), partial sums combined through `red`: the mean, then the
+    //    squared deviations (two passes: no cancellation), then normalisation in place:
+    //    xn = (x - mean) * rstd * gamma + beta (pad rows k >= D stay 0). The row's mean
+    //    and rstd stay in registers.
     {
         const int ml = t % BM, part = t / BM, parts = THREADS / BM;
+        float* const col = s.As + ml;
         float acc = 0.f;
-        for (int k = part; k < D; k += parts) acc += s.As[k * ASTR + ml];
+        for (int k = part; k < D; k += parts) acc += col[k * ASTR];
         s.red[t] = acc;
         __syncthreads();  // partial sums visible
-        if (t < BM) {
-            float tot = 0.f;
-            for (int p = 0; p < parts; ++p) tot += s.red[p * BM + t];
-            s.mean[t] = tot / D;
-        }
-        __syncthreads();  // mean visible; red free again
-        const float mu = s.mean[ml];
+        float tot = 0.f;
+        for (int p = 0; p < parts; ++p) tot += s.red[p * BM + ml];
+        const float mu = tot / D;
+        __syncthreads();  // every row's sums read; red free again
         acc = 0.f;
         for (int k = part; k < D; k += parts) {
-            const float dev = s.As[k * ASTR + ml] - mu;
+            const float dev = col[k * ASTR] - mu;
             acc = fmaf(dev, dev, acc);
         }
         s.red[t] = acc;
         __syncthreads();  // partial sums visible
-        if (t < BM) {
-            float tot = 0.f;
-            for (int p = 0; p < parts; ++p) tot += s.red[p * BM + t];
-            s.rstd[t] = rsqrtf(tot / D + eps);  // biased variance, as torch.nn.LayerNorm
-        }
-        __syncthreads();  // rstd visible
-    }
-
-    // 4. Normalise in place: xn = (x - mean) * rstd * gamma + beta (pad rows k >= D stay 0).
-    for (int idx = t; idx < D * BM; idx += THREADS) {
-        const int ml = idx % BM, k = idx / BM;
-        float* a = s.As + k * ASTR + ml;
-        *a = operand((*a - s.mean[ml]) * s.rstd[ml] * __ldg(gamma + k) + __ldg(beta + k));
+        tot = 0.f;
+        for (int p = 0; p < parts; ++p) tot += s.red[p * BM + ml];
+        const float rstd = rsqrtf(tot / D + eps);  // biased variance, as torch.nn.LayerNorm
+        // gamma[k], beta[k]: one address per warp, a broadcast load.
+        for (int k = part; k < D; k += parts)
+            col[k * ASTR] = operand((col[k * ASTR] - mu) * rstd * __ldg(gamma + k) + __ldg(beta + k));
     }
     __syncthreads();  // normalised tile complete
 
@@ -351,13 +345,13 @@ ln_qkvg_project(const float* __restrict__ x, i64 sb, i64 si, i64 sj, i64 sc, int
     auto emit = [&](int ml, int n, float2 v) {
         const i64 m = m0 + ml;
         if (m >= M || n >= NO) return;
-        const int group = n / D;  // 0 q, 1 k, 2 v, 3 gate; n even, D % 4 == 0: no pair straddles
+        // n even, D % 4 == 0: no pair straddles two of q (n < D), k, v, gate (n >= 3D).
         const float2 bb = ld2(b_qkvg + n);
         v.x += bb.x;
         v.y += bb.y;
-        if (group == 0) {
+        if (n < D) {
             v.x *= q_scale; v.y *= q_scale;
-        } else if (group == 3) {
+        } else if (n >= 3 * D) {
             v.x = sigmoid(v.x); v.y = sigmoid(v.y);
         }
         *reinterpret_cast<float2*>(qkvg + m * NO + n) = v;

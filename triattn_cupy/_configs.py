@@ -84,6 +84,7 @@ def project_pad(pair_dim: int) -> int:
     return 8 if pair_dim <= 640 else 4
 
 
+@functools.lru_cache(maxsize=None)  # per call: a look-up, not a rebuild
 def project_config(rows: int, tensor_cores: bool = False, pair_dim: int = 128) -> KernelConfig:
     """rows per block; tensor_cores: TF32 mma.sync products (the tf32 and bf16 modes)."""
     return KernelConfig("project.cu", (("BM", rows), ("MMA", int(tensor_cores)),
@@ -96,12 +97,13 @@ def project_uses_tensor_cores(precision: str, compute_capability: int = 90) -> b
     return precision in ("tf32", "bf16") and compute_capability >= 80
 
 
+@functools.lru_cache(maxsize=None)  # per call: a look-up, not a rebuild
 def project_smem_bytes(pair_dim: int, bm: int) -> int:
-    """rowoff (8 per row), As [DPAD][BM+PAD], Ws [2][BK][BN+PAD], red, mean, rstd."""
+    """rowoff (8 per row), As [DPAD][BM+PAD], Ws [2][BK][BN+PAD], red [THREADS]."""
     dpad = -(-pair_dim // _PROJECT_BK) * _PROJECT_BK
     pad = project_pad(pair_dim)
     return 8 * bm + 4 * (dpad * (bm + pad) + 2 * _PROJECT_BK * (_PROJECT_BN + pad)
-                         + PROJECT_THREADS + 2 * bm)
+                         + PROJECT_THREADS)
 
 
 # ---- attention (kernels/attention.cu) ----
@@ -240,6 +242,7 @@ def attention_ffma_launch(head_dim: int) -> AttentionLaunch:
                            attention_smem_bytes(head_dim))
 
 
+@functools.lru_cache(maxsize=None)  # per call: a look-up, not a rebuild
 def attention_kernel(head_dim: int, precision: str, compute_capability: int = 90,
                      n: int = 1 << 30) -> AttentionLaunch:
     """The attention kernel for `precision`: tensor cores (mma.sync, sm_80 and newer) where
