@@ -134,10 +134,7 @@ class Forward:
             mask = as_device_array(mask, "mask", dw.device_id)
             check_mask_dtype(mask.dtype)
             check_mask_shape(mask.shape, B, N, batched)
-        if out is None:
-            with cupy.cuda.Device(dw.device_id):
-                out = cupy.empty(pair.shape, np.float32)
-        else:
+        if out is not None:
             out = as_device_array(out, "out", dw.device_id)
             if out.shape != pair.shape or out.dtype != np.float32 or not out.flags.c_contiguous:
                 raise ValueError(f"out must be a C-contiguous float32 array of shape "
@@ -153,7 +150,9 @@ class Forward:
         # attention kernel (at most BIAS_KEY_ALIGN keys; the tensor-core kernel copies
         # whole tiles).
         self.npk = -(-N // _configs.BIAS_KEY_ALIGN) * _configs.BIAS_KEY_ALIGN
-        with cupy.cuda.Device(dw.device_id):
+        with cupy.cuda.Device(dw.device_id):  # one device switch for every allocation
+            if out is None:
+                self.out = cupy.empty(pair.shape, np.float32)
             self.qkvg = cupy.empty((self.M, 4 * D), np.float32)
             self.bias = cupy.empty((B, H, N, self.npk), np.float32)
 
