@@ -8,6 +8,7 @@ from __future__ import annotations
 import datetime
 import importlib
 import importlib.metadata
+import os
 import platform
 import subprocess
 import sys
@@ -50,8 +51,11 @@ def host_info(argv) -> dict:
         "argv": list(argv),
         "python": platform.python_version(),
         "platform": platform.platform(),
-        "git_commit": _run(["git", "rev-parse", "HEAD"]),
-        "git_dirty": (lambda s: None if s is None else bool(s))(
+        # TRIATTN_GIT_COMMIT names the commit where the checkout's git metadata cannot
+        # (a copied working tree, as on the remote GPU machine); dirty is then unknown.
+        "git_commit": os.environ.get("TRIATTN_GIT_COMMIT") or _run(["git", "rev-parse", "HEAD"]),
+        "git_dirty": None if os.environ.get("TRIATTN_GIT_COMMIT") else
+        (lambda s: None if s is None else bool(s))(
             _run(["git", "status", "--porcelain", "--untracked-files=no"])),
     }
 

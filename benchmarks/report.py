@@ -228,6 +228,7 @@ def markdown(data) -> str:
             L += [f"{label_of(data, s)}:", ""]
             L += _table(["size"] + names + ["sum", "forward"], rows)
             L += [""]
+        L += _attention_core_table(data, stage_rows)
     stage_errors = [st for st in data.get("stages", []) if st.get("error")]
     for st in stage_errors:
         L.append(f"- stages of {st['system']} at {st['size']}: {st['error']}")
@@ -326,6 +327,33 @@ def markdown(data) -> str:
         L += ["", "Notes:", ""] + [f"- {_md_escape(n)}" for n in data["notes"]]
     L += ["", f"Command: `{' '.join(meta.get('argv') or [])}`", ""]
     return "\n".join(L)
+
+
+def _attention_core_table(data, stage_rows) -> list[str]:
+    """Our attention stage alone: its counted FLOPs (q k^T and p v) over its time, against
+    the ceiling of the mode's class and against the TF32 tensor-core ceiling."""
+    ceil = ceilings_of(data)
+    rows = []
+    for s in system_order({st["system"] for st in stage_rows}):
+        core, _ = classes_of(data, s)
+        for st in sorted((st for st in stage_rows if st["system"] == s),
+                         key=lambda st: _size_key(st["size"])):
+            by = {x["name"]: x for x in st["stages"]}
+            if "attention" not in by or not by["attention"].get("ms"):
+                continue
+            B, N, D, h = map(int, st["size"].split("x"))
+            tflops = roofline.attention_core_flops(B, N, D) / (by["attention"]["ms"] * 1e9)
+            rows.append([label_of(data, s), st["size"], fmt_ms(by["attention"]["ms"]),
+                         fmt_g(tflops), f"{100 * tflops / ceil[roofline.rate_key(core)]:.0f}% "
+                         f"({core})", f"{100 * tflops / ceil['tf32_TFLOPs']:.0f}%"])
+    if not rows:
+        return []
+    return ["## Our attention core against the ceilings", ""] + _table(
+        ["system", "size", "attention ms", "TFLOP/s", "of its class ceiling",
+         "of TF32 ceiling"], rows) + [
+        "", "Counted FLOPs of q k^T and p v (4 B N^3 D) over the attention stage's time. The "
+            "fp32 mode runs them as 3xTF32 on tensor cores: three TF32 products per counted "
+            "one.", ""]
 
 
 def _md_escape(text: str) -> str:
