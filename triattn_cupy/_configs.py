@@ -167,9 +167,9 @@ def attention_mma_tiles(head_dim: int, variant: str, n: int = 1 << 30) -> MmaTil
     per block, once N is large enough to fill them), wide ones fewer keys per tile."""
     if head_dim <= 32:
         if variant == "tf32x3":
-            if n > 128:
-                return MmaTiles(bk=32, mt=2, rows=2)
-            return MmaTiles(bk=32 if head_dim <= 16 else 16, min_blocks=2)
+            if n <= 128 and head_dim <= 16:  # (d = 24, 32 spill within 128 registers on sm_80)
+                return MmaTiles(bk=32, min_blocks=2)
+            return MmaTiles(bk=32, mt=2, rows=2)
         if n <= 512:  # 2 blocks of 8 warps per SM beat bigger tiles while N is small
             return MmaTiles(bk=32, min_blocks=2)
         return MmaTiles(bk=64, mt=2)
