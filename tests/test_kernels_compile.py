@@ -49,3 +49,19 @@ def test_every_supported_dimension_has_a_config():
             for tensor_cores in (False, True):
                 rows = _configs.project_rows(D, rows_total)
                 assert _configs.project_config(rows, tensor_cores, D) in configs
+
+
+def test_every_launch_fits_in_shared_memory():
+    """Every attention launch the tables pick asks for at most the 227 KiB of dynamic shared
+    memory a block may opt into on sm_80/sm_90, and every projection launch too."""
+    limit = 227 * 1024
+    for d in _configs.supported_head_dims():
+        for precision in _configs.PRECISIONS:
+            for n in (1, 128, 129, 512, 513, 4096):
+                launch = _configs.attention_kernel(d, precision, 90, n)
+                assert launch.smem <= limit, (d, precision, n, launch)
+                assert launch.blocks(1, n, 1) >= 1
+    for D in (4, 64, 128, 320, 324, 640, 644, 768):
+        for rows_total in (1, 10**9):
+            rows = _configs.project_rows(D, rows_total)
+            assert _configs.project_smem_bytes(D, rows) <= limit, (D, rows)
