@@ -38,25 +38,6 @@ __device__ __forceinline__ void mma_tf32(float (&d)[4], u32 a0, u32 a1, u32 a2, 
         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
-// d += a b for one m16n8k8 step on fp32 values: 3 tensor-core products (SPLIT3, the
-// fp32-accurate 3xTF32) or 1 (TF32). The two small cross terms go first so they are not
-// rounded away against hi.hi'. PIN_A: convert a with to_tf32_here.
-template <bool PIN_A, bool SPLIT3>
-__device__ __forceinline__ void mma_f32(float (&d)[4], float a0, float a1, float a2,
-                                        float a3, float b0, float b1) {
-    const u32 ah0 = PIN_A ? to_tf32_here(a0) : to_tf32(a0), ah1 = PIN_A ? to_tf32_here(a1) : to_tf32(a1);
-    const u32 ah2 = PIN_A ? to_tf32_here(a2) : to_tf32(a2), ah3 = PIN_A ? to_tf32_here(a3) : to_tf32(a3);
-    const u32 bh0 = to_tf32(b0), bh1 = to_tf32(b1);
-    if (SPLIT3) {
-    const u32 al0 = to_tf32(a0 - __uint_as_float(ah0)), al1 = to_tf32(a1 - __uint_as_float(ah1));
-    const u32 al2 = to_tf32(a2 - __uint_as_float(ah2)), al3 = to_tf32(a3 - __uint_as_float(ah3));
-    const u32 bl0 = to_tf32(b0 - __uint_as_float(bh0)), bl1 = to_tf32(b1 - __uint_as_float(bh1));
-    mma_tf32(d, al0, al1, al2, al3, bh0, bh1);
-    mma_tf32(d, ah0, ah1, ah2, ah3, bl0, bl1);
-    }
-    mma_tf32(d, ah0, ah1, ah2, ah3, bh0, bh1);
-}
-
 // Two fp32 values as one bf16x2 register, round to nearest even; x0 in the low half
 // (the lower matrix index, as the fragments expect).
 __device__ __forceinline__ u32 pack_bf16(float x0, float x1) {
@@ -119,12 +100,9 @@ __device__ __forceinline__ void ldsm_x2_trans(u32 (&r)[2], u32 a) {
                  : "=r"(r[0]), "=r"(r[1]) : "r"(a));
 }
 
-// 16-byte asynchronous copy global -> shared, cached in L2 only (.cg); committed in
-// groups, waited for with cp_async_wait<n> (at most n groups still in flight).
-__device__ __forceinline__ void cp_async16(void* dst, const void* src) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(smem_addr(dst)), "l"(src));
-}
-// The same, but when !valid nothing is read and the 16 bytes are zero-filled.
+// 16-byte asynchronous copy global -> shared, cached in L2 only (.cg); when !valid nothing
+// is read and the 16 bytes are zero-filled. Committed in groups, waited for with
+// cp_async_wait<n> (at most n groups still in flight).
 __device__ __forceinline__ void cp_async16_or_zero(void* dst, const void* src, bool valid) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;"
                  :: "r"(smem_addr(dst)), "l"(src), "r"(valid ? 16 : 0));

@@ -17,9 +17,5 @@ dw = DeviceWeights(ta.random_weights(D, h, seed=0), cp.cuda.runtime.getDevice())
 fwd = Forward(dw, cp.random.standard_normal((B, N, N, D), dtype=np.float32), None, "zero", None)
 fwd.project()
 for variant in _configs.ATTENTION_MMA_VARIANTS:
-    launch = _configs.attention_mma_launch(D // h, variant, tiles)
-    kernel = launch.config.get(launch.name, launch.smem)
-    kernel((launch.blocks(B, N, h),), (launch.threads,),
-           (fwd.qkvg, fwd.bias, np.int32(B), np.int32(N), np.int32(h), np.int32(fwd.npk),
-            np.int32(0)), shared_mem=launch.smem)
+    fwd.attention(_configs.attention_mma_launch(D // h, variant, tiles))
 cp.cuda.runtime.deviceSynchronize()

@@ -3,7 +3,6 @@ _configs.attention_mma_tiles (CUDA events, median of repeats; FLOPs of QK^T and 
 
     python3 scripts/sweep_tiles.py 1x384x128x4 1x1024x128x4
 """
-import statistics
 import sys
 
 import cupy as cp
@@ -12,6 +11,7 @@ import numpy as np
 import triattn_cupy as ta
 from triattn_cupy import _configs
 from triattn_cupy._gpu import DeviceWeights, Forward
+from time_ours import median_ms  # scripts/ is on sys.path when run as a script
 
 CANDIDATES = [_configs.MmaTiles(*shape) for shape in
               [(64, 2, 1, 1, 1), (16, 2, 1, 1, 1), (64, 1, 1, 1, 2), (32, 1, 1, 1, 2),
@@ -19,22 +19,10 @@ CANDIDATES = [_configs.MmaTiles(*shape) for shape in
 
 
 def time_attention(fwd, launch, repeats):
-    kernel = launch.config.get(launch.name, launch.smem)
-    args = (fwd.qkvg, fwd.bias, np.int32(fwd.B), np.int32(fwd.N), np.int32(fwd.H),
-            np.int32(fwd.npk), np.int32(0))
-    grid = (launch.blocks(fwd.B, fwd.N, fwd.H),)
-    run = lambda: kernel(grid, (launch.threads,), args, shared_mem=launch.smem)
+    """Median ms of the attention stage of `fwd` run with `launch` (after 3 warm-ups)."""
     for _ in range(3):
-        run()
-    start, stop = cp.cuda.Event(), cp.cuda.Event()
-    times = []
-    for _ in range(repeats):
-        start.record()
-        run()
-        stop.record()
-        stop.synchronize()
-        times.append(cp.cuda.get_elapsed_time(start, stop))
-    return statistics.median(times)
+        fwd.attention(launch)
+    return median_ms(lambda: fwd.attention(launch), repeats)
 
 
 def main(sizes):

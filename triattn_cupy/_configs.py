@@ -160,6 +160,11 @@ def attention_mma_head_dims(variant: str = "bf16"):
     return tuple(range(8, top + 1, 8))
 
 
+# N at or below which the tile table takes its small-N shapes (all_configs compiles the
+# shapes on both sides of each).
+_SMALL_N, _MEDIUM_N = 128, 512
+
+
 def attention_mma_tiles(head_dim: int, variant: str, n: int = 1 << 30) -> MmaTiles:
     """The tile shape for head dim `head_dim` and `n` keys, measured on an H200
     (scripts/sweep_tiles.py, benchmarks/NOTES.md) within what compiles without spills
@@ -167,10 +172,10 @@ def attention_mma_tiles(head_dim: int, variant: str, n: int = 1 << 30) -> MmaTil
     per block, once N is large enough to fill them), wide ones fewer keys per tile."""
     if head_dim <= 32:
         if variant == "tf32x3":
-            if n <= 128 and head_dim <= 16:  # (d = 24, 32 spill within 128 registers on sm_80)
+            if n <= _SMALL_N and head_dim <= 16:  # (d = 24, 32 spill within 128 registers on sm_80)
                 return MmaTiles(bk=32, min_blocks=2)
             return MmaTiles(bk=32, mt=2, rows=2)
-        if n <= 512:  # 2 blocks of 8 warps per SM beat bigger tiles while N is small
+        if n <= _MEDIUM_N:  # 2 blocks of 8 warps per SM beat bigger tiles while N is small
             return MmaTiles(bk=32, min_blocks=2)
         return MmaTiles(bk=64, mt=2)
     if head_dim <= 64:
@@ -229,6 +234,11 @@ PRECISIONS = ("fp32", "tf32", "bf16")
 _MMA_VARIANT = {"fp32": "tf32x3", "tf32": "tf32", "bf16": "bf16"}
 
 
+def check_precision(precision: str):
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}; got {precision!r}")
+
+
 def attention_mma_launch(head_dim: int, variant: str, tiles: MmaTiles | None = None,
                          n: int = 1 << 30) -> AttentionLaunch:
     tiles = tiles or attention_mma_tiles(head_dim, variant, n)
@@ -250,8 +260,7 @@ def attention_kernel(head_dim: int, precision: str, compute_capability: int = 90
     """The attention kernel for `precision`: tensor cores (mma.sync, sm_80 and newer) where
     the head dim allows (attention_mma_head_dims), else the FFMA kernel, which is fp32 (so
     at least as accurate as any mode asks)."""
-    if precision not in PRECISIONS:
-        raise ValueError(f"precision must be one of {PRECISIONS}; got {precision!r}")
+    check_precision(precision)
     variant = _MMA_VARIANT[precision]
     if compute_capability >= 80 and head_dim in attention_mma_head_dims(variant):
         return attention_mma_launch(head_dim, variant, n=n)
@@ -265,5 +274,5 @@ def all_configs():
     configs.update(attention_config(d) for d in supported_head_dims())
     configs.update(attention_mma_config(d, v, attention_mma_tiles(d, v, n))
                    for v in ATTENTION_MMA_VARIANTS for d in attention_mma_head_dims(v)
-                   for n in (128, 129, 513))
+                   for n in (_SMALL_N, _SMALL_N + 1, _MEDIUM_N + 1))
     return sorted(configs, key=lambda c: (c.filename, c.defines))

@@ -121,8 +121,7 @@ class Forward:
                  precision: str = "fp32"):
         cupy = _cupy()
         check_fully_masked(fully_masked)
-        if precision not in _configs.PRECISIONS:
-            raise ValueError(f"precision must be one of {_configs.PRECISIONS}; got {precision!r}")
+        _configs.check_precision(precision)
         self.project_mma = _configs.project_uses_tensor_cores(precision, dw.compute_capability)
         pair = as_device_array(pair, "pair", dw.device_id)
         if pair.dtype != np.float32:
@@ -196,8 +195,10 @@ class Forward:
              self.qkvg, self.bias, np.int32(self.npk)),
             _configs.project_smem_bytes(self.D, rows))
 
-    def attention(self):
-        k = self.attention_kernel
+    def attention(self, launch: "_configs.AttentionLaunch | None" = None):
+        """The attention stage; `launch` replaces the kernel chosen for this forward (tests
+        and tile sweeps compare kernels on the same scratch)."""
+        k = launch or self.attention_kernel
         self._launch(
             k.config, k.name, k.blocks(self.B, self.N, self.H), k.threads,
             (self.qkvg, self.bias, np.int32(self.B), np.int32(self.N), np.int32(self.H),
