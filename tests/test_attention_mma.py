@@ -54,17 +54,13 @@ def _run_both(cp, rng, B, N, head_dim, variant, policy, tiles=None):
     mask = cp.asarray(_mask(rng, B, N))
     fwd = Forward(dw, pair, mask, policy, None)
     fwd.project()
-    qkvg_mma, bias = fwd.qkvg.copy(), fwd.bias.copy()
-    fwd.attention()  # FFMA, in place on fwd.qkvg
-
-    k = _configs.attention_mma_launch(head_dim, variant, tiles)
-    kernel = k.config.get(k.name, k.smem)
-    kernel((k.blocks(B, N, h),), (k.threads,),
-           (qkvg_mma, bias, np.int32(B), np.int32(N), np.int32(h), np.int32(fwd.npk),
-            np.int32(policy == "nan")), shared_mem=k.smem)
-    cp.cuda.runtime.deviceSynchronize()
+    projected = fwd.qkvg.copy()
+    fwd.attention(_configs.attention_ffma_launch(head_dim))  # in place on fwd.qkvg
+    ref = fwd.qkvg.get()
+    fwd.qkvg = projected  # the same projections, for the tensor-core kernel
+    fwd.attention(_configs.attention_mma_launch(head_dim, variant, tiles))
+    got = fwd.qkvg.get()
     D = fwd.D
-    ref, got = fwd.qkvg.get(), qkvg_mma.get()
     return ref[:, :D], got[:, :D], ref[:, D:], got[:, D:]
 
 
