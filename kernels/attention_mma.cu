@@ -22,19 +22,28 @@
 // shared memory): the bias is indexed (j, k) and read again for every row i, and at small
 // head dims it is the larger part of the traffic from L2 (4 bytes per score).
 //
-// Key/value tiles (BK keys) are loaded from global memory into registers one tile ahead
-// (the loads are in flight while the current tile is multiplied) and stored into shared
-// memory already in the form the tensor cores take, once per block instead of once per
-// warp: tf32 bits (and the lo parts for 3xTF32) or bf16. Fragments then come from
-// ldmatrix, 4 B operands per instruction:
+// Key/value tiles (BK keys) reach shared memory in the form the tensor cores take, once
+// per block instead of once per warp, in one of two ways:
+//   DIRECT (TF32 and bf16): the projection already wrote k and v in that form (rounded to
+//     TF32, or packed bf16 at half the bytes; project.cu KV_FORMAT), so cp.async copies
+//     them as they are into a ring of STAGES tiles (K, V and the bias tile), issued
+//     STAGES - 1 tiles ahead: one barrier per tile, no register staging.
+//   staged (3xTF32): each tile is loaded into registers one tile ahead (in flight while
+//     the current tile is multiplied), split into TF32 hi and lo parts and stored; the
+//     bias tile is copied with cp.async one tile ahead into one of two buffers.
+// Fragments then come from ldmatrix, 4 B operands per instruction, except V in DIRECT
+// TF32, which is read with two scalar loads per fragment from V [key][dim]:
 //   K  [key][dim]: tf32: a row of 4 fp32 is one 8x8 b16 matrix row, so lane (g, t)
 //                  receives K[key g][dim t] = B(k=t, n=g) of QK^T;  bf16: the pair
 //                  (dims 2t, 2t+1) of key g = B of m16n8k16
-//   V  tf32: transposed, [dim][key position]: B(k=key, n=dim) of PV is then a plain
-//                  ldmatrix; positions permute each 8 keys (0 2 4 6 1 3 5 7) so that
-//                  P is taken straight from the S accumulators: a C fragment holds keys
-//                  (2t, 2t+1), the A fragment columns (t, t+4), so with column t = key
-//                  2t and t+4 = key 2t+1, a = (c0, c2, c1, c3)
+//   V  P is taken straight from the S accumulators: a C fragment holds keys (2t, 2t+1),
+//      the A fragment of m16n8k8 columns (t, t+4); so column t is key 2t and t + 4 is key
+//      2t + 1 of each 8 keys, a = (c0, c2, c1, c3), and B(k, n=dim g) must be V[key 2t]
+//      [dim g], V[key 2t+1][dim g]:
+//      staged tf32: V transposed, [dim][key position], positions permuted in each 8 keys
+//                  (0 2 4 6 1 3 5 7): B is then a plain ldmatrix
+//      DIRECT tf32: V [key][dim], rows of d + 4 words: the 32 lanes' words
+//                  (2t) (d+4) + g fall in banks 8t + g, all distinct
 //      bf16: [key][dim] and ldmatrix.trans; the A fragment of m16n8k16 is exactly two C
 //                  fragments of adjacent n-tiles
 // Fragment layouts (PTX ISA, "Matrix Fragments for mma.m16n8k8 / m16n8k16"), with
@@ -46,12 +55,13 @@
 //   C (both):      c0 (g, 2t) c1 (g, 2t+1) c2 (g+8, 2t) c3 (g+8, 2t+1)
 //
 // Launch: grid ceil(N/BQ) * H * B * ceil(N/ROWS), flattened, query tile fastest; block
-// THREADS; dynamic shared memory ROWS * ROW_ELEMS elements + 2 bias tiles of BQ * BSTR
-// floats (triattn_cupy/_configs.py mirrors it).
-// Pointers (float32): qkvg [B*N*N, 4D] with q at column h*d, k at D + h*d, v at 2D + h*d
+// THREADS; dynamic shared memory SMEM_BYTES (triattn_cupy/_configs.py mirrors it).
+// Pointers: qkvg [B*N*N, 4D] float32 with q at column h*d, k at D + h*d, v at 2D + h*d
 // (o overwrites q: only this block reads those q values, and each warp reads its own
-// queries into registers before it writes them); bias [B, H, N, NPK], NPK a multiple of
-// BK (whole tiles are copied), -inf on the padded keys [N, NPK).
+// queries into registers before it writes them); k and v already rounded to TF32 for
+// attention_tf32; for attention_bf16 the columns [D, 2D) hold them packed as 2D bf16
+// values, k at bf16 index h*d and v at D + h*d from column D. bias [B, H, N, NPK], NPK a
+// multiple of BK (whole tiles are copied), -inf on the padded keys [N, NPK).
 #include "common.cuh"
 #include "mma.cuh"
 
@@ -71,7 +81,10 @@
 #define ROWS 1          // pair rows per block (1, 2, 4 or 8)
 #endif
 #ifndef PREFETCH
-#define PREFETCH 1      // 1: the next key/value tile is loaded into registers during this one
+#define PREFETCH 1      // staged: the next key/value tile is loaded into registers during this one
+#endif
+#ifndef STAGES
+#define STAGES 3        // DIRECT: tiles in the shared-memory ring (2 or more)
 #endif
 #ifndef MIN_BLOCKS
 #define MIN_BLOCKS 1    // __launch_bounds__ occupancy hint
@@ -85,6 +98,7 @@
 #define DT (HEAD_DIM / 8)         // 8-column n-tiles of O
 #define SPLIT (PREC == 0)
 #define BF16 (PREC == 2)
+#define DIRECT (!SPLIT)           // k and v come from the projection in tensor-core form
 
 #if HEAD_DIM % 8 != 0 || HEAD_DIM > 128
 #error "attention_mma.cu: HEAD_DIM must be a multiple of 8, at most 128"
@@ -98,8 +112,11 @@
 #if (BQ * BK / 4) % THREADS != 0
 #error "attention_mma.cu: the bias tile must be a whole number of 16-byte copies per thread"
 #endif
+#if DIRECT && STAGES < 2
+#error "attention_mma.cu: the DIRECT ring needs at least 2 stages"
+#endif
 
-// Shared memory of one row: K (and its lo part), then V (and its lo part).
+// Shared memory of one row and tile: K (and its lo part), then V (and its lo part).
 #if BF16
 typedef unsigned short elem_t;  // bf16 bits
 // Rows of d + 8 bf16: a multiple of 16 bytes (ldmatrix rows), and the 8 rows an ldmatrix
@@ -112,28 +129,48 @@ typedef unsigned short elem_t;  // bf16 bits
 #else
 typedef u32 elem_t;  // tf32 bits
 // K [key][dim], rows of d + 4 words = 4 * odd (d % 8 == 0): the 8 rows of an ldmatrix
-// phase start on distinct 4-bank groups. V transposed [dim][key position], rows of BK + 4
-// words, likewise; its scalar stores, one key per lane, are conflict-free.
+// phase start on distinct 4-bank groups. Staged V: transposed [dim][key position], rows
+// of BK + 4 words, likewise; its scalar stores, one key per lane, are conflict-free.
+// DIRECT V: [key][dim], rows of d + 4 words (see the header).
 #define KSTR (HEAD_DIM + 4)
-#define VSTR (BK + 4)
 #define K_ELEMS (BK * KSTR)
+#if DIRECT
+#define VSTR (HEAD_DIM + 4)
+#define V_ELEMS (BK * VSTR)
+#else
+#define VSTR (BK + 4)
 #define V_ELEMS (HEAD_DIM * VSTR)
 #endif
+#endif
+#define ELEM_BYTES ((int)sizeof(elem_t))
 #define PARTS (SPLIT ? 2 : 1)
 #define ROW_ELEMS (PARTS * (K_ELEMS + V_ELEMS))
-// Bias tiles [BQ][BSTR] fp32 (two), after the rows' K/V.
+// Bias tiles [BQ][BSTR] fp32, after the rows' K/V.
 #define BSTR (BK + 8)
 #define BIAS_TILE (BQ * BSTR)
+// Shared memory: DIRECT: STAGES x (ROWS rows' K/V, one bias tile); staged: the rows' K/V,
+// then two bias tiles. Every part is a multiple of 16 bytes.
+#if DIRECT
+#define STAGE_BYTES (ROWS * ROW_ELEMS * ELEM_BYTES + 4 * BIAS_TILE)
+#define SMEM_BYTES (STAGES * STAGE_BYTES)
+#else
+#define SMEM_BYTES (ROWS * ROW_ELEMS * ELEM_BYTES + 2 * 4 * BIAS_TILE)
+#endif
 
 // 3xTF32: split the query fragments once (2 * MT * d/2 registers) when that is small,
 // else again for every key tile (volatile conversions, so they cannot be hoisted).
 #define QSPLIT_ONCE (SPLIT && MT * HEAD_DIM <= 32)
 
-// The key/value loader: each thread moves 8 consecutive dims (a whole 32-byte sector) of
-// one key, the 32 lanes of a warp 32 consecutive keys.
+// Staged key/value loader: each thread moves 8 consecutive dims (a whole 32-byte sector)
+// of one key, the 32 lanes of a warp 32 consecutive keys.
 #define CHUNKS (HEAD_DIM / 8)
 #define LOADS (ROWS * BK * CHUNKS)
 #define LOADS_PER_THREAD ((LOADS + THREADS - 1) / THREADS)
+// DIRECT copier: 16-byte chunks, a key's chunks on consecutive threads (a key's k or v is
+// d * ELEM_BYTES contiguous bytes).
+#define CHUNKS16 (HEAD_DIM * ELEM_BYTES / 16)
+#define COPIES (ROWS * 2 * BK * CHUNKS16)
+#define COPIES_PER_THREAD ((COPIES + THREADS - 1) / THREADS)
 
 #if BF16
 #define ENTRY attention_bf16
@@ -143,8 +180,8 @@ typedef u32 elem_t;  // tf32 bits
 #define ENTRY attention_tf32
 #endif
 
-// Key position of `key` in a transposed V row (see the header): within each 8 keys,
-// even keys first.
+// Key position of `key` in a staged transposed V row (see the header): within each 8
+// keys, even keys first.
 __device__ __forceinline__ int v_position(int key) {
     return (key & ~7) | ((key & 1) << 2) | ((key >> 1) & 3);
 }
@@ -153,7 +190,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
 ENTRY(float* qkvg, const float* __restrict__ bias, int B, int N, int H, int npk,
       int nan_fully_masked) {
     extern __shared__ float4 smem4[];
-    elem_t* const smem = reinterpret_cast<elem_t*>(smem4);
+    char* const smem = reinterpret_cast<char*>(smem4);
 
     const int D = H * HEAD_DIM;
     const i64 ld = 4LL * D;
@@ -175,21 +212,19 @@ ENTRY(float* qkvg, const float* __restrict__ bias, int B, int N, int H, int npk,
     const bool row_ok = i0 + rw < N;
     float* const row = row_base(rw);
     const int q0 = qtile * BQ + (warp % ROW_WARPS) * 16 * MT;
-    elem_t* const Ks = smem + rw * ROW_ELEMS;  // K hi [, K lo], V hi [, V lo] of row rw
-    const u32 ks_addr = smem_addr(Ks), vs_addr = smem_addr(Ks + PARTS * K_ELEMS);
-#define ELEM_BYTES ((int)sizeof(elem_t))
+    // Byte offset of row rw's K tile in a stage (V follows its K parts).
+    const int k_offset = rw * ROW_ELEMS * ELEM_BYTES;
+    const int v_offset = k_offset + PARTS * K_ELEMS * ELEM_BYTES;
 
-    // The bias tile of this block's BQ queries and BK keys, double-buffered in shared
-    // memory after the K/V tiles of every row: copied with cp.async one tile ahead (so its
-    // latency hides behind a whole tile of work) and read by the warps of all ROWS rows.
-    float* const bias_tiles = reinterpret_cast<float*>(smem + ROWS * ROW_ELEMS);
+    // The bias tile of this block's BQ queries and BK keys, copied with cp.async ahead of
+    // its use and read by the warps of all ROWS rows.
     const float* const bias_bh = bias + ((i64)b * H + head) * N * npk;
     // Thread tid copies 16 bytes at column 4 (tid % (BK/4)) of rows tid / (BK/4) + it * RSTEP.
 #define RSTEP (THREADS / (BK / 4))
     const int copy_col = 4 * (tid % (BK / 4)), copy_row = tid / (BK / 4);
     const int copy_q = qtile * BQ + copy_row;
-    auto copy_bias = [&](int k0, int buf) {
-        float* const dst = bias_tiles + buf * BIAS_TILE + copy_row * BSTR + copy_col;
+    auto copy_bias = [&](int k0, float* tile) {  // not committed here
+        float* const dst = tile + copy_row * BSTR + copy_col;
         // opaque: the addresses are formed here, per tile, not hoisted out of the key loop
         // as BQ / RSTEP live registers.
         const float* const src = opaque(bias_bh + (i64)copy_q * npk + k0 + copy_col);
@@ -197,7 +232,6 @@ ENTRY(float* qkvg, const float* __restrict__ bias, int B, int N, int H, int npk,
         for (int it = 0; it < BQ / RSTEP; ++it)  // queries past N: zeros, never written
             cp_async16_or_zero(dst + it * RSTEP * BSTR, src + (i64)(it * RSTEP) * npk,
                                copy_q + it * RSTEP < N);
-        cp_async_commit();
     };
     const int bias_row = (warp % ROW_WARPS) * 16 * MT + g;  // + 16 mt + 8 r: this lane's rows
 
@@ -225,12 +259,15 @@ ENTRY(float* qkvg, const float* __restrict__ bias, int B, int N, int H, int npk,
             qa[mt][kk][3] = pack_bf16(x3.x, x3.y);
         }
     }
-    // Columns d..d+7 of K are read by the last k-step when d % 16 == 8: zero them once
-    // (the tile stores never write there).
+    // Columns d..d+7 of K are read by the last k-step when d % 16 == 8: zero them once in
+    // every stage (the tile copies never write there).
     if (HEAD_DIM % 16 == 8)
-        for (int idx = tid; idx < ROWS * BK; idx += THREADS)
-            *reinterpret_cast<uint4*>(smem + (idx / BK) * ROW_ELEMS + (idx % BK) * KSTR + HEAD_DIM) =
+        for (int idx = tid; idx < STAGES * ROWS * BK; idx += THREADS) {
+            const int key = idx % BK, r = (idx / BK) % ROWS, stage = idx / (BK * ROWS);
+            *reinterpret_cast<uint4*>(smem + stage * STAGE_BYTES + r * ROW_ELEMS * ELEM_BYTES
+                                      + (key * KSTR + HEAD_DIM) * ELEM_BYTES) =
                 make_uint4(0u, 0u, 0u, 0u);
+        }
 #else
     float qf[MT][DT][4];  // fp32 A fragments: a0 (j0, 8kk+t) a1 (j1, ..) a2 (j0, 8kk+t+4) a3
 #pragma unroll
@@ -265,69 +302,6 @@ ENTRY(float* qkvg, const float* __restrict__ bias, int B, int N, int H, int npk,
 #endif
 #endif
 
-    // ---- key/value tiles: global -> registers (one tile ahead) -> shared memory ----
-    float4 kv[LOADS_PER_THREAD][4];  // k dims 0..3, k dims 4..7, v dims 0..3, v dims 4..7
-    auto fetch = [&](int k0) {
-#pragma unroll
-        for (int it = 0; it < LOADS_PER_THREAD; ++it) {
-            const int idx = tid + it * THREADS;
-            const int key = idx % BK, c = (idx / BK) % CHUNKS, r = idx / (BK * CHUNKS);
-            const bool ok = (LOADS % THREADS == 0 || idx < LOADS) && i0 + r < N && k0 + key < N;
-            const float* src = row_base(r) + (i64)(k0 + key) * ld + D + 8 * c;
-            kv[it][0] = ok ? ld4(src) : zero4();
-            kv[it][1] = ok ? ld4(src + 4) : zero4();
-            kv[it][2] = ok ? ld4(src + D) : zero4();
-            kv[it][3] = ok ? ld4(src + D + 4) : zero4();
-        }
-    };
-    auto store = [&]() {
-#pragma unroll
-        for (int it = 0; it < LOADS_PER_THREAD; ++it) {
-            const int idx = tid + it * THREADS;
-            if (LOADS % THREADS != 0 && idx >= LOADS) break;
-            const int key = idx % BK, c = (idx / BK) % CHUNKS, r = idx / (BK * CHUNKS);
-            elem_t* const K = smem + r * ROW_ELEMS;
-            elem_t* const V = K + PARTS * K_ELEMS;
-            const float x[2][8] = {
-                {kv[it][0].x, kv[it][0].y, kv[it][0].z, kv[it][0].w,
-                 kv[it][1].x, kv[it][1].y, kv[it][1].z, kv[it][1].w},
-                {kv[it][2].x, kv[it][2].y, kv[it][2].z, kv[it][2].w,
-                 kv[it][3].x, kv[it][3].y, kv[it][3].z, kv[it][3].w}};
-#if BF16
-            *reinterpret_cast<uint4*>(K + key * KSTR + 8 * c) =
-                make_uint4(pack_bf16(x[0][0], x[0][1]), pack_bf16(x[0][2], x[0][3]),
-                           pack_bf16(x[0][4], x[0][5]), pack_bf16(x[0][6], x[0][7]));
-            *reinterpret_cast<uint4*>(V + key * VSTR + 8 * c) =
-                make_uint4(pack_bf16(x[1][0], x[1][1]), pack_bf16(x[1][2], x[1][3]),
-                           pack_bf16(x[1][4], x[1][5]), pack_bf16(x[1][6], x[1][7]));
-#else
-            u32 hi[2][8];
-#pragma unroll
-            for (int m = 0; m < 2; ++m)
-#pragma unroll
-                for (int e = 0; e < 8; ++e) hi[m][e] = to_tf32(x[m][e]);
-            uint4* const kdst = reinterpret_cast<uint4*>(K + key * KSTR + 8 * c);
-            kdst[0] = make_uint4(hi[0][0], hi[0][1], hi[0][2], hi[0][3]);
-            kdst[1] = make_uint4(hi[0][4], hi[0][5], hi[0][6], hi[0][7]);
-            const int p = v_position(key);
-#pragma unroll
-            for (int e = 0; e < 8; ++e) V[(8 * c + e) * VSTR + p] = hi[1][e];
-#if SPLIT
-            u32 lo[2][8];
-#pragma unroll
-            for (int m = 0; m < 2; ++m)
-#pragma unroll
-                for (int e = 0; e < 8; ++e) lo[m][e] = to_tf32(x[m][e] - __uint_as_float(hi[m][e]));
-            uint4* const kdst_lo = reinterpret_cast<uint4*>(K + K_ELEMS + key * KSTR + 8 * c);
-            kdst_lo[0] = make_uint4(lo[0][0], lo[0][1], lo[0][2], lo[0][3]);
-            kdst_lo[1] = make_uint4(lo[0][4], lo[0][5], lo[0][6], lo[0][7]);
-#pragma unroll
-            for (int e = 0; e < 8; ++e) V[V_ELEMS + (8 * c + e) * VSTR + p] = lo[1][e];
-#endif
-#endif
-        }
-    };
-
     // O (16 x d per m-tile) in C fragments: o[mt][v][0..1] row j0, [2..3] row j1, columns
     // 8v + 2t, 8v + 2t + 1. m, l: running max and this lane's share of the running sum of
     // rows j0 (index 0) and j1 (index 1); the 4 lanes of a quad hold the shares of a row.
@@ -341,23 +315,14 @@ ENTRY(float* qkvg, const float* __restrict__ bias, int B, int N, int H, int npk,
         l[mt][0] = l[mt][1] = 0.f;
     }
 
-    if (PREFETCH) fetch(0);
-    copy_bias(0, 0);
-    for (int k0 = 0, tile = 0; k0 < N; k0 += BK, ++tile) {
-        const bool more = k0 + BK < N;
-        if (!PREFETCH) fetch(k0);
-        __syncthreads();  // every warp is done with the previous tile (and bias buffer)
-        store();
-        if (more) copy_bias(k0 + BK, (tile + 1) & 1);
-        if (more) cp_async_wait<1>(); else cp_async_wait<0>();  // this tile's bias landed
-        __syncthreads();  // K, V and bias tiles visible to every warp
-        if (PREFETCH && more) fetch(k0 + BK);  // in flight while this tile is multiplied
-
+    // One key tile: S = bias + Q K^T, the online softmax, O += P V. `kv` is the stage (or
+    // the staged buffer) holding the rows' K and V, `bias_tile` its bias tile.
+    auto process = [&](const char* kv, const float* bias_tile_base) {
         // S starts as the bias (-inf where masked and on the padded keys [N, NPK)), so the
         // products accumulate onto it. Rows 8 bytes apart in a lane pair, BSTR = 8 mod 32
         // words: each half-warp's float2 reads hit 32 distinct banks.
         float s[MT][NT][4];
-        const float* const bias_tile = bias_tiles + (tile & 1) * BIAS_TILE + bias_row * BSTR + 2 * t;
+        const float* const bias_tile = bias_tile_base + bias_row * BSTR + 2 * t;
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
@@ -368,7 +333,10 @@ ENTRY(float* qkvg, const float* __restrict__ bias, int B, int N, int H, int npk,
             }
 
         // This lane's ldmatrix rows in K and V (byte addresses; see opaque()).
-        const u32 k_lane = opaque(ks_addr), v_lane = opaque(vs_addr);
+        const u32 k_lane = opaque(smem_addr(kv + k_offset));
+#if BF16 || SPLIT
+        const u32 v_lane = opaque(smem_addr(kv + v_offset));
+#endif
 
         // ---- S += Q K^T ----
 #if BF16
@@ -527,6 +495,22 @@ ENTRY(float* qkvg, const float* __restrict__ bias, int B, int N, int H, int npk,
 #endif
                     }
                 }
+#if DIRECT
+            // B of key step 2 kk + h: V[key 2t][dim 8v + g] and V[key 2t + 1][dim 8v + g]
+            // of its 8 keys (scalar loads, conflict-free: see the header).
+            const u32* const vs = reinterpret_cast<const u32*>(kv + v_offset) + 2 * t * VSTR + g;
+#pragma unroll
+            for (int v = 0; v < DT; ++v)
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    const u32* const p = vs + 8 * (2 * kk + h) * VSTR + 8 * v;
+                    const u32 b0 = p[0], b1 = p[VSTR];
+#pragma unroll
+                    for (int mt = 0; mt < MT; ++mt)
+                        mma_tf32(o[mt][v], ph[mt][h][0], ph[mt][h][1], ph[mt][h][2], ph[mt][h][3],
+                                 b0, b1);
+                }
+#else
             // matrices: positions 16 kk + 0..3, 4..7 (b0, b1 of k-step 2 kk), 8..11, 12..15
             const u32 a = v_lane + ELEM_BYTES * ((lane & 7) * VSTR + 16 * kk + 4 * (lane >> 3));
 #pragma unroll
@@ -551,9 +535,127 @@ ENTRY(float* qkvg, const float* __restrict__ bias, int B, int N, int H, int npk,
                                  vh[2 * h], vh[2 * h + 1]);
                     }
             }
+#endif
         }
 #endif
+    };
+
+#if DIRECT
+    // ---- the ring: tile `tile` lives in stage tile % STAGES ----
+    // Copy the K/V rows and the bias of the tile at k0 into stage `stage` (nothing past the
+    // last tile), then commit a group either way, so the group count stays in step.
+    // Thread tid copies chunk c of k or v (kv) of key `key` of row r; keys and rows past N
+    // are zero-filled (their bias is -inf or never used).
+    auto issue = [&](int k0, int stage) {
+        if (k0 < N) {
+            char* const st = smem + stage * STAGE_BYTES;
+#pragma unroll
+            for (int it = 0; it < COPIES_PER_THREAD; ++it) {
+                const int idx = tid + it * THREADS;
+                if (COPIES % THREADS != 0 && idx >= COPIES) break;
+                const int c = idx % CHUNKS16, key = (idx / CHUNKS16) % BK;
+                const int kv = (idx / (CHUNKS16 * BK)) & 1, r = idx / (CHUNKS16 * BK * 2);
+                const bool ok = i0 + r < N && k0 + key < N;
+                // k at column D + h d (v at 2D + h d) in fp32 / tf32; at bf16 index h d
+                // (v: D + h d) from column D in bf16 (the columns of q, k of this head: see
+                // row_base).
+                const char* src = reinterpret_cast<const char*>(
+                    qkvg + ((i64)b * N + i0 + r) * N * ld + (i64)(k0 + key) * ld + D)
+                    + (kv * D + head * HEAD_DIM) * ELEM_BYTES + 16 * c;
+                char* const dst = st + r * ROW_ELEMS * ELEM_BYTES
+                    + (kv ? K_ELEMS * ELEM_BYTES + key * VSTR * ELEM_BYTES : key * KSTR * ELEM_BYTES)
+                    + 16 * c;
+                cp_async16_or_zero(dst, ok ? src : reinterpret_cast<const char*>(qkvg), ok);
+            }
+            copy_bias(k0, reinterpret_cast<float*>(st + ROWS * ROW_ELEMS * ELEM_BYTES));
+        }
+        cp_async_commit();
+    };
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; ++s) issue(s * BK, s);
+    int stage = 0;
+    for (int k0 = 0; k0 < N; k0 += BK) {
+        cp_async_wait<STAGES - 2>();  // this thread's copies of this tile landed
+        __syncthreads();  // everyone's copies visible; every warp is done with the last tile
+        // The stage freed by the last tile takes the tile STAGES - 1 ahead.
+        issue(k0 + (STAGES - 1) * BK, stage == 0 ? STAGES - 1 : stage - 1);
+        const char* const st = smem + stage * STAGE_BYTES;
+        process(st, reinterpret_cast<const float*>(st + ROWS * ROW_ELEMS * ELEM_BYTES));
+        stage = stage == STAGES - 1 ? 0 : stage + 1;
     }
+#else
+    // ---- staged: key/value tiles global -> registers (one tile ahead) -> shared memory ----
+    float* const bias_tiles = reinterpret_cast<float*>(smem + ROWS * ROW_ELEMS * ELEM_BYTES);
+    float4 kv[LOADS_PER_THREAD][4];  // k dims 0..3, k dims 4..7, v dims 0..3, v dims 4..7
+    auto fetch = [&](int k0) {
+#pragma unroll
+        for (int it = 0; it < LOADS_PER_THREAD; ++it) {
+            const int idx = tid + it * THREADS;
+            const int key = idx % BK, c = (idx / BK) % CHUNKS, r = idx / (BK * CHUNKS);
+            const bool ok = (LOADS % THREADS == 0 || idx < LOADS) && i0 + r < N && k0 + key < N;
+            const float* src = row_base(r) + (i64)(k0 + key) * ld + D + 8 * c;
+            kv[it][0] = ok ? ld4(src) : zero4();
+            kv[it][1] = ok ? ld4(src + 4) : zero4();
+            kv[it][2] = ok ? ld4(src + D) : zero4();
+            kv[it][3] = ok ? ld4(src + D + 4) : zero4();
+        }
+    };
+    auto store = [&]() {
+#pragma unroll
+        for (int it = 0; it < LOADS_PER_THREAD; ++it) {
+            const int idx = tid + it * THREADS;
+            if (LOADS % THREADS != 0 && idx >= LOADS) break;
+            const int key = idx % BK, c = (idx / BK) % CHUNKS, r = idx / (BK * CHUNKS);
+            elem_t* const K = reinterpret_cast<elem_t*>(smem) + r * ROW_ELEMS;
+            elem_t* const V = K + PARTS * K_ELEMS;
+            const float x[2][8] = {
+                {kv[it][0].x, kv[it][0].y, kv[it][0].z, kv[it][0].w,
+                 kv[it][1].x, kv[it][1].y, kv[it][1].z, kv[it][1].w},
+                {kv[it][2].x, kv[it][2].y, kv[it][2].z, kv[it][2].w,
+                 kv[it][3].x, kv[it][3].y, kv[it][3].z, kv[it][3].w}};
+            // hi parts stored before the lo parts are formed: fewer live registers
+            u32 hi[2][8];
+#pragma unroll
+            for (int m2 = 0; m2 < 2; ++m2)
+#pragma unroll
+                for (int e = 0; e < 8; ++e) hi[m2][e] = to_tf32(x[m2][e]);
+            uint4* const kdst = reinterpret_cast<uint4*>(K + key * KSTR + 8 * c);
+            kdst[0] = make_uint4(hi[0][0], hi[0][1], hi[0][2], hi[0][3]);
+            kdst[1] = make_uint4(hi[0][4], hi[0][5], hi[0][6], hi[0][7]);
+            const int p = v_position(key);
+#pragma unroll
+            for (int e = 0; e < 8; ++e) V[(8 * c + e) * VSTR + p] = hi[1][e];
+            u32 lo[2][8];
+#pragma unroll
+            for (int m2 = 0; m2 < 2; ++m2)
+#pragma unroll
+                for (int e = 0; e < 8; ++e) lo[m2][e] = to_tf32(x[m2][e] - __uint_as_float(hi[m2][e]));
+            uint4* const kdst_lo = reinterpret_cast<uint4*>(K + K_ELEMS + key * KSTR + 8 * c);
+            kdst_lo[0] = make_uint4(lo[0][0], lo[0][1], lo[0][2], lo[0][3]);
+            kdst_lo[1] = make_uint4(lo[0][4], lo[0][5], lo[0][6], lo[0][7]);
+#pragma unroll
+            for (int e = 0; e < 8; ++e) V[V_ELEMS + (8 * c + e) * VSTR + p] = lo[1][e];
+        }
+    };
+
+    if (PREFETCH) fetch(0);
+    copy_bias(0, bias_tiles);
+    cp_async_commit();
+    for (int k0 = 0, tile = 0; k0 < N; k0 += BK, ++tile) {
+        const bool more = k0 + BK < N;
+        if (!PREFETCH) fetch(k0);
+        __syncthreads();  // every warp is done with the previous tile (and bias buffer)
+        store();
+        if (more) {
+            copy_bias(k0 + BK, bias_tiles + ((tile + 1) & 1) * BIAS_TILE);
+            cp_async_commit();
+        }
+        if (more) cp_async_wait<1>(); else cp_async_wait<0>();  // this tile's bias landed
+        __syncthreads();  // K, V and bias tiles visible to every warp
+        if (PREFETCH && more) fetch(k0 + BK);  // in flight while this tile is multiplied
+        process(smem, bias_tiles + (tile & 1) * BIAS_TILE);
+    }
+#endif
 
     // o / l, written over q. l = 0 only when every key was masked (the maximum term of a
     // row with any unmasked key is 2^0 = 1).

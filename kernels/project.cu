@@ -4,7 +4,8 @@
 //
 //   ln_qkvg_project:   xn = LayerNorm(x)                              # [M, D]
 //                      qkvg = xn [Wq; Wk; Wv; Wg]^T + [bq; bk; bv; bg] # [M, 4D]
-//                        q columns scaled by log2(e)/sqrt(d), gate columns through sigmoid
+//                        q columns scaled by log2(e)/sqrt(d), gate columns through sigmoid,
+//                        k and v stored as KV_FORMAT says
 //                      bias[b, head, i, j] = log2(e) * xn[m] . Wb[head]  # m = (b, i, j)
 //                        -inf where mask[b, i, j] == 0, and on the padded keys j in [N, NPK)
 //   gated_out_project: out = (g * o) Wo^T + bo                        # [M, D]
@@ -51,6 +52,13 @@
 // where the tile of a wide D would not fit in shared memory otherwise).
 #ifndef PAD
 #define PAD 8
+#endif
+// How ln_qkvg_project stores k and v, for the attention kernel that reads them:
+// 0 as computed (fp32), 1 rounded to TF32 (attention_tf32 copies them as they are),
+// 2 packed bf16 in the columns [D, 2D): bf16 index c from column D holds k column c for
+// c < D and v column c - D after it (attention_bf16; half the bytes).
+#ifndef KV_FORMAT
+#define KV_FORMAT 0
 #endif
 #define ASTR (BM + PAD)
 #define WSTR (BN + PAD)
@@ -100,18 +108,26 @@ __device__ __forceinline__ void multiply_chunk(const float* a_k, const float* w_
     }
 }
 
-// emit(row in block, column, two adjacent values) for every value this thread holds.
+// Column n of this thread's j-th value pair of the pass at n0 (j < 4; the pair is n, n+1).
+__device__ __forceinline__ int pair_column(int n0, int j) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    return n0 + (warp % 4) * 32 + j * 8 + 2 * (lane & 3);
+}
+
+// emit(row in block, column, two adjacent values + their biases cb) for every value this
+// thread holds.
 template <class Emit>
-__device__ __forceinline__ void for_each_pair(const Tile& acc, int n0, Emit emit) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
-    const int row0 = (warp / 4) * (BM / 2), col0 = n0 + (warp % 4) * 32;
+__device__ __forceinline__ void for_each_pair(const Tile& acc, int n0, const float2 (&cb)[4],
+                                              Emit emit) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2;
+    const int row0 = (warp / 4) * (BM / 2);
 #pragma unroll
     for (int i = 0; i < MT; ++i)
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
-            const int r = row0 + i * 16 + g, n = col0 + j * 8 + 2 * t;
-            emit(r, n, make_float2(acc.c[i][j][0], acc.c[i][j][1]));
-            emit(r + 8, n, make_float2(acc.c[i][j][2], acc.c[i][j][3]));
+            const int r = row0 + i * 16 + g, n = pair_column(n0, j);
+            emit(r, n, make_float2(acc.c[i][j][0] + cb[j].x, acc.c[i][j][1] + cb[j].y));
+            emit(r + 8, n, make_float2(acc.c[i][j][2] + cb[j].x, acc.c[i][j][3] + cb[j].y));
         }
 }
 #else
@@ -138,17 +154,36 @@ __device__ __forceinline__ void multiply_chunk(const float* a_k, const float* w_
     }
 }
 
+// Column n of this thread's j-th value pair of the pass at n0 (j < 4; the pair is n, n+1).
+__device__ __forceinline__ int pair_column(int n0, int j) {
+    return n0 + (j / 2) * 64 + (threadIdx.x % 16) * 4 + 2 * (j % 2);
+}
+
 template <class Emit>
-__device__ __forceinline__ void for_each_pair(const Tile& acc, int n0, Emit emit) {
-    const int ty = threadIdx.x / 16, tx = threadIdx.x % 16;
+__device__ __forceinline__ void for_each_pair(const Tile& acc, int n0, const float2 (&cb)[4],
+                                              Emit emit) {
+    const int ty = threadIdx.x / 16;
 #pragma unroll
     for (int r = 0; r < TM; ++r)
 #pragma unroll
-        for (int c = 0; c < 8; c += 2)
-            emit((r / 4) * 64 + ty * 4 + (r % 4), n0 + (c / 4) * 64 + tx * 4 + c % 4,
-                 make_float2(acc.c[r][c], acc.c[r][c + 1]));
+        for (int j = 0; j < 4; ++j)
+            emit((r / 4) * 64 + ty * 4 + (r % 4), pair_column(n0, j),
+                 make_float2(acc.c[r][2 * j] + cb[j].x, acc.c[r][2 * j + 1] + cb[j].y));
 }
 #endif
+
+// The output biases of this thread's value pairs in the pass at n0 (0 past NO): four
+// independent loads, so the epilogue waits for them once (a load per value pair, each
+// waited for in turn, was ~8% of the projection's stalls). Loaded after the pass's
+// product: kept live across it they push the FFMA tiles into spills.
+__device__ __forceinline__ void load_column_biases(const float* __restrict__ bvec, int n0,
+                                                   int NO, float2 (&cb)[4]) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        const int n = pair_column(n0, j);  // even, NO even: n < NO covers n + 1
+        cb[j] = n < NO ? ld2(bvec + n) : make_float2(0.f, 0.f);
+    }
+}
 
 // acc += As[0:dpad, the block's rows] x WT[0:D, n0 + the block's columns].
 // As is [dpad][ASTR] (k-major: an FFMA thread's 4 consecutive rows are one float4); Ws is
@@ -232,6 +267,33 @@ __device__ __forceinline__ float operand(float a) {
 #endif
 }
 
+// As[k][m] = the float4 load(ml, k) gives for columns k..k+3 of block row ml, for every
+// ml < BM and k < dpad (step 4). Loads go out in batches of BATCH per thread before any
+// store, so that many are in flight at once (one per trip stalls on each load in turn).
+// Consecutive threads take consecutive rows: the shared-memory stores are conflict-free.
+template <int BATCH, class Load>
+__device__ __forceinline__ void load_tile_transposed(float* As, int dpad, Load load) {
+    const int total = (dpad / 4) * BM;
+    for (int base = threadIdx.x; base < total; base += BATCH * THREADS) {
+        float4 v[BATCH];
+#pragma unroll
+        for (int u = 0; u < BATCH; ++u) {
+            const int idx = base + u * THREADS;
+            v[u] = idx < total ? load(idx % BM, (idx / BM) * 4) : zero4();
+        }
+#pragma unroll
+        for (int u = 0; u < BATCH; ++u) {
+            const int idx = base + u * THREADS;
+            if (idx >= total) break;
+            const int ml = idx % BM, k = (idx / BM) * 4;
+            As[(k + 0) * ASTR + ml] = v[u].x;
+            As[(k + 1) * ASTR + ml] = v[u].y;
+            As[(k + 2) * ASTR + ml] = v[u].z;
+            As[(k + 3) * ASTR + ml] = v[u].w;
+        }
+    }
+}
+
 struct SmemLayout {
     i64* rowoff;    // [BM]   element offset of each row's first value in x
     float* As;      // [dpad][ASTR]
@@ -271,21 +333,13 @@ ln_qkvg_project(const float* __restrict__ x, i64 sb, i64 si, i64 sj, i64 sc, int
     }
     __syncthreads();  // rowoff visible to every loader
 
-    // 2. The raw row tile, transposed into As[k][m]; zero past M and past D. Consecutive
-    //    threads take consecutive rows, so the shared-memory stores are conflict-free.
-    for (int idx = t; idx < (dpad / 4) * BM; idx += THREADS) {
-        const int ml = idx % BM, k = (idx / BM) * 4;
-        float4 v = zero4();
-        if (m0 + ml < M && k < D) {
-            const float* p = x + s.rowoff[ml];
-            if (x_vec) v = ld4(p + k);
-            else v = make_float4(p[k * sc], p[(k + 1) * sc], p[(k + 2) * sc], p[(k + 3) * sc]);
-        }
-        s.As[(k + 0) * ASTR + ml] = v.x;
-        s.As[(k + 1) * ASTR + ml] = v.y;
-        s.As[(k + 2) * ASTR + ml] = v.z;
-        s.As[(k + 3) * ASTR + ml] = v.w;
-    }
+    // 2. The raw row tile, transposed into As[k][m]; zero past M and past D.
+    load_tile_transposed<8>(s.As, dpad, [&](int ml, int k) {
+        if (m0 + ml >= M || k >= D) return zero4();
+        const float* p = x + s.rowoff[ml];
+        if (x_vec) return ld4(p + k);
+        return make_float4(p[k * sc], p[(k + 1) * sc], p[(k + 2) * sc], p[(k + 3) * sc]);
+    });
     __syncthreads();  // tile complete before the statistics read it
 
     // 3. LayerNorm, THREADS / BM threads per row (thread t: row t % BM, columns
@@ -325,11 +379,17 @@ ln_qkvg_project(const float* __restrict__ x, i64 sb, i64 si, i64 sj, i64 sc, int
         const int ml = p % BM, head = p / BM;
         const i64 m = m0 + ml;
         if (m >= M) continue;
-        const float* w = Wb + (i64)head * D;
+        const float* w = Wb + (i64)head * D;  // one address per warp: a broadcast
         float part[4] = {0.f, 0.f, 0.f, 0.f};  // four chains in flight (D % 4 == 0)
-        for (int k = 0; k < D; k += 4)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) part[e] = fmaf(s.As[(k + e) * ASTR + ml], __ldg(w + k + e), part[e]);
+        float4 wk = ld4(w);  // weights 4 at a time, loaded one step ahead
+        for (int k = 0; k < D; k += 4) {
+            const float4 wn = k + 4 < D ? ld4(w + k + 4) : wk;
+            part[0] = fmaf(s.As[(k + 0) * ASTR + ml], wk.x, part[0]);
+            part[1] = fmaf(s.As[(k + 1) * ASTR + ml], wk.y, part[1]);
+            part[2] = fmaf(s.As[(k + 2) * ASTR + ml], wk.z, part[2]);
+            part[3] = fmaf(s.As[(k + 3) * ASTR + ml], wk.w, part[3]);
+            wk = wn;
+        }
         const float dot = (part[0] + part[1]) + (part[2] + part[3]);
         const i64 b = m / NN, r = m - b * NN, i = r / N, j = r - i * N;
         float* brow = bias + ((b * H + head) * N + i) * (i64)npk;
@@ -342,25 +402,33 @@ ln_qkvg_project(const float* __restrict__ x, i64 sb, i64 si, i64 sj, i64 sc, int
 
     // 6. q, k, v and gate: every 4D output column of these rows, BN at a time.
     const int NO = 4 * D;
-    auto emit = [&](int ml, int n, float2 v) {
+    auto emit = [&](int ml, int n, float2 v) {  // v: the product plus its bias
         const i64 m = m0 + ml;
         if (m >= M || n >= NO) return;
+        float* const dst = qkvg + m * NO + n;
         // n even, D % 4 == 0: no pair straddles two of q (n < D), k, v, gate (n >= 3D).
-        const float2 bb = ld2(b_qkvg + n);
-        v.x += bb.x;
-        v.y += bb.y;
         if (n < D) {
             v.x *= q_scale; v.y *= q_scale;
         } else if (n >= 3 * D) {
             v.x = sigmoid(v.x); v.y = sigmoid(v.y);
+        } else {
+#if KV_FORMAT == 2  // bf16 index n - D from column D (see KV_FORMAT)
+            *reinterpret_cast<u32*>(reinterpret_cast<unsigned short*>(dst - n + D) + (n - D)) =
+                pack_bf16(v.x, v.y);
+            return;
+#elif KV_FORMAT == 1
+            v.x = __uint_as_float(to_tf32(v.x)); v.y = __uint_as_float(to_tf32(v.y));
+#endif
         }
-        *reinterpret_cast<float2*>(qkvg + m * NO + n) = v;
+        *reinterpret_cast<float2*>(dst) = v;
     };
     for (int n0 = 0; n0 < NO; n0 += BN) {
         Tile acc;
         acc.zero();
         block_gemm(s.As, WT, D, dpad, NO, n0, s.Ws, acc);
-        for_each_pair(acc, n0, emit);
+        float2 cb[4];
+        load_column_biases(b_qkvg, n0, NO, cb);
+        for_each_pair(acc, n0, cb, emit);
     }
 }
 
@@ -374,33 +442,27 @@ gated_out_project(const float* __restrict__ qkvg, i64 M, int D,
     const i64 m0 = (i64)blockIdx.x * BM, ld = 4LL * D;
 
     // 1. A = g * o, transposed into As[k][m]: the gated intermediate exists only here.
-    for (int idx = t; idx < (dpad / 4) * BM; idx += THREADS) {
-        const int ml = idx % BM, k = (idx / BM) * 4;
-        float4 v = zero4();
-        if (m0 + ml < M && k < D) {
-            const float* row = qkvg + (m0 + ml) * ld;
-            const float4 o = ld4(row + k), g = ld4(row + 3 * D + k);
-            v = make_float4(operand(g.x * o.x), operand(g.y * o.y), operand(g.z * o.z),
-                            operand(g.w * o.w));
-        }
-        s.As[(k + 0) * ASTR + ml] = v.x;
-        s.As[(k + 1) * ASTR + ml] = v.y;
-        s.As[(k + 2) * ASTR + ml] = v.z;
-        s.As[(k + 3) * ASTR + ml] = v.w;
-    }
+    load_tile_transposed<4>(s.As, dpad, [&](int ml, int k) {
+        if (m0 + ml >= M || k >= D) return zero4();
+        const float* row = qkvg + (m0 + ml) * ld;
+        const float4 o = ld4(row + k), g = ld4(row + 3 * D + k);
+        return make_float4(operand(g.x * o.x), operand(g.y * o.y), operand(g.z * o.z),
+                           operand(g.w * o.w));
+    });
     __syncthreads();  // tile complete before the product reads it
 
     // 2. out = A Wo^T + bo.
-    auto emit = [&](int ml, int n, float2 v) {
+    auto emit = [&](int ml, int n, float2 v) {  // v: the product plus its bias
         const i64 m = m0 + ml;
         if (m >= M || n >= D) return;
-        const float2 bb = ld2(b_out + n);
-        *reinterpret_cast<float2*>(out + m * D + n) = make_float2(v.x + bb.x, v.y + bb.y);
+        *reinterpret_cast<float2*>(out + m * D + n) = v;
     };
     for (int n0 = 0; n0 < D; n0 += BN) {
         Tile acc;
         acc.zero();
         block_gemm(s.As, WT, D, dpad, D, n0, s.Ws, acc);
-        for_each_pair(acc, n0, emit);
+        float2 cb[4];
+        load_column_biases(b_out, n0, D, cb);
+        for_each_pair(acc, n0, cb, emit);
     }
 }

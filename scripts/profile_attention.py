@@ -14,8 +14,10 @@ size = sys.argv[1] if len(sys.argv) > 1 else "1x512x128x4"
 tiles = _configs.MmaTiles(*map(int, sys.argv[2].split(","))) if len(sys.argv) > 2 else None
 B, N, D, h = map(int, size.split("x"))
 dw = DeviceWeights(ta.random_weights(D, h, seed=0), cp.cuda.runtime.getDevice())
-fwd = Forward(dw, cp.random.standard_normal((B, N, N, D), dtype=np.float32), None, "zero", None)
-fwd.project()
+pair = cp.random.standard_normal((B, N, N, D), dtype=np.float32)
 for variant in _configs.ATTENTION_MMA_VARIANTS:
-    fwd.attention(_configs.attention_mma_launch(D // h, variant, tiles))
+    launch = _configs.attention_mma_launch(D // h, variant, tiles, n=N)
+    fwd = Forward(dw, pair, None, "zero", None, attention=launch)
+    fwd.project()
+    fwd.attention()
 cp.cuda.runtime.deviceSynchronize()

@@ -13,9 +13,12 @@ from triattn_cupy import _configs
 from triattn_cupy._gpu import DeviceWeights, Forward
 from time_ours import median_ms  # scripts/ is on sys.path when run as a script
 
+# (bk, mt, rows, prefetch, min_blocks, stages): prefetch is read by 3xTF32 only, stages by
+# TF32 and bf16 only.
 CANDIDATES = [_configs.MmaTiles(*shape) for shape in
-              [(64, 2, 1, 1, 1), (16, 2, 1, 1, 1), (64, 1, 1, 1, 2), (32, 1, 1, 1, 2),
-               (16, 1, 1, 1, 2), (32, 1, 1, 0, 2), (32, 2, 2, 1, 1)]]
+              [(64, 2, 1, 1, 1), (16, 2, 1, 1, 1), (64, 1, 1, 1, 2, 2), (32, 1, 1, 1, 2),
+               (32, 1, 1, 1, 2, 4), (16, 1, 1, 1, 2), (32, 1, 1, 0, 2), (32, 2, 2, 1, 1),
+               (32, 2, 2, 1, 2), (32, 2, 1, 1, 1), (64, 1, 1, 1, 1), (64, 2, 2, 1, 1, 2)]]
 
 
 def time_attention(fwd, launch, repeats):
@@ -32,23 +35,27 @@ def main(sizes):
         d = D // h
         dw = DeviceWeights(ta.random_weights(D, h, seed=0), cp.cuda.runtime.getDevice())
         pair = cp.random.standard_normal((B, N, N, D), dtype=np.float32)
-        fwd = Forward(dw, pair, None, "zero", None)
-        fwd.project()
         flops = 4 * B * N**3 * D
         for variant in _configs.ATTENTION_MMA_VARIANTS:
             if d not in _configs.attention_mma_head_dims(variant):
                 continue
-            chosen = _configs.attention_mma_tiles(d, variant)
+            chosen = _configs.attention_mma_tiles(d, variant, N)
+            # k and v as this variant reads them (the same for every tile shape)
+            fwd = Forward(dw, pair, None, "zero", None,
+                          attention=_configs.attention_mma_launch(d, variant, chosen))
+            fwd.project()
             for tiles in CANDIDATES:
                 try:
                     launch = _configs.attention_mma_launch(d, variant, tiles)
+                    if launch.smem > 227 * 1024:
+                        raise ValueError(f"{launch.smem} bytes of shared memory")
                     ms = time_attention(fwd, launch, 20 if N <= 512 else 5)
                 except Exception as exc:  # a shape that does not fit: say so, go on
                     print(f"{size} {variant:6s} {tiles}: {type(exc).__name__}: {exc}")
                     continue
                 mark = " <- chosen" if tiles == chosen else ""
                 print(f"{size} {variant:6s} bk={tiles.bk} mt={tiles.mt} rows={tiles.rows} "
-                      f"pf={tiles.prefetch} minb={tiles.min_blocks}: {ms:.3f} ms "
+                      f"pf={tiles.prefetch} minb={tiles.min_blocks} st={tiles.stages}: {ms:.3f} ms "
                       f"{flops / ms / 1e9:.1f} TFLOP/s{mark}",
                       flush=True)
 

@@ -84,11 +84,19 @@ def project_pad(pair_dim: int) -> int:
     return 8 if pair_dim <= 640 else 4
 
 
+# How the projection stores k and v (project.cu KV_FORMAT): as computed (fp32), rounded to
+# TF32, or packed bf16; the attention kernel that reads them names its format.
+KV_FP32, KV_TF32, KV_BF16 = 0, 1, 2
+
+
 @functools.lru_cache(maxsize=None)  # per call: a look-up, not a rebuild
-def project_config(rows: int, tensor_cores: bool = False, pair_dim: int = 128) -> KernelConfig:
-    """rows per block; tensor_cores: TF32 mma.sync products (the tf32 and bf16 modes)."""
+def project_config(rows: int, tensor_cores: bool = False, pair_dim: int = 128,
+                   kv_format: int = KV_FP32) -> KernelConfig:
+    """rows per block; tensor_cores: TF32 mma.sync products (the tf32 and bf16 modes);
+    kv_format: how k and v are stored, for the attention kernel (KV_*)."""
     return KernelConfig("project.cu", (("BM", rows), ("MMA", int(tensor_cores)),
-                                       ("PAD", project_pad(pair_dim))))
+                                       ("PAD", project_pad(pair_dim)),
+                                       ("KV_FORMAT", kv_format)))
 
 
 def project_uses_tensor_cores(precision: str, compute_capability: int = 90) -> bool:
@@ -133,19 +141,23 @@ def attention_smem_bytes(head_dim: int) -> int:
 ATTENTION_MMA_THREADS = 256  # 8 warps
 ATTENTION_MMA_VARIANTS = ("tf32x3", "tf32", "bf16")  # entry point attention_<variant>
 _MMA_PREC = {"tf32x3": 0, "tf32": 1, "bf16": 2}
+_MMA_KV_FORMAT = {"tf32x3": KV_FP32, "tf32": KV_TF32, "bf16": KV_BF16}
 
 
 @dataclasses.dataclass(frozen=True)
 class MmaTiles:
     """The attention_mma.cu tile shape: BK keys per tile, MT 16-query m-tiles per warp,
     ROWS pair rows per block (sharing their bias tiles), PREFETCH the next key/value tile
-    into registers, MIN_BLOCKS resident blocks per SM asked of the compiler (2: at most
-    128 registers per thread). The 8 warps give BQ = 16 * MT * 8 / ROWS queries per row."""
+    into registers (3xTF32, whose tiles are staged through registers), MIN_BLOCKS resident
+    blocks per SM asked of the compiler (2: at most 128 registers per thread), STAGES
+    tiles in the cp.async ring (TF32 and bf16, which copy k and v as the projection wrote
+    them). The 8 warps give BQ = 16 * MT * 8 / ROWS queries per row."""
     bk: int = 64
     mt: int = 1
     rows: int = 1
     prefetch: int = 1
     min_blocks: int = 1
+    stages: int = 3
 
     @property
     def queries(self) -> int:
@@ -168,21 +180,22 @@ _SMALL_N, _MEDIUM_N = 128, 512
 def attention_mma_tiles(head_dim: int, variant: str, n: int = 1 << 30) -> MmaTiles:
     """The tile shape for head dim `head_dim` and `n` keys, measured on an H200
     (scripts/sweep_tiles.py, benchmarks/NOTES.md) within what compiles without spills
-    (tests/test_kernels_compile.py): small head dims take 2 m-tiles per warp (256 queries
-    per block, once N is large enough to fill them), wide ones fewer keys per tile."""
-    if head_dim <= 32:
-        if variant == "tf32x3":
-            if n <= _SMALL_N and head_dim <= 16:  # (d = 24, 32 spill within 128 registers on sm_80)
-                return MmaTiles(bk=32, min_blocks=2)
+    (tests/test_kernels_compile.py) and fits the shared memory."""
+    if variant == "tf32x3":  # staged through registers
+        if head_dim <= 32:
+            if n <= _SMALL_N and head_dim <= 16:  # (d = 24, 32 spill within 128 registers on sm_80;
+                # d = 16 with the next tile in registers too)
+                return MmaTiles(bk=32, prefetch=0, min_blocks=2)
             return MmaTiles(bk=32, mt=2, rows=2)
-        if n <= _MEDIUM_N:  # 2 blocks of 8 warps per SM beat bigger tiles while N is small
-            return MmaTiles(bk=32, min_blocks=2)
-        return MmaTiles(bk=64, mt=2)
+        if head_dim <= 64:
+            return MmaTiles(bk=16)
+        raise ValueError(f"3xTF32 attention takes head dims up to 64; got {head_dim}")
+    # TF32 and bf16: the cp.async ring; 2 blocks of 8 warps per SM where their registers fit
+    if head_dim <= 32:
+        return MmaTiles(bk=32, min_blocks=2)
     if head_dim <= 64:
-        return MmaTiles(bk=16 if variant == "tf32x3" else 64)
-    if variant == "tf32":
-        return MmaTiles(bk=16, prefetch=0)
-    return MmaTiles(bk=32)
+        return MmaTiles(bk=32)
+    return MmaTiles(bk=16 if variant == "tf32" else 32)
 
 
 def attention_mma_config(head_dim: int, variant: str, tiles: MmaTiles | None = None
@@ -195,35 +208,41 @@ def attention_mma_config(head_dim: int, variant: str, tiles: MmaTiles | None = N
         raise ValueError(f"the tensor-core attention ({variant}) takes head dims "
                          f"{attention_mma_head_dims(variant)}; got {head_dim}")
     tiles = tiles or attention_mma_tiles(head_dim, variant)
+    if variant == "tf32x3":  # staged through registers
+        shape = (("PREFETCH", tiles.prefetch),)
+    else:  # copied as stored, through the ring
+        shape = (("STAGES", tiles.stages),)
     return KernelConfig("attention_mma.cu", (
         ("HEAD_DIM", head_dim), ("PREC", _MMA_PREC[variant]), ("BK", tiles.bk),
-        ("MT", tiles.mt), ("ROWS", tiles.rows), ("PREFETCH", tiles.prefetch),
-        ("MIN_BLOCKS", tiles.min_blocks)))
+        ("MT", tiles.mt), ("ROWS", tiles.rows), *shape, ("MIN_BLOCKS", tiles.min_blocks)))
 
 
 def attention_mma_smem_bytes(head_dim: int, variant: str, tiles: MmaTiles | None = None
                              ) -> int:
-    """Per row: K [BK][d+4] and V^T [d][BK+4] tf32 words, twice for 3xTF32 (hi, lo);
-    bf16: K and V [BK][d+8] halves. Then two bias tiles [BQ][BK+8] fp32."""
+    """3xTF32: per row K [BK][d+4] and V^T [d][BK+4] tf32 words, hi and lo; then two bias
+    tiles [BQ][BK+8] fp32. TF32 / bf16: STAGES x (per row K and V [BK][d+4] words or
+    [BK][d+8] halves, one bias tile)."""
     t = tiles or attention_mma_tiles(head_dim, variant)
-    if variant == "bf16":
-        per_row = 2 * 2 * t.bk * (head_dim + 8)
-    else:
-        per_row = (2 if variant == "tf32x3" else 1) * 4 * (
-            t.bk * (head_dim + 4) + head_dim * (t.bk + 4))
-    return t.rows * per_row + 2 * 4 * t.queries * (t.bk + 8)
+    bias_tile = 4 * t.queries * (t.bk + 8)
+    if variant == "tf32x3":
+        per_row = 2 * 4 * (t.bk * (head_dim + 4) + head_dim * (t.bk + 4))
+        return t.rows * per_row + 2 * bias_tile
+    per_row = 4 * t.bk * (head_dim + 8) if variant == "bf16" else 8 * t.bk * (head_dim + 4)
+    return t.stages * (t.rows * per_row + bias_tile)
 
 
 @dataclasses.dataclass(frozen=True)
 class AttentionLaunch:
     """One attention kernel and its launch shape: blocks of `threads` threads, each taking
-    `queries` queries of `rows` pair rows of one head."""
+    `queries` queries of `rows` pair rows of one head; it reads k and v as the projection
+    stores them in `kv_format` (KV_*)."""
     config: KernelConfig
     name: str
     queries: int
     rows: int
     threads: int
     smem: int
+    kv_format: int = KV_FP32
 
     def blocks(self, B: int, N: int, H: int) -> int:
         return -(-N // self.queries) * H * B * -(-N // self.rows)
@@ -245,7 +264,8 @@ def attention_mma_launch(head_dim: int, variant: str, tiles: MmaTiles | None = N
     return AttentionLaunch(attention_mma_config(head_dim, variant, tiles),
                            f"attention_{variant}", tiles.queries, tiles.rows,
                            ATTENTION_MMA_THREADS,
-                           attention_mma_smem_bytes(head_dim, variant, tiles))
+                           attention_mma_smem_bytes(head_dim, variant, tiles),
+                           _MMA_KV_FORMAT[variant])
 
 
 def attention_ffma_launch(head_dim: int) -> AttentionLaunch:
@@ -271,6 +291,8 @@ def all_configs():
     """Every configuration a supported (pair_dim, num_heads) can launch."""
     configs = {project_config(rows, mma, D) for rows in (64, 128) for mma in (False, True)
                for D in (128, MAX_PAIR_DIM)}
+    configs.update(project_config(rows, True, D, kv) for rows in (64, 128)
+                   for D in (128, MAX_PAIR_DIM) for kv in (KV_TF32, KV_BF16))
     configs.update(attention_config(d) for d in supported_head_dims())
     configs.update(attention_mma_config(d, v, attention_mma_tiles(d, v, n))
                    for v in ATTENTION_MMA_VARIANTS for d in attention_mma_head_dims(v)

@@ -8,7 +8,10 @@ Stages (one launch each):
              that are multiples of 8 on sm_80+ (attention_mma.cu: 3xTF32 for "fp32",
              TF32, bf16), else FFMA fp32 (attention.cu)
   out        (g * o) Wo^T + bo, products as in project              (project.cu)
-Scratch: qkvg [M, 4D] and bias [B, h, N, NPK] float32, taken from CuPy's memory pool.
+Scratch: qkvg [M, 4D] and bias [B, h, N, NPK] float32, taken from CuPy's memory pool. The
+tf32 and bf16 attention kernels read k and v in their tensor-core form, which the
+projection writes for them (rounded to TF32, or packed bf16 in the k columns: half the
+bytes); see _configs.KV_*.
 """
 from __future__ import annotations
 
@@ -118,7 +121,8 @@ class Forward:
     `stages()` lists the launches in order; `run()` performs them all."""
 
     def __init__(self, dw: DeviceWeights, pair, mask, fully_masked: str, out,
-                 precision: str = "fp32"):
+                 precision: str = "fp32",
+                 attention: "_configs.AttentionLaunch | None" = None):
         cupy = _cupy()
         check_fully_masked(fully_masked)
         _configs.check_precision(precision)
@@ -144,7 +148,11 @@ class Forward:
         self.B, self.N, self.D, self.H, self.d = B, N, D, H, d
         self.M = B * N * N
         self.nan_fully_masked = fully_masked == "nan"
-        self.attention_kernel = _configs.attention_kernel(d, precision, dw.compute_capability, N)
+        # `attention` replaces the kernel chosen for this precision (tests and tile sweeps);
+        # the projection stores k and v in the form that kernel reads.
+        self.attention_kernel = attention or _configs.attention_kernel(
+            d, precision, dw.compute_capability, N)
+        self.kv_format = self.attention_kernel.kv_format
         # The key axis of the bias is padded with -inf to whole key tiles of either
         # attention kernel (at most BIAS_KEY_ALIGN keys; the tensor-core kernel copies
         # whole tiles).
@@ -184,7 +192,8 @@ class Forward:
                     and pair.data.ptr % 16 == 0)
         rows = _configs.project_rows(self.D, self.M, dw.sm_count)
         self._launch(
-            _configs.project_config(rows, self.project_mma, self.D), "ln_qkvg_project",
+            _configs.project_config(rows, self.project_mma, self.D, self.kv_format),
+            "ln_qkvg_project",
             -(-self.M // rows),
             _configs.PROJECT_THREADS,
             (pair, np.int64(sb), np.int64(si), np.int64(sj), np.int64(sc), np.int32(x_vec),
@@ -196,9 +205,14 @@ class Forward:
             _configs.project_smem_bytes(self.D, rows))
 
     def attention(self, launch: "_configs.AttentionLaunch | None" = None):
-        """The attention stage; `launch` replaces the kernel chosen for this forward (tests
-        and tile sweeps compare kernels on the same scratch)."""
+        """The attention stage; `launch` replaces the kernel chosen for this forward (tile
+        sweeps time kernels on the same scratch): it must read k and v in the form this
+        forward's projection stores them."""
         k = launch or self.attention_kernel
+        if k.kv_format != self.kv_format:
+            raise ValueError(f"launch {k.name} reads k and v in format {k.kv_format}, but "
+                             f"this forward's projection stores format {self.kv_format}; "
+                             f"build the Forward with attention=that launch")
         self._launch(
             k.config, k.name, k.blocks(self.B, self.N, self.H), k.threads,
             (self.qkvg, self.bias, np.int32(self.B), np.int32(self.N), np.int32(self.H),
