@@ -99,6 +99,12 @@
 #define SPLIT (PREC == 0)
 #define BF16 (PREC == 2)
 #define DIRECT (!SPLIT)           // k and v come from the projection in tensor-core form
+// The row sums of P on the tensor cores, as P times a B operand of ones (one mma per
+// k-step of PV instead of an add per score); the same rounded P as O's numerator. Not for
+// 3xTF32, whose sums stay exact fp32 adds.
+#define SUM_MMA DIRECT
+// How far a tile's maximum may exceed the reference maximum before O and l are rescaled.
+#define RESCALE_SLACK 8.f
 
 #if HEAD_DIM % 8 != 0 || HEAD_DIM > 128
 #error "attention_mma.cu: HEAD_DIM must be a multiple of 8, at most 128"
@@ -172,6 +178,9 @@ typedef u32 elem_t;  // tf32 bits
 #define COPIES (ROWS * 2 * BK * CHUNKS16)
 #define COPIES_PER_THREAD ((COPIES + THREADS - 1) / THREADS)
 
+#define BF16_ONES 0x3f803f80u  // bf16x2 (1, 1)
+#define TF32_ONE 0x3f800000u   // 1.0f
+
 #if BF16
 #define ENTRY attention_bf16
 #elif SPLIT
@@ -191,6 +200,7 @@ ENTRY(float* qkvg, const float* __restrict__ bias, int B, int N, int H, int npk,
       int nan_fully_masked) {
     extern __shared__ float4 smem4[];
     char* const smem = reinterpret_cast<char*>(smem4);
+    const u32 smem_s = smem_addr(smem);  // the same, as a shared-memory address
 
     const int D = H * HEAD_DIM;
     const i64 ld = 4LL * D;
@@ -223,15 +233,16 @@ ENTRY(float* qkvg, const float* __restrict__ bias, int B, int N, int H, int npk,
 #define RSTEP (THREADS / (BK / 4))
     const int copy_col = 4 * (tid % (BK / 4)), copy_row = tid / (BK / 4);
     const int copy_q = qtile * BQ + copy_row;
-    auto copy_bias = [&](int k0, float* tile) {  // not committed here
-        float* const dst = tile + copy_row * BSTR + copy_col;
+    const float* const bias_src = bias_bh + (i64)copy_q * npk + copy_col;  // at key 0
+    const u32 bias_dst = 4 * (copy_row * BSTR + copy_col);  // in a bias tile
+    auto copy_bias = [&](int k0, u32 tile) {  // tile: shared address; not committed here
         // opaque: the addresses are formed here, per tile, not hoisted out of the key loop
         // as BQ / RSTEP live registers.
-        const float* const src = opaque(bias_bh + (i64)copy_q * npk + k0 + copy_col);
+        const float* const src = opaque(bias_src + k0);
 #pragma unroll
         for (int it = 0; it < BQ / RSTEP; ++it)  // queries past N: zeros, never written
-            cp_async16_or_zero(dst + it * RSTEP * BSTR, src + (i64)(it * RSTEP) * npk,
-                               copy_q + it * RSTEP < N);
+            cp_async16_or_zero(tile + bias_dst + 4 * it * RSTEP * BSTR,
+                               src + (i64)(it * RSTEP) * npk, copy_q + it * RSTEP < N);
     };
     const int bias_row = (warp % ROW_WARPS) * 16 * MT + g;  // + 16 mt + 8 r: this lane's rows
 
@@ -303,16 +314,18 @@ ENTRY(float* qkvg, const float* __restrict__ bias, int B, int N, int H, int npk,
 #endif
 
     // O (16 x d per m-tile) in C fragments: o[mt][v][0..1] row j0, [2..3] row j1, columns
-    // 8v + 2t, 8v + 2t + 1. m, l: running max and this lane's share of the running sum of
-    // rows j0 (index 0) and j1 (index 1); the 4 lanes of a quad hold the shares of a row.
+    // 8v + 2t, 8v + 2t + 1. m: the reference maximum of rows j0 (index 0) and j1 (1).
+    // l: their running sums, laid out as a C fragment: SUM_MMA: P times a B of ones, so
+    // every element of a row holds the row's whole sum; else l[mt][0] and l[mt][2] hold
+    // this lane's share of rows j0 and j1 (the 4 lanes of a quad hold a row's shares).
     float o[MT][DT][4];
-    float m[MT][2], l[MT][2];
+    float m[MT][2], l[MT][4];
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
         for (int v = 0; v < DT; ++v) o[mt][v][0] = o[mt][v][1] = o[mt][v][2] = o[mt][v][3] = 0.f;
         m[mt][0] = m[mt][1] = neg_inf();
-        l[mt][0] = l[mt][1] = 0.f;
+        l[mt][0] = l[mt][1] = l[mt][2] = l[mt][3] = 0.f;
     }
 
     // One key tile: S = bias + Q K^T, the online softmax, O += P V. `kv` is the stage (or
@@ -406,24 +419,63 @@ ENTRY(float* qkvg, const float* __restrict__ bias, int B, int N, int H, int npk,
 #endif
 
         // ---- online softmax of rows j0 (r = 0: s[..][0..1]) and j1 (r = 1: s[..][2..3]) ----
+        // This tile's row maxima (the 4 lanes of a quad hold a row's BK keys), in two
+        // interleaved chains: more operations in flight than one serial chain of BK.
+        float mx[MT][2];
+        bool grow = false;
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
             for (int r = 0; r < 2; ++r) {
-                // Maximum and sum in two interleaved chains (more operations in flight
-                // than one serial chain of BK, fewer registers than a tree).
                 float mx0 = neg_inf(), mx1 = neg_inf();
 #pragma unroll
                 for (int n = 0; n < NT; ++n) {
                     mx0 = fmaxf(mx0, s[mt][n][2 * r]);
                     mx1 = fmaxf(mx1, s[mt][n][2 * r + 1]);
                 }
-                float mx = fmaxf(mx0, mx1);
-                // The 4 lanes of a quad hold this row's BK keys.
-                mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-                mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-                float alpha;
-                const float m_ref = online_max_update(m[mt][r], mx, alpha);
+                float x = fmaxf(mx0, mx1);
+                x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
+                x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+                mx[mt][r] = x;
+                grow |= x > m[mt][r] + RESCALE_SLACK;  // -inf + slack = -inf
+            }
+        // Lazy rescaling: the reference maximum m moves, and O and l are rescaled, only when
+        // a row of the warp exceeds it by more than RESCALE_SLACK; below that the terms are
+        // 2^(s - m) <= 2^RESCALE_SLACK, as exact in fp32 (and bf16) as any other. After the
+        // first tiles the branch is rarely taken, and it is warp-uniform.
+        if (__any_sync(0xffffffffu, grow)) {
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                for (int r = 0; r < 2; ++r) {
+                    const float m_new = fmaxf(m[mt][r], mx[mt][r]);
+                    // m_new = -inf: every key so far masked, nothing summed to rescale
+                    // (and -inf - -inf would be NaN).
+                    const float alpha = m_new == neg_inf() ? 1.f : fast_exp2(m[mt][r] - m_new);
+                    m[mt][r] = m_new;
+                    l[mt][2 * r] *= alpha;
+                    l[mt][2 * r + 1] *= alpha;
+#pragma unroll
+                    for (int v = 0; v < DT; ++v) {
+                        o[mt][v][2 * r] *= alpha;
+                        o[mt][v][2 * r + 1] *= alpha;
+                    }
+                }
+        }
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                // While every key so far is masked m is -inf; subtracting 0 instead gives
+                // 2^-inf = 0 per term.
+                const float m_ref = m[mt][r] == neg_inf() ? 0.f : m[mt][r];
+#if SUM_MMA
+#pragma unroll
+                for (int n = 0; n < NT; ++n) {
+                    s[mt][n][2 * r] = fast_exp2(s[mt][n][2 * r] - m_ref);
+                    s[mt][n][2 * r + 1] = fast_exp2(s[mt][n][2 * r + 1] - m_ref);
+                }
+#else
                 float sum0 = 0.f, sum1 = 0.f;
 #pragma unroll
                 for (int n = 0; n < NT; ++n) {
@@ -432,13 +484,8 @@ ENTRY(float* qkvg, const float* __restrict__ bias, int B, int N, int H, int npk,
                     sum0 += s[mt][n][2 * r];
                     sum1 += s[mt][n][2 * r + 1];
                 }
-                const float sum = sum0 + sum1;
-                l[mt][r] = fmaf(l[mt][r], alpha, sum);
-#pragma unroll
-                for (int v = 0; v < DT; ++v) {
-                    o[mt][v][2 * r] *= alpha;
-                    o[mt][v][2 * r + 1] *= alpha;
-                }
+                l[mt][2 * r] += sum0 + sum1;
+#endif
             }
 
         // ---- O += P V, P taken from the S accumulators ----
@@ -452,6 +499,7 @@ ENTRY(float* qkvg, const float* __restrict__ bias, int B, int N, int H, int npk,
                 pa[mt][1] = pack_bf16(s[mt][2 * kk][2], s[mt][2 * kk][3]);
                 pa[mt][2] = pack_bf16(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
                 pa[mt][3] = pack_bf16(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
+                mma_bf16(l[mt], pa[mt][0], pa[mt][1], pa[mt][2], pa[mt][3], BF16_ONES, BF16_ONES);
             }
             // matrices: keys 16 kk + 0..7 and + 8..15 (b0, b1) of d-tiles 2 v2 and 2 v2 + 1
             const u32 vrow = v_lane + ELEM_BYTES * (16 * kk + 8 * ((lane >> 3) & 1) + (lane & 7)) * VSTR;
@@ -496,6 +544,12 @@ ENTRY(float* qkvg, const float* __restrict__ bias, int B, int N, int H, int npk,
                     }
                 }
 #if DIRECT
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                for (int h = 0; h < 2; ++h)
+                    mma_tf32(l[mt], ph[mt][h][0], ph[mt][h][1], ph[mt][h][2], ph[mt][h][3],
+                             TF32_ONE, TF32_ONE);
             // B of key step 2 kk + h: V[key 2t][dim 8v + g] and V[key 2t + 1][dim 8v + g]
             // of its 8 keys (scalar loads, conflict-free: see the header).
             const u32* const vs = reinterpret_cast<const u32*>(kv + v_offset) + 2 * t * VSTR + g;
@@ -542,32 +596,37 @@ ENTRY(float* qkvg, const float* __restrict__ bias, int B, int N, int H, int npk,
 
 #if DIRECT
     // ---- the ring: tile `tile` lives in stage tile % STAGES ----
-    // Copy the K/V rows and the bias of the tile at k0 into stage `stage` (nothing past the
-    // last tile), then commit a group either way, so the group count stays in step.
-    // Thread tid copies chunk c of k or v (kv) of key `key` of row r; keys and rows past N
-    // are zero-filled (their bias is -inf or never used).
+    // This thread's copies, the same in every tile: chunk c of k or v (kv) of key `key` of
+    // row r, from its source at key 0 (k at column D + h d, v at 2D + h d in fp32 / tf32;
+    // at bf16 index h d, v at D + h d, from column D in bf16) to its place in a stage.
+    // copy_key is N where the row is past N (never copied: zero-filled).
+    const char* copy_src[COPIES_PER_THREAD];
+    u32 copy_dst[COPIES_PER_THREAD];
+    int copy_key[COPIES_PER_THREAD];
+#pragma unroll
+    for (int it = 0; it < COPIES_PER_THREAD; ++it) {
+        const int idx = tid + it * THREADS;
+        const int c = idx % CHUNKS16, key = (idx / CHUNKS16) % BK;
+        const int kv = (idx / (CHUNKS16 * BK)) & 1, r = min(idx / (CHUNKS16 * BK * 2), ROWS - 1);
+        copy_src[it] = reinterpret_cast<const char*>(row_base(r) - head * HEAD_DIM + (i64)key * ld + D)
+                       + (kv * D + head * HEAD_DIM) * ELEM_BYTES + 16 * c;
+        copy_dst[it] = r * ROW_ELEMS * ELEM_BYTES + 16 * c
+                       + (kv ? (K_ELEMS + key * VSTR) * ELEM_BYTES : key * KSTR * ELEM_BYTES);
+        copy_key[it] = i0 + r < N ? key : N;
+    }
+    // Copy the tile at k0 into stage `stage` (nothing past the last tile), then commit a
+    // group either way, so that the group count stays in step with the tiles.
     auto issue = [&](int k0, int stage) {
         if (k0 < N) {
-            char* const st = smem + stage * STAGE_BYTES;
+            const u32 st = smem_s + stage * STAGE_BYTES;
+            const i64 step = (i64)k0 * ld * 4;  // bytes from key 0 to key k0
 #pragma unroll
             for (int it = 0; it < COPIES_PER_THREAD; ++it) {
-                const int idx = tid + it * THREADS;
-                if (COPIES % THREADS != 0 && idx >= COPIES) break;
-                const int c = idx % CHUNKS16, key = (idx / CHUNKS16) % BK;
-                const int kv = (idx / (CHUNKS16 * BK)) & 1, r = idx / (CHUNKS16 * BK * 2);
-                const bool ok = i0 + r < N && k0 + key < N;
-                // k at column D + h d (v at 2D + h d) in fp32 / tf32; at bf16 index h d
-                // (v: D + h d) from column D in bf16 (the columns of q, k of this head: see
-                // row_base).
-                const char* src = reinterpret_cast<const char*>(
-                    qkvg + ((i64)b * N + i0 + r) * N * ld + (i64)(k0 + key) * ld + D)
-                    + (kv * D + head * HEAD_DIM) * ELEM_BYTES + 16 * c;
-                char* const dst = st + r * ROW_ELEMS * ELEM_BYTES
-                    + (kv ? K_ELEMS * ELEM_BYTES + key * VSTR * ELEM_BYTES : key * KSTR * ELEM_BYTES)
-                    + 16 * c;
-                cp_async16_or_zero(dst, ok ? src : reinterpret_cast<const char*>(qkvg), ok);
+                if (COPIES % THREADS != 0 && tid + it * THREADS >= COPIES) break;
+                const bool ok = k0 + copy_key[it] < N;
+                cp_async16_or_zero(st + copy_dst[it], ok ? copy_src[it] + step : copy_src[0], ok);
             }
-            copy_bias(k0, reinterpret_cast<float*>(st + ROWS * ROW_ELEMS * ELEM_BYTES));
+            copy_bias(k0, st + ROWS * ROW_ELEMS * ELEM_BYTES);
         }
         cp_async_commit();
     };
@@ -586,6 +645,7 @@ ENTRY(float* qkvg, const float* __restrict__ bias, int B, int N, int H, int npk,
 #else
     // ---- staged: key/value tiles global -> registers (one tile ahead) -> shared memory ----
     float* const bias_tiles = reinterpret_cast<float*>(smem + ROWS * ROW_ELEMS * ELEM_BYTES);
+    const u32 bias_tiles_s = smem_s + ROWS * ROW_ELEMS * ELEM_BYTES;
     float4 kv[LOADS_PER_THREAD][4];  // k dims 0..3, k dims 4..7, v dims 0..3, v dims 4..7
     auto fetch = [&](int k0) {
 #pragma unroll
@@ -639,7 +699,7 @@ ENTRY(float* qkvg, const float* __restrict__ bias, int B, int N, int H, int npk,
     };
 
     if (PREFETCH) fetch(0);
-    copy_bias(0, bias_tiles);
+    copy_bias(0, bias_tiles_s);
     cp_async_commit();
     for (int k0 = 0, tile = 0; k0 < N; k0 += BK, ++tile) {
         const bool more = k0 + BK < N;
@@ -647,7 +707,7 @@ ENTRY(float* qkvg, const float* __restrict__ bias, int B, int N, int H, int npk,
         __syncthreads();  // every warp is done with the previous tile (and bias buffer)
         store();
         if (more) {
-            copy_bias(k0 + BK, bias_tiles + ((tile + 1) & 1) * BIAS_TILE);
+            copy_bias(k0 + BK, bias_tiles_s + 4 * ((tile + 1) & 1) * BIAS_TILE);
             cp_async_commit();
         }
         if (more) cp_async_wait<1>(); else cp_async_wait<0>();  // this tile's bias landed
@@ -664,9 +724,11 @@ ENTRY(float* qkvg, const float* __restrict__ bias, int B, int N, int H, int npk,
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
-            float total = l[mt][r];
+            float total = l[mt][2 * r];
+#if !SUM_MMA  // the quad's shares
             total += __shfl_xor_sync(0xffffffffu, total, 1);
             total += __shfl_xor_sync(0xffffffffu, total, 2);
+#endif
             const int j = q0 + 16 * mt + 8 * r + g;
             if (j >= N) continue;
             const bool fully_masked = total == 0.f;

@@ -100,12 +100,12 @@ __device__ __forceinline__ void ldsm_x2_trans(u32 (&r)[2], u32 a) {
                  : "=r"(r[0]), "=r"(r[1]) : "r"(a));
 }
 
-// 16-byte asynchronous copy global -> shared, cached in L2 only (.cg); when !valid nothing
-// is read and the 16 bytes are zero-filled. Committed in groups, waited for with
-// cp_async_wait<n> (at most n groups still in flight).
-__device__ __forceinline__ void cp_async16_or_zero(void* dst, const void* src, bool valid) {
+// 16-byte asynchronous copy global -> shared address `dst` (see smem_addr), cached in L2
+// only (.cg); when !valid nothing is read and the 16 bytes are zero-filled. Committed in
+// groups, waited for with cp_async_wait<n> (at most n groups still in flight).
+__device__ __forceinline__ void cp_async16_or_zero(u32 dst, const void* src, bool valid) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;"
-                 :: "r"(smem_addr(dst)), "l"(src), "r"(valid ? 16 : 0));
+                 :: "r"(dst), "l"(src), "r"(valid ? 16 : 0));
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
 template <int N>

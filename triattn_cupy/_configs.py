@@ -191,7 +191,7 @@ def attention_mma_tiles(head_dim: int, variant: str, n: int = 1 << 30) -> MmaTil
             return MmaTiles(bk=16)
         raise ValueError(f"3xTF32 attention takes head dims up to 64; got {head_dim}")
     # TF32 and bf16: the cp.async ring; 2 blocks of 8 warps per SM where their registers fit
-    if head_dim <= 32:
+    if head_dim <= 48 or (head_dim <= 64 and variant == "bf16"):
         return MmaTiles(bk=32, min_blocks=2)
     if head_dim <= 64:
         return MmaTiles(bk=32)
