@@ -537,9 +537,14 @@ ENTRY(float* qkvg, const float* __restrict__ bias, int B, int N, int H, int npk,
                     const float a[4] = {c[0], c[2], c[1], c[3]};
 #pragma unroll
                     for (int e = 0; e < 4; ++e) {
-                        ph[mt][h][e] = to_tf32(a[e]);
 #if SPLIT
+                        ph[mt][h][e] = to_tf32(a[e]);
                         pl[mt][h][e] = to_tf32(a[e] - __uint_as_float(ph[mt][h][e]));
+#else
+                        // As is: the tensor cores read the top 19 bits (truncation). The
+                        // row sums come from the same truncated P (SUM_MMA), so its bias
+                        // (< 2^-10 relative, always down) cancels in O / l.
+                        ph[mt][h][e] = __float_as_uint(a[e]);
 #endif
                     }
                 }

@@ -21,7 +21,7 @@
 // the gate are fp32 in both.
 //
 // Launch: grid (ceil(M / BM)), block THREADS = 256, dynamic shared memory
-//   8*BM + 4*(DPAD*ASTR + 2*BK*WSTR + THREADS) bytes, DPAD = D rounded up to BK.
+//   8*BM + 4*(DPAD*ASTR + WSTAGES*BK*WSTR + THREADS) bytes, DPAD = D rounded up to BK.
 // WT is rounded to TF32 when MMA = 1.
 // Pointers (float32 unless noted, M = B*N*N rows):
 //   x     [B, N, N, D] at b*sb + i*si + j*sj + c*sc elements (any strides; x_vec = 1 when
@@ -37,7 +37,10 @@
 #define BM 128          // rows per block: 128, or 64 for large D (shared memory)
 #endif
 #define BN 128          // output columns per pass
-#define BK 16           // reduction chunk of the weight, double-buffered
+#define BK 16           // reduction chunk of the weight
+#ifndef WSTAGES
+#define WSTAGES 4       // weight chunks in the shared-memory ring (2 where a wide D needs the room)
+#endif
 #define THREADS 256     // launched with __launch_bounds__(THREADS, 2): two blocks per SM
                         // (shared memory allows it up to D = 320), at most 128 registers
 #ifndef MMA
@@ -187,45 +190,42 @@ __device__ __forceinline__ void load_column_biases(const float* __restrict__ bve
 
 // acc += As[0:dpad, the block's rows] x WT[0:D, n0 + the block's columns].
 // As is [dpad][ASTR] (k-major: an FFMA thread's 4 consecutive rows are one float4); Ws is
-// the [2][BK][WSTR] staging buffer for weight chunks. Ends with a barrier, so the caller
-// may reuse Ws at once.
+// a ring of WSTAGES weight chunks [BK][WSTR], copied with cp.async WSTAGES - 1 chunks
+// ahead of their product: a chunk is little work (2 mma k-steps), so one chunk ahead left
+// each waiting on its L2 latency. WT is used as stored (rounded to TF32 beforehand for the
+// tensor cores). Ends with a barrier, so the caller may reuse Ws at once.
 __device__ __forceinline__ void block_gemm(const float* As, const float* __restrict__ WT,
                                            int D, int dpad, int NO, int n0, float* Ws,
                                            Tile& acc) {
     const int t = threadIdx.x;
-    // Each thread stages 2 float4 of every BK x BN weight chunk.
-    float4 stage[2];
-    auto load_chunk = [&](int k0) {
-#pragma unroll
-        for (int p = 0; p < 2; ++p) {
-            const int idx = t + p * THREADS;
-            const int kk = idx / (BN / 4), n = n0 + (idx % (BN / 4)) * 4;
-            // Rows past D and columns past NO are zero: they meet the zero rows of As,
-            // and an unread garbage NaN would otherwise poison the sum.
-            stage[p] = (k0 + kk < D && n < NO) ? ld4(WT + (i64)(k0 + kk) * NO + n) : zero4();
-        }
-    };
-    auto store_chunk = [&](float* buf) {
-#pragma unroll
-        for (int p = 0; p < 2; ++p) {
-            const int idx = t + p * THREADS;
-            st4(buf + (idx / (BN / 4)) * WSTR + (idx % (BN / 4)) * 4, stage[p]);
-        }
-    };
+    const u32 ws = smem_addr(Ws);
     const int nchunks = dpad / BK;
-    load_chunk(0);
-    store_chunk(Ws);
-    __syncthreads();  // chunk 0 visible to all threads
+    // Chunk kc into its stage: each thread copies 2 of its BK x BN / 4 16-byte pieces; rows
+    // past D and columns past NO are zero (they meet the zero rows of As, and an unread
+    // garbage NaN would otherwise poison the sum). Committed as one group either way.
+    auto issue = [&](int kc) {
+        if (kc < nchunks) {
+            const u32 stage = ws + 4 * (kc % WSTAGES) * BK * WSTR;
+#pragma unroll
+            for (int p = 0; p < 2; ++p) {
+                const int idx = t + p * THREADS;
+                const int kk = idx / (BN / 4), n = n0 + (idx % (BN / 4)) * 4, k = kc * BK + kk;
+                const bool ok = k < D && n < NO;
+                cp_async16_or_zero(stage + 4 * (kk * WSTR + (idx % (BN / 4)) * 4),
+                                   ok ? WT + (i64)k * NO + n : WT, ok);
+            }
+        }
+        cp_async_commit();
+    };
+#pragma unroll
+    for (int kc = 0; kc < WSTAGES - 1; ++kc) issue(kc);
     for (int kc = 0; kc < nchunks; ++kc) {
-        const float* buf = Ws + (kc & 1) * BK * WSTR;
-        // The next chunk's global loads are in flight while this one is multiplied.
-        if (kc + 1 < nchunks) load_chunk((kc + 1) * BK);
-        multiply_chunk(As + kc * BK * ASTR, buf, acc);
-        // The other buffer was last read in iteration kc - 1, which the barrier that
-        // ended it has closed, so it can be overwritten now.
-        if (kc + 1 < nchunks) store_chunk(Ws + ((kc + 1) & 1) * BK * WSTR);
-        __syncthreads();  // next chunk visible; this chunk's reads done before reuse
+        cp_async_wait<WSTAGES - 2>();  // this thread's pieces of chunk kc landed
+        __syncthreads();  // everyone's pieces visible; chunk kc - 1 read by every thread
+        issue(kc + WSTAGES - 1);  // into the stage chunk kc - 1 used
+        multiply_chunk(As + kc * BK * ASTR, Ws + (kc % WSTAGES) * BK * WSTR, acc);
     }
+    __syncthreads();  // every thread done with Ws
 }
 
 // mask_kind: how to read one mask element; "masked" means the element equals zero.
@@ -297,7 +297,7 @@ __device__ __forceinline__ void load_tile_transposed(float* As, int dpad, Load l
 struct SmemLayout {
     i64* rowoff;    // [BM]   element offset of each row's first value in x
     float* As;      // [dpad][ASTR]
-    float* Ws;      // [2][BK][WSTR]
+    float* Ws;      // [WSTAGES][BK][WSTR]
     float* red;     // [THREADS]
 };
 
@@ -307,7 +307,7 @@ __device__ __forceinline__ SmemLayout smem_layout(int dpad) {
     s.rowoff = reinterpret_cast<i64*>(smem4);  // first: keeps 8- and 16-byte alignment
     s.As = reinterpret_cast<float*>(s.rowoff + BM);
     s.Ws = s.As + dpad * ASTR;
-    s.red = s.Ws + 2 * BK * WSTR;
+    s.red = s.Ws + WSTAGES * BK * WSTR;
     return s;
 }
 

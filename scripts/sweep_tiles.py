@@ -18,7 +18,8 @@ from time_ours import median_ms  # scripts/ is on sys.path when run as a script
 CANDIDATES = [_configs.MmaTiles(*shape) for shape in
               [(64, 2, 1, 1, 1), (16, 2, 1, 1, 1), (64, 1, 1, 1, 2, 2), (32, 1, 1, 1, 2),
                (32, 1, 1, 1, 2, 4), (16, 1, 1, 1, 2), (32, 1, 1, 0, 2), (32, 2, 2, 1, 1),
-               (32, 2, 2, 1, 2), (32, 2, 1, 1, 1), (64, 1, 1, 1, 1), (64, 2, 2, 1, 1, 2)]]
+               (32, 2, 2, 1, 2), (32, 2, 1, 1, 1), (64, 1, 1, 1, 1), (64, 2, 2, 1, 1, 2),
+               (16, 2, 2, 1, 2), (16, 2, 1, 1, 2)]]
 
 
 def time_attention(fwd, launch, repeats):
@@ -47,7 +48,7 @@ def main(sizes):
             for tiles in CANDIDATES:
                 try:
                     launch = _configs.attention_mma_launch(d, variant, tiles)
-                    if launch.smem > 227 * 1024:
+                    if launch.smem > _configs.SMEM_LIMIT:
                         raise ValueError(f"{launch.smem} bytes of shared memory")
                     ms = time_attention(fwd, launch, 20 if N <= 512 else 5)
                 except Exception as exc:  # a shape that does not fit: say so, go on

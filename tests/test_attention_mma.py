@@ -93,7 +93,7 @@ TILES = [_configs.MmaTiles(*shape) for shape in
 @pytest.mark.parametrize("N", [7, 130])
 def test_mma_tile_shapes(cp, rng, N, tiles, variant):
     smem = _configs.attention_mma_smem_bytes(16, variant, tiles)
-    if smem > 227 * 1024:
+    if smem > _configs.SMEM_LIMIT:
         pytest.skip(f"{variant} {tiles} needs {smem} bytes of shared memory (227 KiB max)")
     _check_against_ffma(cp, rng, 2, N, 16, variant, tiles)
 

@@ -54,7 +54,7 @@ def test_every_supported_dimension_has_a_config():
 def test_every_launch_fits_in_shared_memory():
     """Every attention launch the tables pick asks for at most the 227 KiB of dynamic shared
     memory a block may opt into on sm_80/sm_90, and every projection launch too."""
-    limit = 227 * 1024
+    limit = _configs.SMEM_LIMIT
     for d in _configs.supported_head_dims():
         for precision in _configs.PRECISIONS:
             for n in (1, 128, 129, 512, 513, 4096):

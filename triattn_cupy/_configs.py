@@ -96,6 +96,7 @@ def project_config(rows: int, tensor_cores: bool = False, pair_dim: int = 128,
     kv_format: how k and v are stored, for the attention kernel (KV_*)."""
     return KernelConfig("project.cu", (("BM", rows), ("MMA", int(tensor_cores)),
                                        ("PAD", project_pad(pair_dim)),
+                                       ("WSTAGES", project_weight_stages(pair_dim, rows)),
                                        ("KV_FORMAT", kv_format)))
 
 
@@ -105,13 +106,26 @@ def project_uses_tensor_cores(precision: str, compute_capability: int = 90) -> b
     return precision in ("tf32", "bf16") and compute_capability >= 80
 
 
-@functools.lru_cache(maxsize=None)  # per call: a look-up, not a rebuild
-def project_smem_bytes(pair_dim: int, bm: int) -> int:
-    """rowoff (8 per row), As [DPAD][BM+PAD], Ws [2][BK][BN+PAD], red [THREADS]."""
+SMEM_LIMIT = 227 * 1024  # dynamic shared memory a block may opt into on sm_80 / sm_90
+
+
+def _project_smem(pair_dim: int, bm: int, weight_stages: int) -> int:
+    """rowoff (8 per row), As [DPAD][BM+PAD], Ws [WSTAGES][BK][BN+PAD], red [THREADS]."""
     dpad = -(-pair_dim // _PROJECT_BK) * _PROJECT_BK
     pad = project_pad(pair_dim)
-    return 8 * bm + 4 * (dpad * (bm + pad) + 2 * _PROJECT_BK * (_PROJECT_BN + pad)
+    return 8 * bm + 4 * (dpad * (bm + pad) + weight_stages * _PROJECT_BK * (_PROJECT_BN + pad)
                          + PROJECT_THREADS)
+
+
+def project_weight_stages(pair_dim: int, bm: int) -> int:
+    """Weight chunks in the projection's cp.async ring: 4, or 2 where the row tile of a
+    wide D leaves no room for more."""
+    return 4 if _project_smem(pair_dim, bm, 4) <= SMEM_LIMIT else 2
+
+
+@functools.lru_cache(maxsize=None)  # per call: a look-up, not a rebuild
+def project_smem_bytes(pair_dim: int, bm: int) -> int:
+    return _project_smem(pair_dim, bm, project_weight_stages(pair_dim, bm))
 
 
 # ---- attention (kernels/attention.cu) ----
@@ -186,7 +200,9 @@ def attention_mma_tiles(head_dim: int, variant: str, n: int = 1 << 30) -> MmaTil
             if n <= _SMALL_N and head_dim <= 16:  # (d = 24, 32 spill within 128 registers on sm_80;
                 # d = 16 with the next tile in registers too)
                 return MmaTiles(bk=32, prefetch=0, min_blocks=2)
-            return MmaTiles(bk=32, mt=2, rows=2)
+            if n <= _MEDIUM_N:
+                return MmaTiles(bk=32, mt=2, rows=2)
+            return MmaTiles(bk=32, mt=2)
         if head_dim <= 64:
             return MmaTiles(bk=16)
         raise ValueError(f"3xTF32 attention takes head dims up to 64; got {head_dim}")
