@@ -605,31 +605,33 @@ ENTRY(float* qkvg, const float* __restrict__ bias, int B, int N, int H, int npk,
     // row r, from its source at key 0 (k at column D + h d, v at 2D + h d in fp32 / tf32;
     // at bf16 index h d, v at D + h d, from column D in bf16) to its place in a stage.
     // copy_key is N where the row is past N (never copied: zero-filled).
-    const char* copy_src[COPIES_PER_THREAD];
-    u32 copy_dst[COPIES_PER_THREAD];
-    int copy_key[COPIES_PER_THREAD];
+    // Sources as 32-bit byte offsets from the block's first row at key 0, one register
+    // each instead of a 64-bit pointer: ROWS <= 8 rows of N keys of 4D <= 3072 floats stay
+    // under 2^32 bytes unless N > 43000, where qkvg alone would need petabytes.
+    const char* const copy_base = reinterpret_cast<const char*>(row_base(0) - head * HEAD_DIM + D);
+    u32 copy_src[COPIES_PER_THREAD], copy_dst[COPIES_PER_THREAD];
+    int copy_end[COPIES_PER_THREAD];  // tiles with k0 < copy_end copy this key (else zeros)
 #pragma unroll
     for (int it = 0; it < COPIES_PER_THREAD; ++it) {
         const int idx = tid + it * THREADS;
         const int c = idx % CHUNKS16, key = (idx / CHUNKS16) % BK;
         const int kv = (idx / (CHUNKS16 * BK)) & 1, r = min(idx / (CHUNKS16 * BK * 2), ROWS - 1);
-        copy_src[it] = reinterpret_cast<const char*>(row_base(r) - head * HEAD_DIM + (i64)key * ld + D)
-                       + (kv * D + head * HEAD_DIM) * ELEM_BYTES + 16 * c;
+        copy_src[it] = (u32)(((i64)r * N + key) * ld * 4) + (kv * D + head * HEAD_DIM) * ELEM_BYTES + 16 * c;
         copy_dst[it] = r * ROW_ELEMS * ELEM_BYTES + 16 * c
                        + (kv ? (K_ELEMS + key * VSTR) * ELEM_BYTES : key * KSTR * ELEM_BYTES);
-        copy_key[it] = i0 + r < N ? key : N;
+        copy_end[it] = i0 + r < N ? N - key : 0;
     }
     // Copy the tile at k0 into stage `stage` (nothing past the last tile), then commit a
     // group either way, so that the group count stays in step with the tiles.
     auto issue = [&](int k0, int stage) {
         if (k0 < N) {
             const u32 st = smem_s + stage * STAGE_BYTES;
-            const i64 step = (i64)k0 * ld * 4;  // bytes from key 0 to key k0
+            const char* const tile_base = copy_base + (i64)k0 * ld * 4;  // key k0 of row i0
 #pragma unroll
             for (int it = 0; it < COPIES_PER_THREAD; ++it) {
                 if (COPIES % THREADS != 0 && tid + it * THREADS >= COPIES) break;
-                const bool ok = k0 + copy_key[it] < N;
-                cp_async16_or_zero(st + copy_dst[it], ok ? copy_src[it] + step : copy_src[0], ok);
+                const bool ok = k0 < copy_end[it];
+                cp_async16_or_zero(st + copy_dst[it], ok ? tile_base + copy_src[it] : copy_base, ok);
             }
             copy_bias(k0, st + ROWS * ROW_ELEMS * ELEM_BYTES);
         }
