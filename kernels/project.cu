@@ -12,17 +12,13 @@
 //                        o = qkvg[:, 0:D] (attention output, written over q)
 //                        g = qkvg[:, 3D:4D] (sigmoid gate)
 //
-// The products run on FFMA (MMA = 0: fp32, 8x8 register tiles) or on tensor cores,
-// mma.sync m16n8k8 with fp32 accumulation:
-//   MMA = 1 (the "tf32" and "bf16" modes): operands rounded to TF32. The A tile is
-//     rounded once, where it is written to shared memory (so the pair bias, computed from
-//     it, is a TF32 product too, as in PyTorch's TF32 mode), and WT must come already
-//     rounded (DeviceWeights does it): the fragments are then plain shared-memory loads.
-//   MMA = 2 (the "fp32" mode, 3xTF32): A and WT stay fp32; each fragment is split where it
-//     is loaded, x = hi + lo with hi = rna_tf32(x), lo = rna_tf32(x - hi), and
-//     a.b ~= a_lo.b_hi + a_hi.b_lo + a_hi.b_hi (a_lo.b_lo ~ 2^-22 |a.b| dropped): three
-//     mma per product, fp32-accurate (the pair bias stays an fp32 dot product).
-// LayerNorm statistics, the biases and the gate are fp32 in all.
+// The products run on FFMA (MMA = 0: fp32, 8x8 register tiles) or on tensor cores
+// (MMA = 1: mma.sync m16n8k8 on operands rounded to TF32, fp32 accumulation; the "tf32"
+// and "bf16" precision modes). With MMA = 1 the A tile is rounded to TF32 once, where it
+// is written to shared memory (so the pair bias, computed from it, is a TF32 product too,
+// as in PyTorch's TF32 mode), and WT must come already rounded (DeviceWeights does it):
+// the fragments are then plain shared-memory loads. LayerNorm statistics, the biases and
+// the gate are fp32 in both.
 //
 // Launch: grid (ceil(M / BM)), block THREADS = 256, dynamic shared memory
 //   8*BM + 4*(DPAD*ASTR + WSTAGES*BK*WSTR + THREADS) bytes, DPAD = D rounded up to BK.
@@ -48,7 +44,7 @@
 #define THREADS 256     // launched with __launch_bounds__(THREADS, 2): two blocks per SM
                         // (shared memory allows it up to D = 320), at most 128 registers
 #ifndef MMA
-#define MMA 0           // 0: FFMA, 1: tensor cores on TF32 operands, 2: 3xTF32
+#define MMA 0           // 1: tensor cores (TF32), 0: FFMA
 #endif
 #define TM (BM / 16)    // FFMA: rows per thread: {hm*64 + ty*4 + r}
 // FFMA: columns per thread: 8, as {hn*64 + tx*4 + c}, hn in {0, 1}, c in 0..3.
@@ -92,37 +88,6 @@ __device__ __forceinline__ void multiply_chunk(const float* a_k, const float* w_
     const int row0 = (warp / 4) * (BM / 2), col0 = (warp % 4) * 32;
 #pragma unroll
     for (int kk = 0; kk < BK; kk += 8) {
-#if MMA == 2
-        // 3xTF32: A split once per k-step for all n-tiles, each B fragment as it is used
-        u32 ah[MT][4], al[MT][4];
-#pragma unroll
-        for (int i = 0; i < MT; ++i) {
-            const float* p = a_k + (kk + t) * ASTR + row0 + i * 16 + g;
-            const float x[4] = {p[0], p[8], p[4 * ASTR], p[4 * ASTR + 8]};
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                ah[i][e] = to_tf32(x[e]);
-                al[i][e] = to_tf32(x[e] - __uint_as_float(ah[i][e]));
-            }
-        }
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-            const float* p = w_k + (kk + t) * WSTR + col0 + j * 8 + g;
-            const float y[2] = {p[0], p[4 * WSTR]};
-            u32 bh[2], bl[2];
-#pragma unroll
-            for (int e = 0; e < 2; ++e) {
-                bh[e] = to_tf32(y[e]);
-                bl[e] = to_tf32(y[e] - __uint_as_float(bh[e]));
-            }
-#pragma unroll
-            for (int i = 0; i < MT; ++i) {  // the small cross terms first
-                mma_tf32(acc.c[i][j], al[i][0], al[i][1], al[i][2], al[i][3], bh[0], bh[1]);
-                mma_tf32(acc.c[i][j], ah[i][0], ah[i][1], ah[i][2], ah[i][3], bl[0], bl[1]);
-                mma_tf32(acc.c[i][j], ah[i][0], ah[i][1], ah[i][2], ah[i][3], bh[0], bh[1]);
-            }
-        }
-#else
         u32 a[MT][4], b[4][2];
 #pragma unroll
         for (int i = 0; i < MT; ++i) {  // both operands hold TF32 values already
@@ -143,7 +108,6 @@ __device__ __forceinline__ void multiply_chunk(const float* a_k, const float* w_
 #pragma unroll
             for (int j = 0; j < 4; ++j)
                 mma_tf32(acc.c[i][j], a[i][0], a[i][1], a[i][2], a[i][3], b[j][0], b[j][1]);
-#endif
     }
 }
 
@@ -294,10 +258,9 @@ __device__ __forceinline__ float sigmoid(float z) {
     return __fdividef(1.0f, 1.0f + fast_exp2(-z * LOG2E_F));
 }
 
-// A value as the products take it: rounded to TF32 for the TF32 tensor cores, else as is
-// (3xTF32 splits it where it is loaded).
+// A value as the products take it: rounded to TF32 for the tensor cores, else as is.
 __device__ __forceinline__ float operand(float a) {
-#if MMA == 1
+#if MMA
     return __uint_as_float(to_tf32(a));
 #else
     return a;

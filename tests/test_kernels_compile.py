@@ -46,9 +46,9 @@ def test_every_supported_dimension_has_a_config():
         assert _configs.attention_config(d) in configs
     for D in (4, 64, 128, 320, 324, 768):
         for rows_total in (1, 10**9):
-            for mode in _configs.PROJECT_MODES:
-                rows = _configs.project_rows(D, rows_total, mode=mode)
-                assert _configs.project_config(rows, mode, D) in configs
+            for tensor_cores in (False, True):
+                rows = _configs.project_rows(D, rows_total)
+                assert _configs.project_config(rows, tensor_cores, D) in configs
 
 
 def test_every_launch_fits_in_shared_memory():
@@ -63,6 +63,5 @@ def test_every_launch_fits_in_shared_memory():
                 assert launch.blocks(1, n, 1) >= 1
     for D in (4, 64, 128, 320, 324, 640, 644, 768):
         for rows_total in (1, 10**9):
-            for mode in _configs.PROJECT_MODES:
-                rows = _configs.project_rows(D, rows_total, mode=mode)
-                assert _configs.project_smem_bytes(D, rows) <= limit, (D, rows)
+            rows = _configs.project_rows(D, rows_total)
+            assert _configs.project_smem_bytes(D, rows) <= limit, (D, rows)

@@ -70,12 +70,10 @@ def check_dims(pair_dim: int, num_heads: int):
 
 # ---- projections (kernels/project.cu) ----
 
-def project_rows(pair_dim: int, rows_total: int = 1 << 62, sm_count: int = 132,
-                 mode: int = 0) -> int:
+def project_rows(pair_dim: int, rows_total: int = 1 << 62, sm_count: int = 132) -> int:
     """Rows per block: 128, or 64 when a 128-row tile of D floats would not fit in shared
-    memory, or when 128-row blocks would leave the GPU with under ~4 blocks per SM, or for
-    3xTF32 products (whose hi/lo fragments of 128 rows spill within 128 registers)."""
-    if pair_dim > 320 or rows_total < 4 * 128 * sm_count or mode == PROJECT_3XTF32:
+    memory, or when 128-row blocks would leave the GPU with under ~4 blocks per SM."""
+    if pair_dim > 320 or rows_total < 4 * 128 * sm_count:
         return 64
     return 128
 
@@ -91,30 +89,22 @@ def project_pad(pair_dim: int) -> int:
 KV_FP32, KV_TF32, KV_BF16 = 0, 1, 2
 
 
-# How the projections multiply (project.cu MMA): FFMA, TF32 tensor cores, or 3xTF32
-# (fp32-accurate on tensor cores).
-PROJECT_FFMA, PROJECT_TF32, PROJECT_3XTF32 = 0, 1, 2
-PROJECT_MODES = (PROJECT_FFMA, PROJECT_TF32, PROJECT_3XTF32)
-
-
 @functools.lru_cache(maxsize=None)  # per call: a look-up, not a rebuild
-def project_config(rows: int, mode: int = PROJECT_FFMA, pair_dim: int = 128,
+def project_config(rows: int, tensor_cores: bool = False, pair_dim: int = 128,
                    kv_format: int = KV_FP32) -> KernelConfig:
-    """rows per block; mode: how the products run (PROJECT_*); kv_format: how k and v are
-    stored, for the attention kernel (KV_*)."""
-    return KernelConfig("project.cu", (("BM", rows), ("MMA", int(mode)),
+    """rows per block; tensor_cores: TF32 mma.sync products (the tf32 and bf16 modes);
+    kv_format: how k and v are stored, for the attention kernel (KV_*)."""
+    return KernelConfig("project.cu", (("BM", rows), ("MMA", int(tensor_cores)),
                                        ("PAD", project_pad(pair_dim)),
                                        ("WSTAGES", project_weight_stages(pair_dim, rows)),
                                        ("KV_FORMAT", kv_format)))
 
 
-def project_mode(precision: str, compute_capability: int = 90) -> int:
-    """On sm_80 and newer the products run on tensor cores: 3xTF32 for fp32 (the error of
-    fp32 products), TF32 for tf32 and bf16 (~1e-4, inside both modes' bounds); older GPUs
-    keep FFMA."""
-    if compute_capability < 80:
-        return PROJECT_FFMA
-    return PROJECT_3XTF32 if precision == "fp32" else PROJECT_TF32
+def project_uses_tensor_cores(precision: str, compute_capability: int = 90) -> bool:
+    """fp32 keeps the FFMA products (exact fp32; 3xTF32 products measured barely faster,
+    benchmarks/NOTES.md); tf32 and bf16 take TF32 tensor cores, whose error (~1e-4) is
+    inside both modes' bounds, on sm_80 and newer."""
+    return precision in ("tf32", "bf16") and compute_capability >= 80
 
 
 SMEM_LIMIT = 227 * 1024  # dynamic shared memory a block may opt into on sm_80 / sm_90
@@ -320,12 +310,10 @@ def attention_kernel(head_dim: int, precision: str, compute_capability: int = 90
 
 def all_configs():
     """Every configuration a supported (pair_dim, num_heads) can launch."""
-    configs = {project_config(rows, mode, D) for mode in PROJECT_MODES
-               for D in (128, MAX_PAIR_DIM)
-               for rows in {project_rows(D, total, mode=mode) for total in (1, 1 << 62)}}
-    configs.update(project_config(rows, PROJECT_TF32, D, kv) for D in (128, MAX_PAIR_DIM)
-                   for rows in {project_rows(D, total) for total in (1, 1 << 62)}
-                   for kv in (KV_TF32, KV_BF16))
+    configs = {project_config(rows, mma, D, kv) for D in (128, MAX_PAIR_DIM)
+               for rows in {project_rows(D, total) for total in (1, 1 << 62)}
+               for mma, kv in ((False, KV_FP32), (True, KV_FP32), (True, KV_TF32),
+                               (True, KV_BF16))}
     configs.update(attention_config(d) for d in supported_head_dims())
     configs.update(attention_mma_config(d, v, attention_mma_tiles(d, v, n))
                    for v in ATTENTION_MMA_VARIANTS for d in attention_mma_head_dims(v)

@@ -2,9 +2,8 @@
 
 Stages (one launch each):
   project    LayerNorm + q/k/v/gate + pair bias with the mask folded in  (project.cu);
-             the mask is read in place, in its own dtype and strides; on sm_80+ the
-             products run on tensor cores, 3xTF32 for "fp32" and TF32 for "tf32" and
-             "bf16"; FFMA on older GPUs
+             the mask is read in place, in its own dtype and strides; FFMA products
+             for "fp32", TF32 tensor cores for "tf32" and "bf16" (sm_80+)
   attention  flash-style softmax attention, o written over q: tensor cores for head dims
              that are multiples of 8 on sm_80+ (attention_mma.cu: 3xTF32 for "fp32",
              TF32, bf16), else FFMA fp32 (attention.cu)
@@ -127,7 +126,7 @@ class Forward:
         cupy = _cupy()
         check_fully_masked(fully_masked)
         _configs.check_precision(precision)
-        self.project_mode = _configs.project_mode(precision, dw.compute_capability)
+        self.project_mma = _configs.project_uses_tensor_cores(precision, dw.compute_capability)
         pair = as_device_array(pair, "pair", dw.device_id)
         if pair.dtype != np.float32:
             raise TypeError(f"pair must be float32; got {pair.dtype} (convert with "
@@ -182,10 +181,6 @@ class Forward:
             strides = [0] + strides
         return (np.uint64(mask.data.ptr), np.int32(kind), *map(np.int64, strides))
 
-    def _weight(self, fp32, tf32_rounded):
-        """The transposed weight as the projection mode takes it (TF32: pre-rounded)."""
-        return tf32_rounded if self.project_mode == _configs.PROJECT_TF32 else fp32
-
     def project(self):
         dw, pair = self.dw, self.pair
         item = pair.itemsize
@@ -195,16 +190,16 @@ class Forward:
         sb, si, sj, sc = strides
         x_vec = int(sc == 1 and all(s % 4 == 0 for s in (sb, si, sj))
                     and pair.data.ptr % 16 == 0)
-        rows = _configs.project_rows(self.D, self.M, dw.sm_count, self.project_mode)
+        rows = _configs.project_rows(self.D, self.M, dw.sm_count)
         self._launch(
-            _configs.project_config(rows, self.project_mode, self.D, self.kv_format),
+            _configs.project_config(rows, self.project_mma, self.D, self.kv_format),
             "ln_qkvg_project",
             -(-self.M // rows),
             _configs.PROJECT_THREADS,
             (pair, np.int64(sb), np.int64(si), np.int64(sj), np.int64(sc), np.int32(x_vec),
              np.int32(self.B), np.int32(self.N), np.int32(self.D), np.int32(self.H),
              np.float32(dw.eps), np.float32(LOG2E / math.sqrt(self.d)),
-             dw.gamma, dw.beta, self._weight(dw.w_qkvg_t, dw.w_qkvg_t_tf32),
+             dw.gamma, dw.beta, dw.w_qkvg_t_tf32 if self.project_mma else dw.w_qkvg_t,
              dw.b_qkvg, dw.w_bias, *self._mask_args(),
              self.qkvg, self.bias, np.int32(self.npk)),
             _configs.project_smem_bytes(self.D, rows))
@@ -226,13 +221,13 @@ class Forward:
 
     def out_project(self):
         dw = self.dw
-        rows = _configs.project_rows(self.D, self.M, dw.sm_count, self.project_mode)
+        rows = _configs.project_rows(self.D, self.M, dw.sm_count)
         self._launch(
-            _configs.project_config(rows, self.project_mode, self.D), "gated_out_project",
+            _configs.project_config(rows, self.project_mma, self.D), "gated_out_project",
             -(-self.M // rows),
             _configs.PROJECT_THREADS,
             (self.qkvg, np.int64(self.M), np.int32(self.D),
-             self._weight(dw.w_out_t, dw.w_out_t_tf32), dw.b_out, self.out),
+             dw.w_out_t_tf32 if self.project_mma else dw.w_out_t, dw.b_out, self.out),
             _configs.project_smem_bytes(self.D, rows))
 
     def stages(self):
