@@ -41,8 +41,10 @@
 #ifndef WSTAGES
 #define WSTAGES 4       // weight chunks in the shared-memory ring (2 where a wide D needs the room)
 #endif
-#define THREADS 256     // launched with __launch_bounds__(THREADS, 2): two blocks per SM
-                        // (shared memory allows it up to D = 320), at most 128 registers
+#define THREADS 256
+#ifndef PROJECT_MIN_BLOCKS  // resident blocks per SM asked of the compiler (__launch_bounds__):
+#define PROJECT_MIN_BLOCKS 2  // 2: at most 128 registers (shared memory allows 2 up to D = 320);
+#endif                        // 3 (64-row blocks): at most 85
 #ifndef MMA
 #define MMA 0           // 1: tensor cores (TF32), 0: FFMA
 #endif
@@ -311,7 +313,7 @@ __device__ __forceinline__ SmemLayout smem_layout(int dpad) {
     return s;
 }
 
-extern "C" __global__ void __launch_bounds__(THREADS, 2)
+extern "C" __global__ void __launch_bounds__(THREADS, PROJECT_MIN_BLOCKS)
 ln_qkvg_project(const float* __restrict__ x, i64 sb, i64 si, i64 sj, i64 sc, int x_vec,
                 int B, int N, int D, int H, float eps, float q_scale,
                 const float* __restrict__ gamma, const float* __restrict__ beta,
@@ -432,7 +434,7 @@ ln_qkvg_project(const float* __restrict__ x, i64 sb, i64 si, i64 sj, i64 sc, int
     }
 }
 
-extern "C" __global__ void __launch_bounds__(THREADS, 2)
+extern "C" __global__ void __launch_bounds__(THREADS, PROJECT_MIN_BLOCKS)
 gated_out_project(const float* __restrict__ qkvg, i64 M, int D,
                   const float* __restrict__ WT, const float* __restrict__ b_out,
                   float* __restrict__ out) {

@@ -94,10 +94,13 @@ def project_config(rows: int, tensor_cores: bool = False, pair_dim: int = 128,
                    kv_format: int = KV_FP32) -> KernelConfig:
     """rows per block; tensor_cores: TF32 mma.sync products (the tf32 and bf16 modes);
     kv_format: how k and v are stored, for the attention kernel (KV_*)."""
+    # 64-row blocks fit in 80 registers: 3 per SM where shared memory allows (D <= 128),
+    # one wave instead of two for a small problem such as 2x128x64x4.
     return KernelConfig("project.cu", (("BM", rows), ("MMA", int(tensor_cores)),
                                        ("PAD", project_pad(pair_dim)),
                                        ("WSTAGES", project_weight_stages(pair_dim, rows)),
-                                       ("KV_FORMAT", kv_format)))
+                                       ("KV_FORMAT", kv_format),
+                                       ("PROJECT_MIN_BLOCKS", 3 if rows == 64 else 2)))
 
 
 def project_uses_tensor_cores(precision: str, compute_capability: int = 90) -> bool:
@@ -208,6 +211,8 @@ def attention_mma_tiles(head_dim: int, variant: str, n: int = 1 << 30) -> MmaTil
             return MmaTiles(bk=16)
         raise ValueError(f"3xTF32 attention takes head dims up to 64; got {head_dim}")
     # TF32 and bf16: the cp.async ring; 2 blocks of 8 warps per SM where their registers fit
+    if head_dim <= 16 and n <= _SMALL_N:  # 3 blocks per SM (80 registers, 2-stage ring)
+        return MmaTiles(bk=32, min_blocks=3, stages=2)
     if head_dim <= 32 and n > _SMALL_N:
         if variant == "bf16":  # 2 rows share each bias tile, 2 m-tiles per warp
             return MmaTiles(bk=16, mt=2, rows=2, min_blocks=2)
