@@ -12,7 +12,8 @@
 //   PREC 0  attention_tf32x3  fp32-accurate: every operand a = hi + lo with
 //           hi = rna_tf32(a), lo = rna_tf32(a - hi), and a.b ~= lo.hi' + hi.lo' + hi.hi'
 //           (lo.lo' ~ 2^-22 |a.b| is dropped): three m16n8k8 tf32 mma per product
-//   PREC 1  attention_tf32    one m16n8k8 tf32 mma on rna_tf32 operands
+//   PREC 1  attention_tf32    one m16n8k8 tf32 mma: q, k, v rounded to nearest TF32, P
+//           as is (truncated by the tensor cores; its row sums come from the same P)
 //   PREC 2  attention_bf16    m16n8k16 bf16 mma, fp32 accumulation
 // Inputs and outputs stay fp32 in every mode.
 //
