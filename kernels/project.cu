@@ -230,6 +230,23 @@ __device__ __forceinline__ void block_gemm(const float* As, const float* __restr
     __syncthreads();  // every thread done with Ws
 }
 
+// All NO output columns of the block's rows, BN at a time: As x WT[:, columns] plus the
+// column biases bvec, each value pair handed to emit(row in block, column, pair).
+template <class Emit>
+__device__ __forceinline__ void project_columns(const float* As, const float* __restrict__ WT,
+                                                int D, int dpad, int NO,
+                                                const float* __restrict__ bvec, float* Ws,
+                                                Emit emit) {
+    for (int n0 = 0; n0 < NO; n0 += BN) {
+        Tile acc;
+        acc.zero();
+        block_gemm(As, WT, D, dpad, NO, n0, Ws, acc);
+        float2 cb[4];
+        load_column_biases(bvec, n0, NO, cb);
+        for_each_pair(acc, n0, cb, emit);
+    }
+}
+
 // mask_kind: how to read one mask element; "masked" means the element equals zero.
 #define MASK_NONE 0
 #define MASK_1BYTE 1   // bool, int8, uint8
@@ -424,14 +441,7 @@ ln_qkvg_project(const float* __restrict__ x, i64 sb, i64 si, i64 sj, i64 sc, int
         }
         *reinterpret_cast<float2*>(dst) = v;
     };
-    for (int n0 = 0; n0 < NO; n0 += BN) {
-        Tile acc;
-        acc.zero();
-        block_gemm(s.As, WT, D, dpad, NO, n0, s.Ws, acc);
-        float2 cb[4];
-        load_column_biases(b_qkvg, n0, NO, cb);
-        for_each_pair(acc, n0, cb, emit);
-    }
+    project_columns(s.As, WT, D, dpad, NO, b_qkvg, s.Ws, emit);
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS, PROJECT_MIN_BLOCKS)
@@ -459,12 +469,5 @@ gated_out_project(const float* __restrict__ qkvg, i64 M, int D,
         if (m >= M || n >= D) return;
         *reinterpret_cast<float2*>(out + m * D + n) = v;
     };
-    for (int n0 = 0; n0 < D; n0 += BN) {
-        Tile acc;
-        acc.zero();
-        block_gemm(s.As, WT, D, dpad, D, n0, s.Ws, acc);
-        float2 cb[4];
-        load_column_biases(b_out, n0, D, cb);
-        for_each_pair(acc, n0, cb, emit);
-    }
+    project_columns(s.As, WT, D, dpad, D, b_out, s.Ws, emit);
 }
