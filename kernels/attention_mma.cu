@@ -315,17 +315,21 @@ ENTRY(float* qkvg, const float* __restrict__ bias, int B, int N, int H, int npk,
 #endif
 
     // O (16 x d per m-tile) in C fragments: o[mt][v][0..1] row j0, [2..3] row j1, columns
-    // 8v + 2t, 8v + 2t + 1. m: the reference maximum of rows j0 (index 0) and j1 (1).
+    // 8v + 2t, 8v + 2t + 1. The reference maximum m of rows j0 (index 0) and j1 (1), kept
+    // as the two forms the key loop uses: m_sub, what the scores subtract (m, or 0 while
+    // every key so far is masked and m is -inf: 2^-inf = 0 per term), and m_lim = m +
+    // RESCALE_SLACK, the bound a score must pass to move m (-inf while m is).
     // l: their running sums, laid out as a C fragment: SUM_MMA: P times a B of ones, so
     // every element of a row holds the row's whole sum; else l[mt][0] and l[mt][2] hold
     // this lane's share of rows j0 and j1 (the 4 lanes of a quad hold a row's shares).
     float o[MT][DT][4];
-    float m[MT][2], l[MT][4];
+    float m_sub[MT][2], m_lim[MT][2], l[MT][4];
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
         for (int v = 0; v < DT; ++v) o[mt][v][0] = o[mt][v][1] = o[mt][v][2] = o[mt][v][3] = 0.f;
-        m[mt][0] = m[mt][1] = neg_inf();
+        m_sub[mt][0] = m_sub[mt][1] = 0.f;
+        m_lim[mt][0] = m_lim[mt][1] = neg_inf();
         l[mt][0] = l[mt][1] = l[mt][2] = l[mt][3] = 0.f;
     }
 
@@ -420,8 +424,10 @@ ENTRY(float* qkvg, const float* __restrict__ bias, int B, int N, int H, int npk,
 #endif
 
         // ---- online softmax of rows j0 (r = 0: s[..][0..1]) and j1 (r = 1: s[..][2..3]) ----
-        // This tile's row maxima (the 4 lanes of a quad hold a row's BK keys), in two
-        // interleaved chains: more operations in flight than one serial chain of BK.
+        // This lane's share of the tile's row maxima (the 4 lanes of a quad hold a row's BK
+        // keys), in two interleaved chains: more operations in flight than one serial chain.
+        // Whether any exceeds m_lim needs no exchange between the lanes; only a rescale
+        // (rare) needs the row's whole maximum.
         float mx[MT][2];
         bool grow = false;
 #pragma unroll
@@ -434,11 +440,8 @@ ENTRY(float* qkvg, const float* __restrict__ bias, int B, int N, int H, int npk,
                     mx0 = fmaxf(mx0, s[mt][n][2 * r]);
                     mx1 = fmaxf(mx1, s[mt][n][2 * r + 1]);
                 }
-                float x = fmaxf(mx0, mx1);
-                x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
-                x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
-                mx[mt][r] = x;
-                grow |= x > m[mt][r] + RESCALE_SLACK;  // -inf + slack = -inf
+                mx[mt][r] = fmaxf(mx0, mx1);
+                grow |= mx[mt][r] > m_lim[mt][r];
             }
         // Lazy rescaling: the reference maximum m moves, and O and l are rescaled, only when
         // a row of the warp exceeds it by more than RESCALE_SLACK; below that the terms are
@@ -449,11 +452,16 @@ ENTRY(float* qkvg, const float* __restrict__ bias, int B, int N, int H, int npk,
             for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
                 for (int r = 0; r < 2; ++r) {
-                    const float m_new = fmaxf(m[mt][r], mx[mt][r]);
+                    float x = mx[mt][r];  // the row's maximum, from the quad's shares
+                    x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
+                    x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+                    const float m_old = m_lim[mt][r] == neg_inf() ? neg_inf() : m_sub[mt][r];
+                    const float m_new = fmaxf(m_old, x);
                     // m_new = -inf: every key so far masked, nothing summed to rescale
                     // (and -inf - -inf would be NaN).
-                    const float alpha = m_new == neg_inf() ? 1.f : fast_exp2(m[mt][r] - m_new);
-                    m[mt][r] = m_new;
+                    const float alpha = m_new == neg_inf() ? 1.f : fast_exp2(m_old - m_new);
+                    m_sub[mt][r] = m_new == neg_inf() ? 0.f : m_new;
+                    m_lim[mt][r] = m_new + RESCALE_SLACK;  // -inf + slack = -inf
                     l[mt][2 * r] *= alpha;
                     l[mt][2 * r + 1] *= alpha;
 #pragma unroll
@@ -467,9 +475,7 @@ ENTRY(float* qkvg, const float* __restrict__ bias, int B, int N, int H, int npk,
         for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
             for (int r = 0; r < 2; ++r) {
-                // While every key so far is masked m is -inf; subtracting 0 instead gives
-                // 2^-inf = 0 per term.
-                const float m_ref = m[mt][r] == neg_inf() ? 0.f : m[mt][r];
+                const float m_ref = m_sub[mt][r];
 #if SUM_MMA
 #pragma unroll
                 for (int n = 0; n < NT; ++n) {

@@ -48,7 +48,8 @@
 #ifndef MMA
 #define MMA 0           // 1: tensor cores (TF32), 0: FFMA
 #endif
-#define TM (BM / 16)    // FFMA: rows per thread: {hm*64 + ty*4 + r}
+#define TROWS (BM / 16) // rows of a BM x BN output tile per thread (thread_row)
+#define TM TROWS        // FFMA: rows per thread: {hm*64 + ty*4 + r}
 // FFMA: columns per thread: 8, as {hn*64 + tx*4 + c}, hn in {0, 1}, c in 0..3.
 #define MT (BM / 32)    // MMA: 16-row m-tiles per warp; the 8 warps are 2 (rows) x 4 (columns)
 // Row strides of As ([k][m]) and Ws ([k][n]), padded by PAD = 8 words: the MMA fragment
@@ -119,21 +120,14 @@ __device__ __forceinline__ int pair_column(int n0, int j) {
     return n0 + (warp % 4) * 32 + j * 8 + 2 * (lane & 3);
 }
 
-// emit(row in block, column, two adjacent values + their biases cb) for every value this
-// thread holds.
-template <class Emit>
-__device__ __forceinline__ void for_each_pair(const Tile& acc, int n0, const float2 (&cb)[4],
-                                              Emit emit) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2;
-    const int row0 = (warp / 4) * (BM / 2);
-#pragma unroll
-    for (int i = 0; i < MT; ++i)
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-            const int r = row0 + i * 16 + g, n = pair_column(n0, j);
-            emit(r, n, make_float2(acc.c[i][j][0] + cb[j].x, acc.c[i][j][1] + cb[j].y));
-            emit(r + 8, n, make_float2(acc.c[i][j][2] + cb[j].x, acc.c[i][j][3] + cb[j].y));
-        }
+// Row slot s < TROWS of this thread: block row and value pair at column pair j
+// (slot = 2 m-tile + half: rows g and g + 8 of the m-tile).
+__device__ __forceinline__ int thread_row(int s) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    return (warp / 4) * (BM / 2) + (s / 2) * 16 + (lane >> 2) + 8 * (s % 2);
+}
+__device__ __forceinline__ float2 pair_value(const Tile& acc, int s, int j) {
+    return make_float2(acc.c[s / 2][j][2 * (s % 2)], acc.c[s / 2][j][2 * (s % 2) + 1]);
 }
 #else
 // acc += a_k[0:BK, thread's rows] x w_k[0:BK, thread's columns], 8x8 outer products.
@@ -164,18 +158,29 @@ __device__ __forceinline__ int pair_column(int n0, int j) {
     return n0 + (j / 2) * 64 + (threadIdx.x % 16) * 4 + 2 * (j % 2);
 }
 
-template <class Emit>
-__device__ __forceinline__ void for_each_pair(const Tile& acc, int n0, const float2 (&cb)[4],
-                                              Emit emit) {
-    const int ty = threadIdx.x / 16;
-#pragma unroll
-    for (int r = 0; r < TM; ++r)
-#pragma unroll
-        for (int j = 0; j < 4; ++j)
-            emit((r / 4) * 64 + ty * 4 + (r % 4), pair_column(n0, j),
-                 make_float2(acc.c[r][2 * j] + cb[j].x, acc.c[r][2 * j + 1] + cb[j].y));
+// Row slot s < TROWS of this thread: block row and value pair at column pair j.
+__device__ __forceinline__ int thread_row(int s) {
+    return (s / 4) * 64 + (threadIdx.x / 16) * 4 + (s % 4);
+}
+__device__ __forceinline__ float2 pair_value(const Tile& acc, int s, int j) {
+    return make_float2(acc.c[s][2 * j], acc.c[s][2 * j + 1]);
 }
 #endif
+
+// f(block row, value pair + its biases cb) for every row this thread holds at its column
+// pair j. The epilogues decide what a column is once per column pair, then store its rows:
+// deciding per value (q, k/v or gate; row and column in range) made the epilogue as many
+// instructions as the products.
+template <class F>
+__device__ __forceinline__ void for_each_row(const Tile& acc, int j, float2 cb, F f) {
+#pragma unroll
+    for (int s = 0; s < TROWS; ++s) {
+        const float2 v = pair_value(acc, s, j);
+        f(thread_row(s), make_float2(v.x + cb.x, v.y + cb.y));
+    }
+}
+
+__device__ __forceinline__ void st2(float* p, float2 v) { *reinterpret_cast<float2*>(p) = v; }
 
 // The output biases of this thread's value pairs in the pass at n0 (0 past NO): four
 // independent loads, so the epilogue waits for them once (a load per value pair, each
@@ -230,20 +235,20 @@ __device__ __forceinline__ void block_gemm(const float* As, const float* __restr
     __syncthreads();  // every thread done with Ws
 }
 
-// All NO output columns of the block's rows, BN at a time: As x WT[:, columns] plus the
-// column biases bvec, each value pair handed to emit(row in block, column, pair).
-template <class Emit>
+// All NO output columns of the block's rows, BN at a time: acc = As x WT[:, n0 + ...],
+// handed with the biases bvec of this thread's column pairs to store(acc, n0, cb).
+template <class Store>
 __device__ __forceinline__ void project_columns(const float* As, const float* __restrict__ WT,
                                                 int D, int dpad, int NO,
                                                 const float* __restrict__ bvec, float* Ws,
-                                                Emit emit) {
+                                                Store store) {
     for (int n0 = 0; n0 < NO; n0 += BN) {
         Tile acc;
         acc.zero();
         block_gemm(As, WT, D, dpad, NO, n0, Ws, acc);
         float2 cb[4];
         load_column_biases(bvec, n0, NO, cb);
-        for_each_pair(acc, n0, cb, emit);
+        store(acc, n0, cb);
     }
 }
 
@@ -370,6 +375,7 @@ ln_qkvg_project(const float* __restrict__ x, i64 sb, i64 si, i64 sj, i64 sc, int
         const int ml = t % BM, part = t / BM, parts = THREADS / BM;
         float* const col = s.As + ml;
         float acc = 0.f;
+#pragma unroll 8  // the loads of 8 trips in flight, not one trip's latency per trip
         for (int k = part; k < D; k += parts) acc += col[k * ASTR];
         s.red[t] = acc;
         __syncthreads();  // partial sums visible
@@ -378,6 +384,7 @@ ln_qkvg_project(const float* __restrict__ x, i64 sb, i64 si, i64 sj, i64 sc, int
         const float mu = tot / D;
         __syncthreads();  // every row's sums read; red free again
         acc = 0.f;
+#pragma unroll 8
         for (int k = part; k < D; k += parts) {
             const float dev = col[k * ASTR] - mu;
             acc = fmaf(dev, dev, acc);
@@ -387,7 +394,10 @@ ln_qkvg_project(const float* __restrict__ x, i64 sb, i64 si, i64 sj, i64 sc, int
         tot = 0.f;
         for (int p = 0; p < parts; ++p) tot += s.red[p * BM + ml];
         const float rstd = rsqrtf(tot / D + eps);  // biased variance, as torch.nn.LayerNorm
-        // gamma[k], beta[k]: one address per warp, a broadcast load.
+        // gamma[k], beta[k]: one address per warp, a broadcast load; unrolled, so that
+        // the loads of several trips are in flight together (one at a time, their
+        // latency was 8% of the kernel's stall samples).
+#pragma unroll 4
         for (int k = part; k < D; k += parts)
             col[k * ASTR] = operand((col[k * ASTR] - mu) * rstd * __ldg(gamma + k) + __ldg(beta + k));
     }
@@ -398,21 +408,24 @@ ln_qkvg_project(const float* __restrict__ x, i64 sb, i64 si, i64 sj, i64 sc, int
         const int ml = p % BM, head = p / BM;
         const i64 m = m0 + ml;
         if (m >= M) continue;
+        const i64 b = m / NN, r = m - b * NN, i = r / N, j = r - i * N;
+        // The mask element first: its load is in flight during the dot product.
+        const bool keep = mask_keeps(mask, mask_kind, b * mb + i * mi + j * mj);
         const float* w = Wb + (i64)head * D;  // one address per warp: a broadcast
         float part[4] = {0.f, 0.f, 0.f, 0.f};  // four chains in flight (D % 4 == 0)
-        float4 wk = ld4(w);  // weights 4 at a time, loaded one step ahead
+        // Unrolled: 4 trips' weight loads in flight together (loaded one trip ahead, each
+        // trip waited on its load: 20% of the kernel's stall samples).
+#pragma unroll 4
         for (int k = 0; k < D; k += 4) {
-            const float4 wn = k + 4 < D ? ld4(w + k + 4) : wk;
+            const float4 wk = ld4(w + k);
             part[0] = fmaf(s.As[(k + 0) * ASTR + ml], wk.x, part[0]);
             part[1] = fmaf(s.As[(k + 1) * ASTR + ml], wk.y, part[1]);
             part[2] = fmaf(s.As[(k + 2) * ASTR + ml], wk.z, part[2]);
             part[3] = fmaf(s.As[(k + 3) * ASTR + ml], wk.w, part[3]);
-            wk = wn;
         }
         const float dot = (part[0] + part[1]) + (part[2] + part[3]);
-        const i64 b = m / NN, r = m - b * NN, i = r / N, j = r - i * N;
         float* brow = bias + ((b * H + head) * N + i) * (i64)npk;
-        brow[j] = mask_keeps(mask, mask_kind, b * mb + i * mi + j * mj) ? dot * LOG2E_F : neg_inf();
+        brow[j] = keep ? dot * LOG2E_F : neg_inf();
         // The key axis is padded to a whole number of attention tiles; -inf there makes
         // the padded keys weigh exactly 0, so the attention kernel needs no bounds test.
         if (j == N - 1)
@@ -420,28 +433,42 @@ ln_qkvg_project(const float* __restrict__ x, i64 sb, i64 si, i64 sj, i64 sc, int
     }
 
     // 6. q, k, v and gate: every 4D output column of these rows, BN at a time.
-    const int NO = 4 * D;
-    auto emit = [&](int ml, int n, float2 v) {  // v: the product plus its bias
-        const i64 m = m0 + ml;
-        if (m >= M || n >= NO) return;
-        float* const dst = qkvg + m * NO + n;
-        // n even, D % 4 == 0: no pair straddles two of q (n < D), k, v, gate (n >= 3D).
-        if (n < D) {
-            v.x *= q_scale; v.y *= q_scale;
-        } else if (n >= 3 * D) {
-            v.x = sigmoid(v.x); v.y = sigmoid(v.y);
-        } else {
-#if KV_FORMAT == 2  // bf16 index n - D from column D (see KV_FORMAT)
-            *reinterpret_cast<u32*>(reinterpret_cast<unsigned short*>(dst - n + D) + (n - D)) =
-                pack_bf16(v.x, v.y);
-            return;
-#elif KV_FORMAT == 1
-            v.x = __uint_as_float(to_tf32(v.x)); v.y = __uint_as_float(to_tf32(v.y));
+    const int NO = 4 * D, rows_here = (int)min((i64)BM, M - m0);
+    float* const block_out = qkvg + m0 * NO;  // row r at r * NO (< 2^31: BM * 4D)
+    project_columns(s.As, WT, D, dpad, NO, b_qkvg, s.Ws,
+                    [&](const Tile& acc, int n0, const float2 (&cb)[4]) {
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const int n = pair_column(n0, j);
+            float* const col = block_out + n;
+            // n even, D % 4 == 0: no pair straddles two of q (n < D), k, v, gate (n >= 3D).
+            if (n >= NO) continue;
+            if (n < D) {
+                for_each_row(acc, j, cb[j], [&](int r, float2 v) {
+                    if (r < rows_here) st2(col + r * NO, make_float2(v.x * q_scale, v.y * q_scale));
+                });
+            } else if (n >= 3 * D) {
+                for_each_row(acc, j, cb[j], [&](int r, float2 v) {
+                    if (r < rows_here) st2(col + r * NO, make_float2(sigmoid(v.x), sigmoid(v.y)));
+                });
+            } else {
+#if KV_FORMAT == 2  // bf16 index n - D from column D (see KV_FORMAT); a row is NO words
+                u32* const kv = reinterpret_cast<u32*>(
+                    reinterpret_cast<unsigned short*>(block_out + D) + (n - D));
+                for_each_row(acc, j, cb[j], [&](int r, float2 v) {
+                    if (r < rows_here) kv[r * NO] = pack_bf16(v.x, v.y);
+                });
+#else
+                for_each_row(acc, j, cb[j], [&](int r, float2 v) {
+#if KV_FORMAT == 1
+                    v = make_float2(__uint_as_float(to_tf32(v.x)), __uint_as_float(to_tf32(v.y)));
 #endif
+                    if (r < rows_here) st2(col + r * NO, v);
+                });
+#endif
+            }
         }
-        *reinterpret_cast<float2*>(dst) = v;
-    };
-    project_columns(s.As, WT, D, dpad, NO, b_qkvg, s.Ws, emit);
+    });
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS, PROJECT_MIN_BLOCKS)
@@ -464,10 +491,18 @@ gated_out_project(const float* __restrict__ qkvg, i64 M, int D,
     __syncthreads();  // tile complete before the product reads it
 
     // 2. out = A Wo^T + bo.
-    auto emit = [&](int ml, int n, float2 v) {  // v: the product plus its bias
-        const i64 m = m0 + ml;
-        if (m >= M || n >= D) return;
-        *reinterpret_cast<float2*>(out + m * D + n) = v;
-    };
-    project_columns(s.As, WT, D, dpad, D, b_out, s.Ws, emit);
+    const int rows_here = (int)min((i64)BM, M - m0);
+    float* const block_out = out + m0 * D;
+    project_columns(s.As, WT, D, dpad, D, b_out, s.Ws,
+                    [&](const Tile& acc, int n0, const float2 (&cb)[4]) {
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const int n = pair_column(n0, j);
+            float* const col = block_out + n;
+            if (n < D)
+                for_each_row(acc, j, cb[j], [&](int r, float2 v) {
+                    if (r < rows_here) st2(col + r * D, v);
+                });
+        }
+    });
 }
