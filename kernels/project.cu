@@ -120,14 +120,15 @@ __device__ __forceinline__ int pair_column(int n0, int j) {
     return n0 + (warp % 4) * 32 + j * 8 + 2 * (lane & 3);
 }
 
-// Row slot s < TROWS of this thread: block row and value pair at column pair j
-// (slot = 2 m-tile + half: rows g and g + 8 of the m-tile).
+// Row slot s < TROWS of this thread: its block row, and its value pair at column pair j
+// (slot = 2 m-tile + half: rows g and g + 8 of the m-tile, stored together).
+#define SLOT_RUN 2
 __device__ __forceinline__ int thread_row(int s) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     return (warp / 4) * (BM / 2) + (s / 2) * 16 + (lane >> 2) + 8 * (s % 2);
 }
-__device__ __forceinline__ float2 pair_value(const Tile& acc, int s, int j) {
-    return make_float2(acc.c[s / 2][j][2 * (s % 2)], acc.c[s / 2][j][2 * (s % 2) + 1]);
+__device__ __forceinline__ float* pair_at(Tile& acc, int s, int j) {
+    return &acc.c[s / 2][j][2 * (s % 2)];
 }
 #else
 // acc += a_k[0:BK, thread's rows] x w_k[0:BK, thread's columns], 8x8 outer products.
@@ -158,29 +159,55 @@ __device__ __forceinline__ int pair_column(int n0, int j) {
     return n0 + (j / 2) * 64 + (threadIdx.x % 16) * 4 + 2 * (j % 2);
 }
 
-// Row slot s < TROWS of this thread: block row and value pair at column pair j.
+// Row slot s < TROWS of this thread: its block row, and its value pair at column pair j.
+#define SLOT_RUN 1
 __device__ __forceinline__ int thread_row(int s) {
     return (s / 4) * 64 + (threadIdx.x / 16) * 4 + (s % 4);
 }
-__device__ __forceinline__ float2 pair_value(const Tile& acc, int s, int j) {
-    return make_float2(acc.c[s][2 * j], acc.c[s][2 * j + 1]);
-}
+__device__ __forceinline__ float* pair_at(Tile& acc, int s, int j) { return &acc.c[s][2 * j]; }
 #endif
 
-// f(block row, value pair + its biases cb) for every row this thread holds at its column
-// pair j. The epilogues decide what a column is once per column pair, then store its rows:
-// deciding per value (q, k/v or gate; row and column in range) made the epilogue as many
+// The epilogues decide what a column pair is once (q, k/v or gate; in range), transform
+// its values in place, then store the tile: deciding per value made the epilogue as many
 // instructions as the products.
+
+// Every value pair this thread holds at its column pair j becomes f(pair + biases cb).
 template <class F>
-__device__ __forceinline__ void for_each_row(const Tile& acc, int j, float2 cb, F f) {
+__device__ __forceinline__ void map_column(Tile& acc, int j, float2 cb, F f) {
 #pragma unroll
     for (int s = 0; s < TROWS; ++s) {
-        const float2 v = pair_value(acc, s, j);
-        f(thread_row(s), make_float2(v.x + cb.x, v.y + cb.y));
+        float* const p = pair_at(acc, s, j);
+        const float2 v = f(make_float2(p[0] + cb.x, p[1] + cb.y));
+        p[0] = v.x;
+        p[1] = v.y;
     }
 }
 
 __device__ __forceinline__ void st2(float* p, float2 v) { *reinterpret_cast<float2*>(p) = v; }
+
+// Store this thread's value pairs: column pair j of block row r at base + r * ld + col[j]
+// (in floats), as a float pair, or only its first word where packed[j] (two bf16). Column
+// pairs with col[j] < 0 and rows from rows_here on are skipped. A row's column pairs go out one after
+// another, as the fragments hold them: storing column pair by column pair (every row of
+// one pair, then the next) made the stores take about twice as long (measured).
+__device__ __forceinline__ void store_pairs(Tile& acc, float* base, const int (&col)[4],
+                                            const bool (&packed)[4], int ld, int rows_here) {
+#pragma unroll
+    for (int s0 = 0; s0 < TROWS; s0 += SLOT_RUN)
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+#pragma unroll
+            for (int h = 0; h < SLOT_RUN; ++h) {
+                const int r = thread_row(s0 + h);
+                if (col[j] < 0 || r >= rows_here) continue;
+                const float* const p = pair_at(acc, s0 + h, j);
+                float* const dst = base + (r * ld + col[j]);
+                if (packed[j])
+                    *dst = p[0];
+                else
+                    st2(dst, make_float2(p[0], p[1]));
+            }
+}
 
 // The output biases of this thread's value pairs in the pass at n0 (0 past NO): four
 // independent loads, so the epilogue waits for them once (a load per value pair, each
@@ -236,7 +263,8 @@ __device__ __forceinline__ void block_gemm(const float* As, const float* __restr
 }
 
 // All NO output columns of the block's rows, BN at a time: acc = As x WT[:, n0 + ...],
-// handed with the biases bvec of this thread's column pairs to store(acc, n0, cb).
+// handed with the biases bvec of this thread's column pairs to store(acc, n0, cb), which
+// may change acc.
 template <class Store>
 __device__ __forceinline__ void project_columns(const float* As, const float* __restrict__ WT,
                                                 int D, int dpad, int NO,
@@ -436,38 +464,42 @@ ln_qkvg_project(const float* __restrict__ x, i64 sb, i64 si, i64 sj, i64 sc, int
     const int NO = 4 * D, rows_here = (int)min((i64)BM, M - m0);
     float* const block_out = qkvg + m0 * NO;  // row r at r * NO (< 2^31: BM * 4D)
     project_columns(s.As, WT, D, dpad, NO, b_qkvg, s.Ws,
-                    [&](const Tile& acc, int n0, const float2 (&cb)[4]) {
+                    [&](Tile& acc, int n0, const float2 (&cb)[4]) {
+        int col[4];
+        bool packed[4];
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
             const int n = pair_column(n0, j);
-            float* const col = block_out + n;
+            col[j] = n < NO ? n : -1;
+            packed[j] = false;
             // n even, D % 4 == 0: no pair straddles two of q (n < D), k, v, gate (n >= 3D).
             if (n >= NO) continue;
             if (n < D) {
-                for_each_row(acc, j, cb[j], [&](int r, float2 v) {
-                    if (r < rows_here) st2(col + r * NO, make_float2(v.x * q_scale, v.y * q_scale));
+                map_column(acc, j, cb[j], [&](float2 v) {
+                    return make_float2(v.x * q_scale, v.y * q_scale);
                 });
             } else if (n >= 3 * D) {
-                for_each_row(acc, j, cb[j], [&](int r, float2 v) {
-                    if (r < rows_here) st2(col + r * NO, make_float2(sigmoid(v.x), sigmoid(v.y)));
+                map_column(acc, j, cb[j], [](float2 v) {
+                    return make_float2(sigmoid(v.x), sigmoid(v.y));
                 });
             } else {
 #if KV_FORMAT == 2  // bf16 index n - D from column D (see KV_FORMAT); a row is NO words
-                u32* const kv = reinterpret_cast<u32*>(
-                    reinterpret_cast<unsigned short*>(block_out + D) + (n - D));
-                for_each_row(acc, j, cb[j], [&](int r, float2 v) {
-                    if (r < rows_here) kv[r * NO] = pack_bf16(v.x, v.y);
+                map_column(acc, j, cb[j], [](float2 v) {
+                    return make_float2(__uint_as_float(pack_bf16(v.x, v.y)), 0.f);
                 });
+                col[j] = D + (n - D) / 2;  // n - D even: a whole word
+                packed[j] = true;
 #else
-                for_each_row(acc, j, cb[j], [&](int r, float2 v) {
+                map_column(acc, j, cb[j], [](float2 v) {
 #if KV_FORMAT == 1
                     v = make_float2(__uint_as_float(to_tf32(v.x)), __uint_as_float(to_tf32(v.y)));
 #endif
-                    if (r < rows_here) st2(col + r * NO, v);
+                    return v;
                 });
 #endif
             }
         }
+        store_pairs(acc, block_out, col, packed, NO, rows_here);
     });
 }
 
@@ -494,15 +526,15 @@ gated_out_project(const float* __restrict__ qkvg, i64 M, int D,
     const int rows_here = (int)min((i64)BM, M - m0);
     float* const block_out = out + m0 * D;
     project_columns(s.As, WT, D, dpad, D, b_out, s.Ws,
-                    [&](const Tile& acc, int n0, const float2 (&cb)[4]) {
+                    [&](Tile& acc, int n0, const float2 (&cb)[4]) {
+        int col[4];
+        const bool packed[4] = {false, false, false, false};
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
             const int n = pair_column(n0, j);
-            float* const col = block_out + n;
-            if (n < D)
-                for_each_row(acc, j, cb[j], [&](int r, float2 v) {
-                    if (r < rows_here) st2(col + r * D, v);
-                });
+            col[j] = n < D ? n : -1;
+            if (n < D) map_column(acc, j, cb[j], [](float2 v) { return v; });
         }
+        store_pairs(acc, block_out, col, packed, D, rows_here);
     });
 }

@@ -1,0 +1,101 @@
+"""Where the projection kernels' time goes: each stage timed alone (CUDA events, median)
+with parts of its kernel removed by a text patch of kernels/project.cu (a measurement
+only: the results are wrong on purpose). A part whose removal saves little is not what
+sets the time.
+
+    python3 scripts/ablate_projection.py [--variants full,no_store,...] [sizes, default
+        1x1024x128x4 2x128x64x4]
+"""
+import statistics
+import sys
+
+import cupy as cp
+import numpy as np
+
+import triattn_cupy as ta
+from triattn_cupy import _compile, _configs
+
+ORIGINAL = _compile.kernel_source
+
+# name -> [(text, replacement)], each text must occur in project.cu.
+ST2 = "__device__ __forceinline__ void st2(float* p, float2 v) { *reinterpret_cast"
+STORE_KV = "                    *dst = p[0];"
+PATCHES = {
+    "no_store": [(ST2, ST2.replace("{ *reinterpret", "{ if (v.x == 1234.5f) *reinterpret")),
+                 (STORE_KV, STORE_KV.replace("*dst", "if (p[0] == 1234.5f) *dst"))],
+    "no_pair_bias": [("for (int p = t; p < BM * H; p += THREADS) {",
+                      "for (int p = t + BM * H; p < BM * H; p += THREADS) {")],
+    "no_layernorm": [("    {\n        const int ml = t % BM, part = t / BM",
+                      "    if (N < 0) {\n        const int ml = t % BM, part = t / BM")],
+    "no_gemm": [("        block_gemm(As, WT, D, dpad, NO, n0, Ws, acc);\n", "")],
+    "no_load": [("        if (x_vec) return ld4(p + k);", "        if (x_vec) return make_float4(1.f, 2.f, 3.f, (float)ml);"),
+                ("const float4 o = ld4(row + k), g = ld4(row + 3 * D + k);",
+                 "const float4 o = make_float4(1.f, 2.f, 3.f, (float)ml), g = o;")],
+    "out_batch8": [("load_tile_transposed<4>(s.As, dpad,", "load_tile_transposed<8>(s.As, dpad,")],
+    "rows64": [],  # not a text patch: 64-row blocks (3 per SM) at every size
+}
+VARIANTS = {
+    "full": [],
+    **{name: [name] for name in PATCHES if name != "no_gemm"},
+    "only_gemm": ["no_store", "no_pair_bias", "no_layernorm", "no_load"],
+    "rows64+out_batch8": ["rows64", "out_batch8"],
+}
+ORIGINAL_ROWS = _configs.project_rows
+
+
+def use_variant(parts):
+    def source(filename):
+        text = ORIGINAL(filename)
+        if filename == "project.cu":
+            for part in parts:
+                for old, new in PATCHES[part]:
+                    if old not in text:
+                        raise SystemExit(f"patch {part!r}: text not found: {old!r}")
+                    text = text.replace(old, new)
+        return text
+    _compile.kernel_source = source
+    _configs.project_rows = (lambda *args: 64) if "rows64" in parts else ORIGINAL_ROWS
+    _compile.raw_module.cache_clear()
+    _configs._function.cache_clear()
+    _configs._smem_allowed.clear()
+
+
+def median_ms(fn, repeats):
+    start, stop = cp.cuda.Event(), cp.cuda.Event()
+    times = []
+    for _ in range(repeats):
+        start.record()
+        fn()
+        stop.record()
+        stop.synchronize()
+        times.append(cp.cuda.get_elapsed_time(start, stop))
+    return statistics.median(times)
+
+
+def main(sizes, variants):
+    print(cp.cuda.runtime.getDeviceProperties(0)["name"].decode(), "cupy", cp.__version__)
+    for size in sizes:
+        B, N, D, h = map(int, size.split("x"))
+        module = ta.TriangleAttention(ta.random_weights(D, h, seed=0))
+        pair = cp.random.standard_normal((B, N, N, D), dtype=np.float32)
+        mask = cp.ones((B, N, N), bool)
+        repeats = 50 if N <= 512 else 15
+        for precision in ("fp32", "tf32", "bf16"):
+            for variant in variants:
+                use_variant(VARIANTS[variant])
+                stages = dict(module.stage_launchers(pair, mask, precision=precision))
+                for launch in stages.values():
+                    launch()
+                proj = median_ms(stages["layernorm+projections"], repeats)
+                out = median_ms(stages["gate+out_proj"], repeats)
+                print(f"{size} {precision:5s} {variant:17s} projection {proj:7.3f} ms"
+                      f"  out projection {out:7.3f} ms", flush=True)
+    use_variant([])
+
+
+if __name__ == "__main__":
+    args = sys.argv[1:]
+    chosen = list(VARIANTS)
+    if args[:1] == ["--variants"]:
+        chosen, args = args[1].split(","), args[2:]
+    main(args or ["1x1024x128x4", "2x128x64x4"], chosen)
