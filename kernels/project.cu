@@ -513,7 +513,8 @@ gated_out_project(const float* __restrict__ qkvg, i64 M, int D,
     const i64 m0 = (i64)blockIdx.x * BM, ld = 4LL * D;
 
     // 1. A = g * o, transposed into As[k][m]: the gated intermediate exists only here.
-    load_tile_transposed<4>(s.As, dpad, [&](int ml, int k) {
+    //    Batches of 8 (16 loads in flight per thread): this kernel waits on these loads.
+    load_tile_transposed<8>(s.As, dpad, [&](int ml, int k) {
         if (m0 + ml >= M || k >= D) return zero4();
         const float* row = qkvg + (m0 + ml) * ld;
         const float4 o = ld4(row + k), g = ld4(row + 3 * D + k);

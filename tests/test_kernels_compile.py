@@ -49,6 +49,8 @@ def test_every_supported_dimension_has_a_config():
             for tensor_cores in (False, True):
                 rows = _configs.project_rows(D, rows_total)
                 assert _configs.project_config(rows, tensor_cores, D) in configs
+                out_rows = _configs.out_project_rows()
+                assert _configs.project_config(out_rows, tensor_cores, D) in configs
 
 
 def test_every_launch_fits_in_shared_memory():
@@ -65,3 +67,4 @@ def test_every_launch_fits_in_shared_memory():
         for rows_total in (1, 10**9):
             rows = _configs.project_rows(D, rows_total)
             assert _configs.project_smem_bytes(D, rows) <= limit, (D, rows)
+        assert _configs.project_smem_bytes(D, _configs.out_project_rows()) <= limit, D

@@ -78,6 +78,14 @@ def project_rows(pair_dim: int, rows_total: int = 1 << 62, sm_count: int = 132) 
     return 128
 
 
+def out_project_rows() -> int:
+    """Rows per block of the out projection: 64 at every size. Its blocks are bound by
+    loading o and g (the products are one pass at D = 128), and 3 blocks per SM overlap
+    those loads better than 2 of 128 rows: 0.94 -> 0.84 ms at 1x1024x128x4 TF32
+    (scripts/ablate_projection.py, benchmarks/NOTES.md)."""
+    return 64
+
+
 def project_pad(pair_dim: int) -> int:
     """Row padding of the shared-memory tiles: 8 words keeps the tensor-core fragment loads
     free of bank conflicts; 4 where the 64-row tile of a wide D would not fit otherwise."""

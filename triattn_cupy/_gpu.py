@@ -221,7 +221,7 @@ class Forward:
 
     def out_project(self):
         dw = self.dw
-        rows = _configs.project_rows(self.D, self.M, dw.sm_count)
+        rows = _configs.out_project_rows()
         self._launch(
             _configs.project_config(rows, self.project_mma, self.D), "gated_out_project",
             -(-self.M // rows),

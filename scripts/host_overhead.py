@@ -1,0 +1,70 @@
+"""The host side of a forward call at small sizes, where it can outlast the kernels: host
+time per call (many calls queued without waiting), the event-timed call the benchmark
+takes (host launch gaps included), the host time of preparing a forward and of each
+launch, and a cProfile of the calls.
+
+    python3 scripts/host_overhead.py [sizes, default 2x128x64x4]
+"""
+import cProfile
+import pstats
+import statistics
+import sys
+import time
+
+import cupy as cp
+import numpy as np
+
+import triattn_cupy as ta
+from triattn_cupy import _gpu
+
+
+def host_us(fn, calls=300):
+    fn()
+    cp.cuda.Device().synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    elapsed = time.perf_counter() - start
+    cp.cuda.Device().synchronize()
+    return elapsed / calls * 1e6
+
+
+def event_ms(fn, repeats=100):
+    begin, end = cp.cuda.Event(), cp.cuda.Event()
+    times = []
+    for _ in range(repeats):
+        begin.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(cp.cuda.get_elapsed_time(begin, end))
+    return statistics.median(times)
+
+
+def main(sizes):
+    print(cp.cuda.runtime.getDeviceProperties(0)["name"].decode(), "cupy", cp.__version__)
+    for size in sizes:
+        B, N, D, h = map(int, size.split("x"))
+        module = ta.TriangleAttention(ta.random_weights(D, h, seed=0))
+        pair = cp.random.standard_normal((B, N, N, D), dtype=np.float32)
+        mask = cp.ones((B, N, N), bool)
+        for precision in ta.PRECISIONS:
+            call = lambda: module(pair, mask, precision=precision)  # noqa: E731
+            prepare = lambda: _gpu.Forward(module._dw, pair, mask, "zero", None, precision)  # noqa: E731
+            stages = module.stage_launchers(pair, mask, precision=precision)
+            launches = " ".join(f"{name}={host_us(launch):.1f}" for name, launch in stages)
+            print(f"{size} {precision:5s} host per call {host_us(call):6.1f} us  "
+                  f"event-timed call {event_ms(call) * 1e3:6.1f} us  "
+                  f"prepare {host_us(prepare):5.1f} us  launches (host us) {launches}",
+                  flush=True)
+        profile = cProfile.Profile()
+        profile.enable()
+        for _ in range(300):
+            module(pair, mask, precision="bf16")
+        profile.disable()
+        cp.cuda.Device().synchronize()
+        pstats.Stats(profile).sort_stats("tottime").print_stats(22)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:] or ["2x128x64x4"])
