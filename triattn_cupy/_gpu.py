@@ -15,6 +15,7 @@ bytes); see _configs.KV_*.
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -83,6 +84,35 @@ def round_tf32(a):
     cupy = _cupy()
     bits = a.view(cupy.uint32)
     return ((bits + cupy.uint32(0x1000)) & cupy.uint32(0xFFFFE000)).view(cupy.float32)
+
+
+@functools.lru_cache(maxsize=4096)
+def by_value(dtype: str, value):
+    """A scalar kernel argument of NumPy type `dtype` ("i4", "i8", "f4"), converted once.
+
+    CuPy takes a NumPy scalar through its general scalar path, about a microsecond per
+    argument and launch; the projection has 22 of them, and at small sizes the host side of
+    a call outlasts its kernels. A size-one array wrapped as CuPy's by-value argument
+    (CNumpyArray) is passed as it is. Falls back to the NumPy scalar where CuPy lacks it.
+    """
+    scalar = np.array(value, dtype=dtype)
+    try:
+        from cupy.cuda.function import CNumpyArray
+    except ImportError:  # pragma: no cover - depends on the CuPy version
+        return scalar[()]
+    return CNumpyArray(scalar)
+
+
+def _i32(value):
+    return by_value("i4", int(value))
+
+
+def _i64(value):
+    return by_value("i8", int(value))
+
+
+def _f32(value):
+    return by_value("f4", float(value))
 
 
 def _describe(obj) -> str:
@@ -172,14 +202,14 @@ class Forward:
     def _mask_args(self):
         """(pointer, kind, mb, mi, mj) for project.cu's mask reader (MASK_* codes)."""
         mask = self.mask
-        if mask is None:
-            return np.uint64(0), np.int32(0), np.int64(0), np.int64(0), np.int64(0)
+        if mask is None:  # None is passed as a null pointer
+            return None, _i32(0), _i64(0), _i64(0), _i64(0)
         kind = 5 + {2: 0, 4: 1, 8: 2}[mask.itemsize] if mask.dtype.kind == "f" else \
             {1: 1, 2: 2, 4: 3, 8: 4}[mask.itemsize]
         strides = [s // mask.itemsize for s in mask.strides]
         if len(strides) == 2:
             strides = [0] + strides
-        return (np.uint64(mask.data.ptr), np.int32(kind), *map(np.int64, strides))
+        return (mask, _i32(kind), *map(_i64, strides))  # the array: its data pointer
 
     def project(self):
         dw, pair = self.dw, self.pair
@@ -196,12 +226,12 @@ class Forward:
             "ln_qkvg_project",
             -(-self.M // rows),
             _configs.PROJECT_THREADS,
-            (pair, np.int64(sb), np.int64(si), np.int64(sj), np.int64(sc), np.int32(x_vec),
-             np.int32(self.B), np.int32(self.N), np.int32(self.D), np.int32(self.H),
-             np.float32(dw.eps), np.float32(LOG2E / math.sqrt(self.d)),
+            (pair, _i64(sb), _i64(si), _i64(sj), _i64(sc), _i32(x_vec),
+             _i32(self.B), _i32(self.N), _i32(self.D), _i32(self.H),
+             _f32(dw.eps), _f32(LOG2E / math.sqrt(self.d)),
              dw.gamma, dw.beta, dw.w_qkvg_t_tf32 if self.project_mma else dw.w_qkvg_t,
              dw.b_qkvg, dw.w_bias, *self._mask_args(),
-             self.qkvg, self.bias, np.int32(self.npk)),
+             self.qkvg, self.bias, _i32(self.npk)),
             _configs.project_smem_bytes(self.D, rows))
 
     def attention(self, launch: "_configs.AttentionLaunch | None" = None):
@@ -215,8 +245,8 @@ class Forward:
                              f"build the Forward with attention=that launch")
         self._launch(
             k.config, k.name, k.blocks(self.B, self.N, self.H), k.threads,
-            (self.qkvg, self.bias, np.int32(self.B), np.int32(self.N), np.int32(self.H),
-             np.int32(self.npk), np.int32(self.nan_fully_masked)),
+            (self.qkvg, self.bias, _i32(self.B), _i32(self.N), _i32(self.H),
+             _i32(self.npk), _i32(self.nan_fully_masked)),
             k.smem)
 
     def out_project(self):
@@ -226,7 +256,7 @@ class Forward:
             _configs.project_config(rows, self.project_mma, self.D), "gated_out_project",
             -(-self.M // rows),
             _configs.PROJECT_THREADS,
-            (self.qkvg, np.int64(self.M), np.int32(self.D),
+            (self.qkvg, _i64(self.M), _i32(self.D),
              dw.w_out_t_tf32 if self.project_mma else dw.w_out_t, dw.b_out, self.out),
             _configs.project_smem_bytes(self.D, rows))
 
