@@ -1,7 +1,9 @@
 """Where the projection kernels' time goes: each stage timed alone (CUDA events, median)
 with parts of its kernel removed by a text patch of kernels/project.cu (a measurement
 only: the results are wrong on purpose). A part whose removal saves little is not what
-sets the time.
+sets the time. Check each row against the ceilings: a patch can let the compiler remove
+more than the part it names (after the epilogue of 024f159, `no_store` also lost the
+products: fp32 "products" at ~490 TFLOP/s).
 
     python3 scripts/ablate_projection.py [--variants full,no_store,...] [sizes, default
         1x1024x128x4 2x128x64x4]
