@@ -203,10 +203,12 @@ def attention_mma_head_dims(variant: str = "bf16"):
 _SMALL_N, _MEDIUM_N = 128, 512
 
 
-def attention_mma_tiles(head_dim: int, variant: str, n: int = 1 << 30) -> MmaTiles:
-    """The tile shape for head dim `head_dim` and `n` keys, measured on an H200
-    (scripts/sweep_tiles.py, benchmarks/NOTES.md) within what compiles without spills
-    (tests/test_kernels_compile.py) and fits the shared memory."""
+def attention_mma_tiles(head_dim: int, variant: str, n: int = 1 << 30,
+                        compute_capability: int = 90) -> MmaTiles:
+    """The tile shape for head dim `head_dim` and `n` keys on a GPU of `compute_capability`,
+    measured on an H200 (scripts/sweep_tiles.py, benchmarks/NOTES.md) within what compiles
+    without spills for that architecture (tests/test_kernels_compile.py: sm_80 for 80-89,
+    sm_90 from 90) and fits the shared memory."""
     if variant == "tf32x3":  # staged through registers
         if head_dim <= 32:
             if n <= _SMALL_N and head_dim <= 16:  # (d = 24, 32 spill within 128 registers on sm_80;
@@ -223,7 +225,10 @@ def attention_mma_tiles(head_dim: int, variant: str, n: int = 1 << 30) -> MmaTil
         return MmaTiles(bk=32, min_blocks=3, stages=2)
     if head_dim <= 32 and n > _SMALL_N:
         if variant == "bf16":  # 2 rows share each bias tile, 2 m-tiles per warp
-            return MmaTiles(bk=16, mt=2, rows=2, min_blocks=2)
+            # 32-key tiles where they fit in 128 registers: on sm_90 at d = 8, 16, 32
+            # (1x1024: 3.40 -> 3.17 ms); d = 24 and sm_80 spill them: 16-key tiles there.
+            wide = compute_capability >= 90 and head_dim in (8, 16, 32)
+            return MmaTiles(bk=32 if wide else 16, mt=2, rows=2, min_blocks=2)
         return MmaTiles(bk=64, min_blocks=2, stages=2)
     if head_dim <= 48 or (head_dim <= 64 and variant == "bf16"):
         return MmaTiles(bk=32, min_blocks=2)
@@ -293,8 +298,8 @@ def check_precision(precision: str):
 
 
 def attention_mma_launch(head_dim: int, variant: str, tiles: MmaTiles | None = None,
-                         n: int = 1 << 30) -> AttentionLaunch:
-    tiles = tiles or attention_mma_tiles(head_dim, variant, n)
+                         n: int = 1 << 30, compute_capability: int = 90) -> AttentionLaunch:
+    tiles = tiles or attention_mma_tiles(head_dim, variant, n, compute_capability)
     return AttentionLaunch(attention_mma_config(head_dim, variant, tiles),
                            f"attention_{variant}", tiles.queries, tiles.rows,
                            ATTENTION_MMA_THREADS,
@@ -317,18 +322,20 @@ def attention_kernel(head_dim: int, precision: str, compute_capability: int = 90
     check_precision(precision)
     variant = _MMA_VARIANT[precision]
     if compute_capability >= 80 and head_dim in attention_mma_head_dims(variant):
-        return attention_mma_launch(head_dim, variant, n=n)
+        return attention_mma_launch(head_dim, variant, n=n, compute_capability=compute_capability)
     return attention_ffma_launch(head_dim)
 
 
-def all_configs():
-    """Every configuration a supported (pair_dim, num_heads) can launch."""
+def all_configs(arch: str | None = None):
+    """Every configuration a supported (pair_dim, num_heads) can launch on a GPU of `arch`
+    ("sm_80": compute capability 80-89, "sm_90": 90 and newer; None: either)."""
+    capabilities = (80, 90) if arch is None else (int(arch.removeprefix("sm_")),)
     configs = {project_config(rows, mma, D, kv) for D in (128, MAX_PAIR_DIM)
                for rows in {project_rows(D, total) for total in (1, 1 << 62)}
                for mma, kv in ((False, KV_FP32), (True, KV_FP32), (True, KV_TF32),
                                (True, KV_BF16))}
     configs.update(attention_config(d) for d in supported_head_dims())
-    configs.update(attention_mma_config(d, v, attention_mma_tiles(d, v, n))
+    configs.update(attention_mma_config(d, v, attention_mma_tiles(d, v, n, cc))
                    for v in ATTENTION_MMA_VARIANTS for d in attention_mma_head_dims(v)
-                   for n in (_SMALL_N, _SMALL_N + 1, _MEDIUM_N + 1))
+                   for n in (_SMALL_N, _SMALL_N + 1, _MEDIUM_N + 1) for cc in capabilities)
     return sorted(configs, key=lambda c: (c.filename, c.defines))
