@@ -187,9 +187,10 @@ __device__ __forceinline__ void st2(float* p, float2 v) { *reinterpret_cast<floa
 
 // Store this thread's value pairs: column pair j of block row r at base + r * ld + col[j]
 // (in floats), as a float pair, or only its first word where packed[j] (two bf16). Column
-// pairs with col[j] < 0 and rows from rows_here on are skipped. A row's column pairs go out one after
-// another, as the fragments hold them: storing column pair by column pair (every row of
-// one pair, then the next) made the stores take about twice as long (measured).
+// pairs with col[j] < 0 and rows from rows_here on are skipped. A row's column pairs go
+// out one after another, as the fragments hold them: storing column pair by column pair
+// (every row of one pair, then the next) made the stores take about twice as long
+// (measured, benchmarks/NOTES.md).
 __device__ __forceinline__ void store_pairs(Tile& acc, float* base, const int (&col)[4],
                                             const bool (&packed)[4], int ld, int rows_here) {
 #pragma unroll
