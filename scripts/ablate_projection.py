@@ -8,7 +8,6 @@ products: fp32 "products" at ~490 TFLOP/s).
     python3 scripts/ablate_projection.py [--variants full,no_store,...] [sizes, default
         1x1024x128x4 2x128x64x4]
 """
-import statistics
 import sys
 
 import cupy as cp
@@ -16,6 +15,7 @@ import numpy as np
 
 import triattn_cupy as ta
 from triattn_cupy import _compile, _configs
+from time_ours import median_ms  # scripts/ is on sys.path when run as a script
 
 ORIGINAL = _compile.kernel_source
 
@@ -60,18 +60,6 @@ def use_variant(parts):
     _compile.raw_module.cache_clear()
     _configs._function.cache_clear()
     _configs._smem_allowed.clear()
-
-
-def median_ms(fn, repeats):
-    start, stop = cp.cuda.Event(), cp.cuda.Event()
-    times = []
-    for _ in range(repeats):
-        start.record()
-        fn()
-        stop.record()
-        stop.synchronize()
-        times.append(cp.cuda.get_elapsed_time(start, stop))
-    return statistics.median(times)
 
 
 def main(sizes, variants):

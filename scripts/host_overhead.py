@@ -7,7 +7,6 @@ launch, and a cProfile of the calls.
 """
 import cProfile
 import pstats
-import statistics
 import sys
 import time
 
@@ -16,6 +15,7 @@ import numpy as np
 
 import triattn_cupy as ta
 from triattn_cupy import _gpu
+from time_ours import median_ms  # scripts/ is on sys.path when run as a script
 
 
 def host_us(fn, calls=300):
@@ -27,18 +27,6 @@ def host_us(fn, calls=300):
     elapsed = time.perf_counter() - start
     cp.cuda.Device().synchronize()
     return elapsed / calls * 1e6
-
-
-def event_ms(fn, repeats=100):
-    begin, end = cp.cuda.Event(), cp.cuda.Event()
-    times = []
-    for _ in range(repeats):
-        begin.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(cp.cuda.get_elapsed_time(begin, end))
-    return statistics.median(times)
 
 
 def main(sizes):
@@ -54,7 +42,7 @@ def main(sizes):
             stages = module.stage_launchers(pair, mask, precision=precision)
             launches = " ".join(f"{name}={host_us(launch):.1f}" for name, launch in stages)
             print(f"{size} {precision:5s} host per call {host_us(call):6.1f} us  "
-                  f"event-timed call {event_ms(call) * 1e3:6.1f} us  "
+                  f"event-timed call {median_ms(call, 100) * 1e3:6.1f} us  "
                   f"prepare {host_us(prepare):5.1f} us  launches (host us) {launches}",
                   flush=True)
         profile = cProfile.Profile()
