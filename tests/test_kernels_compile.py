@@ -70,3 +70,48 @@ def test_every_launch_fits_in_shared_memory():
             rows = _configs.project_rows(D, rows_total)
             assert _configs.project_smem_bytes(D, rows) <= limit, (D, rows)
         assert _configs.project_smem_bytes(D, _configs.out_project_rows()) <= limit, D
+
+
+# MaxSharedMemoryPerBlockOptin of sm_90 (the tables' SMEM_LIMIT), sm_80, and sm_86/89.
+SMEM_OPTIN = {"sm_90": 227 * 1024, "sm_80": 163 * 1024, "sm_86": 99 * 1024}
+
+
+def test_the_sm_90_limit_changes_no_choice():
+    """At the H200's own limit the tables pick exactly what they pick by default."""
+    limit = SMEM_OPTIN["sm_90"]
+    for d in _configs.supported_head_dims():
+        for precision in _configs.PRECISIONS:
+            for n in (1, 128, 129, 512, 513, 4096):
+                assert (_configs.attention_kernel(d, precision, 90, n, limit)
+                        == _configs.attention_kernel(d, precision, 90, n))
+    for D in range(4, _configs.MAX_PAIR_DIM + 1, 4):
+        _configs.check_projection_fits(D, limit)
+        for rows_total in (1, 10**9):
+            assert (_configs.project_rows(D, rows_total, 132, limit)
+                    == _configs.project_rows(D, rows_total, 132))
+
+
+@pytest.mark.parametrize("gpu", ["sm_80", "sm_86"])
+def test_smaller_gpus_get_launches_that_fit_or_a_clear_error(gpu):
+    limit, cc = SMEM_OPTIN[gpu], int(gpu[3:])
+    for d in _configs.supported_head_dims():
+        for precision in _configs.PRECISIONS:
+            for n in (1, 128, 129, 512, 513, 4096):
+                launch = _configs.attention_kernel(d, precision, cc, n, limit)
+                assert launch.smem <= limit, (gpu, d, precision, n, launch)
+    for D in range(4, _configs.MAX_PAIR_DIM + 1, 4):
+        try:
+            _configs.check_projection_fits(D, limit, "GPU 0")
+        except ValueError as error:
+            assert f"pair_dim {D} needs" in str(error) and f"allows {limit}" in str(error)
+            assert _configs.project_smem_bytes(D, 64) > limit
+            continue
+        for rows_total in (1, 10**9):
+            rows = _configs.project_rows(D, rows_total, 108, limit)
+            assert _configs.project_smem_bytes(D, rows) <= limit, (gpu, D, rows)
+        assert _configs.project_smem_bytes(D, _configs.out_project_rows()) <= limit
+
+
+def test_a_too_small_gpu_falls_back_to_the_ffma_attention():
+    launch = _configs.attention_kernel(32, "tf32", 86, 4096, SMEM_OPTIN["sm_86"])
+    assert launch.name == "attention_fp32" and launch.kv_format == _configs.KV_FP32

@@ -70,12 +70,29 @@ def check_dims(pair_dim: int, num_heads: int):
 
 # ---- projections (kernels/project.cu) ----
 
-def project_rows(pair_dim: int, rows_total: int = 1 << 62, sm_count: int = 132) -> int:
+def project_rows(pair_dim: int, rows_total: int = 1 << 62, sm_count: int = 132,
+                 smem_limit: int | None = None) -> int:
     """Rows per block: 128, or 64 when a 128-row tile of D floats would not fit in shared
-    memory, or when 128-row blocks would leave the GPU with under ~4 blocks per SM."""
+    memory (SMEM_LIMIT, or the GPU's smaller `smem_limit`), or when 128-row blocks would
+    leave the GPU with under ~4 blocks per SM."""
     if pair_dim > 320 or rows_total < 4 * 128 * sm_count:
         return 64
+    if smem_limit is not None and project_smem_bytes(pair_dim, 128) > smem_limit:
+        return 64
     return 128
+
+
+def check_projection_fits(pair_dim: int, smem_limit: int, gpu: str = "this GPU"):
+    """A clear error where even 64-row projection blocks need more shared memory than the
+    GPU lets a block have (MaxSharedMemoryPerBlockOptin: 227 KiB on sm_90, 163 KiB on
+    sm_80, 99 KiB on sm_86/89)."""
+    need = project_smem_bytes(pair_dim, 64)
+    if need > smem_limit:
+        fits = max((D for D in range(4, MAX_PAIR_DIM + 1, 4)
+                    if project_smem_bytes(D, 64) <= smem_limit), default=0)
+        raise ValueError(f"pair_dim {pair_dim} needs {need} bytes of shared memory per block "
+                         f"for the projections; {gpu} allows {smem_limit} "
+                         f"(pair_dim up to {fits} fits)")
 
 
 def out_project_rows() -> int:
@@ -315,15 +332,24 @@ def attention_ffma_launch(head_dim: int) -> AttentionLaunch:
 
 @functools.lru_cache(maxsize=None)  # per call: a look-up, not a rebuild
 def attention_kernel(head_dim: int, precision: str, compute_capability: int = 90,
-                     n: int = 1 << 30) -> AttentionLaunch:
+                     n: int = 1 << 30, smem_limit: int | None = None) -> AttentionLaunch:
     """The attention kernel for `precision`: tensor cores (mma.sync, sm_80 and newer) where
-    the head dim allows (attention_mma_head_dims), else the FFMA kernel, which is fp32 (so
-    at least as accurate as any mode asks)."""
+    the head dim allows (attention_mma_head_dims) and its tiles fit in the GPU's shared
+    memory per block (`smem_limit`, default SMEM_LIMIT), else the FFMA kernel, which is
+    fp32 (so at least as accurate as any mode asks)."""
     check_precision(precision)
+    limit = SMEM_LIMIT if smem_limit is None else smem_limit
     variant = _MMA_VARIANT[precision]
     if compute_capability >= 80 and head_dim in attention_mma_head_dims(variant):
-        return attention_mma_launch(head_dim, variant, n=n, compute_capability=compute_capability)
-    return attention_ffma_launch(head_dim)
+        launch = attention_mma_launch(head_dim, variant, n=n,
+                                      compute_capability=compute_capability)
+        if launch.smem <= limit:
+            return launch
+    launch = attention_ffma_launch(head_dim)
+    if launch.smem > limit:
+        raise ValueError(f"head dim {head_dim} needs {launch.smem} bytes of shared memory per "
+                         f"block for the attention; this GPU allows {limit}")
+    return launch
 
 
 def all_configs(arch: str | None = None):

@@ -72,8 +72,16 @@ class DeviceWeights:
             self.w_bias = up(p["bias_proj.weight"])
         self.device_id = device_id
         device = cupy.cuda.Device(device_id)
-        self.sm_count = device.attributes["MultiProcessorCount"]
+        attributes = device.attributes
+        self.sm_count = attributes["MultiProcessorCount"]
         self.compute_capability = int(device.compute_capability)  # "90" -> 90
+        # Shared memory a block may opt into: 227 KiB on sm_90 (the tables' SMEM_LIMIT),
+        # less on other GPUs, where the tables take smaller tiles or a clear error.
+        self.smem_limit = min(_configs.SMEM_LIMIT,
+                              attributes.get("MaxSharedMemoryPerBlockOptin", _configs.SMEM_LIMIT))
+        _configs.check_projection_fits(weights.pair_dim, self.smem_limit,
+                                       f"GPU {device_id} (compute capability "
+                                       f"{self.compute_capability})")
         self.pair_dim, self.num_heads = weights.pair_dim, weights.num_heads
         self.head_dim, self.eps = weights.head_dim, weights.layer_norm_eps
 
@@ -181,7 +189,7 @@ class Forward:
         # `attention` replaces the kernel chosen for this precision (tests and tile sweeps);
         # the projection stores k and v in the form that kernel reads.
         self.attention_kernel = attention or _configs.attention_kernel(
-            d, precision, dw.compute_capability, N)
+            d, precision, dw.compute_capability, N, dw.smem_limit)
         self.kv_format = self.attention_kernel.kv_format
         # The key axis of the bias is padded with -inf to whole key tiles of either
         # attention kernel (at most BIAS_KEY_ALIGN keys; the tensor-core kernel copies
@@ -220,7 +228,7 @@ class Forward:
         sb, si, sj, sc = strides
         x_vec = int(sc == 1 and all(s % 4 == 0 for s in (sb, si, sj))
                     and pair.data.ptr % 16 == 0)
-        rows = _configs.project_rows(self.D, self.M, dw.sm_count)
+        rows = _configs.project_rows(self.D, self.M, dw.sm_count, dw.smem_limit)
         self._launch(
             _configs.project_config(rows, self.project_mma, self.D, self.kv_format),
             "ln_qkvg_project",
