@@ -12,23 +12,20 @@
 //                        o = qkvg[:, 0:D] (attention output, written over q)
 //                        g = qkvg[:, 3D:4D] (sigmoid gate)
 //
-// The products run on FFMA (MMA = 0: fp32, 8x8 register tiles) or on tensor cores
-// (MMA = 1: mma.sync m16n8k8 on operands rounded to TF32, fp32 accumulation; the "tf32"
-// and "bf16" precision modes). With MMA = 1 the A tile is rounded to TF32 once, where it
-// is written to shared memory (so the pair bias, computed from it, is a TF32 product too,
-// as in PyTorch's TF32 mode), and WT must come already rounded (DeviceWeights does it):
-// the fragments are then plain shared-memory loads. LayerNorm statistics, the biases and
-// the gate are fp32 in both.
+// The products run on FFMA (8x8 register tiles per thread, fp32: the "fp32" precision
+// mode). The tensor-core projections of the "tf32" and "bf16" modes are project_mma.cu,
+// whose row-major tiles suit ldmatrix; this k-major tile suits the FFMA threads, which
+// read 4 consecutive rows of one k as one float4. LayerNorm statistics, the biases and
+// the gate are fp32.
 //
 // Launch: grid (ceil(M / BM)), block THREADS = 256, dynamic shared memory
 //   8*BM + 4*(DPAD*ASTR + WSTAGES*BK*WSTR + THREADS) bytes, DPAD = D rounded up to BK.
-// WT is rounded to TF32 when MMA = 1.
 // Pointers (float32 unless noted, M = B*N*N rows):
 //   x     [B, N, N, D] at b*sb + i*si + j*sj + c*sc elements (any strides; x_vec = 1 when
 //         sc == 1 and every row starts 16-byte aligned, enabling float4 loads)
 //   WT    [D, NO] row-major: the PyTorch weight transposed (NO = 4D, or D for out_proj)
 //   mask  [B, N, N] at b*mb + i*mi + j*mj elements, of the type named by mask_kind
-//         (MASK_* below; read as is, so the caller converts nothing), or null
+//         (MASK_* in project_epilogue.cuh; read as is, so the caller converts nothing), or null
 //   qkvg  [M, 4D]; bias [B, H, N, NPK]; out [M, D] contiguous.
 #include "common.cuh"
 #include "mma.cuh"
@@ -45,37 +42,21 @@
 #ifndef PROJECT_MIN_BLOCKS  // resident blocks per SM asked of the compiler (__launch_bounds__):
 #define PROJECT_MIN_BLOCKS 2  // 2: at most 128 registers (shared memory allows 2 up to D = 320);
 #endif                        // 3 (64-row blocks): at most 85
-#ifndef MMA
-#define MMA 0           // 1: tensor cores (TF32), 0: FFMA
-#endif
 #define TROWS (BM / 16) // rows of a BM x BN output tile per thread (thread_row)
 #define TM TROWS        // FFMA: rows per thread: {hm*64 + ty*4 + r}
 // FFMA: columns per thread: 8, as {hn*64 + tx*4 + c}, hn in {0, 1}, c in 0..3.
-#define MT (BM / 32)    // MMA: 16-row m-tiles per warp; the 8 warps are 2 (rows) x 4 (columns)
-// Row strides of As ([k][m]) and Ws ([k][n]), padded by PAD = 8 words: the MMA fragment
-// loads As[k0+t][m0+g] and Ws[k0+t][n0+g] of a warp then fall in banks 8t + g, all
-// distinct (PAD = 4 gives 4t + g: lanes (t, g+4) and (t+1, g) collide; it is used only
-// where the tile of a wide D would not fit in shared memory otherwise).
+// Row strides of As ([k][m]) and Ws ([k][n]), padded by PAD words (8, or 4 where the tile
+// of a wide D would not fit in shared memory otherwise; the FFMA float4 reads are
+// conflict-free either way).
 #ifndef PAD
 #define PAD 8
-#endif
-// How ln_qkvg_project stores k and v, for the attention kernel that reads them:
-// 0 as computed (fp32), 1 rounded to TF32 (attention_tf32 copies them as they are),
-// 2 packed bf16 in the columns [D, 2D): bf16 index c from column D holds k column c for
-// c < D and v column c - D after it (attention_bf16; half the bytes).
-#ifndef KV_FORMAT
-#define KV_FORMAT 0
 #endif
 #define ASTR (BM + PAD)
 #define WSTR (BN + PAD)
 
 // This thread's share of one BM x BN output tile.
 struct Tile {
-#if MMA
-    float c[MT][4][4];  // [m-tile][8-column n-tile][C fragment]
-#else
     float c[TM][8];
-#endif
     __device__ __forceinline__ void zero() {
         float* p = reinterpret_cast<float*>(c);
 #pragma unroll
@@ -83,54 +64,6 @@ struct Tile {
     }
 };
 
-#if MMA
-// acc += a_k[0:BK, warp's rows] x w_k[0:BK, warp's columns] on tensor cores: warp w owns
-// rows (w / 4) * BM/2 + [0, BM/2) and columns (w % 4) * 32 + [0, 32) of the tile.
-__device__ __forceinline__ void multiply_chunk(const float* a_k, const float* w_k, Tile& acc) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
-    const int row0 = (warp / 4) * (BM / 2), col0 = (warp % 4) * 32;
-#pragma unroll
-    for (int kk = 0; kk < BK; kk += 8) {
-        u32 a[MT][4], b[4][2];
-#pragma unroll
-        for (int i = 0; i < MT; ++i) {  // both operands hold TF32 values already
-            const float* p = a_k + (kk + t) * ASTR + row0 + i * 16 + g;
-            a[i][0] = __float_as_uint(p[0]);
-            a[i][1] = __float_as_uint(p[8]);
-            a[i][2] = __float_as_uint(p[4 * ASTR]);
-            a[i][3] = __float_as_uint(p[4 * ASTR + 8]);
-        }
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-            const float* p = w_k + (kk + t) * WSTR + col0 + j * 8 + g;
-            b[j][0] = __float_as_uint(p[0]);
-            b[j][1] = __float_as_uint(p[4 * WSTR]);
-        }
-#pragma unroll
-        for (int i = 0; i < MT; ++i)
-#pragma unroll
-            for (int j = 0; j < 4; ++j)
-                mma_tf32(acc.c[i][j], a[i][0], a[i][1], a[i][2], a[i][3], b[j][0], b[j][1]);
-    }
-}
-
-// Column n of this thread's j-th value pair of the pass at n0 (j < 4; the pair is n, n+1).
-__device__ __forceinline__ int pair_column(int n0, int j) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    return n0 + (warp % 4) * 32 + j * 8 + 2 * (lane & 3);
-}
-
-// Row slot s < TROWS of this thread: its block row, and its value pair at column pair j
-// (slot = 2 m-tile + half: rows g and g + 8 of the m-tile, stored together).
-#define SLOT_RUN 2
-__device__ __forceinline__ int thread_row(int s) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    return (warp / 4) * (BM / 2) + (s / 2) * 16 + (lane >> 2) + 8 * (s % 2);
-}
-__device__ __forceinline__ float* pair_at(Tile& acc, int s, int j) {
-    return &acc.c[s / 2][j][2 * (s % 2)];
-}
-#else
 // acc += a_k[0:BK, thread's rows] x w_k[0:BK, thread's columns], 8x8 outer products.
 __device__ __forceinline__ void multiply_chunk(const float* a_k, const float* w_k, Tile& acc) {
     const int ty = threadIdx.x / 16, tx = threadIdx.x % 16;
@@ -165,70 +98,14 @@ __device__ __forceinline__ int thread_row(int s) {
     return (s / 4) * 64 + (threadIdx.x / 16) * 4 + (s % 4);
 }
 __device__ __forceinline__ float* pair_at(Tile& acc, int s, int j) { return &acc.c[s][2 * j]; }
-#endif
 
-// The epilogues decide what a column pair is once (q, k/v or gate; in range), transform
-// its values in place, then store the tile: deciding per value made the epilogue as many
-// instructions as the products.
-
-// Every value pair this thread holds at its column pair j becomes f(pair + biases cb).
-template <class F>
-__device__ __forceinline__ void map_column(Tile& acc, int j, float2 cb, F f) {
-#pragma unroll
-    for (int s = 0; s < TROWS; ++s) {
-        float* const p = pair_at(acc, s, j);
-        const float2 v = f(make_float2(p[0] + cb.x, p[1] + cb.y));
-        p[0] = v.x;
-        p[1] = v.y;
-    }
-}
-
-__device__ __forceinline__ void st2(float* p, float2 v) { *reinterpret_cast<float2*>(p) = v; }
-
-// Store this thread's value pairs: column pair j of block row r at base + r * ld + col[j]
-// (in floats), as a float pair, or only its first word where packed[j] (two bf16). Column
-// pairs with col[j] < 0 and rows from rows_here on are skipped. A row's column pairs go
-// out one after another, as the fragments hold them: storing column pair by column pair
-// (every row of one pair, then the next) made the stores take about twice as long
-// (measured, benchmarks/NOTES.md).
-__device__ __forceinline__ void store_pairs(Tile& acc, float* base, const int (&col)[4],
-                                            const bool (&packed)[4], int ld, int rows_here) {
-#pragma unroll
-    for (int s0 = 0; s0 < TROWS; s0 += SLOT_RUN)
-#pragma unroll
-        for (int j = 0; j < 4; ++j)
-#pragma unroll
-            for (int h = 0; h < SLOT_RUN; ++h) {
-                const int r = thread_row(s0 + h);
-                if (col[j] < 0 || r >= rows_here) continue;
-                const float* const p = pair_at(acc, s0 + h, j);
-                float* const dst = base + (r * ld + col[j]);
-                if (packed[j])
-                    *dst = p[0];
-                else
-                    st2(dst, make_float2(p[0], p[1]));
-            }
-}
-
-// The output biases of this thread's value pairs in the pass at n0 (0 past NO): four
-// independent loads, so the epilogue waits for them once (a load per value pair, each
-// waited for in turn, was ~8% of the projection's stalls). Loaded after the pass's
-// product: kept live across it they push the FFMA tiles into spills.
-__device__ __forceinline__ void load_column_biases(const float* __restrict__ bvec, int n0,
-                                                   int NO, float2 (&cb)[4]) {
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-        const int n = pair_column(n0, j);  // even, NO even: n < NO covers n + 1
-        cb[j] = n < NO ? ld2(bvec + n) : make_float2(0.f, 0.f);
-    }
-}
+#include "project_epilogue.cuh"
 
 // acc += As[0:dpad, the block's rows] x WT[0:D, n0 + the block's columns].
 // As is [dpad][ASTR] (k-major: an FFMA thread's 4 consecutive rows are one float4); Ws is
 // a ring of WSTAGES weight chunks [BK][WSTR], copied with cp.async WSTAGES - 1 chunks
-// ahead of their product: a chunk is little work (2 mma k-steps), so one chunk ahead left
-// each waiting on its L2 latency. WT is used as stored (rounded to TF32 beforehand for the
-// tensor cores). Ends with a barrier, so the caller may reuse Ws at once.
+// ahead of their product: a chunk is little work, so one chunk ahead left each waiting on
+// its L2 latency. Ends with a barrier, so the caller may reuse Ws at once.
 __device__ __forceinline__ void block_gemm(const float* As, const float* __restrict__ WT,
                                            int D, int dpad, int NO, int n0, float* Ws,
                                            Tile& acc) {
@@ -279,45 +156,6 @@ __device__ __forceinline__ void project_columns(const float* As, const float* __
         load_column_biases(bvec, n0, NO, cb);
         store(acc, n0, cb);
     }
-}
-
-// mask_kind: how to read one mask element; "masked" means the element equals zero.
-#define MASK_NONE 0
-#define MASK_1BYTE 1   // bool, int8, uint8
-#define MASK_2BYTE 2   // int16, uint16
-#define MASK_4BYTE 3   // int32, uint32
-#define MASK_8BYTE 4   // int64, uint64
-#define MASK_F16 5
-#define MASK_F32 6
-#define MASK_F64 7
-
-__device__ __forceinline__ bool mask_keeps(const void* mask, int kind, i64 off) {
-    switch (kind) {
-        case MASK_NONE: return true;
-        case MASK_1BYTE: return static_cast<const unsigned char*>(mask)[off] != 0;
-        case MASK_2BYTE: return static_cast<const unsigned short*>(mask)[off] != 0;
-        case MASK_4BYTE: return static_cast<const unsigned int*>(mask)[off] != 0u;
-        case MASK_8BYTE: return static_cast<const unsigned long long*>(mask)[off] != 0ull;
-        // +0 and -0 are the only half-precision zeros; NaN keeps, as in the reference.
-        case MASK_F16: return (static_cast<const unsigned short*>(mask)[off] & 0x7fffu) != 0u;
-        case MASK_F32: return static_cast<const float*>(mask)[off] != 0.f;
-        default: return static_cast<const double*>(mask)[off] != 0.0;
-    }
-}
-
-// 1 / (1 + e^-z) from one MUFU exp2 and a fast reciprocal (relative error ~1e-7, far
-// inside every mode's bound); e^-z overflowing to inf gives 0, as it should.
-__device__ __forceinline__ float sigmoid(float z) {
-    return __fdividef(1.0f, 1.0f + fast_exp2(-z * LOG2E_F));
-}
-
-// A value as the products take it: rounded to TF32 for the tensor cores, else as is.
-__device__ __forceinline__ float operand(float a) {
-#if MMA
-    return __uint_as_float(to_tf32(a));
-#else
-    return a;
-#endif
 }
 
 // As[k][m] = the float4 load(ml, k) gives for columns k..k+3 of block row ml, for every
@@ -428,7 +266,7 @@ ln_qkvg_project(const float* __restrict__ x, i64 sb, i64 si, i64 sj, i64 sc, int
         // latency was 8% of the kernel's stall samples).
 #pragma unroll 4
         for (int k = part; k < D; k += parts)
-            col[k * ASTR] = operand((col[k * ASTR] - mu) * rstd * __ldg(gamma + k) + __ldg(beta + k));
+            col[k * ASTR] = (col[k * ASTR] - mu) * rstd * __ldg(gamma + k) + __ldg(beta + k);
     }
     __syncthreads();  // normalised tile complete
 
@@ -453,12 +291,7 @@ ln_qkvg_project(const float* __restrict__ x, i64 sb, i64 si, i64 sj, i64 sc, int
             part[3] = fmaf(s.As[(k + 3) * ASTR + ml], wk.w, part[3]);
         }
         const float dot = (part[0] + part[1]) + (part[2] + part[3]);
-        float* brow = bias + ((b * H + head) * N + i) * (i64)npk;
-        brow[j] = keep ? dot * LOG2E_F : neg_inf();
-        // The key axis is padded to a whole number of attention tiles; -inf there makes
-        // the padded keys weigh exactly 0, so the attention kernel needs no bounds test.
-        if (j == N - 1)
-            for (int jj = N; jj < npk; ++jj) brow[jj] = neg_inf();
+        store_pair_bias(bias, b, i, j, head, H, N, npk, keep, dot);
     }
 
     // 6. q, k, v and gate: every 4D output column of these rows, BN at a time.
@@ -466,41 +299,7 @@ ln_qkvg_project(const float* __restrict__ x, i64 sb, i64 si, i64 sj, i64 sc, int
     float* const block_out = qkvg + m0 * NO;  // row r at r * NO (< 2^31: BM * 4D)
     project_columns(s.As, WT, D, dpad, NO, b_qkvg, s.Ws,
                     [&](Tile& acc, int n0, const float2 (&cb)[4]) {
-        int col[4];
-        bool packed[4];
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-            const int n = pair_column(n0, j);
-            col[j] = n < NO ? n : -1;
-            packed[j] = false;
-            // n even, D % 4 == 0: no pair straddles two of q (n < D), k, v, gate (n >= 3D).
-            if (n >= NO) continue;
-            if (n < D) {
-                map_column(acc, j, cb[j], [&](float2 v) {
-                    return make_float2(v.x * q_scale, v.y * q_scale);
-                });
-            } else if (n >= 3 * D) {
-                map_column(acc, j, cb[j], [](float2 v) {
-                    return make_float2(sigmoid(v.x), sigmoid(v.y));
-                });
-            } else {
-#if KV_FORMAT == 2  // bf16 index n - D from column D (see KV_FORMAT); a row is NO words
-                map_column(acc, j, cb[j], [](float2 v) {
-                    return make_float2(__uint_as_float(pack_bf16(v.x, v.y)), 0.f);
-                });
-                col[j] = D + (n - D) / 2;  // n - D even: a whole word
-                packed[j] = true;
-#else
-                map_column(acc, j, cb[j], [](float2 v) {
-#if KV_FORMAT == 1
-                    v = make_float2(__uint_as_float(to_tf32(v.x)), __uint_as_float(to_tf32(v.y)));
-#endif
-                    return v;
-                });
-#endif
-            }
-        }
-        store_pairs(acc, block_out, col, packed, NO, rows_here);
+        store_qkvg(acc, n0, cb, D, q_scale, block_out, rows_here);
     });
 }
 
@@ -510,7 +309,6 @@ gated_out_project(const float* __restrict__ qkvg, i64 M, int D,
                   float* __restrict__ out) {
     const int dpad = (D + BK - 1) / BK * BK;
     const SmemLayout s = smem_layout(dpad);
-    const int t = threadIdx.x;
     const i64 m0 = (i64)blockIdx.x * BM, ld = 4LL * D;
 
     // 1. A = g * o, transposed into As[k][m]: the gated intermediate exists only here.
@@ -519,8 +317,7 @@ gated_out_project(const float* __restrict__ qkvg, i64 M, int D,
         if (m0 + ml >= M || k >= D) return zero4();
         const float* row = qkvg + (m0 + ml) * ld;
         const float4 o = ld4(row + k), g = ld4(row + 3 * D + k);
-        return make_float4(operand(g.x * o.x), operand(g.y * o.y), operand(g.z * o.z),
-                           operand(g.w * o.w));
+        return make_float4(g.x * o.x, g.y * o.y, g.z * o.z, g.w * o.w);
     });
     __syncthreads();  // tile complete before the product reads it
 
@@ -529,14 +326,6 @@ gated_out_project(const float* __restrict__ qkvg, i64 M, int D,
     float* const block_out = out + m0 * D;
     project_columns(s.As, WT, D, dpad, D, b_out, s.Ws,
                     [&](Tile& acc, int n0, const float2 (&cb)[4]) {
-        int col[4];
-        const bool packed[4] = {false, false, false, false};
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-            const int n = pair_column(n0, j);
-            col[j] = n < D ? n : -1;
-            if (n < D) map_column(acc, j, cb[j], [](float2 v) { return v; });
-        }
-        store_pairs(acc, block_out, col, packed, D, rows_here);
+        store_out(acc, n0, cb, D, block_out, rows_here);
     });
 }

@@ -32,15 +32,18 @@ def kernel_source(filename: str) -> str:
     return _kernels_folder().joinpath(filename).read_text()
 
 
-def _expand(filename: str, seen: frozenset = frozenset()) -> str:
+def _expand(filename: str, seen: set) -> str:
+    """The file with its local headers inlined, each once per compilation (what their
+    #pragma once would do; `seen` collects the names inlined so far)."""
     if filename in seen:
-        return ""  # headers use #pragma once; this also stops accidental cycles
+        return ""
+    seen.add(filename)
     text = kernel_source(filename)
     pieces, last = [], 0
     for match in _INCLUDE.finditer(text):
         line = text.count("\n", 0, match.start()) + 1
         pieces.append(text[last:match.start()])
-        pieces.append(_expand(match.group(1), seen | {filename}))
+        pieces.append(_expand(match.group(1), seen))
         pieces.append(f'\n#line {line + 1} "kernels/{filename}"\n')
         last = match.end() + 1
     pieces.append(text[last:])
@@ -50,7 +53,7 @@ def _expand(filename: str, seen: frozenset = frozenset()) -> str:
 def full_source(filename: str, defines: tuple[tuple[str, int], ...]) -> str:
     """The compilable text: the `#define`s, then the file with its headers inlined."""
     head = "".join(f"#define {name} {value}\n" for name, value in defines)
-    return head + _expand(filename)
+    return head + _expand(filename, set())
 
 
 @functools.lru_cache(maxsize=None)

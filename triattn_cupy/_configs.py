@@ -104,28 +104,29 @@ def out_project_rows() -> int:
 
 
 def project_pad(pair_dim: int) -> int:
-    """Row padding of the shared-memory tiles: 8 words keeps the tensor-core fragment loads
-    free of bank conflicts; 4 where the 64-row tile of a wide D would not fit otherwise."""
+    """Row padding of project.cu's k-major tiles: 8 words, or 4 where the 64-row tile of a
+    wide D would not fit otherwise (the FFMA float4 reads are conflict-free with either)."""
     return 8 if pair_dim <= 640 else 4
 
 
-# How the projection stores k and v (project.cu KV_FORMAT): as computed (fp32), rounded to
-# TF32, or packed bf16; the attention kernel that reads them names its format.
+# How the projection stores k and v (project_epilogue.cuh KV_FORMAT): as computed (fp32),
+# rounded to TF32, or packed bf16; the attention kernel that reads them names its format.
 KV_FP32, KV_TF32, KV_BF16 = 0, 1, 2
 
 
 @functools.lru_cache(maxsize=None)  # per call: a look-up, not a rebuild
 def project_config(rows: int, tensor_cores: bool = False, pair_dim: int = 128,
                    kv_format: int = KV_FP32) -> KernelConfig:
-    """rows per block; tensor_cores: TF32 mma.sync products (the tf32 and bf16 modes);
-    kv_format: how k and v are stored, for the attention kernel (KV_*)."""
+    """rows per block; tensor_cores: TF32 mma.sync products (the tf32 and bf16 modes,
+    project_mma.cu), else FFMA (project.cu); kv_format: how k and v are stored, for the
+    attention kernel (KV_*)."""
     # 64-row blocks fit in 80 registers: 3 per SM where shared memory allows (D <= 128),
     # one wave instead of two for a small problem such as 2x128x64x4.
-    return KernelConfig("project.cu", (("BM", rows), ("MMA", int(tensor_cores)),
-                                       ("PAD", project_pad(pair_dim)),
-                                       ("WSTAGES", project_weight_stages(pair_dim, rows)),
-                                       ("KV_FORMAT", kv_format),
-                                       ("PROJECT_MIN_BLOCKS", 3 if rows == 64 else 2)))
+    shape = (("BM", rows), ("WSTAGES", project_weight_stages(pair_dim, rows, tensor_cores)),
+             ("KV_FORMAT", kv_format), ("PROJECT_MIN_BLOCKS", 3 if rows == 64 else 2))
+    if tensor_cores:
+        return KernelConfig("project_mma.cu", shape)
+    return KernelConfig("project.cu", shape + (("PAD", project_pad(pair_dim)),))
 
 
 def project_uses_tensor_cores(precision: str, compute_capability: int = 90) -> bool:
@@ -138,23 +139,31 @@ def project_uses_tensor_cores(precision: str, compute_capability: int = 90) -> b
 SMEM_LIMIT = 227 * 1024  # dynamic shared memory a block may opt into on sm_80 / sm_90
 
 
-def _project_smem(pair_dim: int, bm: int, weight_stages: int) -> int:
-    """rowoff (8 per row), As [DPAD][BM+PAD], Ws [WSTAGES][BK][BN+PAD], red [THREADS]."""
+def _project_smem(pair_dim: int, bm: int, weight_stages: int, tensor_cores: bool) -> int:
+    """project.cu: rowoff (8 per row), As [DPAD][BM+PAD], Ws [WSTAGES][BK][BN+PAD],
+    red [THREADS]; project_mma.cu: rowoff, As [BM][DPAD+4], Ws [WSTAGES][BN][BK+4]."""
     dpad = -(-pair_dim // _PROJECT_BK) * _PROJECT_BK
+    if tensor_cores:
+        return 8 * bm + 4 * (bm * (dpad + 4) + weight_stages * _PROJECT_BN * (_PROJECT_BK + 4))
     pad = project_pad(pair_dim)
     return 8 * bm + 4 * (dpad * (bm + pad) + weight_stages * _PROJECT_BK * (_PROJECT_BN + pad)
                          + PROJECT_THREADS)
 
 
-def project_weight_stages(pair_dim: int, bm: int) -> int:
+def project_weight_stages(pair_dim: int, bm: int, tensor_cores: bool = False) -> int:
     """Weight chunks in the projection's cp.async ring: 4, or 2 where the row tile of a
     wide D leaves no room for more."""
-    return 4 if _project_smem(pair_dim, bm, 4) <= SMEM_LIMIT else 2
+    return 4 if _project_smem(pair_dim, bm, 4, tensor_cores) <= SMEM_LIMIT else 2
 
 
 @functools.lru_cache(maxsize=None)  # per call: a look-up, not a rebuild
-def project_smem_bytes(pair_dim: int, bm: int) -> int:
-    return _project_smem(pair_dim, bm, project_weight_stages(pair_dim, bm))
+def project_smem_bytes(pair_dim: int, bm: int, tensor_cores: bool | None = None) -> int:
+    """Dynamic shared memory of a projection block; tensor_cores None: the larger of the
+    two kernels' (what a GPU must allow for every precision)."""
+    if tensor_cores is None:
+        return max(project_smem_bytes(pair_dim, bm, mma) for mma in (False, True))
+    return _project_smem(pair_dim, bm, project_weight_stages(pair_dim, bm, tensor_cores),
+                         tensor_cores)
 
 
 # ---- attention (kernels/attention.cu) ----

@@ -1,13 +1,13 @@
 """The GPU forward pass: device weights, argument conversion and the kernel launches.
 
 Stages (one launch each):
-  project    LayerNorm + q/k/v/gate + pair bias with the mask folded in  (project.cu);
-             the mask is read in place, in its own dtype and strides; FFMA products
-             for "fp32", TF32 tensor cores for "tf32" and "bf16" (sm_80+)
+  project    LayerNorm + q/k/v/gate + pair bias with the mask folded in; the mask is
+             read in place, in its own dtype and strides; FFMA products for "fp32"
+             (project.cu), TF32 tensor cores for "tf32" and "bf16" (project_mma.cu, sm_80+)
   attention  flash-style softmax attention, o written over q: tensor cores for head dims
              that are multiples of 8 on sm_80+ (attention_mma.cu: 3xTF32 for "fp32",
              TF32, bf16), else FFMA fp32 (attention.cu)
-  out        (g * o) Wo^T + bo, products as in project              (project.cu)
+  out        (g * o) Wo^T + bo, products as in project  (project.cu / project_mma.cu)
 Scratch: qkvg [M, 4D] and bias [B, h, N, NPK] float32, taken from CuPy's memory pool. The
 tf32 and bf16 attention kernels read k and v in their tensor-core form, which the
 projection writes for them (rounded to TF32, or packed bf16 in the k columns: half the
@@ -58,14 +58,15 @@ class DeviceWeights:
             def up(a):
                 return cupy.asarray(np.ascontiguousarray(a, dtype=np.float32))
 
-            # Transposed [D_in, D_out] so that a block's weight chunk is a row slice.
-            self.w_qkvg_t = up(np.concatenate(
-                [p[f"{n}.weight"] for n in ("query", "key", "value", "gate")], axis=0).T)
-            self.b_qkvg = up(np.concatenate([p[f"{n}.bias"] for n in ("query", "key", "value", "gate")]))
+            w_qkvg = np.concatenate([p[f"{n}.weight"] for n in ("query", "key", "value", "gate")])
+            # FFMA (project.cu): transposed [D_in, D_out], a block's weight chunk a row slice.
+            self.w_qkvg_t = up(w_qkvg.T)
             self.w_out_t = up(p["out_proj.weight"].T)
-            # The same, rounded to TF32 once, for the tensor-core projections.
-            self.w_qkvg_t_tf32 = round_tf32(self.w_qkvg_t)
-            self.w_out_t_tf32 = round_tf32(self.w_out_t)
+            # Tensor cores (project_mma.cu): as PyTorch stores them, [D_out, D_in], each
+            # row an ldmatrix row, rounded to TF32 once.
+            self.w_qkvg_tf32 = round_tf32(up(w_qkvg))
+            self.w_out_tf32 = round_tf32(up(p["out_proj.weight"]))
+            self.b_qkvg = up(np.concatenate([p[f"{n}.bias"] for n in ("query", "key", "value", "gate")]))
             self.b_out = up(p["out_proj.bias"])
             self.gamma = up(p["layer_norm.weight"])
             self.beta = up(p["layer_norm.bias"])
@@ -237,10 +238,10 @@ class Forward:
             (pair, _i64(sb), _i64(si), _i64(sj), _i64(sc), _i32(x_vec),
              _i32(self.B), _i32(self.N), _i32(self.D), _i32(self.H),
              _f32(dw.eps), _f32(LOG2E / math.sqrt(self.d)),
-             dw.gamma, dw.beta, dw.w_qkvg_t_tf32 if self.project_mma else dw.w_qkvg_t,
+             dw.gamma, dw.beta, dw.w_qkvg_tf32 if self.project_mma else dw.w_qkvg_t,
              dw.b_qkvg, dw.w_bias, *self._mask_args(),
              self.qkvg, self.bias, _i32(self.npk)),
-            _configs.project_smem_bytes(self.D, rows))
+            _configs.project_smem_bytes(self.D, rows, self.project_mma))
 
     def attention(self, launch: "_configs.AttentionLaunch | None" = None):
         """The attention stage; `launch` replaces the kernel chosen for this forward (tile
@@ -265,8 +266,8 @@ class Forward:
             -(-self.M // rows),
             _configs.PROJECT_THREADS,
             (self.qkvg, _i64(self.M), _i32(self.D),
-             dw.w_out_t_tf32 if self.project_mma else dw.w_out_t, dw.b_out, self.out),
-            _configs.project_smem_bytes(self.D, rows))
+             dw.w_out_tf32 if self.project_mma else dw.w_out_t, dw.b_out, self.out),
+            _configs.project_smem_bytes(self.D, rows, self.project_mma))
 
     def stages(self):
         return [("layernorm+projections", self.project),

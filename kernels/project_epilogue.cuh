@@ -1,0 +1,174 @@
+// What the two projection kernels (project.cu: FFMA, project_mma.cu: tensor cores) share:
+// the mask reader, the gate's sigmoid, and the epilogues that turn a block's output tile
+// into q, k, v, gate or the output. Included after the kernel file has defined its tile:
+//   Tile (acc.c), TROWS, SLOT_RUN and
+//   pair_column(n0, j)  column of this thread's j-th value pair (j < 4) of the pass at n0
+//   thread_row(s)       block row of this thread's row slot s < TROWS
+//   pair_at(acc, s, j)  the value pair of slot s at column pair j
+#pragma once
+#include "common.cuh"
+#include "mma.cuh"
+
+// mask_kind: how to read one mask element; "masked" means the element equals zero.
+#define MASK_NONE 0
+#define MASK_1BYTE 1   // bool, int8, uint8
+#define MASK_2BYTE 2   // int16, uint16
+#define MASK_4BYTE 3   // int32, uint32
+#define MASK_8BYTE 4   // int64, uint64
+#define MASK_F16 5
+#define MASK_F32 6
+#define MASK_F64 7
+
+__device__ __forceinline__ bool mask_keeps(const void* mask, int kind, i64 off) {
+    switch (kind) {
+        case MASK_NONE: return true;
+        case MASK_1BYTE: return static_cast<const unsigned char*>(mask)[off] != 0;
+        case MASK_2BYTE: return static_cast<const unsigned short*>(mask)[off] != 0;
+        case MASK_4BYTE: return static_cast<const unsigned int*>(mask)[off] != 0u;
+        case MASK_8BYTE: return static_cast<const unsigned long long*>(mask)[off] != 0ull;
+        // +0 and -0 are the only half-precision zeros; NaN keeps, as in the reference.
+        case MASK_F16: return (static_cast<const unsigned short*>(mask)[off] & 0x7fffu) != 0u;
+        case MASK_F32: return static_cast<const float*>(mask)[off] != 0.f;
+        default: return static_cast<const double*>(mask)[off] != 0.0;
+    }
+}
+
+// One pair-bias value: bias[b, head, i, j] = log2(e) * dot, or -inf where the mask drops
+// (b, i, j). The key axis is padded to a whole number of attention tiles (npk); -inf there
+// makes the padded keys weigh exactly 0, so the attention kernel needs no bounds test.
+__device__ __forceinline__ void store_pair_bias(float* __restrict__ bias, i64 b, i64 i, i64 j,
+                                                int head, int H, int N, int npk, bool keep,
+                                                float dot) {
+    float* const brow = bias + ((b * H + head) * N + i) * (i64)npk;
+    brow[j] = keep ? dot * LOG2E_F : neg_inf();
+    if (j == N - 1)
+        for (int jj = N; jj < npk; ++jj) brow[jj] = neg_inf();
+}
+
+// 1 / (1 + e^-z) from one MUFU exp2 and a fast reciprocal (relative error ~1e-7, far
+// inside every mode's bound); e^-z overflowing to inf gives 0, as it should.
+__device__ __forceinline__ float sigmoid(float z) {
+    return __fdividef(1.0f, 1.0f + fast_exp2(-z * LOG2E_F));
+}
+
+// The epilogues decide what a column pair is once (q, k/v or gate; in range), transform
+// its values in place, then store the tile: deciding per value made the epilogue as many
+// instructions as the products.
+
+// Every value pair this thread holds at its column pair j becomes f(pair + biases cb).
+template <class F>
+__device__ __forceinline__ void map_column(Tile& acc, int j, float2 cb, F f) {
+#pragma unroll
+    for (int s = 0; s < TROWS; ++s) {
+        float* const p = pair_at(acc, s, j);
+        const float2 v = f(make_float2(p[0] + cb.x, p[1] + cb.y));
+        p[0] = v.x;
+        p[1] = v.y;
+    }
+}
+
+__device__ __forceinline__ void st2(float* p, float2 v) { *reinterpret_cast<float2*>(p) = v; }
+
+// Store this thread's value pairs: column pair j of block row r at base + r * ld + col[j]
+// (in floats), as a float pair, or only its first word where packed[j] (two bf16). Column
+// pairs with col[j] < 0 and rows from rows_here on are skipped. A row's column pairs go
+// out one after another, as the fragments hold them: storing column pair by column pair
+// (every row of one pair, then the next) made the stores take about twice as long
+// (measured, benchmarks/NOTES.md).
+__device__ __forceinline__ void store_pairs(Tile& acc, float* base, const int (&col)[4],
+                                            const bool (&packed)[4], int ld, int rows_here) {
+#pragma unroll
+    for (int s0 = 0; s0 < TROWS; s0 += SLOT_RUN)
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+#pragma unroll
+            for (int h = 0; h < SLOT_RUN; ++h) {
+                const int r = thread_row(s0 + h);
+                if (col[j] < 0 || r >= rows_here) continue;
+                const float* const p = pair_at(acc, s0 + h, j);
+                float* const dst = base + (r * ld + col[j]);
+                if (packed[j])
+                    *dst = p[0];
+                else
+                    st2(dst, make_float2(p[0], p[1]));
+            }
+}
+
+// The output biases of this thread's value pairs in the pass at n0 (0 past NO): four
+// independent loads, so the epilogue waits for them once (a load per value pair, each
+// waited for in turn, was ~8% of the projection's stalls). Loaded after the pass's
+// product: kept live across it they push the FFMA tiles into spills.
+__device__ __forceinline__ void load_column_biases(const float* __restrict__ bvec, int n0,
+                                                   int NO, float2 (&cb)[4]) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        const int n = pair_column(n0, j);  // even, NO even: n < NO covers n + 1
+        cb[j] = n < NO ? ld2(bvec + n) : make_float2(0.f, 0.f);
+    }
+}
+
+// How ln_qkvg_project stores k and v, for the attention kernel that reads them:
+// 0 as computed (fp32), 1 rounded to TF32 (attention_tf32 copies them as they are),
+// 2 packed bf16 in the columns [D, 2D): bf16 index c from column D holds k column c for
+// c < D and v column c - D after it (attention_bf16; half the bytes).
+#ifndef KV_FORMAT
+#define KV_FORMAT 0
+#endif
+
+// The pass at n0 of ln_qkvg_project (acc = xn [Wq; Wk; Wv; Wg]^T at columns n0 + ...,
+// cb their biases) into the block's rows of qkvg (block_out, rows of NO = 4D floats):
+// q scaled by q_scale, k and v as KV_FORMAT says, the gate through sigmoid.
+__device__ __forceinline__ void store_qkvg(Tile& acc, int n0, const float2 (&cb)[4], int D,
+                                           float q_scale, float* block_out, int rows_here) {
+    const int NO = 4 * D;
+    int col[4];
+    bool packed[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        const int n = pair_column(n0, j);
+        col[j] = n < NO ? n : -1;
+        packed[j] = false;
+        // n even, D % 4 == 0: no pair straddles two of q (n < D), k, v, gate (n >= 3D).
+        if (n >= NO) continue;
+        if (n < D) {
+            map_column(acc, j, cb[j], [&](float2 v) {
+                return make_float2(v.x * q_scale, v.y * q_scale);
+            });
+        } else if (n >= 3 * D) {
+            map_column(acc, j, cb[j], [](float2 v) {
+                return make_float2(sigmoid(v.x), sigmoid(v.y));
+            });
+        } else {
+#if KV_FORMAT == 2  // bf16 index n - D from column D (see KV_FORMAT); a row is NO words
+            map_column(acc, j, cb[j], [](float2 v) {
+                return make_float2(__uint_as_float(pack_bf16(v.x, v.y)), 0.f);
+            });
+            col[j] = D + (n - D) / 2;  // n - D even: a whole word
+            packed[j] = true;
+#else
+            map_column(acc, j, cb[j], [](float2 v) {
+#if KV_FORMAT == 1
+                v = make_float2(__uint_as_float(to_tf32(v.x)), __uint_as_float(to_tf32(v.y)));
+#endif
+                return v;
+            });
+#endif
+        }
+    }
+    store_pairs(acc, block_out, col, packed, NO, rows_here);
+}
+
+// The pass at n0 of gated_out_project (acc = (g * o) Wo^T, cb the biases bo) into the
+// block's rows of out (rows of D floats).
+__device__ __forceinline__ void store_out(Tile& acc, int n0, const float2 (&cb)[4], int D,
+                                          float* block_out, int rows_here) {
+    int col[4];
+    const bool packed[4] = {false, false, false, false};
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        const int n = pair_column(n0, j);
+        col[j] = n < D ? n : -1;
+        if (n < D) map_column(acc, j, cb[j], [](float2 v) { return v; });
+    }
+    store_pairs(acc, block_out, col, packed, D, rows_here);
+}

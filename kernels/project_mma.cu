@@ -1,0 +1,351 @@
+// The two projection GEMMs on tensor cores (the "tf32" and "bf16" precision modes; the
+// FFMA projections of "fp32" are project.cu, which computes the same). Each block owns BM
+// rows (pair positions), holds their whole D-wide row tile in shared memory, and computes
+// every output column of those rows, so the pair representation is read once.
+//
+//   ln_qkvg_project:   xn = LayerNorm(x)                              # [M, D]
+//                      qkvg = xn [Wq; Wk; Wv; Wg]^T + [bq; bk; bv; bg] # [M, 4D]
+//                        q columns scaled by log2(e)/sqrt(d), gate columns through sigmoid,
+//                        k and v stored as KV_FORMAT says (project_epilogue.cuh)
+//                      bias[b, head, i, j] = log2(e) * xn[m] . Wb[head]  # m = (b, i, j)
+//                        -inf where mask[b, i, j] == 0, and on the padded keys j in [N, NPK)
+//   gated_out_project: out = (g * o) Wo^T + bo                        # [M, D]
+//                        o = qkvg[:, 0:D] (attention output, written over q)
+//                        g = qkvg[:, 3D:4D] (sigmoid gate)
+//
+// Products: mma.sync m16n8k8 on TF32 operands, fp32 accumulation. The row tile is rounded
+// to TF32 once, where it is normalised (so the pair bias, computed from it, is a TF32
+// product too, as in PyTorch's TF32 mode); W comes rounded already (DeviceWeights).
+// LayerNorm statistics, the biases and the gate are fp32.
+//
+// Both operands are row-major with k fastest, as ldmatrix wants them: the row tile As
+// [BM][dpad + 4] and the weight W [NO][D] exactly as PyTorch stores it, streamed through a
+// ring of chunks [BN][BK + 4]. A row stride of 4 (mod 8) words puts the 8 rows an ldmatrix
+// phase reads on distinct 16-byte bank groups, and one ldmatrix.x4 then gives a whole
+// m16n8k8 A fragment, or the B fragments of two n-tiles (4 scalar loads each before).
+//
+// Launch: grid (ceil(M / BM)), block THREADS = 256, dynamic shared memory
+//   8*BM + 4*(BM*(DPAD + 4) + WSTAGES*BN*(BK + 4)) bytes, DPAD = D rounded up to BK.
+// Pointers (float32 unless noted, M = B*N*N rows, D % 4 == 0):
+//   x     [B, N, N, D] at b*sb + i*si + j*sj + c*sc elements (any strides; x_vec = 1 when
+//         sc == 1 and every row starts 16-byte aligned: rows copied with cp.async)
+//   W     [NO, D] row-major, rounded to TF32 (NO = 4D, or D for out_proj)
+//   mask  [B, N, N] at b*mb + i*mi + j*mj elements, of the type named by mask_kind
+//         (MASK_* in project_epilogue.cuh), or null
+//   qkvg  [M, 4D]; bias [B, H, N, NPK]; out [M, D] contiguous.
+#include "common.cuh"
+#include "mma.cuh"
+
+#ifndef BM
+#define BM 128          // rows per block: 128, or 64 (small problems, wide D, out_proj)
+#endif
+#define BN 128          // output columns per pass
+#define BK 16           // reduction chunk of the weight: 2 mma k-steps
+#ifndef WSTAGES
+#define WSTAGES 4       // weight chunks in the ring (2 where a wide D needs the room)
+#endif
+#define THREADS 256
+#define WARPS (THREADS / 32)
+#ifndef PROJECT_MIN_BLOCKS  // resident blocks per SM asked of the compiler (__launch_bounds__):
+#define PROJECT_MIN_BLOCKS 2  // 2: at most 128 registers; 3 (64-row blocks): at most 80
+#endif
+#define MT (BM / 32)    // 16-row m-tiles per warp; the 8 warps are 2 (rows) x 4 (columns)
+#define TROWS (BM / 16) // row slots per thread (thread_row)
+#define WSTR (BK + 4)   // words per row of a weight chunk: 20 = 4 (mod 8)
+
+// This thread's share of one BM x BN output tile: the C fragments of its warp's
+// BM/2 x 32 corner, [m-tile][8-column n-tile][fragment].
+struct Tile {
+    float c[MT][4][4];
+    __device__ __forceinline__ void zero() {
+#pragma unroll
+        for (int i = 0; i < MT; ++i)
+#pragma unroll
+            for (int j = 0; j < 4; ++j)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) c[i][j][e] = 0.f;
+    }
+};
+
+// Column n of this thread's j-th value pair of the pass at n0 (j < 4; the pair is n, n+1).
+__device__ __forceinline__ int pair_column(int n0, int j) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    return n0 + (warp % 4) * 32 + j * 8 + 2 * (lane & 3);
+}
+
+// Row slot s < TROWS of this thread: its block row, and its value pair at column pair j
+// (slot = 2 m-tile + half: rows g and g + 8 of the m-tile, stored together).
+#define SLOT_RUN 2
+__device__ __forceinline__ int thread_row(int s) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    return (warp / 4) * (BM / 2) + (s / 2) * 16 + (lane >> 2) + 8 * (s % 2);
+}
+__device__ __forceinline__ float* pair_at(Tile& acc, int s, int j) {
+    return &acc.c[s / 2][j][2 * (s % 2)];
+}
+
+#include "project_epilogue.cuh"
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+__device__ __forceinline__ float4 tf32x4(float4 v) {
+    return make_float4(__uint_as_float(to_tf32(v.x)), __uint_as_float(to_tf32(v.y)),
+                       __uint_as_float(to_tf32(v.z)), __uint_as_float(to_tf32(v.w)));
+}
+
+// The weight W [NO][D], BN rows (output columns) x BK at a time, through a cp.async ring
+// of WSTAGES chunks [BN][WSTR]. A pass over the columns at n0 is primed with the first
+// WSTAGES - 1 chunks (prime), then each chunk kc is waited for and chunk kc + WSTAGES - 1
+// issued into the stage kc - 1 used: a chunk is little work, and one chunk ahead left
+// each waiting on its L2 latency. Priming the next pass before this pass's epilogue
+// overlaps the copies with the stores.
+struct WeightRing {
+    u32 ws;                      // shared address of the ring
+    const float* __restrict__ W;
+    int D, NO, nchunks;
+
+    // Chunk kc of the pass at n0 into its stage, one commit group (empty past the last
+    // chunk, so every wait counts the same groups): each thread copies 2 of the BN x BK / 4
+    // 16-byte pieces; rows past NO and columns past D are zero (they meet the zero columns
+    // of As, and an unread garbage NaN would otherwise poison the sum).
+    __device__ __forceinline__ void issue(int n0, int kc) const {
+        if (kc < nchunks) {
+            const u32 stage = ws + 4 * (kc % WSTAGES) * BN * WSTR;
+#pragma unroll
+            for (int p = 0; p < BN * BK / 4 / THREADS; ++p) {
+                const int idx = threadIdx.x + p * THREADS;
+                const int nl = idx / (BK / 4), kl = (idx % (BK / 4)) * 4;
+                const int n = n0 + nl, k = kc * BK + kl;
+                const bool ok = n < NO && k < D;  // D % 4 == 0: k < D covers k + 3
+                cp_async16_or_zero(stage + 4 * (nl * WSTR + kl), ok ? W + (i64)n * D + k : W, ok);
+            }
+        }
+        cp_async_commit();
+    }
+    __device__ __forceinline__ void prime(int n0) const {
+#pragma unroll
+        for (int kc = 0; kc < WSTAGES - 1; ++kc) issue(n0, kc);
+    }
+};
+
+// This lane's ldmatrix row addresses (bytes, shared) for warp w: in As, row
+// (w / 4) * BM/2 + (lane & 15) at column 4 (lane >> 4) (A fragment: matrices rows 0-7 and
+// 8-15 at k, then at k + 4); in a ring stage, row (w % 4) * 32 + (lane & 7) + 8 (lane >> 4)
+// at column 4 ((lane >> 3) & 1) (B fragments of n-tiles j and j + 1, each at k and k + 4).
+__device__ __forceinline__ u32 a_lane_addr(const float* As, int astr) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    return smem_addr(As) + 4 * (((warp / 4) * (BM / 2) + (lane & 15)) * astr + 4 * (lane >> 4));
+}
+__device__ __forceinline__ u32 w_lane_offset() {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    return 4 * (((warp % 4) * 32 + (lane & 7) + 8 * (lane >> 4)) * WSTR + 4 * ((lane >> 3) & 1));
+}
+
+// acc += As[warp's rows, kc*BK + 0:BK] x chunk[warp's columns, 0:BK]^T.
+__device__ __forceinline__ void multiply_chunk(u32 a_lane, int astr, u32 w_lane, Tile& acc) {
+#pragma unroll
+    for (int kk = 0; kk < BK; kk += 8) {
+        u32 a[MT][4], b[4][2];
+#pragma unroll
+        for (int i = 0; i < MT; ++i) ldsm_x4(a[i], a_lane + 4 * (i * 16 * astr + kk));
+#pragma unroll
+        for (int jp = 0; jp < 2; ++jp) {
+            u32 r[4];
+            ldsm_x4(r, w_lane + 4 * (jp * 16 * WSTR + kk));
+            b[2 * jp][0] = r[0];
+            b[2 * jp][1] = r[1];
+            b[2 * jp + 1][0] = r[2];
+            b[2 * jp + 1][1] = r[3];
+        }
+#pragma unroll
+        for (int i = 0; i < MT; ++i)
+#pragma unroll
+            for (int j = 0; j < 4; ++j)
+                mma_tf32(acc.c[i][j], a[i][0], a[i][1], a[i][2], a[i][3], b[j][0], b[j][1]);
+    }
+}
+
+// All NO output columns of the block's rows, BN at a time: acc = As x W[n0 + ..., :]^T,
+// handed with the biases bvec of this thread's column pairs to store(acc, n0, cb), which
+// may change acc. The caller has primed the ring for n0 = 0 (and may have used the wait
+// for its own copies); As is complete and visible.
+template <class Store>
+__device__ __forceinline__ void project_columns(const float* As, int astr, const WeightRing& ring,
+                                                const float* __restrict__ bvec, Store store) {
+    const u32 a_lane = a_lane_addr(As, astr), w_lane = ring.ws + w_lane_offset();
+    for (int n0 = 0; n0 < ring.NO; n0 += BN) {
+        Tile acc;
+        acc.zero();
+        for (int kc = 0; kc < ring.nchunks; ++kc) {
+            cp_async_wait<WSTAGES - 2>();  // this thread's pieces of chunk kc landed
+            __syncthreads();  // everyone's pieces visible; chunk kc - 1 read by every thread
+            ring.issue(n0, kc + WSTAGES - 1);  // into the stage chunk kc - 1 used
+            multiply_chunk(a_lane + 4 * kc * BK, astr,
+                           w_lane + 4 * (kc % WSTAGES) * BN * WSTR, acc);
+        }
+        __syncthreads();  // every thread done with the ring
+        if (n0 + BN < ring.NO) ring.prime(n0 + BN);
+        float2 cb[4];
+        load_column_biases(bvec, n0, ring.NO, cb);
+        store(acc, n0, cb);
+    }
+}
+
+struct SmemLayout {
+    i64* rowoff;    // [BM]   element offset of each row's first value in x
+    float* As;      // [BM][dpad + 4]
+    float* Ws;      // [WSTAGES][BN][WSTR]
+};
+
+__device__ __forceinline__ SmemLayout smem_layout(int dpad) {
+    extern __shared__ float4 smem4[];
+    SmemLayout s;
+    s.rowoff = reinterpret_cast<i64*>(smem4);  // first: 8 * BM bytes keep 16-byte alignment
+    s.As = reinterpret_cast<float*>(s.rowoff + BM);
+    s.Ws = s.As + BM * (dpad + 4);
+    return s;
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS, PROJECT_MIN_BLOCKS)
+ln_qkvg_project(const float* __restrict__ x, i64 sb, i64 si, i64 sj, i64 sc, int x_vec,
+                int B, int N, int D, int H, float eps, float q_scale,
+                const float* __restrict__ gamma, const float* __restrict__ beta,
+                const float* __restrict__ W, const float* __restrict__ b_qkvg,
+                const float* __restrict__ Wb,
+                const void* __restrict__ mask, int mask_kind, i64 mb, i64 mi, i64 mj,
+                float* __restrict__ qkvg, float* __restrict__ bias, int npk) {
+    const int dpad = (D + BK - 1) / BK * BK, astr = dpad + 4;
+    const SmemLayout s = smem_layout(dpad);
+    const int t = threadIdx.x, lane = t & 31, warp = t >> 5;
+    const i64 NN = (i64)N * N, M = (i64)B * NN;
+    const i64 m0 = (i64)blockIdx.x * BM;
+    const int NO = 4 * D;
+    const WeightRing ring{smem_addr(s.Ws), W, D, NO, dpad / BK};
+
+    // 1. Where each row starts in x (64-bit: B*N*N*D passes 2^31 at N ~ 4096).
+    if (t < BM) {
+        const i64 m = min(m0 + t, M - 1);
+        const i64 b = m / NN, r = m - b * NN, i = r / N, j = r - i * N;
+        s.rowoff[t] = b * sb + i * si + j * sj;
+    }
+    __syncthreads();  // rowoff visible to every loader
+
+    // 2. The raw row tile As[m][k], a warp per row, its lanes over consecutive 16 bytes
+    //    (coalesced); zero past M and past D. One commit group, then the first weight
+    //    chunks behind it, so they travel during the LayerNorm.
+    for (int ml = warp; ml < BM; ml += WARPS) {
+        const bool row_ok = m0 + ml < M;
+        const float* const p = x + s.rowoff[ml];
+        float* const dst = s.As + ml * astr;
+        for (int k = 4 * lane; k < dpad; k += 128) {
+            const bool ok = row_ok && k < D;
+            if (x_vec)
+                cp_async16_or_zero(smem_addr(dst + k), ok ? p + k : x, ok);
+            else
+                st4(dst + k, ok ? make_float4(p[k * sc], p[(k + 1) * sc], p[(k + 2) * sc],
+                                              p[(k + 3) * sc])
+                                : zero4());
+        }
+    }
+    cp_async_commit();
+    ring.prime(0);
+    cp_async_wait<WSTAGES - 1>();  // the row tile landed (the weight chunks may not have)
+    __syncthreads();  // every warp's rows visible
+
+    // 3. LayerNorm and the pair bias, a warp per row, lanes over k (no block barriers):
+    //    mean, then squared deviations (two passes: no cancellation), then
+    //    xn = (x - mean) * rstd * gamma + beta rounded to TF32 in place (pad columns stay
+    //    0), then one dot product xn . Wb[head] per head, with the mask folded in.
+    for (int ml = warp; ml < BM; ml += WARPS) {
+        float* const row = s.As + ml * astr;
+        float acc = 0.f;
+        for (int k = 4 * lane; k < D; k += 128) {
+            const float4 v = *reinterpret_cast<const float4*>(row + k);
+            acc += (v.x + v.y) + (v.z + v.w);
+        }
+        const float mu = warp_sum(acc) / D;
+        acc = 0.f;
+        for (int k = 4 * lane; k < D; k += 128) {
+            const float4 v = *reinterpret_cast<const float4*>(row + k);
+            const float dx = v.x - mu, dy = v.y - mu, dz = v.z - mu, dw = v.w - mu;
+            acc = fmaf(dx, dx, fmaf(dy, dy, fmaf(dz, dz, fmaf(dw, dw, acc))));
+        }
+        const float rstd = rsqrtf(warp_sum(acc) / D + eps);  // biased, as torch.nn.LayerNorm
+        for (int k = 4 * lane; k < D; k += 128) {
+            const float4 v = *reinterpret_cast<const float4*>(row + k);
+            const float4 g = ld4(gamma + k), c = ld4(beta + k);
+            st4(row + k, tf32x4(make_float4((v.x - mu) * rstd * g.x + c.x,
+                                            (v.y - mu) * rstd * g.y + c.y,
+                                            (v.z - mu) * rstd * g.z + c.z,
+                                            (v.w - mu) * rstd * g.w + c.w)));
+        }
+        const i64 m = m0 + ml;
+        if (m >= M) continue;  // warp-uniform
+        const i64 b = m / NN, r = m - b * NN, i = r / N, j = r - i * N;
+        const bool keep = mask_keeps(mask, mask_kind, b * mb + i * mi + j * mj);
+        for (int head = 0; head < H; ++head) {
+            const float* const w = Wb + (i64)head * D;
+            float dot = 0.f;
+            for (int k = 4 * lane; k < D; k += 128) {  // this lane's own stores: no barrier
+                const float4 v = *reinterpret_cast<const float4*>(row + k), c = ld4(w + k);
+                dot = fmaf(v.x, c.x, fmaf(v.y, c.y, fmaf(v.z, c.z, fmaf(v.w, c.w, dot))));
+            }
+            dot = warp_sum(dot);
+            if (lane == head % 32) store_pair_bias(bias, b, i, j, head, H, N, npk, keep, dot);
+        }
+    }
+    __syncthreads();  // normalised tile complete
+
+    // 4. q, k, v and gate: every 4D output column of these rows, BN at a time.
+    const int rows_here = (int)min((i64)BM, M - m0);
+    float* const block_out = qkvg + m0 * NO;  // row r at r * NO (< 2^31: BM * 4D)
+    project_columns(s.As, astr, ring, b_qkvg, [&](Tile& acc, int n0, const float2 (&cb)[4]) {
+        store_qkvg(acc, n0, cb, D, q_scale, block_out, rows_here);
+    });
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS, PROJECT_MIN_BLOCKS)
+gated_out_project(const float* __restrict__ qkvg, i64 M, int D,
+                  const float* __restrict__ W, const float* __restrict__ b_out,
+                  float* __restrict__ out) {
+    const int dpad = (D + BK - 1) / BK * BK, astr = dpad + 4;
+    const SmemLayout s = smem_layout(dpad);
+    const int t = threadIdx.x;
+    const i64 m0 = (i64)blockIdx.x * BM, ld = 4LL * D;
+    const WeightRing ring{smem_addr(s.Ws), W, D, D, dpad / BK};
+    ring.prime(0);  // the first weight chunks travel while the row tile loads
+
+    // 1. A = g * o rounded to TF32, row-major: the gated intermediate exists only here.
+    //    Batches of 8 per thread (16 loads in flight): this kernel waits on these loads.
+    const int per_row = dpad / 4, total = BM * per_row;
+    for (int base = t; base < total; base += 8 * THREADS) {
+        float4 v[8];
+#pragma unroll
+        for (int u = 0; u < 8; ++u) {
+            const int idx = base + u * THREADS, ml = idx / per_row, k = (idx % per_row) * 4;
+            v[u] = zero4();
+            if (idx < total && m0 + ml < M && k < D) {
+                const float* row = qkvg + (m0 + ml) * ld;
+                const float4 o = ld4(row + k), g = ld4(row + 3 * D + k);
+                v[u] = tf32x4(make_float4(g.x * o.x, g.y * o.y, g.z * o.z, g.w * o.w));
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < 8; ++u) {
+            const int idx = base + u * THREADS;
+            if (idx < total) st4(s.As + (idx / per_row) * astr + (idx % per_row) * 4, v[u]);
+        }
+    }
+    __syncthreads();  // tile complete before the products read it
+
+    // 2. out = A Wo^T + bo.
+    const int rows_here = (int)min((i64)BM, M - m0);
+    float* const block_out = out + m0 * D;
+    project_columns(s.As, astr, ring, b_out, [&](Tile& acc, int n0, const float2 (&cb)[4]) {
+        store_out(acc, n0, cb, D, block_out, rows_here);
+    });
+}
