@@ -52,6 +52,7 @@
 #define MT (BM / 32)    // 16-row m-tiles per warp; the 8 warps are 2 (rows) x 4 (columns)
 #define TROWS (BM / 16) // row slots per thread (thread_row)
 #define WSTR (BK + 4)   // words per row of a weight chunk: 20 = 4 (mod 8)
+#define HEADS_PER_PASS 8  // pair-bias dot products per pass over a normalised row
 
 // This thread's share of one BM x BN output tile: the C fragments of its warp's
 // BM/2 x 32 corner, [m-tile][8-column n-tile][fragment].
@@ -85,12 +86,6 @@ __device__ __forceinline__ float* pair_at(Tile& acc, int s, int j) {
 }
 
 #include "project_epilogue.cuh"
-
-__device__ __forceinline__ float warp_sum(float v) {
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    return v;
-}
 
 __device__ __forceinline__ float4 tf32x4(float4 v) {
     return make_float4(__uint_as_float(to_tf32(v.x)), __uint_as_float(to_tf32(v.y)),
@@ -256,46 +251,62 @@ ln_qkvg_project(const float* __restrict__ x, i64 sb, i64 si, i64 sj, i64 sc, int
     cp_async_wait<WSTAGES - 1>();  // the row tile landed (the weight chunks may not have)
     __syncthreads();  // every warp's rows visible
 
-    // 3. LayerNorm and the pair bias, a warp per row, lanes over k (no block barriers):
-    //    mean, then squared deviations (two passes: no cancellation), then
-    //    xn = (x - mean) * rstd * gamma + beta rounded to TF32 in place (pad columns stay
-    //    0), then one dot product xn . Wb[head] per head, with the mask folded in.
-    for (int ml = warp; ml < BM; ml += WARPS) {
-        float* const row = s.As + ml * astr;
+    // 3. LayerNorm and the pair bias, a thread per row (threads t < BM), whose float4
+    //    reads of As are conflict-free (8 consecutive rows fall on distinct bank groups)
+    //    and need no reduction across threads: a warp per row, reducing by shuffles after
+    //    every pass, made this phase a chain of latencies and the projection 1.84 ->
+    //    2.54 ms (benchmarks/NOTES.md). Passes over the row: the mean, the squared
+    //    deviations (two passes: no cancellation), then xn = (x - mean) * rstd * gamma +
+    //    beta rounded to TF32 in place (pad columns stay 0) with the dot products
+    //    xn . Wb[head] of up to HEADS_PER_PASS heads; wider H re-reads xn per group.
+    if (t < BM) {
+        float* const row = s.As + t * astr;
+        const i64 m = min(m0 + t, M - 1);
+        const i64 b = m / NN, r = m - b * NN, i = r / N, j = r - i * N;
+        // The mask element first: its load is in flight during the statistics.
+        const bool keep = mask_keeps(mask, mask_kind, b * mb + i * mi + j * mj);
         float acc = 0.f;
-        for (int k = 4 * lane; k < D; k += 128) {
+#pragma unroll 8
+        for (int k = 0; k < D; k += 4) {
             const float4 v = *reinterpret_cast<const float4*>(row + k);
             acc += (v.x + v.y) + (v.z + v.w);
         }
-        const float mu = warp_sum(acc) / D;
+        const float mu = acc / D;
         acc = 0.f;
-        for (int k = 4 * lane; k < D; k += 128) {
+#pragma unroll 8
+        for (int k = 0; k < D; k += 4) {
             const float4 v = *reinterpret_cast<const float4*>(row + k);
             const float dx = v.x - mu, dy = v.y - mu, dz = v.z - mu, dw = v.w - mu;
             acc = fmaf(dx, dx, fmaf(dy, dy, fmaf(dz, dz, fmaf(dw, dw, acc))));
         }
-        const float rstd = rsqrtf(warp_sum(acc) / D + eps);  // biased, as torch.nn.LayerNorm
-        for (int k = 4 * lane; k < D; k += 128) {
-            const float4 v = *reinterpret_cast<const float4*>(row + k);
-            const float4 g = ld4(gamma + k), c = ld4(beta + k);
-            st4(row + k, tf32x4(make_float4((v.x - mu) * rstd * g.x + c.x,
-                                            (v.y - mu) * rstd * g.y + c.y,
-                                            (v.z - mu) * rstd * g.z + c.z,
-                                            (v.w - mu) * rstd * g.w + c.w)));
-        }
-        const i64 m = m0 + ml;
-        if (m >= M) continue;  // warp-uniform
-        const i64 b = m / NN, r = m - b * NN, i = r / N, j = r - i * N;
-        const bool keep = mask_keeps(mask, mask_kind, b * mb + i * mi + j * mj);
-        for (int head = 0; head < H; ++head) {
-            const float* const w = Wb + (i64)head * D;
-            float dot = 0.f;
-            for (int k = 4 * lane; k < D; k += 128) {  // this lane's own stores: no barrier
-                const float4 v = *reinterpret_cast<const float4*>(row + k), c = ld4(w + k);
-                dot = fmaf(v.x, c.x, fmaf(v.y, c.y, fmaf(v.z, c.z, fmaf(v.w, c.w, dot))));
+        const float rstd = rsqrtf(acc / D + eps);  // biased variance, as torch.nn.LayerNorm
+        const bool row_ok = m0 + t < M;
+        for (int h0 = 0; h0 < H; h0 += HEADS_PER_PASS) {
+            float dot[HEADS_PER_PASS];
+#pragma unroll
+            for (int hh = 0; hh < HEADS_PER_PASS; ++hh) dot[hh] = 0.f;
+#pragma unroll 2
+            for (int k = 0; k < D; k += 4) {
+                float4 v = *reinterpret_cast<const float4*>(row + k);
+                if (h0 == 0) {  // normalise, once
+                    const float4 g = ld4(gamma + k), c = ld4(beta + k);
+                    v = tf32x4(make_float4((v.x - mu) * rstd * g.x + c.x,
+                                           (v.y - mu) * rstd * g.y + c.y,
+                                           (v.z - mu) * rstd * g.z + c.z,
+                                           (v.w - mu) * rstd * g.w + c.w));
+                    st4(row + k, v);
+                }
+#pragma unroll
+                for (int hh = 0; hh < HEADS_PER_PASS; ++hh) {
+                    if (h0 + hh >= H) break;
+                    const float4 w = ld4(Wb + (i64)(h0 + hh) * D + k);  // same for every thread
+                    dot[hh] = fmaf(v.x, w.x, fmaf(v.y, w.y, fmaf(v.z, w.z, fmaf(v.w, w.w, dot[hh]))));
+                }
             }
-            dot = warp_sum(dot);
-            if (lane == head % 32) store_pair_bias(bias, b, i, j, head, H, N, npk, keep, dot);
+            if (!row_ok) continue;
+#pragma unroll
+            for (int hh = 0; hh < HEADS_PER_PASS; ++hh)
+                if (h0 + hh < H) store_pair_bias(bias, b, i, j, h0 + hh, H, N, npk, keep, dot[hh]);
         }
     }
     __syncthreads();  // normalised tile complete

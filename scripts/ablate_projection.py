@@ -1,12 +1,12 @@
 """Where the projection kernels' time goes: each stage timed alone (CUDA events, median)
-with parts of its kernel removed by a text patch of kernels/project.cu (a measurement
+with parts of its kernel removed by a text patch of its kernels/*.cu (a measurement
 only: the results are wrong on purpose). A part whose removal saves little is not what
 sets the time. Check each row against the ceilings: a patch can let the compiler remove
 more than the part it names (after the epilogue of 024f159, `no_store` also lost the
 products: fp32 "products" at ~490 TFLOP/s).
 
-    python3 scripts/ablate_projection.py [--variants full,no_store,...] [sizes, default
-        1x1024x128x4 2x128x64x4]
+    python3 scripts/ablate_projection.py [--variants full,no_store,...]
+        [--precisions fp32,tf32,bf16] [sizes, default 1x1024x128x4 2x128x64x4]
 """
 import sys
 
@@ -19,41 +19,59 @@ from time_ours import median_ms  # scripts/ is on sys.path when run as a script
 
 ORIGINAL = _compile.kernel_source
 
-# name -> [(text, replacement)], each text must occur in project.cu.
+# name -> {file: [(text, replacement)]}; each text must occur in its file. The FFMA
+# projection ("fp32") is project.cu, the tensor-core one ("tf32", "bf16") project_mma.cu;
+# their epilogues are project_epilogue.cuh. A variant is timed only for the precisions
+# whose kernel file it patches (or that share a patched header).
 ST2 = "__device__ __forceinline__ void st2(float* p, float2 v) { *reinterpret_cast"
 STORE_KV = "                    *dst = p[0];"
+EPILOGUE = "project_epilogue.cuh"
 PATCHES = {
-    "no_store": [(ST2, ST2.replace("{ *reinterpret", "{ if (v.x == 1234.5f) *reinterpret")),
-                 (STORE_KV, STORE_KV.replace("*dst", "if (p[0] == 1234.5f) *dst"))],
-    "no_pair_bias": [("for (int p = t; p < BM * H; p += THREADS) {",
-                      "for (int p = t + BM * H; p < BM * H; p += THREADS) {")],
-    "no_layernorm": [("    {\n        const int ml = t % BM, part = t / BM",
-                      "    if (N < 0) {\n        const int ml = t % BM, part = t / BM")],
-    "no_gemm": [("        block_gemm(As, WT, D, dpad, NO, n0, Ws, acc);\n", "")],
-    "no_load": [("        if (x_vec) return ld4(p + k);", "        if (x_vec) return make_float4(1.f, 2.f, 3.f, (float)ml);"),
-                ("const float4 o = ld4(row + k), g = ld4(row + 3 * D + k);",
-                 "const float4 o = make_float4(1.f, 2.f, 3.f, (float)ml), g = o;")],
-    "out_batch8": [("load_tile_transposed<4>(s.As, dpad,", "load_tile_transposed<8>(s.As, dpad,")],
-    "rows64": [],  # not a text patch: 64-row blocks (3 per SM) at every size
+    "no_store": {EPILOGUE: [(ST2, ST2.replace("{ *reinterpret", "{ if (v.x == 1234.5f) *reinterpret")),
+                            (STORE_KV, STORE_KV.replace("*dst", "if (p[0] == 1234.5f) *dst"))]},
+    "no_pair_bias": {"project.cu": [("for (int p = t; p < BM * H; p += THREADS) {",
+                                     "for (int p = t + BM * H; p < BM * H; p += THREADS) {")]},
+    "no_layernorm": {"project.cu": [("    {\n        const int ml = t % BM, part = t / BM",
+                                     "    if (N < 0) {\n        const int ml = t % BM, part = t / BM")]},
+    # project_mma.cu: LayerNorm and pair bias are one phase
+    "no_layernorm_bias": {"project_mma.cu": [("    if (t < BM) {\n        float* const row",
+                                              "    if (t < BM && N < 0) {\n        float* const row")]},
+    "no_load": {"project.cu": [("        if (x_vec) return ld4(p + k);",
+                                "        if (x_vec) return make_float4(1.f, 2.f, 3.f, (float)ml);"),
+                               ("const float4 o = ld4(row + k), g = ld4(row + 3 * D + k);",
+                                "const float4 o = make_float4(1.f, 2.f, 3.f, (float)ml), g = o;")],
+                "project_mma.cu": [("cp_async16_or_zero(smem_addr(dst + k), ok ? p + k : x, ok);",
+                                    "cp_async16_or_zero(smem_addr(dst + k), x, false);"),
+                                   ("const float4 o = ld4(row + k), g = ld4(row + 3 * D + k);",
+                                    "const float4 o = make_float4(1.f, 2.f, 3.f, (float)ml), g = o;")]},
+    "rows64": {},  # not a text patch: 64-row blocks (3 per SM) at every size
 }
 VARIANTS = {
     "full": [],
-    **{name: [name] for name in PATCHES if name != "no_gemm"},
-    "only_gemm": ["no_store", "no_pair_bias", "no_layernorm", "no_load"],
-    "rows64+out_batch8": ["rows64", "out_batch8"],
+    **{name: [name] for name in PATCHES},
+    "only_gemm": ["no_store", "no_pair_bias", "no_layernorm", "no_layernorm_bias", "no_load"],
 }
+PROJECT_FILE = {"fp32": "project.cu", "tf32": "project_mma.cu", "bf16": "project_mma.cu"}
+
+
+def applies(parts, precision):
+    """Whether the variant changes (or, for "full" and "rows64", just runs) the precision's
+    kernel: a patch of its file or of the shared epilogue."""
+    files = {f for part in parts for f in PATCHES[part]}
+    return not files or files & {PROJECT_FILE[precision], EPILOGUE}
+
+
 ORIGINAL_ROWS = _configs.project_rows
 
 
 def use_variant(parts):
     def source(filename):
         text = ORIGINAL(filename)
-        if filename == "project.cu":
-            for part in parts:
-                for old, new in PATCHES[part]:
-                    if old not in text:
-                        raise SystemExit(f"patch {part!r}: text not found: {old!r}")
-                    text = text.replace(old, new)
+        for part in parts:
+            for old, new in PATCHES[part].get(filename, ()):
+                if old not in text:
+                    raise SystemExit(f"patch {part!r}: text not found in {filename}: {old!r}")
+                text = text.replace(old, new)
         return text
     _compile.kernel_source = source
     _configs.project_rows = (lambda *args: 64) if "rows64" in parts else ORIGINAL_ROWS
@@ -62,7 +80,7 @@ def use_variant(parts):
     _configs._smem_allowed.clear()
 
 
-def main(sizes, variants):
+def main(sizes, variants, precisions):
     print(cp.cuda.runtime.getDeviceProperties(0)["name"].decode(), "cupy", cp.__version__)
     for size in sizes:
         B, N, D, h = map(int, size.split("x"))
@@ -70,8 +88,10 @@ def main(sizes, variants):
         pair = cp.random.standard_normal((B, N, N, D), dtype=np.float32)
         mask = cp.ones((B, N, N), bool)
         repeats = 50 if N <= 512 else 15
-        for precision in ("fp32", "tf32", "bf16"):
+        for precision in precisions:
             for variant in variants:
+                if not applies(VARIANTS[variant], precision):
+                    continue
                 use_variant(VARIANTS[variant])
                 stages = dict(module.stage_launchers(pair, mask, precision=precision))
                 for launch in stages.values():
@@ -86,6 +106,11 @@ def main(sizes, variants):
 if __name__ == "__main__":
     args = sys.argv[1:]
     chosen = list(VARIANTS)
-    if args[:1] == ["--variants"]:
-        chosen, args = args[1].split(","), args[2:]
-    main(args or ["1x1024x128x4", "2x128x64x4"], chosen)
+    precisions = ["fp32", "tf32", "bf16"]
+    while args[:1] in (["--variants"], ["--precisions"]):
+        if args[0] == "--variants":
+            chosen = args[1].split(",")
+        else:
+            precisions = args[1].split(",")
+        args = args[2:]
+    main(args or ["1x1024x128x4", "2x128x64x4"], chosen, precisions)

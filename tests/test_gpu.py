@@ -109,22 +109,28 @@ def test_shared_memory_limits_of_one_kernel_across_sizes(cp, rng):
         check_against_reference(cp, rng, 2, 184, D, 4)
 
 
+@pytest.mark.parametrize("precision", ["fp32", "tf32", "bf16"])
 @pytest.mark.parametrize("B", [1, 2, 3])
 @pytest.mark.parametrize("D,h", [(64, 4), (128, 4), (128, 1)])
-def test_batches_and_sizes(cp, rng, B, D, h):
+def test_batches_and_sizes(cp, rng, B, D, h, precision):
     for N in (17, 64, 113):
-        check_against_reference(cp, rng, B, N, D, h, fully_masked="nan")
+        check_against_reference(cp, rng, B, N, D, h, fully_masked="nan", precision=precision)
 
 
+@pytest.mark.parametrize("precision", ["fp32", "tf32", "bf16"])
 @pytest.mark.parametrize("mask_kind", ["bool", "int", "int8", "uint8", "int16", "int64",
                                        "float16", "float", None])
-def test_mask_dtypes(cp, rng, mask_kind):
-    check_against_reference(cp, rng, 2, 29, 64, 4, mask_kind=mask_kind)
+def test_mask_dtypes(cp, rng, mask_kind, precision):
+    """Each precision's projection kernel reads the mask in its own dtype."""
+    check_against_reference(cp, rng, 2, 29, 64, 4, mask_kind=mask_kind, precision=precision)
 
 
-def test_unbatched(cp, rng):
-    check_against_reference(cp, rng, 1, 45, 128, 4, batched=False, fully_masked="nan")
-    check_against_reference(cp, rng, 1, 45, 128, 4, batched=False, mask_kind=None)
+@pytest.mark.parametrize("precision", ["fp32", "tf32", "bf16"])
+def test_unbatched(cp, rng, precision):
+    check_against_reference(cp, rng, 1, 45, 128, 4, batched=False, fully_masked="nan",
+                            precision=precision)
+    check_against_reference(cp, rng, 1, 45, 128, 4, batched=False, mask_kind=None,
+                            precision=precision)
 
 
 def test_zero_policy_gives_out_bias(cp, rng):
@@ -149,8 +155,11 @@ def test_fully_masked_everything(cp):
     assert np.isnan(ta.triangle_attention(pair, mask, weights, fully_masked="nan").get()).all()
 
 
+@pytest.mark.parametrize("precision", ["fp32", "tf32", "bf16"])
 @pytest.mark.parametrize("view", ["transposed", "sliced_D", "strided_D", "reversed"])
-def test_non_contiguous_pair(cp, rng, view):
+def test_non_contiguous_pair(cp, rng, view, precision):
+    """Strided and misaligned rows: the projections' scalar-load path (x_vec = 0) in each
+    precision's kernel."""
     B, N, D, h = 2, 31, 64, 4
     weights = ta.random_weights(D, h, seed=5)
     base = cp.asarray(rng.standard_normal((B, N, N, 2 * D)).astype(np.float32))
@@ -161,9 +170,9 @@ def test_non_contiguous_pair(cp, rng, view):
     assert not pair.flags.c_contiguous
     mask = cp.asarray(make_mask(rng, B, N)).transpose(0, 2, 1)  # a non-contiguous mask too
     poison_pool(cp)
-    got = ta.triangle_attention(pair, mask, weights)
+    got = ta.triangle_attention(pair, mask, weights, precision=precision)
     expected = reference.triangle_attention(pair.get(), mask.get(), weights)
-    assert rel_l2(got, expected) <= FP32_TOL
+    assert rel_l2(got, expected) <= TOLERANCE[precision]
 
 
 def test_class_api_and_repeat_calls(cp, rng):
