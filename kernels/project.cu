@@ -291,7 +291,7 @@ ln_qkvg_project(const float* __restrict__ x, i64 sb, i64 si, i64 sj, i64 sc, int
             part[3] = fmaf(s.As[(k + 3) * ASTR + ml], wk.w, part[3]);
         }
         const float dot = (part[0] + part[1]) + (part[2] + part[3]);
-        store_pair_bias(bias, b, i, j, head, H, N, npk, keep, dot);
+        store_pair_bias(bias + ((b * H + head) * N + i) * (i64)npk, j, N, npk, keep, dot);
     }
 
     // 6. q, k, v and gate: every 4D output column of these rows, BN at a time.

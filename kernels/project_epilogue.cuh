@@ -33,13 +33,12 @@ __device__ __forceinline__ bool mask_keeps(const void* mask, int kind, i64 off) 
     }
 }
 
-// One pair-bias value: bias[b, head, i, j] = log2(e) * dot, or -inf where the mask drops
-// (b, i, j). The key axis is padded to a whole number of attention tiles (npk); -inf there
-// makes the padded keys weigh exactly 0, so the attention kernel needs no bounds test.
-__device__ __forceinline__ void store_pair_bias(float* __restrict__ bias, i64 b, i64 i, i64 j,
-                                                int head, int H, int N, int npk, bool keep,
-                                                float dot) {
-    float* const brow = bias + ((b * H + head) * N + i) * (i64)npk;
+// One pair-bias value: brow[j] = log2(e) * dot, or -inf where the mask drops (b, i, j);
+// brow = &bias[b, head, i, 0]. The key axis is padded to a whole number of attention
+// tiles (npk); -inf there makes the padded keys weigh exactly 0, so the attention kernel
+// needs no bounds test.
+__device__ __forceinline__ void store_pair_bias(float* __restrict__ brow, i64 j, int N, int npk,
+                                                bool keep, float dot) {
     brow[j] = keep ? dot * LOG2E_F : neg_inf();
     if (j == N - 1)
         for (int jj = N; jj < npk; ++jj) brow[jj] = neg_inf();

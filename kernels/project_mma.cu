@@ -25,7 +25,7 @@
 // m16n8k8 A fragment, or the B fragments of two n-tiles (4 scalar loads each before).
 //
 // Launch: grid (ceil(M / BM)), block THREADS = 256, dynamic shared memory
-//   8*BM + 4*(BM*(DPAD + 4) + WSTAGES*BN*(BK + 4)) bytes, DPAD = D rounded up to BK.
+//   8*BM + 4*(BM*(DPAD + 4) + WSTAGES*BN*(BK + 4) + 2*BN) bytes, DPAD = D rounded up to BK.
 // Pointers (float32 unless noted, M = B*N*N rows, D % 4 == 0):
 //   x     [B, N, N, D] at b*sb + i*si + j*sj + c*sc elements (any strides; x_vec = 1 when
 //         sc == 1 and every row starts 16-byte aligned: rows copied with cp.async)
@@ -52,7 +52,6 @@
 #define MT (BM / 32)    // 16-row m-tiles per warp; the 8 warps are 2 (rows) x 4 (columns)
 #define TROWS (BM / 16) // row slots per thread (thread_row)
 #define WSTR (BK + 4)   // words per row of a weight chunk: 20 = 4 (mod 8)
-#define HEADS_PER_PASS 8  // pair-bias dot products per pass over a normalised row
 
 // This thread's share of one BM x BN output tile: the C fragments of its warp's
 // BM/2 x 32 corner, [m-tile][8-column n-tile][fragment].
@@ -93,14 +92,16 @@ __device__ __forceinline__ float4 tf32x4(float4 v) {
 }
 
 // The weight W [NO][D], BN rows (output columns) x BK at a time, through a cp.async ring
-// of WSTAGES chunks [BN][WSTR]. A pass over the columns at n0 is primed with the first
-// WSTAGES - 1 chunks (prime), then each chunk kc is waited for and chunk kc + WSTAGES - 1
-// issued into the stage kc - 1 used: a chunk is little work, and one chunk ahead left
-// each waiting on its L2 latency. Priming the next pass before this pass's epilogue
-// overlaps the copies with the stores.
+// of WSTAGES chunks [BN][WSTR], and the pass's BN output biases with its first chunk. A
+// pass over the columns at n0 is primed with the first WSTAGES - 1 chunks (prime), then
+// each chunk kc is waited for and chunk kc + WSTAGES - 1 issued into the stage kc - 1
+// used: a chunk is little work, and one chunk ahead left each waiting on its L2 latency.
+// Priming the next pass before this pass's epilogue overlaps the copies with the stores.
 struct WeightRing {
     u32 ws;                      // shared address of the ring
+    float* cbias;                // the biases [2][BN] in shared memory, by pass parity
     const float* __restrict__ W;
+    const float* __restrict__ bvec;  // [NO]
     int D, NO, nchunks;
 
     // Chunk kc of the pass at n0 into its stage, one commit group (empty past the last
@@ -121,9 +122,26 @@ struct WeightRing {
         }
         cp_async_commit();
     }
+    // The pass's biases (threads t < BN / 4, 16 bytes each; zero past NO, NO % 4 == 0) into
+    // buffer (n0 / BN) % 2, in chunk 0's group, then the first chunks. Two buffers: the
+    // next pass is primed while threads may still read this pass's biases.
     __device__ __forceinline__ void prime(int n0) const {
+        const int t = threadIdx.x;
+        if (t < BN / 4) {
+            const int n = n0 + 4 * t;
+            cp_async16_or_zero(smem_addr(cbias + ((n0 / BN) % 2) * BN + 4 * t),
+                               n < NO ? bvec + n : bvec, n < NO);
+        }
 #pragma unroll
         for (int kc = 0; kc < WSTAGES - 1; ++kc) issue(n0, kc);
+    }
+    // This thread's biases of its value pairs in the pass at n0 (landed with chunk 0, whose
+    // wait and barrier every thread has passed).
+    __device__ __forceinline__ void biases(int n0, float2 (&cb)[4]) const {
+        const float* const buf = cbias + ((n0 / BN) % 2) * BN - n0;
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+            cb[j] = *reinterpret_cast<const float2*>(buf + pair_column(n0, j));
     }
 };
 
@@ -165,12 +183,12 @@ __device__ __forceinline__ void multiply_chunk(u32 a_lane, int astr, u32 w_lane,
 }
 
 // All NO output columns of the block's rows, BN at a time: acc = As x W[n0 + ..., :]^T,
-// handed with the biases bvec of this thread's column pairs to store(acc, n0, cb), which
-// may change acc. The caller has primed the ring for n0 = 0 (and may have used the wait
+// handed with the biases of this thread's column pairs (ring.bvec, staged in ring.cbias)
+// to store(acc, n0, cb), which may change acc. The caller has primed the ring for n0 = 0 (and may have used the wait
 // for its own copies); As is complete and visible.
 template <class Store>
 __device__ __forceinline__ void project_columns(const float* As, int astr, const WeightRing& ring,
-                                                const float* __restrict__ bvec, Store store) {
+                                                Store store) {
     const u32 a_lane = a_lane_addr(As, astr), w_lane = ring.ws + w_lane_offset();
     for (int n0 = 0; n0 < ring.NO; n0 += BN) {
         Tile acc;
@@ -185,8 +203,88 @@ __device__ __forceinline__ void project_columns(const float* As, int astr, const
         __syncthreads();  // every thread done with the ring
         if (n0 + BN < ring.NO) ring.prime(n0 + BN);
         float2 cb[4];
-        load_column_biases(bvec, n0, ring.NO, cb);
+        ring.biases(n0, cb);  // from shared memory: no L2 latency to wait on
         store(acc, n0, cb);
+    }
+}
+
+// bias[b, head, i, j] for every row (b, i, j) = m0 + ml of the block and every head:
+// log2(e) * As[ml] . Wb[head] on tensor cores (xn rounded to TF32 in As, Wb rounded
+// here), -inf where the mask drops the row (store_pair_bias). Warp w takes the m-tiles
+// w, w + 8, ... (16 rows each) and the heads 8 at a time (the B fragment's n = g).
+// Not inlined: inlined, its registers pushed the kernel's 128-register products into
+// spills (ptxas); called once per block, the call costs nothing that shows.
+__device__ __noinline__ void pair_bias(const float* As, int astr, const float* __restrict__ Wb,
+                                          int D, int dpad, int H, i64 m0, i64 M, int N,
+                                          const void* __restrict__ mask, int mask_kind,
+                                          i64 mb, i64 mi, i64 mj, float* __restrict__ bias,
+                                          int npk) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+    const i64 NN = (i64)N * N;
+    for (int ml0 = warp * 16; ml0 < BM; ml0 += WARPS * 16) {
+        const u32 a_row = smem_addr(As) + 4 * ((ml0 + (lane & 15)) * astr + 4 * (lane >> 4));
+        // This lane's rows of the C fragment, g and g + 8: where their bias rows start
+        // (head 0; a head is N * npk further) and their mask elements, loaded first, in
+        // flight during the products.
+        float* brow[2];
+        int j[2];
+        bool keep[2], ok[2];
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const i64 m = m0 + ml0 + g + 8 * h;
+            ok[h] = m < M;
+            const i64 mc = ok[h] ? m : M - 1, b = mc / NN, r = mc - b * NN, i = r / N;
+            j[h] = (int)(r - i * N);
+            brow[h] = bias + (b * H * N + i) * (i64)npk;
+            keep[h] = mask_keeps(mask, mask_kind, b * mb + i * mi + j[h] * mj);
+        }
+        for (int h0 = 0; h0 < H; h0 += 8) {
+            const bool head_ok = h0 + g < H;
+            const float* const w = Wb + (i64)(head_ok ? h0 + g : 0) * D + t;
+            float c[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll 4
+            for (int k0 = 0; k0 < dpad; k0 += 8) {  // D % 4 == 0: k0 < D covers k0 + t
+                u32 a[4];
+                ldsm_x4(a, a_row + 4 * k0);
+                const float w0 = head_ok && k0 < D ? __ldg(w + k0) : 0.f;
+                const float w1 = head_ok && k0 + 4 < D ? __ldg(w + k0 + 4) : 0.f;
+                mma_tf32(c, a[0], a[1], a[2], a[3], to_tf32(w0), to_tf32(w1));
+            }
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {  // c0 (g, 2t) c1 (g, 2t+1) c2 (g+8, 2t) c3 (g+8, 2t+1)
+                const int h = e / 2, head = h0 + 2 * t + e % 2;
+                if (ok[h] && head < H)
+                    store_pair_bias(brow[h] + (i64)head * N * npk, j[h], N, npk, keep[h], c[e]);
+            }
+        }
+    }
+}
+
+// As[ml][k] = TF32(g * o) of block row ml (zero past M and past D), o = qkvg[m, 0:D],
+// g = qkvg[m, 3D:4D]. Batches of 8 float4 pairs per thread (16 loads in flight): the out
+// projection waits on these loads. Not inlined: inlined, its registers pushed the
+// kernel's products into spills (ptxas).
+__device__ __noinline__ void load_gated_tile(const float* __restrict__ qkvg, i64 M, int D,
+                                             int dpad, int astr, i64 m0, float* As) {
+    const i64 ld = 4LL * D;
+    const int per_row = dpad / 4, total = BM * per_row;
+    for (int base = threadIdx.x; base < total; base += 8 * THREADS) {
+        float4 v[8];
+#pragma unroll
+        for (int u = 0; u < 8; ++u) {
+            const int idx = base + u * THREADS, ml = idx / per_row, k = (idx % per_row) * 4;
+            v[u] = zero4();
+            if (idx < total && m0 + ml < M && k < D) {
+                const float* row = qkvg + (m0 + ml) * ld;
+                const float4 o = ld4(row + k), g = ld4(row + 3 * D + k);
+                v[u] = tf32x4(make_float4(g.x * o.x, g.y * o.y, g.z * o.z, g.w * o.w));
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < 8; ++u) {
+            const int idx = base + u * THREADS;
+            if (idx < total) st4(As + (idx / per_row) * astr + (idx % per_row) * 4, v[u]);
+        }
     }
 }
 
@@ -194,6 +292,7 @@ struct SmemLayout {
     i64* rowoff;    // [BM]   element offset of each row's first value in x
     float* As;      // [BM][dpad + 4]
     float* Ws;      // [WSTAGES][BN][WSTR]
+    float* cbias;   // [2][BN] output biases of the current and next pass
 };
 
 __device__ __forceinline__ SmemLayout smem_layout(int dpad) {
@@ -202,6 +301,7 @@ __device__ __forceinline__ SmemLayout smem_layout(int dpad) {
     s.rowoff = reinterpret_cast<i64*>(smem4);  // first: 8 * BM bytes keep 16-byte alignment
     s.As = reinterpret_cast<float*>(s.rowoff + BM);
     s.Ws = s.As + BM * (dpad + 4);
+    s.cbias = s.Ws + WSTAGES * BN * WSTR;
     return s;
 }
 
@@ -219,7 +319,7 @@ ln_qkvg_project(const float* __restrict__ x, i64 sb, i64 si, i64 sj, i64 sc, int
     const i64 NN = (i64)N * N, M = (i64)B * NN;
     const i64 m0 = (i64)blockIdx.x * BM;
     const int NO = 4 * D;
-    const WeightRing ring{smem_addr(s.Ws), W, D, NO, dpad / BK};
+    const WeightRing ring{smem_addr(s.Ws), s.cbias, W, b_qkvg, D, NO, dpad / BK};
 
     // 1. Where each row starts in x (64-bit: B*N*N*D passes 2^31 at N ~ 4096).
     if (t < BM) {
@@ -251,20 +351,14 @@ ln_qkvg_project(const float* __restrict__ x, i64 sb, i64 si, i64 sj, i64 sc, int
     cp_async_wait<WSTAGES - 1>();  // the row tile landed (the weight chunks may not have)
     __syncthreads();  // every warp's rows visible
 
-    // 3. LayerNorm and the pair bias, a thread per row (threads t < BM), whose float4
-    //    reads of As are conflict-free (8 consecutive rows fall on distinct bank groups)
-    //    and need no reduction across threads: a warp per row, reducing by shuffles after
-    //    every pass, made this phase a chain of latencies and the projection 1.84 ->
-    //    2.54 ms (benchmarks/NOTES.md). Passes over the row: the mean, the squared
+    // 3. LayerNorm, a thread per row (threads t < BM), whose float4 reads of As are
+    //    conflict-free (8 consecutive rows fall on distinct bank groups) and need no
+    //    reduction across threads (a warp per row, reducing by shuffles after every pass,
+    //    made this phase a chain of latencies: benchmarks/NOTES.md). The mean, the squared
     //    deviations (two passes: no cancellation), then xn = (x - mean) * rstd * gamma +
-    //    beta rounded to TF32 in place (pad columns stay 0) with the dot products
-    //    xn . Wb[head] of up to HEADS_PER_PASS heads; wider H re-reads xn per group.
+    //    beta rounded to TF32 in place (pad columns stay 0).
     if (t < BM) {
         float* const row = s.As + t * astr;
-        const i64 m = min(m0 + t, M - 1);
-        const i64 b = m / NN, r = m - b * NN, i = r / N, j = r - i * N;
-        // The mask element first: its load is in flight during the statistics.
-        const bool keep = mask_keeps(mask, mask_kind, b * mb + i * mi + j * mj);
         float acc = 0.f;
 #pragma unroll 8
         for (int k = 0; k < D; k += 4) {
@@ -280,41 +374,30 @@ ln_qkvg_project(const float* __restrict__ x, i64 sb, i64 si, i64 sj, i64 sc, int
             acc = fmaf(dx, dx, fmaf(dy, dy, fmaf(dz, dz, fmaf(dw, dw, acc))));
         }
         const float rstd = rsqrtf(acc / D + eps);  // biased variance, as torch.nn.LayerNorm
-        const bool row_ok = m0 + t < M;
-        for (int h0 = 0; h0 < H; h0 += HEADS_PER_PASS) {
-            float dot[HEADS_PER_PASS];
-#pragma unroll
-            for (int hh = 0; hh < HEADS_PER_PASS; ++hh) dot[hh] = 0.f;
-#pragma unroll 2
-            for (int k = 0; k < D; k += 4) {
-                float4 v = *reinterpret_cast<const float4*>(row + k);
-                if (h0 == 0) {  // normalise, once
-                    const float4 g = ld4(gamma + k), c = ld4(beta + k);
-                    v = tf32x4(make_float4((v.x - mu) * rstd * g.x + c.x,
-                                           (v.y - mu) * rstd * g.y + c.y,
-                                           (v.z - mu) * rstd * g.z + c.z,
-                                           (v.w - mu) * rstd * g.w + c.w));
-                    st4(row + k, v);
-                }
-#pragma unroll
-                for (int hh = 0; hh < HEADS_PER_PASS; ++hh) {
-                    if (h0 + hh >= H) break;
-                    const float4 w = ld4(Wb + (i64)(h0 + hh) * D + k);  // same for every thread
-                    dot[hh] = fmaf(v.x, w.x, fmaf(v.y, w.y, fmaf(v.z, w.z, fmaf(v.w, w.w, dot[hh]))));
-                }
-            }
-            if (!row_ok) continue;
-#pragma unroll
-            for (int hh = 0; hh < HEADS_PER_PASS; ++hh)
-                if (h0 + hh < H) store_pair_bias(bias, b, i, j, h0 + hh, H, N, npk, keep, dot[hh]);
+#pragma unroll 4  // gamma and beta are the same for every thread: loads of 4 trips in flight
+        for (int k = 0; k < D; k += 4) {
+            const float4 v = *reinterpret_cast<const float4*>(row + k);
+            const float4 g = ld4(gamma + k), c = ld4(beta + k);
+            st4(row + k, tf32x4(make_float4((v.x - mu) * rstd * g.x + c.x,
+                                            (v.y - mu) * rstd * g.y + c.y,
+                                            (v.z - mu) * rstd * g.z + c.z,
+                                            (v.w - mu) * rstd * g.w + c.w)));
         }
     }
     __syncthreads();  // normalised tile complete
 
-    // 4. q, k, v and gate: every 4D output column of these rows, BN at a time.
+    // 4. The pair bias on tensor cores, with the mask folded in: xn [16 rows] x Wb^T
+    //    [8 heads] per warp and m-tile, as a TF32 product (as PyTorch's TF32 mode has it).
+    //    Wb's B fragments (b0 = Wb[h0 + g][k + t], b1 = ...[k + t + 4]) come straight from
+    //    global memory, a small array every block reads (L1), rounded here. As per-thread
+    //    FFMA dot products, each thread loading all of Wb, it was ~40% of the kernel's
+    //    stall samples (the loads waited for one at a time).
+    pair_bias(s.As, astr, Wb, D, dpad, H, m0, M, N, mask, mask_kind, mb, mi, mj, bias, npk);
+
+    // 5. q, k, v and gate: every 4D output column of these rows, BN at a time.
     const int rows_here = (int)min((i64)BM, M - m0);
     float* const block_out = qkvg + m0 * NO;  // row r at r * NO (< 2^31: BM * 4D)
-    project_columns(s.As, astr, ring, b_qkvg, [&](Tile& acc, int n0, const float2 (&cb)[4]) {
+    project_columns(s.As, astr, ring, [&](Tile& acc, int n0, const float2 (&cb)[4]) {
         store_qkvg(acc, n0, cb, D, q_scale, block_out, rows_here);
     });
 }
@@ -325,38 +408,18 @@ gated_out_project(const float* __restrict__ qkvg, i64 M, int D,
                   float* __restrict__ out) {
     const int dpad = (D + BK - 1) / BK * BK, astr = dpad + 4;
     const SmemLayout s = smem_layout(dpad);
-    const int t = threadIdx.x;
-    const i64 m0 = (i64)blockIdx.x * BM, ld = 4LL * D;
-    const WeightRing ring{smem_addr(s.Ws), W, D, D, dpad / BK};
-    ring.prime(0);  // the first weight chunks travel while the row tile loads
+    const i64 m0 = (i64)blockIdx.x * BM;
+    const WeightRing ring{smem_addr(s.Ws), s.cbias, W, b_out, D, D, dpad / BK};
+    ring.prime(0);  // the first weight chunks and biases travel while the row tile loads
 
     // 1. A = g * o rounded to TF32, row-major: the gated intermediate exists only here.
-    //    Batches of 8 per thread (16 loads in flight): this kernel waits on these loads.
-    const int per_row = dpad / 4, total = BM * per_row;
-    for (int base = t; base < total; base += 8 * THREADS) {
-        float4 v[8];
-#pragma unroll
-        for (int u = 0; u < 8; ++u) {
-            const int idx = base + u * THREADS, ml = idx / per_row, k = (idx % per_row) * 4;
-            v[u] = zero4();
-            if (idx < total && m0 + ml < M && k < D) {
-                const float* row = qkvg + (m0 + ml) * ld;
-                const float4 o = ld4(row + k), g = ld4(row + 3 * D + k);
-                v[u] = tf32x4(make_float4(g.x * o.x, g.y * o.y, g.z * o.z, g.w * o.w));
-            }
-        }
-#pragma unroll
-        for (int u = 0; u < 8; ++u) {
-            const int idx = base + u * THREADS;
-            if (idx < total) st4(s.As + (idx / per_row) * astr + (idx % per_row) * 4, v[u]);
-        }
-    }
+    load_gated_tile(qkvg, M, D, dpad, astr, m0, s.As);
     __syncthreads();  // tile complete before the products read it
 
     // 2. out = A Wo^T + bo.
     const int rows_here = (int)min((i64)BM, M - m0);
     float* const block_out = out + m0 * D;
-    project_columns(s.As, astr, ring, b_out, [&](Tile& acc, int n0, const float2 (&cb)[4]) {
+    project_columns(s.As, astr, ring, [&](Tile& acc, int n0, const float2 (&cb)[4]) {
         store_out(acc, n0, cb, D, block_out, rows_here);
     });
 }

@@ -36,6 +36,8 @@ PATCHES = {
     # project_mma.cu: LayerNorm and pair bias are one phase
     "no_layernorm_bias": {"project_mma.cu": [("    if (t < BM) {\n        float* const row",
                                               "    if (t < BM && N < 0) {\n        float* const row")]},
+    "no_bias_dots": {"project_mma.cu": [("                    if (h0 + hh >= H) break;",
+                                         "                    if (h0 + hh >= H || N > 0) break;")]},
     "no_load": {"project.cu": [("        if (x_vec) return ld4(p + k);",
                                 "        if (x_vec) return make_float4(1.f, 2.f, 3.f, (float)ml);"),
                                ("const float4 o = ld4(row + k), g = ld4(row + 3 * D + k);",
