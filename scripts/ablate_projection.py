@@ -30,14 +30,12 @@ PATCHES = {
     "no_store": {EPILOGUE: [(ST2, ST2.replace("{ *reinterpret", "{ if (v.x == 1234.5f) *reinterpret")),
                             (STORE_KV, STORE_KV.replace("*dst", "if (p[0] == 1234.5f) *dst"))]},
     "no_pair_bias": {"project.cu": [("for (int p = t; p < BM * H; p += THREADS) {",
-                                     "for (int p = t + BM * H; p < BM * H; p += THREADS) {")]},
+                                     "for (int p = t + BM * H; p < BM * H; p += THREADS) {")],
+                     "project_mma.cu": [("    pair_bias(s.As, astr,", "    if (N < 0) pair_bias(s.As, astr,")]},
     "no_layernorm": {"project.cu": [("    {\n        const int ml = t % BM, part = t / BM",
                                      "    if (N < 0) {\n        const int ml = t % BM, part = t / BM")]},
-    # project_mma.cu: LayerNorm and pair bias are one phase
-    "no_layernorm_bias": {"project_mma.cu": [("    if (t < BM) {\n        float* const row",
-                                              "    if (t < BM && N < 0) {\n        float* const row")]},
-    "no_bias_dots": {"project_mma.cu": [("                    if (h0 + hh >= H) break;",
-                                         "                    if (h0 + hh >= H || N > 0) break;")]},
+    "no_layernorm_mma": {"project_mma.cu": [("    if (t < BM) {\n        float* const row",
+                                             "    if (t < BM && N < 0) {\n        float* const row")]},
     "no_load": {"project.cu": [("        if (x_vec) return ld4(p + k);",
                                 "        if (x_vec) return make_float4(1.f, 2.f, 3.f, (float)ml);"),
                                ("const float4 o = ld4(row + k), g = ld4(row + 3 * D + k);",
@@ -51,7 +49,7 @@ PATCHES = {
 VARIANTS = {
     "full": [],
     **{name: [name] for name in PATCHES},
-    "only_gemm": ["no_store", "no_pair_bias", "no_layernorm", "no_layernorm_bias", "no_load"],
+    "only_gemm": ["no_store", "no_pair_bias", "no_layernorm", "no_layernorm_mma", "no_load"],
 }
 PROJECT_FILE = {"fp32": "project.cu", "tf32": "project_mma.cu", "bf16": "project_mma.cu"}
 
