@@ -1,5 +1,5 @@
-// The two projection GEMMs on tensor cores (the "tf32" and "bf16" precision modes; the
-// FFMA projections of "fp32" are project.cu, which computes the same). Each block owns BM
+// The two projection GEMMs on tensor cores (every precision mode on sm_80 and newer; the
+// FFMA projections of older GPUs are project.cu, which computes the same). Each block owns BM
 // rows (pair positions), holds their whole D-wide row tile in shared memory, and computes
 // every output column of those rows, so the pair representation is read once.
 //
@@ -13,9 +13,13 @@
 //                        o = qkvg[:, 0:D] (attention output, written over q)
 //                        g = qkvg[:, 3D:4D] (sigmoid gate)
 //
-// Products: mma.sync m16n8k8 on TF32 operands, fp32 accumulation. The row tile is rounded
-// to TF32 once, where it is normalised (so the pair bias, computed from it, is a TF32
-// product too, as in PyTorch's TF32 mode); W comes rounded already (DeviceWeights).
+// Products: mma.sync m16n8k8, fp32 accumulation, on
+//   SPLIT = 0 ("tf32", "bf16"): TF32 operands. The row tile is rounded to TF32 once, where
+//     it is normalised (so the pair bias, computed from it, is a TF32 product too, as in
+//     PyTorch's TF32 mode); W comes rounded already (DeviceWeights).
+//   SPLIT = 1 ("fp32"): fp32 operands, each split where its fragment is loaded into
+//     a = hi + lo (both TF32; lo carries the bits hi drops), and a b taken as
+//     hi*lo + lo*hi + hi*hi: the lo*lo term is below fp32 rounding (3xTF32).
 // LayerNorm statistics, the biases and the gate are fp32.
 //
 // Both operands are row-major with k fastest, as ldmatrix wants them: the row tile As
@@ -29,7 +33,7 @@
 // Pointers (float32 unless noted, M = B*N*N rows, D % 4 == 0):
 //   x     [B, N, N, D] at b*sb + i*si + j*sj + c*sc elements (any strides; x_vec = 1 when
 //         sc == 1 and every row starts 16-byte aligned: rows copied with cp.async)
-//   W     [NO, D] row-major, rounded to TF32 (NO = 4D, or D for out_proj)
+//   W     [NO, D] row-major (NO = 4D, or D for out_proj), rounded to TF32 unless SPLIT
 //   mask  [B, N, N] at b*mb + i*mi + j*mj elements, of the type named by mask_kind
 //         (MASK_* in project_epilogue.cuh), or null
 //   qkvg  [M, 4D]; bias [B, H, N, NPK]; out [M, D] contiguous.
@@ -52,6 +56,9 @@
 #define MT (BM / 32)    // 16-row m-tiles per warp; the 8 warps are 2 (rows) x 4 (columns)
 #define TROWS (BM / 16) // row slots per thread (thread_row)
 #define WSTR (BK + 4)   // words per row of a weight chunk: 20 = 4 (mod 8)
+#ifndef SPLIT
+#define SPLIT 0         // 1: 3xTF32 products (the fp32 mode), 0: TF32
+#endif
 
 // This thread's share of one BM x BN output tile: the C fragments of its warp's
 // BM/2 x 32 corner, [m-tile][8-column n-tile][fragment].
@@ -86,9 +93,40 @@ __device__ __forceinline__ float* pair_at(Tile& acc, int s, int j) {
 
 #include "project_epilogue.cuh"
 
-__device__ __forceinline__ float4 tf32x4(float4 v) {
+// A value of the row tile as the products take it: fp32 to be split (SPLIT), else
+// rounded to TF32 here, once.
+__device__ __forceinline__ float4 operand4(float4 v) {
+#if SPLIT
+    return v;
+#else
     return make_float4(__uint_as_float(to_tf32(v.x)), __uint_as_float(to_tf32(v.y)),
                        __uint_as_float(to_tf32(v.z)), __uint_as_float(to_tf32(v.w)));
+#endif
+}
+
+// The fp32 bits x as TF32 hi + lo (SPLIT): hi rounded to nearest, lo = x - hi (exact)
+// rounded again.
+__device__ __forceinline__ void split_tf32(u32 x, u32& hi, u32& lo) {
+    const float f = __uint_as_float(x);
+    hi = to_tf32(f);
+    lo = to_tf32(f - __uint_as_float(hi));
+}
+
+// acc += a b for one m16n8k8 fragment pair as loaded: TF32 values as they are, or (SPLIT)
+// fp32 values in three TF32 products, the small terms first.
+__device__ __forceinline__ void mma_product(float (&acc)[4], const u32 (&a)[4], const u32 (&b)[2]) {
+#if SPLIT
+    u32 ah[4], al[4], bh[2], bl[2];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) split_tf32(a[e], ah[e], al[e]);
+    split_tf32(b[0], bh[0], bl[0]);
+    split_tf32(b[1], bh[1], bl[1]);
+    mma_tf32(acc, ah[0], ah[1], ah[2], ah[3], bl[0], bl[1]);
+    mma_tf32(acc, al[0], al[1], al[2], al[3], bh[0], bh[1]);
+    mma_tf32(acc, ah[0], ah[1], ah[2], ah[3], bh[0], bh[1]);
+#else
+    mma_tf32(acc, a[0], a[1], a[2], a[3], b[0], b[1]);
+#endif
 }
 
 // The weight W [NO][D], BN rows (output columns) x BK at a time, through a cp.async ring
@@ -158,13 +196,13 @@ __device__ __forceinline__ u32 w_lane_offset() {
     return 4 * (((warp % 4) * 32 + (lane & 7) + 8 * (lane >> 4)) * WSTR + 4 * ((lane >> 3) & 1));
 }
 
-// acc += As[warp's rows, kc*BK + 0:BK] x chunk[warp's columns, 0:BK]^T.
+// acc += As[warp's rows, kc*BK + 0:BK] x chunk[warp's columns, 0:BK]^T. With SPLIT the B
+// fragments of a k-step are split once, and each m-tile's A fragment just before its
+// products (all MT split at once would not fit in the registers of 3 blocks per SM).
 __device__ __forceinline__ void multiply_chunk(u32 a_lane, int astr, u32 w_lane, Tile& acc) {
 #pragma unroll
     for (int kk = 0; kk < BK; kk += 8) {
-        u32 a[MT][4], b[4][2];
-#pragma unroll
-        for (int i = 0; i < MT; ++i) ldsm_x4(a[i], a_lane + 4 * (i * 16 * astr + kk));
+        u32 b[4][2];
 #pragma unroll
         for (int jp = 0; jp < 2; ++jp) {
             u32 r[4];
@@ -174,11 +212,36 @@ __device__ __forceinline__ void multiply_chunk(u32 a_lane, int astr, u32 w_lane,
             b[2 * jp + 1][0] = r[2];
             b[2 * jp + 1][1] = r[3];
         }
+#if SPLIT
+        u32 bl[4][2];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            split_tf32(b[j][0], b[j][0], bl[j][0]);
+            split_tf32(b[j][1], b[j][1], bl[j][1]);
+        }
+#pragma unroll
+        for (int i = 0; i < MT; ++i) {
+            u32 a[4], al[4];
+            ldsm_x4(a, a_lane + 4 * (i * 16 * astr + kk));
+#pragma unroll
+            for (int e = 0; e < 4; ++e) split_tf32(a[e], a[e], al[e]);
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                mma_tf32(acc.c[i][j], a[0], a[1], a[2], a[3], bl[j][0], bl[j][1]);
+                mma_tf32(acc.c[i][j], al[0], al[1], al[2], al[3], b[j][0], b[j][1]);
+                mma_tf32(acc.c[i][j], a[0], a[1], a[2], a[3], b[j][0], b[j][1]);
+            }
+        }
+#else
+        u32 a[MT][4];
+#pragma unroll
+        for (int i = 0; i < MT; ++i) ldsm_x4(a[i], a_lane + 4 * (i * 16 * astr + kk));
 #pragma unroll
         for (int i = 0; i < MT; ++i)
 #pragma unroll
             for (int j = 0; j < 4; ++j)
                 mma_tf32(acc.c[i][j], a[i][0], a[i][1], a[i][2], a[i][3], b[j][0], b[j][1]);
+#endif
     }
 }
 
@@ -209,8 +272,8 @@ __device__ __forceinline__ void project_columns(const float* As, int astr, const
 }
 
 // bias[b, head, i, j] for every row (b, i, j) = m0 + ml of the block and every head:
-// log2(e) * As[ml] . Wb[head] on tensor cores (xn rounded to TF32 in As, Wb rounded
-// here), -inf where the mask drops the row (store_pair_bias). Warp w takes the m-tiles
+// log2(e) * As[ml] . Wb[head] on tensor cores (xn as As holds it, Wb rounded here; or
+// both split, SPLIT), -inf where the mask drops the row (store_pair_bias). Warp w takes the m-tiles
 // w, w + 8, ... (16 rows each) and the heads 8 at a time (the B fragment's n = g).
 // Not inlined: inlined, its registers pushed the kernel's 128-register products into
 // spills (ptxas); called once per block, the call costs nothing that shows.
@@ -248,7 +311,12 @@ __device__ __noinline__ void pair_bias(const float* As, int astr, const float* _
                 ldsm_x4(a, a_row + 4 * k0);
                 const float w0 = head_ok && k0 < D ? __ldg(w + k0) : 0.f;
                 const float w1 = head_ok && k0 + 4 < D ? __ldg(w + k0 + 4) : 0.f;
-                mma_tf32(c, a[0], a[1], a[2], a[3], to_tf32(w0), to_tf32(w1));
+#if SPLIT
+                const u32 b[2] = {__float_as_uint(w0), __float_as_uint(w1)};
+#else
+                const u32 b[2] = {to_tf32(w0), to_tf32(w1)};
+#endif
+                mma_product(c, a, b);
             }
 #pragma unroll
             for (int e = 0; e < 4; ++e) {  // c0 (g, 2t) c1 (g, 2t+1) c2 (g+8, 2t) c3 (g+8, 2t+1)
@@ -277,7 +345,7 @@ __device__ __noinline__ void load_gated_tile(const float* __restrict__ qkvg, i64
             if (idx < total && m0 + ml < M && k < D) {
                 const float* row = qkvg + (m0 + ml) * ld;
                 const float4 o = ld4(row + k), g = ld4(row + 3 * D + k);
-                v[u] = tf32x4(make_float4(g.x * o.x, g.y * o.y, g.z * o.z, g.w * o.w));
+                v[u] = operand4(make_float4(g.x * o.x, g.y * o.y, g.z * o.z, g.w * o.w));
             }
         }
 #pragma unroll
@@ -356,7 +424,7 @@ ln_qkvg_project(const float* __restrict__ x, i64 sb, i64 si, i64 sj, i64 sc, int
     //    reduction across threads (a warp per row, reducing by shuffles after every pass,
     //    made this phase a chain of latencies: benchmarks/NOTES.md). The mean, the squared
     //    deviations (two passes: no cancellation), then xn = (x - mean) * rstd * gamma +
-    //    beta rounded to TF32 in place (pad columns stay 0).
+    //    beta in place, as the products take it (operand4; pad columns stay 0).
     if (t < BM) {
         float* const row = s.As + t * astr;
         float acc = 0.f;
@@ -378,7 +446,7 @@ ln_qkvg_project(const float* __restrict__ x, i64 sb, i64 si, i64 sj, i64 sc, int
         for (int k = 0; k < D; k += 4) {
             const float4 v = *reinterpret_cast<const float4*>(row + k);
             const float4 g = ld4(gamma + k), c = ld4(beta + k);
-            st4(row + k, tf32x4(make_float4((v.x - mu) * rstd * g.x + c.x,
+            st4(row + k, operand4(make_float4((v.x - mu) * rstd * g.x + c.x,
                                             (v.y - mu) * rstd * g.y + c.y,
                                             (v.z - mu) * rstd * g.z + c.z,
                                             (v.w - mu) * rstd * g.w + c.w)));
@@ -387,7 +455,8 @@ ln_qkvg_project(const float* __restrict__ x, i64 sb, i64 si, i64 sj, i64 sc, int
     __syncthreads();  // normalised tile complete
 
     // 4. The pair bias on tensor cores, with the mask folded in: xn [16 rows] x Wb^T
-    //    [8 heads] per warp and m-tile, as a TF32 product (as PyTorch's TF32 mode has it).
+    //    [8 heads] per warp and m-tile, a product like the others (TF32 as PyTorch's TF32
+    //    mode has it, or 3xTF32).
     //    Wb's B fragments (b0 = Wb[h0 + g][k + t], b1 = ...[k + t + 4]) come straight from
     //    global memory, a small array every block reads (L1), rounded here. As per-thread
     //    FFMA dot products, each thread loading all of Wb, it was ~40% of the kernel's
@@ -412,7 +481,7 @@ gated_out_project(const float* __restrict__ qkvg, i64 M, int D,
     const WeightRing ring{smem_addr(s.Ws), s.cbias, W, b_out, D, D, dpad / BK};
     ring.prime(0);  // the first weight chunks and biases travel while the row tile loads
 
-    // 1. A = g * o rounded to TF32, row-major: the gated intermediate exists only here.
+    // 1. A = g * o (operand4), row-major: the gated intermediate exists only here.
     load_gated_tile(qkvg, M, D, dpad, astr, m0, s.As);
     __syncthreads();  // tile complete before the products read it
 

@@ -102,6 +102,16 @@ def test_wide_pair_dim(cp, rng, D, h, precision):
     check_against_reference(cp, rng, 1, 23, D, h, precision=precision)
 
 
+@pytest.mark.parametrize("precision", ["fp32", "tf32", "bf16"])
+def test_ffma_projection_of_older_gpus(cp, rng, monkeypatch, precision):
+    """GPUs before sm_80 take the FFMA projections (project.cu); forced here, since this
+    GPU takes the tensor-core ones. Each precision's attention reads k and v in its own
+    format from them."""
+    monkeypatch.setattr(ta._configs, "project_uses_tensor_cores", lambda *args: False)
+    for B, N, D, h in [(1, 17, 64, 4), (2, 45, 128, 4), (1, 23, 384, 4)]:
+        check_against_reference(cp, rng, B, N, D, h, fully_masked="nan", precision=precision)
+
+
 def test_shared_memory_limits_of_one_kernel_across_sizes(cp, rng):
     """One compiled kernel serves several D: a smaller launch must not lower the shared
     memory limit a larger one needs (a cached-handle bug seen on the H200)."""

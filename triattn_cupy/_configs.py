@@ -116,24 +116,32 @@ KV_FP32, KV_TF32, KV_BF16 = 0, 1, 2
 
 @functools.lru_cache(maxsize=None)  # per call: a look-up, not a rebuild
 def project_config(rows: int, tensor_cores: bool = False, pair_dim: int = 128,
-                   kv_format: int = KV_FP32) -> KernelConfig:
-    """rows per block; tensor_cores: TF32 mma.sync products (the tf32 and bf16 modes,
-    project_mma.cu), else FFMA (project.cu); kv_format: how k and v are stored, for the
-    attention kernel (KV_*)."""
+                   kv_format: int = KV_FP32, split: bool = False) -> KernelConfig:
+    """rows per block; tensor_cores: mma.sync products (project_mma.cu), TF32, or 3xTF32
+    where `split` (fp32-accurate); else FFMA (project.cu); kv_format: how k and v are
+    stored, for the attention kernel (KV_*)."""
     # 64-row blocks fit in 80 registers: 3 per SM where shared memory allows (D <= 128),
-    # one wave instead of two for a small problem such as 2x128x64x4.
+    # one wave instead of two for a small problem such as 2x128x64x4; but not with split
+    # operands (the out projection spills 4 bytes), which keep 2 per SM.
+    min_blocks = 3 if rows == 64 and not (tensor_cores and split) else 2
     shape = (("BM", rows), ("WSTAGES", project_weight_stages(pair_dim, rows, tensor_cores)),
-             ("KV_FORMAT", kv_format), ("PROJECT_MIN_BLOCKS", 3 if rows == 64 else 2))
+             ("KV_FORMAT", kv_format), ("PROJECT_MIN_BLOCKS", min_blocks))
     if tensor_cores:
-        return KernelConfig("project_mma.cu", shape)
+        return KernelConfig("project_mma.cu", shape + (("SPLIT", int(split)),))
     return KernelConfig("project.cu", shape + (("PAD", project_pad(pair_dim)),))
 
 
 def project_uses_tensor_cores(precision: str, compute_capability: int = 90) -> bool:
-    """fp32 keeps the FFMA products (exact fp32; 3xTF32 products measured barely faster,
-    benchmarks/NOTES.md); tf32 and bf16 take TF32 tensor cores, whose error (~1e-4) is
-    inside both modes' bounds, on sm_80 and newer."""
-    return precision in ("tf32", "bf16") and compute_capability >= 80
+    """Tensor cores on sm_80 and newer in every mode: TF32 products for tf32 and bf16 (their
+    error, ~1e-4, is inside both modes' bounds), 3xTF32 for fp32 (project_splits); FFMA
+    before sm_80."""
+    check_precision(precision)
+    return compute_capability >= 80
+
+
+def project_splits(precision: str) -> bool:
+    """Whether the tensor-core projections split their operands (3xTF32): in fp32 mode."""
+    return precision == "fp32"
 
 
 SMEM_LIMIT = 227 * 1024  # dynamic shared memory a block may opt into on sm_80 / sm_90
@@ -367,10 +375,11 @@ def all_configs(arch: str | None = None):
     """Every configuration a supported (pair_dim, num_heads) can launch on a GPU of `arch`
     ("sm_80": compute capability 80-89, "sm_90": 90 and newer; None: either)."""
     capabilities = (80, 90) if arch is None else (int(arch.removeprefix("sm_")),)
-    configs = {project_config(rows, mma, D, kv) for D in (128, MAX_PAIR_DIM)
+    configs = {project_config(rows, mma, D, kv, split) for D in (128, MAX_PAIR_DIM)
                for rows in {project_rows(D, total) for total in (1, 1 << 62)}
-               for mma, kv in ((False, KV_FP32), (True, KV_FP32), (True, KV_TF32),
-                               (True, KV_BF16))}
+               for mma, kv, split in ((False, KV_FP32, False), (True, KV_FP32, True),
+                                      (True, KV_TF32, False), (True, KV_BF16, False),
+                                      (True, KV_FP32, False))}
     configs.update(attention_config(d) for d in supported_head_dims())
     configs.update(attention_mma_config(d, v, attention_mma_tiles(d, v, n, cc))
                    for v in ATTENTION_MMA_VARIANTS for d in attention_mma_head_dims(v)

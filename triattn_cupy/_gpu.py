@@ -2,8 +2,9 @@
 
 Stages (one launch each):
   project    LayerNorm + q/k/v/gate + pair bias with the mask folded in; the mask is
-             read in place, in its own dtype and strides; FFMA products for "fp32"
-             (project.cu), TF32 tensor cores for "tf32" and "bf16" (project_mma.cu, sm_80+)
+             read in place, in its own dtype and strides; tensor cores on sm_80+
+             (project_mma.cu: 3xTF32 for "fp32", TF32 for "tf32" and "bf16"), else FFMA
+             (project.cu)
   attention  flash-style softmax attention, o written over q: tensor cores for head dims
              that are multiples of 8 on sm_80+ (attention_mma.cu: 3xTF32 for "fp32",
              TF32, bf16), else FFMA fp32 (attention.cu)
@@ -63,9 +64,12 @@ class DeviceWeights:
             self.w_qkvg_t = up(w_qkvg.T)
             self.w_out_t = up(p["out_proj.weight"].T)
             # Tensor cores (project_mma.cu): as PyTorch stores them, [D_out, D_in], each
-            # row an ldmatrix row, rounded to TF32 once.
-            self.w_qkvg_tf32 = round_tf32(up(w_qkvg))
-            self.w_out_tf32 = round_tf32(up(p["out_proj.weight"]))
+            # row an ldmatrix row; as they are for the 3xTF32 products (fp32 mode), which
+            # split them, and rounded to TF32 once for the TF32 products.
+            self.w_qkvg = up(w_qkvg)
+            self.w_out = up(p["out_proj.weight"])
+            self.w_qkvg_tf32 = round_tf32(self.w_qkvg)
+            self.w_out_tf32 = round_tf32(self.w_out)
             self.b_qkvg = up(np.concatenate([p[f"{n}.bias"] for n in ("query", "key", "value", "gate")]))
             self.b_out = up(p["out_proj.bias"])
             self.gamma = up(p["layer_norm.weight"])
@@ -166,6 +170,7 @@ class Forward:
         check_fully_masked(fully_masked)
         _configs.check_precision(precision)
         self.project_mma = _configs.project_uses_tensor_cores(precision, dw.compute_capability)
+        self.project_split = self.project_mma and _configs.project_splits(precision)
         pair = as_device_array(pair, "pair", dw.device_id)
         if pair.dtype != np.float32:
             raise TypeError(f"pair must be float32; got {pair.dtype} (convert with "
@@ -220,6 +225,13 @@ class Forward:
             strides = [0] + strides
         return (mask, _i32(kind), *map(_i64, strides))  # the array: its data pointer
 
+    def _weight(self, transposed, plain, tf32):
+        """The weight layout this forward's projection kernel reads: transposed for FFMA,
+        as stored for 3xTF32, rounded to TF32 for TF32."""
+        if not self.project_mma:
+            return transposed
+        return plain if self.project_split else tf32
+
     def project(self):
         dw, pair = self.dw, self.pair
         item = pair.itemsize
@@ -231,14 +243,15 @@ class Forward:
                     and pair.data.ptr % 16 == 0)
         rows = _configs.project_rows(self.D, self.M, dw.sm_count, dw.smem_limit)
         self._launch(
-            _configs.project_config(rows, self.project_mma, self.D, self.kv_format),
+            _configs.project_config(rows, self.project_mma, self.D, self.kv_format,
+                                    self.project_split),
             "ln_qkvg_project",
             -(-self.M // rows),
             _configs.PROJECT_THREADS,
             (pair, _i64(sb), _i64(si), _i64(sj), _i64(sc), _i32(x_vec),
              _i32(self.B), _i32(self.N), _i32(self.D), _i32(self.H),
              _f32(dw.eps), _f32(LOG2E / math.sqrt(self.d)),
-             dw.gamma, dw.beta, dw.w_qkvg_tf32 if self.project_mma else dw.w_qkvg_t,
+             dw.gamma, dw.beta, self._weight(dw.w_qkvg_t, dw.w_qkvg, dw.w_qkvg_tf32),
              dw.b_qkvg, dw.w_bias, *self._mask_args(),
              self.qkvg, self.bias, _i32(self.npk)),
             _configs.project_smem_bytes(self.D, rows, self.project_mma))
@@ -262,11 +275,12 @@ class Forward:
         dw = self.dw
         rows = _configs.out_project_rows()
         self._launch(
-            _configs.project_config(rows, self.project_mma, self.D), "gated_out_project",
+            _configs.project_config(rows, self.project_mma, self.D, _configs.KV_FP32,
+                                    self.project_split), "gated_out_project",
             -(-self.M // rows),
             _configs.PROJECT_THREADS,
             (self.qkvg, _i64(self.M), _i32(self.D),
-             dw.w_out_tf32 if self.project_mma else dw.w_out_t, dw.b_out, self.out),
+             self._weight(dw.w_out_t, dw.w_out, dw.w_out_tf32), dw.b_out, self.out),
             _configs.project_smem_bytes(self.D, rows, self.project_mma))
 
     def stages(self):
