@@ -19,7 +19,8 @@
 //     PyTorch's TF32 mode); W comes rounded already (DeviceWeights).
 //   SPLIT = 1 ("fp32"): fp32 operands, each split where its fragment is loaded into
 //     a = hi + lo (both TF32; lo carries the bits hi drops), and a b taken as
-//     hi*lo + lo*hi + hi*hi: the lo*lo term is below fp32 rounding (3xTF32).
+//     hi*lo + lo*hi + hi*hi: the lo*lo term is below fp32 rounding (3xTF32); each k-step's
+//     terms are summed apart and added to the accumulator in fp32 (mma_split_terms).
 // LayerNorm statistics, the biases and the gate are fp32.
 //
 // Both operands are row-major with k fastest, as ldmatrix wants them: the row tile As
@@ -112,8 +113,25 @@ __device__ __forceinline__ void split_tf32(u32 x, u32& hi, u32& lo) {
     lo = to_tf32(f - __uint_as_float(hi));
 }
 
+// acc += (ah + al)(bh + bl) for one m16n8k8 fragment pair split into TF32 hi and lo:
+// the three terms, small ones first, summed by the tensor cores into a fresh fragment,
+// then added to acc in fp32. The tensor cores' own accumulation does not round to
+// nearest; chained through acc over D / 8 k-steps, its error grew with D (1.2e-5 at
+// D = 768 against the fp32 mode's 1e-5 bound), where one fp32 add per k-step keeps it
+// at the size of one step's.
+__device__ __forceinline__ void mma_split_terms(float (&acc)[4], const u32 (&ah)[4],
+                                                const u32 (&al)[4], const u32 (&bh)[2],
+                                                const u32 (&bl)[2]) {
+    float t[4] = {0.f, 0.f, 0.f, 0.f};
+    mma_tf32(t, ah[0], ah[1], ah[2], ah[3], bl[0], bl[1]);
+    mma_tf32(t, al[0], al[1], al[2], al[3], bh[0], bh[1]);
+    mma_tf32(t, ah[0], ah[1], ah[2], ah[3], bh[0], bh[1]);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc[e] += t[e];
+}
+
 // acc += a b for one m16n8k8 fragment pair as loaded: TF32 values as they are, or (SPLIT)
-// fp32 values in three TF32 products, the small terms first.
+// fp32 values split here into three TF32 products.
 __device__ __forceinline__ void mma_product(float (&acc)[4], const u32 (&a)[4], const u32 (&b)[2]) {
 #if SPLIT
     u32 ah[4], al[4], bh[2], bl[2];
@@ -121,9 +139,7 @@ __device__ __forceinline__ void mma_product(float (&acc)[4], const u32 (&a)[4], 
     for (int e = 0; e < 4; ++e) split_tf32(a[e], ah[e], al[e]);
     split_tf32(b[0], bh[0], bl[0]);
     split_tf32(b[1], bh[1], bl[1]);
-    mma_tf32(acc, ah[0], ah[1], ah[2], ah[3], bl[0], bl[1]);
-    mma_tf32(acc, al[0], al[1], al[2], al[3], bh[0], bh[1]);
-    mma_tf32(acc, ah[0], ah[1], ah[2], ah[3], bh[0], bh[1]);
+    mma_split_terms(acc, ah, al, bh, bl);
 #else
     mma_tf32(acc, a[0], a[1], a[2], a[3], b[0], b[1]);
 #endif
@@ -227,9 +243,8 @@ __device__ __forceinline__ void multiply_chunk(u32 a_lane, int astr, u32 w_lane,
             for (int e = 0; e < 4; ++e) split_tf32(a[e], a[e], al[e]);
 #pragma unroll
             for (int j = 0; j < 4; ++j) {
-                mma_tf32(acc.c[i][j], a[0], a[1], a[2], a[3], bl[j][0], bl[j][1]);
-                mma_tf32(acc.c[i][j], al[0], al[1], al[2], al[3], b[j][0], b[j][1]);
-                mma_tf32(acc.c[i][j], a[0], a[1], a[2], a[3], b[j][0], b[j][1]);
+                const u32 bh[2] = {b[j][0], b[j][1]}, bj[2] = {bl[j][0], bl[j][1]};
+                mma_split_terms(acc.c[i][j], a, al, bh, bj);
             }
         }
 #else
