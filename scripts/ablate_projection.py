@@ -45,6 +45,7 @@ PATCHES = {
                                    ("const float4 o = ld4(row + k), g = ld4(row + 3 * D + k);",
                                     "const float4 o = make_float4(1.f, 2.f, 3.f, (float)ml), g = o;")]},
     "rows64": {},  # not a text patch: 64-row blocks (3 per SM) at every size
+    "rows128": {},  # nor this: 128-row blocks (2 per SM) at every size
 }
 VARIANTS = {
     "full": [],
@@ -55,7 +56,7 @@ PROJECT_FILE = {"fp32": "project.cu", "tf32": "project_mma.cu", "bf16": "project
 
 
 def applies(parts, precision):
-    """Whether the variant changes (or, for "full" and "rows64", just runs) the precision's
+    """Whether the variant changes (or, for "full" and "rows*", just runs) the precision's
     kernel: a patch of its file or of the shared epilogue."""
     files = {f for part in parts for f in PATCHES[part]}
     return not files or files & {PROJECT_FILE[precision], EPILOGUE}
@@ -74,7 +75,8 @@ def use_variant(parts):
                 text = text.replace(old, new)
         return text
     _compile.kernel_source = source
-    _configs.project_rows = (lambda *args: 64) if "rows64" in parts else ORIGINAL_ROWS
+    rows = [r for r in (64, 128) if f"rows{r}" in parts]
+    _configs.project_rows = (lambda *args: rows[0]) if rows else ORIGINAL_ROWS
     _compile.raw_module.cache_clear()
     _configs._function.cache_clear()
     _configs._smem_allowed.clear()
