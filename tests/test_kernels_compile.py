@@ -48,11 +48,22 @@ def test_every_supported_dimension_has_a_config():
         assert _configs.attention_config(d) in configs
     for D in (4, 64, 128, 320, 324, 768):
         for rows_total in (1, 10**9):
-            for tensor_cores in (False, True):
-                rows = _configs.project_rows(D, rows_total)
-                assert _configs.project_config(rows, tensor_cores, D) in configs
+            for tensor_cores, split in ((False, False), (True, False), (True, True)):
+                rows = _configs.project_rows(D, rows_total, tensor_cores=tensor_cores)
+                assert _configs.project_config(rows, tensor_cores, D, split=split) in configs
                 out_rows = _configs.out_project_rows()
-                assert _configs.project_config(out_rows, tensor_cores, D) in configs
+                assert _configs.project_config(out_rows, tensor_cores, D, split=split) in configs
+
+
+def test_projection_rows_per_block():
+    """128-row blocks wherever they give every SM one (tensor cores) or ~4 (FFMA); 64 rows
+    for fewer rows, and for D above 320 (shared memory)."""
+    sms = 132
+    assert _configs.project_rows(64, 2 * 128 * 128, sms, tensor_cores=True) == 128
+    assert _configs.project_rows(128, 64 * 64, sms, tensor_cores=True) == 64
+    assert _configs.project_rows(64, 2 * 128 * 128, sms, tensor_cores=False) == 64
+    assert _configs.project_rows(128, 1024 * 1024, sms, tensor_cores=False) == 128
+    assert _configs.project_rows(384, 1024 * 1024, sms, tensor_cores=True) == 64
 
 
 def test_every_launch_fits_in_shared_memory():

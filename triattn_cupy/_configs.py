@@ -71,11 +71,15 @@ def check_dims(pair_dim: int, num_heads: int):
 # ---- projections (kernels/project.cu) ----
 
 def project_rows(pair_dim: int, rows_total: int = 1 << 62, sm_count: int = 132,
-                 smem_limit: int | None = None) -> int:
+                 smem_limit: int | None = None, tensor_cores: bool = False) -> int:
     """Rows per block: 128, or 64 when a 128-row tile of D floats would not fit in shared
     memory (SMEM_LIMIT, or the GPU's smaller `smem_limit`), or when 128-row blocks would
-    leave the GPU with under ~4 blocks per SM."""
-    if pair_dim > 320 or rows_total < 4 * 128 * sm_count:
+    leave SMs idle: with fewer than one per SM (tensor cores), or ~4 per SM (FFMA).
+    Measured on the H200 (`scripts/ablate_projection.py --variants rows64,rows128`): the
+    tensor-core kernel at 2x128x64x4 (256 blocks of 128 rows) 0.055 -> 0.040 ms with 128
+    rows; at 1x64x128x4 (32 blocks) 0.040 against 0.050 with 64."""
+    per_sm = 1 if tensor_cores else 4
+    if pair_dim > 320 or rows_total < per_sm * 128 * sm_count:
         return 64
     if smem_limit is not None and project_smem_bytes(pair_dim, 128) > smem_limit:
         return 64

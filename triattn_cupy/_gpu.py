@@ -241,7 +241,8 @@ class Forward:
         sb, si, sj, sc = strides
         x_vec = int(sc == 1 and all(s % 4 == 0 for s in (sb, si, sj))
                     and pair.data.ptr % 16 == 0)
-        rows = _configs.project_rows(self.D, self.M, dw.sm_count, dw.smem_limit)
+        rows = _configs.project_rows(self.D, self.M, dw.sm_count, dw.smem_limit,
+                                     self.project_mma)
         self._launch(
             _configs.project_config(rows, self.project_mma, self.D, self.kv_format,
                                     self.project_split),
