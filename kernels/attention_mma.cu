@@ -32,7 +32,8 @@
 //   staged (3xTF32): each tile is loaded into registers one tile ahead (in flight while
 //     the current tile is multiplied), split into TF32 hi and lo parts and stored; the
 //     bias tile is copied with cp.async one tile ahead into one of two buffers.
-// Fragments then come from ldmatrix, 4 B operands per instruction:
+// Fragments then come from ldmatrix, 4 B operands per instruction, except V in DIRECT
+// TF32, which is read with two scalar loads per fragment from V [key][dim]:
 //   K  [key][dim]: tf32: a row of 4 fp32 is one 8x8 b16 matrix row, so lane (g, t)
 //                  receives K[key g][dim t] = B(k=t, n=g) of QK^T;  bf16: the pair
 //                  (dims 2t, 2t+1) of key g = B of m16n8k16
@@ -40,11 +41,10 @@
 //      the A fragment of m16n8k8 columns (t, t+4); so column t is key 2t and t + 4 is key
 //      2t + 1 of each 8 keys, a = (c0, c2, c1, c3), and B(k, n=dim g) must be V[key 2t]
 //      [dim g], V[key 2t+1][dim g]:
-//      tf32: V transposed, [dim][key position], positions permuted in each 8 keys
-//                  (0 2 4 6 1 3 5 7): B is then a plain ldmatrix. DIRECT copies it so with
-//                  one 4-byte cp.async per value (ldmatrix cannot transpose 32-bit
-//                  elements; read as [key][dim], V took two scalar loads per fragment,
-//                  2 shared loads per score, the TF32 kernel's largest MIO cost)
+//      staged tf32: V transposed, [dim][key position], positions permuted in each 8 keys
+//                  (0 2 4 6 1 3 5 7): B is then a plain ldmatrix
+//      DIRECT tf32: V [key][dim], rows of d + 4 words: the 32 lanes' words
+//                  (2t) (d+4) + g fall in banks 8t + g, all distinct
 //      bf16: [key][dim] and ldmatrix.trans; the A fragment of m16n8k16 is exactly two C
 //                  fragments of adjacent n-tiles
 // Fragment layouts (PTX ISA, "Matrix Fragments for mma.m16n8k8 / m16n8k16"), with
@@ -136,14 +136,18 @@ typedef unsigned short elem_t;  // bf16 bits
 #else
 typedef u32 elem_t;  // tf32 bits
 // K [key][dim], rows of d + 4 words = 4 * odd (d % 8 == 0): the 8 rows of an ldmatrix
-// phase start on distinct 4-bank groups. V: transposed [dim][key position], rows of
-// BK + 4 words, likewise; the staged path's scalar stores, one key per lane, are
-// conflict-free (DIRECT's 4-byte copies, one dim per lane, meet 4-way conflicts in their
-// asynchronous writes).
+// phase start on distinct 4-bank groups. Staged V: transposed [dim][key position], rows
+// of BK + 4 words, likewise; its scalar stores, one key per lane, are conflict-free.
+// DIRECT V: [key][dim], rows of d + 4 words (see the header).
 #define KSTR (HEAD_DIM + 4)
 #define K_ELEMS (BK * KSTR)
+#if DIRECT
+#define VSTR (HEAD_DIM + 4)
+#define V_ELEMS (BK * VSTR)
+#else
 #define VSTR (BK + 4)
 #define V_ELEMS (HEAD_DIM * VSTR)
+#endif
 #endif
 #define ELEM_BYTES ((int)sizeof(elem_t))
 #define PARTS (SPLIT ? 2 : 1)
@@ -170,11 +174,9 @@ typedef u32 elem_t;  // tf32 bits
 #define LOADS (ROWS * BK * CHUNKS)
 #define LOADS_PER_THREAD ((LOADS + THREADS - 1) / THREADS)
 // DIRECT copier: 16-byte chunks, a key's chunks on consecutive threads (a key's k or v is
-// d * ELEM_BYTES contiguous bytes): k and v in bf16, k only in TF32, whose v is copied a
-// value at a time into its transposed place (in issue()).
+// d * ELEM_BYTES contiguous bytes).
 #define CHUNKS16 (HEAD_DIM * ELEM_BYTES / 16)
-#define PARTS16 (BF16 ? 2 : 1)
-#define COPIES (ROWS * PARTS16 * BK * CHUNKS16)
+#define COPIES (ROWS * 2 * BK * CHUNKS16)
 #define COPIES_PER_THREAD ((COPIES + THREADS - 1) / THREADS)
 
 #define BF16_ONES 0x3f803f80u  // bf16x2 (1, 1)
@@ -350,7 +352,9 @@ ENTRY(float* qkvg, const float* __restrict__ bias, int B, int N, int H, int npk,
 
         // This lane's ldmatrix rows in K and V (byte addresses; see opaque()).
         const u32 k_lane = opaque(smem_addr(kv + k_offset));
+#if BF16 || SPLIT
         const u32 v_lane = opaque(smem_addr(kv + v_offset));
+#endif
 
         // ---- S += Q K^T ----
 #if BF16
@@ -558,24 +562,23 @@ ENTRY(float* qkvg, const float* __restrict__ bias, int B, int N, int H, int npk,
                 for (int h = 0; h < 2; ++h)
                     mma_tf32(l[mt], ph[mt][h][0], ph[mt][h][1], ph[mt][h][2], ph[mt][h][3],
                              TF32_ONE, TF32_ONE);
-#endif
-            // matrices: positions 16 kk + 0..3, 4..7 (b0, b1 of k-step 2 kk), 8..11, 12..15
-            const u32 a = v_lane + ELEM_BYTES * ((lane & 7) * VSTR + 16 * kk + 4 * (lane >> 3));
-#if DIRECT
-            // TF32: one k-step's two matrices at a time (.x2, lanes 0-15 name them): the
-            // four of .x4 live together pushed its 128 registers into spills.
+            // B of key step 2 kk + h: V[key 2t][dim 8v + g] and V[key 2t + 1][dim 8v + g]
+            // of its 8 keys (scalar loads, conflict-free: see the header).
+            const u32* const vs = reinterpret_cast<const u32*>(kv + v_offset) + 2 * t * VSTR + g;
 #pragma unroll
             for (int v = 0; v < DT; ++v)
 #pragma unroll
                 for (int h = 0; h < 2; ++h) {
-                    u32 vb[2];
-                    ldsm_x2(vb, a + ELEM_BYTES * (8 * v * VSTR + 8 * h));
+                    const u32* const p = vs + 8 * (2 * kk + h) * VSTR + 8 * v;
+                    const u32 b0 = p[0], b1 = p[VSTR];
 #pragma unroll
                     for (int mt = 0; mt < MT; ++mt)
                         mma_tf32(o[mt][v], ph[mt][h][0], ph[mt][h][1], ph[mt][h][2], ph[mt][h][3],
-                                 vb[0], vb[1]);
+                                 b0, b1);
                 }
 #else
+            // matrices: positions 16 kk + 0..3, 4..7 (b0, b1 of k-step 2 kk), 8..11, 12..15
+            const u32 a = v_lane + ELEM_BYTES * ((lane & 7) * VSTR + 16 * kk + 4 * (lane >> 3));
 #pragma unroll
             for (int v = 0; v < DT; ++v) {
                 u32 vh[4];
@@ -619,8 +622,7 @@ ENTRY(float* qkvg, const float* __restrict__ bias, int B, int N, int H, int npk,
     for (int it = 0; it < COPIES_PER_THREAD; ++it) {
         const int idx = tid + it * THREADS;
         const int c = idx % CHUNKS16, key = (idx / CHUNKS16) % BK;
-        const int kv = (idx / (CHUNKS16 * BK)) % PARTS16;
-        const int r = min(idx / (CHUNKS16 * BK * PARTS16), ROWS - 1);
+        const int kv = (idx / (CHUNKS16 * BK)) & 1, r = min(idx / (CHUNKS16 * BK * 2), ROWS - 1);
         copy_src[it] = (u32)(((i64)r * N + key) * ld * 4) + (kv * D + head * HEAD_DIM) * ELEM_BYTES + 16 * c;
         copy_dst[it] = r * ROW_ELEMS * ELEM_BYTES + 16 * c
                        + (kv ? (K_ELEMS + key * VSTR) * ELEM_BYTES : key * KSTR * ELEM_BYTES);
@@ -638,25 +640,6 @@ ENTRY(float* qkvg, const float* __restrict__ bias, int B, int N, int H, int npk,
                 const bool ok = k0 < copy_end[it];
                 cp_async16_or_zero(st + copy_dst[it], ok ? tile_base + copy_src[it] : copy_base, ok);
             }
-#if !BF16
-            // V of TF32, a word at a time into [dim][key position]: warp w copies keys w,
-            // w + 8, ... of the rows, its lanes consecutive dims (each copy instruction reads
-            // consecutive words of one key). A loop, not unrolled: its per-copy addresses
-            // kept in registers across the key loop pushed the kernel into spills.
-            {
-                const char* const vsrc = tile_base + (D + head * HEAD_DIM) * 4;
-#pragma unroll 1
-                for (int rk = warp; rk < ROWS * BK; rk += WARPS) {
-                    const int r = rk / BK, key = rk % BK;
-                    const bool ok = i0 + r < N && k0 + key < N;
-                    const char* const src = vsrc + ((i64)r * N + key) * ld * 4;
-                    const u32 dst = st + (r * ROW_ELEMS + K_ELEMS + v_position(key)) * 4;
-#pragma unroll
-                    for (int dim = lane; dim < HEAD_DIM; dim += 32)
-                        cp_async4_or_zero(dst + 4 * dim * VSTR, ok ? src + 4 * dim : copy_base, ok);
-                }
-            }
-#endif
             copy_bias(k0, st + ROWS * ROW_ELEMS * ELEM_BYTES);
         }
         cp_async_commit();

@@ -95,10 +95,6 @@ __device__ __forceinline__ void ldsm_x4_trans(u32 (&r)[4], u32 a) {
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
 }
 // Two matrices (rows named by lanes 0..15; the other lanes' addresses are ignored).
-__device__ __forceinline__ void ldsm_x2(u32 (&r)[2], u32 a) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];"
-                 : "=r"(r[0]), "=r"(r[1]) : "r"(a));
-}
 __device__ __forceinline__ void ldsm_x2_trans(u32 (&r)[2], u32 a) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0,%1}, [%2];"
                  : "=r"(r[0]), "=r"(r[1]) : "r"(a));
@@ -110,12 +106,6 @@ __device__ __forceinline__ void ldsm_x2_trans(u32 (&r)[2], u32 a) {
 __device__ __forceinline__ void cp_async16_or_zero(u32 dst, const void* src, bool valid) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;"
                  :: "r"(dst), "l"(src), "r"(valid ? 16 : 0));
-}
-// 4-byte asynchronous copy (cached in L1 and L2, .ca: .cg takes only 16 bytes), for copies
-// that scatter single words, such as a transposition; zero-filled when !valid.
-__device__ __forceinline__ void cp_async4_or_zero(u32 dst, const void* src, bool valid) {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;"
-                 :: "r"(dst), "l"(src), "r"(valid ? 4 : 0));
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
 template <int N>

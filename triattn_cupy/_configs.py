@@ -299,14 +299,14 @@ def attention_mma_config(head_dim: int, variant: str, tiles: MmaTiles | None = N
 def attention_mma_smem_bytes(head_dim: int, variant: str, tiles: MmaTiles | None = None
                              ) -> int:
     """3xTF32: per row K [BK][d+4] and V^T [d][BK+4] tf32 words, hi and lo; then two bias
-    tiles [BQ][BK+8] fp32. TF32 / bf16: STAGES x (per row K [BK][d+4] and V^T [d][BK+4]
-    words, or K and V [BK][d+8] halves; one bias tile)."""
+    tiles [BQ][BK+8] fp32. TF32 / bf16: STAGES x (per row K and V [BK][d+4] words or
+    [BK][d+8] halves, one bias tile)."""
     t = tiles or attention_mma_tiles(head_dim, variant)
     bias_tile = 4 * t.queries * (t.bk + 8)
-    tf32_row = 4 * (t.bk * (head_dim + 4) + head_dim * (t.bk + 4))
     if variant == "tf32x3":
-        return t.rows * 2 * tf32_row + 2 * bias_tile
-    per_row = 4 * t.bk * (head_dim + 8) if variant == "bf16" else tf32_row
+        per_row = 2 * 4 * (t.bk * (head_dim + 4) + head_dim * (t.bk + 4))
+        return t.rows * per_row + 2 * bias_tile
+    per_row = 4 * t.bk * (head_dim + 8) if variant == "bf16" else 8 * t.bk * (head_dim + 4)
     return t.stages * (t.rows * per_row + bias_tile)
 
 
