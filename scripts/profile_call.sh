@@ -15,8 +15,5 @@ for prec in bf16 tf32; do
   $NCU --import "$out/attn_$prec.ncu-rep" --page source --csv --print-source sass > "$out/attn_$prec.sass.csv" 2>/dev/null
   $NCU --import "$out/attn_$prec.ncu-rep" 2>/dev/null | grep -E "Duration|Issued Warp|Eligible Warps|Active Warps Per|No Eligible|Warp Cycles Per Issued" > "$out/attn_$prec.txt"
 done
-$NCU --clock-control none --section SourceCounters --section WarpStateStats -k regex:ln_qkvg --launch-count 1 \
-  -o "$out/proj_tf32" python3 scripts/profile_forward.py $size tf32 > /dev/null 2>&1
-$NCU --import "$out/proj_tf32.ncu-rep" --page source --csv --print-source sass > "$out/proj_tf32.sass.csv" 2>/dev/null
 rm -f "$out"/*.ncu-rep
-ls -la "$out"
+OUT=$out bash scripts/profile_projection.sh "$size" tf32  # its own profile, then lists $out
