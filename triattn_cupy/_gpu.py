@@ -76,6 +76,7 @@ class DeviceWeights:
             self.beta = up(p["layer_norm.bias"])
             self.w_bias = up(p["bias_proj.weight"])
         self.device_id = device_id
+        self.plans: dict = {}  # input geometry -> Plan (Forward)
         device = cupy.cuda.Device(device_id)
         attributes = device.attributes
         self.sm_count = attributes["MultiProcessorCount"]
@@ -159,9 +160,132 @@ def as_device_array(obj, arg: str, device_id: int):
     return array
 
 
+class _Launch:
+    """One kernel launch worked out in advance: the kernel (compiled, its shared memory
+    opted in), grid, block, shared memory and argument tuple, where the names in `slots`
+    ((position, name) pairs) stand for the pointers of one call, filled in by __call__."""
+    __slots__ = ("kernel", "grid", "block", "smem", "args", "slots")
+
+    def __init__(self, config, name, grid, block, smem, args, slots):
+        self.kernel = config.get(name, smem)
+        self.grid, self.block, self.smem = (grid,), (block,), smem
+        self.args, self.slots = list(args), tuple(slots)
+
+    def __call__(self, pointers):
+        args = self.args.copy()
+        for position, name in self.slots:
+            args[position] = pointers[name]
+        self.kernel(self.grid, self.block, tuple(args), shared_mem=self.smem)
+
+
+def _pointer(array):
+    """A pointer argument, passed by value: CuPy turns an ndarray argument into its CArray
+    (a struct of shape and strides) at every launch, about a microsecond each."""
+    from cupy.cuda.function import CIntptr
+
+    return CIntptr(0 if array is None else array.data.ptr)
+
+
+class Plan:
+    """The launches of a forward pass over one input geometry: pair shape and strides,
+    alignment, mask dtype and strides, precision and fully-masked policy. Everything but
+    the pointers of a call is decided here, once per module and geometry (Forward.plan
+    caches it): at small sizes the host time before the first kernel starts is what the
+    caller waits for (benchmarks/NOTES.md). Stages, in order: `project`, `attention`,
+    `out_project`, each a _Launch taking the pointers pair, mask, qkvg, bias and out."""
+
+    def __init__(self, dw: DeviceWeights, shape, strides, aligned: bool, mask_meta,
+                 precision: str, nan_fully_masked: bool,
+                 attention: "_configs.AttentionLaunch | None" = None):
+        B, N, _ = pair_geometry(shape, dw.pair_dim)
+        D, H, d = dw.pair_dim, dw.num_heads, dw.head_dim
+        self.B, self.N, self.D, self.H, self.d = B, N, D, H, d
+        self.M = M = B * N * N
+        self.project_mma = _configs.project_uses_tensor_cores(precision, dw.compute_capability)
+        self.project_split = self.project_mma and _configs.project_splits(precision)
+        # `attention` replaces the kernel chosen for this precision (tests and tile sweeps);
+        # the projection stores k and v in the form that kernel reads.
+        self.attention_kernel = attention or _configs.attention_kernel(
+            d, precision, dw.compute_capability, N, dw.smem_limit)
+        self.kv_format = self.attention_kernel.kv_format
+        # The key axis of the bias is padded with -inf to whole key tiles of either
+        # attention kernel (at most BIAS_KEY_ALIGN keys; the tensor-core kernel copies
+        # whole tiles).
+        self.npk = -(-N // _configs.BIAS_KEY_ALIGN) * _configs.BIAS_KEY_ALIGN
+        self.qkvg_shape, self.bias_shape = (M, 4 * D), (B, H, N, self.npk)
+
+        sb, si, sj, sc = strides if len(strides) == 4 else (0, *strides)
+        x_vec = int(sc == 1 and all(s % 4 == 0 for s in (sb, si, sj)) and aligned)
+        rows = _configs.project_rows(D, M, dw.sm_count, dw.smem_limit, self.project_mma)
+        self.project = _Launch(
+            _configs.project_config(rows, self.project_mma, D, self.kv_format,
+                                    self.project_split),
+            "ln_qkvg_project", -(-M // rows), _configs.PROJECT_THREADS,
+            _configs.project_smem_bytes(D, rows, self.project_mma),
+            (None, _i64(sb), _i64(si), _i64(sj), _i64(sc), _i32(x_vec),
+             _i32(B), _i32(N), _i32(D), _i32(H),
+             _f32(dw.eps), _f32(LOG2E / math.sqrt(d)),
+             _pointer(dw.gamma), _pointer(dw.beta),
+             _pointer(self._weight(dw.w_qkvg_t, dw.w_qkvg, dw.w_qkvg_tf32)),
+             _pointer(dw.b_qkvg), _pointer(dw.w_bias), None, *_mask_args(mask_meta),
+             None, None, _i32(self.npk)),
+            ((0, "pair"), (17, "mask"), (22, "qkvg"), (23, "bias")))
+        self.attention = self.attention_launch(self.attention_kernel, nan_fully_masked)
+        out_rows = _configs.out_project_rows()
+        self.out_project = _Launch(
+            _configs.project_config(out_rows, self.project_mma, D, _configs.KV_FP32,
+                                    self.project_split),
+            "gated_out_project", -(-M // out_rows), _configs.PROJECT_THREADS,
+            _configs.project_smem_bytes(D, out_rows, self.project_mma),
+            (None, _i64(M), _i32(D),
+             _pointer(self._weight(dw.w_out_t, dw.w_out, dw.w_out_tf32)),
+             _pointer(dw.b_out), None),
+            ((0, "qkvg"), (5, "out")))
+        self.nan_fully_masked = nan_fully_masked
+
+    def attention_launch(self, k: "_configs.AttentionLaunch", nan_fully_masked: bool):
+        if k.kv_format != self.kv_format:
+            raise ValueError(f"launch {k.name} reads k and v in format {k.kv_format}, but "
+                             f"this forward's projection stores format {self.kv_format}; "
+                             f"build the Forward with attention=that launch")
+        return _Launch(k.config, k.name, k.blocks(self.B, self.N, self.H), k.threads, k.smem,
+                       (None, None, _i32(self.B), _i32(self.N), _i32(self.H),
+                        _i32(self.npk), _i32(nan_fully_masked)),
+                       ((0, "qkvg"), (1, "bias")))
+
+    def _weight(self, transposed, plain, tf32):
+        """The weight layout this forward's projection kernel reads: transposed for FFMA,
+        as stored for 3xTF32, rounded to TF32 for TF32."""
+        if not self.project_mma:
+            return transposed
+        return plain if self.project_split else tf32
+
+
+def _mask_meta(mask):
+    """What of the mask a plan depends on: None, or (itemsize, is float, strides in
+    elements over (B, N, N))."""
+    if mask is None:
+        return None
+    strides = tuple(s // mask.itemsize for s in mask.strides)
+    return (mask.itemsize, mask.dtype.kind == "f", strides if len(strides) == 3 else (0, *strides))
+
+
+def _mask_args(meta):
+    """(kind, mb, mi, mj) for project.cu's mask reader (MASK_* codes), after its pointer."""
+    if meta is None:  # a null pointer
+        return _i32(0), _i64(0), _i64(0), _i64(0)
+    itemsize, is_float, strides = meta
+    kind = 5 + {2: 0, 4: 1, 8: 2}[itemsize] if is_float else {1: 1, 2: 2, 4: 3, 8: 4}[itemsize]
+    return (_i32(kind), *map(_i64, strides))
+
+
+_PLANS_PER_MODULE = 64  # geometries remembered per DeviceWeights (then forgotten, all at once)
+
+
 class Forward:
-    """One forward pass prepared: arguments checked and converted, scratch allocated.
-    `stages()` lists the launches in order; `run()` performs them all."""
+    """One forward pass prepared: arguments checked, its Plan looked up (made on first
+    use), scratch allocated. `stages()` lists the launches in order; `run()` performs
+    them all."""
 
     def __init__(self, dw: DeviceWeights, pair, mask, fully_masked: str, out,
                  precision: str = "fp32",
@@ -169,14 +293,11 @@ class Forward:
         cupy = _cupy()
         check_fully_masked(fully_masked)
         _configs.check_precision(precision)
-        self.project_mma = _configs.project_uses_tensor_cores(precision, dw.compute_capability)
-        self.project_split = self.project_mma and _configs.project_splits(precision)
         pair = as_device_array(pair, "pair", dw.device_id)
         if pair.dtype != np.float32:
             raise TypeError(f"pair must be float32; got {pair.dtype} (convert with "
                             f"pair.astype(cupy.float32))")
         B, N, batched = pair_geometry(pair.shape, dw.pair_dim)
-        D, H, d = dw.pair_dim, dw.num_heads, dw.head_dim
         if mask is not None:
             mask = as_device_array(mask, "mask", dw.device_id)
             check_mask_dtype(mask.dtype)
@@ -187,102 +308,44 @@ class Forward:
                 raise ValueError(f"out must be a C-contiguous float32 array of shape "
                                  f"{pair.shape}; got {out.dtype} {out.shape} "
                                  f"(c_contiguous={out.flags.c_contiguous})")
-
-        self.dw, self.pair, self.mask, self.out = dw, pair, mask, out
-        self.B, self.N, self.D, self.H, self.d = B, N, D, H, d
-        self.M = B * N * N
-        self.nan_fully_masked = fully_masked == "nan"
-        # `attention` replaces the kernel chosen for this precision (tests and tile sweeps);
-        # the projection stores k and v in the form that kernel reads.
-        self.attention_kernel = attention or _configs.attention_kernel(
-            d, precision, dw.compute_capability, N, dw.smem_limit)
-        self.kv_format = self.attention_kernel.kv_format
-        # The key axis of the bias is padded with -inf to whole key tiles of either
-        # attention kernel (at most BIAS_KEY_ALIGN keys; the tensor-core kernel copies
-        # whole tiles).
-        self.npk = -(-N // _configs.BIAS_KEY_ALIGN) * _configs.BIAS_KEY_ALIGN
-        with cupy.cuda.Device(dw.device_id):  # one device switch for every allocation
-            if out is None:
-                self.out = cupy.empty(pair.shape, np.float32)
-            self.qkvg = cupy.empty((self.M, 4 * D), np.float32)
-            self.bias = cupy.empty((B, H, N, self.npk), np.float32)
+        strides = tuple(s // pair.itemsize for s in pair.strides)
+        key = (pair.shape, strides, pair.data.ptr % 16 == 0, _mask_meta(mask), precision,
+               fully_masked == "nan")
+        with cupy.cuda.Device(dw.device_id):  # one device switch: kernels, allocations
+            if attention is None:
+                plan = dw.plans.get(key)
+                if plan is None:
+                    if len(dw.plans) >= _PLANS_PER_MODULE:
+                        dw.plans.clear()
+                    plan = dw.plans[key] = Plan(dw, *key)
+            else:
+                plan = Plan(dw, *key, attention=attention)
+            self.plan, self.dw, self.pair, self.mask = plan, dw, pair, mask
+            self.B, self.N, self.D, self.H, self.d = plan.B, plan.N, plan.D, plan.H, plan.d
+            self.M, self.npk, self.kv_format = plan.M, plan.npk, plan.kv_format
+            self.out = cupy.empty(pair.shape, np.float32) if out is None else out
+            self.qkvg = cupy.empty(plan.qkvg_shape, np.float32)
+            self.bias = cupy.empty(plan.bias_shape, np.float32)
+        self._pointers = {"pair": _pointer(pair), "mask": _pointer(mask),
+                          "qkvg": _pointer(self.qkvg), "bias": _pointer(self.bias),
+                          "out": _pointer(self.out)}
 
     # -- stages --------------------------------------------------------------------
 
-    @staticmethod
-    def _launch(config, name, grid, block, args, smem):
-        config.get(name, smem)((grid,), (block,), args, shared_mem=smem)
-
-    def _mask_args(self):
-        """(pointer, kind, mb, mi, mj) for project.cu's mask reader (MASK_* codes)."""
-        mask = self.mask
-        if mask is None:  # None is passed as a null pointer
-            return None, _i32(0), _i64(0), _i64(0), _i64(0)
-        kind = 5 + {2: 0, 4: 1, 8: 2}[mask.itemsize] if mask.dtype.kind == "f" else \
-            {1: 1, 2: 2, 4: 3, 8: 4}[mask.itemsize]
-        strides = [s // mask.itemsize for s in mask.strides]
-        if len(strides) == 2:
-            strides = [0] + strides
-        return (mask, _i32(kind), *map(_i64, strides))  # the array: its data pointer
-
-    def _weight(self, transposed, plain, tf32):
-        """The weight layout this forward's projection kernel reads: transposed for FFMA,
-        as stored for 3xTF32, rounded to TF32 for TF32."""
-        if not self.project_mma:
-            return transposed
-        return plain if self.project_split else tf32
-
     def project(self):
-        dw, pair = self.dw, self.pair
-        item = pair.itemsize
-        strides = [s // item for s in pair.strides]
-        if len(strides) == 3:
-            strides = [0] + strides
-        sb, si, sj, sc = strides
-        x_vec = int(sc == 1 and all(s % 4 == 0 for s in (sb, si, sj))
-                    and pair.data.ptr % 16 == 0)
-        rows = _configs.project_rows(self.D, self.M, dw.sm_count, dw.smem_limit,
-                                     self.project_mma)
-        self._launch(
-            _configs.project_config(rows, self.project_mma, self.D, self.kv_format,
-                                    self.project_split),
-            "ln_qkvg_project",
-            -(-self.M // rows),
-            _configs.PROJECT_THREADS,
-            (pair, _i64(sb), _i64(si), _i64(sj), _i64(sc), _i32(x_vec),
-             _i32(self.B), _i32(self.N), _i32(self.D), _i32(self.H),
-             _f32(dw.eps), _f32(LOG2E / math.sqrt(self.d)),
-             dw.gamma, dw.beta, self._weight(dw.w_qkvg_t, dw.w_qkvg, dw.w_qkvg_tf32),
-             dw.b_qkvg, dw.w_bias, *self._mask_args(),
-             self.qkvg, self.bias, _i32(self.npk)),
-            _configs.project_smem_bytes(self.D, rows, self.project_mma))
+        self.plan.project(self._pointers)
 
     def attention(self, launch: "_configs.AttentionLaunch | None" = None):
         """The attention stage; `launch` replaces the kernel chosen for this forward (tile
         sweeps time kernels on the same scratch): it must read k and v in the form this
         forward's projection stores them."""
-        k = launch or self.attention_kernel
-        if k.kv_format != self.kv_format:
-            raise ValueError(f"launch {k.name} reads k and v in format {k.kv_format}, but "
-                             f"this forward's projection stores format {self.kv_format}; "
-                             f"build the Forward with attention=that launch")
-        self._launch(
-            k.config, k.name, k.blocks(self.B, self.N, self.H), k.threads,
-            (self.qkvg, self.bias, _i32(self.B), _i32(self.N), _i32(self.H),
-             _i32(self.npk), _i32(self.nan_fully_masked)),
-            k.smem)
+        if launch is None:
+            self.plan.attention(self._pointers)
+        else:
+            self.plan.attention_launch(launch, self.plan.nan_fully_masked)(self._pointers)
 
     def out_project(self):
-        dw = self.dw
-        rows = _configs.out_project_rows()
-        self._launch(
-            _configs.project_config(rows, self.project_mma, self.D, _configs.KV_FP32,
-                                    self.project_split), "gated_out_project",
-            -(-self.M // rows),
-            _configs.PROJECT_THREADS,
-            (self.qkvg, _i64(self.M), _i32(self.D),
-             self._weight(dw.w_out_t, dw.w_out, dw.w_out_tf32), dw.b_out, self.out),
-            _configs.project_smem_bytes(self.D, rows, self.project_mma))
+        self.plan.out_project(self._pointers)
 
     def stages(self):
         return [("layernorm+projections", self.project),
@@ -291,7 +354,9 @@ class Forward:
     def run(self):
         cupy = _cupy()
         with cupy.cuda.Device(self.dw.device_id):
-            for _, launch in self.stages():
-                launch()
-        self.qkvg = self.bias = None  # back to the pool now, not at GC
+            self.plan.project(self._pointers)
+            self.plan.attention(self._pointers)
+            self.plan.out_project(self._pointers)
+        # Scratch back to the pool now, not at GC (the pool reuses it in stream order).
+        self.qkvg = self.bias = self._pointers = None
         return self.out
