@@ -97,15 +97,20 @@ _PTXAS_REGS = re.compile(r"Used (\d+) registers")
 
 
 def ptxas_report(log: str) -> dict[str, dict[str, int]]:
-    """{entry: {"registers", "stack", "spill_stores", "spill_loads"}} from ptxas -v output."""
+    """{entry: {"registers", "stack", "spill_stores", "spill_loads"}} from ptxas -v output.
+    The spills of an entry include those of the non-inlined functions listed after it
+    (its callees): each is a separate "Function properties" line, which must add to the
+    entry's, not replace them (they did, and hid the entry's own spills)."""
     report, entry = {}, None
     for line in log.splitlines():
         if (found := _PTXAS_ENTRY.search(line)):
             entry = found.group(1)
-            report[entry] = {}
+            report[entry] = {"stack": 0, "spill_stores": 0, "spill_loads": 0}
         elif entry and (found := _PTXAS_SPILL.search(line)):
-            report[entry].update(stack=int(found.group(1)), spill_stores=int(found.group(2)),
-                                 spill_loads=int(found.group(3)))
+            usage = report[entry]
+            usage["stack"] = max(usage["stack"], int(found.group(1)))
+            usage["spill_stores"] += int(found.group(2))
+            usage["spill_loads"] += int(found.group(3))
         elif entry and (found := _PTXAS_REGS.search(line)):
             report[entry]["registers"] = int(found.group(1))
     return report
