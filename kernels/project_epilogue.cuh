@@ -115,12 +115,13 @@ __device__ __forceinline__ void load_column_biases(const float* __restrict__ bve
 #endif
 
 // The pass at n0 of ln_qkvg_project (acc = xn [Wq; Wk; Wv; Wg]^T at columns n0 + ...,
-// cb their biases), made what qkvg holds: q scaled by q_scale, k and v as KV_FORMAT says,
-// the gate through sigmoid. col[j]: the word of a qkvg row where column pair j goes (-1
-// past NO); packed[j]: it is one word (two bf16), not a float pair.
-__device__ __forceinline__ void map_qkvg(Tile& acc, int n0, const float2 (&cb)[4], int D,
-                                         float q_scale, int (&col)[4], bool (&packed)[4]) {
+// cb their biases) into the block's rows of qkvg (block_out, rows of NO = 4D floats):
+// q scaled by q_scale, k and v as KV_FORMAT says, the gate through sigmoid.
+__device__ __forceinline__ void store_qkvg(Tile& acc, int n0, const float2 (&cb)[4], int D,
+                                           float q_scale, float* block_out, int rows_here) {
     const int NO = 4 * D;
+    int col[4];
+    bool packed[4];
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
         const int n = pair_column(n0, j);
@@ -153,34 +154,20 @@ __device__ __forceinline__ void map_qkvg(Tile& acc, int n0, const float2 (&cb)[4
 #endif
         }
     }
+    store_pairs(acc, block_out, col, packed, NO, rows_here);
 }
 
-// ... and stored into the block's rows of qkvg (block_out, rows of NO = 4D floats).
-__device__ __forceinline__ void store_qkvg(Tile& acc, int n0, const float2 (&cb)[4], int D,
-                                           float q_scale, float* block_out, int rows_here) {
+// The pass at n0 of gated_out_project (acc = (g * o) Wo^T, cb the biases bo) into the
+// block's rows of out (rows of D floats).
+__device__ __forceinline__ void store_out(Tile& acc, int n0, const float2 (&cb)[4], int D,
+                                          float* block_out, int rows_here) {
     int col[4];
-    bool packed[4];
-    map_qkvg(acc, n0, cb, D, q_scale, col, packed);
-    store_pairs(acc, block_out, col, packed, 4 * D, rows_here);
-}
-
-// The pass at n0 of gated_out_project (acc = (g * o) Wo^T, cb the biases bo) plus its
-// biases; col[j] as in map_qkvg, for rows of D floats.
-__device__ __forceinline__ void map_out(Tile& acc, int n0, const float2 (&cb)[4], int D,
-                                        int (&col)[4]) {
+    const bool packed[4] = {false, false, false, false};
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
         const int n = pair_column(n0, j);
         col[j] = n < D ? n : -1;
         if (n < D) map_column(acc, j, cb[j], [](float2 v) { return v; });
     }
-}
-
-// ... and stored into the block's rows of out (rows of D floats).
-__device__ __forceinline__ void store_out(Tile& acc, int n0, const float2 (&cb)[4], int D,
-                                          float* block_out, int rows_here) {
-    int col[4];
-    const bool packed[4] = {false, false, false, false};
-    map_out(acc, n0, cb, D, col);
     store_pairs(acc, block_out, col, packed, D, rows_here);
 }

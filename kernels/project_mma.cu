@@ -29,18 +29,8 @@
 // phase reads on distinct 16-byte bank groups, and one ldmatrix.x4 then gives a whole
 // m16n8k8 A fragment, or the B fragments of two n-tiles (4 scalar loads each before).
 //
-// Stores: STAGED = 0 (sm_80, small problems): each thread stores its fragments' value
-// pairs. The warps then wait on their stores (ncu: long scoreboard behind STG), and with the
-// products and the stores of 2 blocks per SM taking turns the projection took ~1.1 ms of
-// its 1.76 at 1x1024 in stores alone (benchmarks/NOTES.md). STAGED = 1 (sm_90): the
-// epilogue writes the pass's tile into shared memory (Cs [BM][SSTR]) and one thread per row
-// hands it to the copy engine (cp.async.bulk, shared -> global, one bulk copy per row and
-// destination segment); the warps go on to the next pass's products while it drains, and
-// only wait for it to have read Cs before they write the next tile there.
-//
 // Launch: grid (ceil(M / BM)), block THREADS = 256, dynamic shared memory
-//   8*BM + 4*(BM*(DPAD + 4) + WSTAGES*BN*(BK + 4) + 2*BN) bytes, DPAD = D rounded up to BK,
-//   plus 4*BM*SSTR where STAGED.
+//   8*BM + 4*(BM*(DPAD + 4) + WSTAGES*BN*(BK + 4) + 2*BN) bytes, DPAD = D rounded up to BK.
 // Pointers (float32 unless noted, M = B*N*N rows, D % 4 == 0):
 //   x     [B, N, N, D] at b*sb + i*si + j*sj + c*sc elements (any strides; x_vec = 1 when
 //         sc == 1 and every row starts 16-byte aligned: rows copied with cp.async)
@@ -70,10 +60,6 @@
 #ifndef SPLIT
 #define SPLIT 0         // 1: 3xTF32 products (the fp32 mode), 0: TF32
 #endif
-#ifndef STAGED
-#define STAGED 0        // 1 (sm_90): each pass's tile leaves through shared memory and bulk copies
-#endif
-#define SSTR (BN + 8)   // words per row of the staged tile: 8 (mod 32), conflict-free float2 writes
 
 // This thread's share of one BM x BN output tile: the C fragments of its warp's
 // BM/2 x 32 corner, [m-tile][8-column n-tile][fragment].
@@ -107,80 +93,6 @@ __device__ __forceinline__ float* pair_at(Tile& acc, int s, int j) {
 }
 
 #include "project_epilogue.cuh"
-
-#if STAGED
-// ---- stores through shared memory and the copy engine (sm_90) ----
-
-// Make this thread's shared-memory writes visible to the bulk copies, which read through
-// the async proxy (then a barrier, then the copies).
-__device__ __forceinline__ void fence_shared_for_bulk() {
-    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-}
-// `bytes` (a multiple of 16, both ends 16-byte aligned) from shared address src to dst in
-// global memory, asynchronously, in this thread's current bulk group.
-__device__ __forceinline__ void bulk_store(float* dst, u32 src, int bytes) {
-    asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;"
-                 :: "l"(dst), "r"(src), "r"(bytes) : "memory");
-}
-__device__ __forceinline__ void bulk_commit() {
-    asm volatile("cp.async.bulk.commit_group;" ::: "memory");
-}
-// Wait until this thread's bulk copies have read their shared memory (so it may be
-// written again, or freed as the block exits).
-__device__ __forceinline__ void bulk_wait_read() {
-    asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
-}
-
-// Where column pair j of the pass at n0 goes in a staged row (-1: past the last column):
-// q, gate, unpacked k/v and the out projection's columns at n - n0; packed k/v (two bf16
-// per word, KV_FORMAT 2) from where their columns start in this pass (kv0 - n0), at half
-// the width. Each part's destination is contiguous in a row of qkvg (or out).
-template <bool QKVG>
-__device__ __forceinline__ int staged_word(int n0, int j, int D, bool& packed) {
-    const int n = pair_column(n0, j);
-    packed = false;
-    if (!QKVG) return n < D ? n - n0 : -1;
-    if (n >= 4 * D) return -1;
-#if KV_FORMAT == 2
-    if (n >= D && n < 3 * D) {
-        packed = true;
-        const int kv0 = max(n0, D);
-        return (kv0 - n0) + (n - kv0) / 2;
-    }
-#endif
-    return n - n0;
-}
-
-// This thread's value pairs (made final by map_qkvg / map_out) into the staged tile Cs
-// [BM][SSTR], then the fence that shows them to the bulk copies. Positions are worked out
-// here, per column pair, not kept from the map: in the 3xTF32 kernels every register
-// counts (ptxas spilled with 12 more live ones).
-template <bool QKVG>
-__device__ __forceinline__ void stage_pairs(const Tile& acc, float* Cs, int n0, int D) {
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-        bool packed;
-        const int pos = staged_word<QKVG>(n0, j, D, packed);
-        if (pos < 0) continue;
-#pragma unroll
-        for (int s = 0; s < TROWS; ++s) {
-            const float* const p = acc.c[s / 2][j] + 2 * (s % 2);
-            float* const dst = Cs + thread_row(s) * SSTR + pos;
-            if (packed)
-                *dst = p[0];
-            else
-                st2(dst, make_float2(p[0], p[1]));
-        }
-    }
-    fence_shared_for_bulk();
-}
-
-// Row r of the staged tile (shared address row) to global memory: words [lo, hi) of it
-// go to dst + 0 (nothing when hi <= lo). Words are 4 bytes; lo and hi multiples of 4.
-__device__ __forceinline__ void copy_words(float* dst, u32 row, int lo, int hi) {
-    if (hi > lo) bulk_store(dst, row + 4 * lo, 4 * (hi - lo));
-}
-#endif
 
 // A value of the row tile as the products take it: fp32 to be split (SPLIT), else
 // rounded to TF32 here, once.
@@ -366,18 +278,12 @@ __device__ __forceinline__ void project_columns(const float* As, int astr, const
             multiply_chunk(a_lane + 4 * kc * BK, astr,
                            w_lane + 4 * (kc % WSTAGES) * BN * WSTR, acc);
         }
-#if STAGED  // the last pass's bulk copies (threads t < BM) have read the staged tile
-        if (threadIdx.x < BM) bulk_wait_read();
-#endif
-        __syncthreads();  // every thread done with the ring (and the staged tile is free)
+        __syncthreads();  // every thread done with the ring
         if (n0 + BN < ring.NO) ring.prime(n0 + BN);
         float2 cb[4];
         ring.biases(n0, cb);  // from shared memory: no L2 latency to wait on
         store(acc, n0, cb);
     }
-#if STAGED  // shared memory outlives the copies reading it
-    if (threadIdx.x < BM) bulk_wait_read();
-#endif
 }
 
 // bias[b, head, i, j] for every row (b, i, j) = m0 + ml of the block and every head:
@@ -470,7 +376,6 @@ struct SmemLayout {
     float* As;      // [BM][dpad + 4]
     float* Ws;      // [WSTAGES][BN][WSTR]
     float* cbias;   // [2][BN] output biases of the current and next pass
-    float* Cs;      // [BM][SSTR] the pass's output tile, STAGED
 };
 
 __device__ __forceinline__ SmemLayout smem_layout(int dpad) {
@@ -480,7 +385,6 @@ __device__ __forceinline__ SmemLayout smem_layout(int dpad) {
     s.As = reinterpret_cast<float*>(s.rowoff + BM);
     s.Ws = s.As + BM * (dpad + 4);
     s.cbias = s.Ws + WSTAGES * BN * WSTR;
-    s.Cs = s.cbias + 2 * BN;
     return s;
 }
 
@@ -578,29 +482,7 @@ ln_qkvg_project(const float* __restrict__ x, i64 sb, i64 si, i64 sj, i64 sc, int
     const int rows_here = (int)min((i64)BM, M - m0);
     float* const block_out = qkvg + m0 * NO;  // row r at r * NO (< 2^31: BM * 4D)
     project_columns(s.As, astr, ring, [&](Tile& acc, int n0, const float2 (&cb)[4]) {
-#if STAGED
-        int col[4];
-        bool packed[4];
-        map_qkvg(acc, n0, cb, D, q_scale, col, packed);
-        stage_pairs<true>(acc, s.Cs, n0, D);
-        __syncthreads();  // the tile staged and visible to the copies
-        const int end = min(n0 + BN, NO), kv0 = max(n0, D), kv1 = min(end, 3 * D);
-        if (t < rows_here) {  // row t: q, k/v and gate parts (empty ones skipped)
-            float* const dst = block_out + (i64)t * NO;
-            const u32 row = smem_addr(s.Cs + t * SSTR);
-            copy_words(dst + n0, row, 0, min(end, D) - n0);
-#if KV_FORMAT == 2  // bf16 index c from column D (D % 8 == 0: 16-byte pieces)
-            if (kv1 > kv0)
-                copy_words(dst + D + (kv0 - D) / 2, row, kv0 - n0, kv0 - n0 + (kv1 - kv0) / 2);
-#else
-            copy_words(dst + kv0, row, kv0 - n0, kv1 - n0);
-#endif
-            copy_words(dst + max(n0, 3 * D), row, max(n0, 3 * D) - n0, end - n0);
-            bulk_commit();
-        }
-#else
         store_qkvg(acc, n0, cb, D, q_scale, block_out, rows_here);
-#endif
     });
 }
 
@@ -622,18 +504,6 @@ gated_out_project(const float* __restrict__ qkvg, i64 M, int D,
     const int rows_here = (int)min((i64)BM, M - m0);
     float* const block_out = out + m0 * D;
     project_columns(s.As, astr, ring, [&](Tile& acc, int n0, const float2 (&cb)[4]) {
-#if STAGED
-        int col[4];
-        map_out(acc, n0, cb, D, col);
-        stage_pairs<false>(acc, s.Cs, n0, D);
-        __syncthreads();  // the tile staged and visible to the copies
-        if ((int)threadIdx.x < rows_here) {
-            copy_words(block_out + (i64)threadIdx.x * D + n0, smem_addr(s.Cs + threadIdx.x * SSTR),
-                       0, min(n0 + BN, D) - n0);
-            bulk_commit();
-        }
-#else
         store_out(acc, n0, cb, D, block_out, rows_here);
-#endif
     });
 }

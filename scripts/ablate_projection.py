@@ -46,8 +46,6 @@ PATCHES = {
                                     "const float4 o = make_float4(1.f, 2.f, 3.f, (float)ml), g = o;")]},
     "rows64": {},  # not a text patch: 64-row blocks (3 per SM) at every size
     "rows128": {},  # nor this: 128-row blocks (2 per SM) at every size
-    "staged": {},  # stores through shared memory and bulk copies at every size (sm_90)
-    "unstaged": {},  # direct stores at every size
 }
 VARIANTS = {
     "full": [],
@@ -65,7 +63,6 @@ def applies(parts, precision):
 
 
 ORIGINAL_ROWS = _configs.project_rows
-ORIGINAL_STAGED = _configs.project_staged
 
 
 def use_variant(parts):
@@ -80,10 +77,6 @@ def use_variant(parts):
     _compile.kernel_source = source
     rows = [r for r in (64, 128) if f"rows{r}" in parts]
     _configs.project_rows = (lambda *args: rows[0]) if rows else ORIGINAL_ROWS
-    _configs.project_staged = (
-        (lambda D, total, *args, **kw: ORIGINAL_STAGED(D, 1 << 40, *args, **kw))
-        if "staged" in parts else (lambda *args, **kw: False) if "unstaged" in parts
-        else ORIGINAL_STAGED)
     _compile.raw_module.cache_clear()
     _configs._function.cache_clear()
     _configs._smem_allowed.clear()

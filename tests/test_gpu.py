@@ -112,37 +112,6 @@ def test_ffma_projection_of_older_gpus(cp, rng, monkeypatch, precision):
         check_against_reference(cp, rng, B, N, D, h, fully_masked="nan", precision=precision)
 
 
-@pytest.mark.parametrize("precision", ["fp32", "tf32", "bf16"])
-def test_staged_stores_at_small_sizes(cp, rng, monkeypatch, precision):
-    """The projections' stores through shared memory and bulk copies (sm_90, large
-    problems; project_mma.cu STAGED), forced at small sizes: partial last blocks, passes
-    that cross the q/k/v/gate boundaries (D = 64, 96), packed bf16 k/v, masks, batches; and
-    D = 256, whose staged blocks would not fit 2 per SM, keeps direct stores."""
-    if int(cp.cuda.Device().compute_capability) < 90:
-        pytest.skip("bulk copies (cp.async.bulk) need sm_90")
-    original = ta._configs.project_staged
-    monkeypatch.setattr(ta._configs, "project_staged",
-                        lambda D, rows_total, *args, **kw: original(D, 1 << 40, *args, **kw))
-    for B, N, D, h in [(1, 1, 64, 4), (2, 17, 64, 4), (1, 45, 128, 4), (2, 23, 96, 4),
-                       (1, 30, 40, 2), (1, 19, 256, 4)]:
-        check_against_reference(cp, rng, B, N, D, h, fully_masked="nan", precision=precision)
-
-
-def test_staged_stores_into_an_unaligned_out(cp, rng, monkeypatch):
-    """A caller's `out` that does not start 16-byte aligned gets direct stores from the
-    out projection (bulk copies need the alignment); the result is the same."""
-    original = ta._configs.project_staged
-    monkeypatch.setattr(ta._configs, "project_staged",
-                        lambda D, rows_total, *args, **kw: original(D, 1 << 40, *args, **kw))
-    weights = ta.random_weights(64, 4, seed=3)
-    pair = rng.standard_normal((1, 21, 21, 64)).astype(np.float32)
-    expected = reference.triangle_attention(pair, None, weights)
-    out = cp.full(pair.size + 1, np.nan, np.float32)[1:].reshape(pair.shape)
-    assert out.data.ptr % 16 != 0 and out.flags.c_contiguous
-    got = ta.triangle_attention(cp.asarray(pair), None, weights, out=out, precision="tf32")
-    assert got is out and rel_l2(got.get(), expected) <= TOLERANCE["tf32"]
-
-
 def test_shared_memory_limits_of_one_kernel_across_sizes(cp, rng):
     """One compiled kernel serves several D: a smaller launch must not lower the shared
     memory limit a larger one needs (a cached-handle bug seen on the H200)."""

@@ -120,48 +120,19 @@ KV_FP32, KV_TF32, KV_BF16 = 0, 1, 2
 
 @functools.lru_cache(maxsize=None)  # per call: a look-up, not a rebuild
 def project_config(rows: int, tensor_cores: bool = False, pair_dim: int = 128,
-                   kv_format: int = KV_FP32, split: bool = False,
-                   staged: bool = False) -> KernelConfig:
+                   kv_format: int = KV_FP32, split: bool = False) -> KernelConfig:
     """rows per block; tensor_cores: mma.sync products (project_mma.cu), TF32, or 3xTF32
     where `split` (fp32-accurate); else FFMA (project.cu); kv_format: how k and v are
-    stored, for the attention kernel (KV_*); staged: stores through shared memory and
-    bulk copies (project_staged)."""
+    stored, for the attention kernel (KV_*)."""
     # 64-row blocks fit in 80 registers: 3 per SM where shared memory allows (D <= 128),
     # one wave instead of two for a small problem such as 2x128x64x4; but not with split
-    # operands (the out projection spills 4 bytes), which keep 2 per SM, nor staged, whose
-    # shared memory allows 2.
-    min_blocks = 3 if rows == 64 and not (tensor_cores and split) and not staged else 2
+    # operands (the out projection spills 4 bytes), which keep 2 per SM.
+    min_blocks = 3 if rows == 64 and not (tensor_cores and split) else 2
     shape = (("BM", rows), ("WSTAGES", project_weight_stages(pair_dim, rows, tensor_cores)),
              ("KV_FORMAT", kv_format), ("PROJECT_MIN_BLOCKS", min_blocks))
     if tensor_cores:
-        return KernelConfig("project_mma.cu", shape + (("SPLIT", int(split)),)
-                            + ((("STAGED", 1),) if staged else ()))
-    if staged:
-        raise ValueError("staged stores are a tensor-core projection (project_mma.cu) option")
+        return KernelConfig("project_mma.cu", shape + (("SPLIT", int(split)),))
     return KernelConfig("project.cu", shape + (("PAD", project_pad(pair_dim)),))
-
-
-STAGED_ROWS = 64  # rows per block of the staged projections: 2 blocks per SM at D = 128
-_STAGED_MIN_WAVES = 4  # problems with fewer blocks per SM keep the direct stores
-
-
-def project_staged(pair_dim: int, rows_total: int, sm_count: int = 132,
-                   smem_limit: int | None = None, compute_capability: int = 90,
-                   kv_format: int = KV_FP32, aligned: bool = True) -> bool:
-    """Whether the tensor-core projection stores through shared memory and bulk copies
-    (project_mma.cu STAGED, STAGED_ROWS rows per block): on sm_90 and newer (the copy
-    engine's cp.async.bulk), where 2 blocks fit in an SM's shared memory, for problems of
-    at least _STAGED_MIN_WAVES waves of them; `aligned`: the output starts 16-byte aligned
-    (bulk copies need it); packed bf16 k/v need D % 8 == 0 (16-byte pieces)."""
-    if compute_capability < 90 or not aligned:
-        return False
-    if kv_format == KV_BF16 and pair_dim % 8:
-        return False
-    limit = SMEM_LIMIT if smem_limit is None else smem_limit
-    per_sm = min(limit, SMEM_LIMIT) + 1024  # an SM's shared memory: 228 KiB on sm_90
-    if 2 * (project_smem_bytes(pair_dim, STAGED_ROWS, True, True) + 1024) > per_sm:
-        return False
-    return rows_total >= _STAGED_MIN_WAVES * 2 * STAGED_ROWS * sm_count
 
 
 def project_uses_tensor_cores(precision: str, compute_capability: int = 90) -> bool:
@@ -180,15 +151,14 @@ def project_splits(precision: str) -> bool:
 SMEM_LIMIT = 227 * 1024  # dynamic shared memory a block may opt into on sm_80 / sm_90
 
 
-def _project_smem(pair_dim: int, bm: int, weight_stages: int, tensor_cores: bool,
-                  staged: bool = False) -> int:
+def _project_smem(pair_dim: int, bm: int, weight_stages: int, tensor_cores: bool) -> int:
     """project.cu: rowoff (8 per row), As [DPAD][BM+PAD], Ws [WSTAGES][BK][BN+PAD],
     red [THREADS]; project_mma.cu: rowoff, As [BM][DPAD+4], Ws [WSTAGES][BN][BK+4],
-    cbias [2][BN], and where staged Cs [BM][BN+8]."""
+    cbias [2][BN]."""
     dpad = -(-pair_dim // _PROJECT_BK) * _PROJECT_BK
     if tensor_cores:
         return 8 * bm + 4 * (bm * (dpad + 4) + weight_stages * _PROJECT_BN * (_PROJECT_BK + 4)
-                             + 2 * _PROJECT_BN + (bm * (_PROJECT_BN + 8) if staged else 0))
+                             + 2 * _PROJECT_BN)
     pad = project_pad(pair_dim)
     return 8 * bm + 4 * (dpad * (bm + pad) + weight_stages * _PROJECT_BK * (_PROJECT_BN + pad)
                          + PROJECT_THREADS)
@@ -201,14 +171,13 @@ def project_weight_stages(pair_dim: int, bm: int, tensor_cores: bool = False) ->
 
 
 @functools.lru_cache(maxsize=None)  # per call: a look-up, not a rebuild
-def project_smem_bytes(pair_dim: int, bm: int, tensor_cores: bool | None = None,
-                       staged: bool = False) -> int:
+def project_smem_bytes(pair_dim: int, bm: int, tensor_cores: bool | None = None) -> int:
     """Dynamic shared memory of a projection block; tensor_cores None: the larger of the
-    two kernels' unstaged (what a GPU must allow for every precision)."""
+    two kernels' (what a GPU must allow for every precision)."""
     if tensor_cores is None:
         return max(project_smem_bytes(pair_dim, bm, mma) for mma in (False, True))
     return _project_smem(pair_dim, bm, project_weight_stages(pair_dim, bm, tensor_cores),
-                         tensor_cores, staged)
+                         tensor_cores)
 
 
 # ---- attention (kernels/attention.cu) ----
@@ -415,10 +384,6 @@ def all_configs(arch: str | None = None):
                for mma, kv, split in ((False, KV_FP32, False), (True, KV_FP32, True),
                                       (True, KV_TF32, False), (True, KV_BF16, False),
                                       (True, KV_FP32, False))}
-    if 90 in capabilities:  # staged stores: bulk copies, sm_90 (D = 128 fits; 768 does not)
-        configs.update(project_config(STAGED_ROWS, True, 128, kv, split, staged=True)
-                       for kv, split in ((KV_FP32, True), (KV_TF32, False), (KV_BF16, False),
-                                         (KV_FP32, False)))
     configs.update(attention_config(d) for d in supported_head_dims())
     configs.update(attention_mma_config(d, v, attention_mma_tiles(d, v, n, cc))
                    for v in ATTENTION_MMA_VARIANTS for d in attention_mma_head_dims(v)

@@ -16,6 +16,7 @@ bytes); see _configs.KV_*.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 
@@ -129,6 +130,15 @@ def _f32(value):
     return by_value("f4", float(value))
 
 
+def _on_device(device_id: int):
+    """CuPy's context for `device_id`, or none where it is current already (entering one
+    costs about a microsecond of host time, and a call enters two)."""
+    cupy = _cupy()
+    if cupy.cuda.runtime.getDevice() == device_id:
+        return contextlib.nullcontext()
+    return cupy.cuda.Device(device_id)
+
+
 def _describe(obj) -> str:
     return f"{type(obj).__module__}.{type(obj).__qualname__}"
 
@@ -195,7 +205,7 @@ class Plan:
     `out_project`, each a _Launch taking the pointers pair, mask, qkvg, bias and out."""
 
     def __init__(self, dw: DeviceWeights, shape, strides, aligned: bool, mask_meta,
-                 precision: str, nan_fully_masked: bool, out_aligned: bool = True,
+                 precision: str, nan_fully_masked: bool,
                  attention: "_configs.AttentionLaunch | None" = None):
         B, N, _ = pair_geometry(shape, dw.pair_dim)
         D, H, d = dw.pair_dim, dw.num_heads, dw.head_dim
@@ -216,20 +226,12 @@ class Plan:
 
         sb, si, sj, sc = strides if len(strides) == 4 else (0, *strides)
         x_vec = int(sc == 1 and all(s % 4 == 0 for s in (sb, si, sj)) and aligned)
-        # Stores through shared memory and bulk copies (sm_90, large problems): qkvg comes
-        # from the pool (aligned); out may be the caller's.
-        staged = self.project_mma and _configs.project_staged(
-            D, M, dw.sm_count, dw.smem_limit, dw.compute_capability, self.kv_format)
-        out_staged = self.project_mma and _configs.project_staged(
-            D, M, dw.sm_count, dw.smem_limit, dw.compute_capability, aligned=out_aligned)
-        self.staged = (staged, out_staged)
-        rows = _configs.STAGED_ROWS if staged else _configs.project_rows(
-            D, M, dw.sm_count, dw.smem_limit, self.project_mma)
+        rows = _configs.project_rows(D, M, dw.sm_count, dw.smem_limit, self.project_mma)
         self.project = _Launch(
             _configs.project_config(rows, self.project_mma, D, self.kv_format,
-                                    self.project_split, staged),
+                                    self.project_split),
             "ln_qkvg_project", -(-M // rows), _configs.PROJECT_THREADS,
-            _configs.project_smem_bytes(D, rows, self.project_mma, staged),
+            _configs.project_smem_bytes(D, rows, self.project_mma),
             (None, _i64(sb), _i64(si), _i64(sj), _i64(sc), _i32(x_vec),
              _i32(B), _i32(N), _i32(D), _i32(H),
              _f32(dw.eps), _f32(LOG2E / math.sqrt(d)),
@@ -239,12 +241,12 @@ class Plan:
              None, None, _i32(self.npk)),
             ((0, "pair"), (17, "mask"), (22, "qkvg"), (23, "bias")))
         self.attention = self.attention_launch(self.attention_kernel, nan_fully_masked)
-        out_rows = _configs.STAGED_ROWS if out_staged else _configs.out_project_rows()
+        out_rows = _configs.out_project_rows()
         self.out_project = _Launch(
             _configs.project_config(out_rows, self.project_mma, D, _configs.KV_FP32,
-                                    self.project_split, out_staged),
+                                    self.project_split),
             "gated_out_project", -(-M // out_rows), _configs.PROJECT_THREADS,
-            _configs.project_smem_bytes(D, out_rows, self.project_mma, out_staged),
+            _configs.project_smem_bytes(D, out_rows, self.project_mma),
             (None, _i64(M), _i32(D),
              _pointer(self._weight(dw.w_out_t, dw.w_out, dw.w_out_tf32)),
              _pointer(dw.b_out), None),
@@ -318,8 +320,8 @@ class Forward:
                                  f"(c_contiguous={out.flags.c_contiguous})")
         strides = tuple(s // pair.itemsize for s in pair.strides)
         key = (pair.shape, strides, pair.data.ptr % 16 == 0, _mask_meta(mask), precision,
-               fully_masked == "nan", out is None or out.data.ptr % 16 == 0)
-        with cupy.cuda.Device(dw.device_id):  # one device switch: kernels, allocations
+               fully_masked == "nan")
+        with _on_device(dw.device_id):  # one device switch: kernels, allocations
             if attention is None:
                 plan = dw.plans.get(key)
                 if plan is None:
@@ -360,8 +362,7 @@ class Forward:
                 ("attention", self.attention), ("gate+out_proj", self.out_project)]
 
     def run(self):
-        cupy = _cupy()
-        with cupy.cuda.Device(self.dw.device_id):
+        with _on_device(self.dw.device_id):
             self.plan.project(self._pointers)
             self.plan.attention(self._pointers)
             self.plan.out_project(self._pointers)
