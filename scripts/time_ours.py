@@ -66,6 +66,6 @@ if __name__ == "__main__":
         sys.argv.remove("--ffma")
         from triattn_cupy import _configs
 
-        _configs.attention_kernel = lambda d, precision, cc=90, n=0: _configs.attention_ffma_launch(d)
+        _configs.attention_kernel = lambda d, *args: _configs.attention_ffma_launch(d)
         PRECISIONS = ("fp32-ffma",)
     main(sys.argv[1:] or ["2x128x64x4", "1x384x128x4", "1x1024x128x4"])

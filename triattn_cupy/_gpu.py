@@ -9,7 +9,9 @@ Stages (one launch each):
              that are multiples of 8 on sm_80+ (attention_mma.cu: 3xTF32 for "fp32",
              TF32, bf16), else FFMA fp32 (attention.cu)
   out        (g * o) Wo^T + bo, products as in project  (project.cu / project_mma.cu)
-Scratch: qkvg [M, 4D] and bias [B, h, N, NPK] float32, taken from CuPy's memory pool. The
+Scratch: qkvg [M, 4D] and bias [B, h, N, NPK] float32, one allocation from CuPy's memory
+pool per call. Everything a call launches besides its pointers is worked out once per
+module and input geometry (Plan): at small sizes the caller waits on host time. The
 tf32 and bf16 attention kernels read k and v in their tensor-core form, which the
 projection writes for them (rounded to TF32, or packed bf16 in the k columns: half the
 bytes); see _configs.KV_*.
@@ -188,12 +190,16 @@ class _Launch:
         self.kernel(self.grid, self.block, tuple(args), shared_mem=self.smem)
 
 
-def _pointer(array):
+_CIntptr = None  # cupy.cuda.function.CIntptr, imported on first use
+
+
+def _pointer(address: int):
     """A pointer argument, passed by value: CuPy turns an ndarray argument into its CArray
     (a struct of shape and strides) at every launch, about a microsecond each."""
-    from cupy.cuda.function import CIntptr
-
-    return CIntptr(0 if array is None else array.data.ptr)
+    global _CIntptr
+    if _CIntptr is None:
+        from cupy.cuda.function import CIntptr as _CIntptr
+    return _CIntptr(address)
 
 
 class Plan:
@@ -223,6 +229,10 @@ class Plan:
         # whole tiles).
         self.npk = -(-N // _configs.BIAS_KEY_ALIGN) * _configs.BIAS_KEY_ALIGN
         self.qkvg_shape, self.bias_shape = (M, 4 * D), (B, H, N, self.npk)
+        # Both scratch arrays in one pool allocation, the bias after qkvg (M * 16D bytes:
+        # a multiple of 64, so the bias starts 16-byte aligned for its tile copies).
+        self.qkvg_bytes = M * 4 * D * 4
+        self.scratch_bytes = self.qkvg_bytes + B * H * N * self.npk * 4
 
         sb, si, sj, sc = strides if len(strides) == 4 else (0, *strides)
         x_vec = int(sc == 1 and all(s % 4 == 0 for s in (sb, si, sj)) and aligned)
@@ -235,9 +245,10 @@ class Plan:
             (None, _i64(sb), _i64(si), _i64(sj), _i64(sc), _i32(x_vec),
              _i32(B), _i32(N), _i32(D), _i32(H),
              _f32(dw.eps), _f32(LOG2E / math.sqrt(d)),
-             _pointer(dw.gamma), _pointer(dw.beta),
-             _pointer(self._weight(dw.w_qkvg_t, dw.w_qkvg, dw.w_qkvg_tf32)),
-             _pointer(dw.b_qkvg), _pointer(dw.w_bias), None, *_mask_args(mask_meta),
+             _pointer(dw.gamma.data.ptr), _pointer(dw.beta.data.ptr),
+             _pointer(self._weight(dw.w_qkvg_t, dw.w_qkvg, dw.w_qkvg_tf32).data.ptr),
+             _pointer(dw.b_qkvg.data.ptr), _pointer(dw.w_bias.data.ptr), None,
+             *_mask_args(mask_meta),
              None, None, _i32(self.npk)),
             ((0, "pair"), (17, "mask"), (22, "qkvg"), (23, "bias")))
         self.attention = self.attention_launch(self.attention_kernel, nan_fully_masked)
@@ -248,8 +259,8 @@ class Plan:
             "gated_out_project", -(-M // out_rows), _configs.PROJECT_THREADS,
             _configs.project_smem_bytes(D, out_rows, self.project_mma),
             (None, _i64(M), _i32(D),
-             _pointer(self._weight(dw.w_out_t, dw.w_out, dw.w_out_tf32)),
-             _pointer(dw.b_out), None),
+             _pointer(self._weight(dw.w_out_t, dw.w_out, dw.w_out_tf32).data.ptr),
+             _pointer(dw.b_out.data.ptr), None),
             ((0, "qkvg"), (5, "out")))
         self.nan_fully_masked = nan_fully_masked
 
@@ -334,11 +345,23 @@ class Forward:
             self.B, self.N, self.D, self.H, self.d = plan.B, plan.N, plan.D, plan.H, plan.d
             self.M, self.npk, self.kv_format = plan.M, plan.npk, plan.kv_format
             self.out = cupy.empty(pair.shape, np.float32) if out is None else out
-            self.qkvg = cupy.empty(plan.qkvg_shape, np.float32)
-            self.bias = cupy.empty(plan.bias_shape, np.float32)
-        self._pointers = {"pair": _pointer(pair), "mask": _pointer(mask),
-                          "qkvg": _pointer(self.qkvg), "bias": _pointer(self.bias),
-                          "out": _pointer(self.out)}
+            self._scratch = cupy.cuda.alloc(plan.scratch_bytes)  # qkvg, then the bias
+        scratch = self._scratch.ptr
+        self._pointers = {"pair": _pointer(pair.data.ptr),
+                          "mask": _pointer(0 if mask is None else mask.data.ptr),
+                          "qkvg": _pointer(scratch), "bias": _pointer(scratch + plan.qkvg_bytes),
+                          "out": _pointer(self.out.data.ptr)}
+
+    @property
+    def qkvg(self):
+        """The scratch [M, 4D] float32 the stages share (q, k, v, gate; o over q)."""
+        return _cupy().ndarray(self.plan.qkvg_shape, np.float32, memptr=self._scratch)
+
+    @property
+    def bias(self):
+        """The pair bias [B, H, N, NPK] float32 (log2 e units, -inf where masked)."""
+        return _cupy().ndarray(self.plan.bias_shape, np.float32,
+                               memptr=self._scratch + self.plan.qkvg_bytes)
 
     # -- stages --------------------------------------------------------------------
 
@@ -367,5 +390,5 @@ class Forward:
             self.plan.attention(self._pointers)
             self.plan.out_project(self._pointers)
         # Scratch back to the pool now, not at GC (the pool reuses it in stream order).
-        self.qkvg = self.bias = self._pointers = None
+        self._scratch = self._pointers = None
         return self.out
