@@ -61,8 +61,10 @@
 // (o overwrites q: only this block reads those q values, and each warp reads its own
 // queries into registers before it writes them); k and v already rounded to TF32 for
 // attention_tf32; for attention_bf16 the columns [D, 2D) hold them packed as 2D bf16
-// values, k at bf16 index h*d and v at D + h*d from column D. bias [B, H, N, NPK], NPK a
-// multiple of BK (whole tiles are copied), -inf on the padded keys [N, NPK).
+// values, k at bf16 index h*d and v at D + h*d from column D, and q packed from column 2D
+// (bf16 index h*d; project_epilogue.cuh KV_FORMAT 2), o still fp32 over [0, D).
+// bias [B, H, N, NPK], NPK a multiple of BK (whole tiles are copied), -inf on the padded
+// keys [N, NPK).
 #include "common.cuh"
 #include "mma.cuh"
 
@@ -250,6 +252,10 @@ ENTRY(float* qkvg, const float* __restrict__ bias, int B, int N, int H, int npk,
     // ---- the query fragments, read once (queries past N and rows past N are zero) ----
 #if BF16
 #define KS ((HEAD_DIM + 15) / 16)  // 16-wide k-steps; the last is half zero when d % 16 == 8
+    // q packed by the projection (bf16 index h d + c from word 2D): each A fragment
+    // register, the pair (c, c + 1), is one word as stored.
+    const u32* const qrow = reinterpret_cast<const u32*>(row - head * HEAD_DIM + 2 * D)
+                            + head * HEAD_DIM / 2;
     u32 qa[MT][KS][4];
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
@@ -258,17 +264,13 @@ ENTRY(float* qkvg, const float* __restrict__ bias, int B, int N, int H, int npk,
 #pragma unroll
         for (int kk = 0; kk < KS; ++kk) {
             const int c = 16 * kk + 2 * t;
-            float2 x0 = make_float2(0.f, 0.f), x1 = x0, x2 = x0, x3 = x0;
-            if (ok0) x0 = ld2(row + (i64)j0 * ld + c);
-            if (ok1) x1 = ld2(row + (i64)j1 * ld + c);
-            if (16 * kk + 16 <= HEAD_DIM) {  // else the upper half of the k-step is past d: 0
-                if (ok0) x2 = ld2(row + (i64)j0 * ld + c + 8);
-                if (ok1) x3 = ld2(row + (i64)j1 * ld + c + 8);
-            }
-            qa[mt][kk][0] = pack_bf16(x0.x, x0.y);
-            qa[mt][kk][1] = pack_bf16(x1.x, x1.y);
-            qa[mt][kk][2] = pack_bf16(x2.x, x2.y);
-            qa[mt][kk][3] = pack_bf16(x3.x, x3.y);
+            const u32* const p0 = qrow + (i64)j0 * ld + c / 2;
+            const u32* const p1 = qrow + (i64)j1 * ld + c / 2;
+            const bool upper = 16 * kk + 16 <= HEAD_DIM;  // else past d: zero
+            qa[mt][kk][0] = ok0 ? __ldg(p0) : 0u;
+            qa[mt][kk][1] = ok1 ? __ldg(p1) : 0u;
+            qa[mt][kk][2] = ok0 && upper ? __ldg(p0 + 4) : 0u;
+            qa[mt][kk][3] = ok1 && upper ? __ldg(p1 + 4) : 0u;
         }
     }
     // Columns d..d+7 of K are read by the last k-step when d % 16 == 8: zero them once in

@@ -10,7 +10,8 @@
 //                        -inf where mask[b, i, j] == 0, and on the padded keys j in [N, NPK)
 //   gated_out_project: out = (g * o) Wo^T + bo                        # [M, D]
 //                        o = qkvg[:, 0:D] (attention output, written over q)
-//                        g = qkvg[:, 3D:4D] (sigmoid gate)
+//                        g = the sigmoid gate (fp32 at qkvg[:, 3D:4D], or packed
+//                          bf16: KV_FORMAT, project_epilogue.cuh)
 //
 // The products run on FFMA (8x8 register tiles per thread, fp32: the "fp32" precision
 // mode). The tensor-core projections of the "tf32" and "bf16" modes are project_mma.cu,
@@ -316,7 +317,7 @@ gated_out_project(const float* __restrict__ qkvg, i64 M, int D,
     load_tile_transposed<8>(s.As, dpad, [&](int ml, int k) {
         if (m0 + ml >= M || k >= D) return zero4();
         const float* row = qkvg + (m0 + ml) * ld;
-        const float4 o = ld4(row + k), g = ld4(row + 3 * D + k);
+        const float4 o = ld4(row + k), g = load_gate4(row, D, k);
         return make_float4(g.x * o.x, g.y * o.y, g.z * o.z, g.w * o.w);
     });
     __syncthreads();  // tile complete before the product reads it

@@ -106,13 +106,31 @@ __device__ __forceinline__ void load_column_biases(const float* __restrict__ bve
     }
 }
 
-// How ln_qkvg_project stores k and v, for the attention kernel that reads them:
-// 0 as computed (fp32), 1 rounded to TF32 (attention_tf32 copies them as they are),
-// 2 packed bf16 in the columns [D, 2D): bf16 index c from column D holds k column c for
-// c < D and v column c - D after it (attention_bf16; half the bytes).
+// How ln_qkvg_project stores q, k, v and the gate, for the kernels that read them (a
+// qkvg row is 4D words in every format; the attention writes o over [0, D)):
+// 0 as computed (fp32): q, k, v, gate at words [0, D), [D, 2D), [2D, 3D), [3D, 4D);
+// 1 the same, k and v rounded to TF32 (attention_tf32 copies them as they are);
+// 2 packed bf16 (attention_bf16; half the bytes): bf16 index c from word D holds k column
+//   c for c < D and v column c - D after it; q from word 2D (Q_WORD), the gate from word
+//   5D/2 (GATE_WORD); [3D, 4D) unused. The attention rounds q to bf16 anyway; the gate in
+//   bf16 adds ~1e-3 to the mode's error (benchmarks/NOTES.md).
 #ifndef KV_FORMAT
 #define KV_FORMAT 0
 #endif
+#define Q_WORD(D) (KV_FORMAT == 2 ? 2 * (D) : 0)
+#define GATE_WORD(D) (KV_FORMAT == 2 ? 5 * (D) / 2 : 3 * (D))
+
+// Gate values k .. k + 3 of a qkvg row (k % 4 == 0): fp32, or (KV_FORMAT 2) two packed
+// bf16 words, widened.
+__device__ __forceinline__ float4 load_gate4(const float* row, int D, int k) {
+#if KV_FORMAT == 2
+    const uint2 w = __ldg(reinterpret_cast<const uint2*>(row + GATE_WORD(D) + k / 2));
+    return make_float4(__uint_as_float(w.x << 16), __uint_as_float(w.x & 0xffff0000u),
+                       __uint_as_float(w.y << 16), __uint_as_float(w.y & 0xffff0000u));
+#else
+    return ld4(row + GATE_WORD(D) + k);
+#endif
+}
 
 // The pass at n0 of ln_qkvg_project (acc = xn [Wq; Wk; Wv; Wg]^T at columns n0 + ...,
 // cb their biases) into the block's rows of qkvg (block_out, rows of NO = 4D floats):
@@ -130,13 +148,29 @@ __device__ __forceinline__ void store_qkvg(Tile& acc, int n0, const float2 (&cb)
         // n even, D % 4 == 0: no pair straddles two of q (n < D), k, v, gate (n >= 3D).
         if (n >= NO) continue;
         if (n < D) {
+#if KV_FORMAT == 2  // packed bf16 from Q_WORD (n even: a whole word)
+            map_column(acc, j, cb[j], [&](float2 v) {
+                return make_float2(__uint_as_float(pack_bf16(v.x * q_scale, v.y * q_scale)), 0.f);
+            });
+            col[j] = Q_WORD(D) + n / 2;
+            packed[j] = true;
+#else
             map_column(acc, j, cb[j], [&](float2 v) {
                 return make_float2(v.x * q_scale, v.y * q_scale);
             });
+#endif
         } else if (n >= 3 * D) {
+#if KV_FORMAT == 2  // packed bf16 from GATE_WORD
+            map_column(acc, j, cb[j], [](float2 v) {
+                return make_float2(__uint_as_float(pack_bf16(sigmoid(v.x), sigmoid(v.y))), 0.f);
+            });
+            col[j] = GATE_WORD(D) + (n - 3 * D) / 2;
+            packed[j] = true;
+#else
             map_column(acc, j, cb[j], [](float2 v) {
                 return make_float2(sigmoid(v.x), sigmoid(v.y));
             });
+#endif
         } else {
 #if KV_FORMAT == 2  // bf16 index n - D from column D (see KV_FORMAT); a row is NO words
             map_column(acc, j, cb[j], [](float2 v) {

@@ -11,7 +11,8 @@
 //                        -inf where mask[b, i, j] == 0, and on the padded keys j in [N, NPK)
 //   gated_out_project: out = (g * o) Wo^T + bo                        # [M, D]
 //                        o = qkvg[:, 0:D] (attention output, written over q)
-//                        g = qkvg[:, 3D:4D] (sigmoid gate)
+//                        g = the sigmoid gate (fp32 at qkvg[:, 3D:4D], or packed
+//                          bf16: KV_FORMAT, project_epilogue.cuh)
 //
 // Products: mma.sync m16n8k8, fp32 accumulation, on
 //   SPLIT = 0 ("tf32", "bf16"): TF32 operands. The row tile is rounded to TF32 once, where
@@ -344,7 +345,7 @@ __device__ __noinline__ void pair_bias(const float* As, int astr, const float* _
 }
 
 // As[ml][k] = TF32(g * o) of block row ml (zero past M and past D), o = qkvg[m, 0:D],
-// g = qkvg[m, 3D:4D]. Batches of 8 float4 pairs per thread (16 loads in flight): the out
+// g the gate (load_gate4). Batches of 8 float4 pairs per thread (16 loads in flight): the out
 // projection waits on these loads. Not inlined: inlined, its registers pushed the
 // kernel's products into spills (ptxas).
 __device__ __noinline__ void load_gated_tile(const float* __restrict__ qkvg, i64 M, int D,
@@ -359,7 +360,7 @@ __device__ __noinline__ void load_gated_tile(const float* __restrict__ qkvg, i64
             v[u] = zero4();
             if (idx < total && m0 + ml < M && k < D) {
                 const float* row = qkvg + (m0 + ml) * ld;
-                const float4 o = ld4(row + k), g = ld4(row + 3 * D + k);
+                const float4 o = ld4(row + k), g = load_gate4(row, D, k);
                 v[u] = operand4(make_float4(g.x * o.x, g.y * o.y, g.z * o.z, g.w * o.w));
             }
         }

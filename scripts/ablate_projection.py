@@ -38,11 +38,11 @@ PATCHES = {
                                              "    if (t < BM && N < 0) {\n        float* const row")]},
     "no_load": {"project.cu": [("        if (x_vec) return ld4(p + k);",
                                 "        if (x_vec) return make_float4(1.f, 2.f, 3.f, (float)ml);"),
-                               ("const float4 o = ld4(row + k), g = ld4(row + 3 * D + k);",
+                               ("const float4 o = ld4(row + k), g = load_gate4(row, D, k);",
                                 "const float4 o = make_float4(1.f, 2.f, 3.f, (float)ml), g = o;")],
                 "project_mma.cu": [("cp_async16_or_zero(smem_addr(dst + k), ok ? p + k : x, ok);",
                                     "cp_async16_or_zero(smem_addr(dst + k), x, false);"),
-                                   ("const float4 o = ld4(row + k), g = ld4(row + 3 * D + k);",
+                                   ("const float4 o = ld4(row + k), g = load_gate4(row, D, k);",
                                     "const float4 o = make_float4(1.f, 2.f, 3.f, (float)ml), g = o;")]},
     "rows64": {},  # not a text patch: 64-row blocks (3 per SM) at every size
     "rows128": {},  # nor this: 128-row blocks (2 per SM) at every size

@@ -11,7 +11,7 @@ import pytest
 
 import triattn_cupy as ta
 from triattn_cupy import reference
-from helpers import rel_l2
+from helpers import rel_l2, spec_forward, spec_model
 
 pytestmark = pytest.mark.gpu
 
@@ -216,6 +216,44 @@ def test_torch_tensor_input(rng):
     got = ta.triangle_attention(pair, mask, weights)
     expected = reference.triangle_attention(pair.cpu().numpy(), mask.cpu().numpy(), weights)
     assert rel_l2(got, expected) <= FP32_TOL
+
+
+def _torch_in_precision(torch, weights, pair, mask, precision):
+    """The spec module on the GPU the way PyTorch runs it in `precision`: fp32 (no TF32),
+    fp32 with TF32 matmuls (the legacy allow_tf32 flag, as the benchmark's
+    ref_eager_tf32), or weights and inputs in bfloat16."""
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    model = spec_model(weights, dtype).cuda()
+    flag = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = precision == "tf32"
+    try:
+        with torch.no_grad():
+            out = model(torch.from_numpy(pair).to("cuda", dtype),
+                        torch.from_numpy(mask.astype(np.float32)).to("cuda", dtype))
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = flag
+    return out.float().cpu().numpy()
+
+
+@pytest.mark.parametrize("precision", ["fp32", "tf32", "bf16"])
+def test_error_within_twice_pytorch_in_the_same_precision(cp, rng, precision):
+    """Issue 6: each mode's error against float64 is no worse than twice the error of the
+    spec module run by PyTorch in the same precision, on the same inputs."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("torch has no CUDA here")
+    for B, N, D, h in [(1, 64, 128, 4), (2, 75, 64, 4), (1, 40, 128, 2), (2, 33, 96, 4)]:
+        weights = ta.random_weights(D, h, seed=int(rng.integers(1 << 31)))
+        pair = (rng.standard_normal((B, N, N, D)) * 2 + 0.5).astype(np.float32)
+        mask = make_mask(rng, B, N, fully_masked_rows=False)
+        expected = spec_forward(weights, pair, mask)
+        ours = ta.triangle_attention(cp.asarray(pair), cp.asarray(mask), weights,
+                                     precision=precision).get()
+        theirs = _torch_in_precision(torch, weights, pair, mask, precision)
+        ours_err, torch_err = rel_l2(ours, expected), rel_l2(theirs, expected)
+        print(f"{precision} {B}x{N}x{D}x{h}: ours {ours_err:.3g}, PyTorch {torch_err:.3g}, "
+              f"ratio {ours_err / torch_err:.2f}")
+        assert ours_err <= 2 * torch_err, (precision, (B, N, D, h), ours_err, torch_err)
 
 
 def test_large_n_memory_and_spot_rows(cp, rng):

@@ -14,7 +14,8 @@ pool per call. Everything a call launches besides its pointers is worked out onc
 module and input geometry (Plan): at small sizes the caller waits on host time. The
 tf32 and bf16 attention kernels read k and v in their tensor-core form, which the
 projection writes for them (rounded to TF32, or packed bf16 in the k columns: half the
-bytes); see _configs.KV_*.
+bytes; in bf16 mode q and the gate are packed bf16 too); see _configs.KV_* and
+kernels/project_epilogue.cuh.
 """
 from __future__ import annotations
 
@@ -254,8 +255,8 @@ class Plan:
         self.attention = self.attention_launch(self.attention_kernel, nan_fully_masked)
         out_rows = _configs.out_project_rows()
         self.out_project = _Launch(
-            _configs.project_config(out_rows, self.project_mma, D, _configs.KV_FP32,
-                                    self.project_split),
+            _configs.project_config(out_rows, self.project_mma, D, self.kv_format,
+                                    self.project_split),  # kv_format: how it reads the gate
             "gated_out_project", -(-M // out_rows), _configs.PROJECT_THREADS,
             _configs.project_smem_bytes(D, out_rows, self.project_mma),
             (None, _i64(M), _i32(D),
