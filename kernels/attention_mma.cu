@@ -11,7 +11,10 @@
 // query) runs on the accumulators in registers, in fp32. Three precisions, one source:
 //   PREC 0  attention_tf32x3  fp32-accurate: every operand a = hi + lo with
 //           hi = rna_tf32(a), lo = rna_tf32(a - hi), and a.b ~= lo.hi' + hi.lo' + hi.hi'
-//           (lo.lo' ~ 2^-22 |a.b| is dropped): three m16n8k8 tf32 mma per product
+//           (lo.lo' ~ 2^-22 |a.b| is dropped): three m16n8k8 tf32 mma per product,
+//           accumulated where the tensor cores' truncating accumulation cannot build up:
+//           Q K^T from zero with the bias added in fp32, each k-step of P V in a fresh
+//           fragment added to O in fp32
 //   PREC 1  attention_tf32    one m16n8k8 tf32 mma: q, k, v rounded to nearest TF32, P
 //           as is (truncated by the tensor cores; its row sums come from the same P)
 //   PREC 2  attention_bf16    m16n8k16 bf16 mma, fp32 accumulation
@@ -338,19 +341,34 @@ ENTRY(float* qkvg, const float* __restrict__ bias, int B, int N, int H, int npk,
     // One key tile: S = bias + Q K^T, the online softmax, O += P V. `kv` is the stage (or
     // the staged buffer) holding the rows' K and V, `bias_tile` its bias tile.
     auto process = [&](const char* kv, const float* bias_tile_base) {
-        // S starts as the bias (-inf where masked and on the padded keys [N, NPK)), so the
-        // products accumulate onto it. Rows 8 bytes apart in a lane pair, BSTR = 8 mod 32
-        // words: each half-warp's float2 reads hit 32 distinct banks.
+        // S = the bias (-inf where masked and on the padded keys [N, NPK)) + Q K^T. TF32 and
+        // bf16: the products accumulate onto the bias. 3xTF32: onto zero, and the bias is
+        // added after them in fp32 (add_bias): the tensor cores' accumulation does not
+        // round to nearest, and its error is relative to the accumulator, which the bias
+        // would make larger. Rows 8 bytes apart in a lane pair, BSTR = 8 mod 32 words:
+        // each half-warp's float2 reads hit 32 distinct banks.
         float s[MT][NT][4];
         const float* const bias_tile = bias_tile_base + bias_row * BSTR + 2 * t;
+        auto add_bias = [&](bool onto) {  // s = bias, or s += bias
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                for (int n = 0; n < NT; ++n) {
+                    const float2 x0 = *reinterpret_cast<const float2*>(bias_tile + 16 * mt * BSTR + 8 * n);
+                    const float2 x1 = *reinterpret_cast<const float2*>(bias_tile + (16 * mt + 8) * BSTR + 8 * n);
+                    const float b[4] = {x0.x, x0.y, x1.x, x1.y};
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) s[mt][n][e] = onto ? s[mt][n][e] + b[e] : b[e];
+                }
+        };
+#if SPLIT
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-            for (int n = 0; n < NT; ++n) {
-                const float2 x0 = *reinterpret_cast<const float2*>(bias_tile + 16 * mt * BSTR + 8 * n);
-                const float2 x1 = *reinterpret_cast<const float2*>(bias_tile + (16 * mt + 8) * BSTR + 8 * n);
-                s[mt][n][0] = x0.x; s[mt][n][1] = x0.y; s[mt][n][2] = x1.x; s[mt][n][3] = x1.y;
-            }
+            for (int n = 0; n < NT; ++n) s[mt][n][0] = s[mt][n][1] = s[mt][n][2] = s[mt][n][3] = 0.f;
+#else
+        add_bias(false);
+#endif
 
         // This lane's ldmatrix rows in K and V (byte addresses; see opaque()).
         const u32 k_lane = opaque(smem_addr(kv + k_offset));
@@ -423,6 +441,10 @@ ENTRY(float* qkvg, const float* __restrict__ bias, int B, int N, int H, int npk,
                     }
             }
         }
+#endif
+
+#if SPLIT
+        add_bias(true);
 #endif
 
         // ---- online softmax of rows j0 (r = 0: s[..][0..1]) and j1 (r = 1: s[..][2..3]) ----
@@ -578,29 +600,32 @@ ENTRY(float* qkvg, const float* __restrict__ bias, int B, int N, int H, int npk,
                         mma_tf32(o[mt][v], ph[mt][h][0], ph[mt][h][1], ph[mt][h][2], ph[mt][h][3],
                                  b0, b1);
                 }
-#else
+#else  // staged: 3xTF32
             // matrices: positions 16 kk + 0..3, 4..7 (b0, b1 of k-step 2 kk), 8..11, 12..15
             const u32 a = v_lane + ELEM_BYTES * ((lane & 7) * VSTR + 16 * kk + 4 * (lane >> 3));
 #pragma unroll
             for (int v = 0; v < DT; ++v) {
-                u32 vh[4];
+                u32 vh[4], vl[4];
                 ldsm_x4(vh, a + ELEM_BYTES * 8 * v * VSTR);
-#if SPLIT
-                u32 vl[4];
                 ldsm_x4(vl, a + ELEM_BYTES * (V_ELEMS + 8 * v * VSTR));
-#endif
+                // Each k-step's three terms summed in a fragment of their own, then added to O
+                // in fp32: chained through O over every key (3 N / 8 mma), the tensor cores'
+                // accumulation, which does not round to nearest, made the fp32 mode's error
+                // grow with N, to 2-2.6x PyTorch's fp32 error at N = 64-75 (the projections'
+                // grew with D the same way; benchmarks/NOTES.md).
 #pragma unroll
                 for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
                     for (int h = 0; h < 2; ++h) {
-#if SPLIT
-                        mma_tf32(o[mt][v], pl[mt][h][0], pl[mt][h][1], pl[mt][h][2], pl[mt][h][3],
+                        float t[4] = {0.f, 0.f, 0.f, 0.f};
+                        mma_tf32(t, pl[mt][h][0], pl[mt][h][1], pl[mt][h][2], pl[mt][h][3],
                                  vh[2 * h], vh[2 * h + 1]);
-                        mma_tf32(o[mt][v], ph[mt][h][0], ph[mt][h][1], ph[mt][h][2], ph[mt][h][3],
+                        mma_tf32(t, ph[mt][h][0], ph[mt][h][1], ph[mt][h][2], ph[mt][h][3],
                                  vl[2 * h], vl[2 * h + 1]);
-#endif
-                        mma_tf32(o[mt][v], ph[mt][h][0], ph[mt][h][1], ph[mt][h][2], ph[mt][h][3],
+                        mma_tf32(t, ph[mt][h][0], ph[mt][h][1], ph[mt][h][2], ph[mt][h][3],
                                  vh[2 * h], vh[2 * h + 1]);
+#pragma unroll
+                        for (int e = 0; e < 4; ++e) o[mt][v][e] += t[e];
                     }
             }
 #endif

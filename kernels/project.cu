@@ -261,7 +261,7 @@ ln_qkvg_project(const float* __restrict__ x, i64 sb, i64 si, i64 sj, i64 sc, int
         __syncthreads();  // partial sums visible
         tot = 0.f;
         for (int p = 0; p < parts; ++p) tot += s.red[p * BM + ml];
-        const float rstd = rsqrtf(tot / D + eps);  // biased variance, as torch.nn.LayerNorm
+        const float rstd = inverse_sqrt(tot / D + eps);  // biased variance, as torch.nn.LayerNorm
         // gamma[k], beta[k]: one address per warp, a broadcast load; unrolled, so that
         // the loads of several trips are in flight together (one at a time, their
         // latency was 8% of the kernel's stall samples).

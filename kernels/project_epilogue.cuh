@@ -44,10 +44,32 @@ __device__ __forceinline__ void store_pair_bias(float* __restrict__ brow, i64 j,
         for (int jj = N; jj < npk; ++jj) brow[jj] = neg_inf();
 }
 
-// 1 / (1 + e^-z) from one MUFU exp2 and a fast reciprocal (relative error ~1e-7, far
-// inside every mode's bound); e^-z overflowing to inf gives 0, as it should.
+// Whether the fp32 parts (gate, LayerNorm's 1/sigma) are exact to ~1 ulp, as PyTorch's,
+// or fast (MUFU approximations, ~2^-22 relative). The fp32 mode needs them exact: the fast
+// sigmoid alone adds ~1.4e-7 to the output's error (NumPy emulation), about PyTorch's
+// whole fp32 error (benchmarks/NOTES.md). Kernel files set it before the include.
+#ifndef EXACT_FP32
+#define EXACT_FP32 1
+#endif
+
+// 1 / (1 + e^-z): EXACT_FP32: expf and an IEEE division; else one MUFU exp2 and a fast
+// reciprocal (relative error ~1e-7, far inside the tf32 / bf16 bounds). e^-z overflowing
+// to inf gives 0, as it should.
 __device__ __forceinline__ float sigmoid(float z) {
+#if EXACT_FP32
+    return 1.0f / (1.0f + expf(-z));
+#else
     return __fdividef(1.0f, 1.0f + fast_exp2(-z * LOG2E_F));
+#endif
+}
+
+// 1 / sqrt(x) for LayerNorm: EXACT_FP32: IEEE sqrt and division; else rsqrtf (MUFU).
+__device__ __forceinline__ float inverse_sqrt(float x) {
+#if EXACT_FP32
+    return 1.0f / sqrtf(x);
+#else
+    return rsqrtf(x);
+#endif
 }
 
 // The epilogues decide what a column pair is once (q, k/v or gate; in range), transform

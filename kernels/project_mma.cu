@@ -93,6 +93,7 @@ __device__ __forceinline__ float* pair_at(Tile& acc, int s, int j) {
     return &acc.c[s / 2][j][2 * (s % 2)];
 }
 
+#define EXACT_FP32 SPLIT  // the fp32 mode: exact gate and LayerNorm (project_epilogue.cuh)
 #include "project_epilogue.cuh"
 
 // A value of the row tile as the products take it: fp32 to be split (SPLIT), else
@@ -457,7 +458,7 @@ ln_qkvg_project(const float* __restrict__ x, i64 sb, i64 si, i64 sj, i64 sc, int
             const float dx = v.x - mu, dy = v.y - mu, dz = v.z - mu, dw = v.w - mu;
             acc = fmaf(dx, dx, fmaf(dy, dy, fmaf(dz, dz, fmaf(dw, dw, acc))));
         }
-        const float rstd = rsqrtf(acc / D + eps);  // biased variance, as torch.nn.LayerNorm
+        const float rstd = inverse_sqrt(acc / D + eps);  // biased variance, as torch.nn.LayerNorm
 #pragma unroll 4  // gamma and beta are the same for every thread: loads of 4 trips in flight
         for (int k = 0; k < D; k += 4) {
             const float4 v = *reinterpret_cast<const float4*>(row + k);

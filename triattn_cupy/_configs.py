@@ -239,8 +239,8 @@ def attention_mma_head_dims(variant: str = "bf16"):
 
 
 # N at or below which the tile table takes its small-N shapes (all_configs compiles the
-# shapes on both sides of each).
-_SMALL_N, _MEDIUM_N = 128, 512
+# shapes on both sides of it).
+_SMALL_N = 128
 
 
 def attention_mma_tiles(head_dim: int, variant: str, n: int = 1 << 30,
@@ -254,9 +254,14 @@ def attention_mma_tiles(head_dim: int, variant: str, n: int = 1 << 30,
             if n <= _SMALL_N and head_dim <= 16:  # (d = 24, 32 spill within 128 registers on sm_80;
                 # d = 16 with the next tile in registers too)
                 return MmaTiles(bk=32, prefetch=0, min_blocks=2)
-            if n <= _MEDIUM_N:
-                return MmaTiles(bk=32, mt=2, rows=2)
-            return MmaTiles(bk=32, mt=2)
+            # 2 rows x 2 m-tiles per warp at every N (one row was faster at N > 512, 10.8
+            # against 11.8 ms at 1x1024, but spills since each k-step's P V terms are summed
+            # in fragments of their own: session 7, benchmarks/NOTES.md); d = 24 without
+            # the next tile in registers, and sm_80 at d = 32 one m-tile: what fits in 255
+            # registers there.
+            if compute_capability < 90 and head_dim > 24:
+                return MmaTiles(bk=32, mt=1, rows=2)
+            return MmaTiles(bk=32, mt=2, rows=2, prefetch=0 if head_dim == 24 else 1)
         if head_dim <= 64:
             return MmaTiles(bk=16)
         raise ValueError(f"3xTF32 attention takes head dims up to 64; got {head_dim}")
@@ -387,5 +392,5 @@ def all_configs(arch: str | None = None):
     configs.update(attention_config(d) for d in supported_head_dims())
     configs.update(attention_mma_config(d, v, attention_mma_tiles(d, v, n, cc))
                    for v in ATTENTION_MMA_VARIANTS for d in attention_mma_head_dims(v)
-                   for n in (_SMALL_N, _SMALL_N + 1, _MEDIUM_N + 1) for cc in capabilities)
+                   for n in (_SMALL_N, _SMALL_N + 1) for cc in capabilities)
     return sorted(configs, key=lambda c: (c.filename, c.defines))
