@@ -44,6 +44,12 @@ PATCHES = {
                                     "cp_async16_or_zero(smem_addr(dst + k), x, false);"),
                                    ("const float4 o = ld4(row + k), g = load_gate4(row, D, k);",
                                     "const float4 o = make_float4(1.f, 2.f, 3.f, (float)ml), g = o;")]},
+    # The weight chunks through L1 (cp.async.ca) instead of L2 only (.cg): the 2 blocks of an
+    # SM stream the same chunks, and ncu puts the weights at ~2.9 GB of L2 traffic at 1x1024.
+    "weights_l1": {"project_mma.cu": [(
+        "cp_async16_or_zero(stage + 4 * (nl * WSTR + kl), ok ? W + (i64)n * D + k : W, ok);",
+        "asm volatile(\"cp.async.ca.shared.global [%0], [%1], 16, %2;\" :: \"r\"(stage + 4 * (nl * WSTR + kl)), "
+        "\"l\"(ok ? W + (i64)n * D + k : W), \"r\"(ok ? 16 : 0));")]},
     "rows64": {},  # not a text patch: 64-row blocks (3 per SM) at every size
     "rows128": {},  # nor this: 128-row blocks (2 per SM) at every size
 }
