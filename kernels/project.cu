@@ -141,6 +141,20 @@ __device__ __forceinline__ void block_gemm(const float* As, const float* __restr
     __syncthreads();  // every thread done with Ws
 }
 
+// The output biases of this thread's value pairs in the pass at n0 (0 past NO): four
+// independent loads, so the epilogue waits for them once (a load per value pair, each
+// waited for in turn, was ~8% of the projection's stalls). Loaded after the pass's
+// product: kept live across it they push the FFMA tiles into spills. (The tensor-core
+// kernel stages its biases in shared memory with the pass's first weight chunk.)
+__device__ __forceinline__ void load_column_biases(const float* __restrict__ bvec, int n0,
+                                                   int NO, float2 (&cb)[4]) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        const int n = pair_column(n0, j);  // even, NO even: n < NO covers n + 1
+        cb[j] = n < NO ? ld2(bvec + n) : make_float2(0.f, 0.f);
+    }
+}
+
 // All NO output columns of the block's rows, BN at a time: acc = As x WT[:, n0 + ...],
 // handed with the biases bvec of this thread's column pairs to store(acc, n0, cb), which
 // may change acc.
@@ -217,12 +231,8 @@ ln_qkvg_project(const float* __restrict__ x, i64 sb, i64 si, i64 sj, i64 sc, int
     const i64 NN = (i64)N * N, M = (i64)B * NN;
     const i64 m0 = (i64)blockIdx.x * BM;
 
-    // 1. Where each row starts in x (64-bit: B*N*N*D passes 2^31 at N ~ 4096).
-    if (t < BM) {
-        const i64 m = min(m0 + t, M - 1);
-        const i64 b = m / NN, r = m - b * NN, i = r / N, j = r - i * N;
-        s.rowoff[t] = b * sb + i * si + j * sj;
-    }
+    // 1. Where each row starts in x.
+    row_offsets(s.rowoff, m0, M, N, sb, si, sj);
     __syncthreads();  // rowoff visible to every loader
 
     // 2. The raw row tile, transposed into As[k][m]; zero past M and past D.

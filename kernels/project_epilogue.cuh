@@ -1,6 +1,7 @@
 // What the two projection kernels (project.cu: FFMA, project_mma.cu: tensor cores) share:
-// the mask reader, the gate's sigmoid, and the epilogues that turn a block's output tile
-// into q, k, v, gate or the output. Included after the kernel file has defined its tile:
+// where each row starts in x, the mask reader, the gate's sigmoid, and the epilogues that
+// turn a block's output tile into q, k, v, gate or the output. Included after the kernel
+// file has defined its tile (and BM, its rows per block):
 //   Tile (acc.c), TROWS, SLOT_RUN and
 //   pair_column(n0, j)  column of this thread's j-th value pair (j < 4) of the pass at n0
 //   thread_row(s)       block row of this thread's row slot s < TROWS
@@ -8,6 +9,19 @@
 #pragma once
 #include "common.cuh"
 #include "mma.cuh"
+
+// Where each of the block's BM rows (from m0) starts in x, an element offset into
+// rowoff[t] by threads t < BM (64-bit: B*N*N*D passes 2^31 at N ~ 4096); rows past the
+// last (M) repeat it. The caller makes it visible (barrier) before the row loads.
+__device__ __forceinline__ void row_offsets(i64* rowoff, i64 m0, i64 M, int N, i64 sb, i64 si,
+                                            i64 sj) {
+    const int t = threadIdx.x;
+    if (t < BM) {
+        const i64 NN = (i64)N * N, m = min(m0 + t, M - 1);
+        const i64 b = m / NN, r = m - b * NN, i = r / N, j = r - i * N;
+        rowoff[t] = b * sb + i * si + j * sj;
+    }
+}
 
 // mask_kind: how to read one mask element; "masked" means the element equals zero.
 #define MASK_NONE 0
@@ -113,19 +127,6 @@ __device__ __forceinline__ void store_pairs(Tile& acc, float* base, const int (&
                 else
                     st2(dst, make_float2(p[0], p[1]));
             }
-}
-
-// The output biases of this thread's value pairs in the pass at n0 (0 past NO): four
-// independent loads, so the epilogue waits for them once (a load per value pair, each
-// waited for in turn, was ~8% of the projection's stalls). Loaded after the pass's
-// product: kept live across it they push the FFMA tiles into spills.
-__device__ __forceinline__ void load_column_biases(const float* __restrict__ bvec, int n0,
-                                                   int NO, float2 (&cb)[4]) {
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-        const int n = pair_column(n0, j);  // even, NO even: n < NO covers n + 1
-        cb[j] = n < NO ? ld2(bvec + n) : make_float2(0.f, 0.f);
-    }
 }
 
 // How ln_qkvg_project stores q, k, v and the gate, for the kernels that read them (a

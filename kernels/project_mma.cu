@@ -406,12 +406,8 @@ ln_qkvg_project(const float* __restrict__ x, i64 sb, i64 si, i64 sj, i64 sc, int
     const int NO = 4 * D;
     const WeightRing ring{smem_addr(s.Ws), s.cbias, W, b_qkvg, D, NO, dpad / BK};
 
-    // 1. Where each row starts in x (64-bit: B*N*N*D passes 2^31 at N ~ 4096).
-    if (t < BM) {
-        const i64 m = min(m0 + t, M - 1);
-        const i64 b = m / NN, r = m - b * NN, i = r / N, j = r - i * N;
-        s.rowoff[t] = b * sb + i * si + j * sj;
-    }
+    // 1. Where each row starts in x.
+    row_offsets(s.rowoff, m0, M, N, sb, si, sj);
     __syncthreads();  // rowoff visible to every loader
 
     // 2. The raw row tile As[m][k], a warp per row, its lanes over consecutive 16 bytes
