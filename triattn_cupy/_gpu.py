@@ -63,17 +63,12 @@ class DeviceWeights:
             def up(a):
                 return cupy.asarray(np.ascontiguousarray(a, dtype=np.float32))
 
-            w_qkvg = np.concatenate([p[f"{n}.weight"] for n in ("query", "key", "value", "gate")])
-            # FFMA (project.cu): transposed [D_in, D_out], a block's weight chunk a row slice.
-            self.w_qkvg_t = up(w_qkvg.T)
-            self.w_out_t = up(p["out_proj.weight"].T)
-            # Tensor cores (project_mma.cu): as PyTorch stores them, [D_out, D_in], each
-            # row an ldmatrix row; as they are for the 3xTF32 products (fp32 mode), which
-            # split them, and rounded to TF32 once for the TF32 products.
-            self.w_qkvg = up(w_qkvg)
-            self.w_out = up(p["out_proj.weight"])
-            self.w_qkvg_tf32 = round_tf32(self.w_qkvg)
-            self.w_out_tf32 = round_tf32(self.w_out)
+            # The projection weights as PyTorch stores them, [D_out, D_in]; each kernel's
+            # layout is made from them on first use (projection_weight).
+            self._plain = {"qkvg": up(np.concatenate([p[f"{n}.weight"]
+                                                      for n in ("query", "key", "value", "gate")])),
+                           "out": up(p["out_proj.weight"])}
+            self._layouts: dict = {}
             self.b_qkvg = up(np.concatenate([p[f"{n}.bias"] for n in ("query", "key", "value", "gate")]))
             self.b_out = up(p["out_proj.bias"])
             self.gamma = up(p["layer_norm.weight"])
@@ -94,6 +89,29 @@ class DeviceWeights:
                                        f"{self.compute_capability})")
         self.pair_dim, self.num_heads = weights.pair_dim, weights.num_heads
         self.head_dim, self.eps = weights.head_dim, weights.layer_norm_eps
+
+
+    def projection_weight(self, name: str, layout: str):
+        """Projection weight `name` ("qkvg": [Wq; Wk; Wv; Wg], or "out") in the layout its
+        kernel reads: "plain" as PyTorch stores it, [D_out, D_in] (3xTF32, which splits it
+        where its fragments are loaded: each row an ldmatrix row), "tf32" the same rounded
+        to TF32 once (TF32 products), "transposed" [D_in, D_out] (FFMA, project.cu: a
+        block's weight chunk a row slice). Made on first use, on this device (the caller
+        holds it current): a GPU uses at most two of the three."""
+        key = (name, layout)
+        array = self._layouts.get(key)
+        if array is None:
+            plain = self._plain[name]
+            if layout == "plain":
+                array = plain
+            elif layout == "tf32":
+                array = round_tf32(plain)
+            elif layout == "transposed":
+                array = _cupy().ascontiguousarray(plain.T)
+            else:
+                raise ValueError(f"layout must be plain, tf32 or transposed; got {layout!r}")
+            self._layouts[key] = array
+        return array
 
 
 def round_tf32(a):
@@ -247,7 +265,7 @@ class Plan:
              _i32(B), _i32(N), _i32(D), _i32(H),
              _f32(dw.eps), _f32(LOG2E / math.sqrt(d)),
              _pointer(dw.gamma.data.ptr), _pointer(dw.beta.data.ptr),
-             _pointer(self._weight(dw.w_qkvg_t, dw.w_qkvg, dw.w_qkvg_tf32).data.ptr),
+             _pointer(dw.projection_weight("qkvg", self.weight_layout).data.ptr),
              _pointer(dw.b_qkvg.data.ptr), _pointer(dw.w_bias.data.ptr), None,
              *_mask_args(mask_meta),
              None, None, _i32(self.npk)),
@@ -260,7 +278,7 @@ class Plan:
             "gated_out_project", -(-M // out_rows), _configs.PROJECT_THREADS,
             _configs.project_smem_bytes(D, out_rows, self.project_mma),
             (None, _i64(M), _i32(D),
-             _pointer(self._weight(dw.w_out_t, dw.w_out, dw.w_out_tf32).data.ptr),
+             _pointer(dw.projection_weight("out", self.weight_layout).data.ptr),
              _pointer(dw.b_out.data.ptr), None),
             ((0, "qkvg"), (5, "out")))
         self.nan_fully_masked = nan_fully_masked
@@ -275,12 +293,13 @@ class Plan:
                         _i32(self.npk), _i32(nan_fully_masked)),
                        ((0, "qkvg"), (1, "bias")))
 
-    def _weight(self, transposed, plain, tf32):
-        """The weight layout this forward's projection kernel reads: transposed for FFMA,
-        as stored for 3xTF32, rounded to TF32 for TF32."""
+    @property
+    def weight_layout(self) -> str:
+        """The projection weights' layout this forward's kernels read (projection_weight):
+        transposed for FFMA, as stored for 3xTF32, rounded to TF32 for TF32."""
         if not self.project_mma:
-            return transposed
-        return plain if self.project_split else tf32
+            return "transposed"
+        return "plain" if self.project_split else "tf32"
 
 
 def _mask_meta(mask):
