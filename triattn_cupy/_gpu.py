@@ -90,7 +90,6 @@ class DeviceWeights:
         self.pair_dim, self.num_heads = weights.pair_dim, weights.num_heads
         self.head_dim, self.eps = weights.head_dim, weights.layer_norm_eps
 
-
     def projection_weight(self, name: str, layout: str):
         """Projection weight `name` ("qkvg": [Wq; Wk; Wv; Wg], or "out") in the layout its
         kernel reads: "plain" as PyTorch stores it, [D_out, D_in] (3xTF32, which splits it
@@ -224,8 +223,8 @@ def _pointer(address: int):
 class Plan:
     """The launches of a forward pass over one input geometry: pair shape and strides,
     alignment, mask dtype and strides, precision and fully-masked policy. Everything but
-    the pointers of a call is decided here, once per module and geometry (Forward.plan
-    caches it): at small sizes the host time before the first kernel starts is what the
+    the pointers of a call is decided here, once per module and geometry (Forward keeps
+    them in DeviceWeights.plans): at small sizes the host time before the first kernel starts is what the
     caller waits for (benchmarks/NOTES.md). Stages, in order: `project`, `attention`,
     `out_project`, each a _Launch taking the pointers pair, mask, qkvg, bias and out."""
 
