@@ -62,6 +62,30 @@ def main(sizes):
                       f"pf={tiles.prefetch} minb={tiles.min_blocks} st={tiles.stages}: {ms:.3f} ms "
                       f"{flops / ms / 1e9:.1f} TFLOP/s{mark}",
                       flush=True)
+            if variant == "tf32" and d in _configs.WGMMA_HEAD_DIMS:
+                sweep_wgmma(fwd, size, d, flops, 20 if N <= 512 else 5)
+
+
+# (rows, stages, min_blocks) of attention_wgmma.cu
+WGMMA_CANDIDATES = [_configs.MmaTiles(bk=_configs.WGMMA_KEYS, rows=r, stages=s, min_blocks=m)
+                    for r, s, m in [(2, 2, 1), (2, 3, 1), (1, 2, 1), (1, 2, 2), (1, 3, 1)]]
+
+
+def sweep_wgmma(fwd, size, d, flops, repeats):
+    """The wgmma TF32 attention's candidates, on the TF32 forward's k and v."""
+    chosen = _configs.attention_wgmma_tiles()
+    for tiles in WGMMA_CANDIDATES:
+        try:
+            launch = _configs.attention_wgmma_launch(d, tiles)
+            if launch.smem > _configs.SMEM_LIMIT:
+                raise ValueError(f"{launch.smem} bytes of shared memory")
+            ms = time_attention(fwd, launch, repeats)
+        except Exception as exc:
+            print(f"{size} wgmma  {tiles}: {type(exc).__name__}: {exc}")
+            continue
+        mark = " <- chosen" if tiles == chosen else ""
+        print(f"{size} wgmma  rows={tiles.rows} minb={tiles.min_blocks} st={tiles.stages}: "
+              f"{ms:.3f} ms {flops / ms / 1e9:.1f} TFLOP/s{mark}", flush=True)
 
 
 VARIANTS = _configs.ATTENTION_MMA_VARIANTS

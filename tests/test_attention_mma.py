@@ -42,7 +42,7 @@ def _mask(rng, B, N):
     return keep
 
 
-def _run_both(cp, rng, B, N, head_dim, variant, policy, tiles=None):
+def _run_both(cp, rng, B, N, head_dim, variant, policy, tiles=None, launch=None):
     """(q slots after the FFMA kernel, q slots after the mma kernel, and for each whether
     the attention left every other column of qkvg as the projection wrote it), the q
     slots on the host. Each kernel gets its own forward on the same inputs: the
@@ -65,7 +65,7 @@ def _run_both(cp, rng, B, N, head_dim, variant, policy, tiles=None):
         return fwd.qkvg[:, :fwd.D].get(), rest_kept
 
     ref, ref_kept = run(_configs.attention_ffma_launch(head_dim))
-    got, got_kept = run(_configs.attention_mma_launch(head_dim, variant, tiles))
+    got, got_kept = run(launch or _configs.attention_mma_launch(head_dim, variant, tiles))
     return ref, got, ref_kept, got_kept
 
 
@@ -98,9 +98,10 @@ def test_mma_tile_shapes(cp, rng, N, tiles, variant):
     _check_against_ffma(cp, rng, 2, N, 16, variant, tiles)
 
 
-def _check_against_ffma(cp, rng, B, N, head_dim, variant, tiles):
+def _check_against_ffma(cp, rng, B, N, head_dim, variant, tiles, launch=None):
     policy = ("zero", "nan")[(N + B) % 2]
-    ref, got, ref_kept, got_kept = _run_both(cp, rng, B, N, head_dim, variant, policy, tiles)
+    ref, got, ref_kept, got_kept = _run_both(cp, rng, B, N, head_dim, variant, policy, tiles,
+                                             launch)
     assert ref_kept and got_kept, "the attention wrote outside the q slots"
     if policy == "nan":
         assert np.array_equal(np.isnan(got), np.isnan(ref)), "NaN exactly where FFMA has NaN"
@@ -127,3 +128,37 @@ def test_mma_both_policies_on_one_input(cp, rng, variant):
             assert np.array_equal(np.isnan(got), np.isnan(ref))
         finite = ~np.isnan(ref)
         assert rel_l2(got, ref, where=finite) <= TOL[variant]
+
+
+# ---- the TF32 attention on warpgroup products (kernels/attention_wgmma.cu, sm_90a) ----
+
+WGMMA_TILES = [_configs.attention_wgmma_tiles(),
+               _configs.MmaTiles(bk=64, rows=2, stages=3, min_blocks=1),
+               _configs.MmaTiles(bk=64, rows=1, stages=2, min_blocks=1)]
+
+
+def _needs_sm_90(cp):
+    cc = cp.cuda.Device().compute_capability
+    if cc != "90":
+        pytest.skip(f"wgmma (sm_90a) runs on compute capability 9.0 only; this GPU is {cc}")
+
+
+@pytest.mark.parametrize("tiles", WGMMA_TILES, ids=str)
+@pytest.mark.parametrize("N", [1, 7, 64, 65, 130, 199])
+@pytest.mark.parametrize("B", [1, 2])
+def test_wgmma_matches_ffma(cp, rng, B, N, tiles):
+    """Sizes below, at and past the 64-key and 128-query tiles, rows past N in a 2-row
+    block (odd N), fully masked queries under both policies (by N + B)."""
+    _needs_sm_90(cp)
+    _check_against_ffma(cp, rng, B, N, 32, "tf32", None,
+                        _configs.attention_wgmma_launch(32, tiles))
+
+
+def test_wgmma_both_policies_on_one_input(cp):
+    _needs_sm_90(cp)
+    for policy in ("zero", "nan"):
+        ref, got, _, _ = _run_both(cp, np.random.default_rng(99), 2, 131, 32, "tf32", policy,
+                                   launch=_configs.attention_wgmma_launch(32))
+        assert np.array_equal(np.isnan(got), np.isnan(ref))
+        assert np.isnan(got).any() == (policy == "nan")
+        assert rel_l2(got, ref, where=~np.isnan(ref)) <= TOL["tf32"]

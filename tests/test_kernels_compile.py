@@ -44,7 +44,7 @@ def _allowed_spill_bytes(config, arch) -> int:
                          ids=lambda x: x if isinstance(x, str) else
                          x.filename + ":" + ",".join(f"{k}={v}" for k, v in x.defines))
 def test_compiles_without_spills(config, arch):
-    log = _compile.compile_offline(config.filename, config.defines, arch)
+    log = _compile.compile_offline(config.filename, config.defines, config.arch or arch)
     report = _compile.ptxas_report(log)
     assert report, f"no ptxas report in:\n{log}"
     allowed = _allowed_spill_bytes(config, arch)

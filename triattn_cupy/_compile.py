@@ -17,6 +17,9 @@ _INCLUDE = re.compile(r'^\s*#include\s+"([^"]+)"\s*$', re.MULTILINE)
 # sm_80 is the oldest target we check; every kernel also runs on older GPUs (FFMA only).
 CHECK_ARCHS = ("sm_80", "sm_90")
 NVRTC_OPTIONS = ("-std=c++17",)
+# What CuPy adds to every compilation of its own (denormals flushed), so that a kernel we
+# compile ourselves (raw_module's `arch`) computes as CuPy-compiled ones do.
+_CUPY_OPTIONS = ("-ftz=true",)
 
 
 def _kernels_folder():
@@ -57,12 +60,42 @@ def full_source(filename: str, defines: tuple[tuple[str, int], ...]) -> str:
 
 
 @functools.lru_cache(maxsize=None)
-def raw_module(filename: str, defines: tuple[tuple[str, int], ...]):
+def raw_module(filename: str, defines: tuple[tuple[str, int], ...], arch: str = ""):
     """A cupy.RawModule for one configuration. CuPy compiles it on the first
-    get_function, once per device, and keeps the binary in its on-disk cache."""
+    get_function, once per device, and keeps the binary in its on-disk cache. A
+    configuration that names an `arch` (such as "sm_90a", whose wgmma instructions the
+    plain sm_90 target rejects) is compiled here for that target instead: CuPy's own
+    compilation always asks NVRTC for the device's plain architecture."""
     import cupy
 
+    if arch:
+        return cupy.RawModule(path=str(_cubin_file(filename, defines, arch)))
     return cupy.RawModule(code=full_source(filename, defines), options=NVRTC_OPTIONS)
+
+
+def _cubin_file(filename: str, defines: tuple[tuple[str, int], ...], arch: str) -> pathlib.Path:
+    """The configuration compiled for `arch`, in CuPy's kernel cache folder under a name
+    made of the source, options and NVRTC version (written whole, then renamed, so a
+    concurrent process never loads half a file)."""
+    import hashlib
+    import os
+    import tempfile
+
+    from cupy_backends.cuda.libs import nvrtc
+
+    source = full_source(filename, defines)
+    options = (f"-arch={arch}", *NVRTC_OPTIONS, *_CUPY_OPTIONS)
+    key = hashlib.sha256(repr((source, options, nvrtc.getVersion())).encode()).hexdigest()
+    folder = pathlib.Path(os.environ.get("CUPY_CACHE_DIR",
+                                         pathlib.Path.home() / ".cupy" / "kernel_cache"))
+    path = folder / f"triattn_{key[:32]}.cubin"
+    if not path.exists():
+        folder.mkdir(parents=True, exist_ok=True)
+        cubin = _nvrtc_compile(filename, defines, arch, _CUPY_OPTIONS)[0]
+        with tempfile.NamedTemporaryFile(dir=folder, delete=False) as part:
+            part.write(cubin)
+        os.replace(part.name, path)
+    return path
 
 
 class CompileError(RuntimeError):
@@ -75,18 +108,24 @@ def compile_offline(filename: str, defines: tuple[tuple[str, int], ...], arch: s
     Needs CuPy's NVRTC (`pip install "cupy-cuda13x[ctk]"`); raises CompileError with the
     compiler log on failure.
     """
+    return _nvrtc_compile(filename, defines, arch)[1]
+
+
+def _nvrtc_compile(filename: str, defines: tuple[tuple[str, int], ...], arch: str,
+                   extra: tuple[str, ...] = ()):
+    """(cubin, ptxas' report) of one configuration for `arch`, through NVRTC."""
     from cupy_backends.cuda.libs import nvrtc
 
     program = nvrtc.createProgram(full_source(filename, defines), f"kernels/{filename}", [], [])
     try:
         try:
             nvrtc.compileProgram(program, [f"-arch={arch}", "--ptxas-options=-v",
-                                           *NVRTC_OPTIONS])
+                                           *NVRTC_OPTIONS, *extra])
         except nvrtc.NVRTCError as error:
             raise CompileError(f"{filename} {dict(defines)} for {arch}:\n"
                                f"{nvrtc.getProgramLog(program)}") from error
-        nvrtc.getCUBIN(program)  # the machine code really was produced
-        return nvrtc.getProgramLog(program)
+        # getCUBIN: the machine code really was produced
+        return nvrtc.getCUBIN(program), nvrtc.getProgramLog(program)
     finally:
         nvrtc.destroyProgram(program)
 

@@ -20,6 +20,7 @@ BIAS_KEY_ALIGN = 64  # the bias's key axis is padded to a multiple of every kern
 class KernelConfig:
     filename: str
     defines: tuple[tuple[str, int], ...]
+    arch: str = ""  # a target other than the device's plain one (_compile.raw_module)
 
     def get(self, name: str, smem_bytes: int = 0):
         """The kernel `name`, allowed `smem_bytes` of dynamic shared memory (compiled on the
@@ -51,7 +52,7 @@ def _kernel(config: KernelConfig, name: str, smem_bytes: int, device: int):
 def _function(config: KernelConfig, name: str, device: int):
     from ._compile import raw_module
 
-    return raw_module(config.filename, config.defines).get_function(name)
+    return raw_module(config.filename, config.defines, config.arch).get_function(name)
 
 
 def supported_head_dims():
@@ -358,6 +359,48 @@ def attention_ffma_launch(head_dim: int) -> AttentionLaunch:
                            attention_smem_bytes(head_dim))
 
 
+# ---- TF32 attention on warpgroup products (kernels/attention_wgmma.cu, sm_90a) ----
+
+WGMMA_ARCH = "sm_90a"  # wgmma exists only on compute capability 9.0, in this target
+WGMMA_HEAD_DIMS = (32,)
+WGMMA_QUERIES, WGMMA_KEYS = 128, 64  # BQ and BK of a block
+
+
+def attention_wgmma_tiles() -> MmaTiles:
+    """ROWS pair rows per block (256 threads each), STAGES K/bias tiles in the ring,
+    MIN_BLOCKS per SM asked of the compiler. 2 rows in one block of 16 warps fit in 128
+    registers; 1 row with 2 blocks per SM spills (16 bytes)."""
+    return MmaTiles(bk=WGMMA_KEYS, rows=2, stages=2, min_blocks=1)
+
+
+def attention_wgmma_smem_bytes(tiles: MmaTiles) -> int:
+    """STAGES x (ROWS K tiles [64][32] tf32, a bias tile [128][64 + 8] fp32), two V^T
+    buffers per row of 2 x [40][32] tf32, and 1024 bytes to align the start."""
+    stage = tiles.rows * WGMMA_KEYS * 128 + 4 * WGMMA_QUERIES * (WGMMA_KEYS + 8)
+    return tiles.stages * stage + 2 * tiles.rows * 2 * 40 * 128 + 1024
+
+
+def attention_wgmma_launch(head_dim: int = 32, tiles: MmaTiles | None = None
+                           ) -> AttentionLaunch:
+    """The TF32 attention on wgmma (attention_tf32_wgmma; reads k and v as attention_tf32
+    does, KV_TF32)."""
+    if head_dim not in WGMMA_HEAD_DIMS:
+        raise ValueError(f"the wgmma attention takes head dims {WGMMA_HEAD_DIMS}; got {head_dim}")
+    t = tiles or attention_wgmma_tiles()
+    config = KernelConfig("attention_wgmma.cu", (
+        ("HEAD_DIM", head_dim), ("ROWS", t.rows), ("STAGES", t.stages),
+        ("MIN_BLOCKS", t.min_blocks)), WGMMA_ARCH)
+    return AttentionLaunch(config, "attention_tf32_wgmma", WGMMA_QUERIES, t.rows, 256 * t.rows,
+                           attention_wgmma_smem_bytes(t), KV_TF32)
+
+
+def uses_wgmma(head_dim: int, precision: str, compute_capability: int, n: int) -> bool:
+    """Whether the TF32 attention takes attention_wgmma.cu: on compute capability 9.0
+    exactly (sm_90a code runs nowhere else), at the head dims it is written for."""
+    return (precision == "tf32" and compute_capability == 90 and head_dim in WGMMA_HEAD_DIMS
+            and n > _SMALL_N)
+
+
 @functools.lru_cache(maxsize=None)  # per call: a look-up, not a rebuild
 def attention_kernel(head_dim: int, precision: str, compute_capability: int = 90,
                      n: int = 1 << 30, smem_limit: int | None = None) -> AttentionLaunch:
@@ -368,6 +411,10 @@ def attention_kernel(head_dim: int, precision: str, compute_capability: int = 90
     check_precision(precision)
     limit = SMEM_LIMIT if smem_limit is None else smem_limit
     variant = _MMA_VARIANT[precision]
+    if uses_wgmma(head_dim, precision, compute_capability, n):
+        launch = attention_wgmma_launch(head_dim)
+        if launch.smem <= limit:
+            return launch
     if compute_capability >= 80 and head_dim in attention_mma_head_dims(variant):
         launch = attention_mma_launch(head_dim, variant, n=n,
                                       compute_capability=compute_capability)
@@ -393,4 +440,6 @@ def all_configs(arch: str | None = None):
     configs.update(attention_mma_config(d, v, attention_mma_tiles(d, v, n, cc))
                    for v in ATTENTION_MMA_VARIANTS for d in attention_mma_head_dims(v)
                    for n in (_SMALL_N, _SMALL_N + 1) for cc in capabilities)
-    return sorted(configs, key=lambda c: (c.filename, c.defines))
+    if 90 in capabilities:
+        configs.update(attention_wgmma_launch(d).config for d in WGMMA_HEAD_DIMS)
+    return sorted(configs, key=lambda c: (c.filename, c.defines, c.arch))

@@ -1,0 +1,96 @@
+// Hopper's warpgroup tensor-core products (wgmma, sm_90a only) through inline PTX, and the
+// shared-memory layout their B operand is read in. A warpgroup is 4 consecutive warps,
+// the first a multiple of 4; each wgmma multiplies a 64-row A (warp w of the group holds
+// rows 16w..16w+15) by an N-column B read from shared memory by the tensor cores
+// themselves, asynchronously: issue, commit the group, wait for it. PTX ISA,
+// "Asynchronous Warpgroup Level Matrix Multiply-Accumulate Instructions".
+//
+// Register fragments (g = lane >> 2, t = lane & 3, rows within the warp's 16):
+//   A, tf32 k8:  a0 (g, t) a1 (g+8, t) a2 (g, t+4) a3 (g+8, t+4)   (as mma.sync m16n8k8)
+//   D, f32:      d[4n + 0] (g, 8n+2t) d[4n+1] (g, 8n+2t+1) d[4n+2] (g+8, 8n+2t)
+//                d[4n+3] (g+8, 8n+2t+1), n = 0 .. N/8 - 1   (mma.sync's C, per 8 columns)
+// tf32 operands must be K-major in shared memory (K fastest along a row).
+#pragma once
+#include "mma.cuh"
+
+typedef unsigned long long u64;
+
+// K-major tiles in the 128-byte swizzle: rows of 128 bytes (32 tf32 along K), grouped in
+// atoms of 8 rows (1024 bytes, 1024-byte aligned); the 16-byte chunk c of row r is stored
+// at chunk c ^ (r % 8), so the 8 rows of a column of chunks fall on all 32 banks. Byte
+// offset of (row, byte within the row) from the tile's start:
+__device__ __forceinline__ u32 sw128(int row, int byte) {
+    return row * 128 + ((((byte >> 4) ^ row) & 7) << 4) + (byte & 15);
+}
+
+// The matrix descriptor of such a tile starting at shared address `tile` (1024-aligned):
+// start address >> 4 (bits 0-13), leading byte offset (unused by swizzled K-major tiles,
+// 1 by convention; bits 16-29), stride byte offset 1024 >> 4 between 8-row atoms (bits
+// 32-45), swizzle mode 1 = 128 bytes (bits 62-63). Each 8-wide k-step of tf32 starts 32
+// bytes further along the row: add 2 (32 >> 4) per k-step; the hardware applies the
+// swizzle to the address it forms, so the 1024-byte alignment is all the atoms need.
+__device__ __forceinline__ u64 sw128_desc(u32 tile) {
+    return (u64)((tile & 0x3ffff) >> 4) | ((u64)1 << 16) | ((u64)(1024 >> 4) << 32)
+           | ((u64)1 << 62);
+}
+
+// Before the first wgmma, and whenever other instructions wrote its accumulator or A
+// registers since the last one.
+__device__ __forceinline__ void wgmma_fence() {
+    asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+}
+__device__ __forceinline__ void wgmma_commit() {
+    asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+}
+template <int N>
+__device__ __forceinline__ void wgmma_wait() {  // at most N committed groups still running
+    asm volatile("wgmma.wait_group.sync.aligned %0;" :: "n"(N) : "memory");
+}
+// Registers a wgmma reads or writes asynchronously, pinned after a wgmma_wait: without
+// it the compiler may move their ordinary uses above the wait (the wait names no
+// registers), or reuse an A register while the tensor cores may still read it.
+template <int N>
+__device__ __forceinline__ void pin(float (&x)[N]) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) asm volatile("" : "+f"(x[i]) :: "memory");
+}
+template <int N>
+__device__ __forceinline__ void pin(u32 (&x)[N]) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) asm volatile("" : "+r"(x[i]) :: "memory");
+}
+
+// Shared memory written by ordinary stores (or cp.async) that a wgmma reads next: each
+// writing thread fences before the barrier that publishes it.
+__device__ __forceinline__ void fence_async_shared() {
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+}
+
+// D (64 x 64, f32) += A (64 x 8, tf32, registers) B (8 x 64, tf32, descriptor).
+__device__ __forceinline__ void wgmma_m64n64k8_tf32(float (&d)[32], const u32 (&a)[4], u64 b) {
+    asm volatile(
+        "wgmma.mma_async.sync.aligned.m64n64k8.f32.tf32.tf32 "
+        "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
+        "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, "
+        "{%32,%33,%34,%35}, %36, 1, 1, 1;"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),
+          "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),
+          "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]),
+          "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]),
+          "+f"(d[30]), "+f"(d[31])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
+}
+
+// D (64 x 40, f32) += A (64 x 8, tf32, registers) B (8 x 40, tf32, descriptor).
+__device__ __forceinline__ void wgmma_m64n40k8_tf32(float (&d)[20], const u32 (&a)[4], u64 b) {
+    asm volatile(
+        "wgmma.mma_async.sync.aligned.m64n40k8.f32.tf32.tf32 "
+        "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19}, "
+        "{%20,%21,%22,%23}, %24, 1, 1, 1;"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),
+          "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),
+          "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]),
+          "+f"(d[18]), "+f"(d[19])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
+}
