@@ -50,10 +50,13 @@
 #define ROWS 1          // pair rows per block (1 or 2), sharing the bias tiles
 #endif
 #ifndef STAGES
-#define STAGES 2        // K and bias tiles in the cp.async ring
+#define STAGES 3        // K and bias tiles in the cp.async ring (3 or more when PIPELINE)
 #endif
 #ifndef MIN_BLOCKS
 #define MIN_BLOCKS 2    // __launch_bounds__ occupancy hint
+#endif
+#ifndef PIPELINE
+#define PIPELINE 1      // 1: two products in flight per warpgroup (see the key loop)
 #endif
 
 #define BK 64                          // keys per tile
@@ -71,6 +74,10 @@
 #if ROWS != 1 && ROWS != 2
 #error "attention_wgmma.cu: ROWS must be 1 or 2"
 #endif
+#if PIPELINE && STAGES < 3
+#error "attention_wgmma.cu: the pipelined loop needs STAGES >= 3"
+#endif
+#define VT_BUFFERS (PIPELINE ? 3 : 2)
 
 #define K_TILE (BK * 128)                 // bytes
 #define BSTR (BK + 8)                     // words per bias row (conflict-free float2 reads)
@@ -80,7 +87,7 @@
 #define VT_TILE ((BK / 32) * VT_COLUMN)
 #define VT_OFFSET (STAGES * STAGE_BYTES)
 // + 1024: the dynamic shared memory is aligned up to 1024 bytes at run time
-#define SMEM_BYTES (VT_OFFSET + 2 * ROWS * VT_TILE + 1024)
+#define SMEM_BYTES (VT_OFFSET + VT_BUFFERS * ROWS * VT_TILE + 1024)
 
 // Per row, BK keys of 8 16-byte chunks (4 dims) each of K (copied) and of V (loaded).
 #define COPIES (ROWS * BK * 8)
@@ -212,7 +219,7 @@ attention_tf32_wgmma(float* qkvg, const float* __restrict__ bias, int B, int N, 
     };
 
     // The ones row (d) and zero rows (d + 1 .. d + 7) of every V^T tile, once.
-    for (int idx = tid; idx < 2 * ROWS * (BK / 32) * 8 * 32; idx += THREADS) {
+    for (int idx = tid; idx < VT_BUFFERS * ROWS * (BK / 32) * 8 * 32; idx += THREADS) {
         const int key = idx % 32, n = HEAD_DIM + (idx / 32) % 8, column = idx / 256;
         *reinterpret_cast<u32*>(smem + VT_OFFSET + column * VT_COLUMN + sw128(n, 4 * key)) =
             n == HEAD_DIM ? TF32_ONE : 0u;
@@ -227,9 +234,9 @@ attention_tf32_wgmma(float* qkvg, const float* __restrict__ bias, int B, int N, 
     float m_sub[2] = {0.f, 0.f}, m_lim[2] = {neg_inf(), neg_inf()};
 
     const int bias_row = q_in_tile + g;
-    auto process = [&](int stage, int buffer) {
-        // S = bias + Q K^T: the products accumulate onto the bias (as attention_tf32)
-        float s[4 * NT];
+    // S = bias + Q K^T of the tile in ring stage `stage`, issued (not waited for): the
+    // products accumulate onto the bias (as attention_tf32).
+    auto issue_s = [&](float (&s)[4 * NT], int stage) {
         const float* const bias_tile = reinterpret_cast<const float*>(
             smem + stage * STAGE_BYTES + ROWS * K_TILE) + bias_row * BSTR + 2 * t;
 #pragma unroll
@@ -243,15 +250,19 @@ attention_tf32_wgmma(float* qkvg, const float* __restrict__ bias, int B, int N, 
 #pragma unroll
         for (int kk = 0; kk < DT; ++kk) wgmma_m64n64k8_tf32(s, qa[kk], k_desc + 2 * kk);
         wgmma_commit();
-        wgmma_wait<0>();
-        pin(s);
-        pin(o);
+    };
 
-        // ---- online softmax of rows g (r = 0: s[4n + 0..1]) and g + 8 (r = 1) ----
+    // The online softmax of S (its product done), in two parts. rescale: the reference
+    // maximum m of rows g and g + 8 moves (lazily, as attention_mma.cu) and O is rescaled
+    // with it, so no P V product may be running, nor any other product (a wgmma in flight
+    // while other instructions write accumulators is serialized by the compiler).
+    // exponentiate: P = 2^(S - m) as the A fragments of the 8 k-steps of P V, (c0, c2, c1,
+    // c3) of S's column group kk; it may overlap any product.
+    auto rescale = [&](const float (&s)[4 * NT]) {
         float mx[2];
         bool grow = false;
 #pragma unroll
-        for (int r = 0; r < 2; ++r) {
+        for (int r = 0; r < 2; ++r) {  // rows g (r = 0: s[4n + 0..1]) and g + 8 (r = 1)
             float mx0 = neg_inf(), mx1 = neg_inf();
 #pragma unroll
             for (int n = 0; n < NT; ++n) {
@@ -279,8 +290,8 @@ attention_tf32_wgmma(float* qkvg, const float* __restrict__ bias, int B, int N, 
                 }
             }
         }
-        // P = 2^(S - m), as A fragments of the 8 k-steps: (c0, c2, c1, c3) of S's group kk
-        u32 pa[NT][4];
+    };
+    auto exponentiate = [&](const float (&s)[4 * NT], u32 (&pa)[NT][4]) {
 #pragma unroll
         for (int n = 0; n < NT; ++n) {
             pa[n][0] = __float_as_uint(fast_exp2(s[4 * n] - m_sub[0]));
@@ -288,19 +299,17 @@ attention_tf32_wgmma(float* qkvg, const float* __restrict__ bias, int B, int N, 
             pa[n][1] = __float_as_uint(fast_exp2(s[4 * n + 2] - m_sub[1]));
             pa[n][3] = __float_as_uint(fast_exp2(s[4 * n + 3] - m_sub[1]));
         }
+    };
 
-        // [O | l] += P [V | 1 | 0]: k-step kk takes keys 8kk .. 8kk + 7 of V^T, 32 bytes
-        // along the rows of its 32-key column
+    // [O | l] += P [V | 1 | 0], issued: k-step kk takes keys 8kk .. 8kk + 7 of V^T buffer
+    // `buffer`, 32 bytes along the rows of its 32-key column.
+    auto issue_pv = [&](const u32 (&pa)[NT][4], int buffer) {
         const u32 vt = smem_s + VT_OFFSET + (buffer * ROWS + rw) * VT_TILE;
         wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < NT; ++kk)
             wgmma_m64n40k8_tf32(o, pa[kk], sw128_desc(vt + (kk / 4) * VT_COLUMN) + 2 * (kk % 4));
         wgmma_commit();
-        wgmma_wait<0>();  // before the barrier that lets this tile's buffers be refilled
-        pin(o);
-#pragma unroll
-        for (int n = 0; n < NT; ++n) pin(pa[n]);
     };
 
     // ---- the key loop: K and bias through the ring, V through registers ----
@@ -308,6 +317,55 @@ attention_tf32_wgmma(float* qkvg, const float* __restrict__ bias, int B, int N, 
     for (int st = 0; st < STAGES - 1; ++st) issue(st * BK, st);
     load_v(0);
     store_vt(0);
+    u32 pa[NT][4];
+#if PIPELINE
+    // Each warpgroup keeps two products on the tensor cores while it computes: in the step
+    // of tile t, S(t + 1) runs during the softmax of tile t, and P V of tile t during the
+    // next step's barrier, copies and bias loads. The step's one wait (for S(t) and
+    // P V(t - 1)) frees the registers S(t + 1) is issued into (they held S(t - 1), whose
+    // P is in pa until P V(t - 1) is done); the rescaling of O comes before S(t + 1) is
+    // issued, the exponentials after. Tile t + 1's K and bias must be in shared
+    // memory at step t: STAGES >= 3. V^T has 3 buffers: the one step t fills (t + 1) was
+    // last read by P V(t - 2), which every warpgroup waited for before this step's barrier.
+    cp_async_wait<STAGES - 2>();  // tile 0's copies
+    fence_async_shared();
+    __syncthreads();
+    float s_a[4 * NT], s_b[4 * NT];
+    pin(o);  // zeroed here: the compiler would sink the zeros past the first product
+    issue_s(s_a, 0);
+    auto step = [&](float (&cur)[4 * NT], float (&next)[4 * NT], int k0, int tile, int stage) {
+        const bool more = k0 + BK < N;
+        if (more) load_v(k0 + BK);           // V(t + 1), in flight during this step
+        cp_async_wait<STAGES - 3>();          // tile t + 1's K and bias (this thread's)
+        fence_async_shared();                 // and V^T(t), stored last step
+        __syncthreads();
+        issue(k0 + (STAGES - 1) * BK, stage == 0 ? STAGES - 1 : stage - 1);
+        wgmma_wait<0>();                      // S(t), P V(t - 1)
+        pin(cur);
+        pin(o);
+#pragma unroll
+        for (int n = 0; n < NT; ++n) pin(pa[n]);
+        rescale(cur);
+        // Unconditional: past the last tile it multiplies a stale stage, never used; a
+        // conditional issue would make the compiler merge two versions of `next` with
+        // moves while the products run, and serialize them.
+        issue_s(next, stage == STAGES - 1 ? 0 : stage + 1);
+        exponentiate(cur, pa);
+        issue_pv(pa, tile % VT_BUFFERS);
+        if (more) store_vt((tile + 1) % VT_BUFFERS);
+    };
+    for (int k0 = 0, tile = 0, stage = 0;; ) {
+        step(s_a, s_b, k0, tile, stage);
+        k0 += BK, ++tile, stage = stage == STAGES - 1 ? 0 : stage + 1;
+        if (k0 >= N) break;
+        step(s_b, s_a, k0, tile, stage);
+        k0 += BK, ++tile, stage = stage == STAGES - 1 ? 0 : stage + 1;
+        if (k0 >= N) break;
+    }
+    wgmma_wait<0>();
+    pin(o);
+#else
+    // One tile at a time: each product waited for where it was issued.
     int stage = 0;
     for (int k0 = 0, tile = 0; k0 < N; k0 += BK, ++tile) {
         cp_async_wait<STAGES - 2>();  // this thread's copies of this tile landed
@@ -316,10 +374,22 @@ attention_tf32_wgmma(float* qkvg, const float* __restrict__ bias, int B, int N, 
         issue(k0 + (STAGES - 1) * BK, stage == 0 ? STAGES - 1 : stage - 1);
         const bool more = k0 + BK < N;
         if (more) load_v(k0 + BK);    // in flight while this tile is multiplied
-        process(stage, tile & 1);
+        float s[4 * NT];
+        issue_s(s, stage);
+        wgmma_wait<0>();
+        pin(s);
+        pin(o);
+        rescale(s);
+        exponentiate(s, pa);
+        issue_pv(pa, tile & 1);
+        wgmma_wait<0>();  // before the barrier that lets this tile's buffers be refilled
+        pin(o);
+#pragma unroll
+        for (int n = 0; n < NT; ++n) pin(pa[n]);
         if (more) store_vt((tile + 1) & 1);
         stage = stage == STAGES - 1 ? 0 : stage + 1;
     }
+#endif
 
     // o / l over q; l = 0 only where every key was masked. The sums are in lanes t = 0.
     const float total[2] = {__shfl_sync(0xffffffffu, o[4 * DT], lane & ~3),

@@ -66,9 +66,9 @@ def main(sizes):
                 sweep_wgmma(fwd, size, d, flops, 20 if N <= 512 else 5)
 
 
-# (rows, stages, min_blocks) of attention_wgmma.cu
-WGMMA_CANDIDATES = [_configs.MmaTiles(bk=_configs.WGMMA_KEYS, rows=r, stages=s, min_blocks=m)
-                    for r, s, m in [(2, 2, 1), (2, 3, 1), (1, 2, 1), (1, 2, 2), (1, 3, 1)]]
+# (rows, stages, min_blocks, pipeline) of attention_wgmma.cu
+WGMMA_CANDIDATES = [_configs.WgmmaTiles(*shape) for shape in
+                    [(1, 3, 1, 1), (1, 4, 1, 1), (2, 3, 1, 1), (2, 2, 1, 0), (1, 2, 2, 0)]]
 
 
 def sweep_wgmma(fwd, size, d, flops, repeats):
@@ -84,7 +84,8 @@ def sweep_wgmma(fwd, size, d, flops, repeats):
             print(f"{size} wgmma  {tiles}: {type(exc).__name__}: {exc}")
             continue
         mark = " <- chosen" if tiles == chosen else ""
-        print(f"{size} wgmma  rows={tiles.rows} minb={tiles.min_blocks} st={tiles.stages}: "
+        print(f"{size} wgmma  rows={tiles.rows} minb={tiles.min_blocks} st={tiles.stages} "
+              f"pipeline={tiles.pipeline}: "
               f"{ms:.3f} ms {flops / ms / 1e9:.1f} TFLOP/s{mark}", flush=True)
 
 

@@ -366,21 +366,34 @@ WGMMA_HEAD_DIMS = (32,)
 WGMMA_QUERIES, WGMMA_KEYS = 128, 64  # BQ and BK of a block
 
 
-def attention_wgmma_tiles() -> MmaTiles:
-    """ROWS pair rows per block (256 threads each), STAGES K/bias tiles in the ring,
-    MIN_BLOCKS per SM asked of the compiler. 2 rows in one block of 16 warps fit in 128
-    registers; 1 row with 2 blocks per SM spills (16 bytes)."""
-    return MmaTiles(bk=WGMMA_KEYS, rows=2, stages=2, min_blocks=1)
+@dataclasses.dataclass(frozen=True)
+class WgmmaTiles:
+    """The attention_wgmma.cu shape: ROWS pair rows per block (256 threads each), STAGES
+    K/bias tiles in the cp.async ring, MIN_BLOCKS per SM asked of the compiler, PIPELINE:
+    each warpgroup keeps the next tile's Q K^T and this tile's P V running while it
+    computes (1), or waits for each product where it issues it (0)."""
+    rows: int = 1
+    stages: int = 3
+    min_blocks: int = 1
+    pipeline: int = 1
 
 
-def attention_wgmma_smem_bytes(tiles: MmaTiles) -> int:
-    """STAGES x (ROWS K tiles [64][32] tf32, a bias tile [128][64 + 8] fp32), two V^T
-    buffers per row of 2 x [40][32] tf32, and 1024 bytes to align the start."""
+def attention_wgmma_tiles() -> WgmmaTiles:
+    """The pipelined loop with one row per block: 221 registers, so one block (8 warps)
+    per SM; with 2 rows (128 registers) the compiler spills and serializes the products."""
+    return WgmmaTiles()
+
+
+def attention_wgmma_smem_bytes(tiles: WgmmaTiles) -> int:
+    """STAGES x (ROWS K tiles [64][32] tf32, a bias tile [128][64 + 8] fp32), 3 V^T
+    buffers per row (2 unpipelined) of 2 x [40][32] tf32, and 1024 bytes to align the
+    start."""
     stage = tiles.rows * WGMMA_KEYS * 128 + 4 * WGMMA_QUERIES * (WGMMA_KEYS + 8)
-    return tiles.stages * stage + 2 * tiles.rows * 2 * 40 * 128 + 1024
+    buffers = 3 if tiles.pipeline else 2
+    return tiles.stages * stage + buffers * tiles.rows * 2 * 40 * 128 + 1024
 
 
-def attention_wgmma_launch(head_dim: int = 32, tiles: MmaTiles | None = None
+def attention_wgmma_launch(head_dim: int = 32, tiles: WgmmaTiles | None = None
                            ) -> AttentionLaunch:
     """The TF32 attention on wgmma (attention_tf32_wgmma; reads k and v as attention_tf32
     does, KV_TF32)."""
@@ -389,7 +402,7 @@ def attention_wgmma_launch(head_dim: int = 32, tiles: MmaTiles | None = None
     t = tiles or attention_wgmma_tiles()
     config = KernelConfig("attention_wgmma.cu", (
         ("HEAD_DIM", head_dim), ("ROWS", t.rows), ("STAGES", t.stages),
-        ("MIN_BLOCKS", t.min_blocks)), WGMMA_ARCH)
+        ("MIN_BLOCKS", t.min_blocks), ("PIPELINE", t.pipeline)), WGMMA_ARCH)
     return AttentionLaunch(config, "attention_tf32_wgmma", WGMMA_QUERIES, t.rows, 256 * t.rows,
                            attention_wgmma_smem_bytes(t), KV_TF32)
 
