@@ -1,0 +1,87 @@
+"""Where the wgmma TF32 attention's time goes (kernels/attention_wgmma.cu, d = 32): the
+attention stage timed alone (CUDA events, median) with parts of the kernel removed by a
+text patch (a measurement only: the results are wrong on purpose), for each loop shape.
+A part whose removal saves little is not what sets the time.
+
+    python3 scripts/ablate_attention.py [--variants full,no_exp,...] [sizes, default 1x1024x128x4]
+"""
+import sys
+
+import cupy as cp
+import numpy as np
+
+import triattn_cupy as ta
+from triattn_cupy import _compile, _configs
+from triattn_cupy._gpu import DeviceWeights, Forward
+from ablate_projection import ORIGINAL
+from sweep_tiles import time_attention
+
+FILE = "attention_wgmma.cu"
+NEVER = "N < 0"  # a condition the compiler cannot fold away
+PATCHES = {  # name -> [(text, replacement)], every occurrence replaced
+    "no_exp": [("__float_as_uint(fast_exp2(", "__float_as_uint((")],
+    "no_rescale": [("    auto rescale = [&](const float (&s)[4 * NT]) {\n",
+                    "    auto rescale = [&](const float (&s)[4 * NT]) {\n        if (!(N < 0)) return;\n")],
+    "no_bias": [("*reinterpret_cast<const float2*>(bias_tile + 8 * n)", "make_float2(0.f, (float)n)"),
+                ("*reinterpret_cast<const float2*>(bias_tile + 8 * BSTR + 8 * n)",
+                 "make_float2((float)n, 0.f)")],
+    "no_s": [("for (int kk = 0; kk < DT; ++kk) wgmma_m64n64k8_tf32(",
+              f"for (int kk = 0; kk < DT * ({NEVER}); ++kk) wgmma_m64n64k8_tf32(")],
+    "no_pv": [("for (int kk = 0; kk < NT; ++kk)\n            wgmma_m64n40k8_tf32(",
+               f"for (int kk = 0; kk < NT * ({NEVER}); ++kk)\n            wgmma_m64n40k8_tf32(")],
+    "no_v": [("if (more) store_vt(", f"if (more && {NEVER}) store_vt("),
+             ("if (more) load_v(", f"if (more && {NEVER}) load_v(")],
+    "no_copies": [("        if (k0 < N) {\n            const u32 st", f"        if (k0 < N && {NEVER}) {{\n            const u32 st")],
+}
+VARIANTS = {"full": [], **{name: [name] for name in PATCHES},
+            "only_products": ["no_exp", "no_rescale", "no_bias", "no_v", "no_copies"],
+            "only_softmax": ["no_s", "no_pv", "no_v", "no_copies"]}
+SHAPES = [_configs.WgmmaTiles(rows=1, stages=2, min_blocks=2, pipeline=0),
+          _configs.WgmmaTiles(rows=2, stages=2, min_blocks=1, pipeline=0),
+          _configs.attention_wgmma_tiles()]
+
+
+def use_variant(parts):
+    def source(filename):
+        text = ORIGINAL(filename)
+        if filename == FILE:
+            for part in parts:
+                for old, new in PATCHES[part]:
+                    if old not in text:
+                        raise SystemExit(f"patch {part!r}: text not found: {old!r}")
+                    text = text.replace(old, new)
+        return text
+    _compile.kernel_source = source
+    _compile.raw_module.cache_clear()
+    _configs._function.cache_clear()
+    _configs._smem_allowed.clear()
+
+
+def main(sizes, variants):
+    print(cp.cuda.runtime.getDeviceProperties(0)["name"].decode(), "cupy", cp.__version__)
+    for size in sizes:
+        B, N, D, h = map(int, size.split("x"))
+        dw = DeviceWeights(ta.random_weights(D, h, seed=0), cp.cuda.runtime.getDevice())
+        pair = cp.random.standard_normal((B, N, N, D), dtype=np.float32)
+        flops = 4 * B * N**3 * D
+        fwd = Forward(dw, pair, None, "zero", None,
+                      attention=_configs.attention_wgmma_launch(D // h))
+        fwd.project()
+        for tiles in SHAPES:
+            for variant in variants:
+                use_variant(VARIANTS[variant])
+                ms = time_attention(fwd, _configs.attention_wgmma_launch(D // h, tiles),
+                                    20 if N <= 512 else 5)
+                print(f"{size} rows={tiles.rows} minb={tiles.min_blocks} st={tiles.stages} "
+                      f"pipeline={tiles.pipeline} {variant:14s} {ms:7.3f} ms "
+                      f"{flops / ms / 1e9:6.1f} TFLOP/s", flush=True)
+    use_variant([])
+
+
+if __name__ == "__main__":
+    args = sys.argv[1:]
+    chosen = list(VARIANTS)
+    if args[:1] == ["--variants"]:
+        chosen = args[1].split(",")
+        args = args[2:]
+    main(args or ["1x1024x128x4"], chosen)
