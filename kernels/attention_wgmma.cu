@@ -58,6 +58,9 @@
 #ifndef PIPELINE
 #define PIPELINE 1      // 1: two products in flight per warpgroup (see the key loop)
 #endif
+#ifndef BIAS_AFTER
+#define BIAS_AFTER 0    // 1: the bias added after Q K^T (issue_s)
+#endif
 
 #define BK 64                          // keys per tile
 #define ROW_GROUPS 2                   // warpgroups per row
@@ -233,22 +236,29 @@ attention_tf32_wgmma(float* qkvg, const float* __restrict__ bias, int B, int N, 
     for (int i = 0; i < 4 * ON / 8; ++i) o[i] = 0.f;
     float m_sub[2] = {0.f, 0.f}, m_lim[2] = {neg_inf(), neg_inf()};
 
-    const int bias_row = q_in_tile + g;
-    // S = bias + Q K^T of the tile in ring stage `stage`, issued (not waited for): the
-    // products accumulate onto the bias (as attention_tf32).
-    auto issue_s = [&](float (&s)[4 * NT], int stage) {
-        const float* const bias_tile = reinterpret_cast<const float*>(
-            smem + stage * STAGE_BYTES + ROWS * K_TILE) + bias_row * BSTR + 2 * t;
+    // S = bias + Q K^T of the tile in ring stage `stage`. BIAS_AFTER 0: S starts as the
+    // bias tile and the products accumulate onto it (as attention_tf32); issue_s issues
+    // them (not waited for). BIAS_AFTER 1: the products start from zero and the bias is
+    // added in fp32 once they are done (add_bias): its shared-memory reads then run during
+    // the products instead of before them.
+    const float* const bias_base = reinterpret_cast<const float*>(smem + ROWS * K_TILE)
+                                   + (q_in_tile + g) * BSTR + 2 * t;
+    auto load_bias = [&](float (&x)[4 * NT], int stage) {
+        const float* const bias_tile = bias_base + stage * (STAGE_BYTES / 4);
 #pragma unroll
         for (int n = 0; n < NT; ++n) {
             const float2 x0 = *reinterpret_cast<const float2*>(bias_tile + 8 * n);
             const float2 x1 = *reinterpret_cast<const float2*>(bias_tile + 8 * BSTR + 8 * n);
-            s[4 * n] = x0.x, s[4 * n + 1] = x0.y, s[4 * n + 2] = x1.x, s[4 * n + 3] = x1.y;
+            x[4 * n] = x0.x, x[4 * n + 1] = x0.y, x[4 * n + 2] = x1.x, x[4 * n + 3] = x1.y;
         }
+    };
+    auto issue_s = [&](float (&s)[4 * NT], int stage) {
+        if (!BIAS_AFTER) load_bias(s, stage);
         const u64 k_desc = sw128_desc(smem_s + stage * STAGE_BYTES + rw * K_TILE);
         wgmma_fence();
+        wgmma_m64n64k8_tf32<!BIAS_AFTER>(s, qa[0], k_desc);
 #pragma unroll
-        for (int kk = 0; kk < DT; ++kk) wgmma_m64n64k8_tf32(s, qa[kk], k_desc + 2 * kk);
+        for (int kk = 1; kk < DT; ++kk) wgmma_m64n64k8_tf32(s, qa[kk], k_desc + 2 * kk);
         wgmma_commit();
     };
 
@@ -345,6 +355,14 @@ attention_tf32_wgmma(float* qkvg, const float* __restrict__ bias, int B, int N, 
         pin(o);
 #pragma unroll
         for (int n = 0; n < NT; ++n) pin(pa[n]);
+#if BIAS_AFTER
+        {
+            float bias_s[4 * NT];
+            load_bias(bias_s, stage);
+#pragma unroll
+            for (int i = 0; i < 4 * NT; ++i) cur[i] += bias_s[i];
+        }
+#endif
         rescale(cur);
         // Unconditional: past the last tile it multiplies a stale stage, never used; a
         // conditional issue would make the compiler merge two versions of `next` with
@@ -376,9 +394,17 @@ attention_tf32_wgmma(float* qkvg, const float* __restrict__ bias, int B, int N, 
         if (more) load_v(k0 + BK);    // in flight while this tile is multiplied
         float s[4 * NT];
         issue_s(s, stage);
+#if BIAS_AFTER
+        float bias_s[4 * NT];
+        load_bias(bias_s, stage);
+#endif
         wgmma_wait<0>();
         pin(s);
         pin(o);
+#if BIAS_AFTER
+#pragma unroll
+        for (int i = 0; i < 4 * NT; ++i) s[i] += bias_s[i];
+#endif
         rescale(s);
         exponentiate(s, pa);
         issue_pv(pa, tile & 1);
