@@ -61,6 +61,9 @@
 #ifndef BIAS_AFTER
 #define BIAS_AFTER 0    // 1: the bias added after Q K^T (issue_s)
 #endif
+#ifndef PINGPONG
+#define PINGPONG 0      // 1: a row's second warpgroup starts its Q K^T when the first's is done
+#endif
 
 #define BK 64                          // keys per tile
 #define ROW_GROUPS 2                   // warpgroups per row
@@ -167,36 +170,44 @@ attention_tf32_wgmma(float* qkvg, const float* __restrict__ bias, int B, int N, 
         }
     }
 
-    // ---- this thread's K copies and V loads: chunk c (4 dims) of key `key` of row r ----
+    // ---- this thread's K copies and V loads: chunk c (4 dims) of key `key` of row r0;
+    // its copy `it` is it * THREADS / 8 keys further: 32 keys on in the same row (ROWS 1)
+    // or the same key of the next row (ROWS 2), so every address below is the first
+    // copy's plus a constant (kept as one value each: arrays of them cost registers) ----
+#define KEY_STEP ((THREADS / 8) % BK)
+#define ROW_STEP ((THREADS / 8) / BK)
+#if KEY_STEP % 32 != 0 || COPIES_PER_THREAD * KEY_STEP > BK
+#error "attention_wgmma.cu: a thread's copies must keep its key position in a 32-key column"
+#endif
+    const int cc = tid % 8, key = (tid / 8) % BK, r0 = tid / (8 * BK);
     // Sources as 32-bit byte offsets from k of row i0 at key 0 (attention_mma.cu: fine
     // unless N > 43000); V is D floats after K.
     const char* const k_base = reinterpret_cast<const char*>(row_base(0) + D);
-    u32 copy_src[COPIES_PER_THREAD], k_dst[COPIES_PER_THREAD];
+    const u32 copy_src = (u32)(((i64)r0 * N + key) * ld * 4) + 16 * cc;
+    const u32 src_step = (u32)((i64)(ROW_STEP * N + KEY_STEP) * ld * 4);
+    const u32 k_dst = r0 * K_TILE + sw128(key, 16 * cc);
+#define K_DST_STEP (ROW_STEP * K_TILE + KEY_STEP * 128)
     // V^T: dim 4c + e goes to row 4c + e of key column p / 32, position p % 32, p =
     // v_position(key): byte vt_dst + 128 e + 16 ((p % 32) / 4 ^ (4c + e) % 8) (sw128),
     // with vt_chunk = (p % 32) / 4 ^ (4c % 8) and (4c + e) % 8 = 4c % 8 + e.
-    u32 vt_dst[COPIES_PER_THREAD], vt_chunk[COPIES_PER_THREAD];
-    int copy_end[COPIES_PER_THREAD];  // tiles with k0 < copy_end hold this key (else zeros)
-#pragma unroll
-    for (int it = 0; it < COPIES_PER_THREAD; ++it) {
-        const int idx = tid + it * THREADS;
-        const int c = idx % 8, key = (idx / 8) % BK, r = idx / (8 * BK);
-        copy_src[it] = (u32)(((i64)r * N + key) * ld * 4) + 16 * c;
-        k_dst[it] = r * K_TILE + sw128(key, 16 * c);
-        const int p = v_position(key);
-        vt_dst[it] = r * VT_TILE + (p / 32) * VT_COLUMN + 4 * c * 128 + 4 * (p % 4);
-        vt_chunk[it] = ((p % 32) / 4) ^ (4 * c % 8);
-        copy_end[it] = i0 + r < N ? N - key : 0;
-    }
+    const int p = v_position(key);
+    const u32 vt_dst = r0 * VT_TILE + (p / 32) * VT_COLUMN + 4 * cc * 128 + 4 * (p % 4);
+    const u32 vt_chunk = ((p % 32) / 4) ^ (4 * cc % 8);
+#define VT_DST_STEP (ROW_STEP * VT_TILE + (KEY_STEP / 32) * VT_COLUMN)
+    // Whether copy `it` of the tile at k0 holds a key (else zeros): its row and key below N.
+    auto holds = [&](int it, int k0) {
+        return k0 + key + it * KEY_STEP < N && (ROW_STEP == 0 || i0 + r0 + it * ROW_STEP < N);
+    };
 
     auto issue = [&](int k0, int stage) {  // K and bias of the tile at k0, then commit
         if (k0 < N) {
             const u32 st = smem_s + stage * STAGE_BYTES;
-            const char* const tile_base = k_base + (i64)k0 * ld * 4;
+            const char* const tile_base = k_base + (i64)k0 * ld * 4 + copy_src;
 #pragma unroll
             for (int it = 0; it < COPIES_PER_THREAD; ++it) {
-                const bool ok = k0 < copy_end[it];
-                cp_async16_or_zero(st + k_dst[it], ok ? tile_base + copy_src[it] : k_base, ok);
+                const bool ok = holds(it, k0);
+                cp_async16_or_zero(st + k_dst + it * K_DST_STEP,
+                                   ok ? tile_base + it * src_step : k_base, ok);
             }
             copy_bias(k0, st + ROWS * K_TILE);
         }
@@ -204,20 +215,20 @@ attention_tf32_wgmma(float* qkvg, const float* __restrict__ bias, int B, int N, 
     };
     float4 vreg[COPIES_PER_THREAD];
     auto load_v = [&](int k0) {
-        const char* const tile_base = k_base + (i64)k0 * ld * 4 + 4 * D;
+        const char* const tile_base = k_base + (i64)k0 * ld * 4 + 4 * D + copy_src;
 #pragma unroll
         for (int it = 0; it < COPIES_PER_THREAD; ++it)
-            vreg[it] = k0 < copy_end[it]
-                ? ld4(reinterpret_cast<const float*>(tile_base + copy_src[it])) : zero4();
+            vreg[it] = holds(it, k0)
+                ? ld4(reinterpret_cast<const float*>(tile_base + it * src_step)) : zero4();
     };
     auto store_vt = [&](int buffer) {
-        char* const vt = smem + VT_OFFSET + buffer * ROWS * VT_TILE;
+        char* const vt = smem + VT_OFFSET + buffer * ROWS * VT_TILE + vt_dst;
 #pragma unroll
         for (int it = 0; it < COPIES_PER_THREAD; ++it) {
             const float x[4] = {vreg[it].x, vreg[it].y, vreg[it].z, vreg[it].w};
 #pragma unroll
             for (int e = 0; e < 4; ++e)
-                *reinterpret_cast<float*>(vt + vt_dst[it] + 128 * e + ((vt_chunk[it] ^ e) << 4)) = x[e];
+                *reinterpret_cast<float*>(vt + it * VT_DST_STEP + 128 * e + ((vt_chunk ^ e) << 4)) = x[e];
         }
     };
 
@@ -392,6 +403,12 @@ attention_tf32_wgmma(float* qkvg, const float* __restrict__ bias, int B, int N, 
         issue(k0 + (STAGES - 1) * BK, stage == 0 ? STAGES - 1 : stage - 1);
         const bool more = k0 + BK < N;
         if (more) load_v(k0 + BK);    // in flight while this tile is multiplied
+        // PINGPONG: the barrier above starts both warpgroups of a row together, and they
+        // would contend for the tensor cores, then for the exponentials, then again; the
+        // second instead waits (named barrier 1 + row) until the first has its S, so that
+        // one's products overlap the other's softmax.
+        const bool second = PINGPONG && wg % ROW_GROUPS == 1;
+        if (second) asm volatile("bar.sync %0, %1;" :: "r"(1 + rw), "n"(128 * ROW_GROUPS));
         float s[4 * NT];
         issue_s(s, stage);
 #if BIAS_AFTER
@@ -401,6 +418,7 @@ attention_tf32_wgmma(float* qkvg, const float* __restrict__ bias, int B, int N, 
         wgmma_wait<0>();
         pin(s);
         pin(o);
+        if (PINGPONG && !second) asm volatile("bar.arrive %0, %1;" :: "r"(1 + rw), "n"(128 * ROW_GROUPS));
 #if BIAS_AFTER
 #pragma unroll
         for (int i = 0; i < 4 * NT; ++i) s[i] += bias_s[i];

@@ -66,10 +66,10 @@ def main(sizes):
                 sweep_wgmma(fwd, size, d, flops, 20 if N <= 512 else 5)
 
 
-# (rows, stages, min_blocks, pipeline, bias_after) of attention_wgmma.cu
+# (rows, stages, min_blocks, pipeline, bias_after, pingpong) of attention_wgmma.cu
 WGMMA_CANDIDATES = [_configs.WgmmaTiles(*shape) for shape in
-                    [(1, 3, 1, 1, 0), (1, 3, 1, 1, 1), (2, 2, 1, 0, 0), (2, 2, 1, 0, 1),
-                     (2, 3, 1, 0, 0), (2, 3, 1, 0, 1), (1, 2, 2, 0, 0), (1, 2, 2, 0, 1)]]
+                    [(1, 3, 1, 1, 0), (2, 2, 1, 0, 0), (2, 2, 1, 0, 0, 1), (2, 3, 1, 0, 0, 1),
+                     (1, 2, 2, 0, 0), (1, 2, 2, 0, 0, 1), (1, 2, 2, 0, 1, 1)]]
 
 
 def sweep_wgmma(fwd, size, d, flops, repeats):
@@ -86,7 +86,8 @@ def sweep_wgmma(fwd, size, d, flops, repeats):
             continue
         mark = " <- chosen" if tiles == chosen else ""
         print(f"{size} wgmma  rows={tiles.rows} minb={tiles.min_blocks} st={tiles.stages} "
-              f"pipeline={tiles.pipeline} bias_after={tiles.bias_after}: "
+              f"pipeline={tiles.pipeline} bias_after={tiles.bias_after} "
+              f"pingpong={tiles.pingpong}: "
               f"{ms:.3f} ms {flops / ms / 1e9:.1f} TFLOP/s{mark}", flush=True)
 
 

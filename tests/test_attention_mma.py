@@ -138,7 +138,9 @@ WGMMA_TILES = [_configs.attention_wgmma_tiles(),
                _configs.WgmmaTiles(rows=1, stages=2, min_blocks=2, pipeline=0),
                _configs.WgmmaTiles(rows=1, stages=2, min_blocks=2, pipeline=0, bias_after=1),
                _configs.WgmmaTiles(rows=2, stages=3, pipeline=0, bias_after=1),
-               _configs.WgmmaTiles(bias_after=1)]
+               _configs.WgmmaTiles(bias_after=1),
+               _configs.WgmmaTiles(rows=1, stages=2, min_blocks=2, pipeline=0, pingpong=1),
+               _configs.WgmmaTiles(rows=2, stages=2, pipeline=0, pingpong=1)]
 
 
 def _needs_sm_90(cp):

@@ -372,12 +372,15 @@ class WgmmaTiles:
     K/bias tiles in the cp.async ring, MIN_BLOCKS per SM asked of the compiler, PIPELINE:
     each warpgroup keeps the next tile's Q K^T and this tile's P V running while it
     computes (1), or waits for each product where it issues it (0); BIAS_AFTER: Q K^T
-    from zero with the bias added once it is done (1), or accumulated onto the bias (0)."""
+    from zero with the bias added once it is done (1), or accumulated onto the bias (0);
+    PINGPONG (unpipelined): a row's second warpgroup starts its Q K^T once the first has
+    its S, instead of both at once."""
     rows: int = 1
     stages: int = 3
     min_blocks: int = 1
     pipeline: int = 1
     bias_after: int = 0
+    pingpong: int = 0
 
 
 def attention_wgmma_tiles() -> WgmmaTiles:
@@ -404,7 +407,8 @@ def attention_wgmma_launch(head_dim: int = 32, tiles: WgmmaTiles | None = None
     t = tiles or attention_wgmma_tiles()
     config = KernelConfig("attention_wgmma.cu", (
         ("HEAD_DIM", head_dim), ("ROWS", t.rows), ("STAGES", t.stages),
-        ("MIN_BLOCKS", t.min_blocks), ("PIPELINE", t.pipeline), ("BIAS_AFTER", t.bias_after)),
+        ("MIN_BLOCKS", t.min_blocks), ("PIPELINE", t.pipeline), ("BIAS_AFTER", t.bias_after),
+        ("PINGPONG", t.pingpong)),
         WGMMA_ARCH)
     return AttentionLaunch(config, "attention_tf32_wgmma", WGMMA_QUERIES, t.rows, 256 * t.rows,
                            attention_wgmma_smem_bytes(t), KV_TF32)
