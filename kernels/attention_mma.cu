@@ -195,12 +195,6 @@ typedef u32 elem_t;  // tf32 bits
 #define ENTRY attention_tf32
 #endif
 
-// Key position of `key` in a staged transposed V row (see the header): within each 8
-// keys, even keys first.
-__device__ __forceinline__ int v_position(int key) {
-    return (key & ~7) | ((key & 1) << 2) | ((key >> 1) & 3);
-}
-
 extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
 ENTRY(float* qkvg, const float* __restrict__ bias, int B, int N, int H, int npk,
       int nan_fully_masked) {
@@ -723,7 +717,7 @@ ENTRY(float* qkvg, const float* __restrict__ bias, int B, int N, int H, int npk,
             uint4* const kdst = reinterpret_cast<uint4*>(K + key * KSTR + 8 * c);
             kdst[0] = make_uint4(hi[0][0], hi[0][1], hi[0][2], hi[0][3]);
             kdst[1] = make_uint4(hi[0][4], hi[0][5], hi[0][6], hi[0][7]);
-            const int p = v_position(key);
+            const int p = vt_position(key);
 #pragma unroll
             for (int e = 0; e < 8; ++e) V[(8 * c + e) * VSTR + p] = hi[1][e];
             u32 lo[2][8];

@@ -1,6 +1,6 @@
 // The TF32 attention of attention_mma.cu (attention_tf32) on Hopper's warpgroup products
-// (wgmma, sm_90a; wgmma.cuh): the same computation, inputs, outputs and edge cases. For
-// every row (b, i), head h and query j (q and bias pre-scaled by log2 e):
+// (wgmma, sm_90a; wgmma.cuh): the same computation, outputs and edge cases. For every row
+// (b, i), head h and query j (q and bias pre-scaled by log2 e):
 //
 //   s[k]         = q[b,i,j,h] . k[b,i,k,h] + bias[b,h,j,k]    # bias = -inf where masked
 //   o[b,i,j,h]   = sum_k 2^(s[k] - max s) v[b,i,k,h] / sum_k 2^(s[k] - max s)
@@ -22,24 +22,25 @@
 //                                shared memory with a column of ones appended, so the row
 //                                sums l come out of the same product, from the same
 //                                truncated P, as O's numerator (column d of the result).
-// tf32 operands must be K-major: K [key][dim] is already (the projection's layout, copied
-// with cp.async); V must be read as V^T [dim][key], so each tile is loaded into registers
-// during the tile before it and stored transposed. P's register layout (its A fragment
-// takes S's columns 2t, 2t+1 as A's t, t+4) fixes which key each V^T position holds:
-// within each 8 keys, position p holds key perm(p) = 2p (p < 4), 2(p - 4) + 1 (p >= 4),
-// so a key goes to v_position(key) (the inverse, as in attention_mma.cu).
+// tf32 operands must be K-major: K [key][dim] already is (the projection's layout); V
+// must be read as V^T [dim][key], which the projection writes for this kernel, tile by
+// tile, exactly as shared memory holds it (project_epilogue.cuh KV_FORMAT 3): copying it
+// is a straight copy. P's register layout (its A fragment takes S's columns 2t, 2t+1 as
+// A's t, t+4) fixes which key each V^T position holds: within each 8 keys, position p
+// holds key 2p (p < 4) or 2(p - 4) + 1 (p >= 4), the inverse of vt_position (mma.cuh).
 //
-// Shared memory, all parts 1024-byte aligned (128-byte swizzle atoms; wgmma.cuh):
-//   STAGES x [ROWS x K tile [BK][32] tf32 (8 KiB), bias tile [BQ][BK + 8] fp32]
-//   2 buffers x ROWS x V^T tile: BK / 32 columns of [d + 8 rows][32 keys] (row d is ones,
-//   d + 1 .. d + 7 zeros: written once)
-// The K and bias tiles are copied STAGES - 1 tiles ahead (cp.async); one barrier per tile.
+// Shared memory, all parts 1024-byte aligned (128-byte swizzle atoms; wgmma.cuh), STAGES x
+//   ROWS x K tile [BK][32] tf32 (8 KiB)
+//   ROWS x V^T tile: 2 columns of 32 keys, each [d + 8 rows][32 key positions] tf32 (5 KiB;
+//     row d is ones, d + 1 .. d + 7 zeros: written once, never copied over)
+//   the bias tile [BQ][BK + 8] fp32
+// copied STAGES - 1 tiles ahead (cp.async); one barrier per tile.
 //
 // Launch: grid ceil(N/BQ) * H * B * ceil(N/ROWS), flattened, query tile fastest; block
 // THREADS = 256 ROWS; dynamic shared memory SMEM_BYTES (triattn_cupy/_configs.py mirrors
-// it). Pointers and layouts as attention_tf32 (attention_mma.cu): qkvg [B*N*N, 4D] with
-// q fp32, k and v rounded to TF32 (project_epilogue.cuh KV_FORMAT 1), o written over q;
-// bias [B, H, N, NPK], NPK a multiple of BK, -inf on the padded keys.
+// it). Pointers: qkvg [B*N*N, 4D] with q fp32 and k rounded to TF32 (KV_FORMAT 3), o
+// written over q; bias [B, H, N, NPK], NPK a multiple of BK, -inf on the padded keys; vt
+// the V^T tiles (KV_FORMAT 3: [B, N, H, NPK / 64] tiles of 8 KiB, zero past key N).
 #include "common.cuh"
 #include "wgmma.cuh"
 
@@ -50,16 +51,10 @@
 #define ROWS 1          // pair rows per block (1 or 2), sharing the bias tiles
 #endif
 #ifndef STAGES
-#define STAGES 3        // K and bias tiles in the cp.async ring (3 or more when PIPELINE)
+#define STAGES 2        // tiles in the cp.async ring
 #endif
 #ifndef MIN_BLOCKS
 #define MIN_BLOCKS 2    // __launch_bounds__ occupancy hint
-#endif
-#ifndef PIPELINE
-#define PIPELINE 1      // 1: two products in flight per warpgroup (see the key loop)
-#endif
-#ifndef BIAS_AFTER
-#define BIAS_AFTER 0    // 1: the bias added after Q K^T (issue_s)
 #endif
 #ifndef PINGPONG
 #define PINGPONG 0      // 1: a row's second warpgroup starts its Q K^T when the first's is done
@@ -80,22 +75,20 @@
 #if ROWS != 1 && ROWS != 2
 #error "attention_wgmma.cu: ROWS must be 1 or 2"
 #endif
-#if PIPELINE && STAGES < 3
-#error "attention_wgmma.cu: the pipelined loop needs STAGES >= 3"
-#endif
-#define VT_BUFFERS (PIPELINE ? 3 : 2)
 
 #define K_TILE (BK * 128)                 // bytes
-#define BSTR (BK + 8)                     // words per bias row (conflict-free float2 reads)
-#define BIAS_TILE (BQ * BSTR * 4)         // bytes
-#define STAGE_BYTES (ROWS * K_TILE + BIAS_TILE)
 #define VT_COLUMN (ON * 128)              // one 32-key column of V^T
 #define VT_TILE ((BK / 32) * VT_COLUMN)
-#define VT_OFFSET (STAGES * STAGE_BYTES)
+#define VT_COPIED (BK / 32 * HEAD_DIM * 128)  // bytes of a V^T tile the projection wrote
+#define BSTR (BK + 8)                     // words per bias row (conflict-free float2 reads)
+#define BIAS_TILE (BQ * BSTR * 4)         // bytes
+#define VT_OFFSET (ROWS * K_TILE)         // in a stage
+#define BIAS_OFFSET (ROWS * (K_TILE + VT_TILE))
+#define STAGE_BYTES (BIAS_OFFSET + BIAS_TILE)
 // + 1024: the dynamic shared memory is aligned up to 1024 bytes at run time
-#define SMEM_BYTES (VT_OFFSET + VT_BUFFERS * ROWS * VT_TILE + 1024)
+#define SMEM_BYTES (STAGES * STAGE_BYTES + 1024)
 
-// Per row, BK keys of 8 16-byte chunks (4 dims) each of K (copied) and of V (loaded).
+// Per row and tile, 512 16-byte chunks each of K (8 per key: 4 dims each) and of V^T.
 #define COPIES (ROWS * BK * 8)
 #define COPIES_PER_THREAD (COPIES / THREADS)
 #if COPIES % THREADS != 0 || BIAS_TILE % 1024 != 0 || VT_COLUMN % 1024 != 0
@@ -104,14 +97,9 @@
 
 #define TF32_ONE 0x3f800000u
 
-// Position of `key` in its V^T row (see the header): within each 8 keys, even keys first.
-__device__ __forceinline__ int v_position(int key) {
-    return (key & ~7) | ((key & 1) << 2) | ((key >> 1) & 3);
-}
-
 extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
 attention_tf32_wgmma(float* qkvg, const float* __restrict__ bias, int B, int N, int H,
-                     int npk, int nan_fully_masked) {
+                     int npk, int nan_fully_masked, const float* __restrict__ vt) {
     extern __shared__ float4 smem4[];
     const u32 raw_s = smem_addr(smem4);
     const u32 align = (1024u - (raw_s & 1023u)) & 1023u;
@@ -141,18 +129,19 @@ attention_tf32_wgmma(float* qkvg, const float* __restrict__ bias, int B, int N, 
     const int q0 = qtile * BQ + q_in_tile;
 
     // ---- the bias tile of the block's BQ queries, shared by its rows (attention_mma.cu) ----
-    const float* const bias_bh = bias + ((i64)b * H + head) * N * npk;
+    const char* const bias_bh = reinterpret_cast<const char*>(bias + ((i64)b * H + head) * N * npk);
 #define RSTEP (THREADS / (BK / 4))
     const int copy_col = 4 * (tid % (BK / 4)), copy_row = tid / (BK / 4);
     const int copy_q = qtile * BQ + copy_row;
-    const float* const bias_src = bias_bh + (i64)copy_q * npk + copy_col;
+    // Byte offsets within bias[b, head] (N * npk floats: far below 2^32 bytes).
+    const u32 bias_src = 4 * ((u32)copy_q * npk + copy_col), bias_rstep = 4 * RSTEP * npk;
     const u32 bias_dst = 4 * (copy_row * BSTR + copy_col);
     auto copy_bias = [&](int k0, u32 tile) {
-        const float* const src = opaque(bias_src + k0);
+        const char* const src = opaque(bias_bh + bias_src + 4 * k0);
 #pragma unroll
         for (int it = 0; it < BQ / RSTEP; ++it)
-            cp_async16_or_zero(tile + bias_dst + 4 * it * RSTEP * BSTR,
-                               src + (i64)(it * RSTEP) * npk, copy_q + it * RSTEP < N);
+            cp_async16_or_zero(tile + bias_dst + 4 * it * RSTEP * BSTR, src + it * bias_rstep,
+                               copy_q + it * RSTEP < N);
     };
 
     // ---- Q: A fragments per 8-dim k-step, rounded to TF32 (zero past N) ----
@@ -170,7 +159,8 @@ attention_tf32_wgmma(float* qkvg, const float* __restrict__ bias, int B, int N, 
         }
     }
 
-    // ---- this thread's K copies and V loads: chunk c (4 dims) of key `key` of row r0;
+    // ---- this thread's copies of a tile: K chunk c (4 dims) of key `key` of row r0, and
+    // V^T chunk `vq` (16 bytes of the tile's 8 KiB as the projection wrote it) of row r0;
     // its copy `it` is it * THREADS / 8 keys further: 32 keys on in the same row (ROWS 1)
     // or the same key of the next row (ROWS 2), so every address below is the first
     // copy's plus a constant (kept as one value each: arrays of them cost registers) ----
@@ -180,26 +170,33 @@ attention_tf32_wgmma(float* qkvg, const float* __restrict__ bias, int B, int N, 
 #error "attention_wgmma.cu: a thread's copies must keep its key position in a 32-key column"
 #endif
     const int cc = tid % 8, key = (tid / 8) % BK, r0 = tid / (8 * BK);
-    // Sources as 32-bit byte offsets from k of row i0 at key 0 (attention_mma.cu: fine
-    // unless N > 43000); V is D floats after K.
+    // K sources as 32-bit byte offsets from k of row i0 at key 0 (attention_mma.cu: fine
+    // unless N > 43000).
     const char* const k_base = reinterpret_cast<const char*>(row_base(0) + D);
     const u32 copy_src = (u32)(((i64)r0 * N + key) * ld * 4) + 16 * cc;
     const u32 src_step = (u32)((i64)(ROW_STEP * N + KEY_STEP) * ld * 4);
     const u32 k_dst = r0 * K_TILE + sw128(key, 16 * cc);
 #define K_DST_STEP (ROW_STEP * K_TILE + KEY_STEP * 128)
-    // V^T: dim 4c + e goes to row 4c + e of key column p / 32, position p % 32, p =
-    // v_position(key): byte vt_dst + 128 e + 16 ((p % 32) / 4 ^ (4c + e) % 8) (sw128),
-    // with vt_chunk = (p % 32) / 4 ^ (4c % 8) and (4c + e) % 8 = 4c % 8 + e.
-    const int p = v_position(key);
-    const u32 vt_dst = r0 * VT_TILE + (p / 32) * VT_COLUMN + 4 * cc * 128 + 4 * (p % 4);
-    const u32 vt_chunk = ((p % 32) / 4) ^ (4 * cc % 8);
-#define VT_DST_STEP (ROW_STEP * VT_TILE + (KEY_STEP / 32) * VT_COLUMN)
-    // Whether copy `it` of the tile at k0 holds a key (else zeros): its row and key below N.
+    // V^T: the tiles of (b, i0 + r, head) are npk / 64 x 8 KiB from vt_row0 + r * vt_rstride;
+    // chunk q of a tile lands in column q / 256 (the copied 4 KiB of each 5 KiB column).
+    // This thread copies chunk tid % 512 of row tid / 512 (= 0), then VT_STEP_CHUNKS
+    // chunks (ROWS 1: the second column) or VT_STEP_ROWS rows (ROWS 2) further.
+#define VT_STEP_ROWS (THREADS / (VT_COPIED / 16))
+#define VT_STEP_CHUNKS (THREADS % (VT_COPIED / 16))
+    const int ntiles = npk / BK;
+    const i64 vt_rstride = (i64)H * ntiles * VT_COPIED;
+    const char* const vt_row0 = reinterpret_cast<const char*>(vt)
+                                + (((i64)b * N + i0) * H + head) * ntiles * VT_COPIED;
+    const int vq = tid % (VT_COPIED / 16);
+    const u32 vt_dst = (vq / 256) * VT_COLUMN + 16 * (vq % 256);
+#define VT_DST_STEP (VT_STEP_ROWS * VT_TILE + VT_STEP_CHUNKS / 256 * VT_COLUMN)
+    // Whether copy `it` of the tile at k0 holds data (else zeros): K's row and key below
+    // N; V^T's row below N (its keys past N are zeros already).
     auto holds = [&](int it, int k0) {
         return k0 + key + it * KEY_STEP < N && (ROW_STEP == 0 || i0 + r0 + it * ROW_STEP < N);
     };
 
-    auto issue = [&](int k0, int stage) {  // K and bias of the tile at k0, then commit
+    auto issue = [&](int k0, int stage) {  // K, V^T and bias of the tile at k0, then commit
         if (k0 < N) {
             const u32 st = smem_s + stage * STAGE_BYTES;
             const char* const tile_base = k_base + (i64)k0 * ld * 4 + copy_src;
@@ -209,34 +206,25 @@ attention_tf32_wgmma(float* qkvg, const float* __restrict__ bias, int B, int N, 
                 cp_async16_or_zero(st + k_dst + it * K_DST_STEP,
                                    ok ? tile_base + it * src_step : k_base, ok);
             }
-            copy_bias(k0, st + ROWS * K_TILE);
+            const char* const vt_tile = vt_row0 + (i64)(k0 / BK) * VT_COPIED + 16 * vq;
+#pragma unroll
+            for (int it = 0; it < COPIES_PER_THREAD; ++it) {
+                const bool ok = VT_STEP_ROWS == 0 || i0 + it * VT_STEP_ROWS < N;
+                cp_async16_or_zero(st + VT_OFFSET + vt_dst + it * VT_DST_STEP,
+                                   ok ? vt_tile + it * (VT_STEP_ROWS * vt_rstride
+                                                        + 16 * VT_STEP_CHUNKS) : vt_row0, ok);
+            }
+            copy_bias(k0, st + BIAS_OFFSET);
         }
         cp_async_commit();
     };
-    float4 vreg[COPIES_PER_THREAD];
-    auto load_v = [&](int k0) {
-        const char* const tile_base = k_base + (i64)k0 * ld * 4 + 4 * D + copy_src;
-#pragma unroll
-        for (int it = 0; it < COPIES_PER_THREAD; ++it)
-            vreg[it] = holds(it, k0)
-                ? ld4(reinterpret_cast<const float*>(tile_base + it * src_step)) : zero4();
-    };
-    auto store_vt = [&](int buffer) {
-        char* const vt = smem + VT_OFFSET + buffer * ROWS * VT_TILE + vt_dst;
-#pragma unroll
-        for (int it = 0; it < COPIES_PER_THREAD; ++it) {
-            const float x[4] = {vreg[it].x, vreg[it].y, vreg[it].z, vreg[it].w};
-#pragma unroll
-            for (int e = 0; e < 4; ++e)
-                *reinterpret_cast<float*>(vt + it * VT_DST_STEP + 128 * e + ((vt_chunk ^ e) << 4)) = x[e];
-        }
-    };
 
-    // The ones row (d) and zero rows (d + 1 .. d + 7) of every V^T tile, once.
-    for (int idx = tid; idx < VT_BUFFERS * ROWS * (BK / 32) * 8 * 32; idx += THREADS) {
-        const int key = idx % 32, n = HEAD_DIM + (idx / 32) % 8, column = idx / 256;
-        *reinterpret_cast<u32*>(smem + VT_OFFSET + column * VT_COLUMN + sw128(n, 4 * key)) =
-            n == HEAD_DIM ? TF32_ONE : 0u;
+    // The ones row (d) and zero rows (d + 1 .. d + 7) of every V^T column, once.
+    for (int idx = tid; idx < STAGES * ROWS * (BK / 32) * 8 * 32; idx += THREADS) {
+        const int k32 = idx % 32, n = HEAD_DIM + (idx / 32) % 8, column = idx / 256;
+        const int stage = column / (ROWS * (BK / 32)), in_stage = column % (ROWS * (BK / 32));
+        *reinterpret_cast<u32*>(smem + stage * STAGE_BYTES + VT_OFFSET + in_stage * VT_COLUMN
+                                + sw128(n, 4 * k32)) = n == HEAD_DIM ? TF32_ONE : 0u;
     }
 
     // [O | l] in wgmma's accumulator layout (wgmma.cuh): o[4v + 0..1] row g, o[4v + 2..3]
@@ -247,38 +235,29 @@ attention_tf32_wgmma(float* qkvg, const float* __restrict__ bias, int B, int N, 
     for (int i = 0; i < 4 * ON / 8; ++i) o[i] = 0.f;
     float m_sub[2] = {0.f, 0.f}, m_lim[2] = {neg_inf(), neg_inf()};
 
-    // S = bias + Q K^T of the tile in ring stage `stage`. BIAS_AFTER 0: S starts as the
-    // bias tile and the products accumulate onto it (as attention_tf32); issue_s issues
-    // them (not waited for). BIAS_AFTER 1: the products start from zero and the bias is
-    // added in fp32 once they are done (add_bias): its shared-memory reads then run during
-    // the products instead of before them.
-    const float* const bias_base = reinterpret_cast<const float*>(smem + ROWS * K_TILE)
+    // S = bias + Q K^T of the tile in ring stage `stage`, issued (not waited for): S starts
+    // as the bias tile and the products accumulate onto it (as attention_tf32).
+    const float* const bias_base = reinterpret_cast<const float*>(smem + BIAS_OFFSET)
                                    + (q_in_tile + g) * BSTR + 2 * t;
-    auto load_bias = [&](float (&x)[4 * NT], int stage) {
+    auto issue_s = [&](float (&s)[4 * NT], int stage) {
         const float* const bias_tile = bias_base + stage * (STAGE_BYTES / 4);
 #pragma unroll
         for (int n = 0; n < NT; ++n) {
             const float2 x0 = *reinterpret_cast<const float2*>(bias_tile + 8 * n);
             const float2 x1 = *reinterpret_cast<const float2*>(bias_tile + 8 * BSTR + 8 * n);
-            x[4 * n] = x0.x, x[4 * n + 1] = x0.y, x[4 * n + 2] = x1.x, x[4 * n + 3] = x1.y;
+            s[4 * n] = x0.x, s[4 * n + 1] = x0.y, s[4 * n + 2] = x1.x, s[4 * n + 3] = x1.y;
         }
-    };
-    auto issue_s = [&](float (&s)[4 * NT], int stage) {
-        if (!BIAS_AFTER) load_bias(s, stage);
         const u64 k_desc = sw128_desc(smem_s + stage * STAGE_BYTES + rw * K_TILE);
         wgmma_fence();
-        wgmma_m64n64k8_tf32<!BIAS_AFTER>(s, qa[0], k_desc);
 #pragma unroll
-        for (int kk = 1; kk < DT; ++kk) wgmma_m64n64k8_tf32(s, qa[kk], k_desc + 2 * kk);
+        for (int kk = 0; kk < DT; ++kk) wgmma_m64n64k8_tf32(s, qa[kk], k_desc + 2 * kk);
         wgmma_commit();
     };
 
     // The online softmax of S (its product done), in two parts. rescale: the reference
     // maximum m of rows g and g + 8 moves (lazily, as attention_mma.cu) and O is rescaled
-    // with it, so no P V product may be running, nor any other product (a wgmma in flight
-    // while other instructions write accumulators is serialized by the compiler).
-    // exponentiate: P = 2^(S - m) as the A fragments of the 8 k-steps of P V, (c0, c2, c1,
-    // c3) of S's column group kk; it may overlap any product.
+    // with it. exponentiate: P = 2^(S - m) as the A fragments of the 8 k-steps of P V,
+    // (c0, c2, c1, c3) of S's column group kk.
     auto rescale = [&](const float (&s)[4 * NT]) {
         float mx[2];
         bool grow = false;
@@ -322,87 +301,29 @@ attention_tf32_wgmma(float* qkvg, const float* __restrict__ bias, int B, int N, 
         }
     };
 
-    // [O | l] += P [V | 1 | 0], issued: k-step kk takes keys 8kk .. 8kk + 7 of V^T buffer
-    // `buffer`, 32 bytes along the rows of its 32-key column.
-    auto issue_pv = [&](const u32 (&pa)[NT][4], int buffer) {
-        const u32 vt = smem_s + VT_OFFSET + (buffer * ROWS + rw) * VT_TILE;
+    // [O | l] += P [V | 1 | 0], issued: k-step kk takes keys 8kk .. 8kk + 7 of the V^T tile
+    // in ring stage `stage`, 32 bytes along the rows of its 32-key column.
+    auto issue_pv = [&](const u32 (&pa)[NT][4], int stage) {
+        const u32 vt_tile = smem_s + stage * STAGE_BYTES + VT_OFFSET + rw * VT_TILE;
         wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < NT; ++kk)
-            wgmma_m64n40k8_tf32(o, pa[kk], sw128_desc(vt + (kk / 4) * VT_COLUMN) + 2 * (kk % 4));
+            wgmma_m64n40k8_tf32(o, pa[kk], sw128_desc(vt_tile + (kk / 4) * VT_COLUMN) + 2 * (kk % 4));
         wgmma_commit();
     };
 
-    // ---- the key loop: K and bias through the ring, V through registers ----
+    // ---- the key loop: one tile at a time, each product waited for where it is issued
+    // (a loop keeping the next tile's Q K^T running during this tile's softmax needed
+    // ~220 registers, so one block of 8 warps per SM, and was slower: benchmarks/NOTES.md) ----
 #pragma unroll
     for (int st = 0; st < STAGES - 1; ++st) issue(st * BK, st);
-    load_v(0);
-    store_vt(0);
     u32 pa[NT][4];
-#if PIPELINE
-    // Each warpgroup keeps two products on the tensor cores while it computes: in the step
-    // of tile t, S(t + 1) runs during the softmax of tile t, and P V of tile t during the
-    // next step's barrier, copies and bias loads. The step's one wait (for S(t) and
-    // P V(t - 1)) frees the registers S(t + 1) is issued into (they held S(t - 1), whose
-    // P is in pa until P V(t - 1) is done); the rescaling of O comes before S(t + 1) is
-    // issued, the exponentials after. Tile t + 1's K and bias must be in shared
-    // memory at step t: STAGES >= 3. V^T has 3 buffers: the one step t fills (t + 1) was
-    // last read by P V(t - 2), which every warpgroup waited for before this step's barrier.
-    cp_async_wait<STAGES - 2>();  // tile 0's copies
-    fence_async_shared();
-    __syncthreads();
-    float s_a[4 * NT], s_b[4 * NT];
-    pin(o);  // zeroed here: the compiler would sink the zeros past the first product
-    issue_s(s_a, 0);
-    auto step = [&](float (&cur)[4 * NT], float (&next)[4 * NT], int k0, int tile, int stage) {
-        const bool more = k0 + BK < N;
-        if (more) load_v(k0 + BK);           // V(t + 1), in flight during this step
-        cp_async_wait<STAGES - 3>();          // tile t + 1's K and bias (this thread's)
-        fence_async_shared();                 // and V^T(t), stored last step
-        __syncthreads();
-        issue(k0 + (STAGES - 1) * BK, stage == 0 ? STAGES - 1 : stage - 1);
-        wgmma_wait<0>();                      // S(t), P V(t - 1)
-        pin(cur);
-        pin(o);
-#pragma unroll
-        for (int n = 0; n < NT; ++n) pin(pa[n]);
-#if BIAS_AFTER
-        {
-            float bias_s[4 * NT];
-            load_bias(bias_s, stage);
-#pragma unroll
-            for (int i = 0; i < 4 * NT; ++i) cur[i] += bias_s[i];
-        }
-#endif
-        rescale(cur);
-        // Unconditional: past the last tile it multiplies a stale stage, never used; a
-        // conditional issue would make the compiler merge two versions of `next` with
-        // moves while the products run, and serialize them.
-        issue_s(next, stage == STAGES - 1 ? 0 : stage + 1);
-        exponentiate(cur, pa);
-        issue_pv(pa, tile % VT_BUFFERS);
-        if (more) store_vt((tile + 1) % VT_BUFFERS);
-    };
-    for (int k0 = 0, tile = 0, stage = 0;; ) {
-        step(s_a, s_b, k0, tile, stage);
-        k0 += BK, ++tile, stage = stage == STAGES - 1 ? 0 : stage + 1;
-        if (k0 >= N) break;
-        step(s_b, s_a, k0, tile, stage);
-        k0 += BK, ++tile, stage = stage == STAGES - 1 ? 0 : stage + 1;
-        if (k0 >= N) break;
-    }
-    wgmma_wait<0>();
-    pin(o);
-#else
-    // One tile at a time: each product waited for where it was issued.
     int stage = 0;
-    for (int k0 = 0, tile = 0; k0 < N; k0 += BK, ++tile) {
+    for (int k0 = 0; k0 < N; k0 += BK) {
         cp_async_wait<STAGES - 2>();  // this thread's copies of this tile landed
-        fence_async_shared();         // its copies and V^T stores, before wgmma reads them
+        fence_async_shared();         // they and the ones rows, before wgmma reads them
         __syncthreads();              // everyone's; every warpgroup done with the last tile
         issue(k0 + (STAGES - 1) * BK, stage == 0 ? STAGES - 1 : stage - 1);
-        const bool more = k0 + BK < N;
-        if (more) load_v(k0 + BK);    // in flight while this tile is multiplied
         // PINGPONG: the barrier above starts both warpgroups of a row together, and they
         // would contend for the tensor cores, then for the exponentials, then again; the
         // second instead waits (named barrier 1 + row) until the first has its S, so that
@@ -411,29 +332,19 @@ attention_tf32_wgmma(float* qkvg, const float* __restrict__ bias, int B, int N, 
         if (second) asm volatile("bar.sync %0, %1;" :: "r"(1 + rw), "n"(128 * ROW_GROUPS));
         float s[4 * NT];
         issue_s(s, stage);
-#if BIAS_AFTER
-        float bias_s[4 * NT];
-        load_bias(bias_s, stage);
-#endif
         wgmma_wait<0>();
         pin(s);
         pin(o);
         if (PINGPONG && !second) asm volatile("bar.arrive %0, %1;" :: "r"(1 + rw), "n"(128 * ROW_GROUPS));
-#if BIAS_AFTER
-#pragma unroll
-        for (int i = 0; i < 4 * NT; ++i) s[i] += bias_s[i];
-#endif
         rescale(s);
         exponentiate(s, pa);
-        issue_pv(pa, tile & 1);
-        wgmma_wait<0>();  // before the barrier that lets this tile's buffers be refilled
+        issue_pv(pa, stage);
+        wgmma_wait<0>();  // before the barrier that lets this stage be refilled
         pin(o);
 #pragma unroll
         for (int n = 0; n < NT; ++n) pin(pa[n]);
-        if (more) store_vt((tile + 1) & 1);
         stage = stage == STAGES - 1 ? 0 : stage + 1;
     }
-#endif
 
     // o / l over q; l = 0 only where every key was masked. The sums are in lanes t = 0.
     const float total[2] = {__shfl_sync(0xffffffffu, o[4 * DT], lane & ~3),

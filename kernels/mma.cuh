@@ -110,3 +110,11 @@ __device__ __forceinline__ void cp_async16_or_zero(u32 dst, const void* src, boo
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" :: "n"(N)); }
+
+// Where key `key` of a tile sits in a transposed V row (V^T [dim][key position]) that the
+// P V product reads with P taken straight from S's accumulators: a C fragment holds keys
+// (2t, 2t + 1), the A fragment of a tf32 k8 step columns (t, t + 4), so within each 8
+// keys position p holds key 2p (p < 4) or 2(p - 4) + 1: even keys first.
+__device__ __forceinline__ int vt_position(int key) {
+    return (key & ~7) | ((key & 1) << 2) | ((key >> 1) & 3);
+}

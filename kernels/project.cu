@@ -27,7 +27,8 @@
 //   WT    [D, NO] row-major: the PyTorch weight transposed (NO = 4D, or D for out_proj)
 //   mask  [B, N, N] at b*mb + i*mi + j*mj elements, of the type named by mask_kind
 //         (MASK_* in project_epilogue.cuh; read as is, so the caller converts nothing), or null
-//   qkvg  [M, 4D]; bias [B, H, N, NPK]; out [M, D] contiguous.
+//   qkvg  [M, 4D]; bias [B, H, N, NPK]; out [M, D] contiguous; vt unused (KV_FORMAT 3,
+//         project_epilogue.cuh, is written by the tensor-core projection only).
 #include "common.cuh"
 #include "mma.cuh"
 
@@ -224,7 +225,8 @@ ln_qkvg_project(const float* __restrict__ x, i64 sb, i64 si, i64 sj, i64 sc, int
                 const float* __restrict__ WT, const float* __restrict__ b_qkvg,
                 const float* __restrict__ Wb,
                 const void* __restrict__ mask, int mask_kind, i64 mb, i64 mi, i64 mj,
-                float* __restrict__ qkvg, float* __restrict__ bias, int npk) {
+                float* __restrict__ qkvg, float* __restrict__ bias, int npk,
+                float* __restrict__ vt) {
     const int dpad = (D + BK - 1) / BK * BK;
     const SmemLayout s = smem_layout(dpad);
     const int t = threadIdx.x;
@@ -310,7 +312,7 @@ ln_qkvg_project(const float* __restrict__ x, i64 sb, i64 si, i64 sj, i64 sc, int
     float* const block_out = qkvg + m0 * NO;  // row r at r * NO (< 2^31: BM * 4D)
     project_columns(s.As, WT, D, dpad, NO, b_qkvg, s.Ws,
                     [&](Tile& acc, int n0, const float2 (&cb)[4]) {
-        store_qkvg(acc, n0, cb, D, q_scale, block_out, rows_here);
+        store_qkvg(acc, n0, cb, D, q_scale, block_out, rows_here, VtTarget{vt, m0, N, H, npk});
     });
 }
 

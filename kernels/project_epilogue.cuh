@@ -137,9 +137,22 @@ __device__ __forceinline__ void store_pairs(Tile& acc, float* base, const int (&
 //   c for c < D and v column c - D after it; q from word 2D (Q_WORD), the gate from word
 //   5D/2 (GATE_WORD); [3D, 4D) unused. The attention rounds q to bf16 anyway; the gate in
 //   bf16 adds ~1e-3 to the mode's error (benchmarks/NOTES.md).
+// 3 as 1, but v not in qkvg ([2D, 3D) unused): transposed, into vt (attention_tf32_wgmma,
+//   whose tensor cores read V only as V^T; head dim 32), laid out as that kernel's shared
+//   memory holds it, so that it copies V^T tiles straight (store_vt below).
 #ifndef KV_FORMAT
 #define KV_FORMAT 0
 #endif
+#if KV_FORMAT == 3
+#include "wgmma.cuh"
+#endif
+
+// Where format 3 writes V^T, and the block's first row (the unused fields of other formats).
+struct VtTarget {
+    float* vt;
+    i64 m0;
+    int N, H, npk;
+};
 #define Q_WORD(D) (KV_FORMAT == 2 ? 2 * (D) : 0)
 #define GATE_WORD(D) (KV_FORMAT == 2 ? 5 * (D) / 2 : 3 * (D))
 
@@ -155,13 +168,70 @@ __device__ __forceinline__ float4 load_gate4(const float* row, int D, int k) {
 #endif
 }
 
+#if KV_FORMAT == 3
+// V^T (format 3; head dim 32): per (b, i, head), npk / 64 tiles of 8 KiB; a tile is 2
+// columns of 32 keys, each [32 dims][32 key positions] tf32 in rows of 128 bytes in the
+// 128-byte swizzle (sw128); key k of a tile at position vt_position(k % 64) (column
+// position / 32). Keys [N, npk) are zero: the attention multiplies them by P = 0, and
+// the scratch memory is not cleared (it may hold NaN). Here: this thread's value pairs,
+// rows below rows_here, where vcol0 >= 0 is the v column (from 0) of its first pair: its
+// pairs j are 8j further, all of one head, dims c + 8j and c + 8j + 1 (c = vcol0 % 32 <
+// 8), which sit 1024 j bytes apart in a column (sw128 swizzles by row % 8). Rows m =
+// (b * N + i) * N + k are below 2^31 wherever qkvg fits in memory (16 D bytes a row).
+__device__ __forceinline__ void store_vt(Tile& acc, int vcol0, const VtTarget& to, int rows_here) {
+    if (vcol0 < 0) return;
+    const int h = vcol0 / 32, c = vcol0 % 32, ntiles = to.npk / 64;
+    const unsigned N = (unsigned)to.N, bi_first = (unsigned)to.m0 / N;
+    const unsigned k_first = (unsigned)to.m0 - bi_first * N;  // one division per call
+    // Where key `key` of pair (b, i) = bi goes: its dims c + 8j at d0[256 j], c + 8j + 1 at
+    // d1[256 j].
+    auto at = [&](unsigned bi, int key, float*& d0, float*& d1) {
+        const int pos = vt_position(key % 64), byte = 4 * (pos % 32);
+        char* const column = reinterpret_cast<char*>(to.vt + ((i64)bi * to.H + h) * ntiles * 2048)
+                             + (key / 64) * 8192 + (pos / 32) * 4096;
+        d0 = reinterpret_cast<float*>(column + sw128(c, byte));
+        d1 = reinterpret_cast<float*>(column + sw128(c + 1, byte));
+    };
+#pragma unroll
+    for (int s = 0; s < TROWS; ++s) {
+        const int r = thread_row(s);
+        if (r >= rows_here) continue;
+        unsigned k = k_first + r, bi = bi_first;
+        while (k >= N) k -= N, ++bi;  // a block spans rows of ceil(BM / N) + 1 pairs (b, i)
+        float *d0, *d1;
+        at(bi, (int)k, d0, d1);
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const float* const p = pair_at(acc, s, j);
+            d0[256 * j] = p[0];
+            d1[256 * j] = p[1];
+        }
+    }
+    // Zeros on the keys [N, npk) of the pair (b, i) of each row slot holding key N - 1.
+    for (int s = 0; s < TROWS; ++s) {
+        const int r = thread_row(s);
+        if (r >= rows_here) continue;
+        unsigned k = k_first + r, bi = bi_first;
+        while (k >= N) k -= N, ++bi;
+        if (k != N - 1) continue;
+        for (int key = to.N; key < to.npk; ++key) {
+            float *d0, *d1;
+            at(bi, key, d0, d1);
+#pragma unroll
+            for (int j = 0; j < 4; ++j) d0[256 * j] = d1[256 * j] = 0.f;
+        }
+    }
+}
+#endif
+
 // The pass at n0 of ln_qkvg_project (acc = xn [Wq; Wk; Wv; Wg]^T at columns n0 + ...,
 // cb their biases) into the block's rows of qkvg (block_out, rows of NO = 4D floats):
 // q scaled by q_scale, k and v as KV_FORMAT says, the gate through sigmoid.
 __device__ __forceinline__ void store_qkvg(Tile& acc, int n0, const float2 (&cb)[4], int D,
-                                           float q_scale, float* block_out, int rows_here) {
+                                           float q_scale, float* block_out, int rows_here,
+                                           const VtTarget& vt) {
     const int NO = 4 * D;
-    int col[4];
+    int col[4], vcol0 = -1;
     bool packed[4];
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
@@ -203,15 +273,27 @@ __device__ __forceinline__ void store_qkvg(Tile& acc, int n0, const float2 (&cb)
             packed[j] = true;
 #else
             map_column(acc, j, cb[j], [](float2 v) {
-#if KV_FORMAT == 1
+#if KV_FORMAT == 1 || KV_FORMAT == 3
                 v = make_float2(__uint_as_float(to_tf32(v.x)), __uint_as_float(to_tf32(v.y)));
 #endif
                 return v;
             });
+#if KV_FORMAT == 3
+            if (n >= 2 * D) {  // v: into vt, transposed (store_vt)
+                if (j == 0) vcol0 = n - 2 * D;
+                col[j] = -1;
+            }
+#endif
 #endif
         }
     }
     store_pairs(acc, block_out, col, packed, NO, rows_here);
+#if KV_FORMAT == 3
+    store_vt(acc, vcol0, vt, rows_here);
+#else
+    (void)vt;
+    (void)vcol0;
+#endif
 }
 
 // The pass at n0 of gated_out_project (acc = (g * o) Wo^T, cb the biases bo) into the

@@ -38,7 +38,8 @@
 //   W     [NO, D] row-major (NO = 4D, or D for out_proj), rounded to TF32 unless SPLIT
 //   mask  [B, N, N] at b*mb + i*mi + j*mj elements, of the type named by mask_kind
 //         (MASK_* in project_epilogue.cuh), or null
-//   qkvg  [M, 4D]; bias [B, H, N, NPK]; out [M, D] contiguous.
+//   qkvg  [M, 4D]; bias [B, H, N, NPK]; out [M, D] contiguous; vt: V^T tiles where
+//         KV_FORMAT is 3 (project_epilogue.cuh; [B, N, H, NPK / 64] x 8 KiB), else unused.
 #include "common.cuh"
 #include "mma.cuh"
 
@@ -397,7 +398,8 @@ ln_qkvg_project(const float* __restrict__ x, i64 sb, i64 si, i64 sj, i64 sc, int
                 const float* __restrict__ W, const float* __restrict__ b_qkvg,
                 const float* __restrict__ Wb,
                 const void* __restrict__ mask, int mask_kind, i64 mb, i64 mi, i64 mj,
-                float* __restrict__ qkvg, float* __restrict__ bias, int npk) {
+                float* __restrict__ qkvg, float* __restrict__ bias, int npk,
+                float* __restrict__ vt) {
     const int dpad = (D + BK - 1) / BK * BK, astr = dpad + 4;
     const SmemLayout s = smem_layout(dpad);
     const int t = threadIdx.x, lane = t & 31, warp = t >> 5;
@@ -480,7 +482,7 @@ ln_qkvg_project(const float* __restrict__ x, i64 sb, i64 si, i64 sj, i64 sc, int
     const int rows_here = (int)min((i64)BM, M - m0);
     float* const block_out = qkvg + m0 * NO;  // row r at r * NO (< 2^31: BM * 4D)
     project_columns(s.As, astr, ring, [&](Tile& acc, int n0, const float2 (&cb)[4]) {
-        store_qkvg(acc, n0, cb, D, q_scale, block_out, rows_here);
+        store_qkvg(acc, n0, cb, D, q_scale, block_out, rows_here, VtTarget{vt, m0, N, H, npk});
     });
 }
 

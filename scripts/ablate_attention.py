@@ -29,16 +29,18 @@ PATCHES = {  # name -> [(text, replacement)], every occurrence replaced
               f"for (int kk = 0; kk < DT * ({NEVER}); ++kk) wgmma_m64n64k8_tf32(")],
     "no_pv": [("for (int kk = 0; kk < NT; ++kk)\n            wgmma_m64n40k8_tf32(",
                f"for (int kk = 0; kk < NT * ({NEVER}); ++kk)\n            wgmma_m64n40k8_tf32(")],
-    "no_v": [("if (more) store_vt(", f"if (more && {NEVER}) store_vt("),
-             ("if (more) load_v(", f"if (more && {NEVER}) load_v(")],
+    "no_v": [("                cp_async16_or_zero(st + VT_OFFSET + vt_dst",
+              f"                if ({NEVER}) cp_async16_or_zero(st + VT_OFFSET + vt_dst")],
+    "no_k": [("                cp_async16_or_zero(st + k_dst",
+              f"                if ({NEVER}) cp_async16_or_zero(st + k_dst")],
+    "no_bias_copy": [("            copy_bias(k0, st + BIAS_OFFSET);",
+                      f"            if ({NEVER}) copy_bias(k0, st + BIAS_OFFSET);")],
     "no_copies": [("        if (k0 < N) {\n            const u32 st", f"        if (k0 < N && {NEVER}) {{\n            const u32 st")],
 }
 VARIANTS = {"full": [], **{name: [name] for name in PATCHES},
             "only_products": ["no_exp", "no_rescale", "no_bias", "no_v", "no_copies"],
             "only_softmax": ["no_s", "no_pv", "no_v", "no_copies"]}
-SHAPES = [_configs.WgmmaTiles(rows=1, stages=2, min_blocks=2, pipeline=0),
-          _configs.WgmmaTiles(rows=2, stages=2, min_blocks=1, pipeline=0),
-          _configs.attention_wgmma_tiles()]
+SHAPES = [_configs.attention_wgmma_tiles(), _configs.WgmmaTiles(rows=2, stages=2, min_blocks=1)]
 
 
 def use_variant(parts):
@@ -73,7 +75,7 @@ def main(sizes, variants):
                 ms = time_attention(fwd, _configs.attention_wgmma_launch(D // h, tiles),
                                     20 if N <= 512 else 5)
                 print(f"{size} rows={tiles.rows} minb={tiles.min_blocks} st={tiles.stages} "
-                      f"pipeline={tiles.pipeline} {variant:14s} {ms:7.3f} ms "
+                      f"{variant:14s} {ms:7.3f} ms "
                       f"{flops / ms / 1e9:6.1f} TFLOP/s", flush=True)
     use_variant([])
 

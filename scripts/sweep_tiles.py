@@ -63,18 +63,20 @@ def main(sizes):
                       f"{flops / ms / 1e9:.1f} TFLOP/s{mark}",
                       flush=True)
             if variant == "tf32" and d in _configs.WGMMA_HEAD_DIMS:
-                sweep_wgmma(fwd, size, d, flops, 20 if N <= 512 else 5)
+                sweep_wgmma(dw, pair, size, d, flops, 20 if N <= 512 else 5)
 
 
-# (rows, stages, min_blocks, pipeline, bias_after, pingpong) of attention_wgmma.cu
+# (rows, stages, min_blocks, pingpong) of attention_wgmma.cu
 WGMMA_CANDIDATES = [_configs.WgmmaTiles(*shape) for shape in
-                    [(1, 3, 1, 1, 0), (2, 2, 1, 0, 0), (2, 2, 1, 0, 0, 1), (2, 3, 1, 0, 0, 1),
-                     (1, 2, 2, 0, 0), (1, 2, 2, 0, 0, 1), (1, 2, 2, 0, 1, 1)]]
+                    [(1, 2, 2, 0), (1, 2, 2, 1), (2, 2, 1, 0), (2, 2, 1, 1), (2, 3, 1, 1),
+                     (1, 3, 1, 0)]]
 
 
-def sweep_wgmma(fwd, size, d, flops, repeats):
-    """The wgmma TF32 attention's candidates, on the TF32 forward's k and v."""
+def sweep_wgmma(dw, pair, size, d, flops, repeats):
+    """The wgmma TF32 attention's candidates (k and v projected in their own format)."""
     chosen = _configs.attention_wgmma_tiles()
+    fwd = Forward(dw, pair, None, "zero", None, attention=_configs.attention_wgmma_launch(d))
+    fwd.project()
     for tiles in WGMMA_CANDIDATES:
         try:
             launch = _configs.attention_wgmma_launch(d, tiles)
@@ -86,7 +88,6 @@ def sweep_wgmma(fwd, size, d, flops, repeats):
             continue
         mark = " <- chosen" if tiles == chosen else ""
         print(f"{size} wgmma  rows={tiles.rows} minb={tiles.min_blocks} st={tiles.stages} "
-              f"pipeline={tiles.pipeline} bias_after={tiles.bias_after} "
               f"pingpong={tiles.pingpong}: "
               f"{ms:.3f} ms {flops / ms / 1e9:.1f} TFLOP/s{mark}", flush=True)
 

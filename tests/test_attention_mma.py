@@ -133,14 +133,10 @@ def test_mma_both_policies_on_one_input(cp, rng, variant):
 # ---- the TF32 attention on warpgroup products (kernels/attention_wgmma.cu, sm_90a) ----
 
 WGMMA_TILES = [_configs.attention_wgmma_tiles(),
-               _configs.WgmmaTiles(rows=1, stages=4),
-               _configs.WgmmaTiles(rows=2, stages=2, pipeline=0),
-               _configs.WgmmaTiles(rows=1, stages=2, min_blocks=2, pipeline=0),
-               _configs.WgmmaTiles(rows=1, stages=2, min_blocks=2, pipeline=0, bias_after=1),
-               _configs.WgmmaTiles(rows=2, stages=3, pipeline=0, bias_after=1),
-               _configs.WgmmaTiles(bias_after=1),
-               _configs.WgmmaTiles(rows=1, stages=2, min_blocks=2, pipeline=0, pingpong=1),
-               _configs.WgmmaTiles(rows=2, stages=2, pipeline=0, pingpong=1)]
+               _configs.WgmmaTiles(rows=1, stages=2, min_blocks=2, pingpong=1),
+               _configs.WgmmaTiles(rows=2, stages=2, min_blocks=1, pingpong=1),
+               _configs.WgmmaTiles(rows=2, stages=3, min_blocks=1),
+               _configs.WgmmaTiles(rows=1, stages=3, min_blocks=1)]
 
 
 def _needs_sm_90(cp):

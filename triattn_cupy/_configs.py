@@ -115,8 +115,9 @@ def project_pad(pair_dim: int) -> int:
 
 
 # How the projection stores k and v (project_epilogue.cuh KV_FORMAT): as computed (fp32),
-# rounded to TF32, or packed bf16; the attention kernel that reads them names its format.
-KV_FP32, KV_TF32, KV_BF16 = 0, 1, 2
+# rounded to TF32, packed bf16, or TF32 with v transposed into tiles of its own (the wgmma
+# attention's); the attention kernel that reads them names its format.
+KV_FP32, KV_TF32, KV_BF16, KV_TF32_VT = 0, 1, 2, 3
 
 
 @functools.lru_cache(maxsize=None)  # per call: a look-up, not a rebuild
@@ -368,50 +369,42 @@ WGMMA_QUERIES, WGMMA_KEYS = 128, 64  # BQ and BK of a block
 
 @dataclasses.dataclass(frozen=True)
 class WgmmaTiles:
-    """The attention_wgmma.cu shape: ROWS pair rows per block (256 threads each), STAGES
-    K/bias tiles in the cp.async ring, MIN_BLOCKS per SM asked of the compiler, PIPELINE:
-    each warpgroup keeps the next tile's Q K^T and this tile's P V running while it
-    computes (1), or waits for each product where it issues it (0); BIAS_AFTER: Q K^T
-    from zero with the bias added once it is done (1), or accumulated onto the bias (0);
-    PINGPONG (unpipelined): a row's second warpgroup starts its Q K^T once the first has
-    its S, instead of both at once."""
+    """The attention_wgmma.cu shape: ROWS pair rows per block (256 threads each, sharing
+    the bias tiles), STAGES tiles in the cp.async ring, MIN_BLOCKS per SM asked of the
+    compiler, PINGPONG: a row's second warpgroup starts its Q K^T once the first has its S,
+    instead of both at once."""
     rows: int = 1
-    stages: int = 3
-    min_blocks: int = 1
-    pipeline: int = 1
-    bias_after: int = 0
+    stages: int = 2
+    min_blocks: int = 2
     pingpong: int = 0
 
 
 def attention_wgmma_tiles() -> WgmmaTiles:
-    """The pipelined loop with one row per block: 221 registers, so one block (8 warps)
-    per SM; with 2 rows (128 registers) the compiler spills and serializes the products."""
+    """One row per block, two blocks (16 warps) per SM: the fastest measured at 1x384 and
+    1x1024 (scripts/sweep_tiles.py, benchmarks/NOTES.md)."""
     return WgmmaTiles()
 
 
 def attention_wgmma_smem_bytes(tiles: WgmmaTiles) -> int:
-    """STAGES x (ROWS K tiles [64][32] tf32, a bias tile [128][64 + 8] fp32), 3 V^T
-    buffers per row (2 unpipelined) of 2 x [40][32] tf32, and 1024 bytes to align the
-    start."""
-    stage = tiles.rows * WGMMA_KEYS * 128 + 4 * WGMMA_QUERIES * (WGMMA_KEYS + 8)
-    buffers = 3 if tiles.pipeline else 2
-    return tiles.stages * stage + buffers * tiles.rows * 2 * 40 * 128 + 1024
+    """STAGES x (ROWS K tiles [64][32] tf32, ROWS V^T tiles of 2 x [40][32] tf32, a bias
+    tile [128][64 + 8] fp32), and 1024 bytes to align the start."""
+    stage = (tiles.rows * (WGMMA_KEYS * 128 + 2 * 40 * 128)
+             + 4 * WGMMA_QUERIES * (WGMMA_KEYS + 8))
+    return tiles.stages * stage + 1024
 
 
 def attention_wgmma_launch(head_dim: int = 32, tiles: WgmmaTiles | None = None
                            ) -> AttentionLaunch:
-    """The TF32 attention on wgmma (attention_tf32_wgmma; reads k and v as attention_tf32
-    does, KV_TF32)."""
+    """The TF32 attention on wgmma (attention_tf32_wgmma), reading k as attention_tf32
+    does and v as V^T tiles (KV_TF32_VT)."""
     if head_dim not in WGMMA_HEAD_DIMS:
         raise ValueError(f"the wgmma attention takes head dims {WGMMA_HEAD_DIMS}; got {head_dim}")
     t = tiles or attention_wgmma_tiles()
     config = KernelConfig("attention_wgmma.cu", (
         ("HEAD_DIM", head_dim), ("ROWS", t.rows), ("STAGES", t.stages),
-        ("MIN_BLOCKS", t.min_blocks), ("PIPELINE", t.pipeline), ("BIAS_AFTER", t.bias_after),
-        ("PINGPONG", t.pingpong)),
-        WGMMA_ARCH)
+        ("MIN_BLOCKS", t.min_blocks), ("PINGPONG", t.pingpong)), WGMMA_ARCH)
     return AttentionLaunch(config, "attention_tf32_wgmma", WGMMA_QUERIES, t.rows, 256 * t.rows,
-                           attention_wgmma_smem_bytes(t), KV_TF32)
+                           attention_wgmma_smem_bytes(t), KV_TF32_VT)
 
 
 def uses_wgmma(head_dim: int, precision: str, compute_capability: int, n: int) -> bool:
@@ -455,7 +448,7 @@ def all_configs(arch: str | None = None):
                for rows in {project_rows(D, total) for total in (1, 1 << 62)}
                for mma, kv, split in ((False, KV_FP32, False), (True, KV_FP32, True),
                                       (True, KV_TF32, False), (True, KV_BF16, False),
-                                      (True, KV_FP32, False))}
+                                      (True, KV_FP32, False), (True, KV_TF32_VT, False))}
     configs.update(attention_config(d) for d in supported_head_dims())
     configs.update(attention_mma_config(d, v, attention_mma_tiles(d, v, n, cc))
                    for v in ATTENTION_MMA_VARIANTS for d in attention_mma_head_dims(v)

@@ -247,10 +247,16 @@ class Plan:
         # whole tiles).
         self.npk = -(-N // _configs.BIAS_KEY_ALIGN) * _configs.BIAS_KEY_ALIGN
         self.qkvg_shape, self.bias_shape = (M, 4 * D), (B, H, N, self.npk)
-        # Both scratch arrays in one pool allocation, the bias after qkvg (M * 16D bytes:
-        # a multiple of 64, so the bias starts 16-byte aligned for its tile copies).
+        # The scratch arrays in one pool allocation, the bias after qkvg (M * 16D bytes: a
+        # multiple of 64, so the bias starts 16-byte aligned for its tile copies).
         self.qkvg_bytes = M * 4 * D * 4
-        self.scratch_bytes = self.qkvg_bytes + B * H * N * self.npk * 4
+        self.bias_bytes = B * H * N * self.npk * 4
+        # The wgmma attention reads v as V^T tiles of 8 KiB per (b, i, head) and 64 keys,
+        # which the projection writes after the bias (KV_TF32_VT; a multiple of 256 bytes
+        # from the start: 16-byte aligned for the tile copies).
+        self.vt_bytes = (B * N * H * (self.npk // 64) * 8192
+                         if self.kv_format == _configs.KV_TF32_VT else 0)
+        self.scratch_bytes = self.qkvg_bytes + self.bias_bytes + self.vt_bytes
 
         sb, si, sj, sc = strides if len(strides) == 4 else (0, *strides)
         x_vec = int(sc == 1 and all(s % 4 == 0 for s in (sb, si, sj)) and aligned)
@@ -267,8 +273,8 @@ class Plan:
              _pointer(dw.projection_weight("qkvg", self.weight_layout).data.ptr),
              _pointer(dw.b_qkvg.data.ptr), _pointer(dw.w_bias.data.ptr), None,
              *_mask_args(mask_meta),
-             None, None, _i32(self.npk)),
-            ((0, "pair"), (17, "mask"), (22, "qkvg"), (23, "bias")))
+             None, None, _i32(self.npk), None),
+            ((0, "pair"), (17, "mask"), (22, "qkvg"), (23, "bias"), (25, "vt")))
         self.attention = self.attention_launch(self.attention_kernel, nan_fully_masked)
         out_rows = _configs.out_project_rows()
         self.out_project = _Launch(
@@ -287,10 +293,13 @@ class Plan:
             raise ValueError(f"launch {k.name} reads k and v in format {k.kv_format}, but "
                              f"this forward's projection stores format {self.kv_format}; "
                              f"build the Forward with attention=that launch")
+        args = (None, None, _i32(self.B), _i32(self.N), _i32(self.H), _i32(self.npk),
+                _i32(nan_fully_masked))
+        slots = ((0, "qkvg"), (1, "bias"))
+        if k.kv_format == _configs.KV_TF32_VT:  # and v from the V^T tiles
+            args, slots = args + (None,), slots + ((7, "vt"),)
         return _Launch(k.config, k.name, k.blocks(self.B, self.N, self.H), k.threads, k.smem,
-                       (None, None, _i32(self.B), _i32(self.N), _i32(self.H),
-                        _i32(self.npk), _i32(nan_fully_masked)),
-                       ((0, "qkvg"), (1, "bias")))
+                       args, slots)
 
     @property
     def weight_layout(self) -> str:
@@ -364,11 +373,13 @@ class Forward:
             self.B, self.N, self.D, self.H, self.d = plan.B, plan.N, plan.D, plan.H, plan.d
             self.M, self.npk, self.kv_format = plan.M, plan.npk, plan.kv_format
             self.out = cupy.empty(pair.shape, np.float32) if out is None else out
-            self._scratch = cupy.cuda.alloc(plan.scratch_bytes)  # qkvg, then the bias
+            self._scratch = cupy.cuda.alloc(plan.scratch_bytes)  # qkvg, the bias, V^T
         scratch = self._scratch.ptr
         self._pointers = {"pair": _pointer(pair.data.ptr),
                           "mask": _pointer(0 if mask is None else mask.data.ptr),
                           "qkvg": _pointer(scratch), "bias": _pointer(scratch + plan.qkvg_bytes),
+                          "vt": _pointer(scratch + plan.qkvg_bytes + plan.bias_bytes
+                                         if plan.vt_bytes else 0),
                           "out": _pointer(self.out.data.ptr)}
 
     @property
