@@ -33,13 +33,14 @@
 //   ROWS x K tile [BK][32] tf32 (8 KiB)
 //   ROWS x V^T tile: 2 columns of 32 keys, each [d + 8 rows][32 key positions] tf32 (5 KiB;
 //     row d is ones, d + 1 .. d + 7 zeros: written once, never copied over)
-//   the bias tile [BQ][BK + 8] fp32
+//   the bias tile [BQ][BK + 8] fp16 (KV_FORMAT 3 holds the bias in fp16: TF32's mantissa,
+//     half the bytes of the largest copy)
 // copied STAGES - 1 tiles ahead (cp.async); one barrier per tile.
 //
 // Launch: grid ceil(N/BQ) * H * B * ceil(N/ROWS), flattened, query tile fastest; block
 // THREADS = 256 ROWS; dynamic shared memory SMEM_BYTES (triattn_cupy/_configs.py mirrors
 // it). Pointers: qkvg [B*N*N, 4D] with q fp32 and k rounded to TF32 (KV_FORMAT 3), o
-// written over q; bias [B, H, N, NPK], NPK a multiple of BK, -inf on the padded keys; vt
+// written over q; bias [B, H, N, NPK] fp16, NPK a multiple of BK, -inf on the padded keys; vt
 // the V^T tiles (KV_FORMAT 3: [B, N, H, NPK / 64] tiles of 8 KiB, zero past key N).
 #include "common.cuh"
 #include "wgmma.cuh"
@@ -80,8 +81,8 @@
 #define VT_COLUMN (ON * 128)              // one 32-key column of V^T
 #define VT_TILE ((BK / 32) * VT_COLUMN)
 #define VT_COPIED (BK / 32 * HEAD_DIM * 128)  // bytes of a V^T tile the projection wrote
-#define BSTR (BK + 8)                     // words per bias row (conflict-free float2 reads)
-#define BIAS_TILE (BQ * BSTR * 4)         // bytes
+#define BSTR (BK + 8)                     // fp16 per bias row (36 words: conflict-free reads)
+#define BIAS_TILE (BQ * BSTR * 2)         // bytes
 #define VT_OFFSET (ROWS * K_TILE)         // in a stage
 #define BIAS_OFFSET (ROWS * (K_TILE + VT_TILE))
 #define STAGE_BYTES (BIAS_OFFSET + BIAS_TILE)
@@ -97,8 +98,16 @@
 
 #define TF32_ONE 0x3f800000u
 
+// Two fp16 (low half first) as floats.
+__device__ __forceinline__ float2 half2_to_float2(u32 w) {
+    float lo, hi;
+    asm("{\n.reg .f16 l, h;\nmov.b32 {l, h}, %2;\ncvt.f32.f16 %0, l;\ncvt.f32.f16 %1, h;\n}"
+        : "=f"(lo), "=f"(hi) : "r"(w));
+    return make_float2(lo, hi);
+}
+
 extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
-attention_tf32_wgmma(float* qkvg, const float* __restrict__ bias, int B, int N, int H,
+attention_tf32_wgmma(float* qkvg, const unsigned short* __restrict__ bias, int B, int N, int H,
                      int npk, int nan_fully_masked, const float* __restrict__ vt) {
     extern __shared__ float4 smem4[];
     const u32 raw_s = smem_addr(smem4);
@@ -130,17 +139,17 @@ attention_tf32_wgmma(float* qkvg, const float* __restrict__ bias, int B, int N, 
 
     // ---- the bias tile of the block's BQ queries, shared by its rows (attention_mma.cu) ----
     const char* const bias_bh = reinterpret_cast<const char*>(bias + ((i64)b * H + head) * N * npk);
-#define RSTEP (THREADS / (BK / 4))
-    const int copy_col = 4 * (tid % (BK / 4)), copy_row = tid / (BK / 4);
+#define RSTEP (THREADS / (BK / 8))        // rows between a thread's 16-byte (8-key) copies
+    const int copy_col = 8 * (tid % (BK / 8)), copy_row = tid / (BK / 8);
     const int copy_q = qtile * BQ + copy_row;
-    // Byte offsets within bias[b, head] (N * npk floats: far below 2^32 bytes).
-    const u32 bias_src = 4 * ((u32)copy_q * npk + copy_col), bias_rstep = 4 * RSTEP * npk;
-    const u32 bias_dst = 4 * (copy_row * BSTR + copy_col);
+    // Byte offsets within bias[b, head] (N * npk fp16: far below 2^32 bytes).
+    const u32 bias_src = 2 * ((u32)copy_q * npk + copy_col), bias_rstep = 2 * RSTEP * npk;
+    const u32 bias_dst = 2 * (copy_row * BSTR + copy_col);
     auto copy_bias = [&](int k0, u32 tile) {
-        const char* const src = opaque(bias_bh + bias_src + 4 * k0);
+        const char* const src = opaque(bias_bh + bias_src + 2 * k0);
 #pragma unroll
         for (int it = 0; it < BQ / RSTEP; ++it)
-            cp_async16_or_zero(tile + bias_dst + 4 * it * RSTEP * BSTR, src + it * bias_rstep,
+            cp_async16_or_zero(tile + bias_dst + 2 * it * RSTEP * BSTR, src + it * bias_rstep,
                                copy_q + it * RSTEP < N);
     };
 
@@ -237,14 +246,15 @@ attention_tf32_wgmma(float* qkvg, const float* __restrict__ bias, int B, int N, 
 
     // S = bias + Q K^T of the tile in ring stage `stage`, issued (not waited for): S starts
     // as the bias tile and the products accumulate onto it (as attention_tf32).
-    const float* const bias_base = reinterpret_cast<const float*>(smem + BIAS_OFFSET)
-                                   + (q_in_tile + g) * BSTR + 2 * t;
+    // This lane's bias pairs (rows g, g + 8; keys 8n + 2t, + 1) as fp16 pairs, widened.
+    const u32* const bias_base = reinterpret_cast<const u32*>(smem + BIAS_OFFSET)
+                                 + ((q_in_tile + g) * BSTR + 2 * t) / 2;
     auto issue_s = [&](float (&s)[4 * NT], int stage) {
-        const float* const bias_tile = bias_base + stage * (STAGE_BYTES / 4);
+        const u32* const bias_tile = bias_base + stage * (STAGE_BYTES / 4);
 #pragma unroll
         for (int n = 0; n < NT; ++n) {
-            const float2 x0 = *reinterpret_cast<const float2*>(bias_tile + 8 * n);
-            const float2 x1 = *reinterpret_cast<const float2*>(bias_tile + 8 * BSTR + 8 * n);
+            const float2 x0 = half2_to_float2(bias_tile[4 * n]);
+            const float2 x1 = half2_to_float2(bias_tile[4 * n + 4 * BSTR]);
             s[4 * n] = x0.x, s[4 * n + 1] = x0.y, s[4 * n + 2] = x1.x, s[4 * n + 3] = x1.y;
         }
         const u64 k_desc = sw128_desc(smem_s + stage * STAGE_BYTES + rw * K_TILE);

@@ -47,17 +47,6 @@ __device__ __forceinline__ bool mask_keeps(const void* mask, int kind, i64 off) 
     }
 }
 
-// One pair-bias value: brow[j] = log2(e) * dot, or -inf where the mask drops (b, i, j);
-// brow = &bias[b, head, i, 0]. The key axis is padded to a whole number of attention
-// tiles (npk); -inf there makes the padded keys weigh exactly 0, so the attention kernel
-// needs no bounds test.
-__device__ __forceinline__ void store_pair_bias(float* __restrict__ brow, i64 j, int N, int npk,
-                                                bool keep, float dot) {
-    brow[j] = keep ? dot * LOG2E_F : neg_inf();
-    if (j == N - 1)
-        for (int jj = N; jj < npk; ++jj) brow[jj] = neg_inf();
-}
-
 // Whether the fp32 parts (gate, LayerNorm's 1/sigma) are exact to ~1 ulp, as PyTorch's,
 // or fast (MUFU approximations, ~2^-22 relative). The fp32 mode needs them exact: the fast
 // sigmoid alone adds ~1.4e-7 to the output's error (NumPy emulation), about PyTorch's
@@ -139,7 +128,8 @@ __device__ __forceinline__ void store_pairs(Tile& acc, float* base, const int (&
 //   bf16 adds ~1e-3 to the mode's error (benchmarks/NOTES.md).
 // 3 as 1, but v not in qkvg ([2D, 3D) unused): transposed, into vt (attention_tf32_wgmma,
 //   whose tensor cores read V only as V^T; head dim 32), laid out as that kernel's shared
-//   memory holds it, so that it copies V^T tiles straight (store_vt below).
+//   memory holds it, so that it copies V^T tiles straight (store_vt below); and the pair
+//   bias in fp16 (bias_t).
 #ifndef KV_FORMAT
 #define KV_FORMAT 0
 #endif
@@ -153,6 +143,34 @@ struct VtTarget {
     i64 m0;
     int N, H, npk;
 };
+// The pair bias's element type: fp32, or fp16 for KV_FORMAT 3 (see there): fp16 has
+// TF32's 10-bit mantissa (the TF32 mode's products round to it anyway), half the bytes of
+// a bias tile, the largest part of what the wgmma attention copies. Finite values beyond
+// fp16's range saturate to +-65504 (2^-65504 is 0 in any softmax), -inf and NaN stay.
+#if KV_FORMAT == 3
+typedef unsigned short bias_t;  // fp16 bits
+__device__ __forceinline__ bias_t to_bias(float x) {
+    x = x > 65504.f ? 65504.f : x < -65504.f && x != neg_inf() ? -65504.f : x;
+    unsigned short h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(x));
+    return h;
+}
+#else
+typedef float bias_t;
+__device__ __forceinline__ bias_t to_bias(float x) { return x; }
+#endif
+
+// One pair-bias value: brow[j] = log2(e) * dot, or -inf where the mask drops (b, i, j);
+// brow = &bias[b, head, i, 0]. The key axis is padded to a whole number of attention
+// tiles (npk); -inf there makes the padded keys weigh exactly 0, so the attention kernel
+// needs no bounds test.
+__device__ __forceinline__ void store_pair_bias(bias_t* __restrict__ brow, i64 j, int N, int npk,
+                                                bool keep, float dot) {
+    brow[j] = to_bias(keep ? dot * LOG2E_F : neg_inf());
+    if (j == N - 1)
+        for (int jj = N; jj < npk; ++jj) brow[jj] = to_bias(neg_inf());
+}
+
 #define Q_WORD(D) (KV_FORMAT == 2 ? 2 * (D) : 0)
 #define GATE_WORD(D) (KV_FORMAT == 2 ? 5 * (D) / 2 : 3 * (D))
 

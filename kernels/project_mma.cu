@@ -38,8 +38,9 @@
 //   W     [NO, D] row-major (NO = 4D, or D for out_proj), rounded to TF32 unless SPLIT
 //   mask  [B, N, N] at b*mb + i*mi + j*mj elements, of the type named by mask_kind
 //         (MASK_* in project_epilogue.cuh), or null
-//   qkvg  [M, 4D]; bias [B, H, N, NPK]; out [M, D] contiguous; vt: V^T tiles where
-//         KV_FORMAT is 3 (project_epilogue.cuh; [B, N, H, NPK / 64] x 8 KiB), else unused.
+//   qkvg  [M, 4D]; bias [B, H, N, NPK] (fp16 where KV_FORMAT is 3); out [M, D]
+//         contiguous; vt: V^T tiles where KV_FORMAT is 3 (project_epilogue.cuh; [B, N, H,
+//         NPK / 64] x 8 KiB), else unused.
 #include "common.cuh"
 #include "mma.cuh"
 
@@ -298,7 +299,7 @@ __device__ __forceinline__ void project_columns(const float* As, int astr, const
 __device__ __noinline__ void pair_bias(const float* As, int astr, const float* __restrict__ Wb,
                                           int D, int dpad, int H, i64 m0, i64 M, int N,
                                           const void* __restrict__ mask, int mask_kind,
-                                          i64 mb, i64 mi, i64 mj, float* __restrict__ bias,
+                                          i64 mb, i64 mi, i64 mj, bias_t* __restrict__ bias,
                                           int npk) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
     const i64 NN = (i64)N * N;
@@ -307,7 +308,7 @@ __device__ __noinline__ void pair_bias(const float* As, int astr, const float* _
         // This lane's rows of the C fragment, g and g + 8: where their bias rows start
         // (head 0; a head is N * npk further) and their mask elements, loaded first, in
         // flight during the products.
-        float* brow[2];
+        bias_t* brow[2];
         int j[2];
         bool keep[2], ok[2];
 #pragma unroll
@@ -476,7 +477,8 @@ ln_qkvg_project(const float* __restrict__ x, i64 sb, i64 si, i64 sj, i64 sc, int
     //    global memory, a small array every block reads (L1), rounded here. As per-thread
     //    FFMA dot products, each thread loading all of Wb, it was ~40% of the kernel's
     //    stall samples (the loads waited for one at a time).
-    pair_bias(s.As, astr, Wb, D, dpad, H, m0, M, N, mask, mask_kind, mb, mi, mj, bias, npk);
+    pair_bias(s.As, astr, Wb, D, dpad, H, m0, M, N, mask, mask_kind, mb, mi, mj,
+              reinterpret_cast<bias_t*>(bias), npk);
 
     // 5. q, k, v and gate: every 4D output column of these rows, BN at a time.
     const int rows_here = (int)min((i64)BM, M - m0);

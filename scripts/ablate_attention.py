@@ -22,9 +22,8 @@ PATCHES = {  # name -> [(text, replacement)], every occurrence replaced
     "no_exp": [("__float_as_uint(fast_exp2(", "__float_as_uint((")],
     "no_rescale": [("    auto rescale = [&](const float (&s)[4 * NT]) {\n",
                     "    auto rescale = [&](const float (&s)[4 * NT]) {\n        if (!(N < 0)) return;\n")],
-    "no_bias": [("*reinterpret_cast<const float2*>(bias_tile + 8 * n)", "make_float2(0.f, (float)n)"),
-                ("*reinterpret_cast<const float2*>(bias_tile + 8 * BSTR + 8 * n)",
-                 "make_float2((float)n, 0.f)")],
+    "no_bias": [("half2_to_float2(bias_tile[4 * n])", "make_float2(0.f, (float)n)"),
+                ("half2_to_float2(bias_tile[4 * n + 4 * BSTR])", "make_float2((float)n, 0.f)")],
     "no_s": [("for (int kk = 0; kk < DT; ++kk) wgmma_m64n64k8_tf32(",
               f"for (int kk = 0; kk < DT * ({NEVER}); ++kk) wgmma_m64n64k8_tf32(")],
     "no_pv": [("for (int kk = 0; kk < NT; ++kk)\n            wgmma_m64n40k8_tf32(",
@@ -40,7 +39,7 @@ PATCHES = {  # name -> [(text, replacement)], every occurrence replaced
 VARIANTS = {"full": [], **{name: [name] for name in PATCHES},
             "only_products": ["no_exp", "no_rescale", "no_bias", "no_v", "no_copies"],
             "only_softmax": ["no_s", "no_pv", "no_v", "no_copies"]}
-SHAPES = [_configs.attention_wgmma_tiles(), _configs.WgmmaTiles(rows=2, stages=2, min_blocks=1)]
+SHAPES = [_configs.attention_wgmma_tiles(), _configs.WgmmaTiles(rows=1, stages=3, min_blocks=2)]
 
 
 def use_variant(parts):

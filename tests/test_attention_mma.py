@@ -136,7 +136,7 @@ WGMMA_TILES = [_configs.attention_wgmma_tiles(),
                _configs.WgmmaTiles(rows=1, stages=2, min_blocks=2, pingpong=1),
                _configs.WgmmaTiles(rows=2, stages=2, min_blocks=1, pingpong=1),
                _configs.WgmmaTiles(rows=2, stages=3, min_blocks=1),
-               _configs.WgmmaTiles(rows=1, stages=3, min_blocks=1)]
+               _configs.WgmmaTiles(rows=1, stages=3, min_blocks=2)]
 
 
 def _needs_sm_90(cp):

@@ -115,8 +115,9 @@ def project_pad(pair_dim: int) -> int:
 
 
 # How the projection stores k and v (project_epilogue.cuh KV_FORMAT): as computed (fp32),
-# rounded to TF32, packed bf16, or TF32 with v transposed into tiles of its own (the wgmma
-# attention's); the attention kernel that reads them names its format.
+# rounded to TF32, packed bf16, or TF32 with v transposed into tiles of its own and the
+# pair bias in fp16 (the wgmma attention's); the attention kernel that reads them names
+# its format.
 KV_FP32, KV_TF32, KV_BF16, KV_TF32_VT = 0, 1, 2, 3
 
 
@@ -387,9 +388,9 @@ def attention_wgmma_tiles() -> WgmmaTiles:
 
 def attention_wgmma_smem_bytes(tiles: WgmmaTiles) -> int:
     """STAGES x (ROWS K tiles [64][32] tf32, ROWS V^T tiles of 2 x [40][32] tf32, a bias
-    tile [128][64 + 8] fp32), and 1024 bytes to align the start."""
+    tile [128][64 + 8] fp16), and 1024 bytes to align the start."""
     stage = (tiles.rows * (WGMMA_KEYS * 128 + 2 * 40 * 128)
-             + 4 * WGMMA_QUERIES * (WGMMA_KEYS + 8))
+             + 2 * WGMMA_QUERIES * (WGMMA_KEYS + 8))
     return tiles.stages * stage + 1024
 
 

@@ -250,7 +250,9 @@ class Plan:
         # The scratch arrays in one pool allocation, the bias after qkvg (M * 16D bytes: a
         # multiple of 64, so the bias starts 16-byte aligned for its tile copies).
         self.qkvg_bytes = M * 4 * D * 4
-        self.bias_bytes = B * H * N * self.npk * 4
+        # The bias in fp32, or fp16 for the wgmma attention (KV_TF32_VT).
+        self.bias_dtype = np.float16 if self.kv_format == _configs.KV_TF32_VT else np.float32
+        self.bias_bytes = B * H * N * self.npk * np.dtype(self.bias_dtype).itemsize
         # The wgmma attention reads v as V^T tiles of 8 KiB per (b, i, head) and 64 keys,
         # which the projection writes after the bias (KV_TF32_VT; a multiple of 256 bytes
         # from the start: 16-byte aligned for the tile copies).
@@ -389,8 +391,9 @@ class Forward:
 
     @property
     def bias(self):
-        """The pair bias [B, H, N, NPK] float32 (log2 e units, -inf where masked)."""
-        return _cupy().ndarray(self.plan.bias_shape, np.float32,
+        """The pair bias [B, H, N, NPK] (log2 e units, -inf where masked): float32, or
+        float16 for the wgmma attention."""
+        return _cupy().ndarray(self.plan.bias_shape, self.plan.bias_dtype,
                                memptr=self._scratch + self.plan.qkvg_bytes)
 
     # -- stages --------------------------------------------------------------------
