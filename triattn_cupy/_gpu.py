@@ -7,14 +7,16 @@ Stages (one launch each):
              (project.cu)
   attention  flash-style softmax attention, o written over q: tensor cores for head dims
              that are multiples of 8 on sm_80+ (attention_mma.cu: 3xTF32 for "fp32",
-             TF32, bf16), else FFMA fp32 (attention.cu)
+             TF32, bf16; "tf32" at head dim 32 and N > 128 on compute capability 9.0:
+             attention_wgmma.cu), else FFMA fp32 (attention.cu)
   out        (g * o) Wo^T + bo, products as in project  (project.cu / project_mma.cu)
-Scratch: qkvg [M, 4D] and bias [B, h, N, NPK] float32, one allocation from CuPy's memory
-pool per call. Everything a call launches besides its pointers is worked out once per
-module and input geometry (Plan): at small sizes the caller waits on host time. The
-tf32 and bf16 attention kernels read k and v in their tensor-core form, which the
-projection writes for them (rounded to TF32, or packed bf16 in the k columns: half the
-bytes; in bf16 mode q and the gate are packed bf16 too); see _configs.KV_* and
+Scratch: qkvg [M, 4D] and bias [B, h, N, NPK] float32 (the wgmma attention: the bias in
+float16, and V^T tiles after it), one allocation from CuPy's memory pool per call.
+Everything a call launches besides its pointers is worked out once per module and input
+geometry (Plan): at small sizes the caller waits on host time. The tf32 and bf16
+attention kernels read k and v in their tensor-core form, which the projection writes for
+them (rounded to TF32, or packed bf16 in the k columns: half the bytes; in bf16 mode q
+and the gate are packed bf16 too; V transposed for wgmma); see _configs.KV_* and
 kernels/project_epilogue.cuh.
 """
 from __future__ import annotations
