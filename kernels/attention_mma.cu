@@ -66,7 +66,7 @@
 // attention_tf32; for attention_bf16 the columns [D, 2D) hold them packed as 2D bf16
 // values, k at bf16 index h*d and v at D + h*d from column D, and q packed from column 2D
 // (bf16 index h*d; project_epilogue.cuh KV_FORMAT 2), o still fp32 over [0, D).
-// bias [B, H, N, NPK], NPK a multiple of BK (whole tiles are copied), -inf on the padded
+// bias [B, H, N, NPK] (fp16 for attention_bf16), NPK a multiple of BK (whole tiles are copied), -inf on the padded
 // keys [N, NPK).
 #include "common.cuh"
 #include "mma.cuh"
@@ -121,7 +121,7 @@
 #if WARPS % ROWS != 0
 #error "attention_mma.cu: ROWS must divide the 8 warps"
 #endif
-#if (BQ * BK / 4) % THREADS != 0
+#if (BQ * BK / (BF16 ? 8 : 4)) % THREADS != 0
 #error "attention_mma.cu: the bias tile must be a whole number of 16-byte copies per thread"
 #endif
 #if DIRECT && STAGES < 2
@@ -157,16 +157,25 @@ typedef u32 elem_t;  // tf32 bits
 #define ELEM_BYTES ((int)sizeof(elem_t))
 #define PARTS (SPLIT ? 2 : 1)
 #define ROW_ELEMS (PARTS * (K_ELEMS + V_ELEMS))
-// Bias tiles [BQ][BSTR] fp32, after the rows' K/V.
+// Bias tiles [BQ][BSTR] fp32, or fp16 in bf16 mode (the projection holds the bias in fp16
+// there, KV_FORMAT 2: half the bytes of the largest copy, at 11 bits of precision where
+// the bf16 products have 8), after the rows' K/V.
+#if BF16
+typedef unsigned short bias_elem;  // fp16 bits
+#else
+typedef float bias_elem;
+#endif
 #define BSTR (BK + 8)
 #define BIAS_TILE (BQ * BSTR)
+#define BIAS_BYTES ((int)sizeof(bias_elem))
+#define BIAS_CHUNK (16 / BIAS_BYTES)  // elements per 16-byte copy
 // Shared memory: DIRECT: STAGES x (ROWS rows' K/V, one bias tile); staged: the rows' K/V,
 // then two bias tiles. Every part is a multiple of 16 bytes.
 #if DIRECT
-#define STAGE_BYTES (ROWS * ROW_ELEMS * ELEM_BYTES + 4 * BIAS_TILE)
+#define STAGE_BYTES (ROWS * ROW_ELEMS * ELEM_BYTES + BIAS_BYTES * BIAS_TILE)
 #define SMEM_BYTES (STAGES * STAGE_BYTES)
 #else
-#define SMEM_BYTES (ROWS * ROW_ELEMS * ELEM_BYTES + 2 * 4 * BIAS_TILE)
+#define SMEM_BYTES (ROWS * ROW_ELEMS * ELEM_BYTES + 2 * BIAS_BYTES * BIAS_TILE)
 #endif
 
 // 3xTF32: split the query fragments once (2 * MT * d/2 registers) when that is small,
@@ -196,7 +205,7 @@ typedef u32 elem_t;  // tf32 bits
 #endif
 
 extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
-ENTRY(float* qkvg, const float* __restrict__ bias, int B, int N, int H, int npk,
+ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int npk,
       int nan_fully_masked) {
     extern __shared__ float4 smem4[];
     char* const smem = reinterpret_cast<char*>(smem4);
@@ -228,20 +237,21 @@ ENTRY(float* qkvg, const float* __restrict__ bias, int B, int N, int H, int npk,
 
     // The bias tile of this block's BQ queries and BK keys, copied with cp.async ahead of
     // its use and read by the warps of all ROWS rows.
-    const float* const bias_bh = bias + ((i64)b * H + head) * N * npk;
-    // Thread tid copies 16 bytes at column 4 (tid % (BK/4)) of rows tid / (BK/4) + it * RSTEP.
-#define RSTEP (THREADS / (BK / 4))
-    const int copy_col = 4 * (tid % (BK / 4)), copy_row = tid / (BK / 4);
+    const bias_elem* const bias_bh = bias + ((i64)b * H + head) * N * npk;
+    // Thread tid copies 16 bytes at column BIAS_CHUNK (tid % (BK / BIAS_CHUNK)) of rows
+    // tid / (BK / BIAS_CHUNK) + it * RSTEP.
+#define RSTEP (THREADS / (BK / BIAS_CHUNK))
+    const int copy_col = BIAS_CHUNK * (tid % (BK / BIAS_CHUNK)), copy_row = tid / (BK / BIAS_CHUNK);
     const int copy_q = qtile * BQ + copy_row;
-    const float* const bias_src = bias_bh + (i64)copy_q * npk + copy_col;  // at key 0
-    const u32 bias_dst = 4 * (copy_row * BSTR + copy_col);  // in a bias tile
+    const bias_elem* const bias_src = bias_bh + (i64)copy_q * npk + copy_col;  // at key 0
+    const u32 bias_dst = BIAS_BYTES * (copy_row * BSTR + copy_col);  // in a bias tile
     auto copy_bias = [&](int k0, u32 tile) {  // tile: shared address; not committed here
         // opaque: the addresses are formed here, per tile, not hoisted out of the key loop
         // as BQ / RSTEP live registers.
-        const float* const src = opaque(bias_src + k0);
+        const bias_elem* const src = opaque(bias_src + k0);
 #pragma unroll
         for (int it = 0; it < BQ / RSTEP; ++it)  // queries past N: zeros, never written
-            cp_async16_or_zero(tile + bias_dst + 4 * it * RSTEP * BSTR,
+            cp_async16_or_zero(tile + bias_dst + BIAS_BYTES * it * RSTEP * BSTR,
                                src + (i64)(it * RSTEP) * npk, copy_q + it * RSTEP < N);
     };
     const int bias_row = (warp % ROW_WARPS) * 16 * MT + g;  // + 16 mt + 8 r: this lane's rows
@@ -334,22 +344,28 @@ ENTRY(float* qkvg, const float* __restrict__ bias, int B, int N, int H, int npk,
 
     // One key tile: S = bias + Q K^T, the online softmax, O += P V. `kv` is the stage (or
     // the staged buffer) holding the rows' K and V, `bias_tile` its bias tile.
-    auto process = [&](const char* kv, const float* bias_tile_base) {
+    auto process = [&](const char* kv, const bias_elem* bias_tile_base) {
         // S = the bias (-inf where masked and on the padded keys [N, NPK)) + Q K^T. TF32 and
         // bf16: the products accumulate onto the bias. 3xTF32: onto zero, and the bias is
         // added after them in fp32 (add_bias): the tensor cores' accumulation does not
         // round to nearest, and its error is relative to the accumulator, which the bias
-        // would make larger. Rows 8 bytes apart in a lane pair, BSTR = 8 mod 32 words:
-        // each half-warp's float2 reads hit 32 distinct banks.
+        // would make larger. fp32: rows 8 bytes apart in a lane pair, BSTR = 8 mod 32
+        // words: each half-warp's float2 reads hit 32 distinct banks; fp16: rows of BSTR / 2
+        // = 4 (mod 8) words, a lane's pair one word: the warp's 32 words on 32 banks.
         float s[MT][NT][4];
-        const float* const bias_tile = bias_tile_base + bias_row * BSTR + 2 * t;
+        const bias_elem* const bias_tile = bias_tile_base + bias_row * BSTR + 2 * t;
         auto add_bias = [&](bool onto) {  // s = bias, or s += bias
 #pragma unroll
             for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
                 for (int n = 0; n < NT; ++n) {
+#if BF16
+                    const float2 x0 = half2_to_float2(*reinterpret_cast<const u32*>(bias_tile + 16 * mt * BSTR + 8 * n));
+                    const float2 x1 = half2_to_float2(*reinterpret_cast<const u32*>(bias_tile + (16 * mt + 8) * BSTR + 8 * n));
+#else
                     const float2 x0 = *reinterpret_cast<const float2*>(bias_tile + 16 * mt * BSTR + 8 * n);
                     const float2 x1 = *reinterpret_cast<const float2*>(bias_tile + (16 * mt + 8) * BSTR + 8 * n);
+#endif
                     const float b[4] = {x0.x, x0.y, x1.x, x1.y};
 #pragma unroll
                     for (int e = 0; e < 4; ++e) s[mt][n][e] = onto ? s[mt][n][e] + b[e] : b[e];
@@ -674,12 +690,12 @@ ENTRY(float* qkvg, const float* __restrict__ bias, int B, int N, int H, int npk,
         // The stage freed by the last tile takes the tile STAGES - 1 ahead.
         issue(k0 + (STAGES - 1) * BK, stage == 0 ? STAGES - 1 : stage - 1);
         const char* const st = smem + stage * STAGE_BYTES;
-        process(st, reinterpret_cast<const float*>(st + ROWS * ROW_ELEMS * ELEM_BYTES));
+        process(st, reinterpret_cast<const bias_elem*>(st + ROWS * ROW_ELEMS * ELEM_BYTES));
         stage = stage == STAGES - 1 ? 0 : stage + 1;
     }
 #else
     // ---- staged: key/value tiles global -> registers (one tile ahead) -> shared memory ----
-    float* const bias_tiles = reinterpret_cast<float*>(smem + ROWS * ROW_ELEMS * ELEM_BYTES);
+    bias_elem* const bias_tiles = reinterpret_cast<bias_elem*>(smem + ROWS * ROW_ELEMS * ELEM_BYTES);
     const u32 bias_tiles_s = smem_s + ROWS * ROW_ELEMS * ELEM_BYTES;
     float4 kv[LOADS_PER_THREAD][4];  // k dims 0..3, k dims 4..7, v dims 0..3, v dims 4..7
     auto fetch = [&](int k0) {
@@ -742,7 +758,7 @@ ENTRY(float* qkvg, const float* __restrict__ bias, int B, int N, int H, int npk,
         __syncthreads();  // every warp is done with the previous tile (and bias buffer)
         store();
         if (more) {
-            copy_bias(k0 + BK, bias_tiles_s + 4 * ((tile + 1) & 1) * BIAS_TILE);
+            copy_bias(k0 + BK, bias_tiles_s + BIAS_BYTES * ((tile + 1) & 1) * BIAS_TILE);
             cp_async_commit();
         }
         if (more) cp_async_wait<1>(); else cp_async_wait<0>();  // this tile's bias landed

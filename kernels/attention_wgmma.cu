@@ -98,14 +98,6 @@
 
 #define TF32_ONE 0x3f800000u
 
-// Two fp16 (low half first) as floats.
-__device__ __forceinline__ float2 half2_to_float2(u32 w) {
-    float lo, hi;
-    asm("{\n.reg .f16 l, h;\nmov.b32 {l, h}, %2;\ncvt.f32.f16 %0, l;\ncvt.f32.f16 %1, h;\n}"
-        : "=f"(lo), "=f"(hi) : "r"(w));
-    return make_float2(lo, hi);
-}
-
 extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
 attention_tf32_wgmma(float* qkvg, const unsigned short* __restrict__ bias, int B, int N, int H,
                      int npk, int nan_fully_masked, const float* __restrict__ vt) {

@@ -56,6 +56,14 @@ __device__ __forceinline__ void mma_bf16(float (&d)[4], u32 a0, u32 a1, u32 a2, 
         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
+// Two fp16 (low half first) as floats: the pair bias where it is held in fp16.
+__device__ __forceinline__ float2 half2_to_float2(u32 w) {
+    float lo, hi;
+    asm("{\n.reg .f16 l, h;\nmov.b32 {l, h}, %2;\ncvt.f32.f16 %0, l;\ncvt.f32.f16 %1, h;\n}"
+        : "=f"(lo), "=f"(hi) : "r"(w));
+    return make_float2(lo, hi);
+}
+
 __device__ __forceinline__ float2 ld2(const float* p) {
     return __ldg(reinterpret_cast<const float2*>(p));
 }

@@ -125,7 +125,7 @@ __device__ __forceinline__ void store_pairs(Tile& acc, float* base, const int (&
 // 2 packed bf16 (attention_bf16; half the bytes): bf16 index c from word D holds k column
 //   c for c < D and v column c - D after it; q from word 2D (Q_WORD), the gate from word
 //   5D/2 (GATE_WORD); [3D, 4D) unused. The attention rounds q to bf16 anyway; the gate in
-//   bf16 adds ~1e-3 to the mode's error (benchmarks/NOTES.md).
+//   bf16 adds ~1e-3 to the mode's error (benchmarks/NOTES.md). The pair bias in fp16.
 // 3 as 1, but v not in qkvg ([2D, 3D) unused): transposed, into vt (attention_tf32_wgmma,
 //   whose tensor cores read V only as V^T; head dim 32), laid out as that kernel's shared
 //   memory holds it, so that it copies V^T tiles straight (store_vt below); and the pair
@@ -143,11 +143,12 @@ struct VtTarget {
     i64 m0;
     int N, H, npk;
 };
-// The pair bias's element type: fp32, or fp16 for KV_FORMAT 3 (see there): fp16 has
-// TF32's 10-bit mantissa (the TF32 mode's products round to it anyway), half the bytes of
-// a bias tile, the largest part of what the wgmma attention copies. Finite values beyond
-// fp16's range saturate to +-65504 (2^-65504 is 0 in any softmax), -inf and NaN stay.
-#if KV_FORMAT == 3
+// The pair bias's element type: fp32, or fp16 for KV_FORMAT 2 and 3 (the bf16 and the
+// wgmma TF32 attention): fp16 has TF32's 10-bit mantissa (the TF32 mode's products round
+// to it anyway; bf16's have 7), at half the bytes of a bias tile, the largest part of what
+// those kernels copy. Finite values beyond fp16's range saturate to +-65504 (2^-65504 is 0
+// in any softmax), -inf and NaN stay.
+#if KV_FORMAT == 2 || KV_FORMAT == 3
 typedef unsigned short bias_t;  // fp16 bits
 __device__ __forceinline__ bias_t to_bias(float x) {
     x = x > 65504.f ? 65504.f : x < -65504.f && x != neg_inf() ? -65504.f : x;

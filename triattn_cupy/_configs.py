@@ -115,9 +115,9 @@ def project_pad(pair_dim: int) -> int:
 
 
 # How the projection stores k and v (project_epilogue.cuh KV_FORMAT): as computed (fp32),
-# rounded to TF32, packed bf16, or TF32 with v transposed into tiles of its own and the
-# pair bias in fp16 (the wgmma attention's); the attention kernel that reads them names
-# its format.
+# rounded to TF32, packed bf16 (with the pair bias in fp16), or TF32 with v transposed
+# into tiles of its own and the pair bias in fp16 (the wgmma attention's); the attention
+# kernel that reads them names its format.
 KV_FP32, KV_TF32, KV_BF16, KV_TF32_VT = 0, 1, 2, 3
 
 
@@ -308,9 +308,9 @@ def attention_mma_smem_bytes(head_dim: int, variant: str, tiles: MmaTiles | None
                              ) -> int:
     """3xTF32: per row K [BK][d+4] and V^T [d][BK+4] tf32 words, hi and lo; then two bias
     tiles [BQ][BK+8] fp32. TF32 / bf16: STAGES x (per row K and V [BK][d+4] words or
-    [BK][d+8] halves, one bias tile)."""
+    [BK][d+8] halves, one bias tile, fp16 in bf16 mode)."""
     t = tiles or attention_mma_tiles(head_dim, variant)
-    bias_tile = 4 * t.queries * (t.bk + 8)
+    bias_tile = (2 if variant == "bf16" else 4) * t.queries * (t.bk + 8)  # fp16 in bf16 mode
     if variant == "tf32x3":
         per_row = 2 * 4 * (t.bk * (head_dim + 4) + head_dim * (t.bk + 4))
         return t.rows * per_row + 2 * bias_tile
@@ -449,7 +449,10 @@ def all_configs(arch: str | None = None):
                for rows in {project_rows(D, total) for total in (1, 1 << 62)}
                for mma, kv, split in ((False, KV_FP32, False), (True, KV_FP32, True),
                                       (True, KV_TF32, False), (True, KV_BF16, False),
-                                      (True, KV_FP32, False), (True, KV_TF32_VT, False))}
+                                      (True, KV_FP32, False))}
+    if 90 in capabilities:  # the projection that writes V^T feeds the sm_90a attention only
+        configs.update(project_config(rows, True, D, KV_TF32_VT) for D in (128, MAX_PAIR_DIM)
+                       for rows in {project_rows(D, total) for total in (1, 1 << 62)})
     configs.update(attention_config(d) for d in supported_head_dims())
     configs.update(attention_mma_config(d, v, attention_mma_tiles(d, v, n, cc))
                    for v in ATTENTION_MMA_VARIANTS for d in attention_mma_head_dims(v)

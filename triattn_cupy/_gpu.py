@@ -10,8 +10,9 @@ Stages (one launch each):
              TF32, bf16; "tf32" at head dim 32 and N > 128 on compute capability 9.0:
              attention_wgmma.cu), else FFMA fp32 (attention.cu)
   out        (g * o) Wo^T + bo, products as in project  (project.cu / project_mma.cu)
-Scratch: qkvg [M, 4D] and bias [B, h, N, NPK] float32 (the wgmma attention: the bias in
-float16, and V^T tiles after it), one allocation from CuPy's memory pool per call.
+Scratch: qkvg [M, 4D] and bias [B, h, N, NPK] float32 (float16 for the bf16 and the wgmma
+attention; the wgmma one adds V^T tiles after it), one allocation from CuPy's memory pool
+per call.
 Everything a call launches besides its pointers is worked out once per module and input
 geometry (Plan): at small sizes the caller waits on host time. The tf32 and bf16
 attention kernels read k and v in their tensor-core form, which the projection writes for
@@ -252,8 +253,9 @@ class Plan:
         # The scratch arrays in one pool allocation, the bias after qkvg (M * 16D bytes: a
         # multiple of 64, so the bias starts 16-byte aligned for its tile copies).
         self.qkvg_bytes = M * 4 * D * 4
-        # The bias in fp32, or fp16 for the wgmma attention (KV_TF32_VT).
-        self.bias_dtype = np.float16 if self.kv_format == _configs.KV_TF32_VT else np.float32
+        # The bias in fp32, or fp16 for the bf16 and the wgmma attention.
+        self.bias_dtype = (np.float16 if self.kv_format in (_configs.KV_BF16, _configs.KV_TF32_VT)
+                           else np.float32)
         self.bias_bytes = B * H * N * self.npk * np.dtype(self.bias_dtype).itemsize
         # The wgmma attention reads v as V^T tiles of 8 KiB per (b, i, head) and 64 keys,
         # which the projection writes after the bias (KV_TF32_VT; a multiple of 256 bytes
@@ -394,7 +396,7 @@ class Forward:
     @property
     def bias(self):
         """The pair bias [B, H, N, NPK] (log2 e units, -inf where masked): float32, or
-        float16 for the wgmma attention."""
+        float16 for the bf16 and the wgmma attention."""
         return _cupy().ndarray(self.plan.bias_shape, self.plan.bias_dtype,
                                memptr=self._scratch + self.plan.qkvg_bytes)
 
