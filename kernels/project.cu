@@ -27,7 +27,7 @@
 //   WT    [D, NO] row-major: the PyTorch weight transposed (NO = 4D, or D for out_proj)
 //   mask  [B, N, N] at b*mb + i*mi + j*mj elements, of the type named by mask_kind
 //         (MASK_* in project_epilogue.cuh; read as is, so the caller converts nothing), or null
-//   qkvg  [M, 4D]; bias [B, H, N, NPK]; out [M, D] contiguous; vt unused (KV_FORMAT 3,
+//   qkvg  [M, 4D]; bias [B, H, N, NPK] (fp16 for KV_FORMAT 2); out [M, D] contiguous; vt unused (KV_FORMAT 3,
 //         project_epilogue.cuh, is written by the tensor-core projection only).
 #include "common.cuh"
 #include "mma.cuh"
@@ -304,7 +304,8 @@ ln_qkvg_project(const float* __restrict__ x, i64 sb, i64 si, i64 sj, i64 sc, int
             part[3] = fmaf(s.As[(k + 3) * ASTR + ml], wk.w, part[3]);
         }
         const float dot = (part[0] + part[1]) + (part[2] + part[3]);
-        store_pair_bias(bias + ((b * H + head) * N + i) * (i64)npk, j, N, npk, keep, dot);
+        store_pair_bias(reinterpret_cast<bias_t*>(bias) + ((b * H + head) * N + i) * (i64)npk,
+                        j, N, npk, keep, dot);
     }
 
     // 6. q, k, v and gate: every 4D output column of these rows, BN at a time.

@@ -250,8 +250,11 @@ __device__ __forceinline__ void store_qkvg(Tile& acc, int n0, const float2 (&cb)
                                            float q_scale, float* block_out, int rows_here,
                                            const VtTarget& vt) {
     const int NO = 4 * D;
-    int col[4], vcol0 = -1;
+    int col[4];
     bool packed[4];
+#if KV_FORMAT == 3
+    int vcol0 = -1;  // the v column of this thread's first pair, where this pass holds v
+#endif
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
         const int n = pair_column(n0, j);
@@ -311,7 +314,6 @@ __device__ __forceinline__ void store_qkvg(Tile& acc, int n0, const float2 (&cb)
     store_vt(acc, vcol0, vt, rows_here);
 #else
     (void)vt;
-    (void)vcol0;
 #endif
 }
 

@@ -447,7 +447,10 @@ def all_configs(arch: str | None = None):
     capabilities = (80, 90) if arch is None else (int(arch.removeprefix("sm_")),)
     configs = {project_config(rows, mma, D, kv, split) for D in (128, MAX_PAIR_DIM)
                for rows in {project_rows(D, total) for total in (1, 1 << 62)}
-               for mma, kv, split in ((False, KV_FP32, False), (True, KV_FP32, True),
+               # FFMA projections with the tensor-core formats: what the GPU tests force
+               # (tests/test_gpu.py test_ffma_projection_of_older_gpus)
+               for mma, kv, split in ((False, KV_FP32, False), (False, KV_TF32, False),
+                                      (False, KV_BF16, False), (True, KV_FP32, True),
                                       (True, KV_TF32, False), (True, KV_BF16, False),
                                       (True, KV_FP32, False))}
     if 90 in capabilities:  # the projection that writes V^T feeds the sm_90a attention only
