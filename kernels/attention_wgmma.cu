@@ -1,6 +1,7 @@
-// The TF32 attention of attention_mma.cu (attention_tf32) on Hopper's warpgroup products
-// (wgmma, sm_90a; wgmma.cuh): the same computation, outputs and edge cases. For every row
-// (b, i), head h and query j (q and bias pre-scaled by log2 e):
+// The TF32 and the fp32-accurate (3xTF32) attention of attention_mma.cu (attention_tf32,
+// attention_tf32x3) on Hopper's warpgroup products (wgmma, sm_90a; wgmma.cuh): the same
+// computation, outputs and edge cases. For every row (b, i), head h and query j (q and
+// bias pre-scaled by log2 e):
 //
 //   s[k]         = q[b,i,j,h] . k[b,i,k,h] + bias[b,h,j,k]    # bias = -inf where masked
 //   o[b,i,j,h]   = sum_k 2^(s[k] - max s) v[b,i,k,h] / sum_k 2^(s[k] - max s)
@@ -22,10 +23,18 @@
 //                                shared memory with a column of ones appended, so the row
 //                                sums l come out of the same product, from the same
 //                                truncated P, as O's numerator (column d of the result).
+// SPLIT (attention_tf32x3_wgmma, the fp32 mode): every operand a = hi + lo, hi =
+// rna_tf32(a), lo = rna_tf32(a - hi) (lo.lo' ~ 2^-22 |a.b| dropped), as attention_mma.cu's
+// PREC 0: Q's split once in registers; K's and V^T's where each thread's own copies land
+// (hi in place, lo into one buffer LO: no extra barrier); P's as it is exponentiated.
+// S = Q_hi K_lo + Q_lo K_hi + Q_hi K_hi (12 wgmma, small terms first) from zero, the fp32
+// bias added after; P V likewise (24 wgmma) into fresh accumulators, PV_GROUPS per tile,
+// each added to O in fp32: the tensor cores' accumulation truncates, so chains of it are
+// kept short (benchmarks/NOTES.md, session 9).
 // tf32 operands must be K-major: K [key][dim] already is (the projection's layout); V
 // must be read as V^T [dim][key], which the projection writes for this kernel, tile by
-// tile, exactly as shared memory holds it (project_epilogue.cuh KV_FORMAT 3): copying it
-// is a straight copy. P's register layout (its A fragment takes S's columns 2t, 2t+1 as
+// tile, exactly as shared memory holds it (project_epilogue.cuh KV_FORMAT 3, or 4 for
+// SPLIT: not rounded): copying it is a straight copy. P's register layout (its A fragment takes S's columns 2t, 2t+1 as
 // A's t, t+4) fixes which key each V^T position holds: within each 8 keys, position p
 // holds key 2p (p < 4) or 2(p - 4) + 1 (p >= 4), the inverse of vt_position (mma.cuh).
 //
@@ -34,14 +43,17 @@
 //   ROWS x V^T tile: 2 columns of 32 keys, each [d + 8 rows][32 key positions] tf32 (5 KiB;
 //     row d is ones, d + 1 .. d + 7 zeros: written once, never copied over)
 //   the bias tile [BQ][BK + 8] fp16 (KV_FORMAT 3 holds the bias in fp16: TF32's mantissa,
-//     half the bytes of the largest copy)
+//     half the bytes of the largest copy), or fp32 (SPLIT)
+//   SPLIT: LO, the lo parts of the stage's K and V^T tiles (their layout; V^T's ones row
+//     zero there), written by the threads that copied each chunk, once it lands
 // copied STAGES - 1 tiles ahead (cp.async); one barrier per tile.
 //
 // Launch: grid ceil(N/BQ) * H * B * ceil(N/ROWS), flattened, query tile fastest; block
 // THREADS = 256 ROWS; dynamic shared memory SMEM_BYTES (triattn_cupy/_configs.py mirrors
-// it). Pointers: qkvg [B*N*N, 4D] with q fp32 and k rounded to TF32 (KV_FORMAT 3), o
-// written over q; bias [B, H, N, NPK] fp16, NPK a multiple of BK, -inf on the padded keys; vt
-// the V^T tiles (KV_FORMAT 3: [B, N, H, NPK / 64] tiles of 8 KiB, zero past key N).
+// it). Pointers: qkvg [B*N*N, 4D] with q fp32 and k rounded to TF32 (KV_FORMAT 3; fp32
+// for SPLIT, KV_FORMAT 4), o written over q; bias [B, H, N, NPK] fp16 (fp32 for SPLIT), NPK
+// a multiple of BK, -inf on the padded keys; vt the V^T tiles ([B, N, H, NPK / 64] tiles
+// of 8 KiB, zero past key N).
 #include "common.cuh"
 #include "wgmma.cuh"
 
@@ -59,6 +71,12 @@
 #endif
 #ifndef PINGPONG
 #define PINGPONG 0      // 1: a row's second warpgroup starts its Q K^T when the first's is done
+#endif
+#ifndef SPLIT
+#define SPLIT 0         // 1: 3xTF32 (attention_tf32x3_wgmma), 0: TF32 (attention_tf32_wgmma)
+#endif
+#ifndef PV_GROUPS
+#define PV_GROUPS 2     // SPLIT: fresh P V accumulators per key tile (1, 2 or 4)
 #endif
 
 #define BK 64                          // keys per tile
@@ -81,11 +99,24 @@
 #define VT_COLUMN (ON * 128)              // one 32-key column of V^T
 #define VT_TILE ((BK / 32) * VT_COLUMN)
 #define VT_COPIED (BK / 32 * HEAD_DIM * 128)  // bytes of a V^T tile the projection wrote
-#define BSTR (BK + 8)                     // fp16 per bias row (36 words: conflict-free reads)
-#define BIAS_TILE (BQ * BSTR * 2)         // bytes
+#if SPLIT
+typedef float bias_elem;
+#define ENTRY attention_tf32x3_wgmma
+#else
+typedef unsigned short bias_elem;  // fp16 bits
+#define ENTRY attention_tf32_wgmma
+#endif
+#define BIAS_BYTES (SPLIT ? 4 : 2)       // sizeof(bias_elem), for the preprocessor
+#define BIAS_CHUNK (16 / BIAS_BYTES)      // bias elements per 16-byte copy
+// Elements per bias row: the 8 rows g of a fragment read (8 g + 2t) words apart for fp32
+// pairs, (4 g + t) for fp16 pairs: on distinct banks either way.
+#define BSTR (BK + 8)
+#define BIAS_TILE (BQ * BSTR * BIAS_BYTES)  // bytes
 #define VT_OFFSET (ROWS * K_TILE)         // in a stage
 #define BIAS_OFFSET (ROWS * (K_TILE + VT_TILE))
-#define STAGE_BYTES (BIAS_OFFSET + BIAS_TILE)
+// SPLIT: the lo parts of the stage's K and V^T tiles, laid out as the hi parts from 0
+#define LO_OFFSET (BIAS_OFFSET + BIAS_TILE)
+#define STAGE_BYTES (LO_OFFSET + SPLIT * BIAS_OFFSET)
 // + 1024: the dynamic shared memory is aligned up to 1024 bytes at run time
 #define SMEM_BYTES (STAGES * STAGE_BYTES + 1024)
 
@@ -95,12 +126,15 @@
 #if COPIES % THREADS != 0 || BIAS_TILE % 1024 != 0 || VT_COLUMN % 1024 != 0
 #error "attention_wgmma.cu: the tile shapes must give whole copies and 1024-byte parts"
 #endif
+#if PV_GROUPS != 1 && PV_GROUPS != 2 && PV_GROUPS != 4
+#error "attention_wgmma.cu: PV_GROUPS must be 1, 2 or 4"
+#endif
 
 #define TF32_ONE 0x3f800000u
 
 extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
-attention_tf32_wgmma(float* qkvg, const unsigned short* __restrict__ bias, int B, int N, int H,
-                     int npk, int nan_fully_masked, const float* __restrict__ vt) {
+ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int npk,
+      int nan_fully_masked, const float* __restrict__ vt) {
     extern __shared__ float4 smem4[];
     const u32 raw_s = smem_addr(smem4);
     const u32 align = (1024u - (raw_s & 1023u)) & 1023u;
@@ -131,22 +165,27 @@ attention_tf32_wgmma(float* qkvg, const unsigned short* __restrict__ bias, int B
 
     // ---- the bias tile of the block's BQ queries, shared by its rows (attention_mma.cu) ----
     const char* const bias_bh = reinterpret_cast<const char*>(bias + ((i64)b * H + head) * N * npk);
-#define RSTEP (THREADS / (BK / 8))        // rows between a thread's 16-byte (8-key) copies
-    const int copy_col = 8 * (tid % (BK / 8)), copy_row = tid / (BK / 8);
+#define RSTEP (THREADS / (BK / BIAS_CHUNK))  // rows between a thread's 16-byte copies
+    const int copy_col = BIAS_CHUNK * (tid % (BK / BIAS_CHUNK)), copy_row = tid / (BK / BIAS_CHUNK);
     const int copy_q = qtile * BQ + copy_row;
-    // Byte offsets within bias[b, head] (N * npk fp16: far below 2^32 bytes).
-    const u32 bias_src = 2 * ((u32)copy_q * npk + copy_col), bias_rstep = 2 * RSTEP * npk;
-    const u32 bias_dst = 2 * (copy_row * BSTR + copy_col);
+    // Byte offsets within bias[b, head] (N * npk elements: below 2^32 bytes up to N ~ 32000).
+    const u32 bias_src = BIAS_BYTES * ((u32)copy_q * npk + copy_col);
+    const u32 bias_rstep = BIAS_BYTES * RSTEP * npk;
+    const u32 bias_dst = BIAS_BYTES * (copy_row * BSTR + copy_col);
     auto copy_bias = [&](int k0, u32 tile) {
-        const char* const src = opaque(bias_bh + bias_src + 2 * k0);
+        const char* const src = opaque(bias_bh + bias_src + BIAS_BYTES * k0);
 #pragma unroll
         for (int it = 0; it < BQ / RSTEP; ++it)
-            cp_async16_or_zero(tile + bias_dst + 2 * it * RSTEP * BSTR, src + it * bias_rstep,
-                               copy_q + it * RSTEP < N);
+            cp_async16_or_zero(tile + bias_dst + BIAS_BYTES * it * RSTEP * BSTR,
+                               src + it * bias_rstep, copy_q + it * RSTEP < N);
     };
 
-    // ---- Q: A fragments per 8-dim k-step, rounded to TF32 (zero past N) ----
+    // ---- Q: A fragments per 8-dim k-step, rounded to TF32 (zero past N); SPLIT: qa the
+    // hi parts, qa_lo the lo ----
     u32 qa[DT][4];
+#if SPLIT
+    u32 qa_lo[DT][4];
+#endif
     {
         const int j0 = q0 + g, j1 = j0 + 8;
         const bool ok0 = row_ok && j0 < N, ok1 = row_ok && j1 < N;
@@ -157,6 +196,12 @@ attention_tf32_wgmma(float* qkvg, const unsigned short* __restrict__ bias, int B
             qa[kk][1] = to_tf32(ok1 ? row[(i64)j1 * ld + c] : 0.f);
             qa[kk][2] = to_tf32(ok0 ? row[(i64)j0 * ld + c + 4] : 0.f);
             qa[kk][3] = to_tf32(ok1 ? row[(i64)j1 * ld + c + 4] : 0.f);
+#if SPLIT  // the lo parts from the same loads
+            qa_lo[kk][0] = to_tf32((ok0 ? row[(i64)j0 * ld + c] : 0.f) - __uint_as_float(qa[kk][0]));
+            qa_lo[kk][1] = to_tf32((ok1 ? row[(i64)j1 * ld + c] : 0.f) - __uint_as_float(qa[kk][1]));
+            qa_lo[kk][2] = to_tf32((ok0 ? row[(i64)j0 * ld + c + 4] : 0.f) - __uint_as_float(qa[kk][2]));
+            qa_lo[kk][3] = to_tf32((ok1 ? row[(i64)j1 * ld + c + 4] : 0.f) - __uint_as_float(qa[kk][3]));
+#endif
         }
     }
 
@@ -220,12 +265,43 @@ attention_tf32_wgmma(float* qkvg, const unsigned short* __restrict__ bias, int B
         cp_async_commit();
     };
 
-    // The ones row (d) and zero rows (d + 1 .. d + 7) of every V^T column, once.
+#if SPLIT
+    // SPLIT: this thread's own K and V^T chunks of the tile in `stage` (landed: its
+    // cp.async wait covers them; no barrier needed) as hi in place and lo into the stage's
+    // LO, at the same offset from LO as from the stage. (LO per stage: another warpgroup
+    // may still read the last tile's.)
+    auto split_own = [&](int stage) {
+        char* const st = smem + stage * STAGE_BYTES;
+        auto split16 = [&](u32 offset) {
+            float4* const at = reinterpret_cast<float4*>(st + offset);
+            const float4 x = *at;
+            float4 hi, lo;
+            hi.x = __uint_as_float(to_tf32(x.x)), lo.x = __uint_as_float(to_tf32(x.x - hi.x));
+            hi.y = __uint_as_float(to_tf32(x.y)), lo.y = __uint_as_float(to_tf32(x.y - hi.y));
+            hi.z = __uint_as_float(to_tf32(x.z)), lo.z = __uint_as_float(to_tf32(x.z - hi.z));
+            hi.w = __uint_as_float(to_tf32(x.w)), lo.w = __uint_as_float(to_tf32(x.w - hi.w));
+            *at = hi;
+            *reinterpret_cast<float4*>(st + LO_OFFSET + offset) = lo;
+        };
+#pragma unroll
+        for (int it = 0; it < COPIES_PER_THREAD; ++it) {
+            split16(k_dst + it * K_DST_STEP);
+            split16(VT_OFFSET + vt_dst + it * VT_DST_STEP);
+        }
+    };
+#endif
+
+    // The ones row (d) and zero rows (d + 1 .. d + 7) of every V^T column, once (SPLIT:
+    // the same rows of the lo columns all zero: the ones are hi parts).
     for (int idx = tid; idx < STAGES * ROWS * (BK / 32) * 8 * 32; idx += THREADS) {
         const int k32 = idx % 32, n = HEAD_DIM + (idx / 32) % 8, column = idx / 256;
         const int stage = column / (ROWS * (BK / 32)), in_stage = column % (ROWS * (BK / 32));
         *reinterpret_cast<u32*>(smem + stage * STAGE_BYTES + VT_OFFSET + in_stage * VT_COLUMN
                                 + sw128(n, 4 * k32)) = n == HEAD_DIM ? TF32_ONE : 0u;
+#if SPLIT
+        *reinterpret_cast<u32*>(smem + stage * STAGE_BYTES + LO_OFFSET + VT_OFFSET
+                                + in_stage * VT_COLUMN + sw128(n, 4 * k32)) = 0u;
+#endif
     }
 
     // [O | l] in wgmma's accumulator layout (wgmma.cuh): o[4v + 0..1] row g, o[4v + 2..3]
@@ -236,6 +312,36 @@ attention_tf32_wgmma(float* qkvg, const unsigned short* __restrict__ bias, int B
     for (int i = 0; i < 4 * ON / 8; ++i) o[i] = 0.f;
     float m_sub[2] = {0.f, 0.f}, m_lim[2] = {neg_inf(), neg_inf()};
 
+#if SPLIT
+    // This lane's bias pairs (rows g, g + 8; keys 8n + 2t, + 1) of the tile in `stage`.
+    const float2* const bias_base = reinterpret_cast<const float2*>(smem + BIAS_OFFSET)
+                                    + ((q_in_tile + g) * BSTR + 2 * t) / 2;
+    auto load_bias = [&](float (&bs)[4 * NT], int stage) {
+        const float2* const bias_tile = bias_base + stage * (STAGE_BYTES / 8);
+#pragma unroll
+        for (int n = 0; n < NT; ++n) {
+            const float2 x0 = bias_tile[4 * n], x1 = bias_tile[4 * n + 4 * BSTR];
+            bs[4 * n] = x0.x, bs[4 * n + 1] = x0.y, bs[4 * n + 2] = x1.x, bs[4 * n + 3] = x1.y;
+        }
+    };
+    // Q K^T of the tile in ring stage `stage` from zero, issued (not waited for): the
+    // small terms first, then Q_hi K_hi (the bias is added in fp32 after: onto the
+    // accumulator it would meet the truncating additions of all 12 products).
+    auto issue_s = [&](float (&s)[4 * NT], int stage) {
+#pragma unroll
+        for (int i = 0; i < 4 * NT; ++i) s[i] = 0.f;
+        const u32 k_tile = smem_s + stage * STAGE_BYTES + rw * K_TILE;
+        const u64 k_desc = sw128_desc(k_tile), k_lo_desc = sw128_desc(k_tile + LO_OFFSET);
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < DT; ++kk) wgmma_m64n64k8_tf32(s, qa[kk], k_lo_desc + 2 * kk);
+#pragma unroll
+        for (int kk = 0; kk < DT; ++kk) wgmma_m64n64k8_tf32(s, qa_lo[kk], k_desc + 2 * kk);
+#pragma unroll
+        for (int kk = 0; kk < DT; ++kk) wgmma_m64n64k8_tf32(s, qa[kk], k_desc + 2 * kk);
+        wgmma_commit();
+    };
+#else
     // S = bias + Q K^T of the tile in ring stage `stage`, issued (not waited for): S starts
     // as the bias tile and the products accumulate onto it (as attention_tf32).
     // This lane's bias pairs (rows g, g + 8; keys 8n + 2t, + 1) as fp16 pairs, widened.
@@ -255,11 +361,13 @@ attention_tf32_wgmma(float* qkvg, const unsigned short* __restrict__ bias, int B
         for (int kk = 0; kk < DT; ++kk) wgmma_m64n64k8_tf32(s, qa[kk], k_desc + 2 * kk);
         wgmma_commit();
     };
+#endif
 
     // The online softmax of S (its product done), in two parts. rescale: the reference
     // maximum m of rows g and g + 8 moves (lazily, as attention_mma.cu) and O is rescaled
     // with it. exponentiate: P = 2^(S - m) as the A fragments of the 8 k-steps of P V,
-    // (c0, c2, c1, c3) of S's column group kk.
+    // (c0, c2, c1, c3) of S's column group kk (SPLIT: pa the hi parts, pl the lo, left
+    // for the tensor cores to truncate).
     auto rescale = [&](const float (&s)[4 * NT]) {
         float mx[2];
         bool grow = false;
@@ -293,6 +401,21 @@ attention_tf32_wgmma(float* qkvg, const unsigned short* __restrict__ bias, int B
             }
         }
     };
+#if SPLIT
+    auto exponentiate = [&](const float (&s)[4 * NT], u32 (&pa)[NT][4], u32 (&pl)[NT][4]) {
+        auto split = [](float p, u32& hi, u32& lo) {
+            hi = to_tf32(p);
+            lo = __float_as_uint(p - __uint_as_float(hi));
+        };
+#pragma unroll
+        for (int n = 0; n < NT; ++n) {
+            split(fast_exp2(s[4 * n] - m_sub[0]), pa[n][0], pl[n][0]);
+            split(fast_exp2(s[4 * n + 1] - m_sub[0]), pa[n][2], pl[n][2]);
+            split(fast_exp2(s[4 * n + 2] - m_sub[1]), pa[n][1], pl[n][1]);
+            split(fast_exp2(s[4 * n + 3] - m_sub[1]), pa[n][3], pl[n][3]);
+        }
+    };
+#else
     auto exponentiate = [&](const float (&s)[4 * NT], u32 (&pa)[NT][4]) {
 #pragma unroll
         for (int n = 0; n < NT; ++n) {
@@ -302,17 +425,56 @@ attention_tf32_wgmma(float* qkvg, const unsigned short* __restrict__ bias, int B
             pa[n][3] = __float_as_uint(fast_exp2(s[4 * n + 3] - m_sub[1]));
         }
     };
+#endif
 
     // [O | l] += P [V | 1 | 0], issued: k-step kk takes keys 8kk .. 8kk + 7 of the V^T tile
     // in ring stage `stage`, 32 bytes along the rows of its 32-key column.
+    auto vt_desc = [&](u32 vt_tile, int kk) {
+        return sw128_desc(vt_tile + (kk / 4) * VT_COLUMN) + 2 * (kk % 4);
+    };
+#if SPLIT
+    // SPLIT: P_hi V_lo + P_lo V_hi + P_hi V_hi into ot[grp], fresh, for the keys of group
+    // grp (NT / PV_GROUPS k-steps each), issued; added to O after the wait (add_pv).
+#define GROUP_STEPS (NT / PV_GROUPS)
+    float ot[PV_GROUPS][4 * ON / 8];
+    auto issue_pv = [&](const u32 (&pa)[NT][4], const u32 (&pl)[NT][4], int stage) {
+        const u32 vt_tile = smem_s + stage * STAGE_BYTES + VT_OFFSET + rw * VT_TILE;
+#pragma unroll
+        for (int grp = 0; grp < PV_GROUPS; ++grp)
+#pragma unroll
+            for (int i = 0; i < 4 * ON / 8; ++i) ot[grp][i] = 0.f;
+        wgmma_fence();
+#pragma unroll
+        for (int grp = 0; grp < PV_GROUPS; ++grp) {
+#pragma unroll
+            for (int kk = grp * GROUP_STEPS; kk < (grp + 1) * GROUP_STEPS; ++kk)
+                wgmma_m64n40k8_tf32(ot[grp], pa[kk], vt_desc(vt_tile + LO_OFFSET, kk));
+#pragma unroll
+            for (int kk = grp * GROUP_STEPS; kk < (grp + 1) * GROUP_STEPS; ++kk)
+                wgmma_m64n40k8_tf32(ot[grp], pl[kk], vt_desc(vt_tile, kk));
+#pragma unroll
+            for (int kk = grp * GROUP_STEPS; kk < (grp + 1) * GROUP_STEPS; ++kk)
+                wgmma_m64n40k8_tf32(ot[grp], pa[kk], vt_desc(vt_tile, kk));
+        }
+        wgmma_commit();
+    };
+    auto add_pv = [&]() {
+#pragma unroll
+        for (int grp = 0; grp < PV_GROUPS; ++grp) {
+            pin(ot[grp]);
+#pragma unroll
+            for (int i = 0; i < 4 * ON / 8; ++i) o[i] += ot[grp][i];
+        }
+    };
+#else
     auto issue_pv = [&](const u32 (&pa)[NT][4], int stage) {
         const u32 vt_tile = smem_s + stage * STAGE_BYTES + VT_OFFSET + rw * VT_TILE;
         wgmma_fence();
 #pragma unroll
-        for (int kk = 0; kk < NT; ++kk)
-            wgmma_m64n40k8_tf32(o, pa[kk], sw128_desc(vt_tile + (kk / 4) * VT_COLUMN) + 2 * (kk % 4));
+        for (int kk = 0; kk < NT; ++kk) wgmma_m64n40k8_tf32(o, pa[kk], vt_desc(vt_tile, kk));
         wgmma_commit();
     };
+#endif
 
     // ---- the key loop: one tile at a time, each product waited for where it is issued
     // (a loop keeping the next tile's Q K^T running during this tile's softmax needed
@@ -320,9 +482,15 @@ attention_tf32_wgmma(float* qkvg, const unsigned short* __restrict__ bias, int B
 #pragma unroll
     for (int st = 0; st < STAGES - 1; ++st) issue(st * BK, st);
     u32 pa[NT][4];
+#if SPLIT
+    u32 pl[NT][4];
+#endif
     int stage = 0;
     for (int k0 = 0; k0 < N; k0 += BK) {
         cp_async_wait<STAGES - 2>();  // this thread's copies of this tile landed
+#if SPLIT
+        split_own(stage);
+#endif
         fence_async_shared();         // they and the ones rows, before wgmma reads them
         __syncthreads();              // everyone's; every warpgroup done with the last tile
         issue(k0 + (STAGES - 1) * BK, stage == 0 ? STAGES - 1 : stage - 1);
@@ -333,15 +501,32 @@ attention_tf32_wgmma(float* qkvg, const unsigned short* __restrict__ bias, int B
         const bool second = PINGPONG && wg % ROW_GROUPS == 1;
         if (second) asm volatile("bar.sync %0, %1;" :: "r"(1 + rw), "n"(128 * ROW_GROUPS));
         float s[4 * NT];
+#if SPLIT
+        float bs[4 * NT];
+        load_bias(bs, stage);
+#endif
         issue_s(s, stage);
         wgmma_wait<0>();
         pin(s);
         pin(o);
         if (PINGPONG && !second) asm volatile("bar.arrive %0, %1;" :: "r"(1 + rw), "n"(128 * ROW_GROUPS));
+#if SPLIT
+#pragma unroll
+        for (int i = 0; i < 4 * NT; ++i) s[i] += bs[i];
+#endif
         rescale(s);
+#if SPLIT
+        exponentiate(s, pa, pl);
+        issue_pv(pa, pl, stage);
+        wgmma_wait<0>();  // before the barrier that lets this stage be refilled
+        add_pv();
+#pragma unroll
+        for (int n = 0; n < NT; ++n) pin(pl[n]);
+#else
         exponentiate(s, pa);
         issue_pv(pa, stage);
         wgmma_wait<0>();  // before the barrier that lets this stage be refilled
+#endif
         pin(o);
 #pragma unroll
         for (int n = 0; n < NT; ++n) pin(pa[n]);

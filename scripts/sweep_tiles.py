@@ -62,32 +62,38 @@ def main(sizes):
                       f"pf={tiles.prefetch} minb={tiles.min_blocks} st={tiles.stages}: {ms:.3f} ms "
                       f"{flops / ms / 1e9:.1f} TFLOP/s{mark}",
                       flush=True)
-            if variant == "tf32" and d in _configs.WGMMA_HEAD_DIMS:
-                sweep_wgmma(dw, pair, size, d, flops, 20 if N <= 512 else 5)
+            if variant in _configs.WGMMA_VARIANTS and d in _configs.WGMMA_HEAD_DIMS:
+                sweep_wgmma(dw, pair, size, d, flops, 20 if N <= 512 else 5, variant)
 
 
-# (rows, stages, min_blocks, pingpong) of attention_wgmma.cu
-WGMMA_CANDIDATES = [_configs.WgmmaTiles(*shape) for shape in
-                    [(1, 2, 2, 0), (1, 3, 2, 0), (1, 3, 2, 1), (2, 2, 1, 1), (2, 3, 1, 1)]]
+# (rows, stages, min_blocks, pingpong, pv_groups) of attention_wgmma.cu, per variant
+WGMMA_CANDIDATES = {
+    "tf32": [_configs.WgmmaTiles(*shape) for shape in
+             [(1, 2, 2, 0), (1, 3, 2, 0), (1, 3, 2, 1), (2, 2, 1, 1), (2, 3, 1, 1)]],
+    "tf32x3": [_configs.WgmmaTiles(*shape) for shape in
+               [(1, 2, 1, 0, 1), (1, 2, 1, 0, 2), (1, 2, 1, 0, 4), (1, 3, 1, 0, 2),
+                (1, 2, 1, 1, 2), (1, 3, 1, 1, 2)]],
+}
 
 
-def sweep_wgmma(dw, pair, size, d, flops, repeats):
-    """The wgmma TF32 attention's candidates (k and v projected in their own format)."""
-    chosen = _configs.attention_wgmma_tiles()
-    fwd = Forward(dw, pair, None, "zero", None, attention=_configs.attention_wgmma_launch(d))
+def sweep_wgmma(dw, pair, size, d, flops, repeats, variant):
+    """The wgmma attention's candidates (k and v projected in their own format)."""
+    chosen = _configs.attention_wgmma_tiles(variant)
+    fwd = Forward(dw, pair, None, "zero", None,
+                  attention=_configs.attention_wgmma_launch(d, chosen, variant))
     fwd.project()
-    for tiles in WGMMA_CANDIDATES:
+    for tiles in WGMMA_CANDIDATES[variant]:
         try:
-            launch = _configs.attention_wgmma_launch(d, tiles)
+            launch = _configs.attention_wgmma_launch(d, tiles, variant)
             if launch.smem > _configs.SMEM_LIMIT:
                 raise ValueError(f"{launch.smem} bytes of shared memory")
             ms = time_attention(fwd, launch, repeats)
         except Exception as exc:
-            print(f"{size} wgmma  {tiles}: {type(exc).__name__}: {exc}")
+            print(f"{size} wgmma {variant} {tiles}: {type(exc).__name__}: {exc}")
             continue
         mark = " <- chosen" if tiles == chosen else ""
-        print(f"{size} wgmma  rows={tiles.rows} minb={tiles.min_blocks} st={tiles.stages} "
-              f"pingpong={tiles.pingpong}: "
+        print(f"{size} wgmma {variant:6s} rows={tiles.rows} minb={tiles.min_blocks} "
+              f"st={tiles.stages} pingpong={tiles.pingpong} pv_groups={tiles.pv_groups}: "
               f"{ms:.3f} ms {flops / ms / 1e9:.1f} TFLOP/s{mark}", flush=True)
 
 

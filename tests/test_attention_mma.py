@@ -130,13 +130,18 @@ def test_mma_both_policies_on_one_input(cp, rng, variant):
         assert rel_l2(got, ref, where=finite) <= TOL[variant]
 
 
-# ---- the TF32 attention on warpgroup products (kernels/attention_wgmma.cu, sm_90a) ----
+# ---- the TF32 and 3xTF32 attention on warpgroup products (kernels/attention_wgmma.cu,
+# sm_90a) ----
 
-WGMMA_TILES = [_configs.attention_wgmma_tiles(),
-               _configs.WgmmaTiles(rows=1, stages=2, min_blocks=2, pingpong=1),
-               _configs.WgmmaTiles(rows=2, stages=2, min_blocks=1, pingpong=1),
-               _configs.WgmmaTiles(rows=2, stages=3, min_blocks=1),
-               _configs.WgmmaTiles(rows=1, stages=3, min_blocks=2)]
+WGMMA_TILES = [("tf32", _configs.attention_wgmma_tiles("tf32")),
+               ("tf32", _configs.WgmmaTiles(rows=1, stages=2, min_blocks=2, pingpong=1)),
+               ("tf32", _configs.WgmmaTiles(rows=2, stages=2, min_blocks=1, pingpong=1)),
+               ("tf32", _configs.WgmmaTiles(rows=2, stages=3, min_blocks=1)),
+               ("tf32", _configs.WgmmaTiles(rows=1, stages=3, min_blocks=2)),
+               ("tf32x3", _configs.attention_wgmma_tiles("tf32x3")),
+               ("tf32x3", _configs.WgmmaTiles(min_blocks=1, pv_groups=1)),
+               ("tf32x3", _configs.WgmmaTiles(min_blocks=1, pv_groups=4)),
+               ("tf32x3", _configs.WgmmaTiles(stages=3, min_blocks=1, pingpong=1))]
 
 
 def _needs_sm_90(cp):
@@ -145,22 +150,23 @@ def _needs_sm_90(cp):
         pytest.skip(f"wgmma (sm_90a) runs on compute capability 9.0 only; this GPU is {cc}")
 
 
-@pytest.mark.parametrize("tiles", WGMMA_TILES, ids=str)
+@pytest.mark.parametrize("variant,tiles", WGMMA_TILES, ids=str)
 @pytest.mark.parametrize("N", [1, 7, 64, 65, 130, 199])
 @pytest.mark.parametrize("B", [1, 2])
-def test_wgmma_matches_ffma(cp, rng, B, N, tiles):
+def test_wgmma_matches_ffma(cp, rng, B, N, variant, tiles):
     """Sizes below, at and past the 64-key and 128-query tiles, rows past N in a 2-row
     block (odd N), fully masked queries under both policies (by N + B)."""
     _needs_sm_90(cp)
-    _check_against_ffma(cp, rng, B, N, 32, "tf32", None,
-                        _configs.attention_wgmma_launch(32, tiles))
+    _check_against_ffma(cp, rng, B, N, 32, variant, None,
+                        _configs.attention_wgmma_launch(32, tiles, variant))
 
 
-def test_wgmma_both_policies_on_one_input(cp):
+@pytest.mark.parametrize("variant", list(_configs.WGMMA_VARIANTS))
+def test_wgmma_both_policies_on_one_input(cp, variant):
     _needs_sm_90(cp)
     for policy in ("zero", "nan"):
-        ref, got, _, _ = _run_both(cp, np.random.default_rng(99), 2, 131, 32, "tf32", policy,
-                                   launch=_configs.attention_wgmma_launch(32))
+        ref, got, _, _ = _run_both(cp, np.random.default_rng(99), 2, 131, 32, variant, policy,
+                                   launch=_configs.attention_wgmma_launch(32, variant=variant))
         assert np.array_equal(np.isnan(got), np.isnan(ref))
         assert np.isnan(got).any() == (policy == "nan")
-        assert rel_l2(got, ref, where=~np.isnan(ref)) <= TOL["tf32"]
+        assert rel_l2(got, ref, where=~np.isnan(ref)) <= TOL[variant]

@@ -115,10 +115,12 @@ def project_pad(pair_dim: int) -> int:
 
 
 # How the projection stores k and v (project_epilogue.cuh KV_FORMAT): as computed (fp32),
-# rounded to TF32, packed bf16 (with the pair bias in fp16), or TF32 with v transposed
-# into tiles of its own and the pair bias in fp16 (the wgmma attention's); the attention
-# kernel that reads them names its format.
-KV_FP32, KV_TF32, KV_BF16, KV_TF32_VT = 0, 1, 2, 3
+# rounded to TF32, packed bf16 (with the pair bias in fp16), TF32 with v transposed
+# into tiles of its own and the pair bias in fp16 (the TF32 wgmma attention's), or fp32
+# with v transposed so (the 3xTF32 wgmma attention's); the attention kernel that reads
+# them names its format.
+KV_FP32, KV_TF32, KV_BF16, KV_TF32_VT, KV_FP32_VT = 0, 1, 2, 3, 4
+V_TRANSPOSED_FORMATS = (KV_TF32_VT, KV_FP32_VT)
 
 
 @functools.lru_cache(maxsize=None)  # per call: a look-up, not a rebuild
@@ -361,11 +363,15 @@ def attention_ffma_launch(head_dim: int) -> AttentionLaunch:
                            attention_smem_bytes(head_dim))
 
 
-# ---- TF32 attention on warpgroup products (kernels/attention_wgmma.cu, sm_90a) ----
+# ---- TF32 and 3xTF32 attention on warpgroup products (kernels/attention_wgmma.cu, sm_90a) ----
 
 WGMMA_ARCH = "sm_90a"  # wgmma exists only on compute capability 9.0, in this target
 WGMMA_HEAD_DIMS = (32,)
 WGMMA_QUERIES, WGMMA_KEYS = 128, 64  # BQ and BK of a block
+# variant -> (SPLIT define, the format the projection writes for it); entry points
+# attention_<variant>_wgmma
+WGMMA_VARIANTS = {"tf32": (0, KV_TF32_VT), "tf32x3": (1, KV_FP32_VT)}
+_WGMMA_PRECISIONS = {"tf32": "tf32", "fp32": "tf32x3"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -373,46 +379,60 @@ class WgmmaTiles:
     """The attention_wgmma.cu shape: ROWS pair rows per block (256 threads each, sharing
     the bias tiles), STAGES tiles in the cp.async ring, MIN_BLOCKS per SM asked of the
     compiler, PINGPONG: a row's second warpgroup starts its Q K^T once the first has its S,
-    instead of both at once."""
+    instead of both at once; PV_GROUPS (3xTF32 only): fresh P V accumulators per key tile,
+    each added to O in fp32."""
     rows: int = 1
     stages: int = 2
     min_blocks: int = 2
     pingpong: int = 0
+    pv_groups: int = 2
 
 
-def attention_wgmma_tiles() -> WgmmaTiles:
-    """One row per block, two blocks (16 warps) per SM: the fastest measured at 1x384 and
-    1x1024 (scripts/sweep_tiles.py, benchmarks/NOTES.md)."""
+def attention_wgmma_tiles(variant: str = "tf32") -> WgmmaTiles:
+    """TF32: one row per block, two blocks (16 warps) per SM: the fastest measured at
+    1x384 and 1x1024 (scripts/sweep_tiles.py, benchmarks/NOTES.md). 3xTF32: one block per
+    SM (its stages, with the lo parts and an fp32 bias tile, take 144 KiB)."""
+    if variant == "tf32x3":
+        return WgmmaTiles(min_blocks=1)
     return WgmmaTiles()
 
 
-def attention_wgmma_smem_bytes(tiles: WgmmaTiles) -> int:
+def attention_wgmma_smem_bytes(tiles: WgmmaTiles, variant: str = "tf32") -> int:
     """STAGES x (ROWS K tiles [64][32] tf32, ROWS V^T tiles of 2 x [40][32] tf32, a bias
-    tile [128][64 + 8] fp16), and 1024 bytes to align the start."""
-    stage = (tiles.rows * (WGMMA_KEYS * 128 + 2 * 40 * 128)
-             + 2 * WGMMA_QUERIES * (WGMMA_KEYS + 8))
+    tile [128][64 + 8] fp16 (3xTF32: fp32, then the lo parts of the K and V^T tiles)), and
+    1024 bytes to align the start."""
+    split = WGMMA_VARIANTS[variant][0]
+    k_vt = tiles.rows * (WGMMA_KEYS * 128 + 2 * 40 * 128)
+    stage = (1 + split) * k_vt + (2 + 2 * split) * WGMMA_QUERIES * (WGMMA_KEYS + 8)
     return tiles.stages * stage + 1024
 
 
-def attention_wgmma_launch(head_dim: int = 32, tiles: WgmmaTiles | None = None
-                           ) -> AttentionLaunch:
-    """The TF32 attention on wgmma (attention_tf32_wgmma), reading k as attention_tf32
-    does and v as V^T tiles (KV_TF32_VT)."""
+def attention_wgmma_launch(head_dim: int = 32, tiles: WgmmaTiles | None = None,
+                           variant: str = "tf32") -> AttentionLaunch:
+    """The TF32 ("tf32") or fp32-accurate ("tf32x3") attention on wgmma
+    (attention_<variant>_wgmma), reading k as attention_<variant> does and v as V^T tiles
+    (KV_TF32_VT, KV_FP32_VT)."""
+    if variant not in WGMMA_VARIANTS:
+        raise ValueError(f"variant must be one of {tuple(WGMMA_VARIANTS)}; got {variant!r}")
     if head_dim not in WGMMA_HEAD_DIMS:
         raise ValueError(f"the wgmma attention takes head dims {WGMMA_HEAD_DIMS}; got {head_dim}")
-    t = tiles or attention_wgmma_tiles()
+    t = tiles or attention_wgmma_tiles(variant)
+    split, kv_format = WGMMA_VARIANTS[variant]
+    # The TF32 kernel's defines as before the 3xTF32 variant (its cached cubins stay valid).
+    extra = (("SPLIT", 1), ("PV_GROUPS", t.pv_groups)) if split else ()
     config = KernelConfig("attention_wgmma.cu", (
         ("HEAD_DIM", head_dim), ("ROWS", t.rows), ("STAGES", t.stages),
-        ("MIN_BLOCKS", t.min_blocks), ("PINGPONG", t.pingpong)), WGMMA_ARCH)
-    return AttentionLaunch(config, "attention_tf32_wgmma", WGMMA_QUERIES, t.rows, 256 * t.rows,
-                           attention_wgmma_smem_bytes(t), KV_TF32_VT)
+        ("MIN_BLOCKS", t.min_blocks), ("PINGPONG", t.pingpong)) + extra, WGMMA_ARCH)
+    return AttentionLaunch(config, f"attention_{variant}_wgmma", WGMMA_QUERIES, t.rows,
+                           256 * t.rows, attention_wgmma_smem_bytes(t, variant), kv_format)
 
 
 def uses_wgmma(head_dim: int, precision: str, compute_capability: int, n: int) -> bool:
-    """Whether the TF32 attention takes attention_wgmma.cu: on compute capability 9.0
-    exactly (sm_90a code runs nowhere else), at the head dims it is written for."""
-    return (precision == "tf32" and compute_capability == 90 and head_dim in WGMMA_HEAD_DIMS
-            and n > _SMALL_N)
+    """Whether the attention takes attention_wgmma.cu: the tf32 and fp32 modes on compute
+    capability 9.0 exactly (sm_90a code runs nowhere else), at the head dims it is written
+    for, above N = 128 (at and below it the mma.sync kernels measured as fast)."""
+    return (precision in _WGMMA_PRECISIONS and compute_capability == 90
+            and head_dim in WGMMA_HEAD_DIMS and n > _SMALL_N)
 
 
 @functools.lru_cache(maxsize=None)  # per call: a look-up, not a rebuild
@@ -426,7 +446,7 @@ def attention_kernel(head_dim: int, precision: str, compute_capability: int = 90
     limit = SMEM_LIMIT if smem_limit is None else smem_limit
     variant = _MMA_VARIANT[precision]
     if uses_wgmma(head_dim, precision, compute_capability, n):
-        launch = attention_wgmma_launch(head_dim)
+        launch = attention_wgmma_launch(head_dim, variant=_WGMMA_PRECISIONS[precision])
         if launch.smem <= limit:
             return launch
     if compute_capability >= 80 and head_dim in attention_mma_head_dims(variant):
@@ -453,13 +473,15 @@ def all_configs(arch: str | None = None):
                                       (False, KV_BF16, False), (True, KV_FP32, True),
                                       (True, KV_TF32, False), (True, KV_BF16, False),
                                       (True, KV_FP32, False))}
-    if 90 in capabilities:  # the projection that writes V^T feeds the sm_90a attention only
-        configs.update(project_config(rows, True, D, KV_TF32_VT) for D in (128, MAX_PAIR_DIM)
+    if 90 in capabilities:  # the projections that write V^T feed the sm_90a attention only
+        configs.update(project_config(rows, True, D, kv, kv == KV_FP32_VT)
+                       for D in (128, MAX_PAIR_DIM) for kv in V_TRANSPOSED_FORMATS
                        for rows in {project_rows(D, total) for total in (1, 1 << 62)})
     configs.update(attention_config(d) for d in supported_head_dims())
     configs.update(attention_mma_config(d, v, attention_mma_tiles(d, v, n, cc))
                    for v in ATTENTION_MMA_VARIANTS for d in attention_mma_head_dims(v)
                    for n in (_SMALL_N, _SMALL_N + 1) for cc in capabilities)
     if 90 in capabilities:
-        configs.update(attention_wgmma_launch(d).config for d in WGMMA_HEAD_DIMS)
+        configs.update(attention_wgmma_launch(d, variant=v).config for d in WGMMA_HEAD_DIMS
+                       for v in WGMMA_VARIANTS)
     return sorted(configs, key=lambda c: (c.filename, c.defines, c.arch))
