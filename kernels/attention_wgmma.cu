@@ -25,18 +25,21 @@
 //                                truncated P, as O's numerator (column d of the result).
 // SPLIT (attention_tf32x3_wgmma, the fp32 mode): every operand a = hi + lo, hi =
 // rna_tf32(a), lo = rna_tf32(a - hi) (lo.lo' ~ 2^-22 |a.b| dropped), as attention_mma.cu's
-// PREC 0: Q's split once in registers; K's and V^T's where each thread's own copies land
-// (hi in place, lo into one buffer LO: no extra barrier); P's as it is exponentiated.
-// S = Q_hi K_lo + Q_lo K_hi + Q_hi K_hi (12 wgmma, small terms first) from zero, the fp32
-// bias added after; P V likewise (24 wgmma) into fresh accumulators, PV_GROUPS per tile,
-// each added to O in fp32: the tensor cores' accumulation truncates, so chains of it are
-// kept short (benchmarks/NOTES.md, session 9).
+// PREC 0: Q's split once in registers; K's and V's where each thread's own copies land
+// (split_own: no extra barrier); P's as it is exponentiated. S = Q_hi K_lo + Q_lo K_hi +
+// Q_hi K_hi (12 wgmma, small terms first) from zero, the fp32 bias added after; P V
+// likewise (24 wgmma) into PV_GROUPS fresh accumulators per tile, each added to O in
+// fp32: the tensor cores' accumulation truncates, so its chains are kept short
+// (benchmarks/NOTES.md, session 9).
 // tf32 operands must be K-major: K [key][dim] already is (the projection's layout); V
-// must be read as V^T [dim][key], which the projection writes for this kernel, tile by
-// tile, exactly as shared memory holds it (project_epilogue.cuh KV_FORMAT 3, or 4 for
-// SPLIT: not rounded): copying it is a straight copy. P's register layout (its A fragment takes S's columns 2t, 2t+1 as
-// A's t, t+4) fixes which key each V^T position holds: within each 8 keys, position p
-// holds key 2p (p < 4) or 2(p - 4) + 1 (p >= 4), the inverse of vt_position (mma.cuh).
+// must be read as V^T [dim][key]. TF32: the projection writes V^T for this kernel, tile by
+// tile, exactly as shared memory holds it (project_epilogue.cuh KV_FORMAT 3): copying it
+// is a straight copy. SPLIT: V is copied as the projection wrote it (fp32, KV_FORMAT 0)
+// and transposed by the split (a V^T writer in the 3xTF32 projection spilled 152 bytes
+// and cost it 0.6 ms at 1x1024). P's register layout (its A fragment takes S's columns
+// 2t, 2t+1 as A's t, t+4) fixes which key each V^T position holds: within each 8 keys,
+// position p holds key 2p (p < 4) or 2(p - 4) + 1 (p >= 4), the inverse of vt_position
+// (mma.cuh).
 //
 // Shared memory, all parts 1024-byte aligned (128-byte swizzle atoms; wgmma.cuh), STAGES x
 //   ROWS x K tile [BK][32] tf32 (8 KiB)
@@ -45,15 +48,15 @@
 //   the bias tile [BQ][BK + 8] fp16 (KV_FORMAT 3 holds the bias in fp16: TF32's mantissa,
 //     half the bytes of the largest copy), or fp32 (SPLIT)
 //   SPLIT: LO, the lo parts of the stage's K and V^T tiles (their layout; V^T's ones row
-//     zero there), written by the threads that copied each chunk, once it lands
+//     zero there), and V as copied ([key][dim], K's layout), for split_own
 // copied STAGES - 1 tiles ahead (cp.async); one barrier per tile.
 //
 // Launch: grid ceil(N/BQ) * H * B * ceil(N/ROWS), flattened, query tile fastest; block
 // THREADS = 256 ROWS; dynamic shared memory SMEM_BYTES (triattn_cupy/_configs.py mirrors
-// it). Pointers: qkvg [B*N*N, 4D] with q fp32 and k rounded to TF32 (KV_FORMAT 3; fp32
-// for SPLIT, KV_FORMAT 4), o written over q; bias [B, H, N, NPK] fp16 (fp32 for SPLIT), NPK
-// a multiple of BK, -inf on the padded keys; vt the V^T tiles ([B, N, H, NPK / 64] tiles
-// of 8 KiB, zero past key N).
+// it). Pointers: qkvg [B*N*N, 4D] with q fp32 and k rounded to TF32 (KV_FORMAT 3; SPLIT:
+// q, k, v fp32 as attention_tf32x3 reads them, KV_FORMAT 0), o written over q; bias [B, H,
+// N, NPK] fp16 (fp32 for SPLIT), NPK a multiple of BK, -inf on the padded keys; vt (not
+// SPLIT) the V^T tiles ([B, N, H, NPK / 64] tiles of 8 KiB, zero past key N).
 #include "common.cuh"
 #include "wgmma.cuh"
 
@@ -114,9 +117,11 @@ typedef unsigned short bias_elem;  // fp16 bits
 #define BIAS_TILE (BQ * BSTR * BIAS_BYTES)  // bytes
 #define VT_OFFSET (ROWS * K_TILE)         // in a stage
 #define BIAS_OFFSET (ROWS * (K_TILE + VT_TILE))
-// SPLIT: the lo parts of the stage's K and V^T tiles, laid out as the hi parts from 0
+// SPLIT: the lo parts of the stage's K and V^T tiles, laid out as the hi parts from 0;
+// then V as copied ([key][dim], K's layout), before the split transposes it
 #define LO_OFFSET (BIAS_OFFSET + BIAS_TILE)
-#define STAGE_BYTES (LO_OFFSET + SPLIT * BIAS_OFFSET)
+#define V_OFFSET (LO_OFFSET + BIAS_OFFSET)
+#define STAGE_BYTES (LO_OFFSET + SPLIT * (BIAS_OFFSET + ROWS * K_TILE))
 // + 1024: the dynamic shared memory is aligned up to 1024 bytes at run time
 #define SMEM_BYTES (STAGES * STAGE_BYTES + 1024)
 
@@ -134,7 +139,11 @@ typedef unsigned short bias_elem;  // fp16 bits
 
 extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
 ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int npk,
-      int nan_fully_masked, const float* __restrict__ vt) {
+      int nan_fully_masked
+#if !SPLIT
+      , const float* __restrict__ vt
+#endif
+      ) {
     extern __shared__ float4 smem4[];
     const u32 raw_s = smem_addr(smem4);
     const u32 align = (1024u - (raw_s & 1023u)) & 1023u;
@@ -223,6 +232,7 @@ ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int 
     const u32 src_step = (u32)((i64)(ROW_STEP * N + KEY_STEP) * ld * 4);
     const u32 k_dst = r0 * K_TILE + sw128(key, 16 * cc);
 #define K_DST_STEP (ROW_STEP * K_TILE + KEY_STEP * 128)
+#if !SPLIT
     // V^T: the tiles of (b, i0 + r, head) are npk / 64 x 8 KiB from vt_row0 + r * vt_rstride;
     // chunk q of a tile lands in column q / 256 (the copied 4 KiB of each 5 KiB column).
     // This thread copies chunk tid % 512 of row tid / 512 (= 0), then VT_STEP_CHUNKS
@@ -236,8 +246,9 @@ ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int 
     const int vq = tid % (VT_COPIED / 16);
     const u32 vt_dst = (vq / 256) * VT_COLUMN + 16 * (vq % 256);
 #define VT_DST_STEP (VT_STEP_ROWS * VT_TILE + VT_STEP_CHUNKS / 256 * VT_COLUMN)
-    // Whether copy `it` of the tile at k0 holds data (else zeros): K's row and key below
-    // N; V^T's row below N (its keys past N are zeros already).
+#endif
+    // Whether copy `it` of the tile at k0 holds data (else zeros): K's (and SPLIT: V's) row
+    // and key below N; V^T's row below N (its keys past N are zeros already).
     auto holds = [&](int it, int k0) {
         return k0 + key + it * KEY_STEP < N && (ROW_STEP == 0 || i0 + r0 + it * ROW_STEP < N);
     };
@@ -251,7 +262,12 @@ ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int 
                 const bool ok = holds(it, k0);
                 cp_async16_or_zero(st + k_dst + it * K_DST_STEP,
                                    ok ? tile_base + it * src_step : k_base, ok);
+#if SPLIT  // V's chunk of the same key and dims, 4D bytes further along the qkvg row
+                cp_async16_or_zero(st + V_OFFSET + k_dst + it * K_DST_STEP,
+                                   ok ? tile_base + 4 * D + it * src_step : k_base, ok);
+#endif
             }
+#if !SPLIT
             const char* const vt_tile = vt_row0 + (i64)(k0 / BK) * VT_COPIED + 16 * vq;
 #pragma unroll
             for (int it = 0; it < COPIES_PER_THREAD; ++it) {
@@ -260,33 +276,48 @@ ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int 
                                    ok ? vt_tile + it * (VT_STEP_ROWS * vt_rstride
                                                         + 16 * VT_STEP_CHUNKS) : vt_row0, ok);
             }
+#endif
             copy_bias(k0, st + BIAS_OFFSET);
         }
         cp_async_commit();
     };
 
 #if SPLIT
-    // SPLIT: this thread's own K and V^T chunks of the tile in `stage` (landed: its
-    // cp.async wait covers them; no barrier needed) as hi in place and lo into the stage's
-    // LO, at the same offset from LO as from the stage. (LO per stage: another warpgroup
-    // may still read the last tile's.)
+    // SPLIT: this thread's own K and V chunks of the tile in `stage` (landed: its cp.async
+    // wait covers them; no barrier needed) split into TF32 hi and lo: K's hi in place, its
+    // lo at the same offset from the stage's LO; V's 4 dims of one key transposed into the
+    // V^T tile (rows: dims; key at position vt_position) and LO's V^T tile. (LO per stage:
+    // another warpgroup may still read the last tile's.) The V^T stores are scalar, 4-way
+    // bank conflicted (a warp's 8 dims share 2 swizzle rows): 16 per thread and tile.
     auto split_own = [&](int stage) {
         char* const st = smem + stage * STAGE_BYTES;
-        auto split16 = [&](u32 offset) {
-            float4* const at = reinterpret_cast<float4*>(st + offset);
-            const float4 x = *at;
-            float4 hi, lo;
-            hi.x = __uint_as_float(to_tf32(x.x)), lo.x = __uint_as_float(to_tf32(x.x - hi.x));
-            hi.y = __uint_as_float(to_tf32(x.y)), lo.y = __uint_as_float(to_tf32(x.y - hi.y));
-            hi.z = __uint_as_float(to_tf32(x.z)), lo.z = __uint_as_float(to_tf32(x.z - hi.z));
-            hi.w = __uint_as_float(to_tf32(x.w)), lo.w = __uint_as_float(to_tf32(x.w - hi.w));
-            *at = hi;
-            *reinterpret_cast<float4*>(st + LO_OFFSET + offset) = lo;
+        auto split = [](float x, float& hi, float& lo) {
+            hi = __uint_as_float(to_tf32(x));
+            lo = __uint_as_float(to_tf32(x - hi));
         };
 #pragma unroll
         for (int it = 0; it < COPIES_PER_THREAD; ++it) {
-            split16(k_dst + it * K_DST_STEP);
-            split16(VT_OFFSET + vt_dst + it * VT_DST_STEP);
+            float4* const k_at = reinterpret_cast<float4*>(st + k_dst + it * K_DST_STEP);
+            const float4 x = *k_at;
+            float4 hi, lo;
+            split(x.x, hi.x, lo.x), split(x.y, hi.y, lo.y);
+            split(x.z, hi.z, lo.z), split(x.w, hi.w, lo.w);
+            *k_at = hi;
+            *reinterpret_cast<float4*>(st + LO_OFFSET + k_dst + it * K_DST_STEP) = lo;
+
+            const float4 v4 = *reinterpret_cast<const float4*>(st + V_OFFSET + k_dst + it * K_DST_STEP);
+            const float v[4] = {v4.x, v4.y, v4.z, v4.w};
+            const int pos = vt_position(key + it * KEY_STEP);
+            char* const column = st + VT_OFFSET + (r0 + it * ROW_STEP) * VT_TILE
+                                 + (pos / 32) * VT_COLUMN;
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const u32 at = sw128(4 * cc + e, 4 * (pos % 32));
+                float v_hi, v_lo;
+                split(v[e], v_hi, v_lo);
+                *reinterpret_cast<float*>(column + at) = v_hi;
+                *reinterpret_cast<float*>(column + LO_OFFSET + at) = v_lo;
+            }
         }
     };
 #endif

@@ -27,8 +27,8 @@
 //   WT    [D, NO] row-major: the PyTorch weight transposed (NO = 4D, or D for out_proj)
 //   mask  [B, N, N] at b*mb + i*mi + j*mj elements, of the type named by mask_kind
 //         (MASK_* in project_epilogue.cuh; read as is, so the caller converts nothing), or null
-//   qkvg  [M, 4D]; bias [B, H, N, NPK] (fp16 for KV_FORMAT 2); out [M, D] contiguous; vt unused (KV_FORMAT 3
-//         and 4, project_epilogue.cuh, are written by the tensor-core projection only).
+//   qkvg  [M, 4D]; bias [B, H, N, NPK] (fp16 for KV_FORMAT 2); out [M, D] contiguous; vt unused (KV_FORMAT 3,
+//         project_epilogue.cuh, is written by the tensor-core projection only).
 #include "common.cuh"
 #include "mma.cuh"
 

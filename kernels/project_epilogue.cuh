@@ -130,17 +130,14 @@ __device__ __forceinline__ void store_pairs(Tile& acc, float* base, const int (&
 //   whose tensor cores read V only as V^T; head dim 32), laid out as that kernel's shared
 //   memory holds it, so that it copies V^T tiles straight (store_vt below); and the pair
 //   bias in fp16 (bias_t).
-// 4 as 0 (fp32, not rounded), v transposed into vt as for 3 (attention_tf32x3_wgmma,
-//   which splits the tiles it copies into TF32 hi and lo parts); the pair bias in fp32.
 #ifndef KV_FORMAT
 #define KV_FORMAT 0
 #endif
-#define V_TRANSPOSED (KV_FORMAT == 3 || KV_FORMAT == 4)  // v into vt (store_vt)
-#if V_TRANSPOSED
+#if KV_FORMAT == 3
 #include "wgmma.cuh"
 #endif
 
-// Where formats 3 and 4 write V^T, and the block's first row (unused by other formats).
+// Where format 3 writes V^T, and the block's first row (the unused fields of other formats).
 struct VtTarget {
     float* vt;
     i64 m0;
@@ -190,9 +187,9 @@ __device__ __forceinline__ float4 load_gate4(const float* row, int D, int k) {
 #endif
 }
 
-#if V_TRANSPOSED
-// V^T (formats 3, 4; head dim 32): per (b, i, head), npk / 64 tiles of 8 KiB; a tile is 2
-// columns of 32 keys, each [32 dims][32 key positions] tf32 (4: fp32) in rows of 128 bytes in the
+#if KV_FORMAT == 3
+// V^T (format 3; head dim 32): per (b, i, head), npk / 64 tiles of 8 KiB; a tile is 2
+// columns of 32 keys, each [32 dims][32 key positions] tf32 in rows of 128 bytes in the
 // 128-byte swizzle (sw128); key k of a tile at position vt_position(k % 64) (column
 // position / 32). Keys [N, npk) are zero: the attention multiplies them by P = 0, and
 // the scratch memory is not cleared (it may hold NaN). Here: this thread's value pairs,
@@ -255,7 +252,7 @@ __device__ __forceinline__ void store_qkvg(Tile& acc, int n0, const float2 (&cb)
     const int NO = 4 * D;
     int col[4];
     bool packed[4];
-#if V_TRANSPOSED
+#if KV_FORMAT == 3
     int vcol0 = -1;  // the v column of this thread's first pair, where this pass holds v
 #endif
 #pragma unroll
@@ -303,7 +300,7 @@ __device__ __forceinline__ void store_qkvg(Tile& acc, int n0, const float2 (&cb)
 #endif
                 return v;
             });
-#if V_TRANSPOSED
+#if KV_FORMAT == 3
             if (n >= 2 * D) {  // v: into vt, transposed (store_vt)
                 if (j == 0) vcol0 = n - 2 * D;
                 col[j] = -1;
@@ -313,7 +310,7 @@ __device__ __forceinline__ void store_qkvg(Tile& acc, int n0, const float2 (&cb)
         }
     }
     store_pairs(acc, block_out, col, packed, NO, rows_here);
-#if V_TRANSPOSED
+#if KV_FORMAT == 3
     store_vt(acc, vcol0, vt, rows_here);
 #else
     (void)vt;

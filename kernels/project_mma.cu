@@ -39,8 +39,8 @@
 //   mask  [B, N, N] at b*mb + i*mi + j*mj elements, of the type named by mask_kind
 //         (MASK_* in project_epilogue.cuh), or null
 //   qkvg  [M, 4D]; bias [B, H, N, NPK] (fp16 where KV_FORMAT is 2 or 3); out [M, D]
-//         contiguous; vt: V^T tiles where KV_FORMAT is 3 or 4 (project_epilogue.cuh; [B, N,
-//         H, NPK / 64] x 8 KiB), else unused.
+//         contiguous; vt: V^T tiles where KV_FORMAT is 3 (project_epilogue.cuh; [B, N, H,
+//         NPK / 64] x 8 KiB), else unused.
 #include "common.cuh"
 #include "mma.cuh"
 

@@ -5,6 +5,7 @@ may chain before a sum goes to fp32), and to see the mma.sync kernel's error bes
 
     python3 scripts/wgmma_accuracy.py [BxNxDxh ...]    (default 1x160x128x4 1x257x128x4)
 """
+import dataclasses
 import pathlib
 import sys
 
@@ -32,7 +33,7 @@ def torch_fp32(weights, pair, mask):
 def launches(d, N):
     yield "mma.sync tf32x3", _configs.attention_mma_launch(d, "tf32x3", n=N)
     for groups in (1, 2, 4):
-        tiles = _configs.WgmmaTiles(min_blocks=1, pv_groups=groups)
+        tiles = dataclasses.replace(_configs.attention_wgmma_tiles("tf32x3"), pv_groups=groups)
         yield f"wgmma pv_groups={groups}", _configs.attention_wgmma_launch(d, tiles, "tf32x3")
 
 

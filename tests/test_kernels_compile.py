@@ -27,15 +27,14 @@ def _allowed_spill_bytes(config, arch) -> int:
     stopped letting a callee's "Function properties" line replace its entry's: the 3xTF32
     projections at 128 registers (up to 84 bytes), and 4 bytes in the 80-register 64-row
     projections (and one sm_80 TF32 one); since session 8, 24 bytes in the 128-row TF32
-    projection that writes V^T for the wgmma attention (KV_FORMAT 3); since session 9, 152
-    bytes in the 128-row 3xTF32 projection that writes V^T (KV_FORMAT 4). Bounded here so
-    that a new or larger spill fails; removing them is open work (benchmarks/NOTES.md).
-    Every other kernel: none."""
+    projection that writes V^T for the wgmma attention (KV_FORMAT 3). Bounded here so that
+    a new or larger spill fails; removing them is open work (benchmarks/NOTES.md). Every
+    other kernel: none."""
     defines = dict(config.defines)
     if config.filename != "project_mma.cu":
         return 0
     if defines.get("SPLIT"):
-        return 152 if defines["KV_FORMAT"] == 4 and defines["BM"] == 128 else 96
+        return 96
     if defines["KV_FORMAT"] == 3 and defines["BM"] == 128:
         return 24
     if defines["PROJECT_MIN_BLOCKS"] == 3 or arch == "sm_80":

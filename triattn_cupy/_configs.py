@@ -115,12 +115,10 @@ def project_pad(pair_dim: int) -> int:
 
 
 # How the projection stores k and v (project_epilogue.cuh KV_FORMAT): as computed (fp32),
-# rounded to TF32, packed bf16 (with the pair bias in fp16), TF32 with v transposed
-# into tiles of its own and the pair bias in fp16 (the TF32 wgmma attention's), or fp32
-# with v transposed so (the 3xTF32 wgmma attention's); the attention kernel that reads
-# them names its format.
-KV_FP32, KV_TF32, KV_BF16, KV_TF32_VT, KV_FP32_VT = 0, 1, 2, 3, 4
-V_TRANSPOSED_FORMATS = (KV_TF32_VT, KV_FP32_VT)
+# rounded to TF32, packed bf16 (with the pair bias in fp16), or TF32 with v transposed
+# into tiles of its own and the pair bias in fp16 (the TF32 wgmma attention's); the
+# attention kernel that reads them names its format.
+KV_FP32, KV_TF32, KV_BF16, KV_TF32_VT = 0, 1, 2, 3
 
 
 @functools.lru_cache(maxsize=None)  # per call: a look-up, not a rebuild
@@ -370,7 +368,7 @@ WGMMA_HEAD_DIMS = (32,)
 WGMMA_QUERIES, WGMMA_KEYS = 128, 64  # BQ and BK of a block
 # variant -> (SPLIT define, the format the projection writes for it); entry points
 # attention_<variant>_wgmma
-WGMMA_VARIANTS = {"tf32": (0, KV_TF32_VT), "tf32x3": (1, KV_FP32_VT)}
+WGMMA_VARIANTS = {"tf32": (0, KV_TF32_VT), "tf32x3": (1, KV_FP32)}
 _WGMMA_PRECISIONS = {"tf32": "tf32", "fp32": "tf32x3"}
 
 
@@ -391,19 +389,22 @@ class WgmmaTiles:
 def attention_wgmma_tiles(variant: str = "tf32") -> WgmmaTiles:
     """TF32: one row per block, two blocks (16 warps) per SM: the fastest measured at
     1x384 and 1x1024 (scripts/sweep_tiles.py, benchmarks/NOTES.md). 3xTF32: one block per
-    SM (its stages, with the lo parts and an fp32 bias tile, take 144 KiB)."""
+    SM (its two stages, with the lo parts, V as copied and an fp32 bias tile, take 161
+    KiB), the row's warpgroups in ping-pong, two fresh P V accumulators per tile."""
     if variant == "tf32x3":
-        return WgmmaTiles(min_blocks=1)
+        return WgmmaTiles(min_blocks=1, pingpong=1, pv_groups=2)
     return WgmmaTiles()
 
 
 def attention_wgmma_smem_bytes(tiles: WgmmaTiles, variant: str = "tf32") -> int:
     """STAGES x (ROWS K tiles [64][32] tf32, ROWS V^T tiles of 2 x [40][32] tf32, a bias
-    tile [128][64 + 8] fp16 (3xTF32: fp32, then the lo parts of the K and V^T tiles)), and
-    1024 bytes to align the start."""
+    tile [128][64 + 8] fp16 (3xTF32: fp32, then the lo parts of the K and V^T tiles and
+    ROWS V tiles [64][32] fp32 as copied)), and 1024 bytes to align the start."""
     split = WGMMA_VARIANTS[variant][0]
-    k_vt = tiles.rows * (WGMMA_KEYS * 128 + 2 * 40 * 128)
-    stage = (1 + split) * k_vt + (2 + 2 * split) * WGMMA_QUERIES * (WGMMA_KEYS + 8)
+    k_tile = tiles.rows * WGMMA_KEYS * 128
+    k_vt = k_tile + tiles.rows * 2 * 40 * 128
+    stage = ((1 + split) * k_vt + split * k_tile
+             + (2 + 2 * split) * WGMMA_QUERIES * (WGMMA_KEYS + 8))
     return tiles.stages * stage + 1024
 
 
@@ -473,9 +474,8 @@ def all_configs(arch: str | None = None):
                                       (False, KV_BF16, False), (True, KV_FP32, True),
                                       (True, KV_TF32, False), (True, KV_BF16, False),
                                       (True, KV_FP32, False))}
-    if 90 in capabilities:  # the projections that write V^T feed the sm_90a attention only
-        configs.update(project_config(rows, True, D, kv, kv == KV_FP32_VT)
-                       for D in (128, MAX_PAIR_DIM) for kv in V_TRANSPOSED_FORMATS
+    if 90 in capabilities:  # the projection that writes V^T feeds the sm_90a attention only
+        configs.update(project_config(rows, True, D, KV_TF32_VT) for D in (128, MAX_PAIR_DIM)
                        for rows in {project_rows(D, total) for total in (1, 1 << 62)})
     configs.update(attention_config(d) for d in supported_head_dims())
     configs.update(attention_mma_config(d, v, attention_mma_tiles(d, v, n, cc))

@@ -258,10 +258,10 @@ class Plan:
                            else np.float32)
         self.bias_bytes = B * H * N * self.npk * np.dtype(self.bias_dtype).itemsize
         # The wgmma attention reads v as V^T tiles of 8 KiB per (b, i, head) and 64 keys,
-        # which the projection writes after the bias (KV_TF32_VT, KV_FP32_VT; a multiple of
-        # 256 bytes from the start: 16-byte aligned for the tile copies).
+        # which the projection writes after the bias (KV_TF32_VT; a multiple of 256 bytes
+        # from the start: 16-byte aligned for the tile copies).
         self.vt_bytes = (B * N * H * (self.npk // 64) * 8192
-                         if self.kv_format in _configs.V_TRANSPOSED_FORMATS else 0)
+                         if self.kv_format == _configs.KV_TF32_VT else 0)
         self.scratch_bytes = self.qkvg_bytes + self.bias_bytes + self.vt_bytes
 
         sb, si, sj, sc = strides if len(strides) == 4 else (0, *strides)
@@ -302,7 +302,7 @@ class Plan:
         args = (None, None, _i32(self.B), _i32(self.N), _i32(self.H), _i32(self.npk),
                 _i32(nan_fully_masked))
         slots = ((0, "qkvg"), (1, "bias"))
-        if k.kv_format in _configs.V_TRANSPOSED_FORMATS:  # and v from the V^T tiles
+        if k.kv_format == _configs.KV_TF32_VT:  # and v from the V^T tiles
             args, slots = args + (None,), slots + ((7, "vt"),)
         return _Launch(k.config, k.name, k.blocks(self.B, self.N, self.H), k.threads, k.smem,
                        args, slots)
