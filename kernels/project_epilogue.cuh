@@ -93,90 +93,14 @@ __device__ __forceinline__ void map_column(Tile& acc, int j, float2 cb, F f) {
 
 __device__ __forceinline__ void st2(float* p, float2 v) { *reinterpret_cast<float2*>(p) = v; }
 
-#ifdef STAGED_STORES
-// STAGED_STORES (project_mma.cu, whose Tile is mma.sync's C fragments): a warp's value
-// pairs of one row slot are 8 rows (lane g) x 32 columns (lane t, pair j: 8j + 2t, + 1).
-// Stored straight from the fragments, each warp store writes 8 rows x 32 bytes (16 where
-// packed), one partial line per row: the projection's stores took 1.1 of its 1.76 ms at
-// 1x1024 (TF32), and as long in bf16 at half the bytes, so the count of L2 write requests,
-// not the bytes, set their time. Here each warp puts its 8 x 32 values through its own
-// 8 rows of `staging` (shared memory) and writes whole 128-byte rows (64 packed) with
-// 16-byte stores. Only where the warp's 4 column pairs land contiguously, 16-byte aligned,
-// as one kind (q, k, v or gate; fp32 or packed): returns false (nothing stored) otherwise.
-#define STAGE_STRIDE_FP32 40    // words per staged row: float2 writes and float4 reads
-#define STAGE_STRIDE_PACKED 20  // conflict-free for the packed words (reads row-minor)
-#define STAGING_WORDS (8 * STAGE_STRIDE_FP32)  // per warp
-// Shared-memory accesses by 32-bit shared address (generic pointers cost 64-bit registers).
-__device__ __forceinline__ void sts1(u32 a, float x) {
-    asm volatile("st.shared.f32 [%0], %1;" :: "r"(a), "f"(x) : "memory");
-}
-__device__ __forceinline__ void sts2(u32 a, float x, float y) {
-    asm volatile("st.shared.v2.f32 [%0], {%1, %2};" :: "r"(a), "f"(x), "f"(y) : "memory");
-}
-__device__ __forceinline__ float4 lds4(u32 a) {
-    float4 v;
-    asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];"
-                 : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "r"(a) : "memory");
-    return v;
-}
-__device__ __forceinline__ bool store_pairs_staged(Tile& acc, float* base, const int (&col)[4],
-                                                   const bool (&packed)[4], int ld,
-                                                   int rows_here, u32 staging) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
-    const bool pk = packed[0];
-    const int first = col[0] - (pk ? t : 2 * t);  // the warp's first destination word
-    bool fits = col[0] >= 0 && first % 4 == 0;
-#pragma unroll
-    for (int j = 1; j < 4; ++j) fits = fits && packed[j] == pk && col[j] == col[0] + (pk ? 4 : 8) * j;
-    fits = fits && first == __shfl_sync(0xffffffffu, first, 0)
-           && pk == (bool)__shfl_sync(0xffffffffu, (int)pk, 0);
-    if (!__all_sync(0xffffffffu, fits)) return false;
-    const u32 mine = staging + 4 * warp * STAGING_WORDS;
-#pragma unroll
-    for (int s = 0; s < TROWS; ++s) {
-        const int row0 = thread_row(s) - g;  // the slot's 8 rows
-        if (pk) {
-#pragma unroll
-            for (int j = 0; j < 4; ++j)
-                sts1(mine + 4 * (g * STAGE_STRIDE_PACKED + 4 * j + t), pair_at(acc, s, j)[0]);
-            __syncwarp();
-            const int r = lane % 8, c = lane / 8;  // 8 rows x 4 chunks of 16 bytes
-            const float4 v = lds4(mine + 4 * (r * STAGE_STRIDE_PACKED + 4 * c));
-            if (row0 + r < rows_here) st4(base + (row0 + r) * ld + first + 4 * c, v);
-        } else {
-#pragma unroll
-            for (int j = 0; j < 4; ++j) {
-                const float* const p = pair_at(acc, s, j);
-                sts2(mine + 4 * (g * STAGE_STRIDE_FP32 + 8 * j + 2 * t), p[0], p[1]);
-            }
-            __syncwarp();
-#pragma unroll
-            for (int k = 0; k < 2; ++k) {  // 8 rows x 8 chunks of 16 bytes
-                const int r = lane / 8 + 4 * k, c = lane % 8;
-                const float4 v = lds4(mine + 4 * (r * STAGE_STRIDE_FP32 + 4 * c));
-                if (row0 + r < rows_here) st4(base + (row0 + r) * ld + first + 4 * c, v);
-            }
-        }
-        __syncwarp();  // read back before the next slot overwrites it
-    }
-    return true;
-}
-#endif
-
 // Store this thread's value pairs: column pair j of block row r at base + r * ld + col[j]
 // (in floats), as a float pair, or only its first word where packed[j] (two bf16). Column
-// pairs with col[j] < 0 and rows from rows_here on are skipped. Through `staging` where
-// given (STAGED_STORES: store_pairs_staged). Else a row's column pairs go out one after
-// another, as the fragments hold them: storing column pair by column pair (every row of
-// one pair, then the next) made the stores take about twice as long (measured,
-// benchmarks/NOTES.md).
+// pairs with col[j] < 0 and rows from rows_here on are skipped. A row's column pairs go
+// out one after another, as the fragments hold them: storing column pair by column pair
+// (every row of one pair, then the next) made the stores take about twice as long
+// (measured, benchmarks/NOTES.md).
 __device__ __forceinline__ void store_pairs(Tile& acc, float* base, const int (&col)[4],
-                                            const bool (&packed)[4], int ld, int rows_here,
-                                            u32 staging) {
-#ifdef STAGED_STORES
-    if (staging != 0u && store_pairs_staged(acc, base, col, packed, ld, rows_here, staging))
-        return;
-#endif
+                                            const bool (&packed)[4], int ld, int rows_here) {
 #pragma unroll
     for (int s0 = 0; s0 < TROWS; s0 += SLOT_RUN)
 #pragma unroll
@@ -324,7 +248,7 @@ __device__ __forceinline__ void store_vt(Tile& acc, int vcol0, const VtTarget& t
 // q scaled by q_scale, k and v as KV_FORMAT says, the gate through sigmoid.
 __device__ __forceinline__ void store_qkvg(Tile& acc, int n0, const float2 (&cb)[4], int D,
                                            float q_scale, float* block_out, int rows_here,
-                                           const VtTarget& vt, u32 staging = 0u) {
+                                           const VtTarget& vt) {
     const int NO = 4 * D;
     int col[4];
     bool packed[4];
@@ -385,7 +309,7 @@ __device__ __forceinline__ void store_qkvg(Tile& acc, int n0, const float2 (&cb)
 #endif
         }
     }
-    store_pairs(acc, block_out, col, packed, NO, rows_here, staging);
+    store_pairs(acc, block_out, col, packed, NO, rows_here);
 #if KV_FORMAT == 3
     store_vt(acc, vcol0, vt, rows_here);
 #else
@@ -396,8 +320,7 @@ __device__ __forceinline__ void store_qkvg(Tile& acc, int n0, const float2 (&cb)
 // The pass at n0 of gated_out_project (acc = (g * o) Wo^T, cb the biases bo) into the
 // block's rows of out (rows of D floats).
 __device__ __forceinline__ void store_out(Tile& acc, int n0, const float2 (&cb)[4], int D,
-                                          float* block_out, int rows_here,
-                                          u32 staging = 0u) {
+                                          float* block_out, int rows_here) {
     int col[4];
     const bool packed[4] = {false, false, false, false};
 #pragma unroll
@@ -406,5 +329,5 @@ __device__ __forceinline__ void store_out(Tile& acc, int n0, const float2 (&cb)[
         col[j] = n < D ? n : -1;
         if (n < D) map_column(acc, j, cb[j], [](float2 v) { return v; });
     }
-    store_pairs(acc, block_out, col, packed, D, rows_here, staging);
+    store_pairs(acc, block_out, col, packed, D, rows_here);
 }

@@ -96,7 +96,6 @@ __device__ __forceinline__ float* pair_at(Tile& acc, int s, int j) {
 }
 
 #define EXACT_FP32 SPLIT  // the fp32 mode: exact gate and LayerNorm (project_epilogue.cuh)
-#define STAGED_STORES     // stores through shared memory (project_epilogue.cuh, project_columns)
 #include "project_epilogue.cuh"
 
 // A value of the row tile as the products take it: fp32 to be split (SPLIT), else
@@ -267,16 +266,12 @@ __device__ __forceinline__ void multiply_chunk(u32 a_lane, int astr, u32 w_lane,
 
 // All NO output columns of the block's rows, BN at a time: acc = As x W[n0 + ..., :]^T,
 // handed with the biases of this thread's column pairs (ring.bvec, staged in ring.cbias)
-// to store(acc, n0, cb, staging), which may change acc; staging: the ring's last stage,
-// which no copy writes from the end of a pass (prime fills the others) until the next
-// pass's first barrier, for the stores (STAGED_STORES). The caller has primed the ring
-// for n0 = 0 (and may have used the wait for its own copies); As is complete and visible.
-static_assert(BN * WSTR >= WARPS * STAGING_WORDS, "a ring stage holds every warp's staging rows");
+// to store(acc, n0, cb), which may change acc. The caller has primed the ring for n0 = 0 (and may have used the wait
+// for its own copies); As is complete and visible.
 template <class Store>
 __device__ __forceinline__ void project_columns(const float* As, int astr, const WeightRing& ring,
                                                 Store store) {
     const u32 a_lane = a_lane_addr(As, astr), w_lane = ring.ws + w_lane_offset();
-    const u32 staging = ring.ws + 4 * (WSTAGES - 1) * BN * WSTR;
     for (int n0 = 0; n0 < ring.NO; n0 += BN) {
         Tile acc;
         acc.zero();
@@ -291,7 +286,7 @@ __device__ __forceinline__ void project_columns(const float* As, int astr, const
         if (n0 + BN < ring.NO) ring.prime(n0 + BN);
         float2 cb[4];
         ring.biases(n0, cb);  // from shared memory: no L2 latency to wait on
-        store(acc, n0, cb, staging);
+        store(acc, n0, cb);
     }
 }
 
@@ -488,10 +483,8 @@ ln_qkvg_project(const float* __restrict__ x, i64 sb, i64 si, i64 sj, i64 sc, int
     // 5. q, k, v and gate: every 4D output column of these rows, BN at a time.
     const int rows_here = (int)min((i64)BM, M - m0);
     float* const block_out = qkvg + m0 * NO;  // row r at r * NO (< 2^31: BM * 4D)
-    project_columns(s.As, astr, ring, [&](Tile& acc, int n0, const float2 (&cb)[4],
-                                          u32 staging) {
-        store_qkvg(acc, n0, cb, D, q_scale, block_out, rows_here, VtTarget{vt, m0, N, H, npk},
-                   staging);
+    project_columns(s.As, astr, ring, [&](Tile& acc, int n0, const float2 (&cb)[4]) {
+        store_qkvg(acc, n0, cb, D, q_scale, block_out, rows_here, VtTarget{vt, m0, N, H, npk});
     });
 }
 
@@ -512,8 +505,7 @@ gated_out_project(const float* __restrict__ qkvg, i64 M, int D,
     // 2. out = A Wo^T + bo.
     const int rows_here = (int)min((i64)BM, M - m0);
     float* const block_out = out + m0 * D;
-    project_columns(s.As, astr, ring, [&](Tile& acc, int n0, const float2 (&cb)[4],
-                                          u32 staging) {
-        store_out(acc, n0, cb, D, block_out, rows_here, staging);
+    project_columns(s.As, astr, ring, [&](Tile& acc, int n0, const float2 (&cb)[4]) {
+        store_out(acc, n0, cb, D, block_out, rows_here);
     });
 }
