@@ -53,9 +53,7 @@ def use_variant(parts):
                     text = text.replace(old, new)
         return text
     _compile.kernel_source = source
-    _compile.raw_module.cache_clear()
-    _configs._function.cache_clear()
-    _configs._smem_allowed.clear()
+    _configs.forget_compiled_kernels()
 
 
 def main(sizes, variants):

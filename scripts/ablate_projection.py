@@ -83,9 +83,7 @@ def use_variant(parts):
     _compile.kernel_source = source
     rows = [r for r in (64, 128) if f"rows{r}" in parts]
     _configs.project_rows = (lambda *args: rows[0]) if rows else ORIGINAL_ROWS
-    _compile.raw_module.cache_clear()
-    _configs._function.cache_clear()
-    _configs._smem_allowed.clear()
+    _configs.forget_compiled_kernels()
 
 
 def main(sizes, variants, precisions):

@@ -55,6 +55,16 @@ def _function(config: KernelConfig, name: str, device: int):
     return raw_module(config.filename, config.defines, config.arch).get_function(name)
 
 
+def forget_compiled_kernels():
+    """Drop every loaded module and kernel handle, so that the next launch compiles from
+    the kernel source again (scripts/ablate_*.py patch the source between runs)."""
+    from ._compile import raw_module
+
+    raw_module.cache_clear()
+    _function.cache_clear()
+    _smem_allowed.clear()
+
+
 def supported_head_dims():
     return tuple(range(4, MAX_HEAD_DIM + 1, 4))
 
@@ -366,6 +376,7 @@ def attention_ffma_launch(head_dim: int) -> AttentionLaunch:
 WGMMA_ARCH = "sm_90a"  # wgmma exists only on compute capability 9.0, in this target
 WGMMA_HEAD_DIMS = (32,)
 WGMMA_QUERIES, WGMMA_KEYS = 128, 64  # BQ and BK of a block
+VT_TILE_BYTES = WGMMA_KEYS * 32 * 4  # one V^T tile of KV_TF32_VT: 64 keys x 32 dims, tf32
 # variant -> (SPLIT define, the format the projection writes for it); entry points
 # attention_<variant>_wgmma
 WGMMA_VARIANTS = {"tf32": (0, KV_TF32_VT), "tf32x3": (1, KV_FP32)}

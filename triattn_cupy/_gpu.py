@@ -7,17 +7,17 @@ Stages (one launch each):
              (project.cu)
   attention  flash-style softmax attention, o written over q: tensor cores for head dims
              that are multiples of 8 on sm_80+ (attention_mma.cu: 3xTF32 for "fp32",
-             TF32, bf16; "tf32" at head dim 32 and N > 128 on compute capability 9.0:
-             attention_wgmma.cu), else FFMA fp32 (attention.cu)
+             TF32, bf16; "tf32" and "fp32" at head dim 32 and N > 128 on compute
+             capability 9.0: attention_wgmma.cu), else FFMA fp32 (attention.cu)
   out        (g * o) Wo^T + bo, products as in project  (project.cu / project_mma.cu)
-Scratch: qkvg [M, 4D] and bias [B, h, N, NPK] float32 (float16 for the bf16 and the wgmma
-attention; the wgmma one adds V^T tiles after it), one allocation from CuPy's memory pool
-per call.
+Scratch: qkvg [M, 4D] and bias [B, h, N, NPK] float32 (float16 for the bf16 and the TF32
+wgmma attention; the TF32 wgmma one adds V^T tiles after it), one allocation from CuPy's
+memory pool per call.
 Everything a call launches besides its pointers is worked out once per module and input
 geometry (Plan): at small sizes the caller waits on host time. The tf32 and bf16
 attention kernels read k and v in their tensor-core form, which the projection writes for
 them (rounded to TF32, or packed bf16 in the k columns: half the bytes; in bf16 mode q
-and the gate are packed bf16 too; V transposed for wgmma); see _configs.KV_* and
+and the gate are packed bf16 too; V transposed for the TF32 wgmma); see _configs.KV_* and
 kernels/project_epilogue.cuh.
 """
 from __future__ import annotations
@@ -253,14 +253,14 @@ class Plan:
         # The scratch arrays in one pool allocation, the bias after qkvg (M * 16D bytes: a
         # multiple of 64, so the bias starts 16-byte aligned for its tile copies).
         self.qkvg_bytes = M * 4 * D * 4
-        # The bias in fp32, or fp16 for the bf16 and the wgmma attention.
+        # The bias in fp32, or fp16 for the bf16 and the TF32 wgmma attention.
         self.bias_dtype = (np.float16 if self.kv_format in (_configs.KV_BF16, _configs.KV_TF32_VT)
                            else np.float32)
         self.bias_bytes = B * H * N * self.npk * np.dtype(self.bias_dtype).itemsize
-        # The wgmma attention reads v as V^T tiles of 8 KiB per (b, i, head) and 64 keys,
+        # The TF32 wgmma attention reads v as V^T tiles of 8 KiB per (b, i, head) and 64 keys,
         # which the projection writes after the bias (KV_TF32_VT; a multiple of 256 bytes
         # from the start: 16-byte aligned for the tile copies).
-        self.vt_bytes = (B * N * H * (self.npk // 64) * 8192
+        self.vt_bytes = (B * N * H * (self.npk // _configs.WGMMA_KEYS) * _configs.VT_TILE_BYTES
                          if self.kv_format == _configs.KV_TF32_VT else 0)
         self.scratch_bytes = self.qkvg_bytes + self.bias_bytes + self.vt_bytes
 
@@ -396,7 +396,7 @@ class Forward:
     @property
     def bias(self):
         """The pair bias [B, H, N, NPK] (log2 e units, -inf where masked): float32, or
-        float16 for the bf16 and the wgmma attention."""
+        float16 for the bf16 and the TF32 wgmma attention."""
         return _cupy().ndarray(self.plan.bias_shape, self.plan.bias_dtype,
                                memptr=self._scratch + self.plan.qkvg_bytes)
 
