@@ -239,12 +239,13 @@ def _torch_in_precision(torch, weights, pair, mask, precision):
 def test_error_within_twice_pytorch_in_the_same_precision(cp, rng, precision):
     """Issue 6: each mode's error against float64 is no worse than twice the error of the
     spec module run by PyTorch in the same precision, on the same inputs. 1x160x128x4:
-    past N = 128 with head dim 32, where tf32 takes the wgmma attention (fp16 bias)."""
+    past N = 128 with head dim 32, where tf32 takes the wgmma attention (fp16 bias);
+    1x300x128x4: past N = 288, where fp32 takes it too (3xTF32)."""
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():
         pytest.skip("torch has no CUDA here")
     for B, N, D, h in [(1, 64, 128, 4), (2, 75, 64, 4), (1, 40, 128, 2), (2, 33, 96, 4),
-                       (1, 160, 128, 4)]:
+                       (1, 160, 128, 4), (1, 300, 128, 4)]:
         weights = ta.random_weights(D, h, seed=int(rng.integers(1 << 31)))
         pair = (rng.standard_normal((B, N, N, D)) * 2 + 0.5).astype(np.float32)
         mask = make_mask(rng, B, N, fully_masked_rows=False)
@@ -256,6 +257,16 @@ def test_error_within_twice_pytorch_in_the_same_precision(cp, rng, precision):
         print(f"{precision} {B}x{N}x{D}x{h}: ours {ours_err:.3g}, PyTorch {torch_err:.3g}, "
               f"ratio {ours_err / torch_err:.2f}")
         assert ours_err <= 2 * torch_err, (precision, (B, N, D, h), ours_err, torch_err)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "tf32", "bf16"])
+def test_sizes_past_the_wgmma_thresholds(cp, rng, precision):
+    """Head dim 32 past N = 288, where tf32 and fp32 take the wgmma attention on an
+    H100/H200 (_configs.uses_wgmma; elsewhere the mma.sync kernels): tile-straddling N,
+    B > 1, fully masked queries under both policies."""
+    poison_pool(cp)
+    check_against_reference(cp, rng, 1, 293, 128, 4, fully_masked="nan", precision=precision)
+    check_against_reference(cp, rng, 2, 321, 128, 4, mask_kind="int", precision=precision)
 
 
 def test_large_n_memory_and_spot_rows(cp, rng):

@@ -155,6 +155,25 @@ def test_smaller_gpus_get_launches_that_fit_or_a_clear_error(gpu):
         assert _configs.project_smem_bytes(D, _configs.out_project_rows()) <= limit
 
 
+def test_which_attention_kernel_each_mode_takes():
+    """The wgmma kernels only on compute capability 9.0, at head dim 32, above their N
+    thresholds (tf32 from 129, fp32 from 289); bf16 never; mma.sync otherwise."""
+    def name(d, precision, cc, n):
+        return _configs.attention_kernel(d, precision, cc, n).name
+
+    assert name(32, "tf32", 90, 128) == "attention_tf32"
+    assert name(32, "tf32", 90, 129) == "attention_tf32_wgmma"
+    assert name(32, "fp32", 90, 288) == "attention_tf32x3"
+    assert name(32, "fp32", 90, 289) == "attention_tf32x3_wgmma"
+    assert name(32, "bf16", 90, 4096) == "attention_bf16"
+    for cc in (80, 89, 100):  # sm_90a code runs on 9.0 only
+        assert name(32, "fp32", cc, 4096) == "attention_tf32x3"
+        assert name(32, "tf32", cc, 4096) == "attention_tf32"
+    assert name(64, "fp32", 90, 4096) == "attention_tf32x3"
+    fp32 = _configs.attention_kernel(32, "fp32", 90, 4096)
+    assert fp32.kv_format == _configs.KV_FP32 and fp32.smem <= _configs.SMEM_LIMIT
+
+
 def test_a_too_small_gpu_falls_back_to_the_ffma_attention():
     launch = _configs.attention_kernel(32, "tf32", 86, 4096, SMEM_OPTIN["sm_86"])
     assert launch.name == "attention_fp32" and launch.kv_format == _configs.KV_FP32

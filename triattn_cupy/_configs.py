@@ -381,6 +381,12 @@ VT_TILE_BYTES = WGMMA_KEYS * 32 * 4  # one V^T tile of KV_TF32_VT: 64 keys x 32 
 # attention_<variant>_wgmma
 WGMMA_VARIANTS = {"tf32": (0, KV_TF32_VT), "tf32x3": (1, KV_FP32)}
 _WGMMA_PRECISIONS = {"tf32": "tf32", "fp32": "tf32x3"}
+# N above which a precision takes the wgmma kernel (scripts/sweep_tiles.py, benchmarks/
+# NOTES.md): TF32 from N = 129; 3xTF32 from N = 289, since its 64-key tiles pad N further
+# than the mma.sync kernel's 32-key ones and, three products each, lose more to it (at
+# 1x160 0.110 against 0.099 ms, 2x200 0.329 against 0.315; at 1x320 0.476 against 0.497,
+# 1x384 0.65 against 0.71).
+_WGMMA_ABOVE_N = {"tf32": _SMALL_N, "fp32": 288}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -442,9 +448,9 @@ def attention_wgmma_launch(head_dim: int = 32, tiles: WgmmaTiles | None = None,
 def uses_wgmma(head_dim: int, precision: str, compute_capability: int, n: int) -> bool:
     """Whether the attention takes attention_wgmma.cu: the tf32 and fp32 modes on compute
     capability 9.0 exactly (sm_90a code runs nowhere else), at the head dims it is written
-    for, above N = 128 (at and below it the mma.sync kernels measured as fast)."""
+    for, above the N where it starts to be faster (_WGMMA_ABOVE_N)."""
     return (precision in _WGMMA_PRECISIONS and compute_capability == 90
-            and head_dim in WGMMA_HEAD_DIMS and n > _SMALL_N)
+            and head_dim in WGMMA_HEAD_DIMS and n > _WGMMA_ABOVE_N[precision])
 
 
 @functools.lru_cache(maxsize=None)  # per call: a look-up, not a rebuild

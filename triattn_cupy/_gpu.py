@@ -7,8 +7,8 @@ Stages (one launch each):
              (project.cu)
   attention  flash-style softmax attention, o written over q: tensor cores for head dims
              that are multiples of 8 on sm_80+ (attention_mma.cu: 3xTF32 for "fp32",
-             TF32, bf16; "tf32" and "fp32" at head dim 32 and N > 128 on compute
-             capability 9.0: attention_wgmma.cu), else FFMA fp32 (attention.cu)
+             TF32, bf16; at head dim 32 on compute capability 9.0 "tf32" from N = 129
+             and "fp32" from N = 289: attention_wgmma.cu), else FFMA fp32 (attention.cu)
   out        (g * o) Wo^T + bo, products as in project  (project.cu / project_mma.cu)
 Scratch: qkvg [M, 4D] and bias [B, h, N, NPK] float32 (float16 for the bf16 and the TF32
 wgmma attention; the TF32 wgmma one adds V^T tiles after it), one allocation from CuPy's
