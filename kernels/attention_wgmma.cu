@@ -75,6 +75,9 @@
 #ifndef PINGPONG
 #define PINGPONG 0      // 1: a row's second warpgroup starts its Q K^T when the first's is done
 #endif
+#ifndef HEAD_OUTER
+#define HEAD_OUTER 0    // 1: block order query tile, row, head (else query tile, head, row)
+#endif
 #ifndef SPLIT
 #define SPLIT 0         // 1: 3xTF32 (attention_tf32x3_wgmma), 0: TF32 (attention_tf32_wgmma)
 #endif
@@ -155,10 +158,17 @@ ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int 
     const int nq = (N + BQ - 1) / BQ, nr = (N + ROWS - 1) / ROWS;
     const int qtile = (int)(blockIdx.x % nq);
     i64 rest = blockIdx.x / nq;
+#if HEAD_OUTER
+    const int i0 = (int)(rest % nr) * ROWS;
+    rest /= nr;
+    const int head = (int)(rest % H);
+    const int b = (int)(rest / H);
+#else
     const int head = (int)(rest % H);
     rest /= H;
     const int i0 = (int)(rest % nr) * ROWS;
     const int b = (int)(rest / nr);
+#endif
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int g = lane >> 2, t = lane & 3;
 
