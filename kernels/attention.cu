@@ -10,8 +10,9 @@
 // A query whose every key is masked ends with l = 0: its output is 0 (fully_masked="zero")
 // or NaN ("nan", as the PyTorch reference).
 //
-// Launch: grid (ceil(N/BQ) * H * B*N) flattened, query tile fastest, so the blocks that
-// share one (row, head)'s keys and values run together and find them in L2; block 128
+// Launch: grid (ceil(N/BQ) * N * H * B) flattened (attention_block), query tile fastest, so
+// the blocks that share one (row, head)'s keys and values run together and find them in
+// L2; block 128
 // threads; dynamic shared memory 4*(HEAD_DIM*(BQ + BK) + BK*DV + BK*PSTR) bytes.
 // Pointers (float32): qkvg [B*N*N, 4D] with q at column h*d, k at D + h*d, v at 2D + h*d
 // (o overwrites q: only this block reads those q values); bias [B, H, N, NPK], NPK a
@@ -45,12 +46,9 @@ attention_fp32(float* qkvg, const float* __restrict__ bias, int B, int N, int H,
 
     const int D = H * HEAD_DIM;
     const i64 ld = 4LL * D;
-    const int nq = (N + BQ - 1) / BQ;
-    const int qtile = (int)(blockIdx.x % nq);
-    const i64 rest = blockIdx.x / nq;
-    const int head = (int)(rest % H);
-    const i64 bi = rest / H;  // b*N + i: the row of the pair this block attends along
-    const int b = (int)(bi / N);
+    const AttentionBlock blk = attention_block(N, H, BQ, 1);
+    const int qtile = blk.qtile, head = blk.head, b = blk.b;
+    const i64 bi = (i64)b * N + blk.i0;  // the row of the pair this block attends along
     const int t = threadIdx.x, lane = t & 31, tx = lane & 7, ty = (t >> 5) * 4 + (lane >> 3);
     const int q0 = qtile * BQ;
     float* row = qkvg + bi * N * ld + head * HEAD_DIM;  // + j*ld: position (b, i, j), head

@@ -58,7 +58,7 @@
 //                  {a6,a7} (g+8, 2t+8..);  B {b0,b1} (k=2t..2t+1, n=g) {b2,b3} (k=2t+8.., n=g)
 //   C (both):      c0 (g, 2t) c1 (g, 2t+1) c2 (g+8, 2t) c3 (g+8, 2t+1)
 //
-// Launch: grid ceil(N/BQ) * H * B * ceil(N/ROWS), flattened, query tile fastest; block
+// Launch: grid ceil(N/BQ) * ceil(N/ROWS) * H * B, flattened (attention_block); block
 // THREADS; dynamic shared memory SMEM_BYTES (triattn_cupy/_configs.py mirrors it).
 // Pointers: qkvg [B*N*N, 4D] float32 with q at column h*d, k at D + h*d, v at 2D + h*d
 // (o overwrites q: only this block reads those q values, and each warp reads its own
@@ -213,13 +213,8 @@ ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int 
 
     const int D = H * HEAD_DIM;
     const i64 ld = 4LL * D;
-    const int nq = (N + BQ - 1) / BQ, nr = (N + ROWS - 1) / ROWS;
-    const int qtile = (int)(blockIdx.x % nq);
-    i64 rest = blockIdx.x / nq;
-    const int head = (int)(rest % H);
-    rest /= H;
-    const int i0 = (int)(rest % nr) * ROWS;  // this block's first row
-    const int b = (int)(rest / nr);
+    const AttentionBlock blk = attention_block(N, H, BQ, ROWS);
+    const int qtile = blk.qtile, i0 = blk.i0, head = blk.head, b = blk.b;  // i0: first row
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int g = lane >> 2, t = lane & 3;  // fragment row group, thread in group
 

@@ -51,7 +51,7 @@
 //     zero there), and V as copied ([key][dim], K's layout), for split_own
 // copied STAGES - 1 tiles ahead (cp.async); one barrier per tile.
 //
-// Launch: grid ceil(N/BQ) * H * B * ceil(N/ROWS), flattened, query tile fastest; block
+// Launch: grid ceil(N/BQ) * ceil(N/ROWS) * H * B, flattened (attention_block); block
 // THREADS = 256 ROWS; dynamic shared memory SMEM_BYTES (triattn_cupy/_configs.py mirrors
 // it). Pointers: qkvg [B*N*N, 4D] with q fp32 and k rounded to TF32 (KV_FORMAT 3; SPLIT:
 // q, k, v fp32 as attention_tf32x3 reads them, KV_FORMAT 0), o written over q; bias [B, H,
@@ -74,9 +74,6 @@
 #endif
 #ifndef PINGPONG
 #define PINGPONG 0      // 1: a row's second warpgroup starts its Q K^T when the first's is done
-#endif
-#ifndef HEAD_OUTER
-#define HEAD_OUTER 0    // 1: block order query tile, row, head (else query tile, head, row)
 #endif
 #ifndef SPLIT
 #define SPLIT 0         // 1: 3xTF32 (attention_tf32x3_wgmma), 0: TF32 (attention_tf32_wgmma)
@@ -155,20 +152,8 @@ ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int 
 
     const int D = H * HEAD_DIM;
     const i64 ld = 4LL * D;
-    const int nq = (N + BQ - 1) / BQ, nr = (N + ROWS - 1) / ROWS;
-    const int qtile = (int)(blockIdx.x % nq);
-    i64 rest = blockIdx.x / nq;
-#if HEAD_OUTER
-    const int i0 = (int)(rest % nr) * ROWS;
-    rest /= nr;
-    const int head = (int)(rest % H);
-    const int b = (int)(rest / H);
-#else
-    const int head = (int)(rest % H);
-    rest /= H;
-    const int i0 = (int)(rest % nr) * ROWS;
-    const int b = (int)(rest / nr);
-#endif
+    const AttentionBlock blk = attention_block(N, H, BQ, ROWS);
+    const int qtile = blk.qtile, i0 = blk.i0, head = blk.head, b = blk.b;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int g = lane >> 2, t = lane & 3;
 

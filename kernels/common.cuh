@@ -39,3 +39,23 @@ __device__ __forceinline__ float online_max_update(float& m, float tile_max, flo
     m = m_new;
     return m_ref;
 }
+
+// The share of an attention block (attention.cu, attention_mma.cu, attention_wgmma.cu):
+// query tile `qtile` (bq queries), pair rows i0 .. i0 + rows - 1 of batch b, head `head`.
+// The grid is ceil(N / bq) * ceil(N / rows) * H * B blocks, flattened: query tile fastest,
+// then the rows, then the head. So the blocks running at one time share one head's pair
+// bias, which every row i reads whole again: at N = 4096 the bias of all heads outgrows L2
+// (head before rows: tf32 wgmma attention 245 ms, rows before head 216; benchmarks/NOTES.md).
+struct AttentionBlock {
+    int qtile, i0, head, b;
+};
+__device__ __forceinline__ AttentionBlock attention_block(int N, int H, int bq, int rows) {
+    const int nq = (N + bq - 1) / bq, nr = (N + rows - 1) / rows;
+    AttentionBlock blk;
+    blk.qtile = (int)(blockIdx.x % nq);
+    const i64 rest = blockIdx.x / nq;
+    blk.i0 = (int)(rest % nr) * rows;
+    blk.head = (int)(rest / nr % H);
+    blk.b = (int)(rest / nr / H);
+    return blk;
+}

@@ -401,7 +401,6 @@ class WgmmaTiles:
     min_blocks: int = 2
     pingpong: int = 0
     pv_groups: int = 2
-    head_outer: int = 0
 
 
 def attention_wgmma_tiles(variant: str = "tf32") -> WgmmaTiles:
@@ -439,8 +438,6 @@ def attention_wgmma_launch(head_dim: int = 32, tiles: WgmmaTiles | None = None,
     split, kv_format = WGMMA_VARIANTS[variant]
     # The TF32 kernel's defines as before the 3xTF32 variant (its cached cubins stay valid).
     extra = (("SPLIT", 1), ("PV_GROUPS", t.pv_groups)) if split else ()
-    if t.head_outer:
-        extra += (("HEAD_OUTER", 1),)
     config = KernelConfig("attention_wgmma.cu", (
         ("HEAD_DIM", head_dim), ("ROWS", t.rows), ("STAGES", t.stages),
         ("MIN_BLOCKS", t.min_blocks), ("PINGPONG", t.pingpong)) + extra, WGMMA_ARCH)
