@@ -53,9 +53,13 @@ __device__ __forceinline__ AttentionBlock attention_block(int N, int H, int bq, 
     const int nq = (N + bq - 1) / bq, nr = (N + rows - 1) / rows;
     AttentionBlock blk;
     blk.qtile = (int)(blockIdx.x % nq);
-    const i64 rest = blockIdx.x / nq;
+    i64 rest = blockIdx.x / nq;
     blk.i0 = (int)(rest % nr) * rows;
-    blk.head = (int)(rest / nr % H);
-    blk.b = (int)(rest / nr / H);
+    rest /= nr;
+    blk.head = (int)(rest % H);
+    blk.b = (int)(rest / H);
+    // Pinned: the compiler otherwise recomputes or keeps the division's pieces for the
+    // pointers formed later (one 128-register configuration spilled 8 bytes).
+    asm volatile("" : "+r"(blk.qtile), "+r"(blk.i0), "+r"(blk.head), "+r"(blk.b));
     return blk;
 }

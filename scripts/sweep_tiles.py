@@ -22,7 +22,9 @@ CANDIDATES = [_configs.MmaTiles(*shape) for shape in
                (16, 2, 2, 1, 2), (16, 2, 1, 1, 2),
                # 3 blocks (24 warps) per SM at 80 registers: bf16 compiles without spills,
                # TF32 spills 24-44 bytes (session 7)
-               (32, 1, 1, 1, 3, 2), (32, 1, 2, 1, 3, 2), (32, 1, 1, 1, 3, 3)]]
+               (32, 1, 1, 1, 3, 2), (32, 1, 2, 1, 3, 2), (32, 1, 1, 1, 3, 3),
+               # 3xTF32 at d = 24 on sm_90 (session 9)
+               (32, 2, 2, 0, 1), (32, 1, 2, 1, 1), (32, 1, 2, 0, 1), (16, 2, 2, 0, 1)]]
 
 
 def time_attention(fwd, launch, repeats):
