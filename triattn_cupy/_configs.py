@@ -272,6 +272,11 @@ def attention_mma_tiles(head_dim: int, variant: str, n: int = 1 << 30,
             # in fragments of their own: session 7, benchmarks/NOTES.md); d = 24 without
             # the next tile in registers, and sm_80 at d = 32 one m-tile: what fits in 255
             # registers there.
+            if compute_capability >= 90 and head_dim == 24:
+                # 2 blocks per SM, one row, the next tile in registers: 0.55 against 0.73 ms
+                # at 1x384x96x4 and 0.080 against 0.094 at 1x160, though it spills 24-32 bytes
+                # (results/h200-dev/sweep_tf32x3_d24.log; tests/test_kernels_compile.py)
+                return MmaTiles(bk=32, min_blocks=2)
             if compute_capability < 90 and head_dim > 24:
                 return MmaTiles(bk=32, mt=1, rows=2)
             return MmaTiles(bk=32, mt=2, rows=2, prefetch=0 if head_dim == 24 else 1)
