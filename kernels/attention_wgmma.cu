@@ -81,15 +81,11 @@
 #ifndef PV_GROUPS
 #define PV_GROUPS 2     // SPLIT: fresh P V accumulators per key tile (1, 2 or 4)
 #endif
-#ifndef WS
-#define WS 0            // 1: a producer warp fills the stages (warp specialisation; not SPLIT)
-#endif
 
 #define BK 64                          // keys per tile
 #define ROW_GROUPS 2                   // warpgroups per row
 #define BQ (64 * ROW_GROUPS)           // queries per row and block
-#define CONSUMERS (128 * ROW_GROUPS * ROWS)  // the warpgroups that multiply
-#define THREADS (CONSUMERS + 32 * WS)          // WS: and the producer warp
+#define THREADS (128 * ROW_GROUPS * ROWS)
 #define NT (BK / 8)                    // 8-key column groups of S
 #define DT (HEAD_DIM / 8)              // 8-dim column groups of O
 #define ON (HEAD_DIM + 8)              // columns of [O | l]: d, the row sum, 7 zeros
@@ -126,31 +122,22 @@ typedef unsigned short bias_elem;  // fp16 bits
 #define LO_OFFSET (BIAS_OFFSET + BIAS_TILE)
 #define V_OFFSET (LO_OFFSET + BIAS_OFFSET)
 #define STAGE_BYTES (LO_OFFSET + SPLIT * (BIAS_OFFSET + ROWS * K_TILE))
-// WS: then the mbarriers full[STAGES], empty[STAGES]; + 1024: the dynamic shared memory
-// is aligned up to 1024 bytes at run time
-#define SMEM_BYTES (STAGES * STAGE_BYTES + WS * 16 * STAGES + 1024)
+// + 1024: the dynamic shared memory is aligned up to 1024 bytes at run time
+#define SMEM_BYTES (STAGES * STAGE_BYTES + 1024)
 
 // Per row and tile, 512 16-byte chunks each of K (8 per key: 4 dims each) and of V^T.
 #define COPIES (ROWS * BK * 8)
-#define COPIES_PER_THREAD (COPIES / CONSUMERS)
-#if COPIES % CONSUMERS != 0 || BIAS_TILE % 1024 != 0 || VT_COLUMN % 1024 != 0
+#define COPIES_PER_THREAD (COPIES / THREADS)
+#if COPIES % THREADS != 0 || BIAS_TILE % 1024 != 0 || VT_COLUMN % 1024 != 0
 #error "attention_wgmma.cu: the tile shapes must give whole copies and 1024-byte parts"
 #endif
 #if PV_GROUPS != 1 && PV_GROUPS != 2 && PV_GROUPS != 4
 #error "attention_wgmma.cu: PV_GROUPS must be 1, 2 or 4"
 #endif
-#if WS && SPLIT
-#error "attention_wgmma.cu: WS copies for the TF32 kernel only (SPLIT splits its own copies)"
-#endif
 
 #define TF32_ONE 0x3f800000u
 
-#if WS  // 17 or 9 warps: ptxas's own bound for them is below what the register file allows
-#define KERNEL_BOUNDS __maxnreg__(65536 / (THREADS * MIN_BLOCKS) / 8 * 8)
-#else
-#define KERNEL_BOUNDS __launch_bounds__(THREADS, MIN_BLOCKS)
-#endif
-extern "C" __global__ void KERNEL_BOUNDS
+extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
 ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int npk,
       int nan_fully_masked
 #if !SPLIT
@@ -182,8 +169,7 @@ ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int 
 
     // ---- the bias tile of the block's BQ queries, shared by its rows (attention_mma.cu) ----
     const char* const bias_bh = reinterpret_cast<const char*>(bias + ((i64)b * H + head) * N * npk);
-#if !WS  // (WS: the producer warp copies, below)
-#define RSTEP (CONSUMERS / (BK / BIAS_CHUNK))  // rows between a thread's 16-byte copies
+#define RSTEP (THREADS / (BK / BIAS_CHUNK))  // rows between a thread's 16-byte copies
     const int copy_col = BIAS_CHUNK * (tid % (BK / BIAS_CHUNK)), copy_row = tid / (BK / BIAS_CHUNK);
     const int copy_q = qtile * BQ + copy_row;
     // Byte offsets within bias[b, head] (N * npk elements: below 2^32 bytes up to N ~ 32000).
@@ -197,7 +183,6 @@ ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int 
             cp_async16_or_zero(tile + bias_dst + BIAS_BYTES * it * RSTEP * BSTR,
                                src + it * bias_rstep, copy_q + it * RSTEP < N);
     };
-#endif
 
     // ---- Q: A fragments per 8-dim k-step, rounded to TF32 (zero past N); SPLIT: qa the
     // hi parts, qa_lo the lo ----
@@ -229,8 +214,8 @@ ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int 
     // its copy `it` is it * THREADS / 8 keys further: 32 keys on in the same row (ROWS 1)
     // or the same key of the next row (ROWS 2), so every address below is the first
     // copy's plus a constant (kept as one value each: arrays of them cost registers) ----
-#define KEY_STEP ((CONSUMERS / 8) % BK)
-#define ROW_STEP ((CONSUMERS / 8) / BK)
+#define KEY_STEP ((THREADS / 8) % BK)
+#define ROW_STEP ((THREADS / 8) / BK)
 #if KEY_STEP % 32 != 0 || COPIES_PER_THREAD * KEY_STEP > BK
 #error "attention_wgmma.cu: a thread's copies must keep its key position in a 32-key column"
 #endif
@@ -247,8 +232,8 @@ ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int 
     // chunk q of a tile lands in column q / 256 (the copied 4 KiB of each 5 KiB column).
     // This thread copies chunk tid % 512 of row tid / 512 (= 0), then VT_STEP_CHUNKS
     // chunks (ROWS 1: the second column) or VT_STEP_ROWS rows (ROWS 2) further.
-#define VT_STEP_ROWS (CONSUMERS / (VT_COPIED / 16))
-#define VT_STEP_CHUNKS (CONSUMERS % (VT_COPIED / 16))
+#define VT_STEP_ROWS (THREADS / (VT_COPIED / 16))
+#define VT_STEP_CHUNKS (THREADS % (VT_COPIED / 16))
     const int ntiles = npk / BK;
     const i64 vt_rstride = (i64)H * ntiles * VT_COPIED;
     const char* const vt_row0 = reinterpret_cast<const char*>(vt)
@@ -263,7 +248,6 @@ ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int 
         return k0 + key + it * KEY_STEP < N && (ROW_STEP == 0 || i0 + r0 + it * ROW_STEP < N);
     };
 
-#if !WS  // (WS: the producer warp's loop below copies instead)
     auto issue = [&](int k0, int stage) {  // K, V^T and bias of the tile at k0, then commit
         if (k0 < N) {
             const u32 st = smem_s + stage * STAGE_BYTES;
@@ -292,7 +276,6 @@ ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int 
         }
         cp_async_commit();
     };
-#endif
 
 #if SPLIT
     // SPLIT: this thread's own K and V chunks of the tile in `stage` (landed: its cp.async
@@ -346,67 +329,6 @@ ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int 
                                 + in_stage * VT_COLUMN + sw128(n, 4 * k32)) = 0u;
 #endif
     }
-
-#if WS
-    // WS: a producer warp (the last) copies each tile's K, V^T and bias into its stage, as
-    // issue() does, and the consumers pace themselves by mbarriers instead of a block
-    // barrier per tile, so the warpgroups (4 with ROWS 2, sharing the bias tiles) drift
-    // apart by up to STAGES - 1 tiles instead of meeting at every tile. full[s]: the
-    // producer's 32 lanes arrive once their copies of stage s landed (each waits for its
-    // own cp.async groups, then fences them for the tensor cores' proxy); empty[s]: each
-    // consumer warp arrives once its products of stage s are done.
-    const u32 full_bar = smem_s + STAGES * STAGE_BYTES, empty_bar = full_bar + 8 * STAGES;
-    if (tid == 0) {
-        for (int s = 0; s < STAGES; ++s) {
-            mbar_init(full_bar + 8 * s, 32);
-            mbar_init(empty_bar + 8 * s, CONSUMERS / 32);
-        }
-    }
-    fence_async_shared();  // the ones rows, before any wgmma reads them
-    __syncthreads();       // they and the mbarriers initialised, for every warp
-    if (warp == CONSUMERS / 32) {
-        const int tiles = (N + BK - 1) / BK;
-        for (int j = 0; j < tiles + STAGES - 1; ++j) {
-            if (j < tiles) {
-                const int s = j % STAGES, k0 = j * BK;
-                if (j >= STAGES) mbar_wait(empty_bar + 8 * s, (j / STAGES - 1) & 1);
-                const u32 st = smem_s + s * STAGE_BYTES;
-                for (int c = lane; c < ROWS * BK * 8; c += 32) {  // K: 8 chunks per key
-                    const int r = c / (BK * 8), key = (c / 8) % BK, cc = c % 8;
-                    const bool ok = k0 + key < N && i0 + r < N;
-                    cp_async16_or_zero(st + r * K_TILE + sw128(key, 16 * cc),
-                                       ok ? k_base + ((i64)r * N + k0 + key) * ld * 4 + 16 * cc
-                                          : k_base, ok);
-                }
-                for (int c = lane; c < ROWS * (VT_COPIED / 16); c += 32) {  // V^T as written
-                    const int r = c / (VT_COPIED / 16), q = c % (VT_COPIED / 16);
-                    const bool ok = i0 + r < N;
-                    cp_async16_or_zero(st + VT_OFFSET + r * VT_TILE + (q / 256) * VT_COLUMN
-                                           + 16 * (q % 256),
-                                       ok ? vt_row0 + r * vt_rstride + (i64)(k0 / BK) * VT_COPIED
-                                                + 16 * q
-                                          : vt_row0, ok);
-                }
-                for (int c = lane; c < BQ * (BK / BIAS_CHUNK); c += 32) {  // bias rows
-                    const int rq = c / (BK / BIAS_CHUNK), col = BIAS_CHUNK * (c % (BK / BIAS_CHUNK));
-                    const bool ok = qtile * BQ + rq < N;
-                    cp_async16_or_zero(st + BIAS_OFFSET + BIAS_BYTES * (rq * BSTR + col),
-                                       ok ? bias_bh + BIAS_BYTES * ((i64)(qtile * BQ + rq) * npk
-                                                                    + k0 + col)
-                                          : bias_bh, ok);
-                }
-            }
-            cp_async_commit();  // (empty past the last tile: every wait counts the same)
-            const int landed = j - (STAGES - 1);
-            if (landed >= 0) {
-                cp_async_wait<STAGES - 1>();  // this lane's copies of tile `landed`
-                fence_async_shared();
-                mbar_arrive(full_bar + 8 * (landed % STAGES));
-            }
-        }
-        return;
-    }
-#endif
 
     // [O | l] in wgmma's accumulator layout (wgmma.cuh): o[4v + 0..1] row g, o[4v + 2..3]
     // row g + 8, columns 8v + 2t, + 1; the row sums at column d (lanes t = 0: o[4 DT],
@@ -583,21 +505,14 @@ ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int 
     // ---- the key loop: one tile at a time, each product waited for where it is issued
     // (a loop keeping the next tile's Q K^T running during this tile's softmax needed
     // ~220 registers, so one block of 8 warps per SM, and was slower: benchmarks/NOTES.md) ----
-#if !WS
 #pragma unroll
     for (int st = 0; st < STAGES - 1; ++st) issue(st * BK, st);
-#else
-    int tile = 0;
-#endif
     u32 pa[NT][4];
 #if SPLIT
     u32 pl[NT][4];
 #endif
     int stage = 0;
     for (int k0 = 0; k0 < N; k0 += BK) {
-#if WS
-        mbar_wait(full_bar + 8 * stage, (tile / STAGES) & 1);  // the producer filled it
-#else
         cp_async_wait<STAGES - 2>();  // this thread's copies of this tile landed
 #if SPLIT
         split_own(stage);
@@ -605,7 +520,6 @@ ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int 
         fence_async_shared();         // they and the ones rows, before wgmma reads them
         __syncthreads();              // everyone's; every warpgroup done with the last tile
         issue(k0 + (STAGES - 1) * BK, stage == 0 ? STAGES - 1 : stage - 1);
-#endif
         // PINGPONG: the barrier above starts both warpgroups of a row together, and they
         // would contend for the tensor cores, then for the exponentials, then again; the
         // second instead waits (named barrier 1 + row) until the first has its S, so that
@@ -642,11 +556,6 @@ ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int 
         pin(o);
 #pragma unroll
         for (int n = 0; n < NT; ++n) pin(pa[n]);
-#if WS
-        __syncwarp();
-        if (lane == 0) mbar_arrive(empty_bar + 8 * stage);  // this warp is done with it
-        ++tile;
-#endif
         stage = stage == STAGES - 1 ? 0 : stage + 1;
     }
 

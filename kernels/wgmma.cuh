@@ -94,23 +94,3 @@ __device__ __forceinline__ void wgmma_m64n40k8_tf32(float (&d)[20], const u32 (&
           "+f"(d[18]), "+f"(d[19])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
 }
-
-// mbarriers in shared memory (sm_90): a phase completes when `count` arrivals have been
-// made since the last; waiters name the phase parity they wait for (0 for the first).
-// Arrive releases and the wait acquires (.cta), so writes before an arrive are visible
-// after the wait.
-__device__ __forceinline__ void mbar_init(u32 bar, u32 count) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" :: "r"(bar), "r"(count) : "memory");
-}
-__device__ __forceinline__ void mbar_arrive(u32 bar) {
-    asm volatile("{\n.reg .b64 state;\nmbarrier.arrive.shared::cta.b64 state, [%0];\n}"
-                 :: "r"(bar) : "memory");
-}
-__device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
-    u32 done;
-    do {
-        asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
-                     "selp.u32 %0, 1, 0, p;\n}"
-                     : "=r"(done) : "r"(bar), "r"(parity) : "memory");
-    } while (!done);
-}

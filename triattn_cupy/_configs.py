@@ -400,14 +400,12 @@ class WgmmaTiles:
     the bias tiles), STAGES tiles in the cp.async ring, MIN_BLOCKS per SM asked of the
     compiler, PINGPONG: a row's second warpgroup starts its Q K^T once the first has its S,
     instead of both at once; PV_GROUPS (3xTF32 only): fresh P V accumulators per key tile,
-    each added to O in fp32; WS (TF32 only): a producer warp fills the stages, paced by
-    mbarriers."""
+    each added to O in fp32."""
     rows: int = 1
     stages: int = 2
     min_blocks: int = 2
     pingpong: int = 0
     pv_groups: int = 2
-    ws: int = 0
 
 
 def attention_wgmma_tiles(variant: str = "tf32") -> WgmmaTiles:
@@ -429,7 +427,7 @@ def attention_wgmma_smem_bytes(tiles: WgmmaTiles, variant: str = "tf32") -> int:
     k_vt = k_tile + tiles.rows * 2 * 40 * 128
     stage = ((1 + split) * k_vt + split * k_tile
              + (2 + 2 * split) * WGMMA_QUERIES * (WGMMA_KEYS + 8))
-    return tiles.stages * (stage + 16 * tiles.ws) + 1024  # WS: 2 mbarriers per stage
+    return tiles.stages * stage + 1024
 
 
 def attention_wgmma_launch(head_dim: int = 32, tiles: WgmmaTiles | None = None,
@@ -445,14 +443,11 @@ def attention_wgmma_launch(head_dim: int = 32, tiles: WgmmaTiles | None = None,
     split, kv_format = WGMMA_VARIANTS[variant]
     # The TF32 kernel's defines as before the 3xTF32 variant (its cached cubins stay valid).
     extra = (("SPLIT", 1), ("PV_GROUPS", t.pv_groups)) if split else ()
-    if t.ws:
-        extra += (("WS", 1),)
     config = KernelConfig("attention_wgmma.cu", (
         ("HEAD_DIM", head_dim), ("ROWS", t.rows), ("STAGES", t.stages),
         ("MIN_BLOCKS", t.min_blocks), ("PINGPONG", t.pingpong)) + extra, WGMMA_ARCH)
     return AttentionLaunch(config, f"attention_{variant}_wgmma", WGMMA_QUERIES, t.rows,
-                           256 * t.rows + 32 * t.ws, attention_wgmma_smem_bytes(t, variant),
-                           kv_format)
+                           256 * t.rows, attention_wgmma_smem_bytes(t, variant), kv_format)
 
 
 def uses_wgmma(head_dim: int, precision: str, compute_capability: int, n: int) -> bool:
