@@ -81,6 +81,9 @@
 #ifndef PV_GROUPS
 #define PV_GROUPS 2     // SPLIT: fresh P V accumulators per key tile (1, 2 or 4)
 #endif
+#ifndef BULK
+#define BULK 0          // 1: tiles by bulk copies from K and V^T tiles (KV_FORMAT 5), mbarriers
+#endif
 
 #define BK 64                          // keys per tile
 #define ROW_GROUPS 2                   // warpgroups per row
@@ -122,8 +125,9 @@ typedef unsigned short bias_elem;  // fp16 bits
 #define LO_OFFSET (BIAS_OFFSET + BIAS_TILE)
 #define V_OFFSET (LO_OFFSET + BIAS_OFFSET)
 #define STAGE_BYTES (LO_OFFSET + SPLIT * (BIAS_OFFSET + ROWS * K_TILE))
-// + 1024: the dynamic shared memory is aligned up to 1024 bytes at run time
-#define SMEM_BYTES (STAGES * STAGE_BYTES + 1024)
+// BULK: then the mbarriers full[STAGES], empty[STAGES]; + 1024: the dynamic shared memory
+// is aligned up to 1024 bytes at run time
+#define SMEM_BYTES (STAGES * STAGE_BYTES + BULK * 16 * STAGES + 1024)
 
 // Per row and tile, 512 16-byte chunks each of K (8 per key: 4 dims each) and of V^T.
 #define COPIES (ROWS * BK * 8)
@@ -134,6 +138,10 @@ typedef unsigned short bias_elem;  // fp16 bits
 #if PV_GROUPS != 1 && PV_GROUPS != 2 && PV_GROUPS != 4
 #error "attention_wgmma.cu: PV_GROUPS must be 1, 2 or 4"
 #endif
+#if BULK && (SPLIT || PINGPONG)
+#error "attention_wgmma.cu: BULK is for the TF32 kernel without ping-pong"
+#endif
+#define KV_TILES (2 * K_TILE)  // BULK: bytes per (b, i, head, 64 keys): the K tile, then V^T's
 
 #define TF32_ONE 0x3f800000u
 
@@ -169,6 +177,7 @@ ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int 
 
     // ---- the bias tile of the block's BQ queries, shared by its rows (attention_mma.cu) ----
     const char* const bias_bh = reinterpret_cast<const char*>(bias + ((i64)b * H + head) * N * npk);
+#if !BULK  // (BULK: produce(), below)
 #define RSTEP (THREADS / (BK / BIAS_CHUNK))  // rows between a thread's 16-byte copies
     const int copy_col = BIAS_CHUNK * (tid % (BK / BIAS_CHUNK)), copy_row = tid / (BK / BIAS_CHUNK);
     const int copy_q = qtile * BQ + copy_row;
@@ -183,6 +192,7 @@ ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int 
             cp_async16_or_zero(tile + bias_dst + BIAS_BYTES * it * RSTEP * BSTR,
                                src + it * bias_rstep, copy_q + it * RSTEP < N);
     };
+#endif
 
     // ---- Q: A fragments per 8-dim k-step, rounded to TF32 (zero past N); SPLIT: qa the
     // hi parts, qa_lo the lo ----
@@ -248,6 +258,7 @@ ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int 
         return k0 + key + it * KEY_STEP < N && (ROW_STEP == 0 || i0 + r0 + it * ROW_STEP < N);
     };
 
+#if !BULK  // (BULK: produce(), below)
     auto issue = [&](int k0, int stage) {  // K, V^T and bias of the tile at k0, then commit
         if (k0 < N) {
             const u32 st = smem_s + stage * STAGE_BYTES;
@@ -276,6 +287,7 @@ ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int 
         }
         cp_async_commit();
     };
+#endif
 
 #if SPLIT
     // SPLIT: this thread's own K and V chunks of the tile in `stage` (landed: its cp.async
@@ -505,14 +517,69 @@ ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int 
     // ---- the key loop: one tile at a time, each product waited for where it is issued
     // (a loop keeping the next tile's Q K^T running during this tile's softmax needed
     // ~220 registers, so one block of 8 warps per SM, and was slower: benchmarks/NOTES.md) ----
+#if BULK
+    // BULK: warp 0 fills the stages with bulk copies (one instruction per K or V^T column
+    // tile, one per bias row) that complete on the stage's `full` mbarrier; each warp
+    // arrives on its `empty` mbarrier when its products of the stage are done, and warp 0
+    // refills a stage once all have. No block barrier in the loop: the warpgroups (four
+    // with ROWS 2, sharing each bias tile) drift apart by up to STAGES - 2 tiles. The
+    // projection writes K as tiles too (KV_FORMAT 5: per (b, i, head, 64 keys) the K tile
+    // then the V^T tile, as shared memory holds them); keys past N are left unwritten in
+    // K (S is masked to -inf there) and zero in V^T.
+    const u32 full_bar = smem_s + STAGES * STAGE_BYTES, empty_bar = full_bar + 8 * STAGES;
+    const int tiles = (N + BK - 1) / BK;
+    const char* const kv_row0 = reinterpret_cast<const char*>(vt)
+                                + (((i64)b * N + i0) * H + head) * ntiles * KV_TILES;
+    const i64 kv_rstride = (i64)H * ntiles * KV_TILES;
+    const int rows_here = min(ROWS, N - i0), queries_here = min(BQ, N - qtile * BQ);
+    auto produce = [&](int j) {  // warp 0: tile j into stage j % STAGES
+        const int s = j % STAGES, k0 = j * BK;
+        const u32 st = smem_s + s * STAGE_BYTES, full = full_bar + 8 * s;
+        if (lane == 0)
+            mbar_arrive_expect(full, rows_here * (K_TILE + VT_COPIED) + queries_here * BK * 2);
+        __syncwarp();
+        if (lane < 3 * rows_here) {  // K, then V^T's two 32-key columns, of row r
+            const int r = lane / 3, part = lane % 3;
+            const char* const src = kv_row0 + r * kv_rstride + (i64)j * KV_TILES;
+            if (part == 0)
+                bulk_copy(st + r * K_TILE, src, K_TILE, full);
+            else
+                bulk_copy(st + VT_OFFSET + r * VT_TILE + (part - 1) * VT_COLUMN,
+                          src + K_TILE + (part - 1) * (VT_COPIED / 2), VT_COPIED / 2, full);
+        }
+        for (int q = lane; q < queries_here; q += 32)  // the bias rows, 64 keys each
+            bulk_copy(st + BIAS_OFFSET + 2 * q * BSTR,
+                      bias_bh + 2 * ((i64)(qtile * BQ + q) * npk + k0), 2 * BK, full);
+    };
+    if (tid == 0) {
+        for (int s = 0; s < STAGES; ++s) {
+            mbar_init(full_bar + 8 * s, 1);
+            mbar_init(empty_bar + 8 * s, THREADS / 32);
+        }
+    }
+    fence_async_shared();  // the ones rows, before any wgmma reads them
+    __syncthreads();       // they and the mbarriers initialised, for every warp
+    if (warp == 0)
+        for (int j = 0; j < STAGES - 1 && j < tiles; ++j) produce(j);
+    int tile = 0;
+#else
 #pragma unroll
     for (int st = 0; st < STAGES - 1; ++st) issue(st * BK, st);
+#endif
     u32 pa[NT][4];
 #if SPLIT
     u32 pl[NT][4];
 #endif
     int stage = 0;
     for (int k0 = 0; k0 < N; k0 += BK) {
+#if BULK
+        if (warp == 0 && tile + STAGES - 1 < tiles) {  // refill the stage the last tile used
+            const int j = tile + STAGES - 1;
+            if (j >= STAGES) mbar_wait(empty_bar + 8 * (j % STAGES), (j / STAGES - 1) & 1);
+            produce(j);
+        }
+        mbar_wait(full_bar + 8 * stage, (tile / STAGES) & 1);
+#else
         cp_async_wait<STAGES - 2>();  // this thread's copies of this tile landed
 #if SPLIT
         split_own(stage);
@@ -520,6 +587,7 @@ ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int 
         fence_async_shared();         // they and the ones rows, before wgmma reads them
         __syncthreads();              // everyone's; every warpgroup done with the last tile
         issue(k0 + (STAGES - 1) * BK, stage == 0 ? STAGES - 1 : stage - 1);
+#endif
         // PINGPONG: the barrier above starts both warpgroups of a row together, and they
         // would contend for the tensor cores, then for the exponentials, then again; the
         // second instead waits (named barrier 1 + row) until the first has its S, so that
@@ -540,6 +608,15 @@ ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int 
 #pragma unroll
         for (int i = 0; i < 4 * NT; ++i) s[i] += bs[i];
 #endif
+#if BULK
+        if (k0 + BK > N) {  // keys past N: their K rows were never written (may be NaN)
+#pragma unroll
+            for (int n = 0; n < NT; ++n)
+#pragma unroll
+                for (int e = 0; e < 4; ++e)
+                    if (k0 + 8 * n + 2 * t + (e & 1) >= N) s[4 * n + e] = neg_inf();
+        }
+#endif
         rescale(s);
 #if SPLIT
         exponentiate(s, pa, pl);
@@ -556,6 +633,11 @@ ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int 
         pin(o);
 #pragma unroll
         for (int n = 0; n < NT; ++n) pin(pa[n]);
+#if BULK
+        __syncwarp();
+        if (lane == 0) mbar_arrive(empty_bar + 8 * stage);  // this warp is done with it
+        ++tile;
+#endif
         stage = stage == STAGES - 1 ? 0 : stage + 1;
     }
 

@@ -130,12 +130,19 @@ __device__ __forceinline__ void store_pairs(Tile& acc, float* base, const int (&
 //   whose tensor cores read V only as V^T; head dim 32), laid out as that kernel's shared
 //   memory holds it, so that it copies V^T tiles straight (store_vt below); and the pair
 //   bias in fp16 (bias_t).
+// 5 as 3, and k not in qkvg either ([D, 2D) unused): as K tiles beside the V^T tiles, each
+//   (b, i, head, 64 keys) 16 KiB, the K tile [64 keys][32 dims] tf32 in the 128-byte
+//   swizzle then the V^T tile (store_kt, store_vt), for the bulk copies of
+//   attention_wgmma.cu's BULK variant. Keys past N are zero in V^T, left unwritten in K.
 #ifndef KV_FORMAT
 #define KV_FORMAT 0
 #endif
-#if KV_FORMAT == 3
+#define KV_TILED (KV_FORMAT == 3 || KV_FORMAT == 5)  // v (and for 5, k) into tiles of their own
+#if KV_TILED
 #include "wgmma.cuh"
 #endif
+#define KV_TILE_BYTES (KV_FORMAT == 5 ? 16384 : 8192)  // per (b, i, head, 64 keys)
+#define VT_IN_TILE (KV_FORMAT == 5 ? 8192 : 0)
 
 // Where format 3 writes V^T, and the block's first row (the unused fields of other formats).
 struct VtTarget {
@@ -148,7 +155,7 @@ struct VtTarget {
 // to it anyway; bf16's have 7), at half the bytes of a bias tile, the largest part of what
 // those kernels copy. Finite values beyond fp16's range saturate to +-65504 (2^-65504 is 0
 // in any softmax), -inf and NaN stay.
-#if KV_FORMAT == 2 || KV_FORMAT == 3
+#if KV_FORMAT == 2 || KV_TILED
 typedef unsigned short bias_t;  // fp16 bits
 __device__ __forceinline__ bias_t to_bias(float x) {
     x = x > 65504.f ? 65504.f : x < -65504.f && x != neg_inf() ? -65504.f : x;
@@ -187,8 +194,8 @@ __device__ __forceinline__ float4 load_gate4(const float* row, int D, int k) {
 #endif
 }
 
-#if KV_FORMAT == 3
-// V^T (format 3; head dim 32): per (b, i, head), npk / 64 tiles of 8 KiB; a tile is 2
+#if KV_TILED
+// V^T (formats 3, 5; head dim 32): per (b, i, head), npk / 64 tiles of 8 KiB; a tile is 2
 // columns of 32 keys, each [32 dims][32 key positions] tf32 in rows of 128 bytes in the
 // 128-byte swizzle (sw128); key k of a tile at position vt_position(k % 64) (column
 // position / 32). Keys [N, npk) are zero: the attention multiplies them by P = 0, and
@@ -206,8 +213,14 @@ __device__ __forceinline__ void store_vt(Tile& acc, int vcol0, const VtTarget& t
     // d1[256 j].
     auto at = [&](unsigned bi, int key, float*& d0, float*& d1) {
         const int pos = vt_position(key % 64), byte = 4 * (pos % 32);
+#if KV_FORMAT == 5
+        char* const column = reinterpret_cast<char*>(to.vt) + VT_IN_TILE
+                             + (((i64)bi * to.H + h) * ntiles + key / 64) * KV_TILE_BYTES
+                             + (pos / 32) * 4096;
+#else
         char* const column = reinterpret_cast<char*>(to.vt + ((i64)bi * to.H + h) * ntiles * 2048)
                              + (key / 64) * 8192 + (pos / 32) * 4096;
+#endif
         d0 = reinterpret_cast<float*>(column + sw128(c, byte));
         d1 = reinterpret_cast<float*>(column + sw128(c + 1, byte));
     };
@@ -243,6 +256,32 @@ __device__ __forceinline__ void store_vt(Tile& acc, int vcol0, const VtTarget& t
 }
 #endif
 
+#if KV_FORMAT == 5
+// K tiles (format 5): key k of pair (b, i) = bi, dims c + 8j, c + 8j + 1 of head h (kcol0 =
+// 32 h + c, as store_vt) at row k % 64 of its tile, byte 4 (c + 8j) in the 128-byte swizzle:
+// 8 bytes within one 16-byte chunk (c even).
+__device__ __forceinline__ void store_kt(Tile& acc, int kcol0, const VtTarget& to, int rows_here) {
+    if (kcol0 < 0) return;
+    const int h = kcol0 / 32, c = kcol0 % 32, ntiles = to.npk / 64;
+    const unsigned N = (unsigned)to.N, bi_first = (unsigned)to.m0 / N;
+    const unsigned k_first = (unsigned)to.m0 - bi_first * N;
+#pragma unroll
+    for (int s = 0; s < TROWS; ++s) {
+        const int r = thread_row(s);
+        if (r >= rows_here) continue;
+        unsigned k = k_first + r, bi = bi_first;
+        while (k >= N) k -= N, ++bi;
+        char* const tile = reinterpret_cast<char*>(to.vt)
+                           + (((i64)bi * to.H + h) * ntiles + k / 64) * KV_TILE_BYTES;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const float* const p = pair_at(acc, s, j);
+            *reinterpret_cast<float2*>(tile + sw128(k % 64, 4 * (c + 8 * j))) = make_float2(p[0], p[1]);
+        }
+    }
+}
+#endif
+
 // The pass at n0 of ln_qkvg_project (acc = xn [Wq; Wk; Wv; Wg]^T at columns n0 + ...,
 // cb their biases) into the block's rows of qkvg (block_out, rows of NO = 4D floats):
 // q scaled by q_scale, k and v as KV_FORMAT says, the gate through sigmoid.
@@ -252,8 +291,11 @@ __device__ __forceinline__ void store_qkvg(Tile& acc, int n0, const float2 (&cb)
     const int NO = 4 * D;
     int col[4];
     bool packed[4];
-#if KV_FORMAT == 3
+#if KV_TILED
     int vcol0 = -1;  // the v column of this thread's first pair, where this pass holds v
+#endif
+#if KV_FORMAT == 5
+    int kcol0 = -1;  // the same for k
 #endif
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
@@ -295,14 +337,20 @@ __device__ __forceinline__ void store_qkvg(Tile& acc, int n0, const float2 (&cb)
             packed[j] = true;
 #else
             map_column(acc, j, cb[j], [](float2 v) {
-#if KV_FORMAT == 1 || KV_FORMAT == 3
+#if KV_FORMAT == 1 || KV_TILED
                 v = make_float2(__uint_as_float(to_tf32(v.x)), __uint_as_float(to_tf32(v.y)));
 #endif
                 return v;
             });
-#if KV_FORMAT == 3
+#if KV_TILED
             if (n >= 2 * D) {  // v: into vt, transposed (store_vt)
                 if (j == 0) vcol0 = n - 2 * D;
+                col[j] = -1;
+            }
+#endif
+#if KV_FORMAT == 5
+            if (n < 2 * D) {  // k: into its tiles (store_kt)
+                if (j == 0) kcol0 = n - D;
                 col[j] = -1;
             }
 #endif
@@ -310,7 +358,10 @@ __device__ __forceinline__ void store_qkvg(Tile& acc, int n0, const float2 (&cb)
         }
     }
     store_pairs(acc, block_out, col, packed, NO, rows_here);
-#if KV_FORMAT == 3
+#if KV_FORMAT == 5
+    store_kt(acc, kcol0, vt, rows_here);
+#endif
+#if KV_TILED
     store_vt(acc, vcol0, vt, rows_here);
 #else
     (void)vt;

@@ -94,3 +94,36 @@ __device__ __forceinline__ void wgmma_m64n40k8_tf32(float (&d)[20], const u32 (&
           "+f"(d[18]), "+f"(d[19])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
 }
+
+// mbarriers in shared memory (sm_90) and bulk copies that complete on them. A phase
+// completes when its pending arrivals reach zero and every byte announced by expect_tx
+// has landed; waiters name the parity of the phase they wait for (0 for the first).
+// Arrivals release and the wait acquires (.cta): what a bulk copy wrote, and what threads
+// did before arriving, is visible after the wait.
+__device__ __forceinline__ void mbar_init(u32 bar, u32 count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" :: "r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(u32 bar) {
+    asm volatile("{\n.reg .b64 state;\nmbarrier.arrive.shared::cta.b64 state, [%0];\n}"
+                 :: "r"(bar) : "memory");
+}
+// One arrival that also announces `bytes` more to land in this phase.
+__device__ __forceinline__ void mbar_arrive_expect(u32 bar, u32 bytes) {
+    asm volatile("{\n.reg .b64 state;\n"
+                 "mbarrier.arrive.expect_tx.shared::cta.b64 state, [%0], %1;\n}"
+                 :: "r"(bar), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
+    u32 done;
+    do {
+        asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+                     "selp.u32 %0, 1, 0, p;\n}"
+                     : "=r"(done) : "r"(bar), "r"(parity) : "memory");
+    } while (!done);
+}
+// `bytes` (a multiple of 16, both addresses 16-byte aligned) from global memory to shared
+// address `dst` by the copy engine, one instruction, counted on mbarrier `bar`.
+__device__ __forceinline__ void bulk_copy(u32 dst, const void* src, u32 bytes, u32 bar) {
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes "
+                 "[%0], [%1], %2, [%3];" :: "r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
+}

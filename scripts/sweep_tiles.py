@@ -71,7 +71,10 @@ def main(sizes):
 # (rows, stages, min_blocks, pingpong, pv_groups) of attention_wgmma.cu, per variant
 WGMMA_CANDIDATES = {
     "tf32": [_configs.WgmmaTiles(*shape) for shape in
-             [(1, 2, 2, 0), (1, 3, 2, 0), (1, 3, 2, 1), (2, 2, 1, 1), (2, 3, 1, 1)]],
+             [(1, 2, 2, 0), (1, 3, 2, 0), (1, 3, 2, 1), (2, 2, 1, 1), (2, 3, 1, 1),
+              # bulk copies by warp 0, mbarriers (BULK)
+              (1, 2, 2, 0, 2, 1), (1, 3, 2, 0, 2, 1), (1, 4, 2, 0, 2, 1), (2, 3, 1, 0, 2, 1),
+              (2, 4, 1, 0, 2, 1)]],
     "tf32x3": [_configs.WgmmaTiles(*shape) for shape in
                [(1, 2, 1, 0, 2), (1, 2, 1, 1, 1), (1, 2, 1, 1, 2), (1, 2, 1, 1, 4)]],
 }
@@ -94,7 +97,8 @@ def sweep_wgmma(dw, pair, size, d, flops, repeats, variant):
             continue
         mark = " <- chosen" if tiles == chosen else ""
         print(f"{size} wgmma {variant:6s} rows={tiles.rows} minb={tiles.min_blocks} "
-              f"st={tiles.stages} pingpong={tiles.pingpong} pv_groups={tiles.pv_groups}: "
+              f"st={tiles.stages} pingpong={tiles.pingpong} pv_groups={tiles.pv_groups} "
+              f"bulk={tiles.bulk}: "
               f"{ms:.3f} ms {flops / ms / 1e9:.1f} TFLOP/s{mark}", flush=True)
 
 

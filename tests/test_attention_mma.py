@@ -141,7 +141,10 @@ WGMMA_TILES = [("tf32", _configs.attention_wgmma_tiles("tf32")),
                ("tf32x3", _configs.attention_wgmma_tiles("tf32x3")),
                ("tf32x3", _configs.WgmmaTiles(min_blocks=1, pv_groups=1)),
                ("tf32x3", _configs.WgmmaTiles(min_blocks=1, pv_groups=4)),
-               ("tf32x3", _configs.WgmmaTiles(min_blocks=1, pingpong=0))]
+               ("tf32x3", _configs.WgmmaTiles(min_blocks=1, pingpong=0)),
+               ("tf32", _configs.WgmmaTiles(rows=1, stages=3, min_blocks=2, bulk=1)),
+               ("tf32", _configs.WgmmaTiles(rows=2, stages=3, min_blocks=1, bulk=1)),
+               ("tf32", _configs.WgmmaTiles(rows=2, stages=4, min_blocks=1, bulk=1))]
 
 
 def _needs_sm_90(cp):

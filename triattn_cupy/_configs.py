@@ -129,6 +129,8 @@ def project_pad(pair_dim: int) -> int:
 # into tiles of its own and the pair bias in fp16 (the TF32 wgmma attention's); the
 # attention kernel that reads them names its format.
 KV_FP32, KV_TF32, KV_BF16, KV_TF32_VT = 0, 1, 2, 3
+KV_TF32_TILES = 5  # as KV_TF32_VT, k as tiles beside the V^T ones (the BULK wgmma attention)
+KV_TILED_FORMATS = (KV_TF32_VT, KV_TF32_TILES)
 
 
 @functools.lru_cache(maxsize=None)  # per call: a look-up, not a rebuild
@@ -400,12 +402,14 @@ class WgmmaTiles:
     the bias tiles), STAGES tiles in the cp.async ring, MIN_BLOCKS per SM asked of the
     compiler, PINGPONG: a row's second warpgroup starts its Q K^T once the first has its S,
     instead of both at once; PV_GROUPS (3xTF32 only): fresh P V accumulators per key tile,
-    each added to O in fp32."""
+    each added to O in fp32; BULK (TF32 only, no ping-pong): warp 0 fills the stages with
+    bulk copies from K and V^T tiles (KV_TF32_TILES), paced by mbarriers."""
     rows: int = 1
     stages: int = 2
     min_blocks: int = 2
     pingpong: int = 0
     pv_groups: int = 2
+    bulk: int = 0
 
 
 def attention_wgmma_tiles(variant: str = "tf32") -> WgmmaTiles:
@@ -427,7 +431,7 @@ def attention_wgmma_smem_bytes(tiles: WgmmaTiles, variant: str = "tf32") -> int:
     k_vt = k_tile + tiles.rows * 2 * 40 * 128
     stage = ((1 + split) * k_vt + split * k_tile
              + (2 + 2 * split) * WGMMA_QUERIES * (WGMMA_KEYS + 8))
-    return tiles.stages * stage + 1024
+    return tiles.stages * (stage + 16 * tiles.bulk) + 1024  # BULK: 2 mbarriers per stage
 
 
 def attention_wgmma_launch(head_dim: int = 32, tiles: WgmmaTiles | None = None,
@@ -443,6 +447,9 @@ def attention_wgmma_launch(head_dim: int = 32, tiles: WgmmaTiles | None = None,
     split, kv_format = WGMMA_VARIANTS[variant]
     # The TF32 kernel's defines as before the 3xTF32 variant (its cached cubins stay valid).
     extra = (("SPLIT", 1), ("PV_GROUPS", t.pv_groups)) if split else ()
+    if t.bulk:
+        extra += (("BULK", 1),)
+        kv_format = KV_TF32_TILES
     config = KernelConfig("attention_wgmma.cu", (
         ("HEAD_DIM", head_dim), ("ROWS", t.rows), ("STAGES", t.stages),
         ("MIN_BLOCKS", t.min_blocks), ("PINGPONG", t.pingpong)) + extra, WGMMA_ARCH)
@@ -496,8 +503,9 @@ def all_configs(arch: str | None = None):
                                       (False, KV_BF16, False), (True, KV_FP32, True),
                                       (True, KV_TF32, False), (True, KV_BF16, False),
                                       (True, KV_FP32, False))}
-    if 90 in capabilities:  # the projection that writes V^T feeds the sm_90a attention only
-        configs.update(project_config(rows, True, D, KV_TF32_VT) for D in (128, MAX_PAIR_DIM)
+    if 90 in capabilities:  # the projections that write tiles feed the sm_90a attention only
+        configs.update(project_config(rows, True, D, kv) for D in (128, MAX_PAIR_DIM)
+                       for kv in KV_TILED_FORMATS
                        for rows in {project_rows(D, total) for total in (1, 1 << 62)})
     configs.update(attention_config(d) for d in supported_head_dims())
     configs.update(attention_mma_config(d, v, attention_mma_tiles(d, v, n, cc))

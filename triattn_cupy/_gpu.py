@@ -254,14 +254,17 @@ class Plan:
         # multiple of 64, so the bias starts 16-byte aligned for its tile copies).
         self.qkvg_bytes = M * 4 * D * 4
         # The bias in fp32, or fp16 for the bf16 and the TF32 wgmma attention.
-        self.bias_dtype = (np.float16 if self.kv_format in (_configs.KV_BF16, _configs.KV_TF32_VT)
+        self.bias_dtype = (np.float16 if self.kv_format in (_configs.KV_BF16,
+                                                            *_configs.KV_TILED_FORMATS)
                            else np.float32)
         self.bias_bytes = B * H * N * self.npk * np.dtype(self.bias_dtype).itemsize
         # The TF32 wgmma attention reads v as V^T tiles of 8 KiB per (b, i, head) and 64 keys,
         # which the projection writes after the bias (KV_TF32_VT; a multiple of 256 bytes
         # from the start: 16-byte aligned for the tile copies).
-        self.vt_bytes = (B * N * H * (self.npk // _configs.WGMMA_KEYS) * _configs.VT_TILE_BYTES
-                         if self.kv_format == _configs.KV_TF32_VT else 0)
+        # KV_TF32_TILES: each 64 keys' K tile beside their V^T tile, twice the bytes.
+        tiles = B * N * H * (self.npk // _configs.WGMMA_KEYS) * _configs.VT_TILE_BYTES
+        self.vt_bytes = {_configs.KV_TF32_VT: tiles, _configs.KV_TF32_TILES: 2 * tiles
+                         }.get(self.kv_format, 0)
         self.scratch_bytes = self.qkvg_bytes + self.bias_bytes + self.vt_bytes
 
         sb, si, sj, sc = strides if len(strides) == 4 else (0, *strides)
@@ -302,7 +305,7 @@ class Plan:
         args = (None, None, _i32(self.B), _i32(self.N), _i32(self.H), _i32(self.npk),
                 _i32(nan_fully_masked))
         slots = ((0, "qkvg"), (1, "bias"))
-        if k.kv_format == _configs.KV_TF32_VT:  # and v from the V^T tiles
+        if k.kv_format in _configs.KV_TILED_FORMATS:  # and v (and k) from the tiles
             args, slots = args + (None,), slots + ((7, "vt"),)
         return _Launch(k.config, k.name, k.blocks(self.B, self.N, self.H), k.threads, k.smem,
                        args, slots)
