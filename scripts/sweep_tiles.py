@@ -83,15 +83,17 @@ WGMMA_CANDIDATES = {
 def sweep_wgmma(dw, pair, size, d, flops, repeats, variant):
     """The wgmma attention's candidates (k and v projected in their own format)."""
     chosen = _configs.attention_wgmma_tiles(variant)
-    fwd = Forward(dw, pair, None, "zero", None,
-                  attention=_configs.attention_wgmma_launch(d, chosen, variant))
-    fwd.project()
+    forwards = {}  # k and v projected once per format the candidates read
     for tiles in WGMMA_CANDIDATES[variant]:
         try:
             launch = _configs.attention_wgmma_launch(d, tiles, variant)
             if launch.smem > _configs.SMEM_LIMIT:
                 raise ValueError(f"{launch.smem} bytes of shared memory")
-            ms = time_attention(fwd, launch, repeats)
+            if launch.kv_format not in forwards:
+                forwards[launch.kv_format] = Forward(dw, pair, None, "zero", None,
+                                                     attention=launch)
+                forwards[launch.kv_format].project()
+            ms = time_attention(forwards[launch.kv_format], launch, repeats)
         except Exception as exc:
             print(f"{size} wgmma {variant} {tiles}: {type(exc).__name__}: {exc}")
             continue
