@@ -117,7 +117,11 @@ typedef unsigned short bias_elem;  // fp16 bits
 // Elements per bias row: the 8 rows g of a fragment read (8 g + 2t) words apart for fp32
 // pairs, (4 g + t) for fp16 pairs: on distinct banks either way.
 #define BSTR (BK + 8)
+#if BULK  // the projection's bias tile as is: [BQ][BK] fp16, rows swizzled (no padding)
+#define BIAS_TILE (BQ * BK * 2)
+#else
 #define BIAS_TILE (BQ * BSTR * BIAS_BYTES)  // bytes
+#endif
 #define VT_OFFSET (ROWS * K_TILE)         // in a stage
 #define BIAS_OFFSET (ROWS * (K_TILE + VT_TILE))
 // SPLIT: the lo parts of the stage's K and V^T tiles, laid out as the hi parts from 0;
@@ -383,14 +387,23 @@ ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int 
     // S = bias + Q K^T of the tile in ring stage `stage`, issued (not waited for): S starts
     // as the bias tile and the products accumulate onto it (as attention_tf32).
     // This lane's bias pairs (rows g, g + 8; keys 8n + 2t, + 1) as fp16 pairs, widened.
+#if BULK  // row q_in_tile + g (% 8 = g) of the swizzled tile: pair n in 16-byte chunk n ^ g
+    const u32* const bias_base = reinterpret_cast<const u32*>(smem + BIAS_OFFSET
+                                                              + (q_in_tile + g) * 128) + t;
+#define BIAS_PAIR(n) (4 * ((n) ^ g))
+#define BIAS_ROW8 256  // words: 8 rows further, the same swizzle
+#else
     const u32* const bias_base = reinterpret_cast<const u32*>(smem + BIAS_OFFSET)
                                  + ((q_in_tile + g) * BSTR + 2 * t) / 2;
+#define BIAS_PAIR(n) (4 * (n))
+#define BIAS_ROW8 (4 * BSTR)
+#endif
     auto issue_s = [&](float (&s)[4 * NT], int stage) {
         const u32* const bias_tile = bias_base + stage * (STAGE_BYTES / 4);
 #pragma unroll
         for (int n = 0; n < NT; ++n) {
-            const float2 x0 = half2_to_float2(bias_tile[4 * n]);
-            const float2 x1 = half2_to_float2(bias_tile[4 * n + 4 * BSTR]);
+            const float2 x0 = half2_to_float2(bias_tile[BIAS_PAIR(n)]);
+            const float2 x1 = half2_to_float2(bias_tile[BIAS_PAIR(n) + BIAS_ROW8]);
             s[4 * n] = x0.x, s[4 * n + 1] = x0.y, s[4 * n + 2] = x1.x, s[4 * n + 3] = x1.y;
         }
         const u64 k_desc = sw128_desc(smem_s + stage * STAGE_BYTES + rw * K_TILE);
@@ -531,12 +544,13 @@ ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int 
     const char* const kv_row0 = reinterpret_cast<const char*>(vt)
                                 + (((i64)b * N + i0) * H + head) * ntiles * KV_TILES;
     const i64 kv_rstride = (i64)H * ntiles * KV_TILES;
-    const int rows_here = min(ROWS, N - i0), queries_here = min(BQ, N - qtile * BQ);
+    const int rows_here = min(ROWS, N - i0);
+    const char* const bias_tiles = reinterpret_cast<const char*>(bias)
+        + ((((i64)b * H + head) * ((N + BQ - 1) / BQ) + qtile) * ntiles) * BIAS_TILE;
     auto produce = [&](int j) {  // warp 0: tile j into stage j % STAGES
         const int s = j % STAGES, k0 = j * BK;
         const u32 st = smem_s + s * STAGE_BYTES, full = full_bar + 8 * s;
-        if (lane == 0)
-            mbar_arrive_expect(full, rows_here * (K_TILE + VT_COPIED) + queries_here * BK * 2);
+        if (lane == 0) mbar_arrive_expect(full, rows_here * (K_TILE + VT_COPIED) + BIAS_TILE);
         __syncwarp();
         if (lane < 3 * rows_here) {  // K, then V^T's two 32-key columns, of row r
             const int r = lane / 3, part = lane % 3;
@@ -547,9 +561,8 @@ ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int 
                 bulk_copy(st + VT_OFFSET + r * VT_TILE + (part - 1) * VT_COLUMN,
                           src + K_TILE + (part - 1) * (VT_COPIED / 2), VT_COPIED / 2, full);
         }
-        for (int q = lane; q < queries_here; q += 32)  // the bias rows, 64 keys each
-            bulk_copy(st + BIAS_OFFSET + 2 * q * BSTR,
-                      bias_bh + 2 * ((i64)(qtile * BQ + q) * npk + k0), 2 * BK, full);
+        if (lane == 31)  // the bias tile (project_epilogue.cuh bias_element)
+            bulk_copy(st + BIAS_OFFSET, bias_tiles + (i64)j * BIAS_TILE, BIAS_TILE, full);
     };
     if (tid == 0) {
         for (int s = 0; s < STAGES; ++s) {

@@ -132,8 +132,9 @@ __device__ __forceinline__ void store_pairs(Tile& acc, float* base, const int (&
 //   bias in fp16 (bias_t).
 // 5 as 3, and k not in qkvg either ([D, 2D) unused): as K tiles beside the V^T tiles, each
 //   (b, i, head, 64 keys) 16 KiB, the K tile [64 keys][32 dims] tf32 in the 128-byte
-//   swizzle then the V^T tile (store_kt, store_vt), for the bulk copies of
-//   attention_wgmma.cu's BULK variant. Keys past N are zero in V^T, left unwritten in K.
+//   swizzle then the V^T tile (store_kt, store_vt), and the pair bias in tiles too
+//   (bias_element), for the bulk copies of attention_wgmma.cu's BULK variant. Keys past N
+//   are zero in V^T, left unwritten in K.
 #ifndef KV_FORMAT
 #define KV_FORMAT 0
 #endif
@@ -178,6 +179,24 @@ __device__ __forceinline__ void store_pair_bias(bias_t* __restrict__ brow, i64 j
     if (j == N - 1)
         for (int jj = N; jj < npk; ++jj) brow[jj] = to_bias(neg_inf());
 }
+
+#if KV_FORMAT == 5
+// The pair bias in tiles (format 5): per (b, head, 128 queries i, 64 keys j) 16 KiB,
+// [128 rows i][64 keys j] fp16 in the 128-byte swizzle (wgmma.cuh sw128: rows of 128
+// bytes, read conflict-free by the attention's fragments without padding), so that one
+// bulk copy moves a tile. bh = b H + head. Query rows past N in the last tile stay unwritten.
+__device__ __forceinline__ bias_t* bias_element(bias_t* bias, i64 bh, int i, int j, int N, int npk) {
+    const i64 tile = (bh * ((N + 127) / 128) + i / 128) * (npk / 64) + j / 64;
+    return reinterpret_cast<bias_t*>(reinterpret_cast<char*>(bias) + tile * 16384
+                                     + sw128(i % 128, 2 * (j % 64)));
+}
+__device__ __forceinline__ void store_pair_bias_tiled(bias_t* __restrict__ bias, i64 bh, int i,
+                                                      int j, int N, int npk, bool keep, float dot) {
+    *bias_element(bias, bh, i, j, N, npk) = to_bias(keep ? dot * LOG2E_F : neg_inf());
+    if (j == N - 1)
+        for (int jj = N; jj < npk; ++jj) *bias_element(bias, bh, i, jj, N, npk) = to_bias(neg_inf());
+}
+#endif
 
 #define Q_WORD(D) (KV_FORMAT == 2 ? 2 * (D) : 0)
 #define GATE_WORD(D) (KV_FORMAT == 2 ? 5 * (D) / 2 : 3 * (D))

@@ -309,7 +309,7 @@ __device__ __noinline__ void pair_bias(const float* As, int astr, const float* _
         // (head 0; a head is N * npk further) and their mask elements, loaded first, in
         // flight during the products.
         bias_t* brow[2];
-        int j[2];
+        int j[2], rows[2];
         bool keep[2], ok[2];
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
@@ -317,7 +317,12 @@ __device__ __noinline__ void pair_bias(const float* As, int astr, const float* _
             ok[h] = m < M;
             const i64 mc = ok[h] ? m : M - 1, b = mc / NN, r = mc - b * NN, i = r / N;
             j[h] = (int)(r - i * N);
+#if KV_FORMAT == 5  // tiles: where they start is worked out per value (store_pair_bias_tiled)
+            brow[h] = bias + b * H;  // (b H, and i in rows[h])
+            rows[h] = (int)i;
+#else
             brow[h] = bias + (b * H * N + i) * (i64)npk;
+#endif
             keep[h] = mask_keeps(mask, mask_kind, b * mb + i * mi + j[h] * mj);
         }
         for (int h0 = 0; h0 < H; h0 += 8) {
@@ -340,8 +345,14 @@ __device__ __noinline__ void pair_bias(const float* As, int astr, const float* _
 #pragma unroll
             for (int e = 0; e < 4; ++e) {  // c0 (g, 2t) c1 (g, 2t+1) c2 (g+8, 2t) c3 (g+8, 2t+1)
                 const int h = e / 2, head = h0 + 2 * t + e % 2;
+#if KV_FORMAT == 5
+                if (ok[h] && head < H)
+                    store_pair_bias_tiled(bias, brow[h] - bias + head, rows[h], j[h], N, npk,
+                                          keep[h], c[e]);
+#else
                 if (ok[h] && head < H)
                     store_pair_bias(brow[h] + (i64)head * N * npk, j[h], N, npk, keep[h], c[e]);
+#endif
             }
         }
     }

@@ -40,7 +40,7 @@ def _allowed_spill_bytes(config, arch) -> int:
         return 0
     if defines.get("SPLIT"):
         return 96
-    if defines["KV_FORMAT"] == 3 and defines["BM"] == 128:
+    if defines["KV_FORMAT"] in (3, 5) and defines["BM"] == 128:
         return 24
     if defines["PROJECT_MIN_BLOCKS"] == 3 or arch == "sm_80":
         return 8

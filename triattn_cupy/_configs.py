@@ -429,8 +429,9 @@ def attention_wgmma_smem_bytes(tiles: WgmmaTiles, variant: str = "tf32") -> int:
     split = WGMMA_VARIANTS[variant][0]
     k_tile = tiles.rows * WGMMA_KEYS * 128
     k_vt = k_tile + tiles.rows * 2 * 40 * 128
+    bias_row = WGMMA_KEYS if tiles.bulk else WGMMA_KEYS + 8  # BULK: the swizzled tile as is
     stage = ((1 + split) * k_vt + split * k_tile
-             + (2 + 2 * split) * WGMMA_QUERIES * (WGMMA_KEYS + 8))
+             + (2 + 2 * split) * WGMMA_QUERIES * bias_row)
     return tiles.stages * (stage + 16 * tiles.bulk) + 1024  # BULK: 2 mbarriers per stage
 
 

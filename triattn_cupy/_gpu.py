@@ -257,7 +257,12 @@ class Plan:
         self.bias_dtype = (np.float16 if self.kv_format in (_configs.KV_BF16,
                                                             *_configs.KV_TILED_FORMATS)
                            else np.float32)
-        self.bias_bytes = B * H * N * self.npk * np.dtype(self.bias_dtype).itemsize
+        if self.kv_format == _configs.KV_TF32_TILES:  # [B, H, query tiles, key tiles] x
+            # [128 queries][64 keys], rows swizzled (project_epilogue.cuh bias_element)
+            q_tiles = -(-N // _configs.WGMMA_QUERIES)
+            self.bias_shape = (B, H, q_tiles, self.npk // _configs.WGMMA_KEYS,
+                               _configs.WGMMA_QUERIES, _configs.WGMMA_KEYS)
+        self.bias_bytes = math.prod(self.bias_shape) * np.dtype(self.bias_dtype).itemsize
         # The TF32 wgmma attention reads v as V^T tiles of 8 KiB per (b, i, head) and 64 keys,
         # which the projection writes after the bias (KV_TF32_VT; a multiple of 256 bytes
         # from the start: 16-byte aligned for the tile copies).
