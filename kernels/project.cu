@@ -31,6 +31,9 @@
 //         project_epilogue.cuh, is written by the tensor-core projection only).
 #include "common.cuh"
 #include "mma.cuh"
+#if KV_FORMAT == 5
+#error "project.cu: KV_FORMAT 5 (K, V^T and bias tiles) is written by project_mma.cu only"
+#endif
 
 #ifndef BM
 #define BM 128          // rows per block: 128, or 64 for large D (shared memory)

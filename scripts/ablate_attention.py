@@ -39,7 +39,8 @@ PATCHES = {  # name -> [(text, replacement)], every occurrence replaced
 VARIANTS = {"full": [], **{name: [name] for name in PATCHES},
             "only_products": ["no_exp", "no_rescale", "no_bias", "no_v", "no_copies"],
             "only_softmax": ["no_s", "no_pv", "no_v", "no_copies"]}
-SHAPES = [_configs.attention_wgmma_tiles(), _configs.WgmmaTiles(rows=1, stages=3, min_blocks=2)]
+# The cp.async variant (its copies are what the patches remove; BULK reads another format).
+SHAPES = [_configs.WgmmaTiles(), _configs.WgmmaTiles(rows=1, stages=3, min_blocks=2)]
 
 
 def use_variant(parts):
@@ -64,7 +65,7 @@ def main(sizes, variants):
         pair = cp.random.standard_normal((B, N, N, D), dtype=np.float32)
         flops = 4 * B * N**3 * D
         fwd = Forward(dw, pair, None, "zero", None,
-                      attention=_configs.attention_wgmma_launch(D // h))
+                      attention=_configs.attention_wgmma_launch(D // h, SHAPES[0]))
         fwd.project()
         for tiles in SHAPES:
             for variant in variants:

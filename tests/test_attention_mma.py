@@ -134,6 +134,7 @@ def test_mma_both_policies_on_one_input(cp, rng, variant):
 # sm_90a) ----
 
 WGMMA_TILES = [("tf32", _configs.attention_wgmma_tiles("tf32")),
+               ("tf32", _configs.WgmmaTiles()),
                ("tf32", _configs.WgmmaTiles(rows=1, stages=2, min_blocks=2, pingpong=1)),
                ("tf32", _configs.WgmmaTiles(rows=2, stages=2, min_blocks=1, pingpong=1)),
                ("tf32", _configs.WgmmaTiles(rows=2, stages=3, min_blocks=1)),

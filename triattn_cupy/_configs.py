@@ -413,13 +413,14 @@ class WgmmaTiles:
 
 
 def attention_wgmma_tiles(variant: str = "tf32") -> WgmmaTiles:
-    """TF32: one row per block, two blocks (16 warps) per SM: the fastest measured at
-    1x384 and 1x1024 (scripts/sweep_tiles.py, benchmarks/NOTES.md). 3xTF32: one block per
+    """TF32: one row per block, two blocks (16 warps) per SM, tiles by bulk copies (BULK):
+    the fastest measured at 1x384 and 1x1024 (scripts/sweep_tiles.py, benchmarks/NOTES.md:
+    3.14 against 3.49 ms with cp.async at 1x1024). 3xTF32: one block per
     SM (its two stages, with the lo parts, V as copied and an fp32 bias tile, take 161
     KiB), the row's warpgroups in ping-pong, two fresh P V accumulators per tile."""
     if variant == "tf32x3":
         return WgmmaTiles(min_blocks=1, pingpong=1, pv_groups=2)
-    return WgmmaTiles()
+    return WgmmaTiles(bulk=1)
 
 
 def attention_wgmma_smem_bytes(tiles: WgmmaTiles, variant: str = "tf32") -> int:
