@@ -180,8 +180,8 @@ ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int 
     const int q0 = qtile * BQ + q_in_tile;
 
     // ---- the bias tile of the block's BQ queries, shared by its rows (attention_mma.cu) ----
-    const char* const bias_bh = reinterpret_cast<const char*>(bias + ((i64)b * H + head) * N * npk);
 #if !BULK  // (BULK: produce(), below)
+    const char* const bias_bh = reinterpret_cast<const char*>(bias + ((i64)b * H + head) * N * npk);
 #define RSTEP (THREADS / (BK / BIAS_CHUNK))  // rows between a thread's 16-byte copies
     const int copy_col = BIAS_CHUNK * (tid % (BK / BIAS_CHUNK)), copy_row = tid / (BK / BIAS_CHUNK);
     const int copy_q = qtile * BQ + copy_row;
@@ -233,6 +233,10 @@ ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int 
 #if KEY_STEP % 32 != 0 || COPIES_PER_THREAD * KEY_STEP > BK
 #error "attention_wgmma.cu: a thread's copies must keep its key position in a 32-key column"
 #endif
+#if !SPLIT
+    const int ntiles = npk / BK;  // key tiles per row of V^T (and BULK: of K and the bias)
+#endif
+#if !BULK
     const int cc = tid % 8, key = (tid / 8) % BK, r0 = tid / (8 * BK);
     // K sources as 32-bit byte offsets from k of row i0 at key 0 (attention_mma.cu: fine
     // unless N > 43000).
@@ -248,7 +252,6 @@ ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int 
     // chunks (ROWS 1: the second column) or VT_STEP_ROWS rows (ROWS 2) further.
 #define VT_STEP_ROWS (THREADS / (VT_COPIED / 16))
 #define VT_STEP_CHUNKS (THREADS % (VT_COPIED / 16))
-    const int ntiles = npk / BK;
     const i64 vt_rstride = (i64)H * ntiles * VT_COPIED;
     const char* const vt_row0 = reinterpret_cast<const char*>(vt)
                                 + (((i64)b * N + i0) * H + head) * ntiles * VT_COPIED;
@@ -261,6 +264,7 @@ ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int 
     auto holds = [&](int it, int k0) {
         return k0 + key + it * KEY_STEP < N && (ROW_STEP == 0 || i0 + r0 + it * ROW_STEP < N);
     };
+#endif
 
 #if !BULK  // (BULK: produce(), below)
     auto issue = [&](int k0, int stage) {  // K, V^T and bias of the tile at k0, then commit
@@ -548,7 +552,7 @@ ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int 
     const char* const bias_tiles = reinterpret_cast<const char*>(bias)
         + ((((i64)b * H + head) * ((N + BQ - 1) / BQ) + qtile) * ntiles) * BIAS_TILE;
     auto produce = [&](int j) {  // warp 0: tile j into stage j % STAGES
-        const int s = j % STAGES, k0 = j * BK;
+        const int s = j % STAGES;
         const u32 st = smem_s + s * STAGE_BYTES, full = full_bar + 8 * s;
         if (lane == 0) mbar_arrive_expect(full, rows_here * (K_TILE + VT_COPIED) + BIAS_TILE);
         __syncwarp();

@@ -318,7 +318,7 @@ __device__ __noinline__ void pair_bias(const float* As, int astr, const float* _
             const i64 mc = ok[h] ? m : M - 1, b = mc / NN, r = mc - b * NN, i = r / N;
             j[h] = (int)(r - i * N);
 #if KV_FORMAT == 5  // tiles: where they start is worked out per value (store_pair_bias_tiled)
-            brow[h] = bias + b * H;  // (b H, and i in rows[h])
+            brow[h] = bias + b * H;  // only to carry b H: brow[h] - bias + head = b H + head
             rows[h] = (int)i;
 #else
             brow[h] = bias + (b * H * N + i) * (i64)npk;
