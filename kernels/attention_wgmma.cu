@@ -46,17 +46,22 @@
 //   ROWS x V^T tile: 2 columns of 32 keys, each [d + 8 rows][32 key positions] tf32 (5 KiB;
 //     row d is ones, d + 1 .. d + 7 zeros: written once, never copied over)
 //   the bias tile [BQ][BK + 8] fp16 (KV_FORMAT 3 holds the bias in fp16: TF32's mantissa,
-//     half the bytes of the largest copy), or fp32 (SPLIT)
+//     half the bytes of the largest copy), or fp32 (SPLIT), or (BULK) [BQ][BK] fp16 with
+//     rows in the 128-byte swizzle, as the projection writes it (conflict-free unpadded)
 //   SPLIT: LO, the lo parts of the stage's K and V^T tiles (their layout; V^T's ones row
 //     zero there), and V as copied ([key][dim], K's layout), for split_own
-// copied STAGES - 1 tiles ahead (cp.async); one barrier per tile.
+// copied STAGES - 1 tiles ahead (cp.async; one barrier per tile), or (BULK, the default
+// for TF32) by warp 0 with bulk copies, one per K tile, V^T column and bias tile, paced by
+// the mbarriers full[STAGES] and empty[STAGES] after the stages (no barrier in the loop).
 //
 // Launch: grid ceil(N/BQ) * ceil(N/ROWS) * H * B, flattened (attention_block); block
 // THREADS = 256 ROWS; dynamic shared memory SMEM_BYTES (triattn_cupy/_configs.py mirrors
 // it). Pointers: qkvg [B*N*N, 4D] with q fp32 and k rounded to TF32 (KV_FORMAT 3; SPLIT:
-// q, k, v fp32 as attention_tf32x3 reads them, KV_FORMAT 0), o written over q; bias [B, H,
-// N, NPK] fp16 (fp32 for SPLIT), NPK a multiple of BK, -inf on the padded keys; vt (not
-// SPLIT) the V^T tiles ([B, N, H, NPK / 64] tiles of 8 KiB, zero past key N).
+// q, k, v fp32 as attention_tf32x3 reads them, KV_FORMAT 0; BULK: q only, KV_FORMAT 5), o
+// written over q; bias [B, H, N, NPK] fp16 (fp32 for SPLIT; BULK: the tiles of
+// project_epilogue.cuh bias_element), NPK a multiple of BK, -inf on the padded keys; vt
+// (not SPLIT) the V^T tiles ([B, N, H, NPK / 64] tiles of 8 KiB, zero past key N; BULK:
+// 16 KiB, the K tile then the V^T tile).
 #include "common.cuh"
 #include "wgmma.cuh"
 
