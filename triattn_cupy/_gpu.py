@@ -11,13 +11,14 @@ Stages (one launch each):
              and "fp32" from N = 289: attention_wgmma.cu), else FFMA fp32 (attention.cu)
   out        (g * o) Wo^T + bo, products as in project  (project.cu / project_mma.cu)
 Scratch: qkvg [M, 4D] and bias [B, h, N, NPK] float32 (float16 for the bf16 and the TF32
-wgmma attention; the TF32 wgmma one adds V^T tiles after it), one allocation from CuPy's
-memory pool per call.
+wgmma attention, which has it in tiles and adds K and V^T tiles after it), one allocation
+from CuPy's memory pool per call.
 Everything a call launches besides its pointers is worked out once per module and input
 geometry (Plan): at small sizes the caller waits on host time. The tf32 and bf16
 attention kernels read k and v in their tensor-core form, which the projection writes for
 them (rounded to TF32, or packed bf16 in the k columns: half the bytes; in bf16 mode q
-and the gate are packed bf16 too; V transposed for the TF32 wgmma); see _configs.KV_* and
+and the gate are packed bf16 too; K, V^T and the bias in tiles for the TF32 wgmma); see
+_configs.KV_* and
 kernels/project_epilogue.cuh.
 """
 from __future__ import annotations
