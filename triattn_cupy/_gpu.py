@@ -18,8 +18,7 @@ geometry (Plan): at small sizes the caller waits on host time. The tf32 and bf16
 attention kernels read k and v in their tensor-core form, which the projection writes for
 them (rounded to TF32, or packed bf16 in the k columns: half the bytes; in bf16 mode q
 and the gate are packed bf16 too; K, V^T and the bias in tiles for the TF32 wgmma); see
-_configs.KV_* and
-kernels/project_epilogue.cuh.
+_configs.KV_* and kernels/project_epilogue.cuh.
 """
 from __future__ import annotations
 
