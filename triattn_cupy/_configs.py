@@ -387,12 +387,11 @@ VT_TILE_BYTES = WGMMA_KEYS * 32 * 4  # one V^T tile of KV_TF32_VT: 64 keys x 32 
 # variant -> (SPLIT define, the format the projection writes for it); entry points
 # attention_<variant>_wgmma
 WGMMA_VARIANTS = {"tf32": (0, KV_TF32_VT), "tf32x3": (1, KV_FP32)}
-_WGMMA_PRECISIONS = {"tf32": "tf32", "fp32": "tf32x3"}
-# N above which a precision takes the wgmma kernel (scripts/sweep_tiles.py, benchmarks/
-# NOTES.md): TF32 from N = 129; 3xTF32 from N = 289, since its 64-key tiles pad N further
-# than the mma.sync kernel's 32-key ones and, three products each, lose more to it (at
-# 1x160 0.110 against 0.099 ms, 2x200 0.329 against 0.315; at 1x320 0.476 against 0.497,
-# 1x384 0.65 against 0.71).
+# N above which a precision takes the wgmma kernel, of its variant (_MMA_VARIANT)
+# (scripts/sweep_tiles.py, benchmarks/NOTES.md): TF32 from N = 129; 3xTF32 from N = 289,
+# since its 64-key tiles pad N further than the mma.sync kernel's 32-key ones and, three
+# products each, lose more to it (at 1x160 0.110 against 0.099 ms, 2x200 0.329 against
+# 0.315; at 1x320 0.476 against 0.497, 1x384 0.65 against 0.71).
 _WGMMA_ABOVE_N = {"tf32": _SMALL_N, "fp32": 288}
 
 
@@ -439,8 +438,9 @@ def attention_wgmma_smem_bytes(tiles: WgmmaTiles, variant: str = "tf32") -> int:
 def attention_wgmma_launch(head_dim: int = 32, tiles: WgmmaTiles | None = None,
                            variant: str = "tf32") -> AttentionLaunch:
     """The TF32 ("tf32") or fp32-accurate ("tf32x3") attention on wgmma
-    (attention_<variant>_wgmma), reading k as attention_<variant> does and v as V^T tiles
-    (KV_TF32_VT, KV_FP32_VT)."""
+    (attention_<variant>_wgmma), reading k and v as the projection stores them for it:
+    TF32 with V^T tiles (KV_TF32_VT), or with K, V^T and bias tiles where `tiles.bulk`
+    (KV_TF32_TILES); 3xTF32 as attention_tf32x3 (KV_FP32)."""
     if variant not in WGMMA_VARIANTS:
         raise ValueError(f"variant must be one of {tuple(WGMMA_VARIANTS)}; got {variant!r}")
     if head_dim not in WGMMA_HEAD_DIMS:
@@ -463,7 +463,7 @@ def uses_wgmma(head_dim: int, precision: str, compute_capability: int, n: int) -
     """Whether the attention takes attention_wgmma.cu: the tf32 and fp32 modes on compute
     capability 9.0 exactly (sm_90a code runs nowhere else), at the head dims it is written
     for, above the N where it starts to be faster (_WGMMA_ABOVE_N)."""
-    return (precision in _WGMMA_PRECISIONS and compute_capability == 90
+    return (precision in _WGMMA_ABOVE_N and compute_capability == 90
             and head_dim in WGMMA_HEAD_DIMS and n > _WGMMA_ABOVE_N[precision])
 
 
@@ -478,7 +478,7 @@ def attention_kernel(head_dim: int, precision: str, compute_capability: int = 90
     limit = SMEM_LIMIT if smem_limit is None else smem_limit
     variant = _MMA_VARIANT[precision]
     if uses_wgmma(head_dim, precision, compute_capability, n):
-        launch = attention_wgmma_launch(head_dim, variant=_WGMMA_PRECISIONS[precision])
+        launch = attention_wgmma_launch(head_dim, variant=variant)
         if launch.smem <= limit:
             return launch
     if compute_capability >= 80 and head_dim in attention_mma_head_dims(variant):
