@@ -223,11 +223,24 @@ __device__ __forceinline__ float4 load_gate4(const float* row, int D, int k) {
 // pairs j are 8j further, all of one head, dims c + 8j and c + 8j + 1 (c = vcol0 % 32 <
 // 8), which sit 1024 j bytes apart in a column (sw128 swizzles by row % 8). Rows m =
 // (b * N + i) * N + k are below 2^31 wherever qkvg fits in memory (16 D bytes a row).
+// Which pair (b, i) = bi and key k block row r holds (rows m = bi N + k from m0): one
+// division per call, then a few subtractions per row (a block spans rows of ceil(BM / N)
+// + 1 pairs).
+struct RowPairs {
+    unsigned N, bi_first, k_first;
+    __device__ __forceinline__ explicit RowPairs(const VtTarget& to)
+        : N((unsigned)to.N), bi_first((unsigned)to.m0 / N),
+          k_first((unsigned)to.m0 - bi_first * N) {}
+    __device__ __forceinline__ void of(int r, unsigned& bi, unsigned& k) const {
+        k = k_first + r, bi = bi_first;
+        while (k >= N) k -= N, ++bi;
+    }
+};
+
 __device__ __forceinline__ void store_vt(Tile& acc, int vcol0, const VtTarget& to, int rows_here) {
     if (vcol0 < 0) return;
     const int h = vcol0 / 32, c = vcol0 % 32, ntiles = to.npk / 64;
-    const unsigned N = (unsigned)to.N, bi_first = (unsigned)to.m0 / N;
-    const unsigned k_first = (unsigned)to.m0 - bi_first * N;  // one division per call
+    const RowPairs rows(to);
     // Where key `key` of pair (b, i) = bi goes: its dims c + 8j at d0[256 j], c + 8j + 1 at
     // d1[256 j].
     auto at = [&](unsigned bi, int key, float*& d0, float*& d1) {
@@ -247,8 +260,8 @@ __device__ __forceinline__ void store_vt(Tile& acc, int vcol0, const VtTarget& t
     for (int s = 0; s < TROWS; ++s) {
         const int r = thread_row(s);
         if (r >= rows_here) continue;
-        unsigned k = k_first + r, bi = bi_first;
-        while (k >= N) k -= N, ++bi;  // a block spans rows of ceil(BM / N) + 1 pairs (b, i)
+        unsigned bi, k;
+        rows.of(r, bi, k);
         float *d0, *d1;
         at(bi, (int)k, d0, d1);
 #pragma unroll
@@ -262,9 +275,9 @@ __device__ __forceinline__ void store_vt(Tile& acc, int vcol0, const VtTarget& t
     for (int s = 0; s < TROWS; ++s) {
         const int r = thread_row(s);
         if (r >= rows_here) continue;
-        unsigned k = k_first + r, bi = bi_first;
-        while (k >= N) k -= N, ++bi;
-        if (k != N - 1) continue;
+        unsigned bi, k;
+        rows.of(r, bi, k);
+        if (k != rows.N - 1) continue;
         for (int key = to.N; key < to.npk; ++key) {
             float *d0, *d1;
             at(bi, key, d0, d1);
@@ -282,14 +295,13 @@ __device__ __forceinline__ void store_vt(Tile& acc, int vcol0, const VtTarget& t
 __device__ __forceinline__ void store_kt(Tile& acc, int kcol0, const VtTarget& to, int rows_here) {
     if (kcol0 < 0) return;
     const int h = kcol0 / 32, c = kcol0 % 32, ntiles = to.npk / 64;
-    const unsigned N = (unsigned)to.N, bi_first = (unsigned)to.m0 / N;
-    const unsigned k_first = (unsigned)to.m0 - bi_first * N;
+    const RowPairs rows(to);
 #pragma unroll
     for (int s = 0; s < TROWS; ++s) {
         const int r = thread_row(s);
         if (r >= rows_here) continue;
-        unsigned k = k_first + r, bi = bi_first;
-        while (k >= N) k -= N, ++bi;
+        unsigned bi, k;
+        rows.of(r, bi, k);
         char* const tile = reinterpret_cast<char*>(to.vt)
                            + (((i64)bi * to.H + h) * ntiles + k / 64) * KV_TILE_BYTES;
 #pragma unroll
