@@ -169,15 +169,21 @@ typedef float bias_t;
 __device__ __forceinline__ bias_t to_bias(float x) { return x; }
 #endif
 
-// One pair-bias value: brow[j] = log2(e) * dot, or -inf where the mask drops (b, i, j);
-// brow = &bias[b, head, i, 0]. The key axis is padded to a whole number of attention
-// tiles (npk); -inf there makes the padded keys weigh exactly 0, so the attention kernel
-// needs no bounds test.
+// One pair-bias value: *at(j) = log2(e) * dot, or -inf where the mask drops (b, i, j);
+// at(jj) is where key jj of the row (b, head, i) goes. The key axis is padded to a whole
+// number of attention tiles (npk); -inf there makes the padded keys weigh exactly 0, so
+// the attention kernel needs no bounds test.
+template <class At>
+__device__ __forceinline__ void store_pair_bias_at(At at, i64 j, int N, int npk, bool keep,
+                                                   float dot) {
+    *at(j) = to_bias(keep ? dot * LOG2E_F : neg_inf());
+    if (j == N - 1)
+        for (int jj = N; jj < npk; ++jj) *at(jj) = to_bias(neg_inf());
+}
+// The same in the row-major layout [B, H, N, npk]: brow = &bias[b, head, i, 0].
 __device__ __forceinline__ void store_pair_bias(bias_t* __restrict__ brow, i64 j, int N, int npk,
                                                 bool keep, float dot) {
-    brow[j] = to_bias(keep ? dot * LOG2E_F : neg_inf());
-    if (j == N - 1)
-        for (int jj = N; jj < npk; ++jj) brow[jj] = to_bias(neg_inf());
+    store_pair_bias_at([&](i64 jj) { return brow + jj; }, j, N, npk, keep, dot);
 }
 
 #if KV_FORMAT == 5
@@ -192,9 +198,8 @@ __device__ __forceinline__ bias_t* bias_element(bias_t* bias, i64 bh, int i, int
 }
 __device__ __forceinline__ void store_pair_bias_tiled(bias_t* __restrict__ bias, i64 bh, int i,
                                                       int j, int N, int npk, bool keep, float dot) {
-    *bias_element(bias, bh, i, j, N, npk) = to_bias(keep ? dot * LOG2E_F : neg_inf());
-    if (j == N - 1)
-        for (int jj = N; jj < npk; ++jj) *bias_element(bias, bh, i, jj, N, npk) = to_bias(neg_inf());
+    store_pair_bias_at([&](i64 jj) { return bias_element(bias, bh, i, (int)jj, N, npk); }, j, N,
+                       npk, keep, dot);
 }
 #endif
 
