@@ -1,5 +1,5 @@
-// The TF32 and the fp32-accurate (3xTF32) attention of attention_mma.cu (attention_tf32,
-// attention_tf32x3) on Hopper's warpgroup products (wgmma, sm_90a; wgmma.cuh): the same
+// The TF32, the fp32-accurate (3xTF32) and the bf16 attention of attention_mma.cu
+// (attention_tf32, attention_tf32x3, attention_bf16) on Hopper's warpgroup products (wgmma, sm_90a; wgmma.cuh): the same
 // computation, outputs and edge cases. For every row (b, i), head h and query j (q and
 // bias pre-scaled by log2 e):
 //
@@ -31,6 +31,11 @@
 // likewise (24 wgmma) into PV_GROUPS fresh accumulators per tile, each added to O in
 // fp32: the tensor cores' accumulation truncates, so its chains are kept short
 // (benchmarks/NOTES.md, session 9).
+// BF16 (attention_bf16_wgmma, BULK only): Q as packed bf16 A fragments (the projection
+// stores q so), 2 wgmma m64n64k16 for S and 4 m64n40k16 for P V, P rounded to bf16 as it is
+// exponentiated; the projection writes K tiles [64 keys][32 dims] bf16 in the 64-byte
+// swizzle and V^T tiles [32 dims][64 keys] bf16, one 128-byte row per dim, keys in their own
+// order (a bf16 A fragment takes S's columns in order: KV_FORMAT 6); fp32 softmax and O.
 // tf32 operands must be K-major: K [key][dim] already is (the projection's layout); V
 // must be read as V^T [dim][key]. TF32: the projection writes V^T for this kernel, tile by
 // tile, exactly as shared memory holds it (project_epilogue.cuh KV_FORMAT 3): copying it
@@ -42,9 +47,10 @@
 // (mma.cuh).
 //
 // Shared memory, all parts 1024-byte aligned (128-byte swizzle atoms; wgmma.cuh), STAGES x
-//   ROWS x K tile [BK][32] tf32 (8 KiB)
+//   ROWS x K tile [BK][32] tf32 (8 KiB; BF16: bf16, 4 KiB, 64-byte swizzle)
 //   ROWS x V^T tile: 2 columns of 32 keys, each [d + 8 rows][32 key positions] tf32 (5 KiB;
-//     row d is ones, d + 1 .. d + 7 zeros: written once, never copied over)
+//     row d is ones, d + 1 .. d + 7 zeros: written once, never copied over; BF16: one
+//     column of 64 keys in bf16)
 //   the bias tile [BQ][BK + 8] fp16 (KV_FORMAT 3 holds the bias in fp16: TF32's mantissa,
 //     half the bytes of the largest copy), or fp32 (SPLIT), or (BULK) [BQ][BK] fp16 with
 //     rows in the 128-byte swizzle, as the projection writes it (conflict-free unpadded)
@@ -57,16 +63,17 @@
 // Launch: grid ceil(N/BQ) * ceil(N/ROWS) * H * B, flattened (attention_block); block
 // THREADS = 256 ROWS; dynamic shared memory SMEM_BYTES (triattn_cupy/_configs.py mirrors
 // it). Pointers: qkvg [B*N*N, 4D] with q fp32 and k rounded to TF32 (KV_FORMAT 3; SPLIT:
-// q, k, v fp32 as attention_tf32x3 reads them, KV_FORMAT 0; BULK: q only, KV_FORMAT 5), o
-// written over q; bias [B, H, N, NPK] fp16 (fp32 for SPLIT; BULK: the tiles of
-// project_epilogue.cuh bias_element), NPK a multiple of BK, -inf on the padded keys; vt
+// q, k, v fp32 as attention_tf32x3 reads them, KV_FORMAT 0; BULK: q only, KV_FORMAT 5;
+// BF16: q packed bf16 from word 2D, KV_FORMAT 6), o written over [0, D) of each row;
+// bias [B, H, N, NPK] fp16 (fp32 for SPLIT; BULK: the tiles of project_epilogue.cuh
+// bias_element), NPK a multiple of BK, -inf on the padded keys; vt
 // (not SPLIT) the V^T tiles ([B, N, H, NPK / 64] tiles of 8 KiB, zero past key N; BULK:
-// 16 KiB, the K tile then the V^T tile).
+// 16 KiB, the K tile then the V^T tile; BF16: 8 KiB).
 #include "common.cuh"
 #include "wgmma.cuh"
 
 #ifndef HEAD_DIM
-#define HEAD_DIM 32     // d: one 128-byte row of K per key
+#define HEAD_DIM 32     // d: one swizzle row of K per key
 #endif
 #ifndef ROWS
 #define ROWS 1          // pair rows per block (1 or 2), sharing the bias tiles
@@ -89,6 +96,9 @@
 #ifndef BULK
 #define BULK 0          // 1: tiles by bulk copies from K and V^T tiles (KV_FORMAT 5), mbarriers
 #endif
+#ifndef BF16
+#define BF16 0          // 1: bf16 operands (attention_bf16_wgmma; BULK, KV_FORMAT 6)
+#endif
 
 #define BK 64                          // keys per tile
 #define ROW_GROUPS 2                   // warpgroups per row
@@ -100,19 +110,28 @@
 #define RESCALE_SLACK 8.f              // as attention_mma.cu
 
 #if HEAD_DIM != 32
-#error "attention_wgmma.cu: HEAD_DIM must be 32 (one 128-byte swizzle row of K per key)"
+#error "attention_wgmma.cu: HEAD_DIM must be 32 (one swizzle row of K per key)"
 #endif
+#if BF16 && (!BULK || SPLIT)
+#error "attention_wgmma.cu: BF16 is a BULK variant, without SPLIT"
+#endif
+
 #if ROWS != 1 && ROWS != 2
 #error "attention_wgmma.cu: ROWS must be 1 or 2"
 #endif
 
-#define K_TILE (BK * 128)                 // bytes
-#define VT_COLUMN (ON * 128)              // one 32-key column of V^T
-#define VT_TILE ((BK / 32) * VT_COLUMN)
-#define VT_COPIED (BK / 32 * HEAD_DIM * 128)  // bytes of a V^T tile the projection wrote
+#define K_ROW (BF16 ? 64 : 128)           // bytes per key of a K tile: 32 dims
+#define K_TILE (BK * K_ROW)               // bytes
+#define VT_COLUMNS (BF16 ? 1 : BK / 32)   // V^T columns per tile: rows of 128 bytes of keys
+#define VT_COLUMN (ON * 128)              // one column of V^T: 32 tf32 keys or 64 bf16
+#define VT_TILE (VT_COLUMNS * VT_COLUMN)
+#define VT_COPIED (VT_COLUMNS * HEAD_DIM * 128)  // bytes of a V^T tile the projection wrote
 #if SPLIT
 typedef float bias_elem;
 #define ENTRY attention_tf32x3_wgmma
+#elif BF16
+typedef unsigned short bias_elem;  // fp16 bits
+#define ENTRY attention_bf16_wgmma
 #else
 typedef unsigned short bias_elem;  // fp16 bits
 #define ENTRY attention_tf32_wgmma
@@ -150,9 +169,10 @@ typedef unsigned short bias_elem;  // fp16 bits
 #if BULK && (SPLIT || PINGPONG)
 #error "attention_wgmma.cu: BULK is for the TF32 kernel without ping-pong"
 #endif
-#define KV_TILES (2 * K_TILE)  // BULK: bytes per (b, i, head, 64 keys): the K tile, then V^T's
+#define KV_TILES (K_TILE + VT_COPIED)  // BULK: bytes per (b, i, head, 64 keys): K's tile, then V^T's
 
 #define TF32_ONE 0x3f800000u
+#define BF16_ONES 0x3f803f80u  // two bf16 ones
 
 extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
 ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int npk,
@@ -204,7 +224,25 @@ ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int 
 #endif
 
     // ---- Q: A fragments per 8-dim k-step, rounded to TF32 (zero past N); SPLIT: qa the
-    // hi parts, qa_lo the lo ----
+    // hi parts, qa_lo the lo; BF16: per 16-dim k-step, packed bf16 pairs as the projection
+    // stored them (from qkvg word 2D: project_epilogue.cuh QG_PACKED) ----
+#if BF16
+    u32 qa[HEAD_DIM / 16][4];
+    {
+        const int j0 = q0 + g, j1 = j0 + 8;
+        const bool ok0 = row_ok && j0 < N, ok1 = row_ok && j1 < N;
+        const u32* const q_packed = reinterpret_cast<const u32*>(row - head * HEAD_DIM + 2 * D)
+                                    + head * (HEAD_DIM / 2);
+#pragma unroll
+        for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {  // dims 16kk + 2t, +1 in word 8kk + t
+            const int w = 8 * kk + t;
+            qa[kk][0] = ok0 ? q_packed[(i64)j0 * ld + w] : 0u;
+            qa[kk][1] = ok1 ? q_packed[(i64)j1 * ld + w] : 0u;
+            qa[kk][2] = ok0 ? q_packed[(i64)j0 * ld + w + 4] : 0u;
+            qa[kk][3] = ok1 ? q_packed[(i64)j1 * ld + w + 4] : 0u;
+        }
+    }
+#else
     u32 qa[DT][4];
 #if SPLIT
     u32 qa_lo[DT][4];
@@ -227,6 +265,7 @@ ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int 
 #endif
         }
     }
+#endif
 
     // ---- this thread's copies of a tile: K chunk c (4 dims) of key `key` of row r0, and
     // V^T chunk `vq` (16 bytes of the tile's 8 KiB as the projection wrote it) of row r0;
@@ -344,11 +383,11 @@ ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int 
 
     // The ones row (d) and zero rows (d + 1 .. d + 7) of every V^T column, once (SPLIT:
     // the same rows of the lo columns all zero: the ones are hi parts).
-    for (int idx = tid; idx < STAGES * ROWS * (BK / 32) * 8 * 32; idx += THREADS) {
+    for (int idx = tid; idx < STAGES * ROWS * VT_COLUMNS * 8 * 32; idx += THREADS) {
         const int k32 = idx % 32, n = HEAD_DIM + (idx / 32) % 8, column = idx / 256;
-        const int stage = column / (ROWS * (BK / 32)), in_stage = column % (ROWS * (BK / 32));
+        const int stage = column / (ROWS * VT_COLUMNS), in_stage = column % (ROWS * VT_COLUMNS);
         *reinterpret_cast<u32*>(smem + stage * STAGE_BYTES + VT_OFFSET + in_stage * VT_COLUMN
-                                + sw128(n, 4 * k32)) = n == HEAD_DIM ? TF32_ONE : 0u;
+                                + sw128(n, 4 * k32)) = n == HEAD_DIM ? (BF16 ? BF16_ONES : TF32_ONE) : 0u;
 #if SPLIT
         *reinterpret_cast<u32*>(smem + stage * STAGE_BYTES + LO_OFFSET + VT_OFFSET
                                 + in_stage * VT_COLUMN + sw128(n, 4 * k32)) = 0u;
@@ -415,10 +454,17 @@ ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int 
             const float2 x1 = half2_to_float2(bias_tile[BIAS_PAIR(n) + BIAS_ROW8]);
             s[4 * n] = x0.x, s[4 * n + 1] = x0.y, s[4 * n + 2] = x1.x, s[4 * n + 3] = x1.y;
         }
+#if BF16
+        const u64 k_desc = sw64_desc(smem_s + stage * STAGE_BYTES + rw * K_TILE);
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < HEAD_DIM / 16; ++kk) wgmma_m64n64k16_bf16(s, qa[kk], k_desc + 2 * kk);
+#else
         const u64 k_desc = sw128_desc(smem_s + stage * STAGE_BYTES + rw * K_TILE);
         wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < DT; ++kk) wgmma_m64n64k8_tf32(s, qa[kk], k_desc + 2 * kk);
+#endif
         wgmma_commit();
     };
 #endif
@@ -475,6 +521,22 @@ ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int 
             split(fast_exp2(s[4 * n + 3] - m_sub[1]), pa[n][3], pl[n][3]);
         }
     };
+#elif BF16
+    // BF16: the A fragments of the 4 16-key k-steps, packed bf16: k-step kk takes S's
+    // column groups 2kk (a0, a1) and 2kk + 1 (a2, a3), keys in the V^T tile's own order.
+    auto exponentiate = [&](const float (&s)[4 * NT], u32 (&pa)[NT / 2][4]) {
+        // p(c, r): 2^(S - m) of S's values c[0], c[1] of row g + 8r, packed
+        auto p = [&](const float* c, int r) {
+            return pack_bf16(fast_exp2(c[0] - m_sub[r]), fast_exp2(c[1] - m_sub[r]));
+        };
+#pragma unroll
+        for (int kk = 0; kk < NT / 2; ++kk) {
+            const float* const lo = s + 8 * kk;  // column group 2kk: keys 16kk + 2t, +1
+            const float* const hi = lo + 4;      // 2kk + 1: 8 keys further
+            pa[kk][0] = p(lo, 0), pa[kk][1] = p(lo + 2, 1);
+            pa[kk][2] = p(hi, 0), pa[kk][3] = p(hi + 2, 1);
+        }
+    };
 #else
     auto exponentiate = [&](const float (&s)[4 * NT], u32 (&pa)[NT][4]) {
 #pragma unroll
@@ -526,6 +588,14 @@ ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int 
             for (int i = 0; i < 4 * ON / 8; ++i) o[i] += ot[grp][i];
         }
     };
+#elif BF16
+    auto issue_pv = [&](const u32 (&pa)[NT / 2][4], int stage) {  // one 64-key column
+        const u64 vt_desc = sw128_desc(smem_s + stage * STAGE_BYTES + VT_OFFSET + rw * VT_TILE);
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < NT / 2; ++kk) wgmma_m64n40k16_bf16(o, pa[kk], vt_desc + 2 * kk);
+        wgmma_commit();
+    };
 #else
     auto issue_pv = [&](const u32 (&pa)[NT][4], int stage) {
         const u32 vt_tile = smem_s + stage * STAGE_BYTES + VT_OFFSET + rw * VT_TILE;
@@ -561,14 +631,15 @@ ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int 
         const u32 st = smem_s + s * STAGE_BYTES, full = full_bar + 8 * s;
         if (lane == 0) mbar_arrive_expect(full, rows_here * (K_TILE + VT_COPIED) + BIAS_TILE);
         __syncwarp();
-        if (lane < 3 * rows_here) {  // K, then V^T's two 32-key columns, of row r
-            const int r = lane / 3, part = lane % 3;
+        if (lane < (1 + VT_COLUMNS) * rows_here) {  // K, then V^T's columns, of row r
+            const int r = lane / (1 + VT_COLUMNS), part = lane % (1 + VT_COLUMNS);
             const char* const src = kv_row0 + r * kv_rstride + (i64)j * KV_TILES;
             if (part == 0)
                 bulk_copy(st + r * K_TILE, src, K_TILE, full);
             else
                 bulk_copy(st + VT_OFFSET + r * VT_TILE + (part - 1) * VT_COLUMN,
-                          src + K_TILE + (part - 1) * (VT_COPIED / 2), VT_COPIED / 2, full);
+                          src + K_TILE + (part - 1) * (VT_COPIED / VT_COLUMNS),
+                          VT_COPIED / VT_COLUMNS, full);
         }
         if (lane == 31)  // the bias tile (project_epilogue.cuh bias_element)
             bulk_copy(st + BIAS_OFFSET, bias_tiles + (i64)j * BIAS_TILE, BIAS_TILE, full);
@@ -588,7 +659,8 @@ ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int 
 #pragma unroll
     for (int st = 0; st < STAGES - 1; ++st) issue(st * BK, st);
 #endif
-    u32 pa[NT][4];
+#define PA_STEPS (BF16 ? NT / 2 : NT)  // k-steps of P V
+    u32 pa[PA_STEPS][4];
 #if SPLIT
     u32 pl[NT][4];
 #endif
@@ -654,7 +726,7 @@ ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int 
 #endif
         pin(o);
 #pragma unroll
-        for (int n = 0; n < NT; ++n) pin(pa[n]);
+        for (int n = 0; n < PA_STEPS; ++n) pin(pa[n]);
 #if BULK
         __syncwarp();
         if (lane == 0) mbar_arrive(empty_bar + 8 * stage);  // this warp is done with it

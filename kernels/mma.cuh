@@ -45,6 +45,12 @@ __device__ __forceinline__ u32 pack_bf16(float x0, float x1) {
     asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(x1), "f"(x0));
     return r;
 }
+// One value as bf16 bits, rounded to nearest.
+__device__ __forceinline__ unsigned short bf16_bits(float x) {
+    unsigned short r;
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(x));
+    return r;
+}
 
 // D = A B + D, m16n8k16, bf16 operands, fp32 accumulation.
 __device__ __forceinline__ void mma_bf16(float (&d)[4], u32 a0, u32 a1, u32 a2, u32 a3,

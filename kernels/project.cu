@@ -31,8 +31,8 @@
 //         project_epilogue.cuh, is written by the tensor-core projection only).
 #include "common.cuh"
 #include "mma.cuh"
-#if KV_FORMAT == 5
-#error "project.cu: KV_FORMAT 5 (K, V^T and bias tiles) is written by project_mma.cu only"
+#if KV_FORMAT == 5 || KV_FORMAT == 6
+#error "project.cu: KV_FORMAT 5 and 6 (K, V^T and bias tiles) are written by project_mma.cu only"
 #endif
 
 #ifndef BM

@@ -135,15 +135,21 @@ __device__ __forceinline__ void store_pairs(Tile& acc, float* base, const int (&
 //   swizzle then the V^T tile (store_kt, store_vt), and the pair bias in tiles too
 //   (bias_element), for the bulk copies of attention_wgmma.cu's BULK variant. Keys past N
 //   are zero in V^T, left unwritten in K.
+// 6 as 5 in bf16 (attention_bf16_wgmma): per (b, i, head, 64 keys) 8 KiB, the K tile [64
+//   keys][32 dims] bf16 in the 64-byte swizzle (sw64), then the V^T tile [32 dims][64 keys]
+//   bf16 in the 128-byte swizzle, keys in their own order; q and the gate packed bf16 as
+//   in format 2; the pair bias in fp16 tiles as in format 5.
 #ifndef KV_FORMAT
 #define KV_FORMAT 0
 #endif
-#define KV_TILED (KV_FORMAT == 3 || KV_FORMAT == 5)  // v (and for 5, k) into tiles of their own
+#define KV_TILED (KV_FORMAT == 3 || KV_FORMAT == 5 || KV_FORMAT == 6)  // v into tiles of its own
+#define K_TILED (KV_FORMAT == 5 || KV_FORMAT == 6)  // k and the pair bias in tiles too
+#define QG_PACKED (KV_FORMAT == 2 || KV_FORMAT == 6)  // q and the gate packed bf16
 #if KV_TILED
 #include "wgmma.cuh"
 #endif
 #define KV_TILE_BYTES (KV_FORMAT == 5 ? 16384 : 8192)  // per (b, i, head, 64 keys)
-#define VT_IN_TILE (KV_FORMAT == 5 ? 8192 : 0)
+#define VT_IN_TILE (KV_FORMAT == 5 ? 8192 : KV_FORMAT == 6 ? 4096 : 0)
 
 // Where format 3 writes V^T, and the block's first row (the unused fields of other formats).
 struct VtTarget {
@@ -186,8 +192,8 @@ __device__ __forceinline__ void store_pair_bias(bias_t* __restrict__ brow, i64 j
     store_pair_bias_at([&](i64 jj) { return brow + jj; }, j, N, npk, keep, dot);
 }
 
-#if KV_FORMAT == 5
-// The pair bias in tiles (format 5): per (b, head, 128 queries i, 64 keys j) 16 KiB,
+#if K_TILED
+// The pair bias in tiles (formats 5, 6): per (b, head, 128 queries i, 64 keys j) 16 KiB,
 // [128 rows i][64 keys j] fp16 in the 128-byte swizzle (wgmma.cuh sw128: rows of 128
 // bytes, read conflict-free by the attention's fragments without padding), so that one
 // bulk copy moves a tile. bh = b H + head. Query rows past N in the last tile stay unwritten.
@@ -203,13 +209,13 @@ __device__ __forceinline__ void store_pair_bias_tiled(bias_t* __restrict__ bias,
 }
 #endif
 
-#define Q_WORD(D) (KV_FORMAT == 2 ? 2 * (D) : 0)
-#define GATE_WORD(D) (KV_FORMAT == 2 ? 5 * (D) / 2 : 3 * (D))
+#define Q_WORD(D) (QG_PACKED ? 2 * (D) : 0)
+#define GATE_WORD(D) (QG_PACKED ? 5 * (D) / 2 : 3 * (D))
 
-// Gate values k .. k + 3 of a qkvg row (k % 4 == 0): fp32, or (KV_FORMAT 2) two packed
+// Gate values k .. k + 3 of a qkvg row (k % 4 == 0): fp32, or (KV_FORMAT 2, 6) two packed
 // bf16 words, widened.
 __device__ __forceinline__ float4 load_gate4(const float* row, int D, int k) {
-#if KV_FORMAT == 2
+#if QG_PACKED
     const uint2 w = __ldg(reinterpret_cast<const uint2*>(row + GATE_WORD(D) + k / 2));
     return make_float4(__uint_as_float(w.x << 16), __uint_as_float(w.x & 0xffff0000u),
                        __uint_as_float(w.y << 16), __uint_as_float(w.y & 0xffff0000u));
@@ -242,24 +248,39 @@ struct RowPairs {
     }
 };
 
+// Format 6 (bf16): one column of 64 keys, [32 dims][64 keys] bf16, key k at position k.
+#if KV_FORMAT == 6
+typedef unsigned short vt_t;  // bf16 bits
+__device__ __forceinline__ vt_t to_vt(float x) { return bf16_bits(x); }
+#else
+typedef float vt_t;
+__device__ __forceinline__ vt_t to_vt(float x) { return x; }
+#endif
+#define VT_DIM8 (1024 / (int)sizeof(vt_t))  // elements from dim c to dim c + 8: 8 rows of 128 bytes
+
 __device__ __forceinline__ void store_vt(Tile& acc, int vcol0, const VtTarget& to, int rows_here) {
     if (vcol0 < 0) return;
     const int h = vcol0 / 32, c = vcol0 % 32, ntiles = to.npk / 64;
     const RowPairs rows(to);
-    // Where key `key` of pair (b, i) = bi goes: its dims c + 8j at d0[256 j], c + 8j + 1 at
-    // d1[256 j].
-    auto at = [&](unsigned bi, int key, float*& d0, float*& d1) {
+    // Where key `key` of pair (b, i) = bi goes: its dims c + 8j at d0[VT_DIM8 j], c + 8j + 1
+    // at d1[VT_DIM8 j].
+    auto at = [&](unsigned bi, int key, vt_t*& d0, vt_t*& d1) {
+#if KV_FORMAT == 6
+        const int byte = 2 * (key % 64);
+        char* const column = reinterpret_cast<char*>(to.vt) + VT_IN_TILE
+                             + (((i64)bi * to.H + h) * ntiles + key / 64) * KV_TILE_BYTES;
+#elif KV_FORMAT == 5
         const int pos = vt_position(key % 64), byte = 4 * (pos % 32);
-#if KV_FORMAT == 5
         char* const column = reinterpret_cast<char*>(to.vt) + VT_IN_TILE
                              + (((i64)bi * to.H + h) * ntiles + key / 64) * KV_TILE_BYTES
                              + (pos / 32) * 4096;
 #else
+        const int pos = vt_position(key % 64), byte = 4 * (pos % 32);
         char* const column = reinterpret_cast<char*>(to.vt + ((i64)bi * to.H + h) * ntiles * 2048)
                              + (key / 64) * 8192 + (pos / 32) * 4096;
 #endif
-        d0 = reinterpret_cast<float*>(column + sw128(c, byte));
-        d1 = reinterpret_cast<float*>(column + sw128(c + 1, byte));
+        d0 = reinterpret_cast<vt_t*>(column + sw128(c, byte));
+        d1 = reinterpret_cast<vt_t*>(column + sw128(c + 1, byte));
     };
 #pragma unroll
     for (int s = 0; s < TROWS; ++s) {
@@ -267,13 +288,13 @@ __device__ __forceinline__ void store_vt(Tile& acc, int vcol0, const VtTarget& t
         if (r >= rows_here) continue;
         unsigned bi, k;
         rows.of(r, bi, k);
-        float *d0, *d1;
+        vt_t *d0, *d1;
         at(bi, (int)k, d0, d1);
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
             const float* const p = pair_at(acc, s, j);
-            d0[256 * j] = p[0];
-            d1[256 * j] = p[1];
+            d0[VT_DIM8 * j] = to_vt(p[0]);
+            d1[VT_DIM8 * j] = to_vt(p[1]);
         }
     }
     // Zeros on the keys [N, npk) of the pair (b, i) of each row slot holding key N - 1.
@@ -284,19 +305,20 @@ __device__ __forceinline__ void store_vt(Tile& acc, int vcol0, const VtTarget& t
         rows.of(r, bi, k);
         if (k != rows.N - 1) continue;
         for (int key = to.N; key < to.npk; ++key) {
-            float *d0, *d1;
+            vt_t *d0, *d1;
             at(bi, key, d0, d1);
 #pragma unroll
-            for (int j = 0; j < 4; ++j) d0[256 * j] = d1[256 * j] = 0.f;
+            for (int j = 0; j < 4; ++j) d0[VT_DIM8 * j] = d1[VT_DIM8 * j] = 0;
         }
     }
 }
 #endif
 
-#if KV_FORMAT == 5
-// K tiles (format 5): key k of pair (b, i) = bi, dims c + 8j, c + 8j + 1 of head h (kcol0 =
-// 32 h + c, as store_vt) at row k % 64 of its tile, byte 4 (c + 8j) in the 128-byte swizzle:
-// 8 bytes within one 16-byte chunk (c even).
+#if K_TILED
+// K tiles (formats 5, 6): key k of pair (b, i) = bi, dims c + 8j, c + 8j + 1 of head h
+// (kcol0 = 32 h + c, as store_vt) at row k % 64 of its tile: format 5 at byte 4 (c + 8j)
+// in the 128-byte swizzle, 8 bytes within one 16-byte chunk (c even); format 6 packed bf16
+// at byte 2 (c + 8j) in the 64-byte swizzle.
 __device__ __forceinline__ void store_kt(Tile& acc, int kcol0, const VtTarget& to, int rows_here) {
     if (kcol0 < 0) return;
     const int h = kcol0 / 32, c = kcol0 % 32, ntiles = to.npk / 64;
@@ -312,7 +334,11 @@ __device__ __forceinline__ void store_kt(Tile& acc, int kcol0, const VtTarget& t
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
             const float* const p = pair_at(acc, s, j);
+#if KV_FORMAT == 6
+            *reinterpret_cast<u32*>(tile + sw64(k % 64, 2 * (c + 8 * j))) = pack_bf16(p[0], p[1]);
+#else
             *reinterpret_cast<float2*>(tile + sw128(k % 64, 4 * (c + 8 * j))) = make_float2(p[0], p[1]);
+#endif
         }
     }
 }
@@ -330,7 +356,7 @@ __device__ __forceinline__ void store_qkvg(Tile& acc, int n0, const float2 (&cb)
 #if KV_TILED
     int vcol0 = -1;  // the v column of this thread's first pair, where this pass holds v
 #endif
-#if KV_FORMAT == 5
+#if K_TILED
     int kcol0 = -1;  // the same for k
 #endif
 #pragma unroll
@@ -341,7 +367,7 @@ __device__ __forceinline__ void store_qkvg(Tile& acc, int n0, const float2 (&cb)
         // n even, D % 4 == 0: no pair straddles two of q (n < D), k, v, gate (n >= 3D).
         if (n >= NO) continue;
         if (n < D) {
-#if KV_FORMAT == 2  // packed bf16 from Q_WORD (n even: a whole word)
+#if QG_PACKED  // packed bf16 from Q_WORD (n even: a whole word)
             map_column(acc, j, cb[j], [&](float2 v) {
                 return make_float2(__uint_as_float(pack_bf16(v.x * q_scale, v.y * q_scale)), 0.f);
             });
@@ -353,7 +379,7 @@ __device__ __forceinline__ void store_qkvg(Tile& acc, int n0, const float2 (&cb)
             });
 #endif
         } else if (n >= 3 * D) {
-#if KV_FORMAT == 2  // packed bf16 from GATE_WORD
+#if QG_PACKED  // packed bf16 from GATE_WORD
             map_column(acc, j, cb[j], [](float2 v) {
                 return make_float2(__uint_as_float(pack_bf16(sigmoid(v.x), sigmoid(v.y))), 0.f);
             });
@@ -373,7 +399,7 @@ __device__ __forceinline__ void store_qkvg(Tile& acc, int n0, const float2 (&cb)
             packed[j] = true;
 #else
             map_column(acc, j, cb[j], [](float2 v) {
-#if KV_FORMAT == 1 || KV_TILED
+#if KV_FORMAT == 1 || KV_FORMAT == 3 || KV_FORMAT == 5  // (6: rounded to bf16 where stored)
                 v = make_float2(__uint_as_float(to_tf32(v.x)), __uint_as_float(to_tf32(v.y)));
 #endif
                 return v;
@@ -384,7 +410,7 @@ __device__ __forceinline__ void store_qkvg(Tile& acc, int n0, const float2 (&cb)
                 col[j] = -1;
             }
 #endif
-#if KV_FORMAT == 5
+#if K_TILED
             if (n < 2 * D) {  // k: into its tiles (store_kt)
                 if (j == 0) kcol0 = n - D;
                 col[j] = -1;
@@ -394,7 +420,7 @@ __device__ __forceinline__ void store_qkvg(Tile& acc, int n0, const float2 (&cb)
         }
     }
     store_pairs(acc, block_out, col, packed, NO, rows_here);
-#if KV_FORMAT == 5
+#if K_TILED
     store_kt(acc, kcol0, vt, rows_here);
 #endif
 #if KV_TILED

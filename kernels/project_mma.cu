@@ -38,9 +38,10 @@
 //   W     [NO, D] row-major (NO = 4D, or D for out_proj), rounded to TF32 unless SPLIT
 //   mask  [B, N, N] at b*mb + i*mi + j*mj elements, of the type named by mask_kind
 //         (MASK_* in project_epilogue.cuh), or null
-//   qkvg  [M, 4D]; bias [B, H, N, NPK] (fp16 where KV_FORMAT is 2 or 3); out [M, D]
-//         contiguous; vt: V^T tiles where KV_FORMAT is 3 (project_epilogue.cuh; [B, N, H,
-//         NPK / 64] x 8 KiB), else unused.
+//   qkvg  [M, 4D]; bias [B, H, N, NPK] (fp16 where KV_FORMAT is 2 or 3; fp16 tiles where
+//         it is 5 or 6); out [M, D] contiguous; vt: V^T tiles where KV_FORMAT is 3
+//         (project_epilogue.cuh; [B, N, H, NPK / 64] x 8 KiB), K and V^T tiles where it is
+//         5 or 6, else unused.
 #include "common.cuh"
 #include "mma.cuh"
 
@@ -317,7 +318,7 @@ __device__ __noinline__ void pair_bias(const float* As, int astr, const float* _
             ok[h] = m < M;
             const i64 mc = ok[h] ? m : M - 1, b = mc / NN, r = mc - b * NN, i = r / N;
             j[h] = (int)(r - i * N);
-#if KV_FORMAT == 5  // tiles: where they start is worked out per value (store_pair_bias_tiled)
+#if K_TILED  // tiles: where they start is worked out per value (store_pair_bias_tiled)
             brow[h] = bias + b * H;  // only to carry b H: brow[h] - bias + head = b H + head
             rows[h] = (int)i;
 #else
@@ -345,7 +346,7 @@ __device__ __noinline__ void pair_bias(const float* As, int astr, const float* _
 #pragma unroll
             for (int e = 0; e < 4; ++e) {  // c0 (g, 2t) c1 (g, 2t+1) c2 (g+8, 2t) c3 (g+8, 2t+1)
                 const int h = e / 2, head = h0 + 2 * t + e % 2;
-#if KV_FORMAT == 5
+#if K_TILED
                 if (ok[h] && head < H)
                     store_pair_bias_tiled(bias, brow[h] - bias + head, rows[h], j[h], N, npk,
                                           keep[h], c[e]);

@@ -34,6 +34,20 @@ __device__ __forceinline__ u64 sw128_desc(u32 tile) {
            | ((u64)1 << 62);
 }
 
+// The same for K-major tiles of 64-byte rows (32 bf16 along K: the bf16 K tile of head dim
+// 32), in the 64-byte swizzle: atoms of 8 rows (512 bytes, 512-byte aligned) in which the
+// 16-byte chunk c of row r is stored at chunk c ^ ((r / 2) % 4) (the address bits 4-5
+// XORed with bits 7-8), so the 8 rows of a column of chunks fall on all 32 banks. Its
+// descriptor: stride byte offset 512 between atoms, swizzle mode 2 = 64 bytes; each
+// 16-wide k-step of bf16 starts 32 bytes further along the row (add 2).
+__device__ __forceinline__ u32 sw64(int row, int byte) {
+    return row * 64 + ((((byte >> 4) ^ (row >> 1)) & 3) << 4) + (byte & 15);
+}
+__device__ __forceinline__ u64 sw64_desc(u32 tile) {
+    return (u64)((tile & 0x3ffff) >> 4) | ((u64)1 << 16) | ((u64)(512 >> 4) << 32)
+           | ((u64)2 << 62);
+}
+
 // Before the first wgmma, and whenever other instructions wrote its accumulator or A
 // registers since the last one.
 __device__ __forceinline__ void wgmma_fence() {
@@ -88,6 +102,39 @@ __device__ __forceinline__ void wgmma_m64n40k8_tf32(float (&d)[20], const u32 (&
         "wgmma.mma_async.sync.aligned.m64n40k8.f32.tf32.tf32 "
         "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19}, "
         "{%20,%21,%22,%23}, %24, 1, 1, 1;"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),
+          "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),
+          "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]),
+          "+f"(d[18]), "+f"(d[19])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
+}
+
+// The bf16 products (fp32 accumulation). A fragment, bf16 k16 (two values per register,
+// the lower column in the low half; as mma.sync m16n8k16): a0 (g, 2t..2t+1) a1 (g+8,
+// 2t..2t+1) a2 (g, 2t+8..2t+9) a3 (g+8, 2t+8..2t+9). B K-major (the last operand 0: not
+// transposed).
+// D (64 x 64, f32) += A (64 x 16, bf16, registers) B (16 x 64, bf16, descriptor).
+__device__ __forceinline__ void wgmma_m64n64k16_bf16(float (&d)[32], const u32 (&a)[4], u64 b) {
+    asm volatile(
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+        "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
+        "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, "
+        "{%32,%33,%34,%35}, %36, 1, 1, 1, 0;"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),
+          "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),
+          "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]),
+          "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]),
+          "+f"(d[30]), "+f"(d[31])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
+}
+
+// D (64 x 40, f32) += A (64 x 16, bf16, registers) B (16 x 40, bf16, descriptor).
+__device__ __forceinline__ void wgmma_m64n40k16_bf16(float (&d)[20], const u32 (&a)[4], u64 b) {
+    asm volatile(
+        "wgmma.mma_async.sync.aligned.m64n40k16.f32.bf16.bf16 "
+        "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19}, "
+        "{%20,%21,%22,%23}, %24, 1, 1, 1, 0;"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),
           "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),
           "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]),

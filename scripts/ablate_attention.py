@@ -3,7 +3,9 @@ attention stage timed alone (CUDA events, median) with parts of the kernel remov
 text patch (a measurement only: the results are wrong on purpose), for each loop shape.
 A part whose removal saves little is not what sets the time.
 
-    python3 scripts/ablate_attention.py [--variants full,no_exp,...] [sizes, default 1x1024x128x4]
+    python3 scripts/ablate_attention.py [--bf16] [--variants full,no_exp,...] [sizes, default 1x1024x128x4]
+
+--bf16: the bf16 kernel (BF16, bulk copies) and its own patches (BF16_PATCHES).
 """
 import sys
 
@@ -41,14 +43,48 @@ VARIANTS = {"full": [], **{name: [name] for name in PATCHES},
             "only_softmax": ["no_s", "no_pv", "no_v", "no_copies"]}
 # The cp.async variant (its copies are what the patches remove; BULK reads another format).
 SHAPES = [_configs.WgmmaTiles(), _configs.WgmmaTiles(rows=1, stages=3, min_blocks=2)]
+KERNEL = "tf32"
+
+# --bf16: the bf16 kernel (BULK only: its copies are one instruction per tile, not patched).
+BF16_PATCHES = {
+    "no_exp": [("return pack_bf16(fast_exp2(c[0] - m_sub[r]), fast_exp2(c[1] - m_sub[r]));",
+                "return pack_bf16(c[0] - m_sub[r], c[1] - m_sub[r]);")],
+    "no_rescale": PATCHES["no_rescale"],
+    "no_bias": [("half2_to_float2(bias_tile[BIAS_PAIR(n)])", "make_float2(0.f, (float)n)"),
+                ("half2_to_float2(bias_tile[BIAS_PAIR(n) + BIAS_ROW8])", "make_float2((float)n, 0.f)")],
+    # the bias words read as bf16 pairs (shift, mask) instead of converted from fp16
+    "bias_bf16": [("half2_to_float2(bias_tile[BIAS_PAIR(n)])", "bf16_pair(bias_tile[BIAS_PAIR(n)])"),
+                  ("half2_to_float2(bias_tile[BIAS_PAIR(n) + BIAS_ROW8])",
+                   "bf16_pair(bias_tile[BIAS_PAIR(n) + BIAS_ROW8])"),
+                  ('#include "wgmma.cuh"\n', '#include "wgmma.cuh"\n__device__ __forceinline__ float2 '
+                   "bf16_pair(u32 w) { return make_float2(__uint_as_float(w << 16), "
+                   "__uint_as_float(w & 0xffff0000u)); }\n")],
+    # P truncated to bf16 by a byte permute instead of converted (rounded)
+    "pack_trunc": [("return pack_bf16(fast_exp2(", "return pack_trunc(fast_exp2("),
+                   ('#include "wgmma.cuh"\n', '#include "wgmma.cuh"\n__device__ __forceinline__ u32 '
+                    "pack_trunc(float a, float b) { return __byte_perm(__float_as_uint(a), "
+                    "__float_as_uint(b), 0x7632); }\n")],
+    "no_s": [("for (int kk = 0; kk < HEAD_DIM / 16; ++kk) wgmma_m64n64k16_bf16(",
+              f"for (int kk = 0; kk < HEAD_DIM / 16 * ({NEVER}); ++kk) wgmma_m64n64k16_bf16(")],
+    "no_pv": [("for (int kk = 0; kk < NT / 2; ++kk) wgmma_m64n40k16_bf16(",
+               f"for (int kk = 0; kk < NT / 2 * ({NEVER}); ++kk) wgmma_m64n40k16_bf16(")],
+}
+BF16_VARIANTS = {"full": [], **{name: [name] for name in BF16_PATCHES},
+                 "bias_bf16,pack_trunc": ["bias_bf16", "pack_trunc"],
+                 "only_products": ["no_exp", "no_rescale", "no_bias"],
+                 "only_softmax": ["no_s", "no_pv"]}
+BF16_SHAPES = [_configs.attention_wgmma_tiles("bf16"),
+               _configs.WgmmaTiles(rows=1, stages=2, min_blocks=3, bulk=1)]
 
 
 def use_variant(parts):
+    patches = BF16_PATCHES if KERNEL == "bf16" else PATCHES
+
     def source(filename):
         text = ORIGINAL(filename)
         if filename == FILE:
             for part in parts:
-                for old, new in PATCHES[part]:
+                for old, new in patches[part]:
                     if old not in text:
                         raise SystemExit(f"patch {part!r}: text not found: {old!r}")
                     text = text.replace(old, new)
@@ -64,13 +100,14 @@ def main(sizes, variants):
         dw = DeviceWeights(ta.random_weights(D, h, seed=0), cp.cuda.runtime.getDevice())
         pair = cp.random.standard_normal((B, N, N, D), dtype=np.float32)
         flops = 4 * B * N**3 * D
+        shapes, table = (BF16_SHAPES, BF16_VARIANTS) if KERNEL == "bf16" else (SHAPES, VARIANTS)
         fwd = Forward(dw, pair, None, "zero", None,
-                      attention=_configs.attention_wgmma_launch(D // h, SHAPES[0]))
+                      attention=_configs.attention_wgmma_launch(D // h, shapes[0], KERNEL))
         fwd.project()
-        for tiles in SHAPES:
+        for tiles in shapes:
             for variant in variants:
-                use_variant(VARIANTS[variant])
-                ms = time_attention(fwd, _configs.attention_wgmma_launch(D // h, tiles),
+                use_variant(table[variant])
+                ms = time_attention(fwd, _configs.attention_wgmma_launch(D // h, tiles, KERNEL),
                                     20 if N <= 512 else 5)
                 print(f"{size} rows={tiles.rows} minb={tiles.min_blocks} st={tiles.stages} "
                       f"{variant:14s} {ms:7.3f} ms "
@@ -80,7 +117,10 @@ def main(sizes, variants):
 
 if __name__ == "__main__":
     args = sys.argv[1:]
-    chosen = list(VARIANTS)
+    if args[:1] == ["--bf16"]:
+        KERNEL = "bf16"
+        args = args[1:]
+    chosen = list(BF16_VARIANTS if KERNEL == "bf16" else VARIANTS)
     if args[:1] == ["--variants"]:
         chosen = args[1].split(",")
         args = args[2:]

@@ -1,7 +1,10 @@
 """Time the tensor-core attention kernel alone for each candidate tile shape, to choose
 _configs.attention_mma_tiles (CUDA events, median of repeats; FLOPs of QK^T and PV).
 
-    python3 scripts/sweep_tiles.py 1x384x128x4 1x1024x128x4
+    python3 scripts/sweep_tiles.py [--wgmma-only] [--variants tf32,bf16] 1x384x128x4 1x1024x128x4
+
+--wgmma-only: of the mma.sync kernel only the chosen shape (for comparison), then every
+wgmma candidate (WGMMA_CANDIDATES).
 """
 import sys
 
@@ -50,7 +53,7 @@ def main(sizes):
             fwd = Forward(dw, pair, None, "zero", None,
                           attention=_configs.attention_mma_launch(d, variant, chosen))
             fwd.project()
-            for tiles in CANDIDATES:
+            for tiles in CANDIDATES if MMA_SHAPES else [chosen]:
                 try:
                     launch = _configs.attention_mma_launch(d, variant, tiles)
                     if launch.smem > _configs.SMEM_LIMIT:
@@ -68,7 +71,7 @@ def main(sizes):
                 sweep_wgmma(dw, pair, size, d, flops, 20 if N <= 512 else 5, variant)
 
 
-# (rows, stages, min_blocks, pingpong, pv_groups) of attention_wgmma.cu, per variant
+# (rows, stages, min_blocks, pingpong, pv_groups, bulk) of attention_wgmma.cu, per variant
 WGMMA_CANDIDATES = {
     "tf32": [_configs.WgmmaTiles(*shape) for shape in
              [(1, 2, 2, 0), (1, 3, 2, 0), (1, 3, 2, 1), (2, 2, 1, 1), (2, 3, 1, 1),
@@ -77,6 +80,9 @@ WGMMA_CANDIDATES = {
               (2, 4, 1, 0, 2, 1)]],
     "tf32x3": [_configs.WgmmaTiles(*shape) for shape in
                [(1, 2, 1, 0, 2), (1, 2, 1, 1, 1), (1, 2, 1, 1, 2), (1, 2, 1, 1, 4)]],
+    "bf16": [_configs.WgmmaTiles(*shape) for shape in  # bulk copies only
+             [(1, 2, 2, 0, 2, 1), (1, 3, 2, 0, 2, 1), (1, 4, 2, 0, 2, 1), (2, 2, 1, 0, 2, 1),
+              (2, 3, 1, 0, 2, 1), (2, 4, 1, 0, 2, 1), (1, 2, 3, 0, 2, 1)]],
 }
 
 
@@ -105,8 +111,12 @@ def sweep_wgmma(dw, pair, size, d, flops, repeats, variant):
 
 
 VARIANTS = _configs.ATTENTION_MMA_VARIANTS
+MMA_SHAPES = True  # every mma.sync candidate, or (--wgmma-only) the chosen one
 
 if __name__ == "__main__":
+    if sys.argv[1:2] == ["--wgmma-only"]:
+        MMA_SHAPES = False
+        del sys.argv[1]
     if sys.argv[1:2] == ["--variants"]:  # e.g. --variants tf32,bf16
         VARIANTS = tuple(sys.argv[2].split(","))
         del sys.argv[1:3]

@@ -145,7 +145,10 @@ WGMMA_TILES = [("tf32", _configs.attention_wgmma_tiles("tf32")),
                ("tf32x3", _configs.WgmmaTiles(min_blocks=1, pingpong=0)),
                ("tf32", _configs.WgmmaTiles(rows=1, stages=3, min_blocks=2, bulk=1)),
                ("tf32", _configs.WgmmaTiles(rows=2, stages=3, min_blocks=1, bulk=1)),
-               ("tf32", _configs.WgmmaTiles(rows=2, stages=4, min_blocks=1, bulk=1))]
+               ("tf32", _configs.WgmmaTiles(rows=2, stages=4, min_blocks=1, bulk=1)),
+               ("bf16", _configs.attention_wgmma_tiles("bf16")),
+               ("bf16", _configs.WgmmaTiles(rows=1, stages=3, min_blocks=2, bulk=1)),
+               ("bf16", _configs.WgmmaTiles(rows=2, stages=3, min_blocks=1, bulk=1))]
 
 
 def _needs_sm_90(cp):

@@ -130,7 +130,9 @@ def project_pad(pair_dim: int) -> int:
 # attention kernel that reads them names its format.
 KV_FP32, KV_TF32, KV_BF16, KV_TF32_VT = 0, 1, 2, 3
 KV_TF32_TILES = 5  # as KV_TF32_VT, k as tiles beside the V^T ones (the BULK wgmma attention)
-KV_TILED_FORMATS = (KV_TF32_VT, KV_TF32_TILES)
+KV_BF16_TILES = 6  # the same tiles in bf16, q and the gate packed bf16 (the bf16 wgmma attention)
+KV_TILED_FORMATS = (KV_TF32_VT, KV_TF32_TILES, KV_BF16_TILES)  # v (at least) in tiles
+KV_BULK_FORMATS = (KV_TF32_TILES, KV_BF16_TILES)  # k, v and the pair bias in tiles
 
 
 @functools.lru_cache(maxsize=None)  # per call: a look-up, not a rebuild
@@ -384,15 +386,16 @@ WGMMA_ARCH = "sm_90a"  # wgmma exists only on compute capability 9.0, in this ta
 WGMMA_HEAD_DIMS = (32,)
 WGMMA_QUERIES, WGMMA_KEYS = 128, 64  # BQ and BK of a block
 VT_TILE_BYTES = WGMMA_KEYS * 32 * 4  # one V^T tile of KV_TF32_VT: 64 keys x 32 dims, tf32
-# variant -> (SPLIT define, the format the projection writes for it); entry points
-# attention_<variant>_wgmma
-WGMMA_VARIANTS = {"tf32": (0, KV_TF32_VT), "tf32x3": (1, KV_FP32)}
+# variant -> (SPLIT define, the format the projection writes for it, that with BULK);
+# entry points attention_<variant>_wgmma
+WGMMA_VARIANTS = {"tf32": (0, KV_TF32_VT, KV_TF32_TILES), "tf32x3": (1, KV_FP32, None),
+                  "bf16": (0, None, KV_BF16_TILES)}
 # N above which a precision takes the wgmma kernel, of its variant (_MMA_VARIANT)
 # (scripts/sweep_tiles.py, benchmarks/NOTES.md): TF32 from N = 129; 3xTF32 from N = 289,
 # since its 64-key tiles pad N further than the mma.sync kernel's 32-key ones and, three
 # products each, lose more to it (at 1x160 0.110 against 0.099 ms, 2x200 0.329 against
 # 0.315; at 1x320 0.476 against 0.497, 1x384 0.65 against 0.71).
-_WGMMA_ABOVE_N = {"tf32": _SMALL_N, "fp32": 288}
+_WGMMA_ABOVE_N = {"tf32": _SMALL_N, "fp32": 288, "bf16": _SMALL_N}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -401,8 +404,9 @@ class WgmmaTiles:
     the bias tiles), STAGES tiles in the cp.async ring, MIN_BLOCKS per SM asked of the
     compiler, PINGPONG: a row's second warpgroup starts its Q K^T once the first has its S,
     instead of both at once; PV_GROUPS (3xTF32 only): fresh P V accumulators per key tile,
-    each added to O in fp32; BULK (TF32 only, no ping-pong): warp 0 fills the stages with
-    bulk copies from K and V^T tiles (KV_TF32_TILES), paced by mbarriers."""
+    each added to O in fp32; BULK (TF32 and bf16, no ping-pong; bf16 has no other): warp 0
+    fills the stages with bulk copies from K and V^T tiles (KV_BULK_FORMATS), paced by
+    mbarriers."""
     rows: int = 1
     stages: int = 2
     min_blocks: int = 2
@@ -419,16 +423,18 @@ def attention_wgmma_tiles(variant: str = "tf32") -> WgmmaTiles:
     KiB), the row's warpgroups in ping-pong, two fresh P V accumulators per tile."""
     if variant == "tf32x3":
         return WgmmaTiles(min_blocks=1, pingpong=1, pv_groups=2)
-    return WgmmaTiles(bulk=1)
+    return WgmmaTiles(bulk=1)  # tf32, bf16
 
 
 def attention_wgmma_smem_bytes(tiles: WgmmaTiles, variant: str = "tf32") -> int:
     """STAGES x (ROWS K tiles [64][32] tf32, ROWS V^T tiles of 2 x [40][32] tf32, a bias
     tile [128][64 + 8] fp16 (3xTF32: fp32, then the lo parts of the K and V^T tiles and
-    ROWS V tiles [64][32] fp32 as copied)), and 1024 bytes to align the start."""
+    ROWS V tiles [64][32] fp32 as copied; bf16: the K tile bf16, V^T 1 x [40][64] bf16)),
+    and 1024 bytes to align the start."""
     split = WGMMA_VARIANTS[variant][0]
-    k_tile = tiles.rows * WGMMA_KEYS * 128
-    k_vt = k_tile + tiles.rows * 2 * 40 * 128
+    element = 2 if variant == "bf16" else 4
+    k_tile = tiles.rows * WGMMA_KEYS * 32 * element
+    k_vt = k_tile + tiles.rows * 40 * WGMMA_KEYS * element
     bias_row = WGMMA_KEYS if tiles.bulk else WGMMA_KEYS + 8  # BULK: the swizzled tile as is
     stage = ((1 + split) * k_vt + split * k_tile
              + (2 + 2 * split) * WGMMA_QUERIES * bias_row)
@@ -437,21 +443,26 @@ def attention_wgmma_smem_bytes(tiles: WgmmaTiles, variant: str = "tf32") -> int:
 
 def attention_wgmma_launch(head_dim: int = 32, tiles: WgmmaTiles | None = None,
                            variant: str = "tf32") -> AttentionLaunch:
-    """The TF32 ("tf32") or fp32-accurate ("tf32x3") attention on wgmma
+    """The TF32 ("tf32"), fp32-accurate ("tf32x3") or bf16 ("bf16") attention on wgmma
     (attention_<variant>_wgmma), reading k and v as the projection stores them for it:
     TF32 with V^T tiles (KV_TF32_VT), or with K, V^T and bias tiles where `tiles.bulk`
-    (KV_TF32_TILES); 3xTF32 as attention_tf32x3 (KV_FP32)."""
+    (KV_TF32_TILES); 3xTF32 as attention_tf32x3 (KV_FP32); bf16 with bulk copies only,
+    from bf16 K and V^T tiles (KV_BF16_TILES)."""
     if variant not in WGMMA_VARIANTS:
         raise ValueError(f"variant must be one of {tuple(WGMMA_VARIANTS)}; got {variant!r}")
     if head_dim not in WGMMA_HEAD_DIMS:
         raise ValueError(f"the wgmma attention takes head dims {WGMMA_HEAD_DIMS}; got {head_dim}")
     t = tiles or attention_wgmma_tiles(variant)
-    split, kv_format = WGMMA_VARIANTS[variant]
+    split, kv_format, bulk_format = WGMMA_VARIANTS[variant]
+    if (kv_format if not t.bulk else bulk_format) is None:
+        raise ValueError(f"the {variant} wgmma attention does not take bulk={t.bulk}")
     # The TF32 kernel's defines as before the 3xTF32 variant (its cached cubins stay valid).
     extra = (("SPLIT", 1), ("PV_GROUPS", t.pv_groups)) if split else ()
     if t.bulk:
         extra += (("BULK", 1),)
-        kv_format = KV_TF32_TILES
+        kv_format = bulk_format
+    if variant == "bf16":
+        extra += (("BF16", 1),)
     config = KernelConfig("attention_wgmma.cu", (
         ("HEAD_DIM", head_dim), ("ROWS", t.rows), ("STAGES", t.stages),
         ("MIN_BLOCKS", t.min_blocks), ("PINGPONG", t.pingpong)) + extra, WGMMA_ARCH)

@@ -7,17 +7,18 @@ Stages (one launch each):
              (project.cu)
   attention  flash-style softmax attention, o written over q: tensor cores for head dims
              that are multiples of 8 on sm_80+ (attention_mma.cu: 3xTF32 for "fp32",
-             TF32, bf16; at head dim 32 on compute capability 9.0 "tf32" from N = 129
-             and "fp32" from N = 289: attention_wgmma.cu), else FFMA fp32 (attention.cu)
+             TF32, bf16; at head dim 32 on compute capability 9.0 "tf32" and "bf16" from
+             N = 129 and "fp32" from N = 289: attention_wgmma.cu), else FFMA fp32
+             (attention.cu)
   out        (g * o) Wo^T + bo, products as in project  (project.cu / project_mma.cu)
 Scratch: qkvg [M, 4D] and bias [B, h, N, NPK] float32 (float16 for the bf16 and the TF32
-wgmma attention, which has it in tiles and adds K and V^T tiles after it), one allocation
-from CuPy's memory pool per call.
+attention; the wgmma kernels have it in tiles and K and V^T tiles after it), one
+allocation from CuPy's memory pool per call.
 Everything a call launches besides its pointers is worked out once per module and input
 geometry (Plan): at small sizes the caller waits on host time. The tf32 and bf16
 attention kernels read k and v in their tensor-core form, which the projection writes for
 them (rounded to TF32, or packed bf16 in the k columns: half the bytes; in bf16 mode q
-and the gate are packed bf16 too; K, V^T and the bias in tiles for the TF32 wgmma); see
+and the gate are packed bf16 too; K, V^T and the bias in tiles for the wgmma kernels); see
 _configs.KV_* and kernels/project_epilogue.cuh.
 """
 from __future__ import annotations
@@ -257,7 +258,7 @@ class Plan:
         self.bias_dtype = (np.float16 if self.kv_format in (_configs.KV_BF16,
                                                             *_configs.KV_TILED_FORMATS)
                            else np.float32)
-        if self.kv_format == _configs.KV_TF32_TILES:  # [B, H, query tiles, key tiles] x
+        if self.kv_format in _configs.KV_BULK_FORMATS:  # [B, H, query tiles, key tiles] x
             # [128 queries][64 keys], rows swizzled (project_epilogue.cuh bias_element)
             q_tiles = -(-N // _configs.WGMMA_QUERIES)
             self.bias_shape = (B, H, q_tiles, self.npk // _configs.WGMMA_KEYS,
@@ -266,10 +267,11 @@ class Plan:
         # The TF32 wgmma attention reads v as V^T tiles of 8 KiB per (b, i, head) and 64 keys,
         # which the projection writes after the bias (KV_TF32_VT; a multiple of 256 bytes
         # from the start: 16-byte aligned for the tile copies).
-        # KV_TF32_TILES: each 64 keys' K tile beside their V^T tile, twice the bytes.
+        # KV_TF32_TILES: each 64 keys' K tile beside their V^T tile, twice the bytes;
+        # KV_BF16_TILES: the two in bf16, as many bytes as KV_TF32_VT.
         tiles = B * N * H * (self.npk // _configs.WGMMA_KEYS) * _configs.VT_TILE_BYTES
-        self.vt_bytes = {_configs.KV_TF32_VT: tiles, _configs.KV_TF32_TILES: 2 * tiles
-                         }.get(self.kv_format, 0)
+        self.vt_bytes = {_configs.KV_TF32_VT: tiles, _configs.KV_TF32_TILES: 2 * tiles,
+                         _configs.KV_BF16_TILES: tiles}.get(self.kv_format, 0)
         self.scratch_bytes = self.qkvg_bytes + self.bias_bytes + self.vt_bytes
 
         sb, si, sj, sc = strides if len(strides) == 4 else (0, *strides)
