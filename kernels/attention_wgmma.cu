@@ -435,23 +435,29 @@ ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int 
     // S = bias + Q K^T of the tile in ring stage `stage`, issued (not waited for): S starts
     // as the bias tile and the products accumulate onto it (as attention_tf32).
     // This lane's bias pairs (rows g, g + 8; keys 8n + 2t, + 1) as fp16 pairs, widened.
-#if BULK  // row q_in_tile + g (% 8 = g) of the swizzled tile: pair n in 16-byte chunk n ^ g
-    const u32* const bias_base = reinterpret_cast<const u32*>(smem + BIAS_OFFSET
-                                                              + (q_in_tile + g) * 128) + t;
-#define BIAS_PAIR(n) (4 * ((n) ^ g))
-#define BIAS_ROW8 256  // words: 8 rows further, the same swizzle
+#if BULK
+    // Row q_in_tile + g (% 8 = g) of the swizzled tile: pair n in 16-byte chunk n ^ g, at
+    // byte (bias_at + stage STAGE_BYTES) ^ 16 n of shared memory: the stage and row offsets
+    // leave bits 4-6 (the chunk) clear and bias_at holds g there, so a pair's address is
+    // one XOR (the swizzle worked out per pair and tile was ~40 instructions a tile); row
+    // g + 8 is 1024 bytes further in the same swizzle.
+    const u32 bias_at = BIAS_OFFSET + (q_in_tile + g) * 128 + 16 * g + 4 * t;
+    auto bias_pair = [&](int stage, int n) {
+        return reinterpret_cast<const u32*>(smem + ((bias_at + stage * STAGE_BYTES) ^ (16 * n)));
+    };
+#define BIAS_ROW8 256  // words
 #else
     const u32* const bias_base = reinterpret_cast<const u32*>(smem + BIAS_OFFSET)
                                  + ((q_in_tile + g) * BSTR + 2 * t) / 2;
-#define BIAS_PAIR(n) (4 * (n))
+    auto bias_pair = [&](int stage, int n) { return bias_base + stage * (STAGE_BYTES / 4) + 4 * n; };
 #define BIAS_ROW8 (4 * BSTR)
 #endif
     auto issue_s = [&](float (&s)[4 * NT], int stage) {
-        const u32* const bias_tile = bias_base + stage * (STAGE_BYTES / 4);
 #pragma unroll
         for (int n = 0; n < NT; ++n) {
-            const float2 x0 = half2_to_float2(bias_tile[BIAS_PAIR(n)]);
-            const float2 x1 = half2_to_float2(bias_tile[BIAS_PAIR(n) + BIAS_ROW8]);
+            const u32* const pair = bias_pair(stage, n);
+            const float2 x0 = half2_to_float2(pair[0]);
+            const float2 x1 = half2_to_float2(pair[BIAS_ROW8]);
             s[4 * n] = x0.x, s[4 * n + 1] = x0.y, s[4 * n + 2] = x1.x, s[4 * n + 3] = x1.y;
         }
 #if BF16

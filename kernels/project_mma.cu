@@ -25,8 +25,9 @@
 // LayerNorm statistics, the biases and the gate are fp32.
 //
 // Both operands are row-major with k fastest, as ldmatrix wants them: the row tile As
-// [BM][dpad + 4] and the weight W [NO][D] exactly as PyTorch stores it, streamed through a
-// ring of chunks [BN][BK + 4]. A row stride of 4 (mod 8) words puts the 8 rows an ldmatrix
+// [BM][dpad + 4] and the weight W [NO][D] as PyTorch stores it, cut into the chunks
+// [BN][BK] that stream through a ring of [BN][BK + 4] (the host lays them out one after
+// another: a chunk is read whole, not as 64-byte pieces of 128 rows). A row stride of 4 (mod 8) words puts the 8 rows an ldmatrix
 // phase reads on distinct 16-byte bank groups, and one ldmatrix.x4 then gives a whole
 // m16n8k8 A fragment, or the B fragments of two n-tiles (4 scalar loads each before).
 //
@@ -35,7 +36,9 @@
 // Pointers (float32 unless noted, M = B*N*N rows, D % 4 == 0):
 //   x     [B, N, N, D] at b*sb + i*si + j*sj + c*sc elements (any strides; x_vec = 1 when
 //         sc == 1 and every row starts 16-byte aligned: rows copied with cp.async)
-//   W     [NO, D] row-major (NO = 4D, or D for out_proj), rounded to TF32 unless SPLIT
+//   W     [NO, D] (NO = 4D, or D for out_proj) in the ring's chunk order, rounded to TF32
+//         unless SPLIT: [NO / BN][DPAD / BK][BN][BK], zero past NO and D (DeviceWeights
+//         projection_weight), so that each chunk is one contiguous 8 KiB
 //   mask  [B, N, N] at b*mb + i*mi + j*mj elements, of the type named by mask_kind
 //         (MASK_* in project_epilogue.cuh), or null
 //   qkvg  [M, 4D]; bias [B, H, N, NPK] (fp16 where KV_FORMAT is 2 or 3; fp16 tiles where
@@ -165,18 +168,18 @@ struct WeightRing {
 
     // Chunk kc of the pass at n0 into its stage, one commit group (empty past the last
     // chunk, so every wait counts the same groups): each thread copies 2 of the BN x BK / 4
-    // 16-byte pieces; rows past NO and columns past D are zero (they meet the zero columns
-    // of As, and an unread garbage NaN would otherwise poison the sum).
+    // 16-byte pieces of the contiguous chunk. Its rows past NO and columns past D are
+    // zero in W (they meet the zero columns of As; an unread garbage NaN would otherwise
+    // poison the sum).
     __device__ __forceinline__ void issue(int n0, int kc) const {
         if (kc < nchunks) {
             const u32 stage = ws + 4 * (kc % WSTAGES) * BN * WSTR;
+            const float* const chunk = W + ((i64)(n0 / BN) * nchunks + kc) * (BN * BK);
 #pragma unroll
             for (int p = 0; p < BN * BK / 4 / THREADS; ++p) {
                 const int idx = threadIdx.x + p * THREADS;
                 const int nl = idx / (BK / 4), kl = (idx % (BK / 4)) * 4;
-                const int n = n0 + nl, k = kc * BK + kl;
-                const bool ok = n < NO && k < D;  // D % 4 == 0: k < D covers k + 3
-                cp_async16_or_zero(stage + 4 * (nl * WSTR + kl), ok ? W + (i64)n * D + k : W, ok);
+                cp_async16_or_zero(stage + 4 * (nl * WSTR + kl), chunk + 4 * idx, true);
             }
         }
         cp_async_commit();

@@ -24,8 +24,8 @@ PATCHES = {  # name -> [(text, replacement)], every occurrence replaced
     "no_exp": [("__float_as_uint(fast_exp2(", "__float_as_uint((")],
     "no_rescale": [("    auto rescale = [&](const float (&s)[4 * NT]) {\n",
                     "    auto rescale = [&](const float (&s)[4 * NT]) {\n        if (!(N < 0)) return;\n")],
-    "no_bias": [("half2_to_float2(bias_tile[4 * n])", "make_float2(0.f, (float)n)"),
-                ("half2_to_float2(bias_tile[4 * n + 4 * BSTR])", "make_float2((float)n, 0.f)")],
+    "no_bias": [("half2_to_float2(pair[0])", "make_float2(0.f, (float)n)"),
+                ("half2_to_float2(pair[BIAS_ROW8])", "make_float2((float)n, 0.f)")],
     "no_s": [("for (int kk = 0; kk < DT; ++kk) wgmma_m64n64k8_tf32(",
               f"for (int kk = 0; kk < DT * ({NEVER}); ++kk) wgmma_m64n64k8_tf32(")],
     "no_pv": [("for (int kk = 0; kk < NT; ++kk)\n            wgmma_m64n40k8_tf32(",
@@ -50,12 +50,10 @@ BF16_PATCHES = {
     "no_exp": [("return pack_bf16(fast_exp2(c[0] - m_sub[r]), fast_exp2(c[1] - m_sub[r]));",
                 "return pack_bf16(c[0] - m_sub[r], c[1] - m_sub[r]);")],
     "no_rescale": PATCHES["no_rescale"],
-    "no_bias": [("half2_to_float2(bias_tile[BIAS_PAIR(n)])", "make_float2(0.f, (float)n)"),
-                ("half2_to_float2(bias_tile[BIAS_PAIR(n) + BIAS_ROW8])", "make_float2((float)n, 0.f)")],
+    "no_bias": PATCHES["no_bias"],
     # the bias words read as bf16 pairs (shift, mask) instead of converted from fp16
-    "bias_bf16": [("half2_to_float2(bias_tile[BIAS_PAIR(n)])", "bf16_pair(bias_tile[BIAS_PAIR(n)])"),
-                  ("half2_to_float2(bias_tile[BIAS_PAIR(n) + BIAS_ROW8])",
-                   "bf16_pair(bias_tile[BIAS_PAIR(n) + BIAS_ROW8])"),
+    "bias_bf16": [("half2_to_float2(pair[0])", "bf16_pair(pair[0])"),
+                  ("half2_to_float2(pair[BIAS_ROW8])", "bf16_pair(pair[BIAS_ROW8])"),
                   ('#include "wgmma.cuh"\n', '#include "wgmma.cuh"\n__device__ __forceinline__ float2 '
                    "bf16_pair(u32 w) { return make_float2(__uint_as_float(w << 16), "
                    "__uint_as_float(w & 0xffff0000u)); }\n")],

@@ -14,7 +14,7 @@ import cupy as cp
 import numpy as np
 
 import triattn_cupy as ta
-from triattn_cupy import _compile, _configs
+from triattn_cupy import _compile, _configs, _gpu
 from time_ours import median_ms  # scripts/ is on sys.path when run as a script
 
 ORIGINAL = _compile.kernel_source
@@ -47,9 +47,16 @@ PATCHES = {
     # The weight chunks through L1 (cp.async.ca) instead of L2 only (.cg): the 2 blocks of an
     # SM stream the same chunks, and ncu puts the weights at ~2.9 GB of L2 traffic at 1x1024.
     "weights_l1": {"project_mma.cu": [(
-        "cp_async16_or_zero(stage + 4 * (nl * WSTR + kl), ok ? W + (i64)n * D + k : W, ok);",
-        "asm volatile(\"cp.async.ca.shared.global [%0], [%1], 16, %2;\" :: \"r\"(stage + 4 * (nl * WSTR + kl)), "
-        "\"l\"(ok ? W + (i64)n * D + k : W), \"r\"(ok ? 16 : 0));")]},
+        "cp_async16_or_zero(stage + 4 * (nl * WSTR + kl), chunk + 4 * idx, true);",
+        "asm volatile(\"cp.async.ca.shared.global [%0], [%1], 16, 16;\" :: \"r\"(stage + 4 * (nl * WSTR + kl)), "
+        "\"l\"(chunk + 4 * idx));")]},
+    # The weights as PyTorch stores them ([NO][D], each chunk 64 bytes of 128 rows, bounds
+    # tested per copy), as before session 10's chunk order (use_variant swaps the layout).
+    "row_major_weights": {"project_mma.cu": [(
+        "cp_async16_or_zero(stage + 4 * (nl * WSTR + kl), chunk + 4 * idx, true);",
+        "const bool ok = n0 + nl < NO && kc * BK + kl < D; (void)chunk;\n"
+        "                cp_async16_or_zero(stage + 4 * (nl * WSTR + kl), "
+        "ok ? W + (i64)(n0 + nl) * D + kc * BK + kl : W, ok);")]},
     "rows64": {},  # not a text patch: 64-row blocks (3 per SM) at every size
     "rows128": {},  # nor this: 128-row blocks (2 per SM) at every size
 }
@@ -69,6 +76,7 @@ def applies(parts, precision):
 
 
 ORIGINAL_ROWS = _configs.project_rows
+ORIGINAL_CHUNKS = _gpu.weight_chunks
 
 
 def use_variant(parts):
@@ -81,6 +89,7 @@ def use_variant(parts):
                 text = text.replace(old, new)
         return text
     _compile.kernel_source = source
+    _gpu.weight_chunks = (lambda w: w) if "row_major_weights" in parts else ORIGINAL_CHUNKS
     rows = [r for r in (64, 128) if f"rows{r}" in parts]
     _configs.project_rows = (lambda *args: rows[0]) if rows else ORIGINAL_ROWS
     _configs.forget_compiled_kernels()
@@ -100,6 +109,7 @@ def main(sizes, variants, precisions):
                     continue
                 use_variant(VARIANTS[variant])
                 module._dw.plans.clear()  # the launch plans hold the kernels they chose
+                module._dw._layouts.clear()  # and the weights in the layout they read
                 stages = dict(module.stage_launchers(pair, mask, precision=precision))
                 for launch in stages.values():
                     launch()

@@ -31,10 +31,14 @@ def _allowed_spill_bytes(config, arch) -> int:
     also writes K and bias tiles, KV_FORMAT 5, since session 9; 20 in its bf16 twin,
     KV_FORMAT 6, since session 10); since session 9, 32
     bytes in the 3xTF32 attention at head dim 24 on sm_90, whose 2-blocks-per-SM shape
-    measured 25% faster than the spill-free ones. Bounded here so that a new or larger
+    measured 25% faster than the spill-free ones; since session 10, 88 bytes in the bf16
+    wgmma attention in 3 blocks per SM (4% faster at 1x1024 than 2 without spills). Bounded here so that a new or larger
     spill fails; removing them is open work (benchmarks/NOTES.md). Every other kernel:
     none."""
     defines = dict(config.defines)
+    if (config.filename == "attention_wgmma.cu" and defines.get("BF16")
+            and defines["MIN_BLOCKS"] == 3):
+        return 96  # chosen by measurement over 2 blocks per SM without spills (_configs)
     if (config.filename == "attention_mma.cu" and defines["PREC"] == 0
             and defines["HEAD_DIM"] == 24 and defines["MIN_BLOCKS"] == 2 and arch == "sm_90"):
         return 32  # chosen by measurement over the spill-free shapes (_configs)

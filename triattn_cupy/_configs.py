@@ -13,6 +13,9 @@ MAX_PAIR_DIM = 768  # the row tile of D floats x 64 rows must fit in shared memo
 PROJECT_THREADS = 256
 ATTENTION_THREADS = 128
 _PROJECT_BK, _PROJECT_BN = 16, 128
+# project_mma.cu streams W [NO, D] in chunks of BN output rows x BK inputs, pass by pass
+# (BN columns of the output) and chunk by chunk along D, each chunk one contiguous block
+PROJECT_MMA_CHUNK = (_PROJECT_BN, _PROJECT_BK)
 BIAS_KEY_ALIGN = 64  # the bias's key axis is padded to a multiple of every kernel's key tile
 
 
@@ -418,12 +421,16 @@ class WgmmaTiles:
 def attention_wgmma_tiles(variant: str = "tf32") -> WgmmaTiles:
     """TF32: one row per block, two blocks (16 warps) per SM, tiles by bulk copies (BULK):
     the fastest measured at 1x384 and 1x1024 (scripts/sweep_tiles.py, benchmarks/NOTES.md:
-    3.14 against 3.49 ms with cp.async at 1x1024). 3xTF32: one block per
-    SM (its two stages, with the lo parts, V as copied and an fp32 bias tile, take 161
-    KiB), the row's warpgroups in ping-pong, two fresh P V accumulators per tile."""
+    3.14 against 3.49 ms with cp.async at 1x1024). bf16 the same in three blocks per SM
+    (2.50 against 2.61 ms at 1x1024, the same at 1x384, despite 88 bytes of spills).
+    3xTF32: one block per SM (its two stages, with the lo parts, V as copied and an fp32
+    bias tile, take 161 KiB), the row's warpgroups in ping-pong, two fresh P V
+    accumulators per tile."""
     if variant == "tf32x3":
         return WgmmaTiles(min_blocks=1, pingpong=1, pv_groups=2)
-    return WgmmaTiles(bulk=1)  # tf32, bf16
+    if variant == "bf16":  # 3 blocks per SM: 80 registers, 88 bytes spilled, and 4% faster
+        return WgmmaTiles(bulk=1, min_blocks=3)  # at 1x1024 than 2 (sweep_xor.log)
+    return WgmmaTiles(bulk=1)
 
 
 def attention_wgmma_smem_bytes(tiles: WgmmaTiles, variant: str = "tf32") -> int:

@@ -96,25 +96,41 @@ class DeviceWeights:
 
     def projection_weight(self, name: str, layout: str):
         """Projection weight `name` ("qkvg": [Wq; Wk; Wv; Wg], or "out") in the layout its
-        kernel reads: "plain" as PyTorch stores it, [D_out, D_in] (3xTF32, which splits it
-        where its fragments are loaded: each row an ldmatrix row), "tf32" the same rounded
-        to TF32 once (TF32 products), "transposed" [D_in, D_out] (FFMA, project.cu: a
-        block's weight chunk a row slice). Made on first use, on this device (the caller
-        holds it current): a GPU uses at most two of the three."""
+        kernel reads: "chunks" as PyTorch stores it, [D_out, D_in], cut into the chunks
+        project_mma.cu streams (weight_chunks; 3xTF32, which splits it where its fragments
+        are loaded), "tf32 chunks" the same rounded to TF32 once (TF32 products),
+        "transposed" [D_in, D_out] (FFMA, project.cu: a block's weight chunk a row slice).
+        Made on first use, on this device (the caller holds it current): a GPU uses at most
+        two of the three."""
         key = (name, layout)
         array = self._layouts.get(key)
         if array is None:
             plain = self._plain[name]
-            if layout == "plain":
-                array = plain
-            elif layout == "tf32":
-                array = round_tf32(plain)
+            if layout == "chunks":
+                array = weight_chunks(plain)
+            elif layout == "tf32 chunks":
+                array = weight_chunks(round_tf32(plain))
             elif layout == "transposed":
                 array = _cupy().ascontiguousarray(plain.T)
             else:
-                raise ValueError(f"layout must be plain, tf32 or transposed; got {layout!r}")
+                raise ValueError("layout must be 'chunks', 'tf32 chunks' or 'transposed'; "
+                                 f"got {layout!r}")
             self._layouts[key] = array
         return array
+
+
+def weight_chunks(w):
+    """W [NO, D] as project_mma.cu's ring reads it: [NO / BN][D / BK][BN][BK]
+    (PROJECT_MMA_CHUNK; both rounded up, zero-padded), chunk (pass p, k-chunk c) = W[p BN
+    : (p + 1) BN, c BK : (c + 1) BK], one contiguous 8 KiB: a block copies each chunk whole
+    instead of 64 bytes from each of 128 rows."""
+    xp = _cupy().get_array_module(w)  # CuPy, or NumPy (the offline test of the layout)
+    bn, bk = _configs.PROJECT_MMA_CHUNK
+    no, d = w.shape
+    passes, chunks = -(-no // bn), -(-d // bk)
+    padded = xp.zeros((passes * bn, chunks * bk), xp.float32)
+    padded[:no, :d] = w
+    return xp.ascontiguousarray(padded.reshape(passes, bn, chunks, bk).transpose(0, 2, 1, 3))
 
 
 def round_tf32(a):
@@ -320,10 +336,10 @@ class Plan:
     @property
     def weight_layout(self) -> str:
         """The projection weights' layout this forward's kernels read (projection_weight):
-        transposed for FFMA, as stored for 3xTF32, rounded to TF32 for TF32."""
+        transposed for FFMA, in chunks for 3xTF32, in chunks rounded to TF32 for TF32."""
         if not self.project_mma:
             return "transposed"
-        return "plain" if self.project_split else "tf32"
+        return "chunks" if self.project_split else "tf32 chunks"
 
 
 def _mask_meta(mask):
