@@ -26,13 +26,14 @@
 //
 // Both operands are row-major with k fastest, as ldmatrix wants them: the row tile As
 // [BM][dpad + 4] and the weight W [NO][D] as PyTorch stores it, cut into the chunks
-// [BN][BK] that stream through a ring of [BN][BK + 4] (the host lays them out one after
-// another: a chunk is read whole, not as 64-byte pieces of 128 rows). A row stride of 4 (mod 8) words puts the 8 rows an ldmatrix
-// phase reads on distinct 16-byte bank groups, and one ldmatrix.x4 then gives a whole
-// m16n8k8 A fragment, or the B fragments of two n-tiles (4 scalar loads each before).
+// [BN][BK] that stream through a ring of WSTAGES stages (the host lays them out one after
+// another: a chunk is read whole, not as 64-byte pieces of 128 rows). As's row stride of 4
+// (mod 8) words, and the ring's swizzled rows (w_piece), put the 8 rows an ldmatrix phase
+// reads on distinct 16-byte bank groups, and one ldmatrix.x4 then gives a whole m16n8k8 A
+// fragment, or the B fragments of two n-tiles (4 scalar loads each before).
 //
 // Launch: grid (ceil(M / BM)), block THREADS = 256, dynamic shared memory
-//   8*BM + 4*(BM*(DPAD + 4) + WSTAGES*BN*(BK + 4) + 2*BN) bytes, DPAD = D rounded up to BK.
+//   8*BM + 4*(BM*(DPAD + 4) + WSTAGES*BN*BK + 2*BN) bytes, DPAD = D rounded up to BK.
 // Pointers (float32 unless noted, M = B*N*N rows, D % 4 == 0):
 //   x     [B, N, N, D] at b*sb + i*si + j*sj + c*sc elements (any strides; x_vec = 1 when
 //         sc == 1 and every row starts 16-byte aligned: rows copied with cp.async)
@@ -63,7 +64,7 @@
 #endif
 #define MT (BM / 32)    // 16-row m-tiles per warp; the 8 warps are 2 (rows) x 4 (columns)
 #define TROWS (BM / 16) // row slots per thread (thread_row)
-#define WSTR (BK + 4)   // words per row of a weight chunk: 20 = 4 (mod 8)
+#define WSTR BK         // words per row of a weight chunk in the ring (swizzled: w_piece)
 #ifndef SPLIT
 #define SPLIT 0         // 1: 3xTF32 products (the fp32 mode), 0: TF32
 #endif
@@ -153,6 +154,14 @@ __device__ __forceinline__ void mma_product(float (&acc)[4], const u32 (&a)[4], 
 #endif
 }
 
+// Byte offset, in a ring stage, of 16-byte piece c (< 4) of chunk row r: rows of 64 bytes,
+// unpadded, the piece at c ^ (r / 2) % 4 (wgmma.cuh's sw64 pattern). The 8 rows an
+// ldmatrix phase reads then fall on distinct 16-byte bank groups, as with the padded rows
+// of 80 bytes before, and a warp's cp.async of 512 contiguous bytes of the chunk writes
+// 512 distinct bytes of the stage (the padded rows took ~3.7x the shared-memory
+// wavefronts for it, and ncu counted 1.5x the L2 sectors for those copies).
+__device__ __forceinline__ u32 w_piece(int r, int c) { return r * 64 + (((c ^ (r >> 1)) & 3) << 4); }
+
 // The weight W [NO][D], BN rows (output columns) x BK at a time, through a cp.async ring
 // of WSTAGES chunks [BN][WSTR], and the pass's BN output biases with its first chunk. A
 // pass over the columns at n0 is primed with the first WSTAGES - 1 chunks (prime), then
@@ -179,7 +188,7 @@ struct WeightRing {
             for (int p = 0; p < BN * BK / 4 / THREADS; ++p) {
                 const int idx = threadIdx.x + p * THREADS;
                 const int nl = idx / (BK / 4), kl = (idx % (BK / 4)) * 4;
-                cp_async16_or_zero(stage + 4 * (nl * WSTR + kl), chunk + 4 * idx, true);
+                cp_async16_or_zero(stage + w_piece(nl, kl / 4), chunk + 4 * idx, true);
             }
         }
         cp_async_commit();
@@ -209,28 +218,30 @@ struct WeightRing {
 
 // This lane's ldmatrix row addresses (bytes, shared) for warp w: in As, row
 // (w / 4) * BM/2 + (lane & 15) at column 4 (lane >> 4) (A fragment: matrices rows 0-7 and
-// 8-15 at k, then at k + 4); in a ring stage, row (w % 4) * 32 + (lane & 7) + 8 (lane >> 4)
-// at column 4 ((lane >> 3) & 1) (B fragments of n-tiles j and j + 1, each at k and k + 4).
+// 8-15 at k, then at k + 4); in a ring stage (an offset from the stage), row (w % 4) * 32
+// + (lane & 7) + 8 (lane >> 4) at piece (lane >> 3) & 1 (B fragments of n-tiles j and
+// j + 1, each at k and k + 4); k + 8 is piece + 2, the offset XOR 32 (w_piece).
 __device__ __forceinline__ u32 a_lane_addr(const float* As, int astr) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     return smem_addr(As) + 4 * (((warp / 4) * (BM / 2) + (lane & 15)) * astr + 4 * (lane >> 4));
 }
 __device__ __forceinline__ u32 w_lane_offset() {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    return 4 * (((warp % 4) * 32 + (lane & 7) + 8 * (lane >> 4)) * WSTR + 4 * ((lane >> 3) & 1));
+    return w_piece((warp % 4) * 32 + (lane & 7) + 8 * (lane >> 4), (lane >> 3) & 1);
 }
 
 // acc += As[warp's rows, kc*BK + 0:BK] x chunk[warp's columns, 0:BK]^T. With SPLIT the B
 // fragments of a k-step are split once, and each m-tile's A fragment just before its
 // products (all MT split at once would not fit in the registers of 3 blocks per SM).
-__device__ __forceinline__ void multiply_chunk(u32 a_lane, int astr, u32 w_lane, Tile& acc) {
+__device__ __forceinline__ void multiply_chunk(u32 a_lane, int astr, u32 w_stage, u32 w_lane,
+                                               Tile& acc) {
 #pragma unroll
     for (int kk = 0; kk < BK; kk += 8) {
         u32 b[4][2];
 #pragma unroll
         for (int jp = 0; jp < 2; ++jp) {
             u32 r[4];
-            ldsm_x4(r, w_lane + 4 * (jp * 16 * WSTR + kk));
+            ldsm_x4(r, w_stage + ((w_lane + jp * 16 * 4 * WSTR) ^ (4 * kk)));
             b[2 * jp][0] = r[0];
             b[2 * jp][1] = r[1];
             b[2 * jp + 1][0] = r[2];
@@ -275,7 +286,7 @@ __device__ __forceinline__ void multiply_chunk(u32 a_lane, int astr, u32 w_lane,
 template <class Store>
 __device__ __forceinline__ void project_columns(const float* As, int astr, const WeightRing& ring,
                                                 Store store) {
-    const u32 a_lane = a_lane_addr(As, astr), w_lane = ring.ws + w_lane_offset();
+    const u32 a_lane = a_lane_addr(As, astr), w_lane = w_lane_offset();
     for (int n0 = 0; n0 < ring.NO; n0 += BN) {
         Tile acc;
         acc.zero();
@@ -284,7 +295,7 @@ __device__ __forceinline__ void project_columns(const float* As, int astr, const
             __syncthreads();  // everyone's pieces visible; chunk kc - 1 read by every thread
             ring.issue(n0, kc + WSTAGES - 1);  // into the stage chunk kc - 1 used
             multiply_chunk(a_lane + 4 * kc * BK, astr,
-                           w_lane + 4 * (kc % WSTAGES) * BN * WSTR, acc);
+                           ring.ws + 4 * (kc % WSTAGES) * BN * WSTR, w_lane, acc);
         }
         __syncthreads();  // every thread done with the ring
         if (n0 + BN < ring.NO) ring.prime(n0 + BN);

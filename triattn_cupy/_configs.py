@@ -173,11 +173,11 @@ SMEM_LIMIT = 227 * 1024  # dynamic shared memory a block may opt into on sm_80 /
 
 def _project_smem(pair_dim: int, bm: int, weight_stages: int, tensor_cores: bool) -> int:
     """project.cu: rowoff (8 per row), As [DPAD][BM+PAD], Ws [WSTAGES][BK][BN+PAD],
-    red [THREADS]; project_mma.cu: rowoff, As [BM][DPAD+4], Ws [WSTAGES][BN][BK+4],
-    cbias [2][BN]."""
+    red [THREADS]; project_mma.cu: rowoff, As [BM][DPAD+4], Ws [WSTAGES][BN][BK] (rows
+    swizzled, unpadded), cbias [2][BN]."""
     dpad = -(-pair_dim // _PROJECT_BK) * _PROJECT_BK
     if tensor_cores:
-        return 8 * bm + 4 * (bm * (dpad + 4) + weight_stages * _PROJECT_BN * (_PROJECT_BK + 4)
+        return 8 * bm + 4 * (bm * (dpad + 4) + weight_stages * _PROJECT_BN * _PROJECT_BK
                              + 2 * _PROJECT_BN)
     pad = project_pad(pair_dim)
     return 8 * bm + 4 * (dpad * (bm + pad) + weight_stages * _PROJECT_BK * (_PROJECT_BN + pad)
