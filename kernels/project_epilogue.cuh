@@ -246,6 +246,18 @@ struct RowPairs {
         k = k_first + r, bi = bi_first;
         while (k >= N) k -= N, ++bi;
     }
+    // f(s, bi, k) for each of this thread's row slots s whose block row is below rows_here.
+    template <class F>
+    __device__ __forceinline__ void each_slot(int rows_here, F f) const {
+#pragma unroll
+        for (int s = 0; s < TROWS; ++s) {
+            const int r = thread_row(s);
+            if (r >= rows_here) continue;
+            unsigned bi, k;
+            of(r, bi, k);
+            f(s, bi, k);
+        }
+    }
 };
 
 // Format 6 (bf16): one column of 64 keys, [32 dims][64 keys] bf16, key k at position k.
@@ -309,12 +321,7 @@ __device__ __forceinline__ void store_vt(Tile& acc, int vcol0, const VtTarget& t
     } else
 #endif
     {
-#pragma unroll
-        for (int s = 0; s < TROWS; ++s) {
-            const int r = thread_row(s);
-            if (r >= rows_here) continue;
-            unsigned bi, k;
-            rows.of(r, bi, k);
+        rows.each_slot(rows_here, [&](int s, unsigned bi, unsigned k) {
             vt_t *d0, *d1;
             at(bi, (int)k, d0, d1);
 #pragma unroll
@@ -323,7 +330,7 @@ __device__ __forceinline__ void store_vt(Tile& acc, int vcol0, const VtTarget& t
                 d0[VT_DIM8 * j] = to_vt(p[0]);
                 d1[VT_DIM8 * j] = to_vt(p[1]);
             }
-        }
+        });
     }
     // Zeros on the keys [N, npk) of the pair (b, i) of each row slot holding key N - 1.
     for (int s = 0; s < TROWS; ++s) {
@@ -350,13 +357,7 @@ __device__ __forceinline__ void store_vt(Tile& acc, int vcol0, const VtTarget& t
 __device__ __forceinline__ void store_kt(Tile& acc, int kcol0, const VtTarget& to, int rows_here) {
     if (kcol0 < 0) return;
     const int h = kcol0 / 32, c = kcol0 % 32, ntiles = to.npk / 64;
-    const RowPairs rows(to);
-#pragma unroll
-    for (int s = 0; s < TROWS; ++s) {
-        const int r = thread_row(s);
-        if (r >= rows_here) continue;
-        unsigned bi, k;
-        rows.of(r, bi, k);
+    RowPairs(to).each_slot(rows_here, [&](int s, unsigned bi, unsigned k) {
         char* const tile = reinterpret_cast<char*>(to.vt)
                            + (((i64)bi * to.H + h) * ntiles + k / 64) * KV_TILE_BYTES;
 #pragma unroll
@@ -368,7 +369,7 @@ __device__ __forceinline__ void store_kt(Tile& acc, int kcol0, const VtTarget& t
             *reinterpret_cast<float2*>(tile + sw128(k % 64, 4 * (c + 8 * j))) = make_float2(p[0], p[1]);
 #endif
         }
-    }
+    });
 }
 #endif
 
