@@ -397,7 +397,9 @@ WGMMA_VARIANTS = {"tf32": (0, KV_TF32_VT, KV_TF32_TILES), "tf32x3": (1, KV_FP32,
 # (scripts/sweep_tiles.py, benchmarks/NOTES.md): TF32 from N = 129; 3xTF32 from N = 289,
 # since its 64-key tiles pad N further than the mma.sync kernel's 32-key ones and, three
 # products each, lose more to it (at 1x160 0.110 against 0.099 ms, 2x200 0.329 against
-# 0.315; at 1x320 0.476 against 0.497, 1x384 0.65 against 0.71).
+# 0.315; at 1x320 0.476 against 0.497, 1x384 0.65 against 0.71). bf16 from N = 129 as
+# TF32 (faster at 1x384 and 1x1024: 0.179 / 2.50 against 0.198 / 3.00 ms; not swept
+# between 129 and 384).
 _WGMMA_ABOVE_N = {"tf32": _SMALL_N, "fp32": 288, "bf16": _SMALL_N}
 
 
