@@ -36,6 +36,20 @@
 // exponentiated; the projection writes K tiles [64 keys][32 dims] bf16 in the 64-byte
 // swizzle and V^T tiles [32 dims][64 keys] bf16, one 128-byte row per dim, keys in their own
 // order (a bf16 A fragment takes S's columns in order: KV_FORMAT 6); fp32 softmax and O.
+// F16X3 (attention_f16x3_wgmma, the fp32 mode on wgmma; BULK only): every operand a = hi +
+// lo in fp16, hi = rn(a), lo = rn(a - hi): 22 bits where lo is normal, as 3xTF32's, at
+// twice the rate of TF32 products (fp16 wgmma runs at bf16's rate). fp16's range is
+// narrow, so the projection scales q, k and v by powers of two that keep every value
+// below 2^14 (a bound from the weights: DeviceWeights.f16x3_scales) and the kernel undoes
+// them: S = (Q_hi K_lo + Q_lo K_hi + Q_hi K_hi) qk_unscale + bias, from zero as SPLIT's,
+// the bias held as fp16 hi and lo tiles (hi + lo, exact in fp32); P = 2^(S - m + P_SHIFT)
+// (at most 2^(8 + 6): P's lo parts stay normal down to P ~ 2^-9) split as exponentiated,
+// and [O | l] += P_hi V_lo + P_lo V_hi + P_hi V_hi into fresh accumulators (PV_GROUPS) added
+// to O in fp32; o = O v_unscale / l (P_SHIFT cancels). The projection writes per (b, i,
+// head, 64 keys) 16 KiB: the K hi and lo tiles as format 6's K tile, then the V^T hi and
+// lo tiles as its V^T tile (KV_FORMAT 7); qkvg rows of 2D words, q's 16 hi then 16 lo
+// words of packed fp16 per head where its o goes, the gate after; the bias as fp16 hi and
+// lo tiles, 32 KiB per tile.
 // tf32 operands must be K-major: K [key][dim] already is (the projection's layout); V
 // must be read as V^T [dim][key]. TF32: the projection writes V^T for this kernel, tile by
 // tile, exactly as shared memory holds it (project_epilogue.cuh KV_FORMAT 3): copying it
@@ -99,6 +113,10 @@
 #ifndef BF16
 #define BF16 0          // 1: bf16 operands (attention_bf16_wgmma; BULK, KV_FORMAT 6)
 #endif
+#ifndef F16X3
+#define F16X3 0         // 1: fp16 hi + lo operands (attention_f16x3_wgmma; BULK, KV_FORMAT 7)
+#endif
+#define HALF16 (BF16 || F16X3)  // 16-bit operands: k16 products, K rows of 64 bytes
 
 #define BK 64                          // keys per tile
 #define ROW_GROUPS 2                   // warpgroups per row
@@ -115,15 +133,21 @@
 #if BF16 && (!BULK || SPLIT)
 #error "attention_wgmma.cu: BF16 is a BULK variant, without SPLIT"
 #endif
+#if F16X3 && (!BULK || SPLIT || BF16)
+#error "attention_wgmma.cu: F16X3 is a BULK variant, without SPLIT or BF16"
+#endif
+#define P_SHIFT 6.f  // F16X3: P scaled by 2^6 (at most 2^(RESCALE_SLACK + 6), inside fp16)
 
 #if ROWS != 1 && ROWS != 2
 #error "attention_wgmma.cu: ROWS must be 1 or 2"
 #endif
 
-#define K_ROW (BF16 ? 64 : 128)           // bytes per key of a K tile: 32 dims
-#define K_TILE (BK * K_ROW)               // bytes
-#define VT_COLUMNS (BF16 ? 1 : BK / 32)   // V^T columns per tile: rows of 128 bytes of keys
-#define VT_COLUMN (ON * 128)              // one column of V^T: 32 tf32 keys or 64 bf16
+#define K_ROW (HALF16 ? 64 : 128)         // bytes per key of a K tile: 32 dims
+#define K_PART (BK * K_ROW)               // bytes of one K tile (F16X3: hi, then lo)
+#define K_TILE ((1 + F16X3) * K_PART)     // bytes
+// V^T columns per tile: rows of 128 bytes of keys (F16X3: the hi column, then the lo)
+#define VT_COLUMNS (BF16 ? 1 : F16X3 ? 2 : BK / 32)
+#define VT_COLUMN (ON * 128)              // one column of V^T: 32 tf32 keys or 64 16-bit
 #define VT_TILE (VT_COLUMNS * VT_COLUMN)
 #define VT_COPIED (VT_COLUMNS * HEAD_DIM * 128)  // bytes of a V^T tile the projection wrote
 #if SPLIT
@@ -132,6 +156,9 @@ typedef float bias_elem;
 #elif BF16
 typedef unsigned short bias_elem;  // fp16 bits
 #define ENTRY attention_bf16_wgmma
+#elif F16X3
+typedef unsigned short bias_elem;  // fp16 bits: the hi tile, then the lo
+#define ENTRY attention_f16x3_wgmma
 #else
 typedef unsigned short bias_elem;  // fp16 bits
 #define ENTRY attention_tf32_wgmma
@@ -142,7 +169,8 @@ typedef unsigned short bias_elem;  // fp16 bits
 // pairs, (4 g + t) for fp16 pairs: on distinct banks either way.
 #define BSTR (BK + 8)
 #if BULK  // the projection's bias tile as is: [BQ][BK] fp16, rows swizzled (no padding)
-#define BIAS_TILE (BQ * BK * 2)
+#define BIAS_PART (BQ * BK * 2)
+#define BIAS_TILE ((1 + F16X3) * BIAS_PART)  // F16X3: the hi part, then the lo
 #else
 #define BIAS_TILE (BQ * BSTR * BIAS_BYTES)  // bytes
 #endif
@@ -173,12 +201,16 @@ typedef unsigned short bias_elem;  // fp16 bits
 
 #define TF32_ONE 0x3f800000u
 #define BF16_ONES 0x3f803f80u  // two bf16 ones
+#define F16_ONES 0x3c003c00u   // two fp16 ones
 
 extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
 ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int npk,
       int nan_fully_masked
 #if !SPLIT
       , const float* __restrict__ vt
+#endif
+#if F16X3
+      , float qk_unscale, float v_unscale
 #endif
       ) {
     extern __shared__ float4 smem4[];
@@ -188,7 +220,7 @@ ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int 
     const u32 smem_s = raw_s + align;
 
     const int D = H * HEAD_DIM;
-    const i64 ld = 4LL * D;
+    const i64 ld = (F16X3 ? 2LL : 4LL) * D;  // words per qkvg row (project_epilogue.cuh QKVG_LD)
     const AttentionBlock blk = attention_block(N, H, BQ, ROWS);
     const int qtile = blk.qtile, i0 = blk.i0, head = blk.head, b = blk.b;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -226,13 +258,20 @@ ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int 
     // ---- Q: A fragments per 8-dim k-step, rounded to TF32 (zero past N); SPLIT: qa the
     // hi parts, qa_lo the lo; BF16: per 16-dim k-step, packed bf16 pairs as the projection
     // stored them (from qkvg word 2D: project_epilogue.cuh QG_PACKED) ----
-#if BF16
+#if HALF16
     u32 qa[HEAD_DIM / 16][4];
+#if F16X3
+    u32 ql[HEAD_DIM / 16][4];  // the lo parts, D / 2 words after the hi
+#endif
     {
         const int j0 = q0 + g, j1 = j0 + 8;
         const bool ok0 = row_ok && j0 < N, ok1 = row_ok && j1 < N;
+#if F16X3  // the head's 16 hi words, then its 16 lo words, where o goes
+        const u32* const q_packed = reinterpret_cast<const u32*>(row);
+#else
         const u32* const q_packed = reinterpret_cast<const u32*>(row - head * HEAD_DIM + 2 * D)
                                     + head * (HEAD_DIM / 2);
+#endif
 #pragma unroll
         for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {  // dims 16kk + 2t, +1 in word 8kk + t
             const int w = 8 * kk + t;
@@ -240,6 +279,13 @@ ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int 
             qa[kk][1] = ok1 ? q_packed[(i64)j1 * ld + w] : 0u;
             qa[kk][2] = ok0 ? q_packed[(i64)j0 * ld + w + 4] : 0u;
             qa[kk][3] = ok1 ? q_packed[(i64)j1 * ld + w + 4] : 0u;
+#if F16X3
+            const u32* const q_lo = q_packed + HEAD_DIM / 2;
+            ql[kk][0] = ok0 ? q_lo[(i64)j0 * ld + w] : 0u;
+            ql[kk][1] = ok1 ? q_lo[(i64)j1 * ld + w] : 0u;
+            ql[kk][2] = ok0 ? q_lo[(i64)j0 * ld + w + 4] : 0u;
+            ql[kk][3] = ok1 ? q_lo[(i64)j1 * ld + w + 4] : 0u;
+#endif
         }
     }
 #else
@@ -386,8 +432,10 @@ ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int 
     for (int idx = tid; idx < STAGES * ROWS * VT_COLUMNS * 8 * 32; idx += THREADS) {
         const int k32 = idx % 32, n = HEAD_DIM + (idx / 32) % 8, column = idx / 256;
         const int stage = column / (ROWS * VT_COLUMNS), in_stage = column % (ROWS * VT_COLUMNS);
+        // (F16X3: the ones in the hi column, zeros in the lo)
+        const u32 one = BF16 ? BF16_ONES : F16X3 ? (in_stage % 2 ? 0u : F16_ONES) : TF32_ONE;
         *reinterpret_cast<u32*>(smem + stage * STAGE_BYTES + VT_OFFSET + in_stage * VT_COLUMN
-                                + sw128(n, 4 * k32)) = n == HEAD_DIM ? (BF16 ? BF16_ONES : TF32_ONE) : 0u;
+                                + sw128(n, 4 * k32)) = n == HEAD_DIM ? one : 0u;
 #if SPLIT
         *reinterpret_cast<u32*>(smem + stage * STAGE_BYTES + LO_OFFSET + VT_OFFSET
                                 + in_stage * VT_COLUMN + sw128(n, 4 * k32)) = 0u;
@@ -453,6 +501,19 @@ ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int 
 #define BIAS_ROW8 (4 * BSTR)
 #endif
     auto issue_s = [&](float (&s)[4 * NT], int stage) {
+#if F16X3  // from zero, small terms first; the bias is added in fp32 after (add_bias)
+#pragma unroll
+        for (int i = 0; i < 4 * NT; ++i) s[i] = 0.f;
+        const u32 k_tile = smem_s + stage * STAGE_BYTES + rw * K_TILE;
+        const u64 k_desc = sw64_desc(k_tile), k_lo_desc = sw64_desc(k_tile + K_PART);
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < HEAD_DIM / 16; ++kk) wgmma_m64n64k16_f16(s, qa[kk], k_lo_desc + 2 * kk);
+#pragma unroll
+        for (int kk = 0; kk < HEAD_DIM / 16; ++kk) wgmma_m64n64k16_f16(s, ql[kk], k_desc + 2 * kk);
+#pragma unroll
+        for (int kk = 0; kk < HEAD_DIM / 16; ++kk) wgmma_m64n64k16_f16(s, qa[kk], k_desc + 2 * kk);
+#else
 #pragma unroll
         for (int n = 0; n < NT; ++n) {
             const u32* const pair = bias_pair(stage, n);
@@ -460,7 +521,9 @@ ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int 
             const float2 x1 = half2_to_float2(pair[BIAS_ROW8]);
             s[4 * n] = x0.x, s[4 * n + 1] = x0.y, s[4 * n + 2] = x1.x, s[4 * n + 3] = x1.y;
         }
-#if BF16
+#endif
+#if F16X3
+#elif BF16
         const u64 k_desc = sw64_desc(smem_s + stage * STAGE_BYTES + rw * K_TILE);
         wgmma_fence();
 #pragma unroll
@@ -473,6 +536,23 @@ ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int 
 #endif
         wgmma_commit();
     };
+#if F16X3
+    // S = products qk_unscale + bias, once the products are done: the bias's hi and lo
+    // tiles summed (exact in fp32; -inf + 0 where masked).
+    auto add_bias = [&](float (&s)[4 * NT], int stage) {
+#pragma unroll
+        for (int n = 0; n < NT; ++n) {
+            const u32* const hi = bias_pair(stage, n);
+            const u32* const lo = hi + BIAS_PART / 4;
+            const float2 h0 = half2_to_float2(hi[0]), l0 = half2_to_float2(lo[0]);
+            const float2 h1 = half2_to_float2(hi[BIAS_ROW8]), l1 = half2_to_float2(lo[BIAS_ROW8]);
+            s[4 * n] = fmaf(s[4 * n], qk_unscale, h0.x + l0.x);
+            s[4 * n + 1] = fmaf(s[4 * n + 1], qk_unscale, h0.y + l0.y);
+            s[4 * n + 2] = fmaf(s[4 * n + 2], qk_unscale, h1.x + l1.x);
+            s[4 * n + 3] = fmaf(s[4 * n + 3], qk_unscale, h1.y + l1.y);
+        }
+    };
+#endif
 #endif
 
     // The online softmax of S (its product done), in two parts. rescale: the reference
@@ -525,6 +605,21 @@ ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int 
             split(fast_exp2(s[4 * n + 1] - m_sub[0]), pa[n][2], pl[n][2]);
             split(fast_exp2(s[4 * n + 2] - m_sub[1]), pa[n][1], pl[n][1]);
             split(fast_exp2(s[4 * n + 3] - m_sub[1]), pa[n][3], pl[n][3]);
+        }
+    };
+#elif F16X3
+    // F16X3: as BF16's, each value 2^(S - m + P_SHIFT) split into fp16 hi (pa) and lo (pl).
+    auto exponentiate = [&](const float (&s)[4 * NT], u32 (&pa)[NT / 2][4], u32 (&pl)[NT / 2][4]) {
+        const float ms[2] = {m_sub[0] - P_SHIFT, m_sub[1] - P_SHIFT};
+        auto p = [&](const float* c, int r, u32& hi, u32& lo) {
+            split_f16(fast_exp2(c[0] - ms[r]), fast_exp2(c[1] - ms[r]), hi, lo);
+        };
+#pragma unroll
+        for (int kk = 0; kk < NT / 2; ++kk) {
+            const float* const lo = s + 8 * kk;
+            const float* const hi = lo + 4;
+            p(lo, 0, pa[kk][0], pl[kk][0]), p(lo + 2, 1, pa[kk][1], pl[kk][1]);
+            p(hi, 0, pa[kk][2], pl[kk][2]), p(hi + 2, 1, pa[kk][3], pl[kk][3]);
         }
     };
 #elif BF16
@@ -586,13 +681,32 @@ ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int 
         }
         wgmma_commit();
     };
-    auto add_pv = [&]() {
+#elif F16X3
+    // F16X3: P_hi V_lo + P_lo V_hi + P_hi V_hi into ot[grp], fresh, for the keys of group
+    // grp, issued; added to O after the wait (add_pv), as SPLIT's.
+#define GROUP_STEPS (NT / 2 / PV_GROUPS)
+    float ot[PV_GROUPS][4 * ON / 8];
+    auto issue_pv = [&](const u32 (&pa)[NT / 2][4], const u32 (&pl)[NT / 2][4], int stage) {
+        const u32 vt_tile = smem_s + stage * STAGE_BYTES + VT_OFFSET + rw * VT_TILE;
+        const u64 vt_desc = sw128_desc(vt_tile), vt_lo_desc = sw128_desc(vt_tile + VT_COLUMN);
+#pragma unroll
+        for (int grp = 0; grp < PV_GROUPS; ++grp)
+#pragma unroll
+            for (int i = 0; i < 4 * ON / 8; ++i) ot[grp][i] = 0.f;
+        wgmma_fence();
 #pragma unroll
         for (int grp = 0; grp < PV_GROUPS; ++grp) {
-            pin(ot[grp]);
 #pragma unroll
-            for (int i = 0; i < 4 * ON / 8; ++i) o[i] += ot[grp][i];
+            for (int kk = grp * GROUP_STEPS; kk < (grp + 1) * GROUP_STEPS; ++kk)
+                wgmma_m64n40k16_f16(ot[grp], pa[kk], vt_lo_desc + 2 * kk);
+#pragma unroll
+            for (int kk = grp * GROUP_STEPS; kk < (grp + 1) * GROUP_STEPS; ++kk)
+                wgmma_m64n40k16_f16(ot[grp], pl[kk], vt_desc + 2 * kk);
+#pragma unroll
+            for (int kk = grp * GROUP_STEPS; kk < (grp + 1) * GROUP_STEPS; ++kk)
+                wgmma_m64n40k16_f16(ot[grp], pa[kk], vt_desc + 2 * kk);
         }
+        wgmma_commit();
     };
 #elif BF16
     auto issue_pv = [&](const u32 (&pa)[NT / 2][4], int stage) {  // one 64-key column
@@ -609,6 +723,16 @@ ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int 
 #pragma unroll
         for (int kk = 0; kk < NT; ++kk) wgmma_m64n40k8_tf32(o, pa[kk], vt_desc(vt_tile, kk));
         wgmma_commit();
+    };
+#endif
+#if SPLIT || F16X3
+    auto add_pv = [&]() {
+#pragma unroll
+        for (int grp = 0; grp < PV_GROUPS; ++grp) {
+            pin(ot[grp]);
+#pragma unroll
+            for (int i = 0; i < 4 * ON / 8; ++i) o[i] += ot[grp][i];
+        }
     };
 #endif
 
@@ -665,10 +789,10 @@ ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int 
 #pragma unroll
     for (int st = 0; st < STAGES - 1; ++st) issue(st * BK, st);
 #endif
-#define PA_STEPS (BF16 ? NT / 2 : NT)  // k-steps of P V
+#define PA_STEPS (HALF16 ? NT / 2 : NT)  // k-steps of P V
     u32 pa[PA_STEPS][4];
-#if SPLIT
-    u32 pl[NT][4];
+#if SPLIT || F16X3
+    u32 pl[PA_STEPS][4];
 #endif
     int stage = 0;
     for (int k0 = 0; k0 < N; k0 += BK) {
@@ -703,6 +827,9 @@ ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int 
         wgmma_wait<0>();
         pin(s);
         pin(o);
+#if F16X3
+        add_bias(s, stage);
+#endif
         if (PINGPONG && !second) asm volatile("bar.arrive %0, %1;" :: "r"(1 + rw), "n"(128 * ROW_GROUPS));
 #if SPLIT
 #pragma unroll
@@ -718,13 +845,13 @@ ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int 
         }
 #endif
         rescale(s);
-#if SPLIT
+#if SPLIT || F16X3
         exponentiate(s, pa, pl);
         issue_pv(pa, pl, stage);
         wgmma_wait<0>();  // before the barrier that lets this stage be refilled
         add_pv();
 #pragma unroll
-        for (int n = 0; n < NT; ++n) pin(pl[n]);
+        for (int n = 0; n < PA_STEPS; ++n) pin(pl[n]);
 #else
         exponentiate(s, pa);
         issue_pv(pa, stage);
@@ -750,7 +877,11 @@ ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int 
         const int j = q0 + 8 * r + g;
         if (j >= N) continue;
         const bool fully_masked = total[r] == 0.f;
+#if F16X3
+        const float inv = fully_masked ? 0.f : v_unscale / total[r];
+#else
         const float inv = fully_masked ? 0.f : 1.0f / total[r];
+#endif
         const float fill = nan_fully_masked ? quiet_nan() : 0.f;
         float* const out = row + (i64)j * ld + 2 * t;
 #pragma unroll

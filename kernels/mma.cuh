@@ -1,5 +1,5 @@
 // Tensor-core building blocks through inline PTX (NVRTC cannot include <mma.h>):
-// fp32 -> tf32 / bf16 conversions and the m16n8k8 tf32 / m16n8k16 bf16 mma.sync products.
+// fp32 -> tf32 / bf16 / fp16 conversions and the m16n8k8 tf32 / m16n8k16 bf16 mma.sync products.
 // Fragment layouts (PTX ISA, "Matrix Fragments for mma.m16n8k8 / m16n8k16"), with
 // g = lane >> 2, t = lane & 3:
 //   m16n8k8 tf32:  A a0 (g, t) a1 (g+8, t) a2 (g, t+4) a3 (g+8, t+4);
@@ -68,6 +68,22 @@ __device__ __forceinline__ float2 half2_to_float2(u32 w) {
     asm("{\n.reg .f16 l, h;\nmov.b32 {l, h}, %2;\ncvt.f32.f16 %0, l;\ncvt.f32.f16 %1, h;\n}"
         : "=f"(lo), "=f"(hi) : "r"(w));
     return make_float2(lo, hi);
+}
+
+// Two fp32 values as one f16x2 register, round to nearest even; x0 in the low half.
+// Finite values past fp16's range become inf: callers keep them in range.
+__device__ __forceinline__ u32 pack_f16(float x0, float x1) {
+    u32 r;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(x1), "f"(x0));
+    return r;
+}
+// x0, x1 as fp16 hi + lo pairs (the fp32 mode's split products): hi rounded to nearest,
+// lo = x - hi (exact in fp32) rounded again, so hi + lo carries ~22 bits of x where lo is
+// a normal fp16 (|x| >= 2^-3), and x to within 2^-25 absolute below.
+__device__ __forceinline__ void split_f16(float x0, float x1, u32& hi, u32& lo) {
+    hi = pack_f16(x0, x1);
+    const float2 h = half2_to_float2(hi);
+    lo = pack_f16(x0 - h.x, x1 - h.y);
 }
 
 __device__ __forceinline__ float2 ld2(const float* p) {

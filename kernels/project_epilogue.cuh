@@ -91,33 +91,6 @@ __device__ __forceinline__ void map_column(Tile& acc, int j, float2 cb, F f) {
     }
 }
 
-__device__ __forceinline__ void st2(float* p, float2 v) { *reinterpret_cast<float2*>(p) = v; }
-
-// Store this thread's value pairs: column pair j of block row r at base + r * ld + col[j]
-// (in floats), as a float pair, or only its first word where packed[j] (two bf16). Column
-// pairs with col[j] < 0 and rows from rows_here on are skipped. A row's column pairs go
-// out one after another, as the fragments hold them: storing column pair by column pair
-// (every row of one pair, then the next) made the stores take about twice as long
-// (measured, benchmarks/NOTES.md).
-__device__ __forceinline__ void store_pairs(Tile& acc, float* base, const int (&col)[4],
-                                            const bool (&packed)[4], int ld, int rows_here) {
-#pragma unroll
-    for (int s0 = 0; s0 < TROWS; s0 += SLOT_RUN)
-#pragma unroll
-        for (int j = 0; j < 4; ++j)
-#pragma unroll
-            for (int h = 0; h < SLOT_RUN; ++h) {
-                const int r = thread_row(s0 + h);
-                if (col[j] < 0 || r >= rows_here) continue;
-                const float* const p = pair_at(acc, s0 + h, j);
-                float* const dst = base + (r * ld + col[j]);
-                if (packed[j])
-                    *dst = p[0];
-                else
-                    st2(dst, make_float2(p[0], p[1]));
-            }
-}
-
 // How ln_qkvg_project stores q, k, v and the gate, for the kernels that read them (a
 // qkvg row is 4D words in every format; the attention writes o over [0, D)):
 // 0 as computed (fp32): q, k, v, gate at words [0, D), [D, 2D), [2D, 3D), [3D, 4D);
@@ -139,17 +112,29 @@ __device__ __forceinline__ void store_pairs(Tile& acc, float* base, const int (&
 //   keys][32 dims] bf16 in the 64-byte swizzle (sw64), then the V^T tile [32 dims][64 keys]
 //   bf16 in the 128-byte swizzle, keys in their own order; q and the gate packed bf16 as
 //   in format 2; the pair bias in fp16 tiles as in format 5.
+// 7 as 6 in fp16 hi + lo pairs (split_f16; attention_f16x3_wgmma, the fp32 mode; head dim
+//   32): per (b, i, head, 64 keys) 16 KiB, the K hi tile, the K lo tile, the V^T hi tile,
+//   the V^T lo tile, each as format 6's; the pair bias as fp16 hi and lo tiles (32 KiB per
+//   tile: hi, then lo). A qkvg row is 2D words here (QKVG_LD), k and v being in tiles
+//   only: per head 16 words of q's hi pairs then 16 of its lo pairs, at [32 h, 32 h + 32),
+//   where the attention writes that head's o; the gate fp32 at [D, 2D). So the scratch
+//   stays ~4x the input with the tiles (4D words a row would make it 6x). q, k and v
+//   arrive scaled by powers of two that keep them inside fp16's range (the weights are:
+//   DeviceWeights.f16x3_scales).
 #ifndef KV_FORMAT
 #define KV_FORMAT 0
 #endif
-#define KV_TILED (KV_FORMAT == 3 || KV_FORMAT == 5 || KV_FORMAT == 6)  // v into tiles of its own
-#define K_TILED (KV_FORMAT == 5 || KV_FORMAT == 6)  // k and the pair bias in tiles too
+#define KV_TILED (KV_FORMAT == 3 || KV_FORMAT == 5 || KV_FORMAT == 6 || KV_FORMAT == 7)  // v into tiles of its own
+#define K_TILED (KV_FORMAT == 5 || KV_FORMAT == 6 || KV_FORMAT == 7)  // k and the pair bias in tiles too
 #define QG_PACKED (KV_FORMAT == 2 || KV_FORMAT == 6)  // q and the gate packed bf16
+#define HI_LO (KV_FORMAT == 7)  // q, k, v and the bias as fp16 hi and lo
 #if KV_TILED
 #include "wgmma.cuh"
 #endif
-#define KV_TILE_BYTES (KV_FORMAT == 5 ? 16384 : 8192)  // per (b, i, head, 64 keys)
-#define VT_IN_TILE (KV_FORMAT == 5 ? 8192 : KV_FORMAT == 6 ? 4096 : 0)
+#define KV_TILE_BYTES (KV_FORMAT == 5 || HI_LO ? 16384 : 8192)  // per (b, i, head, 64 keys)
+#define VT_IN_TILE (KV_FORMAT == 5 || HI_LO ? 8192 : KV_FORMAT == 6 ? 4096 : 0)
+#define HALF_PART 4096  // HI_LO: bytes from a hi K or V^T tile to its lo tile
+#define BIAS_TILE_BYTES (HI_LO ? 32768 : 16384)  // K_TILED: per (b, head, 128 i, 64 j)
 
 // Where format 3 writes V^T, and the block's first row (the unused fields of other formats).
 struct VtTarget {
@@ -179,12 +164,28 @@ __device__ __forceinline__ bias_t to_bias(float x) { return x; }
 // at(jj) is where key jj of the row (b, head, i) goes. The key axis is padded to a whole
 // number of attention tiles (npk); -inf there makes the padded keys weigh exactly 0, so
 // the attention kernel needs no bounds test.
+// *at(jj) = x as the bias's type; HI_LO: the value as fp16 hi, and at 8192 elements (16
+// KiB, the tile's lo part) the rest rounded again (0 where hi is infinite): hi + lo holds
+// ~22 bits of it, to +-131008.
+template <class At>
+__device__ __forceinline__ void put_bias(At at, i64 jj, float x) {
+    const bias_t hi = to_bias(x);
+#if HI_LO
+    const float h = half2_to_float2(hi).x;
+    const bias_t lo = to_bias(isinf(h) ? 0.f : x - h);
+    bias_t* const p = at(jj);
+    p[0] = hi;
+    p[BIAS_TILE_BYTES / 4] = lo;
+#else
+    *at(jj) = hi;
+#endif
+}
 template <class At>
 __device__ __forceinline__ void store_pair_bias_at(At at, i64 j, int N, int npk, bool keep,
                                                    float dot) {
-    *at(j) = to_bias(keep ? dot * LOG2E_F : neg_inf());
+    put_bias(at, j, keep ? dot * LOG2E_F : neg_inf());
     if (j == N - 1)
-        for (int jj = N; jj < npk; ++jj) *at(jj) = to_bias(neg_inf());
+        for (int jj = N; jj < npk; ++jj) put_bias(at, jj, neg_inf());
 }
 // The same in the row-major layout [B, H, N, npk]: brow = &bias[b, head, i, 0].
 __device__ __forceinline__ void store_pair_bias(bias_t* __restrict__ brow, i64 j, int N, int npk,
@@ -199,7 +200,7 @@ __device__ __forceinline__ void store_pair_bias(bias_t* __restrict__ brow, i64 j
 // bulk copy moves a tile. bh = b H + head. Query rows past N in the last tile stay unwritten.
 __device__ __forceinline__ bias_t* bias_element(bias_t* bias, i64 bh, int i, int j, int N, int npk) {
     const i64 tile = (bh * ((N + 127) / 128) + i / 128) * (npk / 64) + j / 64;
-    return reinterpret_cast<bias_t*>(reinterpret_cast<char*>(bias) + tile * 16384
+    return reinterpret_cast<bias_t*>(reinterpret_cast<char*>(bias) + tile * BIAS_TILE_BYTES
                                      + sw128(i % 128, 2 * (j % 64)));
 }
 __device__ __forceinline__ void store_pair_bias_tiled(bias_t* __restrict__ bias, i64 bh, int i,
@@ -210,7 +211,9 @@ __device__ __forceinline__ void store_pair_bias_tiled(bias_t* __restrict__ bias,
 #endif
 
 #define Q_WORD(D) (QG_PACKED ? 2 * (D) : 0)
-#define GATE_WORD(D) (QG_PACKED ? 5 * (D) / 2 : 3 * (D))
+#define GATE_WORD(D) (QG_PACKED ? 5 * (D) / 2 : HI_LO ? (D) : 3 * (D))
+#define QKVG_LD(D) (HI_LO ? 2 * (D) : 4 * (D))  // words per qkvg row
+#define Q_LO_WORDS 16  // HI_LO: from a q hi word to its lo word (head dim 32: 16 hi words)
 
 // Gate values k .. k + 3 of a qkvg row (k % 4 == 0): fp32, or (KV_FORMAT 2, 6) two packed
 // bf16 words, widened.
@@ -260,10 +263,13 @@ struct RowPairs {
     }
 };
 
-// Format 6 (bf16): one column of 64 keys, [32 dims][64 keys] bf16, key k at position k.
+// Format 6 (bf16): one column of 64 keys, [32 dims][64 keys] bf16, key k at position k;
+// format 7 the same in fp16, hi, then lo HALF_PART bytes further.
 #if KV_FORMAT == 6
 typedef unsigned short vt_t;  // bf16 bits
 __device__ __forceinline__ vt_t to_vt(float x) { return bf16_bits(x); }
+#elif HI_LO
+typedef unsigned short vt_t;  // fp16 bits
 #else
 typedef float vt_t;
 __device__ __forceinline__ vt_t to_vt(float x) { return x; }
@@ -277,7 +283,7 @@ __device__ __forceinline__ void store_vt(Tile& acc, int vcol0, const VtTarget& t
     // Where key `key` of pair (b, i) = bi goes: its dims c + 8j at d0[VT_DIM8 j], c + 8j + 1
     // at d1[VT_DIM8 j].
     auto at = [&](unsigned bi, int key, vt_t*& d0, vt_t*& d1) {
-#if KV_FORMAT == 6
+#if KV_FORMAT == 6 || HI_LO
         const int byte = 2 * (key % 64);
         char* const column = reinterpret_cast<char*>(to.vt) + VT_IN_TILE
                              + (((i64)bi * to.H + h) * ntiles + key / 64) * KV_TILE_BYTES;
@@ -294,7 +300,7 @@ __device__ __forceinline__ void store_vt(Tile& acc, int vcol0, const VtTarget& t
         d0 = reinterpret_cast<vt_t*>(column + sw128(c, byte));
         d1 = reinterpret_cast<vt_t*>(column + sw128(c + 1, byte));
     };
-#if KV_FORMAT == 6
+#if KV_FORMAT == 6 || HI_LO
     if (to.N % 2 == 0) {
         // N even: a block row and its key have the same parity (m0 and N are even), so
         // lanes g and g ^ 1 (4 apart) hold keys k, k + 1 of one pair (b, i): the even lane
@@ -314,8 +320,17 @@ __device__ __forceinline__ void store_vt(Tile& acc, int vcol0, const VtTarget& t
             for (int j = 0; j < 4; ++j) {
                 const float* const p = pair_at(acc, s, j);
                 const float other = __shfl_xor_sync(0xffffffffu, odd ? p[0] : p[1], 4);
+#if HI_LO
+                u32 hi, lo;
+                split_f16(odd ? other : p[0], odd ? p[1] : other, hi, lo);
+                if (r < rows_here) {
+                    word[VT_DIM8 / 2 * j] = hi;
+                    word[VT_DIM8 / 2 * j + HALF_PART / 4] = lo;
+                }
+#else
                 if (r < rows_here)
                     word[VT_DIM8 / 2 * j] = odd ? pack_bf16(other, p[1]) : pack_bf16(p[0], other);
+#endif
             }
         }
     } else
@@ -327,8 +342,16 @@ __device__ __forceinline__ void store_vt(Tile& acc, int vcol0, const VtTarget& t
 #pragma unroll
             for (int j = 0; j < 4; ++j) {
                 const float* const p = pair_at(acc, s, j);
+#if HI_LO  // the pair's hi and lo halves, each a 16-bit store of its own
+                u32 hi, lo;
+                split_f16(p[0], p[1], hi, lo);
+                d0[VT_DIM8 * j] = (vt_t)hi, d1[VT_DIM8 * j] = (vt_t)(hi >> 16);
+                d0[VT_DIM8 * j + HALF_PART / 2] = (vt_t)lo;
+                d1[VT_DIM8 * j + HALF_PART / 2] = (vt_t)(lo >> 16);
+#else
                 d0[VT_DIM8 * j] = to_vt(p[0]);
                 d1[VT_DIM8 * j] = to_vt(p[1]);
+#endif
             }
         });
     }
@@ -343,7 +366,12 @@ __device__ __forceinline__ void store_vt(Tile& acc, int vcol0, const VtTarget& t
             vt_t *d0, *d1;
             at(bi, key, d0, d1);
 #pragma unroll
-            for (int j = 0; j < 4; ++j) d0[VT_DIM8 * j] = d1[VT_DIM8 * j] = 0;
+            for (int j = 0; j < 4; ++j) {
+                d0[VT_DIM8 * j] = d1[VT_DIM8 * j] = 0;
+#if HI_LO
+                d0[VT_DIM8 * j + HALF_PART / 2] = d1[VT_DIM8 * j + HALF_PART / 2] = 0;
+#endif
+            }
         }
     }
 }
@@ -365,6 +393,11 @@ __device__ __forceinline__ void store_kt(Tile& acc, int kcol0, const VtTarget& t
             const float* const p = pair_at(acc, s, j);
 #if KV_FORMAT == 6
             *reinterpret_cast<u32*>(tile + sw64(k % 64, 2 * (c + 8 * j))) = pack_bf16(p[0], p[1]);
+#elif HI_LO
+            u32 hi, lo;
+            split_f16(p[0], p[1], hi, lo);
+            *reinterpret_cast<u32*>(tile + sw64(k % 64, 2 * (c + 8 * j))) = hi;
+            *reinterpret_cast<u32*>(tile + HALF_PART + sw64(k % 64, 2 * (c + 8 * j))) = lo;
 #else
             *reinterpret_cast<float2*>(tile + sw128(k % 64, 4 * (c + 8 * j))) = make_float2(p[0], p[1]);
 #endif
@@ -373,8 +406,38 @@ __device__ __forceinline__ void store_kt(Tile& acc, int kcol0, const VtTarget& t
 }
 #endif
 
+__device__ __forceinline__ void st2(float* p, float2 v) { *reinterpret_cast<float2*>(p) = v; }
+
+// Store this thread's value pairs: column pair j of block row r at base + r * ld + col[j]
+// (in floats), as a float pair, or only its first word where packed[j] (two bf16). Column
+// pairs with col[j] < 0 and rows from rows_here on are skipped. A row's column pairs go
+// out one after another, as the fragments hold them: storing column pair by column pair
+// (every row of one pair, then the next) made the stores take about twice as long
+// (measured, benchmarks/NOTES.md).
+__device__ __forceinline__ void store_pairs(Tile& acc, float* base, const int (&col)[4],
+                                            const bool (&packed)[4], int ld, int rows_here) {
+#pragma unroll
+    for (int s0 = 0; s0 < TROWS; s0 += SLOT_RUN)
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+#pragma unroll
+            for (int h = 0; h < SLOT_RUN; ++h) {
+                const int r = thread_row(s0 + h);
+                if (col[j] < 0 || r >= rows_here) continue;
+                const float* const p = pair_at(acc, s0 + h, j);
+                float* const dst = base + (r * ld + col[j]);
+                if (packed[j]) {
+                    *dst = p[0];
+#if HI_LO  // q's fp16 hi word, and its lo word after the head's hi words
+                    dst[Q_LO_WORDS] = p[1];
+#endif
+                } else
+                    st2(dst, make_float2(p[0], p[1]));
+            }
+}
+
 // The pass at n0 of ln_qkvg_project (acc = xn [Wq; Wk; Wv; Wg]^T at columns n0 + ...,
-// cb their biases) into the block's rows of qkvg (block_out, rows of NO = 4D floats):
+// cb their biases) into the block's rows of qkvg (block_out, rows of QKVG_LD(D) floats):
 // q scaled by q_scale, k and v as KV_FORMAT says, the gate through sigmoid.
 __device__ __forceinline__ void store_qkvg(Tile& acc, int n0, const float2 (&cb)[4], int D,
                                            float q_scale, float* block_out, int rows_here,
@@ -402,6 +465,14 @@ __device__ __forceinline__ void store_qkvg(Tile& acc, int n0, const float2 (&cb)
             });
             col[j] = Q_WORD(D) + n / 2;
             packed[j] = true;
+#elif HI_LO  // head n / 32's fp16 hi word, its lo Q_LO_WORDS further (store_pairs)
+            map_column(acc, j, cb[j], [&](float2 v) {
+                u32 hi, lo;
+                split_f16(v.x * q_scale, v.y * q_scale, hi, lo);
+                return make_float2(__uint_as_float(hi), __uint_as_float(lo));
+            });
+            col[j] = n / 32 * 32 + n % 32 / 2;
+            packed[j] = true;
 #else
             map_column(acc, j, cb[j], [&](float2 v) {
                 return make_float2(v.x * q_scale, v.y * q_scale);
@@ -418,6 +489,9 @@ __device__ __forceinline__ void store_qkvg(Tile& acc, int n0, const float2 (&cb)
             map_column(acc, j, cb[j], [](float2 v) {
                 return make_float2(sigmoid(v.x), sigmoid(v.y));
             });
+#if HI_LO
+            col[j] = GATE_WORD(D) + (n - 3 * D);
+#endif
 #endif
         } else {
 #if KV_FORMAT == 2  // bf16 index n - D from column D (see KV_FORMAT); a row is NO words
@@ -448,7 +522,7 @@ __device__ __forceinline__ void store_qkvg(Tile& acc, int n0, const float2 (&cb)
 #endif
         }
     }
-    store_pairs(acc, block_out, col, packed, NO, rows_here);
+    store_pairs(acc, block_out, col, packed, QKVG_LD(D), rows_here);
 #if K_TILED
     store_kt(acc, kcol0, vt, rows_here);
 #endif

@@ -379,7 +379,7 @@ __device__ __noinline__ void pair_bias(const float* As, int astr, const float* _
 // kernel's products into spills (ptxas).
 __device__ __noinline__ void load_gated_tile(const float* __restrict__ qkvg, i64 M, int D,
                                              int dpad, int astr, i64 m0, float* As) {
-    const i64 ld = 4LL * D;
+    const i64 ld = (HI_LO ? 2LL : 4LL) * D;  // QKVG_LD
     const int per_row = dpad / 4, total = BM * per_row;
     for (int base = threadIdx.x; base < total; base += 8 * THREADS) {
         float4 v[8];
@@ -508,7 +508,7 @@ ln_qkvg_project(const float* __restrict__ x, i64 sb, i64 si, i64 sj, i64 sc, int
 
     // 5. q, k, v and gate: every 4D output column of these rows, BN at a time.
     const int rows_here = (int)min((i64)BM, M - m0);
-    float* const block_out = qkvg + m0 * NO;  // row r at r * NO (< 2^31: BM * 4D)
+    float* const block_out = qkvg + m0 * (HI_LO ? QKVG_LD(D) : NO);  // row r at r QKVG_LD (< 2^31: BM * 4D)
     project_columns(s.As, astr, ring, [&](Tile& acc, int n0, const float2 (&cb)[4]) {
         store_qkvg(acc, n0, cb, D, q_scale, block_out, rows_here, VtTarget{vt, m0, N, H, npk});
     });

@@ -126,6 +126,15 @@ __device__ __forceinline__ void wgmma_m64n40k16_bf16(float (&d)[20], const u32 (
     WGMMA_N40("wgmma.mma_async.sync.aligned.m64n40k16.f32.bf16.bf16", "1, 1, 1, 0", d, a, b);
 }
 
+// The same with fp16 operands (the fp32 mode's split products, attention_f16x3_wgmma):
+// fragments and layouts as bf16's.
+__device__ __forceinline__ void wgmma_m64n64k16_f16(float (&d)[32], const u32 (&a)[4], u64 b) {
+    WGMMA_N64("wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16", "1, 1, 1, 0", d, a, b);
+}
+__device__ __forceinline__ void wgmma_m64n40k16_f16(float (&d)[20], const u32 (&a)[4], u64 b) {
+    WGMMA_N40("wgmma.mma_async.sync.aligned.m64n40k16.f32.f16.f16", "1, 1, 1, 0", d, a, b);
+}
+
 // mbarriers in shared memory (sm_90) and bulk copies that complete on them. A phase
 // completes when its pending arrivals reach zero and every byte announced by expect_tx
 // has landed; waiters name the parity of the phase they wait for (0 for the first).

@@ -57,6 +57,9 @@ PATCHES = {
         "const bool ok = n0 + nl < NO && kc * BK + kl < D; (void)chunk;\n"
         "                cp_async16_or_zero(stage + 4 * (nl * WSTR + kl), "
         "ok ? W + (i64)(n0 + nl) * D + kc * BK + kl : W, ok);")]},
+    # format 7 (the fp32 mode's f16x3 attention): the pair bias's lo tile not stored
+    "no_bias_lo": {EPILOGUE: [("    p[BIAS_TILE_BYTES / 4] = lo;",
+                               "    if (x == 1234.5f) p[BIAS_TILE_BYTES / 4] = lo;")]},
     "rows64": {},  # not a text patch: 64-row blocks (3 per SM) at every size
     "rows128": {},  # nor this: 128-row blocks (2 per SM) at every size
 }

@@ -19,7 +19,8 @@ from helpers import rel_l2
 
 pytestmark = pytest.mark.gpu
 
-TOL = {"tf32x3": 1e-5, "tf32": 2e-3, "bf16": 1e-2}
+TOL = {"tf32x3": 1e-5, "tf32": 2e-3, "bf16": 1e-2, "f16x3": 1e-5}
+MMA_VARIANTS = list(_configs.ATTENTION_MMA_VARIANTS)  # (f16x3 is wgmma only)
 HEAD_DIMS = [8, 16, 24, 32, 64, 128]
 SIZES_N = [1, 7, 64, 65, 130]
 
@@ -69,7 +70,7 @@ def _run_both(cp, rng, B, N, head_dim, variant, policy, tiles=None, launch=None)
     return ref, got, ref_kept, got_kept
 
 
-@pytest.mark.parametrize("variant", list(TOL))
+@pytest.mark.parametrize("variant", MMA_VARIANTS)
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
 @pytest.mark.parametrize("N", SIZES_N)
 @pytest.mark.parametrize("B", [1, 2])
@@ -88,7 +89,7 @@ TILES = [_configs.MmaTiles(*shape) for shape in
           (16, 1, 1, 1, 2, 2), (32, 1, 1, 1, 3, 2), (32, 2, 2, 1, 2)]]
 
 
-@pytest.mark.parametrize("variant", list(TOL))
+@pytest.mark.parametrize("variant", MMA_VARIANTS)
 @pytest.mark.parametrize("tiles", TILES, ids=str)
 @pytest.mark.parametrize("N", [7, 130])
 def test_mma_tile_shapes(cp, rng, N, tiles, variant):
@@ -114,7 +115,7 @@ def _check_against_ffma(cp, rng, B, N, head_dim, variant, tiles, launch=None):
     assert err <= TOL[variant], f"{variant} {tiles} B={B} N={N} d={head_dim}: rel L2 {err:.3g}"
 
 
-@pytest.mark.parametrize("variant", list(TOL))
+@pytest.mark.parametrize("variant", MMA_VARIANTS)
 def test_mma_both_policies_on_one_input(cp, rng, variant):
     """The same input under "zero" and "nan": fully masked queries are 0 resp. NaN."""
     B, N, d = 2, 65, 32
@@ -148,7 +149,10 @@ WGMMA_TILES = [("tf32", _configs.attention_wgmma_tiles("tf32")),
                ("tf32", _configs.WgmmaTiles(rows=2, stages=4, min_blocks=1, bulk=1)),
                ("bf16", _configs.attention_wgmma_tiles("bf16")),
                ("bf16", _configs.WgmmaTiles(rows=1, stages=3, min_blocks=2, bulk=1)),
-               ("bf16", _configs.WgmmaTiles(rows=2, stages=3, min_blocks=1, bulk=1))]
+               ("bf16", _configs.WgmmaTiles(rows=2, stages=3, min_blocks=1, bulk=1)),
+               ("f16x3", _configs.attention_wgmma_tiles("f16x3")),
+               ("f16x3", _configs.WgmmaTiles(min_blocks=1, pv_groups=2, bulk=1)),
+               ("f16x3", _configs.WgmmaTiles(rows=2, stages=2, min_blocks=1, pv_groups=1, bulk=1))]
 
 
 def _needs_sm_90(cp):
@@ -177,3 +181,32 @@ def test_wgmma_both_policies_on_one_input(cp, variant):
         assert np.array_equal(np.isnan(got), np.isnan(ref))
         assert np.isnan(got).any() == (policy == "nan")
         assert rel_l2(got, ref, where=~np.isnan(ref)) <= TOL[variant]
+
+
+@pytest.mark.parametrize("magnitude", [1e-4, 1e3])
+def test_f16x3_keeps_fp32_accuracy_at_any_weight_scale(cp, magnitude):
+    """The fp32 mode's fp16 split products scale q, k and v into fp16's range by powers of
+    two from the weights (_gpu.f16x3_scales): tiny or huge q/k/v weights must neither
+    underflow nor overflow (inf, NaN), and the output keeps the fp32 bound."""
+    _needs_sm_90(cp)
+    from triattn_cupy._gpu import DeviceWeights, Forward
+
+    rng = np.random.default_rng(7)
+    B, N, h, d = 1, 97, 2, 32
+    base = ta.random_weights(d * h, h, seed=3)
+    params = dict(base.params)
+    for name in ("query", "key", "value"):
+        for part in ("weight", "bias"):
+            params[f"{name}.{part}"] = params[f"{name}.{part}"] * np.float32(magnitude)
+    weights = ta.Weights(base.pair_dim, base.num_heads, base.layer_norm_eps, params)
+    dw = DeviceWeights(weights, cp.cuda.runtime.getDevice())
+    pair = cp.asarray(rng.standard_normal((B, N, N, d * h)).astype(np.float32) * 2 + 0.5)
+    mask = cp.asarray(_mask(rng, B, N))
+    outs = []
+    for launch in (_configs.attention_ffma_launch(d), _configs.attention_wgmma_launch(d, variant="f16x3")):
+        fwd = Forward(dw, pair, mask, "zero", None, attention=launch)
+        fwd.project()
+        fwd.attention()
+        outs.append(fwd.qkvg[:, :fwd.D].get())
+    assert np.isfinite(outs[1]).all()
+    assert rel_l2(outs[1], outs[0]) <= TOL["f16x3"]

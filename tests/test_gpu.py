@@ -239,8 +239,8 @@ def _torch_in_precision(torch, weights, pair, mask, precision):
 def test_error_within_twice_pytorch_in_the_same_precision(cp, rng, precision):
     """Issue 6: each mode's error against float64 is no worse than twice the error of the
     spec module run by PyTorch in the same precision, on the same inputs. 1x160x128x4:
-    past N = 128 with head dim 32, where tf32 and bf16 take the wgmma attention;
-    1x300x128x4: past N = 288, where fp32 takes it too (3xTF32)."""
+    past N = 128 with head dim 32, where every mode takes the wgmma attention (fp32 as
+    fp16 split products, f16x3); 1x300x128x4 further on."""
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():
         pytest.skip("torch has no CUDA here")
@@ -262,8 +262,8 @@ def test_error_within_twice_pytorch_in_the_same_precision(cp, rng, precision):
 @pytest.mark.parametrize("precision", ["fp32", "tf32", "bf16"])
 def test_sizes_past_the_wgmma_thresholds(cp, rng, precision):
     """Head dim 32 past N = 288, where every mode takes the wgmma attention on an
-    H100/H200 (_configs.uses_wgmma; elsewhere the mma.sync kernels): tile-straddling N,
-    B > 1, fully masked queries under both policies."""
+    H100/H200 (from N = 129: _configs.uses_wgmma; elsewhere the mma.sync kernels):
+    tile-straddling N, B > 1, fully masked queries under both policies."""
     poison_pool(cp)
     check_against_reference(cp, rng, 1, 293, 128, 4, fully_masked="nan", precision=precision)
     check_against_reference(cp, rng, 2, 321, 128, 4, mask_kind="int", precision=precision)

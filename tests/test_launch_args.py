@@ -39,3 +39,46 @@ def test_weight_chunks_are_the_rings_chunks_in_order(no, d):
             part = w[p * bn:(p + 1) * bn, c * bk:(c + 1) * bk]
             want[:part.shape[0], :part.shape[1]] = part
             assert np.array_equal(got, want), (p, c)
+
+
+@pytest.mark.parametrize("magnitude", [1e-6, 1.0, 1e4])
+@pytest.mark.parametrize("D,h", [(128, 4), (64, 2), (96, 3)])
+def test_f16x3_scales_keep_q_k_v_inside_fp16(D, h, magnitude):
+    """The fp32 mode's fp16 split: powers of two that put every value of q (with its
+    log2(e)/sqrt(d)), k and v at or below F16X3_TOP, for any input; with LayerNorm rows
+    chosen to reach each column's bound (n parallel to gamma * W[c]) and random rows, and
+    the largest values not far below the top (no needless loss to fp16's subnormals)."""
+    import math
+
+    import triattn_cupy as ta
+
+    base = ta.random_weights(D, h, seed=5)
+    params = {k: (v * np.float32(magnitude) if k.split(".")[0] in ("query", "key", "value")
+                  else v) for k, v in base.params.items()}
+    weights = ta.Weights(D, h, base.layer_norm_eps, params)
+    scales = _gpu.f16x3_scales(weights)
+    gamma, beta = params["layer_norm.weight"].astype(np.float64), params["layer_norm.bias"]
+    rng = np.random.default_rng(1)
+    for (name, factor), s in zip((("query", _gpu.LOG2E / math.sqrt(D // h)), ("key", 1.0),
+                                  ("value", 1.0)), scales):
+        assert s == 2.0 ** round(math.log2(s))
+        w, b = params[f"{name}.weight"].astype(np.float64), params[f"{name}.bias"]
+        # worst-case normalised rows: n = sqrt(D) u, u the unit vector along +-gamma * W[c]
+        # (|n|_2 = sqrt(D), mean need not be 0 for the bound), and random rows
+        u = w * gamma
+        u /= np.linalg.norm(u, axis=1, keepdims=True)
+        n = np.concatenate([math.sqrt(D) * u, -math.sqrt(D) * u,
+                            rng.standard_normal((256, D))])
+        values = ((n * gamma + beta) @ w.T + b) * factor * s
+        top = np.abs(values).max()
+        assert top <= _gpu.F16X3_TOP
+        assert top > _gpu.F16X3_TOP / 4  # the worst case reaches within a factor 2 of the scale step
+
+
+def test_f16x3_scales_of_zero_weights_are_one():
+    import triattn_cupy as ta
+
+    base = ta.random_weights(32, 2, seed=5)
+    params = {k: np.zeros_like(v) if k.split(".")[0] in ("query", "key", "value") else v
+              for k, v in base.params.items()}
+    assert _gpu.f16x3_scales(ta.Weights(32, 2, base.layer_norm_eps, params)) == (1.0, 1.0, 1.0)

@@ -134,8 +134,11 @@ def project_pad(pair_dim: int) -> int:
 KV_FP32, KV_TF32, KV_BF16, KV_TF32_VT = 0, 1, 2, 3
 KV_TF32_TILES = 5  # as KV_TF32_VT, k as tiles beside the V^T ones (the BULK wgmma attention)
 KV_BF16_TILES = 6  # the same tiles in bf16, q and the gate packed bf16 (the bf16 wgmma attention)
-KV_TILED_FORMATS = (KV_TF32_VT, KV_TF32_TILES, KV_BF16_TILES)  # v (at least) in tiles
-KV_BULK_FORMATS = (KV_TF32_TILES, KV_BF16_TILES)  # k, v and the pair bias in tiles
+# the tiles, q and the pair bias as fp16 hi + lo pairs, q, k, v scaled into fp16's range
+# (the fp32 mode's wgmma attention, f16x3)
+KV_F16X3_TILES = 7
+KV_TILED_FORMATS = (KV_TF32_VT, KV_TF32_TILES, KV_BF16_TILES, KV_F16X3_TILES)  # v (at least) in tiles
+KV_BULK_FORMATS = (KV_TF32_TILES, KV_BF16_TILES, KV_F16X3_TILES)  # k, v and the pair bias in tiles
 
 
 @functools.lru_cache(maxsize=None)  # per call: a look-up, not a rebuild
@@ -392,15 +395,19 @@ VT_TILE_BYTES = WGMMA_KEYS * 32 * 4  # one V^T tile of KV_TF32_VT: 64 keys x 32 
 # variant -> (SPLIT define, the format the projection writes for it, that with BULK);
 # entry points attention_<variant>_wgmma
 WGMMA_VARIANTS = {"tf32": (0, KV_TF32_VT, KV_TF32_TILES), "tf32x3": (1, KV_FP32, None),
-                  "bf16": (0, None, KV_BF16_TILES)}
-# N above which a precision takes the wgmma kernel, of its variant (_MMA_VARIANT)
-# (scripts/sweep_tiles.py, benchmarks/NOTES.md): TF32 from N = 129; 3xTF32 from N = 289,
-# since its 64-key tiles pad N further than the mma.sync kernel's 32-key ones and, three
-# products each, lose more to it (at 1x160 0.110 against 0.099 ms, 2x200 0.329 against
-# 0.315; at 1x320 0.476 against 0.497, 1x384 0.65 against 0.71). bf16 from N = 129 as
+                  "bf16": (0, None, KV_BF16_TILES), "f16x3": (0, None, KV_F16X3_TILES)}
+# precision -> the wgmma variant serving it: the fp32 mode's split products in fp16 (twice
+# TF32's rate; 3xTF32 "tf32x3" stays for tests and sweeps)
+_WGMMA_VARIANT = {"fp32": "f16x3", "tf32": "tf32", "bf16": "bf16"}
+# N above which a precision takes the wgmma kernel, of its variant (_WGMMA_VARIANT)
+# (scripts/sweep_tiles.py, benchmarks/NOTES.md): TF32 from N = 129. bf16 from N = 129 as
 # TF32 (faster at 1x384 and 1x1024: 0.179 / 2.50 against 0.198 / 3.00 ms; not swept
-# between 129 and 384).
-_WGMMA_ABOVE_N = {"tf32": _SMALL_N, "fp32": 288, "bf16": _SMALL_N}
+# between 129 and 384). fp32 (f16x3) from N = 129 too (scripts/sweep_wgmma_threshold.py,
+# whole forward against the mma.sync 3xTF32 attention: 1x160 0.265 against 0.278 ms, 1x256
+# 0.499 / 0.570, 1x288 0.744 / 0.837; 1x200 0.481 against 0.438, where the projection
+# writing f16x3's tiles takes 0.32 ms against 0.20; below N = 128 equal within noise).
+# (3xTF32 on wgmma took over only from N = 289: its 64-key tiles padded N further.)
+_WGMMA_ABOVE_N = {"tf32": _SMALL_N, "fp32": _SMALL_N, "bf16": _SMALL_N}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -432,6 +439,8 @@ def attention_wgmma_tiles(variant: str = "tf32") -> WgmmaTiles:
         return WgmmaTiles(min_blocks=1, pingpong=1, pv_groups=2)
     if variant == "bf16":  # 3 blocks per SM: 80 registers, 88 bytes spilled, and 4% faster
         return WgmmaTiles(bulk=1, min_blocks=3)  # at 1x1024 than 2 (sweep_xor.log)
+    if variant == "f16x3":  # 2 blocks per SM (101 KiB each), one fresh P V accumulator
+        return WgmmaTiles(bulk=1, pv_groups=1)  # per tile: 123 registers, no spills
     return WgmmaTiles(bulk=1)
 
 
@@ -441,12 +450,14 @@ def attention_wgmma_smem_bytes(tiles: WgmmaTiles, variant: str = "tf32") -> int:
     ROWS V tiles [64][32] fp32 as copied; bf16: the K tile bf16, V^T 1 x [40][64] bf16)),
     and 1024 bytes to align the start."""
     split = WGMMA_VARIANTS[variant][0]
-    element = 2 if variant == "bf16" else 4
+    element = 2 if variant in ("bf16", "f16x3") else 4
+    parts = 2 if variant == "f16x3" else 1 + split  # hi and lo (f16x3: every tile)
     k_tile = tiles.rows * WGMMA_KEYS * 32 * element
     k_vt = k_tile + tiles.rows * 40 * WGMMA_KEYS * element
     bias_row = WGMMA_KEYS if tiles.bulk else WGMMA_KEYS + 8  # BULK: the swizzled tile as is
-    stage = ((1 + split) * k_vt + split * k_tile
-             + (2 + 2 * split) * WGMMA_QUERIES * bias_row)
+    bias_element = 2 + 2 * split  # fp16, or fp32 (3xTF32)
+    stage = (parts * k_vt + split * k_tile
+             + (2 if variant == "f16x3" else 1) * bias_element * WGMMA_QUERIES * bias_row)
     return tiles.stages * (stage + 16 * tiles.bulk) + 1024  # BULK: 2 mbarriers per stage
 
 
@@ -472,6 +483,8 @@ def attention_wgmma_launch(head_dim: int = 32, tiles: WgmmaTiles | None = None,
         kv_format = bulk_format
     if variant == "bf16":
         extra += (("BF16", 1),)
+    if variant == "f16x3":
+        extra += (("F16X3", 1), ("PV_GROUPS", t.pv_groups))
     config = KernelConfig("attention_wgmma.cu", (
         ("HEAD_DIM", head_dim), ("ROWS", t.rows), ("STAGES", t.stages),
         ("MIN_BLOCKS", t.min_blocks), ("PINGPONG", t.pingpong)) + extra, WGMMA_ARCH)
@@ -480,7 +493,7 @@ def attention_wgmma_launch(head_dim: int = 32, tiles: WgmmaTiles | None = None,
 
 
 def uses_wgmma(head_dim: int, precision: str, compute_capability: int, n: int) -> bool:
-    """Whether the attention takes attention_wgmma.cu: the tf32 and fp32 modes on compute
+    """Whether the attention takes attention_wgmma.cu: every mode on compute
     capability 9.0 exactly (sm_90a code runs nowhere else), at the head dims it is written
     for, above the N where it starts to be faster (_WGMMA_ABOVE_N)."""
     return (precision in _WGMMA_ABOVE_N and compute_capability == 90
@@ -498,7 +511,7 @@ def attention_kernel(head_dim: int, precision: str, compute_capability: int = 90
     limit = SMEM_LIMIT if smem_limit is None else smem_limit
     variant = _MMA_VARIANT[precision]
     if uses_wgmma(head_dim, precision, compute_capability, n):
-        launch = attention_wgmma_launch(head_dim, variant=variant)
+        launch = attention_wgmma_launch(head_dim, variant=_WGMMA_VARIANT[precision])
         if launch.smem <= limit:
             return launch
     if compute_capability >= 80 and head_dim in attention_mma_head_dims(variant):
@@ -526,8 +539,8 @@ def all_configs(arch: str | None = None):
                                       (True, KV_TF32, False), (True, KV_BF16, False),
                                       (True, KV_FP32, False))}
     if 90 in capabilities:  # the projections that write tiles feed the sm_90a attention only
-        configs.update(project_config(rows, True, D, kv) for D in (128, MAX_PAIR_DIM)
-                       for kv in KV_TILED_FORMATS
+        configs.update(project_config(rows, True, D, kv, kv == KV_F16X3_TILES)
+                       for D in (128, MAX_PAIR_DIM) for kv in KV_TILED_FORMATS
                        for rows in {project_rows(D, total) for total in (1, 1 << 62)})
     configs.update(attention_config(d) for d in supported_head_dims())
     configs.update(attention_mma_config(d, v, attention_mma_tiles(d, v, n, cc))

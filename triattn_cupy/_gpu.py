@@ -7,11 +7,12 @@ Stages (one launch each):
              (project.cu)
   attention  flash-style softmax attention, o written over q: tensor cores for head dims
              that are multiples of 8 on sm_80+ (attention_mma.cu: 3xTF32 for "fp32",
-             TF32, bf16; at head dim 32 on compute capability 9.0 "tf32" and "bf16" from
-             N = 129 and "fp32" from N = 289: attention_wgmma.cu), else FFMA fp32
+             TF32, bf16; at head dim 32 on compute capability 9.0 from N = 129:
+             attention_wgmma.cu, "fp32" as fp16 split products there), else FFMA fp32
              (attention.cu)
   out        (g * o) Wo^T + bo, products as in project  (project.cu / project_mma.cu)
-Scratch: qkvg [M, 4D] and bias [B, h, N, NPK] float32 (float16 for the bf16 and the TF32
+Scratch: qkvg [M, 4D] ([M, 2D] for the fp32 wgmma attention, f16x3, whose k and v live
+in tiles only) and bias [B, h, N, NPK] float32 (float16 for the bf16 and the TF32
 attention; the wgmma kernels have it in tiles and K and V^T tiles after it), one
 allocation from CuPy's memory pool per call.
 Everything a call launches besides its pointers is worked out once per module and input
@@ -78,6 +79,7 @@ class DeviceWeights:
             self.gamma = up(p["layer_norm.weight"])
             self.beta = up(p["layer_norm.bias"])
             self.w_bias = up(p["bias_proj.weight"])
+        self.f16x3_scales = f16x3_scales(weights)
         self.device_id = device_id
         self.plans: dict = {}  # input geometry -> Plan (Forward)
         device = cupy.cuda.Device(device_id)
@@ -94,18 +96,20 @@ class DeviceWeights:
         self.pair_dim, self.num_heads = weights.pair_dim, weights.num_heads
         self.head_dim, self.eps = weights.head_dim, weights.layer_norm_eps
 
-    def projection_weight(self, name: str, layout: str):
+    def projection_weight(self, name: str, layout: str, scaled: bool = False):
         """Projection weight `name` ("qkvg": [Wq; Wk; Wv; Wg], or "out") in the layout its
         kernel reads: "chunks" as PyTorch stores it, [D_out, D_in], cut into the chunks
         project_mma.cu streams (weight_chunks; 3xTF32, which splits it where its fragments
         are loaded), "tf32 chunks" the same rounded to TF32 once (TF32 products),
         "transposed" [D_in, D_out] (FFMA, project.cu: a block's weight chunk a row slice).
-        Made on first use, on this device (the caller holds it current): a GPU uses at most
-        two of the three."""
-        key = (name, layout)
+        `scaled`: Wq, Wk, Wv multiplied by f16x3_scales (for the projection that writes
+        KV_F16X3_TILES). Made on first use, on this device (the caller holds it current)."""
+        key = (name, layout, scaled)
         array = self._layouts.get(key)
         if array is None:
             plain = self._plain[name]
+            if scaled and name == "qkvg":
+                plain = plain * _cupy().asarray(self._qkv_row_scales())[:, None]
             if layout == "chunks":
                 array = weight_chunks(plain)
             elif layout == "tf32 chunks":
@@ -117,6 +121,48 @@ class DeviceWeights:
                                  f"got {layout!r}")
             self._layouts[key] = array
         return array
+
+    def qkvg_bias(self, scaled: bool = False):
+        """[bq; bk; bv; bg], or (`scaled`) with bq, bk, bv multiplied by f16x3_scales."""
+        if not scaled:
+            return self.b_qkvg
+        key = ("b_qkvg", "", True)
+        if key not in self._layouts:
+            self._layouts[key] = self.b_qkvg * _cupy().asarray(self._qkv_row_scales())
+        return self._layouts[key]
+
+    def _qkv_row_scales(self):
+        """Per output row of [Wq; Wk; Wv; Wg]: its f16x3 scale (1 for the gate)."""
+        D = self.pair_dim
+        return np.repeat(np.array([*self.f16x3_scales, 1.0], np.float32), D)
+
+
+# The largest |q|, |k| or |v| the f16x3 split may meet, scaled (2^14: 4x inside fp16's
+# 65504, and every value from 2^-3 up keeps a normal fp16 lo part).
+F16X3_TOP = 2.0 ** 14
+
+
+def f16x3_scales(weights: Weights) -> tuple[float, float, float]:
+    """Powers of two (s_q, s_k, s_v) for the fp32 mode's fp16 hi + lo products
+    (kernels/attention_wgmma.cu F16X3): s_t times any value of q (with its log2(e)/sqrt(d)),
+    k or v stays below F16X3_TOP, by a bound from the weights alone. LayerNorm's output n
+    (before gamma, beta) has |n|_2 <= sqrt(D) in every row, so column c of x W^T + b is
+    at most sqrt(D) |gamma * W[c]|_2 + |W[c] . beta + b[c]| in magnitude (Cauchy-Schwarz);
+    the scale puts the largest column bound at or below F16X3_TOP. The bound is ~sqrt(D)
+    times a typical value, so values sit well above fp16's subnormals. Powers of two: the
+    scaled weights are exact, and the kernel undoes them exactly."""
+    p = {k: np.asarray(v, np.float64) for k, v in weights.params.items()}
+    D = weights.pair_dim
+    gamma, beta = p["layer_norm.weight"], p["layer_norm.bias"]
+    scales = []
+    for name, factor in (("query", LOG2E / math.sqrt(weights.head_dim)), ("key", 1.0),
+                         ("value", 1.0)):
+        w, b = p[f"{name}.weight"], p[f"{name}.bias"]
+        bound = factor * (math.sqrt(D) * np.linalg.norm(w * gamma, axis=1) + np.abs(w @ beta + b))
+        top = float(bound.max()) if bound.size else 0.0
+        exponent = 0 if not top > 0 or not math.isfinite(top) else math.floor(math.log2(F16X3_TOP / top))
+        scales.append(2.0 ** max(-64, min(64, exponent)))
+    return tuple(scales)
 
 
 def weight_chunks(w):
@@ -253,6 +299,7 @@ class Plan:
                  attention: "_configs.AttentionLaunch | None" = None):
         B, N, _ = pair_geometry(shape, dw.pair_dim)
         D, H, d = dw.pair_dim, dw.num_heads, dw.head_dim
+        self.f16x3_scales = dw.f16x3_scales
         self.B, self.N, self.D, self.H, self.d = B, N, D, H, d
         self.M = M = B * N * N
         self.project_mma = _configs.project_uses_tensor_cores(precision, dw.compute_capability)
@@ -266,10 +313,13 @@ class Plan:
         # attention kernel (at most BIAS_KEY_ALIGN keys; the tensor-core kernel copies
         # whole tiles).
         self.npk = -(-N // _configs.BIAS_KEY_ALIGN) * _configs.BIAS_KEY_ALIGN
-        self.qkvg_shape, self.bias_shape = (M, 4 * D), (B, H, N, self.npk)
-        # The scratch arrays in one pool allocation, the bias after qkvg (M * 16D bytes: a
-        # multiple of 64, so the bias starts 16-byte aligned for its tile copies).
-        self.qkvg_bytes = M * 4 * D * 4
+        # qkvg rows of 4D words; 2D for KV_F16X3_TILES, whose k and v are in tiles only and
+        # whose q (hi and lo) and o share [0, D) (project_epilogue.cuh QKVG_LD)
+        row_words = 2 * D if self.kv_format == _configs.KV_F16X3_TILES else 4 * D
+        self.qkvg_shape, self.bias_shape = (M, row_words), (B, H, N, self.npk)
+        # The scratch arrays in one pool allocation, the bias after qkvg (M * 8D bytes at
+        # least: a multiple of 32, so the bias starts 16-byte aligned for its tile copies).
+        self.qkvg_bytes = M * row_words * 4
         # The bias in fp32, or fp16 for the bf16 and the TF32 wgmma attention.
         self.bias_dtype = (np.float16 if self.kv_format in (_configs.KV_BF16,
                                                             *_configs.KV_TILED_FORMATS)
@@ -284,10 +334,15 @@ class Plan:
         # which the projection writes after the bias (KV_TF32_VT; a multiple of 256 bytes
         # from the start: 16-byte aligned for the tile copies).
         # KV_TF32_TILES: each 64 keys' K tile beside their V^T tile, twice the bytes;
-        # KV_BF16_TILES: the two in bf16, as many bytes as KV_TF32_VT.
+        # KV_BF16_TILES: the two in bf16, as many bytes as KV_TF32_VT; KV_F16X3_TILES: hi and
+        # lo of both in fp16, as KV_TF32_TILES (and the bias tiles twice, hi and lo).
+        if self.kv_format == _configs.KV_F16X3_TILES:
+            self.bias_shape = self.bias_shape[:4] + (2,) + self.bias_shape[4:]
+            self.bias_bytes *= 2
         tiles = B * N * H * (self.npk // _configs.WGMMA_KEYS) * _configs.VT_TILE_BYTES
         self.vt_bytes = {_configs.KV_TF32_VT: tiles, _configs.KV_TF32_TILES: 2 * tiles,
-                         _configs.KV_BF16_TILES: tiles}.get(self.kv_format, 0)
+                         _configs.KV_BF16_TILES: tiles,
+                         _configs.KV_F16X3_TILES: 2 * tiles}.get(self.kv_format, 0)
         self.scratch_bytes = self.qkvg_bytes + self.bias_bytes + self.vt_bytes
 
         sb, si, sj, sc = strides if len(strides) == 4 else (0, *strides)
@@ -302,8 +357,8 @@ class Plan:
              _i32(B), _i32(N), _i32(D), _i32(H),
              _f32(dw.eps), _f32(LOG2E / math.sqrt(d)),
              _pointer(dw.gamma.data.ptr), _pointer(dw.beta.data.ptr),
-             _pointer(dw.projection_weight("qkvg", self.weight_layout).data.ptr),
-             _pointer(dw.b_qkvg.data.ptr), _pointer(dw.w_bias.data.ptr), None,
+             _pointer(dw.projection_weight("qkvg", self.weight_layout, self.scaled).data.ptr),
+             _pointer(dw.qkvg_bias(self.scaled).data.ptr), _pointer(dw.w_bias.data.ptr), None,
              *_mask_args(mask_meta),
              None, None, _i32(self.npk), None),
             ((0, "pair"), (17, "mask"), (22, "qkvg"), (23, "bias"), (25, "vt")))
@@ -320,6 +375,11 @@ class Plan:
             ((0, "qkvg"), (5, "out")))
         self.nan_fully_masked = nan_fully_masked
 
+    @property
+    def scaled(self) -> bool:
+        """Whether q, k and v come scaled into fp16's range (KV_F16X3_TILES)."""
+        return self.kv_format == _configs.KV_F16X3_TILES
+
     def attention_launch(self, k: "_configs.AttentionLaunch", nan_fully_masked: bool):
         if k.kv_format != self.kv_format:
             raise ValueError(f"launch {k.name} reads k and v in format {k.kv_format}, but "
@@ -330,6 +390,9 @@ class Plan:
         slots = ((0, "qkvg"), (1, "bias"))
         if k.kv_format in _configs.KV_TILED_FORMATS:  # and v (and k) from the tiles
             args, slots = args + (None,), slots + ((7, "vt"),)
+        if k.kv_format == _configs.KV_F16X3_TILES:  # undo the projection's scales
+            s_q, s_k, s_v = self.f16x3_scales
+            args += (_f32(1.0 / (s_q * s_k)), _f32(1.0 / s_v))
         return _Launch(k.config, k.name, k.blocks(self.B, self.N, self.H), k.threads, k.smem,
                        args, slots)
 
