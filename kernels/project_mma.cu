@@ -22,6 +22,14 @@
 //     a = hi + lo (both TF32; lo carries the bits hi drops), and a b taken as
 //     hi*lo + lo*hi + hi*hi: the lo*lo term is below fp32 rounding (3xTF32); each k-step's
 //     terms are summed apart and added to the accumulator in fp32 (mma_split_terms).
+//   F16_SPLIT = 1 (with SPLIT; the fp32 mode's projection for attention_f16x3_wgmma,
+//     KV_FORMAT 7): ln_qkvg_project's products in fp16 hi + lo instead, the same three
+//     terms at half the products (m16n8k16) and no split in the loop: LayerNorm writes each
+//     16-wide chunk of the row tile as 16 fp16 hi then 16 lo (64 bytes, in place of its 16
+//     fp32), scaled by a_scale (a power of two keeping |xn| below 2^14); the host lays W
+//     (and the pair-bias weights, split here) out the same way, scaled by a power of two;
+//     the accumulators are multiplied by `unscale` = 1 / (both scales) before the epilogue.
+//     The out projection stays 3xTF32.
 // LayerNorm statistics, the biases and the gate are fp32.
 //
 // Both operands are row-major with k fastest, as ldmatrix wants them: the row tile As
@@ -67,6 +75,12 @@
 #define WSTR BK         // words per row of a weight chunk in the ring (swizzled: w_piece)
 #ifndef SPLIT
 #define SPLIT 0         // 1: 3xTF32 products (the fp32 mode), 0: TF32
+#endif
+#ifndef F16_SPLIT
+#define F16_SPLIT 0     // 1 (with SPLIT): ln_qkvg_project's products as fp16 hi + lo
+#endif
+#if F16_SPLIT && !SPLIT
+#error "project_mma.cu: F16_SPLIT is a variant of SPLIT"
 #endif
 
 // This thread's share of one BM x BN output tile: the C fragments of its warp's
@@ -135,6 +149,19 @@ __device__ __forceinline__ void mma_split_terms(float (&acc)[4], const u32 (&ah)
     mma_tf32(t, ah[0], ah[1], ah[2], ah[3], bl[0], bl[1]);
     mma_tf32(t, al[0], al[1], al[2], al[3], bh[0], bh[1]);
     mma_tf32(t, ah[0], ah[1], ah[2], ah[3], bh[0], bh[1]);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc[e] += t[e];
+}
+
+// acc += (ah + al)(bh + bl) for one m16n8k16 fragment pair in fp16 hi and lo (F16_SPLIT),
+// the three terms as mma_split_terms's.
+__device__ __forceinline__ void mma_f16_split_terms(float (&acc)[4], const u32 (&ah)[4],
+                                                    const u32 (&al)[4], const u32 (&bh)[2],
+                                                    const u32 (&bl)[2]) {
+    float t[4] = {0.f, 0.f, 0.f, 0.f};
+    mma_f16(t, ah[0], ah[1], ah[2], ah[3], bl[0], bl[1]);
+    mma_f16(t, al[0], al[1], al[2], al[3], bh[0], bh[1]);
+    mma_f16(t, ah[0], ah[1], ah[2], ah[3], bh[0], bh[1]);
 #pragma unroll
     for (int e = 0; e < 4; ++e) acc[e] += t[e];
 }
@@ -233,8 +260,31 @@ __device__ __forceinline__ u32 w_lane_offset() {
 // acc += As[warp's rows, kc*BK + 0:BK] x chunk[warp's columns, 0:BK]^T. With SPLIT the B
 // fragments of a k-step are split once, and each m-tile's A fragment just before its
 // products (all MT split at once would not fit in the registers of 3 blocks per SM).
+// F16: the chunk is one 16-wide k-step of fp16 hi (its first 32 bytes per row, in A and in
+// the ring) and lo (the next 32: A + 32, the ring's offset XOR 32).
+template <bool F16>
 __device__ __forceinline__ void multiply_chunk(u32 a_lane, int astr, u32 w_stage, u32 w_lane,
                                                Tile& acc) {
+    if constexpr (F16) {
+        u32 bh[4][2], bl[4][2];
+#pragma unroll
+        for (int jp = 0; jp < 2; ++jp) {
+            u32 r[4], q[4];
+            ldsm_x4(r, w_stage + w_lane + jp * 16 * 4 * WSTR);
+            ldsm_x4(q, w_stage + ((w_lane + jp * 16 * 4 * WSTR) ^ 32));
+            bh[2 * jp][0] = r[0], bh[2 * jp][1] = r[1], bh[2 * jp + 1][0] = r[2], bh[2 * jp + 1][1] = r[3];
+            bl[2 * jp][0] = q[0], bl[2 * jp][1] = q[1], bl[2 * jp + 1][0] = q[2], bl[2 * jp + 1][1] = q[3];
+        }
+#pragma unroll
+        for (int i = 0; i < MT; ++i) {
+            u32 ah[4], al[4];
+            ldsm_x4(ah, a_lane + 4 * (i * 16 * astr));
+            ldsm_x4(al, a_lane + 4 * (i * 16 * astr) + 32);
+#pragma unroll
+            for (int j = 0; j < 4; ++j) mma_f16_split_terms(acc.c[i][j], ah, al, bh[j], bl[j]);
+        }
+        return;
+    }
 #pragma unroll
     for (int kk = 0; kk < BK; kk += 8) {
         u32 b[4][2];
@@ -283,9 +333,10 @@ __device__ __forceinline__ void multiply_chunk(u32 a_lane, int astr, u32 w_stage
 // handed with the biases of this thread's column pairs (ring.bvec, staged in ring.cbias)
 // to store(acc, n0, cb), which may change acc. The caller has primed the ring for n0 = 0 (and may have used the wait
 // for its own copies); As is complete and visible.
-template <class Store>
+// F16: fp16 split products (multiply_chunk), the accumulators times `unscale` before the store.
+template <bool F16, class Store>
 __device__ __forceinline__ void project_columns(const float* As, int astr, const WeightRing& ring,
-                                                Store store) {
+                                                Store store, float unscale = 1.f) {
     const u32 a_lane = a_lane_addr(As, astr), w_lane = w_lane_offset();
     for (int n0 = 0; n0 < ring.NO; n0 += BN) {
         Tile acc;
@@ -294,11 +345,19 @@ __device__ __forceinline__ void project_columns(const float* As, int astr, const
             cp_async_wait<WSTAGES - 2>();  // this thread's pieces of chunk kc landed
             __syncthreads();  // everyone's pieces visible; chunk kc - 1 read by every thread
             ring.issue(n0, kc + WSTAGES - 1);  // into the stage chunk kc - 1 used
-            multiply_chunk(a_lane + 4 * kc * BK, astr,
+            multiply_chunk<F16>(a_lane + 4 * kc * BK, astr,
                            ring.ws + 4 * (kc % WSTAGES) * BN * WSTR, w_lane, acc);
         }
         __syncthreads();  // every thread done with the ring
         if (n0 + BN < ring.NO) ring.prime(n0 + BN);
+        if constexpr (F16) {
+#pragma unroll
+            for (int i = 0; i < MT; ++i)
+#pragma unroll
+                for (int j = 0; j < 4; ++j)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) acc.c[i][j][e] *= unscale;
+        }
         float2 cb[4];
         ring.biases(n0, cb);  // from shared memory: no L2 latency to wait on
         store(acc, n0, cb);
@@ -311,11 +370,17 @@ __device__ __forceinline__ void project_columns(const float* As, int astr, const
 // w, w + 8, ... (16 rows each) and the heads 8 at a time (the B fragment's n = g).
 // Not inlined: inlined, its registers pushed the kernel's 128-register products into
 // spills (ptxas); called once per block, the call costs nothing that shows.
+// F16_SPLIT: As in fp16 hi and lo chunks, Wb scaled on the host, split here; the products
+// times `unscale`.
 __device__ __noinline__ void pair_bias(const float* As, int astr, const float* __restrict__ Wb,
                                           int D, int dpad, int H, i64 m0, i64 M, int N,
                                           const void* __restrict__ mask, int mask_kind,
                                           i64 mb, i64 mi, i64 mj, bias_t* __restrict__ bias,
-                                          int npk) {
+                                          int npk
+#if F16_SPLIT
+                                          , float unscale
+#endif
+                                          ) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
     const i64 NN = (i64)N * N;
     for (int ml0 = warp * 16; ml0 < BM; ml0 += WARPS * 16) {
@@ -344,6 +409,23 @@ __device__ __noinline__ void pair_bias(const float* As, int astr, const float* _
             const bool head_ok = h0 + g < H;
             const float* const w = Wb + (i64)(head_ok ? h0 + g : 0) * D + t;
             float c[4] = {0.f, 0.f, 0.f, 0.f};
+#if F16_SPLIT
+            const float* const w2 = w + t;  // this lane's k pairs: 2t, 2t + 1 (+ 8)
+#pragma unroll 2
+            for (int k0 = 0; k0 < dpad; k0 += 16) {
+                u32 ah[4], al[4], bh[2], bl[2];
+                ldsm_x4(ah, a_row + 4 * k0);
+                ldsm_x4(al, a_row + 4 * k0 + 32);
+                // D % 4 == 0: k0 + 2t < D covers k0 + 2t + 1
+                const float2 w0 = head_ok && k0 + 2 * t < D ? ld2(w2 + k0) : make_float2(0.f, 0.f);
+                const float2 w1 = head_ok && k0 + 2 * t + 8 < D ? ld2(w2 + k0 + 8) : make_float2(0.f, 0.f);
+                split_f16(w0.x, w0.y, bh[0], bl[0]);
+                split_f16(w1.x, w1.y, bh[1], bl[1]);
+                mma_f16_split_terms(c, ah, al, bh, bl);
+            }
+#pragma unroll
+            for (int e = 0; e < 4; ++e) c[e] *= unscale;
+#else
 #pragma unroll 4
             for (int k0 = 0; k0 < dpad; k0 += 8) {  // D % 4 == 0: k0 < D covers k0 + t
                 u32 a[4];
@@ -357,6 +439,7 @@ __device__ __noinline__ void pair_bias(const float* As, int astr, const float* _
 #endif
                 mma_product(c, a, b);
             }
+#endif
 #pragma unroll
             for (int e = 0; e < 4; ++e) {  // c0 (g, 2t) c1 (g, 2t+1) c2 (g+8, 2t) c3 (g+8, 2t+1)
                 const int h = e / 2, head = h0 + 2 * t + e % 2;
@@ -426,7 +509,11 @@ ln_qkvg_project(const float* __restrict__ x, i64 sb, i64 si, i64 sj, i64 sc, int
                 const float* __restrict__ Wb,
                 const void* __restrict__ mask, int mask_kind, i64 mb, i64 mi, i64 mj,
                 float* __restrict__ qkvg, float* __restrict__ bias, int npk,
-                float* __restrict__ vt) {
+                float* __restrict__ vt
+#if F16_SPLIT
+                , float a_scale, float unscale
+#endif
+                ) {
     const int dpad = (D + BK - 1) / BK * BK, astr = dpad + 4;
     const SmemLayout s = smem_layout(dpad);
     const int t = threadIdx.x, lane = t & 31, warp = t >> 5;
@@ -484,6 +571,34 @@ ln_qkvg_project(const float* __restrict__ x, i64 sb, i64 si, i64 sj, i64 sc, int
             acc = fmaf(dx, dx, fmaf(dy, dy, fmaf(dz, dz, fmaf(dw, dw, acc))));
         }
         const float rstd = inverse_sqrt(acc / D + eps);  // biased variance, as torch.nn.LayerNorm
+#if F16_SPLIT
+        // Each 16-wide chunk's 64 bytes in place: its 16 values (zero past D) times a_scale
+        // as fp16 hi pairs, then lo pairs.
+        for (int c0 = 0; c0 < dpad; c0 += 16) {
+            float y[16];
+#pragma unroll
+            for (int q = 0; q < 4; ++q) {
+                const int k = c0 + 4 * q;
+                float4 x = zero4();
+                if (k < D) {
+                    const float4 v = *reinterpret_cast<const float4*>(row + k);
+                    const float4 g = ld4(gamma + k), c = ld4(beta + k);
+                    x = make_float4((v.x - mu) * rstd * g.x + c.x, (v.y - mu) * rstd * g.y + c.y,
+                                    (v.z - mu) * rstd * g.z + c.z, (v.w - mu) * rstd * g.w + c.w);
+                }
+                y[4 * q] = x.x * a_scale, y[4 * q + 1] = x.y * a_scale;
+                y[4 * q + 2] = x.z * a_scale, y[4 * q + 3] = x.w * a_scale;
+            }
+            u32 hi[8], lo[8];
+#pragma unroll
+            for (int p = 0; p < 8; ++p) split_f16(y[2 * p], y[2 * p + 1], hi[p], lo[p]);
+            uint4* const chunk = reinterpret_cast<uint4*>(row + c0);
+            chunk[0] = make_uint4(hi[0], hi[1], hi[2], hi[3]);
+            chunk[1] = make_uint4(hi[4], hi[5], hi[6], hi[7]);
+            chunk[2] = make_uint4(lo[0], lo[1], lo[2], lo[3]);
+            chunk[3] = make_uint4(lo[4], lo[5], lo[6], lo[7]);
+        }
+#else
 #pragma unroll 4  // gamma and beta are the same for every thread: loads of 4 trips in flight
         for (int k = 0; k < D; k += 4) {
             const float4 v = *reinterpret_cast<const float4*>(row + k);
@@ -493,6 +608,7 @@ ln_qkvg_project(const float* __restrict__ x, i64 sb, i64 si, i64 sj, i64 sc, int
                                             (v.z - mu) * rstd * g.z + c.z,
                                             (v.w - mu) * rstd * g.w + c.w)));
         }
+#endif
     }
     __syncthreads();  // normalised tile complete
 
@@ -504,14 +620,23 @@ ln_qkvg_project(const float* __restrict__ x, i64 sb, i64 si, i64 sj, i64 sc, int
     //    FFMA dot products, each thread loading all of Wb, it was ~40% of the kernel's
     //    stall samples (the loads waited for one at a time).
     pair_bias(s.As, astr, Wb, D, dpad, H, m0, M, N, mask, mask_kind, mb, mi, mj,
-              reinterpret_cast<bias_t*>(bias), npk);
+              reinterpret_cast<bias_t*>(bias), npk
+#if F16_SPLIT
+              , unscale
+#endif
+              );
 
     // 5. q, k, v and gate: every 4D output column of these rows, BN at a time.
     const int rows_here = (int)min((i64)BM, M - m0);
     float* const block_out = qkvg + m0 * (HI_LO ? QKVG_LD(D) : NO);  // row r at r QKVG_LD (< 2^31: BM * 4D)
-    project_columns(s.As, astr, ring, [&](Tile& acc, int n0, const float2 (&cb)[4]) {
+    auto store = [&](Tile& acc, int n0, const float2 (&cb)[4]) {
         store_qkvg(acc, n0, cb, D, q_scale, block_out, rows_here, VtTarget{vt, m0, N, H, npk});
-    });
+    };
+#if F16_SPLIT
+    project_columns<true>(s.As, astr, ring, store, unscale);
+#else
+    project_columns<false>(s.As, astr, ring, store);
+#endif
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS, PROJECT_MIN_BLOCKS)
@@ -531,7 +656,7 @@ gated_out_project(const float* __restrict__ qkvg, i64 M, int D,
     // 2. out = A Wo^T + bo.
     const int rows_here = (int)min((i64)BM, M - m0);
     float* const block_out = out + m0 * D;
-    project_columns(s.As, astr, ring, [&](Tile& acc, int n0, const float2 (&cb)[4]) {
+    project_columns<false>(s.As, astr, ring, [&](Tile& acc, int n0, const float2 (&cb)[4]) {
         store_out(acc, n0, cb, D, block_out, rows_here);
     });
 }

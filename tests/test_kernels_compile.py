@@ -27,7 +27,6 @@ def _allowed_spill_bytes(config, arch) -> int:
     - the 3xTF32 projections at 128 registers, up to 72 bytes (84 before session 10 laid
       the weights out in chunks, which also took the 16-24 bytes of the 128-row TF32
       projections that write V^T, K and bias tiles and the 4-8 of the 80-register ones);
-      80 for the one writing the fp32 mode's fp16 hi and lo tiles (format 7, session 11);
     - 32 bytes in the 3xTF32 attention at head dim 24 on sm_90, whose 2-blocks-per-SM
       shape measured 25% faster than the spill-free ones (session 9);
     - 96 bytes in the bf16 wgmma attention in 3 blocks per SM, 4% faster at 1x1024 than 2
@@ -43,7 +42,7 @@ def _allowed_spill_bytes(config, arch) -> int:
             and defines["HEAD_DIM"] == 24 and defines["MIN_BLOCKS"] == 2 and arch == "sm_90"):
         return 32  # chosen by measurement over the spill-free shapes (_configs)
     if config.filename == "project_mma.cu" and defines.get("SPLIT"):
-        return 80 if defines["KV_FORMAT"] == 7 else 72
+        return 72
     if config.filename == "project_mma.cu" and defines["KV_FORMAT"] == 6 and defines["BM"] == 128:
         return 8  # its V^T stores paired by a lane shuffle (session 10)
     return 0

@@ -82,3 +82,40 @@ def test_f16x3_scales_of_zero_weights_are_one():
     params = {k: np.zeros_like(v) if k.split(".")[0] in ("query", "key", "value") else v
               for k, v in base.params.items()}
     assert _gpu.f16x3_scales(ta.Weights(32, 2, base.layer_norm_eps, params)) == (1.0, 1.0, 1.0)
+
+
+def test_f16_split_chunks_hold_each_row_as_fp16_hi_then_lo():
+    """project_mma.cu F16_SPLIT reads each 16-value chunk row as 16 fp16 hi then 16 lo:
+    hi + lo within ~2^-22 of the value (relative to the chunk's largest), same bytes."""
+    chunks = np.random.default_rng(2).standard_normal((2, 3, 128, 16)).astype(np.float32) * 300
+    split = _gpu.f16_split_chunks(chunks)
+    assert split.shape == chunks.shape and split.dtype == np.float32
+    halves = split.view(np.uint16).reshape(2, 3, 128, 32)
+    hi = halves[..., :16].view(np.float16).astype(np.float64)
+    lo = halves[..., 16:].view(np.float16).astype(np.float64)
+    assert np.array_equal(hi, chunks.astype(np.float16).astype(np.float64))
+    assert np.abs(hi + lo - chunks).max() <= 2.0 ** -21 * np.abs(chunks).max()
+
+
+@pytest.mark.parametrize("magnitude", [1e-5, 1.0, 3e3])
+def test_f16_projection_scales_bound_layernorm_outputs_and_weights(magnitude):
+    """a_scale keeps every LayerNorm output (|n|_2 <= sqrt(D) per row) and w_scale every
+    scaled weight at or below F16X3_TOP, each within a factor 2 of it."""
+    import math
+
+    import triattn_cupy as ta
+
+    D, h = 64, 2
+    base = ta.random_weights(D, h, seed=8)
+    params = {k: (v * np.float32(magnitude) if k.startswith("layer_norm") else v)
+              for k, v in base.params.items()}
+    weights = ta.Weights(D, h, base.layer_norm_eps, params)
+    qkv = _gpu.f16x3_scales(weights)
+    a_scale, w_scale = _gpu.f16_projection_scales(weights, qkv)
+    gamma, beta = params["layer_norm.weight"], params["layer_norm.bias"]
+    top = (math.sqrt(D) * np.abs(gamma) + np.abs(beta)).max() * a_scale
+    assert _gpu.F16X3_TOP / 2 < top <= _gpu.F16X3_TOP
+    rows = np.concatenate([params[f"{n}.weight"] * s for n, s in
+                           zip(("query", "key", "value", "gate"), (*qkv, 1.0))])
+    w_top = max(np.abs(rows).max(), np.abs(params["bias_proj.weight"]).max()) * w_scale
+    assert _gpu.F16X3_TOP / 2 < w_top <= _gpu.F16X3_TOP

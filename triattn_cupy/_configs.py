@@ -145,7 +145,8 @@ KV_BULK_FORMATS = (KV_TF32_TILES, KV_BF16_TILES, KV_F16X3_TILES)  # k, v and the
 def project_config(rows: int, tensor_cores: bool = False, pair_dim: int = 128,
                    kv_format: int = KV_FP32, split: bool = False) -> KernelConfig:
     """rows per block; tensor_cores: mma.sync products (project_mma.cu), TF32, or 3xTF32
-    where `split` (fp32-accurate); else FFMA (project.cu); kv_format: how k and v are
+    where `split` (fp32-accurate; with KV_F16X3_TILES the q/k/v/gate products as fp16 hi +
+    lo, F16_SPLIT: project_f16_splits); else FFMA (project.cu); kv_format: how k and v are
     stored, for the attention kernel (KV_*)."""
     # 64-row blocks fit in 80 registers: 3 per SM where shared memory allows (D <= 128),
     # one wave instead of two for a small problem such as 2x128x64x4; but not with split
@@ -154,7 +155,8 @@ def project_config(rows: int, tensor_cores: bool = False, pair_dim: int = 128,
     shape = (("BM", rows), ("WSTAGES", project_weight_stages(pair_dim, rows, tensor_cores)),
              ("KV_FORMAT", kv_format), ("PROJECT_MIN_BLOCKS", min_blocks))
     if tensor_cores:
-        return KernelConfig("project_mma.cu", shape + (("SPLIT", int(split)),))
+        f16 = (("F16_SPLIT", 1),) if project_f16_splits(kv_format, split) else ()
+        return KernelConfig("project_mma.cu", shape + (("SPLIT", int(split)),) + f16)
     return KernelConfig("project.cu", shape + (("PAD", project_pad(pair_dim)),))
 
 
@@ -169,6 +171,13 @@ def project_uses_tensor_cores(precision: str, compute_capability: int = 90) -> b
 def project_splits(precision: str) -> bool:
     """Whether the tensor-core projections split their operands (3xTF32): in fp32 mode."""
     return precision == "fp32"
+
+
+def project_f16_splits(kv_format: int, split: bool) -> bool:
+    """Whether ln_qkvg_project splits its operands into fp16 hi + lo rather than TF32
+    (project_mma.cu F16_SPLIT: half the products): for the fp32 mode's f16x3 attention
+    (KV_F16X3_TILES), whose scales it shares (DeviceWeights.f16_projection_scales)."""
+    return split and kv_format == KV_F16X3_TILES
 
 
 SMEM_LIMIT = 227 * 1024  # dynamic shared memory a block may opt into on sm_80 / sm_90

@@ -80,6 +80,7 @@ class DeviceWeights:
             self.beta = up(p["layer_norm.bias"])
             self.w_bias = up(p["bias_proj.weight"])
         self.f16x3_scales = f16x3_scales(weights)
+        self.f16_projection_scales = f16_projection_scales(weights, self.f16x3_scales)
         self.device_id = device_id
         self.plans: dict = {}  # input geometry -> Plan (Forward)
         device = cupy.cuda.Device(device_id)
@@ -102,6 +103,8 @@ class DeviceWeights:
         project_mma.cu streams (weight_chunks; 3xTF32, which splits it where its fragments
         are loaded), "tf32 chunks" the same rounded to TF32 once (TF32 products),
         "transposed" [D_in, D_out] (FFMA, project.cu: a block's weight chunk a row slice).
+        "f16 chunks" the chunks with each row's 16 values as fp16 hi, then lo, times the
+        weight scale of f16_projection_scales (project_mma.cu F16_SPLIT).
         `scaled`: Wq, Wk, Wv multiplied by f16x3_scales (for the projection that writes
         KV_F16X3_TILES). Made on first use, on this device (the caller holds it current)."""
         key = (name, layout, scaled)
@@ -114,11 +117,13 @@ class DeviceWeights:
                 array = weight_chunks(plain)
             elif layout == "tf32 chunks":
                 array = weight_chunks(round_tf32(plain))
+            elif layout == "f16 chunks":
+                array = f16_split_chunks(weight_chunks(plain * self.f16_projection_scales[1]))
             elif layout == "transposed":
                 array = _cupy().ascontiguousarray(plain.T)
             else:
-                raise ValueError("layout must be 'chunks', 'tf32 chunks' or 'transposed'; "
-                                 f"got {layout!r}")
+                raise ValueError("layout must be 'chunks', 'tf32 chunks', 'f16 chunks' or "
+                                 f"'transposed'; got {layout!r}")
             self._layouts[key] = array
         return array
 
@@ -129,6 +134,16 @@ class DeviceWeights:
         key = ("b_qkvg", "", True)
         if key not in self._layouts:
             self._layouts[key] = self.b_qkvg * _cupy().asarray(self._qkv_row_scales())
+        return self._layouts[key]
+
+    def bias_weight(self, f16: bool = False):
+        """The pair-bias weights [h, D]; `f16`: times the weight scale of
+        f16_projection_scales (the F16_SPLIT projection splits them itself)."""
+        if not f16:
+            return self.w_bias
+        key = ("w_bias", "f16", False)
+        if key not in self._layouts:
+            self._layouts[key] = self.w_bias * self.f16_projection_scales[1]
         return self._layouts[key]
 
     def _qkv_row_scales(self):
@@ -159,10 +174,44 @@ def f16x3_scales(weights: Weights) -> tuple[float, float, float]:
                          ("value", 1.0)):
         w, b = p[f"{name}.weight"], p[f"{name}.bias"]
         bound = factor * (math.sqrt(D) * np.linalg.norm(w * gamma, axis=1) + np.abs(w @ beta + b))
-        top = float(bound.max()) if bound.size else 0.0
-        exponent = 0 if not top > 0 or not math.isfinite(top) else math.floor(math.log2(F16X3_TOP / top))
-        scales.append(2.0 ** max(-64, min(64, exponent)))
+        scales.append(_power_of_two_below(float(bound.max()) if bound.size else 0.0))
     return tuple(scales)
+
+
+def _power_of_two_below(top: float, limit: float = F16X3_TOP) -> float:
+    """The largest power of two s (2^-64 .. 2^64) with s * top <= limit; 1 where top is 0
+    or not finite."""
+    if not top > 0 or not math.isfinite(top):
+        return 1.0
+    return 2.0 ** max(-64, min(64, math.floor(math.log2(limit / top))))
+
+
+def f16_projection_scales(weights: Weights, qkv_scales) -> tuple[float, float]:
+    """(a_scale, w_scale), powers of two for the fp32 projection on fp16 hi + lo products
+    (project_mma.cu F16_SPLIT): LayerNorm's output xn_d = n_d gamma_d + beta_d with
+    |n|_2 <= sqrt(D) is at most sqrt(D) |gamma_d| + |beta_d|, and a_scale puts the largest
+    such bound at or below F16X3_TOP; w_scale does so for the largest weight of [Wq; Wk; Wv;
+    Wg] (q, k, v rows times qkv_scales, as DeviceWeights lays them out) and of the pair-bias
+    weights. One scale for all weights: the kernel unscales every product by one factor."""
+    p = {k: np.asarray(v, np.float64) for k, v in weights.params.items()}
+    D = weights.pair_dim
+    xn_top = float(np.max(math.sqrt(D) * np.abs(p["layer_norm.weight"])
+                          + np.abs(p["layer_norm.bias"])))
+    w_top = max([float(np.abs(p[f"{n}.weight"]).max()) * s for n, s in
+                 zip(("query", "key", "value", "gate"), (*qkv_scales, 1.0))]
+                + [float(np.abs(p["bias_proj.weight"]).max())])
+    return _power_of_two_below(xn_top), _power_of_two_below(w_top)
+
+
+def f16_split_chunks(chunks):
+    """Weight chunks [..., BN, BK] float32 as project_mma.cu's F16_SPLIT ring reads them:
+    each row's BK values as fp16 hi (rounded to nearest), then BK fp16 lo (the rest,
+    rounded again): the same bytes, returned as a float32 array of the input's shape."""
+    xp = _cupy().get_array_module(chunks)
+    hi = chunks.astype(xp.float16)
+    lo = (chunks - hi.astype(xp.float32)).astype(xp.float16)
+    both = xp.concatenate([hi, lo], axis=-1)  # [..., BN, 2 BK] fp16
+    return xp.ascontiguousarray(both).view(xp.float32).reshape(chunks.shape)
 
 
 def weight_chunks(w):
@@ -309,6 +358,8 @@ class Plan:
         self.attention_kernel = attention or _configs.attention_kernel(
             d, precision, dw.compute_capability, N, dw.smem_limit)
         self.kv_format = self.attention_kernel.kv_format
+        self.project_f16 = self.project_mma and _configs.project_f16_splits(
+            self.kv_format, self.project_split)  # fp16 hi + lo products (F16_SPLIT)
         # The key axis of the bias is padded with -inf to whole key tiles of either
         # attention kernel (at most BIAS_KEY_ALIGN keys; the tensor-core kernel copies
         # whole tiles).
@@ -357,10 +408,13 @@ class Plan:
              _i32(B), _i32(N), _i32(D), _i32(H),
              _f32(dw.eps), _f32(LOG2E / math.sqrt(d)),
              _pointer(dw.gamma.data.ptr), _pointer(dw.beta.data.ptr),
-             _pointer(dw.projection_weight("qkvg", self.weight_layout, self.scaled).data.ptr),
-             _pointer(dw.qkvg_bias(self.scaled).data.ptr), _pointer(dw.w_bias.data.ptr), None,
+             _pointer(dw.projection_weight(
+                 "qkvg", "f16 chunks" if self.project_f16 else self.weight_layout,
+                 self.scaled).data.ptr),
+             _pointer(dw.qkvg_bias(self.scaled).data.ptr),
+             _pointer(dw.bias_weight(self.project_f16).data.ptr), None,
              *_mask_args(mask_meta),
-             None, None, _i32(self.npk), None),
+             None, None, _i32(self.npk), None, *self._f16_projection_args(dw)),
             ((0, "pair"), (17, "mask"), (22, "qkvg"), (23, "bias"), (25, "vt")))
         self.attention = self.attention_launch(self.attention_kernel, nan_fully_masked)
         out_rows = _configs.out_project_rows()
@@ -374,6 +428,13 @@ class Plan:
              _pointer(dw.b_out.data.ptr), None),
             ((0, "qkvg"), (5, "out")))
         self.nan_fully_masked = nan_fully_masked
+
+    def _f16_projection_args(self, dw: DeviceWeights):
+        """F16_SPLIT's last two arguments, a_scale and unscale (none otherwise)."""
+        if not self.project_f16:
+            return ()
+        a_scale, w_scale = dw.f16_projection_scales
+        return _f32(a_scale), _f32(1.0 / (a_scale * w_scale))
 
     @property
     def scaled(self) -> bool:
