@@ -29,7 +29,8 @@
 //     fp32), scaled by a_scale (a power of two keeping |xn| below 2^14); the host lays W
 //     (and the pair-bias weights, split here) out the same way, scaled by a power of two;
 //     the accumulators are multiplied by `unscale` = 1 / (both scales) before the epilogue.
-//     The out projection stays 3xTF32.
+//     gated_out_project likewise: g * o (|g o| <= max |v|, as o averages rows of v) scaled
+//     by its own a_scale, split as it is loaded (load_gated_tile_f16).
 // LayerNorm statistics, the biases and the gate are fp32.
 //
 // Both operands are row-major with k fastest, as ldmatrix wants them: the row tile As
@@ -484,6 +485,50 @@ __device__ __noinline__ void load_gated_tile(const float* __restrict__ qkvg, i64
     }
 }
 
+#if F16_SPLIT
+// load_gated_tile for F16_SPLIT: each 16-wide chunk's 64 bytes of As as 16 fp16 hi then 16
+// lo of a_scale * g * o, a thread per chunk, two chunks (16 float4 loads) in flight.
+__device__ __noinline__ void load_gated_tile_f16(const float* __restrict__ qkvg, i64 M, int D,
+                                                 int dpad, int astr, i64 m0, float* As,
+                                                 float a_scale) {
+    const i64 ld = (HI_LO ? 2LL : 4LL) * D;  // QKVG_LD
+    const int per_row = dpad / 16, total = BM * per_row;
+    for (int base = threadIdx.x; base < total; base += 2 * THREADS) {
+        float4 o[2][4], g[2][4];
+#pragma unroll
+        for (int u = 0; u < 2; ++u) {
+            const int idx = base + u * THREADS, ml = idx / per_row, c0 = (idx % per_row) * 16;
+#pragma unroll
+            for (int q = 0; q < 4; ++q) {
+                const int k = c0 + 4 * q;
+                o[u][q] = g[u][q] = zero4();
+                if (idx < total && m0 + ml < M && k < D) {
+                    const float* row = qkvg + (m0 + ml) * ld;
+                    o[u][q] = ld4(row + k), g[u][q] = load_gate4(row, D, k);
+                }
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < 2; ++u) {
+            const int idx = base + u * THREADS;
+            if (idx >= total) continue;
+            u32 hi[8], lo[8];
+#pragma unroll
+            for (int q = 0; q < 4; ++q) {
+                const float4 x = o[u][q], y = g[u][q];
+                split_f16(y.x * x.x * a_scale, y.y * x.y * a_scale, hi[2 * q], lo[2 * q]);
+                split_f16(y.z * x.z * a_scale, y.w * x.w * a_scale, hi[2 * q + 1], lo[2 * q + 1]);
+            }
+            uint4* const chunk = reinterpret_cast<uint4*>(As + (idx / per_row) * astr + (idx % per_row) * 16);
+            chunk[0] = make_uint4(hi[0], hi[1], hi[2], hi[3]);
+            chunk[1] = make_uint4(hi[4], hi[5], hi[6], hi[7]);
+            chunk[2] = make_uint4(lo[0], lo[1], lo[2], lo[3]);
+            chunk[3] = make_uint4(lo[4], lo[5], lo[6], lo[7]);
+        }
+    }
+}
+#endif
+
 struct SmemLayout {
     i64* rowoff;    // [BM]   element offset of each row's first value in x
     float* As;      // [BM][dpad + 4]
@@ -642,21 +687,35 @@ ln_qkvg_project(const float* __restrict__ x, i64 sb, i64 si, i64 sj, i64 sc, int
 extern "C" __global__ void __launch_bounds__(THREADS, PROJECT_MIN_BLOCKS)
 gated_out_project(const float* __restrict__ qkvg, i64 M, int D,
                   const float* __restrict__ W, const float* __restrict__ b_out,
-                  float* __restrict__ out) {
+                  float* __restrict__ out
+#if F16_SPLIT
+                  , float a_scale, float unscale
+#endif
+                  ) {
     const int dpad = (D + BK - 1) / BK * BK, astr = dpad + 4;
     const SmemLayout s = smem_layout(dpad);
     const i64 m0 = (i64)blockIdx.x * BM;
     const WeightRing ring{smem_addr(s.Ws), s.cbias, W, b_out, D, D, dpad / BK};
     ring.prime(0);  // the first weight chunks and biases travel while the row tile loads
 
-    // 1. A = g * o (operand4), row-major: the gated intermediate exists only here.
+    // 1. A = g * o (operand4; F16_SPLIT: scaled fp16 hi and lo), row-major: the gated
+    //    intermediate exists only here.
+#if F16_SPLIT
+    load_gated_tile_f16(qkvg, M, D, dpad, astr, m0, s.As, a_scale);
+#else
     load_gated_tile(qkvg, M, D, dpad, astr, m0, s.As);
+#endif
     __syncthreads();  // tile complete before the products read it
 
     // 2. out = A Wo^T + bo.
     const int rows_here = (int)min((i64)BM, M - m0);
     float* const block_out = out + m0 * D;
-    project_columns<false>(s.As, astr, ring, [&](Tile& acc, int n0, const float2 (&cb)[4]) {
+    auto store = [&](Tile& acc, int n0, const float2 (&cb)[4]) {
         store_out(acc, n0, cb, D, block_out, rows_here);
-    });
+    };
+#if F16_SPLIT
+    project_columns<true>(s.As, astr, ring, store, unscale);
+#else
+    project_columns<false>(s.As, astr, ring, store);
+#endif
 }

@@ -111,7 +111,8 @@ def test_f16_projection_scales_bound_layernorm_outputs_and_weights(magnitude):
               for k, v in base.params.items()}
     weights = ta.Weights(D, h, base.layer_norm_eps, params)
     qkv = _gpu.f16x3_scales(weights)
-    a_scale, w_scale = _gpu.f16_projection_scales(weights, qkv)
+    scales = _gpu.f16_projection_scales(weights, qkv)
+    a_scale, w_scale = scales.a, scales.w
     gamma, beta = params["layer_norm.weight"], params["layer_norm.bias"]
     top = (math.sqrt(D) * np.abs(gamma) + np.abs(beta)).max() * a_scale
     assert _gpu.F16X3_TOP / 2 < top <= _gpu.F16X3_TOP
@@ -119,3 +120,8 @@ def test_f16_projection_scales_bound_layernorm_outputs_and_weights(magnitude):
                            zip(("query", "key", "value", "gate"), (*qkv, 1.0))])
     w_top = max(np.abs(rows).max(), np.abs(params["bias_proj.weight"]).max()) * w_scale
     assert _gpu.F16X3_TOP / 2 < w_top <= _gpu.F16X3_TOP
+    out_w_top = np.abs(params["out_proj.weight"]).max() * scales.out_w
+    assert _gpu.F16X3_TOP / 2 < out_w_top <= _gpu.F16X3_TOP
+    # g * o: |o| <= max |v| (o averages rows of v, 0 < g < 1): v's scale, which
+    # test_f16x3_scales_keep_q_k_v_inside_fp16 checks against worst-case rows
+    assert scales.out_a == qkv[2]

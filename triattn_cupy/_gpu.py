@@ -25,6 +25,7 @@ _configs.KV_* and kernels/project_epilogue.cuh.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import math
 
@@ -118,7 +119,9 @@ class DeviceWeights:
             elif layout == "tf32 chunks":
                 array = weight_chunks(round_tf32(plain))
             elif layout == "f16 chunks":
-                array = f16_split_chunks(weight_chunks(plain * self.f16_projection_scales[1]))
+                scales = self.f16_projection_scales
+                array = f16_split_chunks(weight_chunks(
+                    plain * (scales.w if name == "qkvg" else scales.out_w)))
             elif layout == "transposed":
                 array = _cupy().ascontiguousarray(plain.T)
             else:
@@ -143,7 +146,7 @@ class DeviceWeights:
             return self.w_bias
         key = ("w_bias", "f16", False)
         if key not in self._layouts:
-            self._layouts[key] = self.w_bias * self.f16_projection_scales[1]
+            self._layouts[key] = self.w_bias * self.f16_projection_scales.w
         return self._layouts[key]
 
     def _qkv_row_scales(self):
@@ -168,14 +171,18 @@ def f16x3_scales(weights: Weights) -> tuple[float, float, float]:
     scaled weights are exact, and the kernel undoes them exactly."""
     p = {k: np.asarray(v, np.float64) for k, v in weights.params.items()}
     D = weights.pair_dim
+    return tuple(_power_of_two_below(_projection_bound(p, D, name) * factor)
+                 for name, factor in (("query", LOG2E / math.sqrt(weights.head_dim)),
+                                      ("key", 1.0), ("value", 1.0)))
+
+
+def _projection_bound(p: dict, D: int, name: str) -> float:
+    """The largest |LayerNorm(x) W^T + b| any input can give for projection `name` (float64
+    parameters p): sqrt(D) |gamma * W[c]|_2 + |W[c] . beta + b[c]| over the columns c."""
+    w, b = p[f"{name}.weight"], p[f"{name}.bias"]
     gamma, beta = p["layer_norm.weight"], p["layer_norm.bias"]
-    scales = []
-    for name, factor in (("query", LOG2E / math.sqrt(weights.head_dim)), ("key", 1.0),
-                         ("value", 1.0)):
-        w, b = p[f"{name}.weight"], p[f"{name}.bias"]
-        bound = factor * (math.sqrt(D) * np.linalg.norm(w * gamma, axis=1) + np.abs(w @ beta + b))
-        scales.append(_power_of_two_below(float(bound.max()) if bound.size else 0.0))
-    return tuple(scales)
+    bound = math.sqrt(D) * np.linalg.norm(w * gamma, axis=1) + np.abs(w @ beta + b)
+    return float(bound.max()) if bound.size else 0.0
 
 
 def _power_of_two_below(top: float, limit: float = F16X3_TOP) -> float:
@@ -186,13 +193,24 @@ def _power_of_two_below(top: float, limit: float = F16X3_TOP) -> float:
     return 2.0 ** max(-64, min(64, math.floor(math.log2(limit / top))))
 
 
-def f16_projection_scales(weights: Weights, qkv_scales) -> tuple[float, float]:
-    """(a_scale, w_scale), powers of two for the fp32 projection on fp16 hi + lo products
-    (project_mma.cu F16_SPLIT): LayerNorm's output xn_d = n_d gamma_d + beta_d with
-    |n|_2 <= sqrt(D) is at most sqrt(D) |gamma_d| + |beta_d|, and a_scale puts the largest
-    such bound at or below F16X3_TOP; w_scale does so for the largest weight of [Wq; Wk; Wv;
-    Wg] (q, k, v rows times qkv_scales, as DeviceWeights lays them out) and of the pair-bias
-    weights. One scale for all weights: the kernel unscales every product by one factor."""
+@dataclasses.dataclass(frozen=True)
+class F16Scales:
+    """Powers of two for the fp32 projections on fp16 hi + lo products (project_mma.cu
+    F16_SPLIT), each putting its operand's largest possible value at or below F16X3_TOP:
+    a, w: ln_qkvg_project's LayerNorm output and weights (the pair-bias weights included);
+    out_a, out_w: gated_out_project's g * o and Wo."""
+    a: float
+    w: float
+    out_a: float
+    out_w: float
+
+
+def f16_projection_scales(weights: Weights, qkv_scales) -> F16Scales:
+    """LayerNorm's output xn_d = n_d gamma_d + beta_d with |n|_2 <= sqrt(D) is at most
+    sqrt(D) |gamma_d| + |beta_d|; the weights are [Wq; Wk; Wv; Wg] with the q, k, v rows
+    times qkv_scales (as DeviceWeights lays them out) and the pair-bias weights, under one
+    scale (the kernel unscales every product by one factor); |g * o| <= max |v| (o is an
+    average of rows of v, 0 < g < 1), bounded as f16x3_scales bounds v."""
     p = {k: np.asarray(v, np.float64) for k, v in weights.params.items()}
     D = weights.pair_dim
     xn_top = float(np.max(math.sqrt(D) * np.abs(p["layer_norm.weight"])
@@ -200,7 +218,9 @@ def f16_projection_scales(weights: Weights, qkv_scales) -> tuple[float, float]:
     w_top = max([float(np.abs(p[f"{n}.weight"]).max()) * s for n, s in
                  zip(("query", "key", "value", "gate"), (*qkv_scales, 1.0))]
                 + [float(np.abs(p["bias_proj.weight"]).max())])
-    return _power_of_two_below(xn_top), _power_of_two_below(w_top)
+    return F16Scales(_power_of_two_below(xn_top), _power_of_two_below(w_top),
+                     _power_of_two_below(_projection_bound(p, D, "value")),
+                     _power_of_two_below(float(np.abs(p["out_proj.weight"]).max())))
 
 
 def f16_split_chunks(chunks):
@@ -424,17 +444,20 @@ class Plan:
             "gated_out_project", -(-M // out_rows), _configs.PROJECT_THREADS,
             _configs.project_smem_bytes(D, out_rows, self.project_mma),
             (None, _i64(M), _i32(D),
-             _pointer(dw.projection_weight("out", self.weight_layout).data.ptr),
-             _pointer(dw.b_out.data.ptr), None),
+             _pointer(dw.projection_weight(
+                 "out", "f16 chunks" if self.project_f16 else self.weight_layout).data.ptr),
+             _pointer(dw.b_out.data.ptr), None, *self._f16_projection_args(dw, out=True)),
             ((0, "qkvg"), (5, "out")))
         self.nan_fully_masked = nan_fully_masked
 
-    def _f16_projection_args(self, dw: DeviceWeights):
-        """F16_SPLIT's last two arguments, a_scale and unscale (none otherwise)."""
+    def _f16_projection_args(self, dw: DeviceWeights, out: bool = False):
+        """F16_SPLIT's last two arguments of ln_qkvg_project (or `out`: of
+        gated_out_project), a_scale and unscale (none otherwise)."""
         if not self.project_f16:
             return ()
-        a_scale, w_scale = dw.f16_projection_scales
-        return _f32(a_scale), _f32(1.0 / (a_scale * w_scale))
+        s = dw.f16_projection_scales
+        a, w = (s.out_a, s.out_w) if out else (s.a, s.w)
+        return _f32(a), _f32(1.0 / (a * w))
 
     @property
     def scaled(self) -> bool:
