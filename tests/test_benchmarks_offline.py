@@ -96,7 +96,9 @@ def test_precision_classes():
     assert pc("ref_eager_tf32") == ("tf32", "tf32")
     assert pc("sdpa") == ("fp32", "fp32")
     assert pc("ours_bf16", "bf16") == ("bf16", "bf16")
-    assert pc("ours_fp32", None) == ("fp32", "fp32")
+    assert pc("ours_fp32", None) == ("fp32x3", "fp32x3")  # split products, tensor cores
+    c = dict(roofline.NOMINAL_H200)
+    assert roofline.rate(c, "fp32x3") == pytest.approx(c["bf16_TFLOPs"] / 3)
 
 
 def test_padding_mask_like_the_peers():
@@ -233,14 +235,15 @@ def test_report_from_fake_results(tmp_path):
     assert set(written) == {"results.md", "results.json"}
     assert "| size BxNxDxh | ours (fp32) | reference eager fp32 | cuEquivariance bf16 |" in md
     assert "OOM" in md and "skip" in md and "suite time budget" in md
-    assert "ours (fp32) against the roofline" in md and "of fp32 ceiling" in md
+    # ours in fp32 against its split products' ceiling: a third of bf16's
+    assert "ours (fp32) against the roofline" in md and "of fp32x3 ceiling" in md
     assert "attention" in md and "stages of ours_fp32 at 1x1024x128x4: RuntimeError" in md
     assert "2.60e-07 ok" in md and "inf FAIL, 3 non-finite" in md and "boom | pipe" in md
     assert "not importable" in md  # absent system and its reason
     saved = json.loads((tmp_path / "results.json").read_text())
     ok = [r for r in saved["runs"] if r["system"] == "ours_fp32"]
     assert all(r["TFLOPs"] == pytest.approx(30, rel=1e-6) for r in ok)
-    assert all(r["of_compute_ceiling"] == pytest.approx(0.6, rel=1e-6) for r in ok)
+    assert all(r["of_compute_ceiling"] == pytest.approx(30 / (780 / 3), rel=1e-6) for r in ok)
     bf = next(r for r in saved["runs"] if r["system"] == "cueq_bf16" and r["status"] == "ok")
     assert bf["classes"] == ["bf16", "fp32"]
     text = report.summary_text(saved)
