@@ -64,10 +64,12 @@
 //   ROWS x K tile [BK][32] tf32 (8 KiB; BF16: bf16, 4 KiB, 64-byte swizzle)
 //   ROWS x V^T tile: 2 columns of 32 keys, each [d + 8 rows][32 key positions] tf32 (5 KiB;
 //     row d is ones, d + 1 .. d + 7 zeros: written once, never copied over; BF16: one
-//     column of 64 keys in bf16)
+//     column of 64 keys in bf16; F16X3: K's hi then lo tile [64][32] fp16 (8 KiB), V^T's hi
+//     column then its lo column (ones row zero there), 64 keys in fp16 each)
 //   the bias tile [BQ][BK + 8] fp16 (KV_FORMAT 3 holds the bias in fp16: TF32's mantissa,
 //     half the bytes of the largest copy), or fp32 (SPLIT), or (BULK) [BQ][BK] fp16 with
-//     rows in the 128-byte swizzle, as the projection writes it (conflict-free unpadded)
+//     rows in the 128-byte swizzle, as the projection writes it (conflict-free unpadded;
+//     F16X3: the hi tile then the lo tile)
 //   SPLIT: LO, the lo parts of the stage's K and V^T tiles (their layout; V^T's ones row
 //     zero there), and V as copied ([key][dim], K's layout), for split_own
 // copied STAGES - 1 tiles ahead (cp.async; one barrier per tile), or (BULK, the default
@@ -78,11 +80,14 @@
 // THREADS = 256 ROWS; dynamic shared memory SMEM_BYTES (triattn_cupy/_configs.py mirrors
 // it). Pointers: qkvg [B*N*N, 4D] with q fp32 and k rounded to TF32 (KV_FORMAT 3; SPLIT:
 // q, k, v fp32 as attention_tf32x3 reads them, KV_FORMAT 0; BULK: q only, KV_FORMAT 5;
-// BF16: q packed bf16 from word 2D, KV_FORMAT 6), o written over [0, D) of each row;
+// BF16: q packed bf16 from word 2D, KV_FORMAT 6; F16X3: rows of 2D words, q's hi and lo
+// per head at [32 h, 32 h + 32), KV_FORMAT 7), o written over [0, D) of each row;
 // bias [B, H, N, NPK] fp16 (fp32 for SPLIT; BULK: the tiles of project_epilogue.cuh
 // bias_element), NPK a multiple of BK, -inf on the padded keys; vt
 // (not SPLIT) the V^T tiles ([B, N, H, NPK / 64] tiles of 8 KiB, zero past key N; BULK:
-// 16 KiB, the K tile then the V^T tile; BF16: 8 KiB).
+// 16 KiB, the K tile then the V^T tile; BF16: 8 KiB; F16X3: 16 KiB, K hi, K lo, V^T hi,
+// V^T lo); F16X3: qk_unscale = 1 / (s_q s_k) and v_unscale = 1 / s_v, the projection's
+// scales undone.
 #include "common.cuh"
 #include "wgmma.cuh"
 

@@ -3,8 +3,9 @@
 Stages (one launch each):
   project    LayerNorm + q/k/v/gate + pair bias with the mask folded in; the mask is
              read in place, in its own dtype and strides; tensor cores on sm_80+
-             (project_mma.cu: 3xTF32 for "fp32", TF32 for "tf32" and "bf16"), else FFMA
-             (project.cu)
+             (project_mma.cu: 3xTF32 for "fp32", TF32 for "tf32" and "bf16"; with the
+             wgmma attention fp16 products of scaled operands instead, F16_TERMS: the
+             split's three for "fp32", one for "tf32" and "bf16"), else FFMA (project.cu)
   attention  flash-style softmax attention, o written over q: tensor cores for head dims
              that are multiples of 8 on sm_80+ (attention_mma.cu: 3xTF32 for "fp32",
              TF32, bf16; at head dim 32 on compute capability 9.0 from N = 129:
