@@ -61,11 +61,12 @@
 // (mma.cuh).
 //
 // Shared memory, all parts 1024-byte aligned (128-byte swizzle atoms; wgmma.cuh), STAGES x
-//   ROWS x K tile [BK][32] tf32 (8 KiB; BF16: bf16, 4 KiB, 64-byte swizzle)
+//   ROWS x K tile [BK][32] tf32 (8 KiB; BF16: bf16, 4 KiB, 64-byte swizzle; F16X3: its
+//     hi then its lo tile [64][32] fp16, 8 KiB)
 //   ROWS x V^T tile: 2 columns of 32 keys, each [d + 8 rows][32 key positions] tf32 (5 KiB;
 //     row d is ones, d + 1 .. d + 7 zeros: written once, never copied over; BF16: one
-//     column of 64 keys in bf16; F16X3: K's hi then lo tile [64][32] fp16 (8 KiB), V^T's hi
-//     column then its lo column (ones row zero there), 64 keys in fp16 each)
+//     column of 64 keys in bf16; F16X3: the hi column then the lo column (its ones row
+//     zero), 64 keys in fp16 each)
 //   the bias tile [BQ][BK + 8] fp16 (KV_FORMAT 3 holds the bias in fp16: TF32's mantissa,
 //     half the bytes of the largest copy), or fp32 (SPLIT), or (BULK) [BQ][BK] fp16 with
 //     rows in the 128-byte swizzle, as the projection writes it (conflict-free unpadded;
@@ -110,10 +111,10 @@
 #define SPLIT 0         // 1: 3xTF32 (attention_tf32x3_wgmma), 0: TF32 (attention_tf32_wgmma)
 #endif
 #ifndef PV_GROUPS
-#define PV_GROUPS 2     // SPLIT: fresh P V accumulators per key tile (1, 2 or 4)
+#define PV_GROUPS 2     // SPLIT, F16X3: fresh P V accumulators per key tile (1, 2 or 4)
 #endif
 #ifndef BULK
-#define BULK 0          // 1: tiles by bulk copies from K and V^T tiles (KV_FORMAT 5), mbarriers
+#define BULK 0          // 1: tiles by bulk copies from K and V^T tiles (KV_FORMAT 5, 6, 7), mbarriers
 #endif
 #ifndef BF16
 #define BF16 0          // 1: bf16 operands (attention_bf16_wgmma; BULK, KV_FORMAT 6)
@@ -200,7 +201,7 @@ typedef unsigned short bias_elem;  // fp16 bits
 #error "attention_wgmma.cu: PV_GROUPS must be 1, 2 or 4"
 #endif
 #if BULK && (SPLIT || PINGPONG)
-#error "attention_wgmma.cu: BULK is for the TF32 kernel without ping-pong"
+#error "attention_wgmma.cu: BULK is for the TF32, BF16 and F16X3 kernels, without ping-pong"
 #endif
 #define KV_TILES (K_TILE + VT_COPIED)  // BULK: bytes per (b, i, head, 64 keys): K's tile, then V^T's
 
@@ -266,7 +267,7 @@ ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int 
 #if HALF16
     u32 qa[HEAD_DIM / 16][4];
 #if F16X3
-    u32 ql[HEAD_DIM / 16][4];  // the lo parts, D / 2 words after the hi
+    u32 ql[HEAD_DIM / 16][4];  // the lo parts, HEAD_DIM / 2 words after the hi
 #endif
     {
         const int j0 = q0 + g, j1 = j0 + 8;

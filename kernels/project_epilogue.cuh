@@ -92,7 +92,8 @@ __device__ __forceinline__ void map_column(Tile& acc, int j, float2 cb, F f) {
 }
 
 // How ln_qkvg_project stores q, k, v and the gate, for the kernels that read them (a
-// qkvg row is 4D words in every format; the attention writes o over [0, D)):
+// qkvg row is 4D words in every format but 7, whose rows are 2D (QKVG_LD); the attention
+// writes o over [0, D)):
 // 0 as computed (fp32): q, k, v, gate at words [0, D), [D, 2D), [2D, 3D), [3D, 4D);
 // 1 the same, k and v rounded to TF32 (attention_tf32 copies them as they are);
 // 2 packed bf16 (attention_bf16; half the bytes): bf16 index c from word D holds k column
@@ -175,7 +176,7 @@ __device__ __forceinline__ void put_bias(At at, i64 jj, float x) {
     const bias_t lo = to_bias(isinf(h) ? 0.f : x - h);
     bias_t* const p = at(jj);
     p[0] = hi;
-    p[BIAS_TILE_BYTES / 4] = lo;
+    p[BIAS_TILE_BYTES / 2 / sizeof(bias_t)] = lo;  // the lo half of the tile
 #else
     *at(jj) = hi;
 #endif
@@ -194,7 +195,8 @@ __device__ __forceinline__ void store_pair_bias(bias_t* __restrict__ brow, i64 j
 }
 
 #if K_TILED
-// The pair bias in tiles (formats 5, 6): per (b, head, 128 queries i, 64 keys j) 16 KiB,
+// The pair bias in tiles (formats 5, 6, 7): per (b, head, 128 queries i, 64 keys j) 16 KiB
+// (format 7: 32 KiB, this tile and its lo parts after it: put_bias),
 // [128 rows i][64 keys j] fp16 in the 128-byte swizzle (wgmma.cuh sw128: rows of 128
 // bytes, read conflict-free by the attention's fragments without padding), so that one
 // bulk copy moves a tile. bh = b H + head. Query rows past N in the last tile stay unwritten.
@@ -378,7 +380,7 @@ __device__ __forceinline__ void store_vt(Tile& acc, int vcol0, const VtTarget& t
 #endif
 
 #if K_TILED
-// K tiles (formats 5, 6): key k of pair (b, i) = bi, dims c + 8j, c + 8j + 1 of head h
+// K tiles (formats 5, 6, 7): key k of pair (b, i) = bi, dims c + 8j, c + 8j + 1 of head h
 // (kcol0 = 32 h + c, as store_vt) at row k % 64 of its tile: format 5 at byte 4 (c + 8j)
 // in the 128-byte swizzle, 8 bytes within one 16-byte chunk (c even); format 6 packed bf16
 // at byte 2 (c + 8j) in the 64-byte swizzle.
@@ -409,7 +411,8 @@ __device__ __forceinline__ void store_kt(Tile& acc, int kcol0, const VtTarget& t
 __device__ __forceinline__ void st2(float* p, float2 v) { *reinterpret_cast<float2*>(p) = v; }
 
 // Store this thread's value pairs: column pair j of block row r at base + r * ld + col[j]
-// (in floats), as a float pair, or only its first word where packed[j] (two bf16). Column
+// (in floats), as a float pair, or only its first word where packed[j] (two bf16; HI_LO:
+// q's fp16 hi word, and its lo word Q_LO_WORDS on). Column
 // pairs with col[j] < 0 and rows from rows_here on are skipped. A row's column pairs go
 // out one after another, as the fragments hold them: storing column pair by column pair
 // (every row of one pair, then the next) made the stores take about twice as long

@@ -11,7 +11,8 @@
 //                        -inf where mask[b, i, j] == 0, and on the padded keys j in [N, NPK)
 //   gated_out_project: out = (g * o) Wo^T + bo                        # [M, D]
 //                        o = qkvg[:, 0:D] (attention output, written over q)
-//                        g = the sigmoid gate (fp32 at qkvg[:, 3D:4D], or packed
+//                        g = the sigmoid gate (fp32 at qkvg[:, 3D:4D] or, format 7,
+//                          [D:2D] of rows of 2D words; or packed
 //                          bf16: KV_FORMAT, project_epilogue.cuh)
 //
 // Products: mma.sync m16n8k8, fp32 accumulation, on
@@ -50,7 +51,8 @@
 // Pointers (float32 unless noted, M = B*N*N rows, D % 4 == 0):
 //   x     [B, N, N, D] at b*sb + i*si + j*sj + c*sc elements (any strides; x_vec = 1 when
 //         sc == 1 and every row starts 16-byte aligned: rows copied with cp.async)
-//   W     [NO, D] (NO = 4D, or D for out_proj) in the ring's chunk order, rounded to TF32
+//   W     [NO, D] (NO = 4D, or D for out_proj) in the ring's chunk order (F16_TERMS: as
+//         fp16 hi then lo per 16-wide chunk row, scaled: _gpu.f16_split_chunks), rounded to TF32
 //         unless SPLIT: [NO / BN][DPAD / BK][BN][BK], zero past NO and D (DeviceWeights
 //         projection_weight), so that each chunk is one contiguous 8 KiB
 //   mask  [B, N, N] at b*mb + i*mi + j*mj elements, of the type named by mask_kind
@@ -679,7 +681,8 @@ ln_qkvg_project(const float* __restrict__ x, i64 sb, i64 si, i64 sj, i64 sc, int
     // 4. The pair bias on tensor cores, with the mask folded in: xn [16 rows] x Wb^T
     //    [8 heads] per warp and m-tile, a product like the others (TF32 as PyTorch's TF32
     //    mode has it, or 3xTF32).
-    //    Wb's B fragments (b0 = Wb[h0 + g][k + t], b1 = ...[k + t + 4]) come straight from
+    //    Wb's B fragments (b0 = Wb[h0 + g][k + t], b1 = ...[k + t + 4]; F16_TERMS: pairs at
+    //    k + 2t and k + 2t + 8, rounded or split to fp16 here) come straight from
     //    global memory, a small array every block reads (L1), rounded here. As per-thread
     //    FFMA dot products, each thread loading all of Wb, it was ~40% of the kernel's
     //    stall samples (the loads waited for one at a time).

@@ -3,7 +3,10 @@ with parts of its kernel removed by a text patch of its kernels/*.cu (a measurem
 only: the results are wrong on purpose). A part whose removal saves little is not what
 sets the time. Check each row against the ceilings: a patch can let the compiler remove
 more than the part it names (after the epilogue of 024f159, `no_store` also lost the
-products: fp32 "products" at ~490 TFLOP/s).
+products: fp32 "products" at ~490 TFLOP/s). The patches were written for the TF32 and
+3xTF32 kernels: on the fp16-product paths (F16_TERMS, the wgmma attentions' projections)
+`no_store` leaves q's lo words stored, `no_load` misses load_gated_tile_f16, and
+`row_major_weights` no longer matches the ring's copy code; read those rows accordingly.
 
     python3 scripts/ablate_projection.py [--variants full,no_store,...]
         [--precisions fp32,tf32,bf16] [sizes, default 1x1024x128x4 2x128x64x4]

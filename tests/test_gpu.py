@@ -261,7 +261,7 @@ def test_error_within_twice_pytorch_in_the_same_precision(cp, rng, precision):
 
 @pytest.mark.parametrize("precision", ["fp32", "tf32", "bf16"])
 def test_sizes_past_the_wgmma_thresholds(cp, rng, precision):
-    """Head dim 32 past N = 288, where every mode takes the wgmma attention on an
+    """Head dim 32 at N = 293 and 321, where every mode takes the wgmma attention on an
     H100/H200 (from N = 129: _configs.uses_wgmma; elsewhere the mma.sync kernels):
     tile-straddling N, B > 1, fully masked queries under both policies."""
     poison_pool(cp)

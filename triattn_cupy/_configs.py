@@ -400,7 +400,8 @@ def attention_ffma_launch(head_dim: int) -> AttentionLaunch:
                            attention_smem_bytes(head_dim))
 
 
-# ---- TF32 and 3xTF32 attention on warpgroup products (kernels/attention_wgmma.cu, sm_90a) ----
+# ---- attention on warpgroup products (kernels/attention_wgmma.cu, sm_90a): TF32, bf16,
+# fp16 split (f16x3, the fp32 mode) and 3xTF32 (kept for comparison) ----
 
 WGMMA_ARCH = "sm_90a"  # wgmma exists only on compute capability 9.0, in this target
 WGMMA_HEAD_DIMS = (32,)
@@ -429,8 +430,9 @@ class WgmmaTiles:
     """The attention_wgmma.cu shape: ROWS pair rows per block (256 threads each, sharing
     the bias tiles), STAGES tiles in the cp.async ring, MIN_BLOCKS per SM asked of the
     compiler, PINGPONG: a row's second warpgroup starts its Q K^T once the first has its S,
-    instead of both at once; PV_GROUPS (3xTF32 only): fresh P V accumulators per key tile,
-    each added to O in fp32; BULK (TF32 and bf16, no ping-pong; bf16 has no other): warp 0
+    instead of both at once; PV_GROUPS (3xTF32 and f16x3): fresh P V accumulators per key
+    tile, each added to O in fp32; BULK (TF32, bf16 and f16x3, no ping-pong; bf16 and f16x3
+    have no other): warp 0
     fills the stages with bulk copies from K and V^T tiles (KV_BULK_FORMATS), paced by
     mbarriers."""
     rows: int = 1

@@ -194,11 +194,13 @@ def _projection_bound(p: dict, D: int, name: str) -> float:
 
 
 def _power_of_two_below(top: float, limit: float = F16X3_TOP) -> float:
-    """The largest power of two s (2^-64 .. 2^64) with s * top <= limit; 1 where top is 0
+    """The largest power of two s (2^-40 .. 2^40) with s * top <= limit; 1 where top is 0
     or not finite."""
     if not top > 0 or not math.isfinite(top):
         return 1.0
-    return 2.0 ** max(-64, min(64, math.floor(math.log2(limit / top))))
+    # +-40: products and quotients of two scales (the kernels take 1 / (s_q s_k) and
+    # 1 / (a w) in fp32) stay normal fp32 numbers
+    return 2.0 ** max(-40, min(40, math.floor(math.log2(limit / top))))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -452,7 +454,8 @@ class Plan:
             _configs.project_smem_bytes(D, out_rows, self.project_mma),
             (None, _i64(M), _i32(D),
              _pointer(dw.projection_weight(
-                 "out", "f16 chunks" if self.project_f16 else self.weight_layout).data.ptr),
+                 "out", "f16 chunks" if self.project_f16 else self.weight_layout,
+                 self.scaled).data.ptr),
              _pointer(dw.b_out.data.ptr), None, *self._f16_projection_args(dw, out=True)),
             ((0, "qkvg"), (5, "out")))
         self.nan_fully_masked = nan_fully_masked
@@ -570,13 +573,14 @@ class Forward:
 
     @property
     def qkvg(self):
-        """The scratch [M, 4D] float32 the stages share (q, k, v, gate; o over q)."""
+        """The scratch [M, 4D] float32 the stages share (q, k, v, gate; o over q), or [M,
+        2D] for KV_F16X3_TILES (q's fp16 hi and lo per head, o over them; the gate)."""
         return _cupy().ndarray(self.plan.qkvg_shape, np.float32, memptr=self._scratch)
 
     @property
     def bias(self):
         """The pair bias [B, H, N, NPK] (log2 e units, -inf where masked): float32, or
-        float16 for the bf16 and the TF32 wgmma attention."""
+        float16 for the bf16 and the wgmma attentions (f16x3: tiles of fp16 hi and lo)."""
         return _cupy().ndarray(self.plan.bias_shape, self.plan.bias_dtype,
                                memptr=self._scratch + self.plan.qkvg_bytes)
 
