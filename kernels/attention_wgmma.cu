@@ -456,6 +456,19 @@ ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int 
     for (int i = 0; i < 4 * ON / 8; ++i) o[i] = 0.f;
     float m_sub[2] = {0.f, 0.f}, m_lim[2] = {neg_inf(), neg_inf()};
 
+#if SPLIT || F16X3
+    // d += a_hi b_lo + a_lo b_hi + a_hi b_hi over the k-steps kk in [k0, k1), small terms
+    // first: product(d, a, kk, lo) issues k-step kk's wgmma of A fragment a against B's lo
+    // (or hi) part.
+    auto three_terms = [](auto& d, const auto& ah, const auto& al, int k0, int k1, auto product) {
+#pragma unroll
+        for (int kk = k0; kk < k1; ++kk) product(d, ah[kk], kk, true);
+#pragma unroll
+        for (int kk = k0; kk < k1; ++kk) product(d, al[kk], kk, false);
+#pragma unroll
+        for (int kk = k0; kk < k1; ++kk) product(d, ah[kk], kk, false);
+    };
+#endif
 #if SPLIT
     // This lane's bias pairs (rows g, g + 8; keys 8n + 2t, + 1) of the tile in `stage`.
     const float2* const bias_base = reinterpret_cast<const float2*>(smem + BIAS_OFFSET)
@@ -477,12 +490,9 @@ ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int 
         const u32 k_tile = smem_s + stage * STAGE_BYTES + rw * K_TILE;
         const u64 k_desc = sw128_desc(k_tile), k_lo_desc = sw128_desc(k_tile + LO_OFFSET);
         wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < DT; ++kk) wgmma_m64n64k8_tf32(s, qa[kk], k_lo_desc + 2 * kk);
-#pragma unroll
-        for (int kk = 0; kk < DT; ++kk) wgmma_m64n64k8_tf32(s, qa_lo[kk], k_desc + 2 * kk);
-#pragma unroll
-        for (int kk = 0; kk < DT; ++kk) wgmma_m64n64k8_tf32(s, qa[kk], k_desc + 2 * kk);
+        three_terms(s, qa, qa_lo, 0, DT, [&](float (&d)[4 * NT], const u32 (&a)[4], int kk, bool lo) {
+            wgmma_m64n64k8_tf32(d, a, (lo ? k_lo_desc : k_desc) + 2 * kk);
+        });
         wgmma_commit();
     };
 #else
@@ -513,12 +523,9 @@ ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int 
         const u32 k_tile = smem_s + stage * STAGE_BYTES + rw * K_TILE;
         const u64 k_desc = sw64_desc(k_tile), k_lo_desc = sw64_desc(k_tile + K_PART);
         wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < HEAD_DIM / 16; ++kk) wgmma_m64n64k16_f16(s, qa[kk], k_lo_desc + 2 * kk);
-#pragma unroll
-        for (int kk = 0; kk < HEAD_DIM / 16; ++kk) wgmma_m64n64k16_f16(s, ql[kk], k_desc + 2 * kk);
-#pragma unroll
-        for (int kk = 0; kk < HEAD_DIM / 16; ++kk) wgmma_m64n64k16_f16(s, qa[kk], k_desc + 2 * kk);
+        three_terms(s, qa, ql, 0, HEAD_DIM / 16, [&](float (&d)[4 * NT], const u32 (&a)[4], int kk, bool lo) {
+            wgmma_m64n64k16_f16(d, a, (lo ? k_lo_desc : k_desc) + 2 * kk);
+        });
 #else
 #pragma unroll
         for (int n = 0; n < NT; ++n) {
@@ -674,17 +681,11 @@ ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int 
             for (int i = 0; i < 4 * ON / 8; ++i) ot[grp][i] = 0.f;
         wgmma_fence();
 #pragma unroll
-        for (int grp = 0; grp < PV_GROUPS; ++grp) {
-#pragma unroll
-            for (int kk = grp * GROUP_STEPS; kk < (grp + 1) * GROUP_STEPS; ++kk)
-                wgmma_m64n40k8_tf32(ot[grp], pa[kk], vt_desc(vt_tile + LO_OFFSET, kk));
-#pragma unroll
-            for (int kk = grp * GROUP_STEPS; kk < (grp + 1) * GROUP_STEPS; ++kk)
-                wgmma_m64n40k8_tf32(ot[grp], pl[kk], vt_desc(vt_tile, kk));
-#pragma unroll
-            for (int kk = grp * GROUP_STEPS; kk < (grp + 1) * GROUP_STEPS; ++kk)
-                wgmma_m64n40k8_tf32(ot[grp], pa[kk], vt_desc(vt_tile, kk));
-        }
+        for (int grp = 0; grp < PV_GROUPS; ++grp)
+            three_terms(ot[grp], pa, pl, grp * GROUP_STEPS, (grp + 1) * GROUP_STEPS,
+                        [&](float (&d)[4 * ON / 8], const u32 (&a)[4], int kk, bool lo) {
+                wgmma_m64n40k8_tf32(d, a, vt_desc(vt_tile + (lo ? LO_OFFSET : 0), kk));
+            });
         wgmma_commit();
     };
 #elif F16X3
@@ -694,24 +695,18 @@ ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int 
     float ot[PV_GROUPS][4 * ON / 8];
     auto issue_pv = [&](const u32 (&pa)[NT / 2][4], const u32 (&pl)[NT / 2][4], int stage) {
         const u32 vt_tile = smem_s + stage * STAGE_BYTES + VT_OFFSET + rw * VT_TILE;
-        const u64 vt_desc = sw128_desc(vt_tile), vt_lo_desc = sw128_desc(vt_tile + VT_COLUMN);
+        const u64 vt_hi_desc = sw128_desc(vt_tile), vt_lo_desc = sw128_desc(vt_tile + VT_COLUMN);
 #pragma unroll
         for (int grp = 0; grp < PV_GROUPS; ++grp)
 #pragma unroll
             for (int i = 0; i < 4 * ON / 8; ++i) ot[grp][i] = 0.f;
         wgmma_fence();
 #pragma unroll
-        for (int grp = 0; grp < PV_GROUPS; ++grp) {
-#pragma unroll
-            for (int kk = grp * GROUP_STEPS; kk < (grp + 1) * GROUP_STEPS; ++kk)
-                wgmma_m64n40k16_f16(ot[grp], pa[kk], vt_lo_desc + 2 * kk);
-#pragma unroll
-            for (int kk = grp * GROUP_STEPS; kk < (grp + 1) * GROUP_STEPS; ++kk)
-                wgmma_m64n40k16_f16(ot[grp], pl[kk], vt_desc + 2 * kk);
-#pragma unroll
-            for (int kk = grp * GROUP_STEPS; kk < (grp + 1) * GROUP_STEPS; ++kk)
-                wgmma_m64n40k16_f16(ot[grp], pa[kk], vt_desc + 2 * kk);
-        }
+        for (int grp = 0; grp < PV_GROUPS; ++grp)
+            three_terms(ot[grp], pa, pl, grp * GROUP_STEPS, (grp + 1) * GROUP_STEPS,
+                        [&](float (&d)[4 * ON / 8], const u32 (&a)[4], int kk, bool lo) {
+                wgmma_m64n40k16_f16(d, a, (lo ? vt_lo_desc : vt_hi_desc) + 2 * kk);
+            });
         wgmma_commit();
     };
 #elif BF16

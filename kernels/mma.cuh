@@ -52,24 +52,21 @@ __device__ __forceinline__ unsigned short bf16_bits(float x) {
     return r;
 }
 
-// D = A B + D, m16n8k16, bf16 operands, fp32 accumulation.
+// D = A B + D, m16n8k16, 16-bit operands of PTX type `type` (two per register; the
+// fragments are the same for bf16 and fp16), fp32 accumulation.
+#define MMA_M16N8K16(type, d, a0, a1, a2, a3, b0, b1)                                      \
+    asm volatile(                                                                          \
+        "mma.sync.aligned.m16n8k16.row.col.f32." type "." type ".f32 "                     \
+        "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"                            \
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])                                   \
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1))
 __device__ __forceinline__ void mma_bf16(float (&d)[4], u32 a0, u32 a1, u32 a2, u32 a3,
                                          u32 b0, u32 b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
-        "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+    MMA_M16N8K16("bf16", d, a0, a1, a2, a3, b0, b1);
 }
-
-// D = A B + D, m16n8k16, fp16 operands (fragments as bf16's), fp32 accumulation.
 __device__ __forceinline__ void mma_f16(float (&d)[4], u32 a0, u32 a1, u32 a2, u32 a3,
                                         u32 b0, u32 b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
-        "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+    MMA_M16N8K16("f16", d, a0, a1, a2, a3, b0, b1);
 }
 
 // Two fp16 (low half first) as floats: the pair bias where it is held in fp16.

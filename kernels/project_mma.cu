@@ -22,7 +22,7 @@
 //   SPLIT = 1 ("fp32"): fp32 operands, each split where its fragment is loaded into
 //     a = hi + lo (both TF32; lo carries the bits hi drops), and a b taken as
 //     hi*lo + lo*hi + hi*hi: the lo*lo term is below fp32 rounding (3xTF32); each k-step's
-//     terms are summed apart and added to the accumulator in fp32 (mma_split_terms).
+//     terms are summed apart and added to the accumulator in fp32 (split_terms).
 //   F16_TERMS = 3 (with SPLIT; the fp32 mode's projection for attention_f16x3_wgmma,
 //     KV_FORMAT 7): ln_qkvg_project's products in fp16 hi + lo instead, the same three
 //     terms at half the products (m16n8k16) and no split in the loop: LayerNorm writes each
@@ -143,32 +143,21 @@ __device__ __forceinline__ void split_tf32(u32 x, u32& hi, u32& lo) {
     lo = to_tf32(f - __uint_as_float(hi));
 }
 
-// acc += (ah + al)(bh + bl) for one m16n8k8 fragment pair split into TF32 hi and lo:
-// the three terms, small ones first, summed by the tensor cores into a fresh fragment,
-// then added to acc in fp32. The tensor cores' own accumulation does not round to
-// nearest; chained through acc over D / 8 k-steps, its error grew with D (1.2e-5 at
-// D = 768 against the fp32 mode's 1e-5 bound), where one fp32 add per k-step keeps it
-// at the size of one step's.
-__device__ __forceinline__ void mma_split_terms(float (&acc)[4], const u32 (&ah)[4],
-                                                const u32 (&al)[4], const u32 (&bh)[2],
-                                                const u32 (&bl)[2]) {
+// acc += (ah + al)(bh + bl) for one fragment pair split into hi and lo: the three terms,
+// small ones first, summed by the tensor cores (MMA: mma_tf32 for m16n8k8 TF32 parts,
+// mma_f16 for m16n8k16 fp16 ones, F16_TERMS 3) into a fresh fragment, then added to acc in
+// fp32. The tensor cores' own accumulation does not round to nearest; chained through acc
+// over D / 8 k-steps, its error grew with D (1.2e-5 at D = 768 against the fp32 mode's
+// 1e-5 bound), where one fp32 add per k-step keeps it at the size of one step's.
+typedef void (*mma_fn)(float (&)[4], u32, u32, u32, u32, u32, u32);
+template <mma_fn MMA>
+__device__ __forceinline__ void split_terms(float (&acc)[4], const u32 (&ah)[4],
+                                            const u32 (&al)[4], const u32 (&bh)[2],
+                                            const u32 (&bl)[2]) {
     float t[4] = {0.f, 0.f, 0.f, 0.f};
-    mma_tf32(t, ah[0], ah[1], ah[2], ah[3], bl[0], bl[1]);
-    mma_tf32(t, al[0], al[1], al[2], al[3], bh[0], bh[1]);
-    mma_tf32(t, ah[0], ah[1], ah[2], ah[3], bh[0], bh[1]);
-#pragma unroll
-    for (int e = 0; e < 4; ++e) acc[e] += t[e];
-}
-
-// acc += (ah + al)(bh + bl) for one m16n8k16 fragment pair in fp16 hi and lo (F16_TERMS 3),
-// the three terms as mma_split_terms's.
-__device__ __forceinline__ void mma_f16_split_terms(float (&acc)[4], const u32 (&ah)[4],
-                                                    const u32 (&al)[4], const u32 (&bh)[2],
-                                                    const u32 (&bl)[2]) {
-    float t[4] = {0.f, 0.f, 0.f, 0.f};
-    mma_f16(t, ah[0], ah[1], ah[2], ah[3], bl[0], bl[1]);
-    mma_f16(t, al[0], al[1], al[2], al[3], bh[0], bh[1]);
-    mma_f16(t, ah[0], ah[1], ah[2], ah[3], bh[0], bh[1]);
+    MMA(t, ah[0], ah[1], ah[2], ah[3], bl[0], bl[1]);
+    MMA(t, al[0], al[1], al[2], al[3], bh[0], bh[1]);
+    MMA(t, ah[0], ah[1], ah[2], ah[3], bh[0], bh[1]);
 #pragma unroll
     for (int e = 0; e < 4; ++e) acc[e] += t[e];
 }
@@ -182,7 +171,7 @@ __device__ __forceinline__ void mma_product(float (&acc)[4], const u32 (&a)[4], 
     for (int e = 0; e < 4; ++e) split_tf32(a[e], ah[e], al[e]);
     split_tf32(b[0], bh[0], bl[0]);
     split_tf32(b[1], bh[1], bl[1]);
-    mma_split_terms(acc, ah, al, bh, bl);
+    split_terms<mma_tf32>(acc, ah, al, bh, bl);
 #else
     mma_tf32(acc, a[0], a[1], a[2], a[3], b[0], b[1]);
 #endif
@@ -293,7 +282,7 @@ __device__ __forceinline__ void multiply_chunk(u32 a_lane, int astr, u32 w_stage
 #pragma unroll
             for (int j = 0; j < 4; ++j) {
                 if constexpr (F16 == 3)
-                    mma_f16_split_terms(acc.c[i][j], ah, al, bh[j], bl[j]);
+                    split_terms<mma_f16>(acc.c[i][j], ah, al, bh[j], bl[j]);
                 else
                     mma_f16(acc.c[i][j], ah[0], ah[1], ah[2], ah[3], bh[j][0], bh[j][1]);
             }
@@ -328,7 +317,7 @@ __device__ __forceinline__ void multiply_chunk(u32 a_lane, int astr, u32 w_stage
 #pragma unroll
             for (int j = 0; j < 4; ++j) {
                 const u32 bh[2] = {b[j][0], b[j][1]}, bj[2] = {bl[j][0], bl[j][1]};
-                mma_split_terms(acc.c[i][j], a, al, bh, bj);
+                split_terms<mma_tf32>(acc.c[i][j], a, al, bh, bj);
             }
         }
 #else
@@ -440,7 +429,7 @@ __device__ __noinline__ void pair_bias(const float* As, int astr, const float* _
                 split_f16(w0.x, w0.y, bh[0], bl[0]);
                 split_f16(w1.x, w1.y, bh[1], bl[1]);
 #if F16_TERMS == 3
-                mma_f16_split_terms(c, ah, al, bh, bl);
+                split_terms<mma_f16>(c, ah, al, bh, bl);
 #else
                 mma_f16(c, ah[0], ah[1], ah[2], ah[3], bh[0], bh[1]);
 #endif
