@@ -111,36 +111,37 @@ class DeviceWeights:
         weight scale of f16_scales(scaled) (project_mma.cu F16_TERMS).
         `scaled`: Wq, Wk, Wv multiplied by f16x3_scales (for the projection that writes
         KV_F16X3_TILES). Made on first use, on this device (the caller holds it current)."""
-        key = (name, layout, scaled)
-        array = self._layouts.get(key)
-        if array is None:
+        def make():
             plain = self._plain[name]
             if scaled and name == "qkvg":
                 plain = plain * _cupy().asarray(self._qkv_row_scales())[:, None]
             if layout == "chunks":
-                array = weight_chunks(plain)
-            elif layout == "tf32 chunks":
-                array = weight_chunks(round_tf32(plain))
-            elif layout == "f16 chunks":
+                return weight_chunks(plain)
+            if layout == "tf32 chunks":
+                return weight_chunks(round_tf32(plain))
+            if layout == "f16 chunks":
                 scales = self.f16_scales(scaled)
-                array = f16_split_chunks(weight_chunks(
+                return f16_split_chunks(weight_chunks(
                     plain * (scales.w if name == "qkvg" else scales.out_w)))
-            elif layout == "transposed":
-                array = _cupy().ascontiguousarray(plain.T)
-            else:
-                raise ValueError("layout must be 'chunks', 'tf32 chunks', 'f16 chunks' or "
-                                 f"'transposed'; got {layout!r}")
-            self._layouts[key] = array
+            if layout == "transposed":
+                return _cupy().ascontiguousarray(plain.T)
+            raise ValueError("layout must be 'chunks', 'tf32 chunks', 'f16 chunks' or "
+                             f"'transposed'; got {layout!r}")
+        return self._made((name, layout, scaled), make)
+
+    def _made(self, key, make):
+        """self._layouts[key], made by make() on first use (on this device)."""
+        array = self._layouts.get(key)
+        if array is None:
+            array = self._layouts[key] = make()
         return array
 
     def qkvg_bias(self, scaled: bool = False):
         """[bq; bk; bv; bg], or (`scaled`) with bq, bk, bv multiplied by f16x3_scales."""
         if not scaled:
             return self.b_qkvg
-        key = ("b_qkvg", "", True)
-        if key not in self._layouts:
-            self._layouts[key] = self.b_qkvg * _cupy().asarray(self._qkv_row_scales())
-        return self._layouts[key]
+        return self._made(("b_qkvg", "", True),
+                          lambda: self.b_qkvg * _cupy().asarray(self._qkv_row_scales()))
 
     def f16_scales(self, scaled: bool) -> "F16Scales":
         """The fp16 projections' scales (F16Scales) for q, k, v scaled by f16x3_scales
@@ -152,10 +153,8 @@ class DeviceWeights:
         (the F16_TERMS projections split or round them themselves)."""
         if not f16:
             return self.w_bias
-        key = ("w_bias", "f16", bool(scaled))
-        if key not in self._layouts:
-            self._layouts[key] = self.w_bias * self.f16_scales(scaled).w
-        return self._layouts[key]
+        return self._made(("w_bias", "f16", bool(scaled)),
+                          lambda: self.w_bias * self.f16_scales(scaled).w)
 
     def _qkv_row_scales(self):
         """Per output row of [Wq; Wk; Wv; Wg]: its f16x3 scale (1 for the gate)."""
@@ -205,8 +204,8 @@ def _power_of_two_below(top: float, limit: float = F16X3_TOP) -> float:
 
 @dataclasses.dataclass(frozen=True)
 class F16Scales:
-    """Powers of two for the projections on fp16 products (project_mma.cu F16_TERMS), each putting its operand's largest possible value at or below F16X3_TOP:
-    a, w: ln_qkvg_project's LayerNorm output and weights (the pair-bias weights included);
+    """Powers of two for the projections on fp16 products (project_mma.cu F16_TERMS), each
+    putting its operand's largest possible value at or below F16X3_TOP: a, w: ln_qkvg_project's LayerNorm output and weights (the pair-bias weights included);
     out_a, out_w: gated_out_project's g * o and Wo."""
     a: float
     w: float
@@ -437,9 +436,7 @@ class Plan:
              _i32(B), _i32(N), _i32(D), _i32(H),
              _f32(dw.eps), _f32(LOG2E / math.sqrt(d)),
              _pointer(dw.gamma.data.ptr), _pointer(dw.beta.data.ptr),
-             _pointer(dw.projection_weight(
-                 "qkvg", "f16 chunks" if self.project_f16 else self.weight_layout,
-                 self.scaled).data.ptr),
+             _pointer(dw.projection_weight("qkvg", self.weight_layout, self.scaled).data.ptr),
              _pointer(dw.qkvg_bias(self.scaled).data.ptr),
              _pointer(dw.bias_weight(self.project_f16, self.scaled).data.ptr), None,
              *_mask_args(mask_meta),
@@ -453,9 +450,7 @@ class Plan:
             "gated_out_project", -(-M // out_rows), _configs.PROJECT_THREADS,
             _configs.project_smem_bytes(D, out_rows, self.project_mma),
             (None, _i64(M), _i32(D),
-             _pointer(dw.projection_weight(
-                 "out", "f16 chunks" if self.project_f16 else self.weight_layout,
-                 self.scaled).data.ptr),
+             _pointer(dw.projection_weight("out", self.weight_layout, self.scaled).data.ptr),
              _pointer(dw.b_out.data.ptr), None, *self._f16_projection_args(dw, out=True)),
             ((0, "qkvg"), (5, "out")))
         self.nan_fully_masked = nan_fully_masked
@@ -493,9 +488,12 @@ class Plan:
     @property
     def weight_layout(self) -> str:
         """The projection weights' layout this forward's kernels read (projection_weight):
-        transposed for FFMA, in chunks for 3xTF32, in chunks rounded to TF32 for TF32."""
+        transposed for FFMA, in fp16 hi and lo chunks for fp16 products, in chunks for
+        3xTF32, in chunks rounded to TF32 for TF32."""
         if not self.project_mma:
             return "transposed"
+        if self.project_f16:
+            return "f16 chunks"
         return "chunks" if self.project_split else "tf32 chunks"
 
 
