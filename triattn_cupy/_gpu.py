@@ -198,8 +198,9 @@ def _power_of_two_below(top: float, limit: float = F16X3_TOP) -> float:
 
 @dataclasses.dataclass(frozen=True)
 class F16Scales:
-    """Powers of two for the projections on fp16 split products (project_mma.cu F16_SPLIT), each
-    putting its operand's largest possible value at or below F16X3_TOP: a, w: ln_qkvg_project's LayerNorm output and weights (the pair-bias weights included);
+    """Powers of two for the projections on fp16 split products (project_mma.cu F16_SPLIT),
+    each putting its operand's largest possible value at or below F16X3_TOP: a, w:
+    ln_qkvg_project's LayerNorm output and weights (the pair-bias weights included);
     out_a, out_w: gated_out_project's g * o and Wo."""
     a: float
     w: float
