@@ -23,7 +23,7 @@
 //     a = hi + lo (both TF32; lo carries the bits hi drops), and a b taken as
 //     hi*lo + lo*hi + hi*hi: the lo*lo term is below fp32 rounding (3xTF32); each k-step's
 //     terms are summed apart and added to the accumulator in fp32 (split_terms).
-//   F16_SPLIT = 1 (with SPLIT; the fp32 mode's projection for attention_f16x3_wgmma,
+//   F16_TERMS = 3 (with SPLIT; the fp32 mode's projection for attention_f16x3_wgmma,
 //     KV_FORMAT 7): ln_qkvg_project's products in fp16 hi + lo instead, the same three
 //     terms at half the products (m16n8k16) and no split in the loop: LayerNorm writes each
 //     16-wide chunk of the row tile as 16 fp16 hi then 16 lo (64 bytes, in place of its 16
@@ -32,6 +32,10 @@
 //     the accumulators are multiplied by `unscale` = 1 / (both scales) before the epilogue.
 //     gated_out_project likewise: g * o (|g o| <= max |v|, as o averages rows of v) scaled
 //     by its own a_scale, split as it is loaded (load_gated_tile_f16).
+//   F16_TERMS = 1 (without SPLIT; "tf32" and "bf16" with the wgmma attention, KV_FORMAT 5
+//     and 6): the same layout and scales, one product of the hi parts: fp16 keeps 11
+//     significant bits as TF32 does, so the scaled products are as accurate as TF32's, at
+//     half the instructions (m16n8k16 against two m16n8k8).
 // LayerNorm statistics, the biases and the gate are fp32.
 //
 // Both operands are row-major with k fastest, as ldmatrix wants them: the row tile As
@@ -47,7 +51,7 @@
 // Pointers (float32 unless noted, M = B*N*N rows, D % 4 == 0):
 //   x     [B, N, N, D] at b*sb + i*si + j*sj + c*sc elements (any strides; x_vec = 1 when
 //         sc == 1 and every row starts 16-byte aligned: rows copied with cp.async)
-//   W     [NO, D] (NO = 4D, or D for out_proj) in the ring's chunk order (F16_SPLIT: as
+//   W     [NO, D] (NO = 4D, or D for out_proj) in the ring's chunk order (F16_TERMS: as
 //         fp16 hi then lo per 16-wide chunk row, scaled: _gpu.f16_split_chunks), rounded to TF32
 //         unless SPLIT: [NO / BN][DPAD / BK][BN][BK], zero past NO and D (DeviceWeights
 //         projection_weight), so that each chunk is one contiguous 8 KiB
@@ -79,11 +83,11 @@
 #ifndef SPLIT
 #define SPLIT 0         // 1: 3xTF32 products (the fp32 mode), 0: TF32
 #endif
-#ifndef F16_SPLIT
-#define F16_SPLIT 0     // 1 (with SPLIT): ln_qkvg_project's products as fp16 hi + lo
+#ifndef F16_TERMS
+#define F16_TERMS 0     // 3 (with SPLIT) or 1 (without): products on fp16 operands, below
 #endif
-#if F16_SPLIT && !SPLIT
-#error "project_mma.cu: F16_SPLIT is a variant of SPLIT"
+#if F16_TERMS != 0 && F16_TERMS != (SPLIT ? 3 : 1)
+#error "project_mma.cu: F16_TERMS is 3 with SPLIT, 1 without, or 0"
 #endif
 
 // This thread's share of one BM x BN output tile: the C fragments of its warp's
@@ -141,7 +145,7 @@ __device__ __forceinline__ void split_tf32(u32 x, u32& hi, u32& lo) {
 
 // acc += (ah + al)(bh + bl) for one fragment pair split into hi and lo: the three terms,
 // small ones first, summed by the tensor cores (MMA: mma_tf32 for m16n8k8 TF32 parts,
-// mma_f16 for m16n8k16 fp16 ones, F16_SPLIT) into a fresh fragment, then added to acc in
+// mma_f16 for m16n8k16 fp16 ones, F16_TERMS 3) into a fresh fragment, then added to acc in
 // fp32. The tensor cores' own accumulation does not round to nearest; chained through acc
 // over D / 8 k-steps, its error grew with D (1.2e-5 at D = 768 against the fp32 mode's
 // 1e-5 bound), where one fp32 add per k-step keeps it at the size of one step's.
@@ -252,28 +256,36 @@ __device__ __forceinline__ u32 w_lane_offset() {
 // acc += As[warp's rows, kc*BK + 0:BK] x chunk[warp's columns, 0:BK]^T. With SPLIT the B
 // fragments of a k-step are split once, and each m-tile's A fragment just before its
 // products (all MT split at once would not fit in the registers of 3 blocks per SM).
-// F16 (F16_SPLIT): the chunk is one 16-wide k-step of fp16 hi (its first 32 bytes per row,
-// in A and in the ring) and lo (the next 32: A + 32, the ring's offset XOR 32).
-template <bool F16>
+// F16 (F16_TERMS): the chunk is one 16-wide k-step of fp16 hi (its first 32 bytes per row,
+// in A and in the ring) and lo (the next 32: A + 32, the ring's offset XOR 32); F16 3: the
+// split's three products, F16 1: the hi parts' one.
+template <int F16>
 __device__ __forceinline__ void multiply_chunk(u32 a_lane, int astr, u32 w_stage, u32 w_lane,
                                                Tile& acc) {
-    if constexpr (F16) {
+    if constexpr (F16 != 0) {
         u32 bh[4][2], bl[4][2];
 #pragma unroll
         for (int jp = 0; jp < 2; ++jp) {
-            u32 r[4], q[4];
+            u32 r[4];
             ldsm_x4(r, w_stage + w_lane + jp * 16 * 4 * WSTR);
-            ldsm_x4(q, w_stage + ((w_lane + jp * 16 * 4 * WSTR) ^ 32));
             bh[2 * jp][0] = r[0], bh[2 * jp][1] = r[1], bh[2 * jp + 1][0] = r[2], bh[2 * jp + 1][1] = r[3];
-            bl[2 * jp][0] = q[0], bl[2 * jp][1] = q[1], bl[2 * jp + 1][0] = q[2], bl[2 * jp + 1][1] = q[3];
+            if constexpr (F16 == 3) {
+                ldsm_x4(r, w_stage + ((w_lane + jp * 16 * 4 * WSTR) ^ 32));
+                bl[2 * jp][0] = r[0], bl[2 * jp][1] = r[1], bl[2 * jp + 1][0] = r[2], bl[2 * jp + 1][1] = r[3];
+            }
         }
 #pragma unroll
         for (int i = 0; i < MT; ++i) {
             u32 ah[4], al[4];
             ldsm_x4(ah, a_lane + 4 * (i * 16 * astr));
-            ldsm_x4(al, a_lane + 4 * (i * 16 * astr) + 32);
+            if constexpr (F16 == 3) ldsm_x4(al, a_lane + 4 * (i * 16 * astr) + 32);
 #pragma unroll
-            for (int j = 0; j < 4; ++j) split_terms<mma_f16>(acc.c[i][j], ah, al, bh[j], bl[j]);
+            for (int j = 0; j < 4; ++j) {
+                if constexpr (F16 == 3)
+                    split_terms<mma_f16>(acc.c[i][j], ah, al, bh[j], bl[j]);
+                else
+                    mma_f16(acc.c[i][j], ah[0], ah[1], ah[2], ah[3], bh[j][0], bh[j][1]);
+            }
         }
         return;
     }
@@ -325,8 +337,9 @@ __device__ __forceinline__ void multiply_chunk(u32 a_lane, int astr, u32 w_stage
 // handed with the biases of this thread's column pairs (ring.bvec, staged in ring.cbias)
 // to store(acc, n0, cb), which may change acc. The caller has primed the ring for n0 = 0 (and may have used the wait
 // for its own copies); As is complete and visible.
-// F16: fp16 split products (multiply_chunk), the accumulators times `unscale` before the store.
-template <bool F16, class Store>
+// F16 (F16_TERMS): fp16 products (multiply_chunk), the accumulators times `unscale` before
+// the store.
+template <int F16, class Store>
 __device__ __forceinline__ void project_columns(const float* As, int astr, const WeightRing& ring,
                                                 Store store, float unscale = 1.f) {
     const u32 a_lane = a_lane_addr(As, astr), w_lane = w_lane_offset();
@@ -342,7 +355,7 @@ __device__ __forceinline__ void project_columns(const float* As, int astr, const
         }
         __syncthreads();  // every thread done with the ring
         if (n0 + BN < ring.NO) ring.prime(n0 + BN);
-        if constexpr (F16) {
+        if constexpr (F16 != 0) {
 #pragma unroll
             for (int i = 0; i < MT; ++i)
 #pragma unroll
@@ -362,14 +375,14 @@ __device__ __forceinline__ void project_columns(const float* As, int astr, const
 // w, w + 8, ... (16 rows each) and the heads 8 at a time (the B fragment's n = g).
 // Not inlined: inlined, its registers pushed the kernel's 128-register products into
 // spills (ptxas); called once per block, the call costs nothing that shows.
-// F16_SPLIT: As in fp16 hi and lo chunks, Wb scaled on the host, split here; the products
-// times `unscale`.
+// F16_TERMS: As in fp16 hi and lo chunks, Wb scaled on the host, split here (F16_TERMS 3)
+// or rounded to fp16 (1); the products times `unscale`.
 __device__ __noinline__ void pair_bias(const float* As, int astr, const float* __restrict__ Wb,
                                           int D, int dpad, int H, i64 m0, i64 M, int N,
                                           const void* __restrict__ mask, int mask_kind,
                                           i64 mb, i64 mi, i64 mj, bias_t* __restrict__ bias,
                                           int npk
-#if F16_SPLIT
+#if F16_TERMS
                                           , float unscale
 #endif
                                           ) {
@@ -401,19 +414,25 @@ __device__ __noinline__ void pair_bias(const float* As, int astr, const float* _
             const bool head_ok = h0 + g < H;
             const float* const w = Wb + (i64)(head_ok ? h0 + g : 0) * D + t;
             float c[4] = {0.f, 0.f, 0.f, 0.f};
-#if F16_SPLIT
+#if F16_TERMS
             const float* const w2 = w + t;  // this lane's k pairs: 2t, 2t + 1 (+ 8)
 #pragma unroll 2
             for (int k0 = 0; k0 < dpad; k0 += 16) {
                 u32 ah[4], al[4], bh[2], bl[2];
                 ldsm_x4(ah, a_row + 4 * k0);
+#if F16_TERMS == 3
                 ldsm_x4(al, a_row + 4 * k0 + 32);
+#endif
                 // D % 4 == 0: k0 + 2t < D covers k0 + 2t + 1
                 const float2 w0 = head_ok && k0 + 2 * t < D ? ld2(w2 + k0) : make_float2(0.f, 0.f);
                 const float2 w1 = head_ok && k0 + 2 * t + 8 < D ? ld2(w2 + k0 + 8) : make_float2(0.f, 0.f);
                 split_f16(w0.x, w0.y, bh[0], bl[0]);
                 split_f16(w1.x, w1.y, bh[1], bl[1]);
+#if F16_TERMS == 3
                 split_terms<mma_f16>(c, ah, al, bh, bl);
+#else
+                mma_f16(c, ah[0], ah[1], ah[2], ah[3], bh[0], bh[1]);
+#endif
             }
 #pragma unroll
             for (int e = 0; e < 4; ++e) c[e] *= unscale;
@@ -476,8 +495,8 @@ __device__ __noinline__ void load_gated_tile(const float* __restrict__ qkvg, i64
     }
 }
 
-#if F16_SPLIT
-// load_gated_tile for F16_SPLIT: each 16-wide chunk's 64 bytes of As as 16 fp16 hi then 16
+#if F16_TERMS
+// load_gated_tile for F16_TERMS: each 16-wide chunk's 64 bytes of As as 16 fp16 hi then 16
 // lo of a_scale * g * o, a thread per chunk, two chunks (16 float4 loads) in flight.
 __device__ __noinline__ void load_gated_tile_f16(const float* __restrict__ qkvg, i64 M, int D,
                                                  int dpad, int astr, i64 m0, float* As,
@@ -546,7 +565,7 @@ ln_qkvg_project(const float* __restrict__ x, i64 sb, i64 si, i64 sj, i64 sc, int
                 const void* __restrict__ mask, int mask_kind, i64 mb, i64 mi, i64 mj,
                 float* __restrict__ qkvg, float* __restrict__ bias, int npk,
                 float* __restrict__ vt
-#if F16_SPLIT
+#if F16_TERMS
                 , float a_scale, float unscale
 #endif
                 ) {
@@ -607,7 +626,7 @@ ln_qkvg_project(const float* __restrict__ x, i64 sb, i64 si, i64 sj, i64 sc, int
             acc = fmaf(dx, dx, fmaf(dy, dy, fmaf(dz, dz, fmaf(dw, dw, acc))));
         }
         const float rstd = inverse_sqrt(acc / D + eps);  // biased variance, as torch.nn.LayerNorm
-#if F16_SPLIT
+#if F16_TERMS
         // Each 16-wide chunk's 64 bytes in place: its 16 values (zero past D) times a_scale
         // as fp16 hi pairs, then lo pairs.
         for (int c0 = 0; c0 < dpad; c0 += 16) {
@@ -651,14 +670,14 @@ ln_qkvg_project(const float* __restrict__ x, i64 sb, i64 si, i64 sj, i64 sc, int
     // 4. The pair bias on tensor cores, with the mask folded in: xn [16 rows] x Wb^T
     //    [8 heads] per warp and m-tile, a product like the others (TF32 as PyTorch's TF32
     //    mode has it, or 3xTF32).
-    //    Wb's B fragments (b0 = Wb[h0 + g][k + t], b1 = ...[k + t + 4]; F16_SPLIT: pairs at
-    //    k + 2t and k + 2t + 8, split into fp16 here) come straight from
+    //    Wb's B fragments (b0 = Wb[h0 + g][k + t], b1 = ...[k + t + 4]; F16_TERMS: pairs at
+    //    k + 2t and k + 2t + 8, rounded or split to fp16 here) come straight from
     //    global memory, a small array every block reads (L1), rounded here. As per-thread
     //    FFMA dot products, each thread loading all of Wb, it was ~40% of the kernel's
     //    stall samples (the loads waited for one at a time).
     pair_bias(s.As, astr, Wb, D, dpad, H, m0, M, N, mask, mask_kind, mb, mi, mj,
               reinterpret_cast<bias_t*>(bias), npk
-#if F16_SPLIT
+#if F16_TERMS
               , unscale
 #endif
               );
@@ -669,10 +688,10 @@ ln_qkvg_project(const float* __restrict__ x, i64 sb, i64 si, i64 sj, i64 sc, int
     auto store = [&](Tile& acc, int n0, const float2 (&cb)[4]) {
         store_qkvg(acc, n0, cb, D, q_scale, block_out, rows_here, VtTarget{vt, m0, N, H, npk});
     };
-#if F16_SPLIT
-    project_columns<true>(s.As, astr, ring, store, unscale);
+#if F16_TERMS
+    project_columns<F16_TERMS>(s.As, astr, ring, store, unscale);
 #else
-    project_columns<false>(s.As, astr, ring, store);
+    project_columns<0>(s.As, astr, ring, store);
 #endif
 }
 
@@ -680,7 +699,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, PROJECT_MIN_BLOCKS)
 gated_out_project(const float* __restrict__ qkvg, i64 M, int D,
                   const float* __restrict__ W, const float* __restrict__ b_out,
                   float* __restrict__ out
-#if F16_SPLIT
+#if F16_TERMS
                   , float a_scale, float unscale
 #endif
                   ) {
@@ -690,9 +709,9 @@ gated_out_project(const float* __restrict__ qkvg, i64 M, int D,
     const WeightRing ring{smem_addr(s.Ws), s.cbias, W, b_out, D, D, dpad / BK};
     ring.prime(0);  // the first weight chunks and biases travel while the row tile loads
 
-    // 1. A = g * o (operand4; F16_SPLIT: scaled fp16 hi and lo), row-major: the gated
+    // 1. A = g * o (operand4; F16_TERMS: scaled fp16 hi and lo), row-major: the gated
     //    intermediate exists only here.
-#if F16_SPLIT
+#if F16_TERMS
     load_gated_tile_f16(qkvg, M, D, dpad, astr, m0, s.As, a_scale);
 #else
     load_gated_tile(qkvg, M, D, dpad, astr, m0, s.As);
@@ -705,9 +724,9 @@ gated_out_project(const float* __restrict__ qkvg, i64 M, int D,
     auto store = [&](Tile& acc, int n0, const float2 (&cb)[4]) {
         store_out(acc, n0, cb, D, block_out, rows_here);
     };
-#if F16_SPLIT
-    project_columns<true>(s.As, astr, ring, store, unscale);
+#if F16_TERMS
+    project_columns<F16_TERMS>(s.As, astr, ring, store, unscale);
 #else
-    project_columns<false>(s.As, astr, ring, store);
+    project_columns<0>(s.As, astr, ring, store);
 #endif
 }

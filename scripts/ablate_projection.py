@@ -4,7 +4,7 @@ only: the results are wrong on purpose). A part whose removal saves little is no
 sets the time. Check each row against the ceilings: a patch can let the compiler remove
 more than the part it names (after the epilogue of 024f159, `no_store` also lost the
 products: fp32 "products" at ~490 TFLOP/s). The patches were written for the TF32 and
-3xTF32 kernels: on the fp16-split paths (F16_SPLIT, the fp32 mode's wgmma projections)
+3xTF32 kernels: on the fp16-product paths (F16_TERMS, the wgmma attentions' projections)
 `no_store` leaves q's lo words stored, `no_load` misses load_gated_tile_f16, and
 `row_major_weights` no longer matches the ring's copy code; read those rows accordingly.
 

@@ -85,7 +85,7 @@ def test_f16x3_scales_of_zero_weights_are_one():
 
 
 def test_f16_split_chunks_hold_each_row_as_fp16_hi_then_lo():
-    """project_mma.cu F16_SPLIT reads each 16-value chunk row as 16 fp16 hi then 16 lo:
+    """project_mma.cu F16_TERMS reads each 16-value chunk row as 16 fp16 hi then 16 lo:
     hi + lo within ~2^-22 of the value (relative to the chunk's largest), same bytes."""
     chunks = np.random.default_rng(2).standard_normal((2, 3, 128, 16)).astype(np.float32) * 300
     split = _gpu.f16_split_chunks(chunks)

@@ -145,9 +145,9 @@ KV_BULK_FORMATS = (KV_TF32_TILES, KV_BF16_TILES, KV_F16X3_TILES)  # k, v and the
 def project_config(rows: int, tensor_cores: bool = False, pair_dim: int = 128,
                    kv_format: int = KV_FP32, split: bool = False) -> KernelConfig:
     """rows per block; tensor_cores: mma.sync products (project_mma.cu), TF32, or 3xTF32
-    where `split` (fp32-accurate; with KV_F16X3_TILES the q/k/v/gate products as fp16 hi +
-    lo, F16_SPLIT: project_f16_splits); else FFMA (project.cu); kv_format: how k and v are
-    stored, for the attention kernel (KV_*)."""
+    where `split` (fp32-accurate), on fp16 operands where project_f16_terms says so
+    (F16_TERMS); else FFMA (project.cu); kv_format: how k and v are stored, for the
+    attention kernel (KV_*)."""
     # 64-row blocks fit in 80 registers: 3 per SM where shared memory allows (D <= 128),
     # one wave instead of two for a small problem such as 2x128x64x4; but not with split
     # operands (the out projection spills 4 bytes), which keep 2 per SM.
@@ -155,7 +155,8 @@ def project_config(rows: int, tensor_cores: bool = False, pair_dim: int = 128,
     shape = (("BM", rows), ("WSTAGES", project_weight_stages(pair_dim, rows, tensor_cores)),
              ("KV_FORMAT", kv_format), ("PROJECT_MIN_BLOCKS", min_blocks))
     if tensor_cores:
-        f16 = (("F16_SPLIT", 1),) if project_f16_splits(kv_format, split) else ()
+        terms = project_f16_terms(kv_format, split)
+        f16 = (("F16_TERMS", terms),) if terms else ()
         return KernelConfig("project_mma.cu", shape + (("SPLIT", int(split)),) + f16)
     return KernelConfig("project.cu", shape + (("PAD", project_pad(pair_dim)),))
 
@@ -173,11 +174,15 @@ def project_splits(precision: str) -> bool:
     return precision == "fp32"
 
 
-def project_f16_splits(kv_format: int, split: bool) -> bool:
-    """Whether the tensor-core projections split their operands into fp16 hi + lo rather
-    than TF32 (project_mma.cu F16_SPLIT: half the products): for the fp32 mode's f16x3
-    attention (KV_F16X3_TILES), whose scales they share (DeviceWeights.f16_projection_scales)."""
-    return split and kv_format == KV_F16X3_TILES
+def project_f16_terms(kv_format: int, split: bool) -> int:
+    """The tensor-core projections' products on scaled fp16 operands (project_mma.cu
+    F16_TERMS; DeviceWeights.f16_scales), half the instructions of TF32's: 3 (hi*lo + lo*hi
+    + hi*hi, fp32-accurate) for the fp32 mode's f16x3 attention (KV_F16X3_TILES), 1 (hi*hi,
+    TF32's 11 bits) for the tf32 and bf16 wgmma attentions' bulk tiles (KV_TF32_TILES,
+    KV_BF16_TILES); 0 (TF32 or 3xTF32) elsewhere."""
+    if split:
+        return 3 if kv_format == KV_F16X3_TILES else 0
+    return 1 if kv_format in (KV_TF32_TILES, KV_BF16_TILES) else 0
 
 
 SMEM_LIMIT = 227 * 1024  # dynamic shared memory a block may opt into on sm_80 / sm_90

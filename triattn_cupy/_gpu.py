@@ -3,9 +3,9 @@
 Stages (one launch each):
   project    LayerNorm + q/k/v/gate + pair bias with the mask folded in; the mask is
              read in place, in its own dtype and strides; tensor cores on sm_80+
-             (project_mma.cu: 3xTF32 for "fp32", TF32 for "tf32" and "bf16"; "fp32" with
-             the wgmma attention on fp16 hi + lo of scaled operands instead, F16_SPLIT),
-             else FFMA (project.cu)
+             (project_mma.cu: 3xTF32 for "fp32", TF32 for "tf32" and "bf16"; with the
+             wgmma attention fp16 products of scaled operands instead, F16_TERMS: the
+             split's three for "fp32", one for "tf32" and "bf16"), else FFMA (project.cu)
   attention  flash-style softmax attention, o written over q: tensor cores for head dims
              that are multiples of 8 on sm_80+ (attention_mma.cu: 3xTF32 for "fp32",
              TF32, bf16; at head dim 32 on compute capability 9.0 from N = 129:
@@ -82,8 +82,9 @@ class DeviceWeights:
             self.beta = up(p["layer_norm.bias"])
             self.w_bias = up(p["bias_proj.weight"])
         self.f16x3_scales = f16x3_scales(weights)
-        # the fp16-split projections' scales (they write q, k, v scaled: KV_F16X3_TILES)
-        self.f16_projection_scales = f16_projection_scales(weights, self.f16x3_scales)
+        # the fp16 projections' scales, with q, k, v scaled (KV_F16X3_TILES) or not
+        self._f16_scales = {True: f16_projection_scales(weights, self.f16x3_scales),
+                            False: f16_projection_scales(weights, (1.0, 1.0, 1.0))}
         self.device_id = device_id
         self.plans: dict = {}  # input geometry -> Plan (Forward)
         device = cupy.cuda.Device(device_id)
@@ -107,7 +108,7 @@ class DeviceWeights:
         are loaded), "tf32 chunks" the same rounded to TF32 once (TF32 products),
         "transposed" [D_in, D_out] (FFMA, project.cu: a block's weight chunk a row slice).
         "f16 chunks" the chunks with each row's 16 values as fp16 hi, then lo, times the
-        weight scale of f16_projection_scales (project_mma.cu F16_SPLIT).
+        weight scale of f16_scales(scaled) (project_mma.cu F16_TERMS).
         `scaled`: Wq, Wk, Wv multiplied by f16x3_scales (for the projection that writes
         KV_F16X3_TILES). Made on first use, on this device (the caller holds it current)."""
         def make():
@@ -119,7 +120,7 @@ class DeviceWeights:
             if layout == "tf32 chunks":
                 return weight_chunks(round_tf32(plain))
             if layout == "f16 chunks":
-                scales = self.f16_projection_scales
+                scales = self.f16_scales(scaled)
                 return f16_split_chunks(weight_chunks(
                     plain * (scales.w if name == "qkvg" else scales.out_w)))
             if layout == "transposed":
@@ -142,13 +143,18 @@ class DeviceWeights:
         return self._made(("b_qkvg", "", True),
                           lambda: self.b_qkvg * _cupy().asarray(self._qkv_row_scales()))
 
-    def bias_weight(self, f16: bool = False):
-        """The pair-bias weights [h, D]; `f16`: times the weight scale of
-        f16_projection_scales (the F16_SPLIT projection splits them itself)."""
+    def f16_scales(self, scaled: bool) -> "F16Scales":
+        """The fp16 projections' scales (F16Scales) for q, k, v scaled by f16x3_scales
+        (KV_F16X3_TILES) or not."""
+        return self._f16_scales[bool(scaled)]
+
+    def bias_weight(self, f16: bool = False, scaled: bool = False):
+        """The pair-bias weights [h, D]; `f16`: times the weight scale of f16_scales(scaled)
+        (the F16_TERMS projections split or round them themselves)."""
         if not f16:
             return self.w_bias
-        return self._made(("w_bias", "f16", False),
-                          lambda: self.w_bias * self.f16_projection_scales.w)
+        return self._made(("w_bias", "f16", bool(scaled)),
+                          lambda: self.w_bias * self.f16_scales(scaled).w)
 
     def _qkv_row_scales(self):
         """Per output row of [Wq; Wk; Wv; Wg]: its f16x3 scale (1 for the gate)."""
@@ -198,8 +204,8 @@ def _power_of_two_below(top: float, limit: float = F16X3_TOP) -> float:
 
 @dataclasses.dataclass(frozen=True)
 class F16Scales:
-    """Powers of two for the projections on fp16 split products (project_mma.cu F16_SPLIT),
-    each putting its operand's largest possible value at or below F16X3_TOP: a, w:
+    """Powers of two for the projections on fp16 products (project_mma.cu F16_TERMS), each
+    putting its operand's largest possible value at or below F16X3_TOP: a, w:
     ln_qkvg_project's LayerNorm output and weights (the pair-bias weights included);
     out_a, out_w: gated_out_project's g * o and Wo."""
     a: float
@@ -227,7 +233,7 @@ def f16_projection_scales(weights: Weights, qkv_scales) -> F16Scales:
 
 
 def f16_split_chunks(chunks):
-    """Weight chunks [..., BN, BK] float32 as project_mma.cu's F16_SPLIT ring reads them:
+    """Weight chunks [..., BN, BK] float32 as project_mma.cu's F16_TERMS ring reads them:
     each row's BK values as fp16 hi (rounded to nearest), then BK fp16 lo (the rest,
     rounded again): the same bytes, returned as a float32 array of the input's shape."""
     xp = _cupy().get_array_module(chunks)
@@ -381,8 +387,8 @@ class Plan:
         self.attention_kernel = attention or _configs.attention_kernel(
             d, precision, dw.compute_capability, N, dw.smem_limit)
         self.kv_format = self.attention_kernel.kv_format
-        self.project_f16 = self.project_mma and _configs.project_f16_splits(
-            self.kv_format, self.project_split)  # fp16 hi + lo products (F16_SPLIT)
+        self.project_f16 = self.project_mma and bool(_configs.project_f16_terms(
+            self.kv_format, self.project_split))  # fp16 products (F16_TERMS)
         # The key axis of the bias is padded with -inf to whole key tiles of either
         # attention kernel (at most BIAS_KEY_ALIGN keys; the tensor-core kernel copies
         # whole tiles).
@@ -433,7 +439,7 @@ class Plan:
              _pointer(dw.gamma.data.ptr), _pointer(dw.beta.data.ptr),
              _pointer(dw.projection_weight("qkvg", self.weight_layout, self.scaled).data.ptr),
              _pointer(dw.qkvg_bias(self.scaled).data.ptr),
-             _pointer(dw.bias_weight(self.project_f16).data.ptr), None,
+             _pointer(dw.bias_weight(self.project_f16, self.scaled).data.ptr), None,
              *_mask_args(mask_meta),
              None, None, _i32(self.npk), None, *self._f16_projection_args(dw)),
             ((0, "pair"), (17, "mask"), (22, "qkvg"), (23, "bias"), (25, "vt")))
@@ -451,11 +457,11 @@ class Plan:
         self.nan_fully_masked = nan_fully_masked
 
     def _f16_projection_args(self, dw: DeviceWeights, out: bool = False):
-        """F16_SPLIT's last two arguments of ln_qkvg_project (or `out`: of
+        """F16_TERMS's last two arguments of ln_qkvg_project (or `out`: of
         gated_out_project), a_scale and unscale (none otherwise)."""
         if not self.project_f16:
             return ()
-        s = dw.f16_projection_scales
+        s = dw.f16_scales(self.scaled)
         a, w = (s.out_a, s.out_w) if out else (s.a, s.w)
         return _f32(a), _f32(1.0 / (a * w))
 
