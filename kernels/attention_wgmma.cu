@@ -205,6 +205,21 @@ typedef unsigned short bias_elem;  // fp16 bits
 #endif
 #define KV_TILES (K_TILE + VT_COPIED)  // BULK: bytes per (b, i, head, 64 keys): K's tile, then V^T's
 
+// d += a_hi b_lo + a_lo b_hi + a_hi b_hi over the k-steps kk in [k0, k1), small terms
+// first (SPLIT, F16X3): product(d, a, kk, lo) issues k-step kk's wgmma of A fragment a
+// against B's lo (or hi) part. (A function, not a generic lambda: the NVRTC of CUDA 13.0
+// takes a lambda with auto parameters for a host function.)
+template <class Acc, class Frags, class Product>
+__device__ __forceinline__ void three_terms(Acc& d, const Frags& ah, const Frags& al, int k0,
+                                            int k1, Product product) {
+#pragma unroll
+    for (int kk = k0; kk < k1; ++kk) product(d, ah[kk], kk, true);
+#pragma unroll
+    for (int kk = k0; kk < k1; ++kk) product(d, al[kk], kk, false);
+#pragma unroll
+    for (int kk = k0; kk < k1; ++kk) product(d, ah[kk], kk, false);
+}
+
 #define TF32_ONE 0x3f800000u
 #define BF16_ONES 0x3f803f80u  // two bf16 ones
 #define F16_ONES 0x3c003c00u   // two fp16 ones
@@ -456,19 +471,6 @@ ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int 
     for (int i = 0; i < 4 * ON / 8; ++i) o[i] = 0.f;
     float m_sub[2] = {0.f, 0.f}, m_lim[2] = {neg_inf(), neg_inf()};
 
-#if SPLIT || F16X3
-    // d += a_hi b_lo + a_lo b_hi + a_hi b_hi over the k-steps kk in [k0, k1), small terms
-    // first: product(d, a, kk, lo) issues k-step kk's wgmma of A fragment a against B's lo
-    // (or hi) part.
-    auto three_terms = [](auto& d, const auto& ah, const auto& al, int k0, int k1, auto product) {
-#pragma unroll
-        for (int kk = k0; kk < k1; ++kk) product(d, ah[kk], kk, true);
-#pragma unroll
-        for (int kk = k0; kk < k1; ++kk) product(d, al[kk], kk, false);
-#pragma unroll
-        for (int kk = k0; kk < k1; ++kk) product(d, ah[kk], kk, false);
-    };
-#endif
 #if SPLIT
     // This lane's bias pairs (rows g, g + 8; keys 8n + 2t, + 1) of the tile in `stage`.
     const float2* const bias_base = reinterpret_cast<const float2*>(smem + BIAS_OFFSET)
