@@ -50,6 +50,13 @@
 // lo tiles as its V^T tile (KV_FORMAT 7); qkvg rows of 2D words, q's 16 hi then 16 lo
 // words of packed fp16 per head where its o goes, the gate after; the bias as fp16 hi and
 // lo tiles, 32 KiB per tile.
+// F16X1 (attention_f16_wgmma, the tf32 mode on wgmma; BULK only): F16X3 with the hi parts
+// alone, one product each: fp16 keeps TF32's 11 significant bits, so q, k, v and P scaled
+// into its range lose no more than TF32's roundings (P is rounded to nearest here, where
+// the TF32 kernels' tensor cores truncate it), at bf16's rate and bytes. S = Q K^T
+// qk_unscale + bias (one fp16 bias tile, format 5's), 2 wgmma m64n64k16 from zero; [O | l]
+// += P V in 4 wgmma m64n40k16 straight into O; the projection writes format 6's tiles in
+// fp16, q's 16 fp16 words per head where its o goes (KV_FORMAT 8).
 // tf32 operands must be K-major: K [key][dim] already is (the projection's layout); V
 // must be read as V^T [dim][key]. TF32: the projection writes V^T for this kernel, tile by
 // tile, exactly as shared memory holds it (project_epilogue.cuh KV_FORMAT 3): copying it
@@ -61,11 +68,11 @@
 // (mma.cuh).
 //
 // Shared memory, all parts 1024-byte aligned (128-byte swizzle atoms; wgmma.cuh), STAGES x
-//   ROWS x K tile [BK][32] tf32 (8 KiB; BF16: bf16, 4 KiB, 64-byte swizzle; F16X3: its
+//   ROWS x K tile [BK][32] tf32 (8 KiB; BF16, F16X1: 16-bit, 4 KiB, 64-byte swizzle; F16X3: its
 //     hi then its lo tile [64][32] fp16, 8 KiB)
 //   ROWS x V^T tile: 2 columns of 32 keys, each [d + 8 rows][32 key positions] tf32 (5 KiB;
 //     row d is ones, d + 1 .. d + 7 zeros: written once, never copied over; BF16: one
-//     column of 64 keys in bf16; F16X3: the hi column then the lo column (its ones row
+//     column of 64 keys in bf16 (F16X1: fp16); F16X3: the hi column then the lo column (its ones row
 //     zero), 64 keys in fp16 each)
 //   the bias tile [BQ][BK + 8] fp16 (KV_FORMAT 3 holds the bias in fp16: TF32's mantissa,
 //     half the bytes of the largest copy), or fp32 (SPLIT), or (BULK) [BQ][BK] fp16 with
@@ -81,13 +88,14 @@
 // THREADS = 256 ROWS; dynamic shared memory SMEM_BYTES (triattn_cupy/_configs.py mirrors
 // it). Pointers: qkvg [B*N*N, 4D] with q fp32 and k rounded to TF32 (KV_FORMAT 3; SPLIT:
 // q, k, v fp32 as attention_tf32x3 reads them, KV_FORMAT 0; BULK: q only, KV_FORMAT 5;
-// BF16: q packed bf16 from word 2D, KV_FORMAT 6; F16X3: rows of 2D words, q's hi and lo
+// BF16: q packed bf16 from word 2D, KV_FORMAT 6; F16X1: rows of 2D words, q's fp16 words
+// per head at [32 h, 32 h + 16), KV_FORMAT 8; F16X3: rows of 2D words, q's hi and lo
 // per head at [32 h, 32 h + 32), KV_FORMAT 7), o written over [0, D) of each row;
 // bias [B, H, N, NPK] fp16 (fp32 for SPLIT; BULK: the tiles of project_epilogue.cuh
 // bias_element), NPK a multiple of BK, -inf on the padded keys; vt
 // (not SPLIT) the V^T tiles ([B, N, H, NPK / 64] tiles of 8 KiB, zero past key N; BULK:
-// 16 KiB, the K tile then the V^T tile; BF16: 8 KiB; F16X3: 16 KiB, K hi, K lo, V^T hi,
-// V^T lo); F16X3: qk_unscale = 1 / (s_q s_k) and v_unscale = 1 / s_v, the projection's
+// 16 KiB, the K tile then the V^T tile; BF16, F16X1: 8 KiB; F16X3: 16 KiB, K hi, K lo, V^T hi,
+// V^T lo); F16X3, F16X1: qk_unscale = 1 / (s_q s_k) and v_unscale = 1 / s_v, the projection's
 // scales undone.
 #include "common.cuh"
 #include "wgmma.cuh"
@@ -122,7 +130,15 @@
 #ifndef F16X3
 #define F16X3 0         // 1: fp16 hi + lo operands (attention_f16x3_wgmma; BULK, KV_FORMAT 7)
 #endif
-#define HALF16 (BF16 || F16X3)  // 16-bit operands: k16 products, K rows of 64 bytes
+#ifndef F16X1
+#define F16X1 0         // 1: fp16 operands, one product (attention_f16_wgmma; BULK, KV_FORMAT 8)
+#endif
+#define F16 (F16X3 || F16X1)  // fp16 operands, scaled by the projection (qk_unscale, v_unscale)
+#define HALF16 (BF16 || F16)  // 16-bit operands: k16 products, K rows of 64 bytes
+// Q K^T with Q from shared memory (both operands by descriptor; BF16, F16X1): Q's 8
+// registers of A fragments, held for the whole key loop, pushed the 80-register kernels
+// (3 blocks per SM) into spills and made ptxas serialize their wgmmas.
+#define Q_SHARED (BF16 || F16X1)
 
 #define BK 64                          // keys per tile
 #define ROW_GROUPS 2                   // warpgroups per row
@@ -139,10 +155,10 @@
 #if BF16 && (!BULK || SPLIT)
 #error "attention_wgmma.cu: BF16 is a BULK variant, without SPLIT"
 #endif
-#if F16X3 && (!BULK || SPLIT || BF16)
-#error "attention_wgmma.cu: F16X3 is a BULK variant, without SPLIT or BF16"
+#if F16 && (!BULK || SPLIT || BF16 || (F16X3 && F16X1))
+#error "attention_wgmma.cu: F16X3 and F16X1 are BULK variants, without SPLIT, BF16 or each other"
 #endif
-#define P_SHIFT 6.f  // F16X3: P scaled by 2^6 (at most 2^(RESCALE_SLACK + 6), inside fp16)
+#define P_SHIFT 6.f  // F16: P scaled by 2^6 (at most 2^(RESCALE_SLACK + 6), inside fp16)
 
 #if ROWS != 1 && ROWS != 2
 #error "attention_wgmma.cu: ROWS must be 1 or 2"
@@ -152,7 +168,7 @@
 #define K_PART (BK * K_ROW)               // bytes of one K tile (F16X3: hi, then lo)
 #define K_TILE ((1 + F16X3) * K_PART)     // bytes
 // V^T columns per tile: rows of 128 bytes of keys (F16X3: the hi column, then the lo)
-#define VT_COLUMNS (BF16 ? 1 : F16X3 ? 2 : BK / 32)
+#define VT_COLUMNS (BF16 || F16X1 ? 1 : F16X3 ? 2 : BK / 32)
 #define VT_COLUMN (ON * 128)              // one column of V^T: 32 tf32 keys or 64 16-bit
 #define VT_TILE (VT_COLUMNS * VT_COLUMN)
 #define VT_COPIED (VT_COLUMNS * HEAD_DIM * 128)  // bytes of a V^T tile the projection wrote
@@ -165,6 +181,9 @@ typedef unsigned short bias_elem;  // fp16 bits
 #elif F16X3
 typedef unsigned short bias_elem;  // fp16 bits: the hi tile, then the lo
 #define ENTRY attention_f16x3_wgmma
+#elif F16X1
+typedef unsigned short bias_elem;  // fp16 bits
+#define ENTRY attention_f16_wgmma
 #else
 typedef unsigned short bias_elem;  // fp16 bits
 #define ENTRY attention_tf32_wgmma
@@ -189,7 +208,12 @@ typedef unsigned short bias_elem;  // fp16 bits
 #define STAGE_BYTES (LO_OFFSET + SPLIT * (BIAS_OFFSET + ROWS * K_TILE))
 // BULK: then the mbarriers full[STAGES], empty[STAGES]; + 1024: the dynamic shared memory
 // is aligned up to 1024 bytes at run time
-#define SMEM_BYTES (STAGES * STAGE_BYTES + BULK * 16 * STAGES + 1024)
+// Q_SHARED: then (from the next 1024 bytes) each warpgroup's Q tile [64 queries][32 dims],
+// 16-bit, in the 64-byte swizzle (K's layout), 4 KiB.
+#define Q_OFFSET (STAGES * STAGE_BYTES + 1024)
+#define Q_TILE 4096
+#define SMEM_BYTES (Q_SHARED ? Q_OFFSET + 2 * ROWS * Q_TILE + 1024 \
+                             : STAGES * STAGE_BYTES + BULK * 16 * STAGES + 1024)
 
 // Per row and tile, 512 16-byte chunks each of K (8 per key: 4 dims each) and of V^T.
 #define COPIES (ROWS * BK * 8)
@@ -201,7 +225,7 @@ typedef unsigned short bias_elem;  // fp16 bits
 #error "attention_wgmma.cu: PV_GROUPS must be 1, 2 or 4"
 #endif
 #if BULK && (SPLIT || PINGPONG)
-#error "attention_wgmma.cu: BULK is for the TF32, BF16 and F16X3 kernels, without ping-pong"
+#error "attention_wgmma.cu: BULK is for the TF32, BF16, F16X3 and F16X1 kernels, without ping-pong"
 #endif
 #define KV_TILES (K_TILE + VT_COPIED)  // BULK: bytes per (b, i, head, 64 keys): K's tile, then V^T's
 
@@ -230,7 +254,7 @@ ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int 
 #if !SPLIT
       , const float* __restrict__ vt
 #endif
-#if F16X3
+#if F16
       , float qk_unscale, float v_unscale
 #endif
       ) {
@@ -241,7 +265,7 @@ ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int 
     const u32 smem_s = raw_s + align;
 
     const int D = H * HEAD_DIM;
-    const i64 ld = (F16X3 ? 2LL : 4LL) * D;  // words per qkvg row (project_epilogue.cuh QKVG_LD)
+    const i64 ld = (F16 ? 2LL : 4LL) * D;  // words per qkvg row (project_epilogue.cuh QKVG_LD)
     const AttentionBlock blk = attention_block(N, H, BQ, ROWS);
     const int qtile = blk.qtile, i0 = blk.i0, head = blk.head, b = blk.b;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -251,7 +275,10 @@ ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int 
     auto row_base = [&](int r) { return qkvg + ((i64)b * N + i0 + r) * N * ld + head * HEAD_DIM; };
 
     // This warp: warpgroup wg, row rw of the block, queries q0 .. q0 + 15.
-    const int wg = warp / 4, rw = wg / ROW_GROUPS;
+    // (ROWS 1: rw a constant 0, so the descriptors of the products stay in uniform
+    // registers: ~26-50 fewer instructions per tile, ptxas; not for F16X3, which it takes
+    // from 126 registers to 128 and 16 bytes of spills)
+    const int wg = warp / 4, rw = ROWS == 1 && !F16X3 ? 0 : wg / ROW_GROUPS;
     const bool row_ok = i0 + rw < N;
     float* const row = row_base(rw);
     const int q_in_tile = (wg % ROW_GROUPS) * 64 + (warp % 4) * 16;
@@ -287,7 +314,7 @@ ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int 
     {
         const int j0 = q0 + g, j1 = j0 + 8;
         const bool ok0 = row_ok && j0 < N, ok1 = row_ok && j1 < N;
-#if F16X3  // the head's 16 hi words, then its 16 lo words, where o goes
+#if F16  // the head's 16 hi words (F16X3: then its 16 lo words), where o goes
         const u32* const q_packed = reinterpret_cast<const u32*>(row);
 #else
         const u32* const q_packed = reinterpret_cast<const u32*>(row - head * HEAD_DIM + 2 * D)
@@ -309,6 +336,19 @@ ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int 
 #endif
         }
     }
+#if Q_SHARED
+    // This warp's 16 rows of its warpgroup's Q tile, once: fragment word e of k-step kk
+    // holds row g (+ 8 for e odd), bytes 32 kk + 4t (+ 16 for e >= 2). Published to the
+    // tensor cores by the fence and barrier before the key loop.
+    const u32 q_tile = smem_s + Q_OFFSET + wg * Q_TILE;
+#pragma unroll
+    for (int kk = 0; kk < HEAD_DIM / 16; ++kk)
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+            *reinterpret_cast<u32*>(smem + Q_OFFSET + wg * Q_TILE
+                                    + sw64(16 * (warp % 4) + g + 8 * (e & 1),
+                                           32 * kk + 4 * t + 16 * (e >> 1))) = qa[kk][e];
+#endif
 #else
     u32 qa[DT][4];
 #if SPLIT
@@ -454,7 +494,8 @@ ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int 
         const int k32 = idx % 32, n = HEAD_DIM + (idx / 32) % 8, column = idx / 256;
         const int stage = column / (ROWS * VT_COLUMNS), in_stage = column % (ROWS * VT_COLUMNS);
         // (F16X3: the ones in the hi column, zeros in the lo)
-        const u32 one = BF16 ? BF16_ONES : F16X3 ? (in_stage % 2 ? 0u : F16_ONES) : TF32_ONE;
+        const u32 one = BF16 ? BF16_ONES : F16X3 ? (in_stage % 2 ? 0u : F16_ONES)
+                        : F16X1 ? F16_ONES : TF32_ONE;
         *reinterpret_cast<u32*>(smem + stage * STAGE_BYTES + VT_OFFSET + in_stage * VT_COLUMN
                                 + sw128(n, 4 * k32)) = n == HEAD_DIM ? one : 0u;
 #if SPLIT
@@ -500,49 +541,67 @@ ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int 
 #else
     // S = bias + Q K^T of the tile in ring stage `stage`, issued (not waited for): S starts
     // as the bias tile and the products accumulate onto it (as attention_tf32).
-    // This lane's bias pairs (rows g, g + 8; keys 8n + 2t, + 1) as fp16 pairs, widened.
+    // This lane's bias pairs (rows g, g + 8; keys 8n + 2t, + 1) as fp16 pairs:
+    // bias_pairs(r, stage, j, part) sets r[0], r[1] to pairs 2j, 2j + 1 of row g and r[2],
+    // r[3] to those of row g + 8, of the tile in `stage` (F16X3: part 1 its lo tile).
 #if BULK
-    // Row q_in_tile + g (% 8 = g) of the swizzled tile: pair n in 16-byte chunk n ^ g, at
-    // byte (bias_at + stage STAGE_BYTES) ^ 16 n of shared memory: the stage and row offsets
-    // leave bits 4-6 (the chunk) clear and bias_at holds g there, so a pair's address is
-    // one XOR (the swizzle worked out per pair and tile was ~40 instructions a tile); row
-    // g + 8 is 1024 bytes further in the same swizzle.
-    const u32 bias_at = BIAS_OFFSET + (q_in_tile + g) * 128 + 16 * g + 4 * t;
-    auto bias_pair = [&](int stage, int n) {
-        return reinterpret_cast<const u32*>(smem + ((bias_at + stage * STAGE_BYTES) ^ (16 * n)));
+    // One ldmatrix.x4 per two pairs (its 8x8 matrices of 16-bit elements are the pairs'
+    // fragment layout: lane l gets row l / 4, elements 2 (l % 4), + 1): lane L names row
+    // (L & 7) + 8 (L >> 4) of the warp's 16 and chunk c = (L >> 3) & 1 of two, stored at
+    // chunk c ^ (row % 8) of the swizzled tile; the stage and row offsets leave bits 4-6 (the
+    // chunk) clear, so chunks 2j + c are the same address XOR 32 j. (16 scalar loads and
+    // their ~20 address instructions per tile before: ptxas.)
+    const u32 bias_rows = smem_s + BIAS_OFFSET
+        + (q_in_tile + (lane & 7) + 8 * (lane >> 4)) * 128 + 16 * (((lane >> 3) & 1) ^ (lane & 7));
+    auto bias_pairs = [&](u32 (&r)[4], int stage, int j, int part) {
+        ldsm_x4(r, ((bias_rows + stage * STAGE_BYTES) ^ (32 * j)) + part * BIAS_PART);
     };
-#define BIAS_ROW8 256  // words
 #else
     const u32* const bias_base = reinterpret_cast<const u32*>(smem + BIAS_OFFSET)
                                  + ((q_in_tile + g) * BSTR + 2 * t) / 2;
-    auto bias_pair = [&](int stage, int n) { return bias_base + stage * (STAGE_BYTES / 4) + 4 * n; };
-#define BIAS_ROW8 (4 * BSTR)
+    auto bias_pairs = [&](u32 (&r)[4], int stage, int j, int) {
+        const u32* const pair = bias_base + stage * (STAGE_BYTES / 4) + 8 * j;
+        r[0] = pair[0], r[1] = pair[4], r[2] = pair[4 * BSTR], r[3] = pair[4 * BSTR + 4];
+    };
 #endif
+    // Where bias_pairs' r[q] goes in S (pairs 2j, 2j + 1 of rows g, g + 8): s[8j + slot(q)], + 1
+    auto pair_slot = [](int q) { return 4 * (q & 1) + 2 * (q >> 1); };
     auto issue_s = [&](float (&s)[4 * NT], int stage) {
-#if F16X3  // from zero, small terms first; the bias is added in fp32 after (add_bias)
+#if F16  // from zero (F16X3: small terms first); the bias is added in fp32 after (add_bias)
 #pragma unroll
         for (int i = 0; i < 4 * NT; ++i) s[i] = 0.f;
         const u32 k_tile = smem_s + stage * STAGE_BYTES + rw * K_TILE;
-        const u64 k_desc = sw64_desc(k_tile), k_lo_desc = sw64_desc(k_tile + K_PART);
+        const u64 k_desc = sw64_desc(k_tile);
         wgmma_fence();
+#if F16X3
+        const u64 k_lo_desc = sw64_desc(k_tile + K_PART);
         three_terms(s, qa, ql, 0, HEAD_DIM / 16, [&](float (&d)[4 * NT], const u32 (&a)[4], int kk, bool lo) {
             wgmma_m64n64k16_f16(d, a, (lo ? k_lo_desc : k_desc) + 2 * kk);
         });
+#else  // F16X1: Q from shared memory (Q_SHARED)
+#pragma unroll
+        for (int kk = 0; kk < HEAD_DIM / 16; ++kk)
+            wgmma_m64n64k16_f16_ss(s, sw64_desc(q_tile) + 2 * kk, k_desc + 2 * kk);
+#endif
 #else
 #pragma unroll
-        for (int n = 0; n < NT; ++n) {
-            const u32* const pair = bias_pair(stage, n);
-            const float2 x0 = half2_to_float2(pair[0]);
-            const float2 x1 = half2_to_float2(pair[BIAS_ROW8]);
-            s[4 * n] = x0.x, s[4 * n + 1] = x0.y, s[4 * n + 2] = x1.x, s[4 * n + 3] = x1.y;
+        for (int j = 0; j < NT / 2; ++j) {
+            u32 r[4];
+            bias_pairs(r, stage, j, 0);
+#pragma unroll
+            for (int q = 0; q < 4; ++q) {
+                const float2 x = half2_to_float2(r[q]);
+                s[8 * j + pair_slot(q)] = x.x, s[8 * j + pair_slot(q) + 1] = x.y;
+            }
         }
 #endif
-#if F16X3
+#if F16
 #elif BF16
         const u64 k_desc = sw64_desc(smem_s + stage * STAGE_BYTES + rw * K_TILE);
         wgmma_fence();
 #pragma unroll
-        for (int kk = 0; kk < HEAD_DIM / 16; ++kk) wgmma_m64n64k16_bf16(s, qa[kk], k_desc + 2 * kk);
+        for (int kk = 0; kk < HEAD_DIM / 16; ++kk)
+            wgmma_m64n64k16_bf16_ss(s, sw64_desc(q_tile) + 2 * kk, k_desc + 2 * kk);
 #else
         const u64 k_desc = sw128_desc(smem_s + stage * STAGE_BYTES + rw * K_TILE);
         wgmma_fence();
@@ -551,20 +610,29 @@ ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int 
 #endif
         wgmma_commit();
     };
-#if F16X3
-    // S = products qk_unscale + bias, once the products are done: the bias's hi and lo
-    // tiles summed (exact in fp32; -inf + 0 where masked).
+#if F16
+    // S = products qk_unscale + bias, once the products are done: F16X3 the bias's hi and
+    // lo tiles summed (exact in fp32; -inf + 0 where masked).
     auto add_bias = [&](float (&s)[4 * NT], int stage) {
 #pragma unroll
-        for (int n = 0; n < NT; ++n) {
-            const u32* const hi = bias_pair(stage, n);
-            const u32* const lo = hi + BIAS_PART / 4;
-            const float2 h0 = half2_to_float2(hi[0]), l0 = half2_to_float2(lo[0]);
-            const float2 h1 = half2_to_float2(hi[BIAS_ROW8]), l1 = half2_to_float2(lo[BIAS_ROW8]);
-            s[4 * n] = fmaf(s[4 * n], qk_unscale, h0.x + l0.x);
-            s[4 * n + 1] = fmaf(s[4 * n + 1], qk_unscale, h0.y + l0.y);
-            s[4 * n + 2] = fmaf(s[4 * n + 2], qk_unscale, h1.x + l1.x);
-            s[4 * n + 3] = fmaf(s[4 * n + 3], qk_unscale, h1.y + l1.y);
+        for (int j = 0; j < NT / 2; ++j) {
+            u32 hi[4];
+            bias_pairs(hi, stage, j, 0);
+#if F16X3
+            u32 lo[4];
+            bias_pairs(lo, stage, j, 1);
+#endif
+#pragma unroll
+            for (int q = 0; q < 4; ++q) {
+                float2 b = half2_to_float2(hi[q]);
+#if F16X3
+                const float2 l = half2_to_float2(lo[q]);
+                b = make_float2(b.x + l.x, b.y + l.y);
+#endif
+                float* const at = s + 8 * j + pair_slot(q);
+                at[0] = fmaf(at[0], qk_unscale, b.x);
+                at[1] = fmaf(at[1], qk_unscale, b.y);
+            }
         }
     };
 #endif
@@ -637,14 +705,22 @@ ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int 
             p(hi, 0, pa[kk][2], pl[kk][2]), p(hi + 2, 1, pa[kk][3], pl[kk][3]);
         }
     };
-#elif BF16
+#elif BF16 || F16X1
     // BF16: the A fragments of the 4 16-key k-steps, packed bf16: k-step kk takes S's
     // column groups 2kk (a0, a1) and 2kk + 1 (a2, a3), keys in the V^T tile's own order.
+    // F16X1: the same in fp16, each value 2^(S - m + P_SHIFT) as F16X3's.
     auto exponentiate = [&](const float (&s)[4 * NT], u32 (&pa)[NT / 2][4]) {
         // p(c, r): 2^(S - m) of S's values c[0], c[1] of row g + 8r, packed
+#if F16X1
+        const float ms[2] = {m_sub[0] - P_SHIFT, m_sub[1] - P_SHIFT};
+        auto p = [&](const float* c, int r) {
+            return pack_f16(fast_exp2(c[0] - ms[r]), fast_exp2(c[1] - ms[r]));
+        };
+#else
         auto p = [&](const float* c, int r) {
             return pack_bf16(fast_exp2(c[0] - m_sub[r]), fast_exp2(c[1] - m_sub[r]));
         };
+#endif
 #pragma unroll
         for (int kk = 0; kk < NT / 2; ++kk) {
             const float* const lo = s + 8 * kk;  // column group 2kk: keys 16kk + 2t, +1
@@ -711,12 +787,18 @@ ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int 
             });
         wgmma_commit();
     };
-#elif BF16
+#elif BF16 || F16X1
     auto issue_pv = [&](const u32 (&pa)[NT / 2][4], int stage) {  // one 64-key column
         const u64 vt_desc = sw128_desc(smem_s + stage * STAGE_BYTES + VT_OFFSET + rw * VT_TILE);
         wgmma_fence();
 #pragma unroll
-        for (int kk = 0; kk < NT / 2; ++kk) wgmma_m64n40k16_bf16(o, pa[kk], vt_desc + 2 * kk);
+        for (int kk = 0; kk < NT / 2; ++kk) {
+#if F16X1
+            wgmma_m64n40k16_f16(o, pa[kk], vt_desc + 2 * kk);
+#else
+            wgmma_m64n40k16_bf16(o, pa[kk], vt_desc + 2 * kk);
+#endif
+        }
         wgmma_commit();
     };
 #else
@@ -830,7 +912,7 @@ ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int 
         wgmma_wait<0>();
         pin(s);
         pin(o);
-#if F16X3
+#if F16
         add_bias(s, stage);
 #endif
         if (PINGPONG && !second) asm volatile("bar.arrive %0, %1;" :: "r"(1 + rw), "n"(128 * ROW_GROUPS));
@@ -880,7 +962,7 @@ ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int 
         const int j = q0 + 8 * r + g;
         if (j >= N) continue;
         const bool fully_masked = total[r] == 0.f;
-#if F16X3
+#if F16
         const float inv = fully_masked ? 0.f : v_unscale / total[r];
 #else
         const float inv = fully_masked ? 0.f : 1.0f / total[r];

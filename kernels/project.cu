@@ -105,8 +105,8 @@ __device__ __forceinline__ int thread_row(int s) {
 __device__ __forceinline__ float* pair_at(Tile& acc, int s, int j) { return &acc.c[s][2 * j]; }
 
 #include "project_epilogue.cuh"
-#if HI_LO  // its stores assume qkvg rows of 4D words (block_out, ld below)
-#error "project.cu: KV_FORMAT 7 (fp16 hi + lo tiles, rows of 2D words) is project_mma.cu's only"
+#if F16_QKV  // its stores assume qkvg rows of 4D words (block_out, ld below)
+#error "project.cu: KV_FORMAT 7 and 8 (fp16 tiles, rows of 2D words) are project_mma.cu's only"
 #endif
 
 // acc += As[0:dpad, the block's rows] x WT[0:D, n0 + the block's columns].

@@ -122,18 +122,25 @@ __device__ __forceinline__ void map_column(Tile& acc, int j, float2 cb, F f) {
 //   stays ~4x the input with the tiles (4D words a row would make it 6x). q, k and v
 //   arrive scaled by powers of two that keep them inside fp16's range (the weights are:
 //   DeviceWeights.f16x3_scales).
+// 8 as 7 with the hi parts only (attention_f16_wgmma, the tf32 mode; head dim 32): fp16
+//   keeps TF32's 11 significant bits, so q, k and v scaled into its range (as format 7's)
+//   lose no more than TF32 rounding would. Per (b, i, head, 64 keys) 8 KiB, the K tile then
+//   the V^T tile (format 6's layout in fp16); qkvg rows of 2D words, q's 16 fp16 words per
+//   head at [32 h, 32 h + 16), the gate fp32 at [D, 2D); the pair bias in format 5's fp16
+//   tiles.
 #ifndef KV_FORMAT
 #define KV_FORMAT 0
 #endif
-#define KV_TILED (KV_FORMAT == 3 || KV_FORMAT == 5 || KV_FORMAT == 6 || KV_FORMAT == 7)  // v into tiles of its own
-#define K_TILED (KV_FORMAT == 5 || KV_FORMAT == 6 || KV_FORMAT == 7)  // k and the pair bias in tiles too
+#define KV_TILED (KV_FORMAT == 3 || KV_FORMAT >= 5)  // v into tiles of its own
+#define K_TILED (KV_FORMAT >= 5)  // k and the pair bias in tiles too
 #define QG_PACKED (KV_FORMAT == 2 || KV_FORMAT == 6)  // q and the gate packed bf16
+#define F16_QKV (KV_FORMAT == 7 || KV_FORMAT == 8)  // q, k, v scaled, in fp16; rows of 2D words
 #define HI_LO (KV_FORMAT == 7)  // q, k, v and the bias as fp16 hi and lo
 #if KV_TILED
 #include "wgmma.cuh"
 #endif
 #define KV_TILE_BYTES (KV_FORMAT == 5 || HI_LO ? 16384 : 8192)  // per (b, i, head, 64 keys)
-#define VT_IN_TILE (KV_FORMAT == 5 || HI_LO ? 8192 : KV_FORMAT == 6 ? 4096 : 0)
+#define VT_IN_TILE (KV_FORMAT == 5 || HI_LO ? 8192 : KV_TILED && KV_FORMAT != 3 ? 4096 : 0)
 #define HALF_PART 4096  // HI_LO: bytes from a hi K or V^T tile to its lo tile
 #define BIAS_TILE_BYTES (HI_LO ? 32768 : 16384)  // K_TILED: per (b, head, 128 i, 64 j)
 
@@ -213,8 +220,8 @@ __device__ __forceinline__ void store_pair_bias_tiled(bias_t* __restrict__ bias,
 #endif
 
 #define Q_WORD(D) (QG_PACKED ? 2 * (D) : 0)
-#define GATE_WORD(D) (QG_PACKED ? 5 * (D) / 2 : HI_LO ? (D) : 3 * (D))
-#define QKVG_LD(D) (HI_LO ? 2 * (D) : 4 * (D))  // words per qkvg row
+#define GATE_WORD(D) (QG_PACKED ? 5 * (D) / 2 : F16_QKV ? (D) : 3 * (D))
+#define QKVG_LD(D) (F16_QKV ? 2 * (D) : 4 * (D))  // words per qkvg row
 #define Q_LO_WORDS 16  // HI_LO: from a q hi word to its lo word (head dim 32: 16 hi words)
 
 // Gate values k .. k + 3 of a qkvg row (k % 4 == 0): fp32, or (KV_FORMAT 2, 6) two packed
@@ -266,12 +273,16 @@ struct RowPairs {
 };
 
 // Format 6 (bf16): one column of 64 keys, [32 dims][64 keys] bf16, key k at position k;
-// format 7 the same in fp16, hi, then lo HALF_PART bytes further.
+// format 8 the same in fp16; format 7 too, hi, then lo HALF_PART bytes further.
+// pack_vt: two values as one word of the tile's element type.
 #if KV_FORMAT == 6
 typedef unsigned short vt_t;  // bf16 bits
 __device__ __forceinline__ vt_t to_vt(float x) { return bf16_bits(x); }
-#elif HI_LO
+__device__ __forceinline__ u32 pack_vt(float x0, float x1) { return pack_bf16(x0, x1); }
+#elif F16_QKV
 typedef unsigned short vt_t;  // fp16 bits
+__device__ __forceinline__ vt_t to_vt(float x) { return (vt_t)pack_f16(x, 0.f); }
+__device__ __forceinline__ u32 pack_vt(float x0, float x1) { return pack_f16(x0, x1); }
 #else
 typedef float vt_t;
 __device__ __forceinline__ vt_t to_vt(float x) { return x; }
@@ -285,7 +296,7 @@ __device__ __forceinline__ void store_vt(Tile& acc, int vcol0, const VtTarget& t
     // Where key `key` of pair (b, i) = bi goes: its dims c + 8j at d0[VT_DIM8 j], c + 8j + 1
     // at d1[VT_DIM8 j].
     auto at = [&](unsigned bi, int key, vt_t*& d0, vt_t*& d1) {
-#if KV_FORMAT == 6 || HI_LO
+#if KV_FORMAT >= 6  // 16-bit elements, keys in order
         const int byte = 2 * (key % 64);
         char* const column = reinterpret_cast<char*>(to.vt) + VT_IN_TILE
                              + (((i64)bi * to.H + h) * ntiles + key / 64) * KV_TILE_BYTES;
@@ -302,7 +313,7 @@ __device__ __forceinline__ void store_vt(Tile& acc, int vcol0, const VtTarget& t
         d0 = reinterpret_cast<vt_t*>(column + sw128(c, byte));
         d1 = reinterpret_cast<vt_t*>(column + sw128(c + 1, byte));
     };
-#if KV_FORMAT == 6 || HI_LO
+#if KV_FORMAT >= 6
     if (to.N % 2 == 0) {
         // N even: a block row and its key have the same parity (m0 and N are even), so
         // lanes g and g ^ 1 (4 apart) hold keys k, k + 1 of one pair (b, i): the even lane
@@ -331,7 +342,7 @@ __device__ __forceinline__ void store_vt(Tile& acc, int vcol0, const VtTarget& t
                 }
 #else
                 if (r < rows_here)
-                    word[VT_DIM8 / 2 * j] = odd ? pack_bf16(other, p[1]) : pack_bf16(p[0], other);
+                    word[VT_DIM8 / 2 * j] = odd ? pack_vt(other, p[1]) : pack_vt(p[0], other);
 #endif
             }
         }
@@ -393,8 +404,8 @@ __device__ __forceinline__ void store_kt(Tile& acc, int kcol0, const VtTarget& t
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
             const float* const p = pair_at(acc, s, j);
-#if KV_FORMAT == 6
-            *reinterpret_cast<u32*>(tile + sw64(k % 64, 2 * (c + 8 * j))) = pack_bf16(p[0], p[1]);
+#if KV_FORMAT == 6 || KV_FORMAT == 8
+            *reinterpret_cast<u32*>(tile + sw64(k % 64, 2 * (c + 8 * j))) = pack_vt(p[0], p[1]);
 #elif HI_LO
             u32 hi, lo;
             split_f16(p[0], p[1], hi, lo);
@@ -468,10 +479,14 @@ __device__ __forceinline__ void store_qkvg(Tile& acc, int n0, const float2 (&cb)
             });
             col[j] = Q_WORD(D) + n / 2;
             packed[j] = true;
-#elif HI_LO  // head n / 32's fp16 hi word, its lo Q_LO_WORDS further (store_pairs)
+#elif F16_QKV  // head n / 32's fp16 hi word, its lo Q_LO_WORDS further (store_pairs)
             map_column(acc, j, cb[j], [&](float2 v) {
-                u32 hi, lo;
+                u32 hi, lo = 0u;
+#if HI_LO
                 split_f16(v.x * q_scale, v.y * q_scale, hi, lo);
+#else
+                hi = pack_f16(v.x * q_scale, v.y * q_scale);
+#endif
                 return make_float2(__uint_as_float(hi), __uint_as_float(lo));
             });
             col[j] = n / 32 * 32 + n % 32 / 2;
@@ -492,7 +507,7 @@ __device__ __forceinline__ void store_qkvg(Tile& acc, int n0, const float2 (&cb)
             map_column(acc, j, cb[j], [](float2 v) {
                 return make_float2(sigmoid(v.x), sigmoid(v.y));
             });
-#if HI_LO
+#if F16_QKV
             col[j] = GATE_WORD(D) + (n - 3 * D);
 #endif
 #endif

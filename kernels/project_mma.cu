@@ -11,8 +11,8 @@
 //                        -inf where mask[b, i, j] == 0, and on the padded keys j in [N, NPK)
 //   gated_out_project: out = (g * o) Wo^T + bo                        # [M, D]
 //                        o = qkvg[:, 0:D] (attention output, written over q)
-//                        g = the sigmoid gate (fp32 at qkvg[:, 3D:4D] or, format 7,
-//                          [D:2D] of rows of 2D words; or packed
+//                        g = the sigmoid gate (fp32 at qkvg[:, 3D:4D] or, formats 7
+//                          and 8, [D:2D] of rows of 2D words; or packed
 //                          bf16: KV_FORMAT, project_epilogue.cuh)
 //
 // Products: mma.sync m16n8k8, fp32 accumulation, on
@@ -32,10 +32,10 @@
 //     the accumulators are multiplied by `unscale` = 1 / (both scales) before the epilogue.
 //     gated_out_project likewise: g * o (|g o| <= max |v|, as o averages rows of v) scaled
 //     by its own a_scale, split as it is loaded (load_gated_tile_f16).
-//   F16_TERMS = 1 (without SPLIT; "tf32" and "bf16" with the wgmma attention, KV_FORMAT 5
-//     and 6): the same layout and scales, one product of the hi parts: fp16 keeps 11
-//     significant bits as TF32 does, so the scaled products are as accurate as TF32's, at
-//     half the instructions (m16n8k16 against two m16n8k8).
+//   F16_TERMS = 1 (without SPLIT; "tf32" and "bf16" with the wgmma attention, KV_FORMAT 8
+//     and 6, and the TF32 wgmma attention's 5): the same layout and scales, one product of
+//     the hi parts: fp16 keeps 11 significant bits as TF32 does, so the scaled products are
+//     as accurate as TF32's, at half the instructions (m16n8k16 against two m16n8k8).
 // LayerNorm statistics, the biases and the gate are fp32.
 //
 // Both operands are row-major with k fastest, as ldmatrix wants them: the row tile As
@@ -57,10 +57,10 @@
 //         projection_weight), so that each chunk is one contiguous 8 KiB
 //   mask  [B, N, N] at b*mb + i*mi + j*mj elements, of the type named by mask_kind
 //         (MASK_* in project_epilogue.cuh), or null
-//   qkvg  [M, 4D]; bias [B, H, N, NPK] (fp16 where KV_FORMAT is 2 or 3; fp16 tiles where
-//         it is 5 or 6); out [M, D] contiguous; vt: V^T tiles where KV_FORMAT is 3
-//         (project_epilogue.cuh; [B, N, H, NPK / 64] x 8 KiB), K and V^T tiles where it is
-//         5 or 6, else unused.
+//   qkvg  [M, 4D] ([M, 2D]: KV_FORMAT 7, 8); bias [B, H, N, NPK] (fp16 where KV_FORMAT is
+//         2 or 3; fp16 tiles where it is 5 to 8); out [M, D] contiguous; vt: V^T tiles where
+//         KV_FORMAT is 3 (project_epilogue.cuh; [B, N, H, NPK / 64] x 8 KiB), K and V^T
+//         tiles where it is 5 to 8, else unused.
 #include "common.cuh"
 #include "mma.cuh"
 
@@ -473,7 +473,7 @@ __device__ __noinline__ void pair_bias(const float* As, int astr, const float* _
 // kernel's products into spills (ptxas).
 __device__ __noinline__ void load_gated_tile(const float* __restrict__ qkvg, i64 M, int D,
                                              int dpad, int astr, i64 m0, float* As) {
-    const i64 ld = (HI_LO ? 2LL : 4LL) * D;  // QKVG_LD
+    const i64 ld = (F16_QKV ? 2LL : 4LL) * D;  // QKVG_LD
     const int per_row = dpad / 4, total = BM * per_row;
     for (int base = threadIdx.x; base < total; base += 8 * THREADS) {
         float4 v[8];
@@ -501,7 +501,7 @@ __device__ __noinline__ void load_gated_tile(const float* __restrict__ qkvg, i64
 __device__ __noinline__ void load_gated_tile_f16(const float* __restrict__ qkvg, i64 M, int D,
                                                  int dpad, int astr, i64 m0, float* As,
                                                  float a_scale) {
-    const i64 ld = (HI_LO ? 2LL : 4LL) * D;  // QKVG_LD
+    const i64 ld = (F16_QKV ? 2LL : 4LL) * D;  // QKVG_LD
     const int per_row = dpad / 16, total = BM * per_row;
     for (int base = threadIdx.x; base < total; base += 2 * THREADS) {
         float4 o[2][4], g[2][4];
@@ -684,7 +684,7 @@ ln_qkvg_project(const float* __restrict__ x, i64 sb, i64 si, i64 sj, i64 sc, int
 
     // 5. q, k, v and gate: every 4D output column of these rows, BN at a time.
     const int rows_here = (int)min((i64)BM, M - m0);
-    float* const block_out = qkvg + m0 * (HI_LO ? QKVG_LD(D) : NO);  // row r at r QKVG_LD (< 2^31: BM * 4D)
+    float* const block_out = qkvg + m0 * (F16_QKV ? QKVG_LD(D) : NO);  // row r at r QKVG_LD (< 2^31: BM * 4D)
     auto store = [&](Tile& acc, int n0, const float2 (&cb)[4]) {
         store_qkvg(acc, n0, cb, D, q_scale, block_out, rows_here, VtTarget{vt, m0, N, H, npk});
     };

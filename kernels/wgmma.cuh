@@ -104,6 +104,20 @@ __device__ __forceinline__ void fence_async_shared() {
           "+f"(d[18]), "+f"(d[19])                                                          \
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b))
 
+// The same with A from shared memory too (`a` its descriptor, K-major as B; both operands
+// by descriptor take no registers for A).
+#define WGMMA_N64_SS(op, imm, d, a, b)                                                      \
+    asm volatile(op " {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"               \
+                    "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, "     \
+                    "%32, %33, " imm ";"                                                    \
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),           \
+          "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),         \
+          "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]),     \
+          "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),     \
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]),     \
+          "+f"(d[30]), "+f"(d[31])                                                          \
+        : "l"(a), "l"(b))
+
 // D (64 x 64, f32) += A (64 x 8, tf32, registers) B (8 x 64, tf32, descriptor).
 __device__ __forceinline__ void wgmma_m64n64k8_tf32(float (&d)[32], const u32 (&a)[4], u64 b) {
     WGMMA_N64("wgmma.mma_async.sync.aligned.m64n64k8.f32.tf32.tf32", "1, 1, 1", d, a, b);
@@ -121,6 +135,11 @@ __device__ __forceinline__ void wgmma_m64n40k8_tf32(float (&d)[20], const u32 (&
 __device__ __forceinline__ void wgmma_m64n64k16_bf16(float (&d)[32], const u32 (&a)[4], u64 b) {
     WGMMA_N64("wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16", "1, 1, 1, 0", d, a, b);
 }
+// D (64 x 64, f32) += A (64 x 16, bf16, descriptor) B (16 x 64, bf16, descriptor); the
+// immediates: scale-d, the A and B scales, A and B not transposed.
+__device__ __forceinline__ void wgmma_m64n64k16_bf16_ss(float (&d)[32], u64 a, u64 b) {
+    WGMMA_N64_SS("wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16", "1, 1, 1, 0, 0", d, a, b);
+}
 // D (64 x 40, f32) += A (64 x 16, bf16, registers) B (16 x 40, bf16, descriptor).
 __device__ __forceinline__ void wgmma_m64n40k16_bf16(float (&d)[20], const u32 (&a)[4], u64 b) {
     WGMMA_N40("wgmma.mma_async.sync.aligned.m64n40k16.f32.bf16.bf16", "1, 1, 1, 0", d, a, b);
@@ -133,6 +152,9 @@ __device__ __forceinline__ void wgmma_m64n64k16_f16(float (&d)[32], const u32 (&
 }
 __device__ __forceinline__ void wgmma_m64n40k16_f16(float (&d)[20], const u32 (&a)[4], u64 b) {
     WGMMA_N40("wgmma.mma_async.sync.aligned.m64n40k16.f32.f16.f16", "1, 1, 1, 0", d, a, b);
+}
+__device__ __forceinline__ void wgmma_m64n64k16_f16_ss(float (&d)[32], u64 a, u64 b) {
+    WGMMA_N64_SS("wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16", "1, 1, 1, 0, 0", d, a, b);
 }
 
 // mbarriers in shared memory (sm_90) and bulk copies that complete on them. A phase

@@ -1,7 +1,7 @@
 """Time the tensor-core attention kernel alone for each candidate tile shape, to choose
 _configs.attention_mma_tiles (CUDA events, median of repeats; FLOPs of QK^T and PV).
 
-    python3 scripts/sweep_tiles.py [--wgmma-only] [--variants tf32,bf16,f16x3] 1x384x128x4 1x1024x128x4
+    python3 scripts/sweep_tiles.py [--wgmma-only] [--variants tf32,bf16,f16x3,f16] 1x384x128x4 1x1024x128x4
 
 --wgmma-only: of the mma.sync kernel only the chosen shape (for comparison), then every
 wgmma candidate (WGMMA_CANDIDATES).
@@ -46,7 +46,7 @@ def main(sizes):
         pair = cp.random.standard_normal((B, N, N, D), dtype=np.float32)
         flops = 4 * B * N**3 * D
         for variant in VARIANTS:
-            if variant not in _configs.ATTENTION_MMA_VARIANTS:  # wgmma only (f16x3)
+            if variant not in _configs.ATTENTION_MMA_VARIANTS:  # wgmma only (f16x3, f16)
                 sweep_wgmma(dw, pair, size, d, flops, 20 if N <= 512 else 5, variant)
                 continue
             if d not in _configs.attention_mma_head_dims(variant):
@@ -89,6 +89,8 @@ WGMMA_CANDIDATES = {
     "f16x3": [_configs.WgmmaTiles(*shape) for shape in  # bulk copies only
               [(1, 2, 2, 0, 1, 1), (1, 2, 2, 0, 2, 1), (1, 2, 1, 0, 2, 1), (1, 3, 1, 0, 1, 1),
                (2, 2, 1, 0, 1, 1)]],
+    "f16": [_configs.WgmmaTiles(*shape) for shape in  # bulk copies only
+            [(1, 2, 3, 0, 2, 1), (1, 2, 2, 0, 2, 1), (1, 3, 2, 0, 2, 1), (2, 3, 1, 0, 2, 1)]],
 }
 
 

@@ -103,6 +103,16 @@ def test_wide_pair_dim(cp, rng, D, h, precision):
 
 
 @pytest.mark.parametrize("precision", ["fp32", "tf32", "bf16"])
+@pytest.mark.parametrize("D,h,N", [(384, 12, 131), (768, 24, 130)])
+def test_wide_pair_dim_on_the_wgmma_path(cp, rng, D, h, N, precision):
+    """Head dim 32 past N = 128 at a wide D: the wgmma attention (on an H100/H200) with the
+    64-row projection blocks that write its tiles (and 2 weight stages at D = 768); odd
+    and even N take the two V^T store paths."""
+    poison_pool(cp)
+    check_against_reference(cp, rng, 1, N, D, h, fully_masked="nan", precision=precision)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "tf32", "bf16"])
 def test_ffma_projection_of_older_gpus(cp, rng, monkeypatch, precision):
     """GPUs before sm_80 take the FFMA projections (project.cu); forced here, since this
     GPU takes the tensor-core ones. Each precision's attention reads k and v in its own

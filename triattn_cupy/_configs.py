@@ -137,8 +137,12 @@ KV_BF16_TILES = 6  # the same tiles in bf16, q and the gate packed bf16 (the bf1
 # the tiles, q and the pair bias as fp16 hi + lo pairs, q, k, v scaled into fp16's range
 # (the fp32 mode's wgmma attention, f16x3)
 KV_F16X3_TILES = 7
-KV_TILED_FORMATS = (KV_TF32_VT, KV_TF32_TILES, KV_BF16_TILES, KV_F16X3_TILES)  # v (at least) in tiles
-KV_BULK_FORMATS = (KV_TF32_TILES, KV_BF16_TILES, KV_F16X3_TILES)  # k, v and the pair bias in tiles
+# the hi parts alone: KV_BF16_TILES's tiles in fp16, q, k, v scaled as KV_F16X3_TILES's (the
+# tf32 mode's wgmma attention, f16)
+KV_F16_TILES = 8
+KV_F16_FORMATS = (KV_F16X3_TILES, KV_F16_TILES)  # q, k, v scaled into fp16: rows of 2D words
+KV_BULK_FORMATS = (KV_TF32_TILES, KV_BF16_TILES, *KV_F16_FORMATS)  # k, v and the pair bias in tiles
+KV_TILED_FORMATS = (KV_TF32_VT, *KV_BULK_FORMATS)  # v (at least) in tiles
 
 
 @functools.lru_cache(maxsize=None)  # per call: a look-up, not a rebuild
@@ -178,11 +182,12 @@ def project_f16_terms(kv_format: int, split: bool) -> int:
     """The tensor-core projections' products on scaled fp16 operands (project_mma.cu
     F16_TERMS; DeviceWeights.f16_scales), half the instructions of TF32's: 3 (hi*lo + lo*hi
     + hi*hi, fp32-accurate) for the fp32 mode's f16x3 attention (KV_F16X3_TILES), 1 (hi*hi,
-    TF32's 11 bits) for the tf32 and bf16 wgmma attentions' bulk tiles (KV_TF32_TILES,
-    KV_BF16_TILES); 0 (TF32 or 3xTF32) elsewhere."""
+    TF32's 11 bits) for the tf32 and bf16 wgmma attentions' bulk tiles (KV_F16_TILES,
+    KV_BF16_TILES, and the TF32 wgmma kernel's KV_TF32_TILES); 0 (TF32 or 3xTF32)
+    elsewhere."""
     if split:
         return 3 if kv_format == KV_F16X3_TILES else 0
-    return 1 if kv_format in (KV_TF32_TILES, KV_BF16_TILES) else 0
+    return 1 if kv_format in (KV_TF32_TILES, KV_BF16_TILES, KV_F16_TILES) else 0
 
 
 SMEM_LIMIT = 227 * 1024  # dynamic shared memory a block may opt into on sm_80 / sm_90
@@ -400,8 +405,9 @@ def attention_ffma_launch(head_dim: int) -> AttentionLaunch:
                            attention_smem_bytes(head_dim))
 
 
-# ---- attention on warpgroup products (kernels/attention_wgmma.cu, sm_90a): TF32, bf16,
-# fp16 split (f16x3, the fp32 mode) and 3xTF32 (kept for comparison) ----
+# ---- attention on warpgroup products (kernels/attention_wgmma.cu, sm_90a): fp16 (f16, the
+# tf32 mode), bf16, fp16 split (f16x3, the fp32 mode), and TF32 and 3xTF32 (kept for
+# comparison) ----
 
 WGMMA_ARCH = "sm_90a"  # wgmma exists only on compute capability 9.0, in this target
 WGMMA_HEAD_DIMS = (32,)
@@ -410,10 +416,12 @@ VT_TILE_BYTES = WGMMA_KEYS * 32 * 4  # one V^T tile of KV_TF32_VT: 64 keys x 32 
 # variant -> (SPLIT define, the format the projection writes for it, that with BULK);
 # entry points attention_<variant>_wgmma
 WGMMA_VARIANTS = {"tf32": (0, KV_TF32_VT, KV_TF32_TILES), "tf32x3": (1, KV_FP32, None),
-                  "bf16": (0, None, KV_BF16_TILES), "f16x3": (0, None, KV_F16X3_TILES)}
+                  "bf16": (0, None, KV_BF16_TILES), "f16x3": (0, None, KV_F16X3_TILES),
+                  "f16": (0, None, KV_F16_TILES)}
 # precision -> the wgmma variant serving it: the fp32 mode's split products in fp16 (twice
-# TF32's rate; 3xTF32 "tf32x3" stays for tests and sweeps)
-_WGMMA_VARIANT = {"fp32": "f16x3", "tf32": "tf32", "bf16": "bf16"}
+# TF32's rate; 3xTF32 "tf32x3" stays for tests and sweeps), the tf32 mode's one fp16
+# product of scaled operands (TF32's 11 bits at twice its rate; "tf32" stays likewise)
+_WGMMA_VARIANT = {"fp32": "f16x3", "tf32": "f16", "bf16": "bf16"}
 # N above which a precision takes the wgmma kernel, of its variant (_WGMMA_VARIANT)
 # (scripts/sweep_tiles.py, benchmarks/NOTES.md): TF32 from N = 129. bf16 from N = 129 as
 # TF32 (faster at 1x384 and 1x1024: 0.179 / 2.50 against 0.198 / 3.00 ms; not swept
@@ -423,6 +431,10 @@ _WGMMA_VARIANT = {"fp32": "f16x3", "tf32": "tf32", "bf16": "bf16"}
 # writing f16x3's tiles takes 0.32 ms against 0.20; below N = 128 equal within noise).
 # (3xTF32 on wgmma took over only from N = 289: its 64-key tiles padded N further.)
 _WGMMA_ABOVE_N = {"tf32": _SMALL_N, "fp32": _SMALL_N, "bf16": _SMALL_N}
+
+
+# The variants whose Q K^T reads Q from shared memory (attention_wgmma.cu Q_SHARED)
+WGMMA_Q_SHARED = ("bf16", "f16")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -457,6 +469,8 @@ def attention_wgmma_tiles(variant: str = "tf32") -> WgmmaTiles:
         return WgmmaTiles(bulk=1, min_blocks=3)  # at 1x1024 than 2 (sweep_xor.log)
     if variant == "f16x3":  # 2 blocks per SM (101 KiB each), one fresh P V accumulator
         return WgmmaTiles(bulk=1, pv_groups=1)  # per tile: 123 registers, no spills
+    if variant == "f16":  # as bf16's
+        return WgmmaTiles(bulk=1, min_blocks=3)
     return WgmmaTiles(bulk=1)
 
 
@@ -464,9 +478,10 @@ def attention_wgmma_smem_bytes(tiles: WgmmaTiles, variant: str = "tf32") -> int:
     """STAGES x (ROWS K tiles [64][32] tf32, ROWS V^T tiles of 2 x [40][32] tf32, a bias
     tile [128][64 + 8] fp16 (3xTF32: fp32, then the lo parts of the K and V^T tiles and
     ROWS V tiles [64][32] fp32 as copied; bf16: the K tile bf16, V^T 1 x [40][64] bf16)),
-    and 1024 bytes to align the start."""
+    and 1024 bytes to align the start; bf16 and f16 (WGMMA_Q_SHARED) also a Q tile [64][32]
+    16-bit per warpgroup, 1024-aligned after the mbarriers."""
     split = WGMMA_VARIANTS[variant][0]
-    element = 2 if variant in ("bf16", "f16x3") else 4
+    element = 2 if variant in ("bf16", "f16x3", "f16") else 4
     parts = 2 if variant == "f16x3" else 1 + split  # hi and lo (f16x3: every tile)
     k_tile = tiles.rows * WGMMA_KEYS * 32 * element
     k_vt = k_tile + tiles.rows * 40 * WGMMA_KEYS * element
@@ -474,6 +489,8 @@ def attention_wgmma_smem_bytes(tiles: WgmmaTiles, variant: str = "tf32") -> int:
     bias_element = 2 + 2 * split  # fp16, or fp32 (3xTF32)
     stage = (parts * k_vt + split * k_tile
              + (2 if variant == "f16x3" else 1) * bias_element * WGMMA_QUERIES * bias_row)
+    if variant in WGMMA_Q_SHARED:  # the mbarriers' 1024 bytes, then a Q tile [64][32]
+        return tiles.stages * stage + 1024 + tiles.rows * 2 * 64 * 32 * 2 + 1024  # per warpgroup
     return tiles.stages * (stage + 16 * tiles.bulk) + 1024  # BULK: 2 mbarriers per stage
 
 
@@ -501,6 +518,8 @@ def attention_wgmma_launch(head_dim: int = 32, tiles: WgmmaTiles | None = None,
         extra += (("BF16", 1),)
     if variant == "f16x3":
         extra += (("F16X3", 1), ("PV_GROUPS", t.pv_groups))
+    if variant == "f16":
+        extra += (("F16X1", 1),)
     config = KernelConfig("attention_wgmma.cu", (
         ("HEAD_DIM", head_dim), ("ROWS", t.rows), ("STAGES", t.stages),
         ("MIN_BLOCKS", t.min_blocks), ("PINGPONG", t.pingpong)) + extra, WGMMA_ARCH)

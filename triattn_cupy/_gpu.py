@@ -9,11 +9,12 @@ Stages (one launch each):
   attention  flash-style softmax attention, o written over q: tensor cores for head dims
              that are multiples of 8 on sm_80+ (attention_mma.cu: 3xTF32 for "fp32",
              TF32, bf16; at head dim 32 on compute capability 9.0 from N = 129:
-             attention_wgmma.cu, "fp32" as fp16 split products there), else FFMA fp32
+             attention_wgmma.cu, "fp32" as fp16 split products there, "tf32" as one
+             fp16 product of scaled operands), else FFMA fp32
              (attention.cu)
   out        (g * o) Wo^T + bo, products as in project  (project.cu / project_mma.cu)
-Scratch: qkvg [M, 4D] ([M, 2D] for the fp32 wgmma attention, f16x3, whose k and v live
-in tiles only) and bias [B, h, N, NPK] float32 (float16 for the bf16 and the TF32
+Scratch: qkvg [M, 4D] ([M, 2D] for the fp32 and tf32 wgmma attentions, f16x3 and f16,
+whose k and v live in tiles only) and bias [B, h, N, NPK] float32 (float16 for the bf16 and the TF32
 attention; the wgmma kernels have it in tiles and K and V^T tiles after it), one
 allocation from CuPy's memory pool per call.
 Everything a call launches besides its pointers is worked out once per module and input
@@ -82,7 +83,7 @@ class DeviceWeights:
             self.beta = up(p["layer_norm.bias"])
             self.w_bias = up(p["bias_proj.weight"])
         self.f16x3_scales = f16x3_scales(weights)
-        # the fp16 projections' scales, with q, k, v scaled (KV_F16X3_TILES) or not
+        # the fp16 projections' scales, with q, k, v scaled (KV_F16_FORMATS) or not
         self._f16_scales = {True: f16_projection_scales(weights, self.f16x3_scales),
                             False: f16_projection_scales(weights, (1.0, 1.0, 1.0))}
         self.device_id = device_id
@@ -109,8 +110,8 @@ class DeviceWeights:
         "transposed" [D_in, D_out] (FFMA, project.cu: a block's weight chunk a row slice).
         "f16 chunks" the chunks with each row's 16 values as fp16 hi, then lo, times the
         weight scale of f16_scales(scaled) (project_mma.cu F16_TERMS).
-        `scaled`: Wq, Wk, Wv multiplied by f16x3_scales (for the projection that writes
-        KV_F16X3_TILES). Made on first use, on this device (the caller holds it current)."""
+        `scaled`: Wq, Wk, Wv multiplied by f16x3_scales (for the projections that write
+        KV_F16_FORMATS). Made on first use, on this device (the caller holds it current)."""
         def make():
             plain = self._plain[name]
             if scaled and name == "qkvg":
@@ -145,7 +146,7 @@ class DeviceWeights:
 
     def f16_scales(self, scaled: bool) -> "F16Scales":
         """The fp16 projections' scales (F16Scales) for q, k, v scaled by f16x3_scales
-        (KV_F16X3_TILES) or not."""
+        (KV_F16_FORMATS) or not."""
         return self._f16_scales[bool(scaled)]
 
     def bias_weight(self, f16: bool = False, scaled: bool = False):
@@ -168,8 +169,8 @@ F16X3_TOP = 2.0 ** 14
 
 
 def f16x3_scales(weights: Weights) -> tuple[float, float, float]:
-    """Powers of two (s_q, s_k, s_v) for the fp32 mode's fp16 hi + lo products
-    (kernels/attention_wgmma.cu F16X3): s_t times any value of q (with its log2(e)/sqrt(d)),
+    """Powers of two (s_q, s_k, s_v) for the fp32 mode's fp16 hi + lo products and the tf32
+    mode's one fp16 product (kernels/attention_wgmma.cu F16X3, F16X1): s_t times any value of q (with its log2(e)/sqrt(d)),
     k or v stays below F16X3_TOP, by a bound from the weights alone. LayerNorm's output n
     (before gamma, beta) has |n|_2 <= sqrt(D) in every row, so column c of x W^T + b is
     at most sqrt(D) |gamma * W[c]|_2 + |W[c] . beta + b[c]| in magnitude (Cauchy-Schwarz);
@@ -393,9 +394,9 @@ class Plan:
         # attention kernel (at most BIAS_KEY_ALIGN keys; the tensor-core kernel copies
         # whole tiles).
         self.npk = -(-N // _configs.BIAS_KEY_ALIGN) * _configs.BIAS_KEY_ALIGN
-        # qkvg rows of 4D words; 2D for KV_F16X3_TILES, whose k and v are in tiles only and
-        # whose q (hi and lo) and o share [0, D) (project_epilogue.cuh QKVG_LD)
-        row_words = 2 * D if self.kv_format == _configs.KV_F16X3_TILES else 4 * D
+        # qkvg rows of 4D words; 2D for KV_F16_FORMATS, whose k and v are in tiles only and
+        # whose q (fp16; hi and lo for f16x3) and o share [0, D) (project_epilogue.cuh QKVG_LD)
+        row_words = 2 * D if self.kv_format in _configs.KV_F16_FORMATS else 4 * D
         self.qkvg_shape, self.bias_shape = (M, row_words), (B, H, N, self.npk)
         # The scratch arrays in one pool allocation, the bias after qkvg (M * 8D bytes at
         # least: a multiple of 32, so the bias starts 16-byte aligned for its tile copies).
@@ -414,14 +415,15 @@ class Plan:
         # which the projection writes after the bias (KV_TF32_VT; a multiple of 256 bytes
         # from the start: 16-byte aligned for the tile copies).
         # KV_TF32_TILES: each 64 keys' K tile beside their V^T tile, twice the bytes;
-        # KV_BF16_TILES: the two in bf16, as many bytes as KV_TF32_VT; KV_F16X3_TILES: hi and
-        # lo of both in fp16, as KV_TF32_TILES (and the bias tiles twice, hi and lo).
+        # KV_BF16_TILES: the two in bf16, as many bytes as KV_TF32_VT, KV_F16_TILES in fp16;
+        # KV_F16X3_TILES: hi and lo of both in fp16, as KV_TF32_TILES (and the bias tiles
+        # twice, hi and lo).
         if self.kv_format == _configs.KV_F16X3_TILES:
             self.bias_shape = self.bias_shape[:4] + (2,) + self.bias_shape[4:]
             self.bias_bytes *= 2
         tiles = B * N * H * (self.npk // _configs.WGMMA_KEYS) * _configs.VT_TILE_BYTES
         self.vt_bytes = {_configs.KV_TF32_VT: tiles, _configs.KV_TF32_TILES: 2 * tiles,
-                         _configs.KV_BF16_TILES: tiles,
+                         _configs.KV_BF16_TILES: tiles, _configs.KV_F16_TILES: tiles,
                          _configs.KV_F16X3_TILES: 2 * tiles}.get(self.kv_format, 0)
         self.scratch_bytes = self.qkvg_bytes + self.bias_bytes + self.vt_bytes
 
@@ -467,8 +469,8 @@ class Plan:
 
     @property
     def scaled(self) -> bool:
-        """Whether q, k and v come scaled into fp16's range (KV_F16X3_TILES)."""
-        return self.kv_format == _configs.KV_F16X3_TILES
+        """Whether q, k and v come scaled into fp16's range (KV_F16_FORMATS)."""
+        return self.kv_format in _configs.KV_F16_FORMATS
 
     def attention_launch(self, k: "_configs.AttentionLaunch", nan_fully_masked: bool):
         if k.kv_format != self.kv_format:
@@ -480,7 +482,7 @@ class Plan:
         slots = ((0, "qkvg"), (1, "bias"))
         if k.kv_format in _configs.KV_TILED_FORMATS:  # and v (and k) from the tiles
             args, slots = args + (None,), slots + ((7, "vt"),)
-        if k.kv_format == _configs.KV_F16X3_TILES:  # undo the projection's scales
+        if k.kv_format in _configs.KV_F16_FORMATS:  # undo the projection's scales
             s_q, s_k, s_v = self.f16x3_scales
             args += (_f32(1.0 / (s_q * s_k)), _f32(1.0 / s_v))
         return _Launch(k.config, k.name, k.blocks(self.B, self.N, self.H), k.threads, k.smem,
@@ -573,7 +575,8 @@ class Forward:
     @property
     def qkvg(self):
         """The scratch [M, 4D] float32 the stages share (q, k, v, gate; o over q), or [M,
-        2D] for KV_F16X3_TILES (q's fp16 hi and lo per head, o over them; the gate)."""
+        2D] for KV_F16_FORMATS (q's fp16 words per head, hi and lo for f16x3, o over them;
+        the gate)."""
         return _cupy().ndarray(self.plan.qkvg_shape, np.float32, memptr=self._scratch)
 
     @property
