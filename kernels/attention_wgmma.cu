@@ -53,10 +53,12 @@
 // F16X1 (attention_f16_wgmma, the tf32 mode on wgmma; BULK only): F16X3 with the hi parts
 // alone, one product each: fp16 keeps TF32's 11 significant bits, so q, k, v and P scaled
 // into its range lose no more than TF32's roundings (P is rounded to nearest here, where
-// the TF32 kernels' tensor cores truncate it), at bf16's rate and bytes. S = Q K^T
-// qk_unscale + bias (one fp16 bias tile, format 5's), 2 wgmma m64n64k16 from zero; [O | l]
-// += P V in 4 wgmma m64n40k16 straight into O; the projection writes format 6's tiles in
-// fp16, q's 16 fp16 words per head where its o goes (KV_FORMAT 8).
+// the TF32 kernels' tensor cores truncate it), at bf16's rate and bytes. As BF16's: S =
+// bias + Q K^T (2 wgmma m64n64k16 onto the fp16 bias tile, Q from shared memory), but in
+// units of c = s_q s_k (the projection stores the bias times c: DeviceWeights.qkv_scales),
+// which the exponent's FFMA takes back out (qk_unscale = 1 / c): P = 2^((S - m) / c +
+// P_SHIFT); [O | l] += P V in 4 wgmma m64n40k16 straight into O; the projection writes
+// format 6's tiles in fp16, q's 16 fp16 words per head where its o goes (KV_FORMAT 8).
 // tf32 operands must be K-major: K [key][dim] already is (the projection's layout); V
 // must be read as V^T [dim][key]. TF32: the projection writes V^T for this kernel, tile by
 // tile, exactly as shared memory holds it (project_epilogue.cuh KV_FORMAT 3): copying it
@@ -230,18 +232,19 @@ typedef unsigned short bias_elem;  // fp16 bits
 #define KV_TILES (K_TILE + VT_COPIED)  // BULK: bytes per (b, i, head, 64 keys): K's tile, then V^T's
 
 // d += a_hi b_lo + a_lo b_hi + a_hi b_hi over the k-steps kk in [k0, k1), small terms
-// first (SPLIT, F16X3): product(d, a, kk, lo) issues k-step kk's wgmma of A fragment a
-// against B's lo (or hi) part. (A function, not a generic lambda: the NVRTC of CUDA 13.0
-// takes a lambda with auto parameters for a host function.)
+// first (SPLIT, F16X3): product(d, a, kk, lo, first) issues k-step kk's wgmma of A
+// fragment a against B's lo (or hi) part; `first` for the first of the chain (which may
+// overwrite d instead of adding to it). (A function, not a generic lambda: the NVRTC of
+// CUDA 13.0 takes a lambda with auto parameters for a host function.)
 template <class Acc, class Frags, class Product>
 __device__ __forceinline__ void three_terms(Acc& d, const Frags& ah, const Frags& al, int k0,
                                             int k1, Product product) {
 #pragma unroll
-    for (int kk = k0; kk < k1; ++kk) product(d, ah[kk], kk, true);
+    for (int kk = k0; kk < k1; ++kk) product(d, ah[kk], kk, true, kk == k0);
 #pragma unroll
-    for (int kk = k0; kk < k1; ++kk) product(d, al[kk], kk, false);
+    for (int kk = k0; kk < k1; ++kk) product(d, al[kk], kk, false, false);
 #pragma unroll
-    for (int kk = k0; kk < k1; ++kk) product(d, ah[kk], kk, false);
+    for (int kk = k0; kk < k1; ++kk) product(d, ah[kk], kk, false, false);
 }
 
 #define TF32_ONE 0x3f800000u
@@ -533,7 +536,7 @@ ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int 
         const u32 k_tile = smem_s + stage * STAGE_BYTES + rw * K_TILE;
         const u64 k_desc = sw128_desc(k_tile), k_lo_desc = sw128_desc(k_tile + LO_OFFSET);
         wgmma_fence();
-        three_terms(s, qa, qa_lo, 0, DT, [&](float (&d)[4 * NT], const u32 (&a)[4], int kk, bool lo) {
+        three_terms(s, qa, qa_lo, 0, DT, [&](float (&d)[4 * NT], const u32 (&a)[4], int kk, bool lo, bool) {
             wgmma_m64n64k8_tf32(d, a, (lo ? k_lo_desc : k_desc) + 2 * kk);
         });
         wgmma_commit();
@@ -567,23 +570,19 @@ ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int 
     // Where bias_pairs' r[q] goes in S (pairs 2j, 2j + 1 of rows g, g + 8): s[8j + slot(q)], + 1
     auto pair_slot = [](int q) { return 4 * (q & 1) + 2 * (q >> 1); };
     auto issue_s = [&](float (&s)[4 * NT], int stage) {
-#if F16  // from zero (F16X3: small terms first); the bias is added in fp32 after (add_bias)
-#pragma unroll
-        for (int i = 0; i < 4 * NT; ++i) s[i] = 0.f;
+#if F16X3  // the first product overwrites S, small terms first; the bias is added in fp32
+        // after (add_bias)
         const u32 k_tile = smem_s + stage * STAGE_BYTES + rw * K_TILE;
-        const u64 k_desc = sw64_desc(k_tile);
+        const u64 k_desc = sw64_desc(k_tile), k_lo_desc = sw64_desc(k_tile + K_PART);
         wgmma_fence();
-#if F16X3
-        const u64 k_lo_desc = sw64_desc(k_tile + K_PART);
-        three_terms(s, qa, ql, 0, HEAD_DIM / 16, [&](float (&d)[4 * NT], const u32 (&a)[4], int kk, bool lo) {
-            wgmma_m64n64k16_f16(d, a, (lo ? k_lo_desc : k_desc) + 2 * kk);
+        three_terms(s, qa, ql, 0, HEAD_DIM / 16,
+                    [&](float (&d)[4 * NT], const u32 (&a)[4], int kk, bool lo, bool first) {
+            if (first)
+                wgmma_m64n64k16_f16_first(d, a, (lo ? k_lo_desc : k_desc) + 2 * kk);
+            else
+                wgmma_m64n64k16_f16(d, a, (lo ? k_lo_desc : k_desc) + 2 * kk);
         });
-#else  // F16X1: Q from shared memory (Q_SHARED)
-#pragma unroll
-        for (int kk = 0; kk < HEAD_DIM / 16; ++kk)
-            wgmma_m64n64k16_f16_ss(s, sw64_desc(q_tile) + 2 * kk, k_desc + 2 * kk);
-#endif
-#else
+#else  // (F16X1: the bias tile holds bias s_q s_k, S's units)
 #pragma unroll
         for (int j = 0; j < NT / 2; ++j) {
             u32 r[4];
@@ -595,13 +594,18 @@ ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int 
             }
         }
 #endif
-#if F16
-#elif BF16
+#if F16X3
+#elif BF16 || F16X1  // Q from shared memory (Q_SHARED)
         const u64 k_desc = sw64_desc(smem_s + stage * STAGE_BYTES + rw * K_TILE);
         wgmma_fence();
 #pragma unroll
-        for (int kk = 0; kk < HEAD_DIM / 16; ++kk)
+        for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
+#if F16X1
+            wgmma_m64n64k16_f16_ss(s, sw64_desc(q_tile) + 2 * kk, k_desc + 2 * kk);
+#else
             wgmma_m64n64k16_bf16_ss(s, sw64_desc(q_tile) + 2 * kk, k_desc + 2 * kk);
+#endif
+        }
 #else
         const u64 k_desc = sw128_desc(smem_s + stage * STAGE_BYTES + rw * K_TILE);
         wgmma_fence();
@@ -610,25 +614,19 @@ ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int 
 #endif
         wgmma_commit();
     };
-#if F16
-    // S = products qk_unscale + bias, once the products are done: F16X3 the bias's hi and
-    // lo tiles summed (exact in fp32; -inf + 0 where masked).
+#if F16X3
+    // S = products qk_unscale + bias, once the products are done: the bias's hi and lo
+    // tiles summed (exact in fp32; -inf + 0 where masked).
     auto add_bias = [&](float (&s)[4 * NT], int stage) {
 #pragma unroll
         for (int j = 0; j < NT / 2; ++j) {
-            u32 hi[4];
+            u32 hi[4], lo[4];
             bias_pairs(hi, stage, j, 0);
-#if F16X3
-            u32 lo[4];
             bias_pairs(lo, stage, j, 1);
-#endif
 #pragma unroll
             for (int q = 0; q < 4; ++q) {
-                float2 b = half2_to_float2(hi[q]);
-#if F16X3
-                const float2 l = half2_to_float2(lo[q]);
-                b = make_float2(b.x + l.x, b.y + l.y);
-#endif
+                const float2 h = half2_to_float2(hi[q]), l = half2_to_float2(lo[q]);
+                const float2 b = make_float2(h.x + l.x, h.y + l.y);
                 float* const at = s + 8 * j + pair_slot(q);
                 at[0] = fmaf(at[0], qk_unscale, b.x);
                 at[1] = fmaf(at[1], qk_unscale, b.y);
@@ -643,6 +641,13 @@ ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int 
     // with it. exponentiate: P = 2^(S - m) as the A fragments of the 8 k-steps of P V,
     // (c0, c2, c1, c3) of S's column group kk (SPLIT: pa the hi parts, pl the lo, left
     // for the tensor cores to truncate).
+    // F16X1: S is in units of s_q s_k (log2): log2_per_s converts it back (exact, a power of
+    // two), folded into the exponent's FFMA (in place of its FADD).
+#if F16X1
+    const float log2_per_s = qk_unscale, s_per_log2 = 1.f / qk_unscale;
+#else
+    const float log2_per_s = 1.f, s_per_log2 = 1.f;
+#endif
     auto rescale = [&](const float (&s)[4 * NT]) {
         float mx[2];
         bool grow = false;
@@ -665,9 +670,9 @@ ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int 
                 x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
                 const float m_old = m_lim[r] == neg_inf() ? neg_inf() : m_sub[r];
                 const float m_new = fmaxf(m_old, x);
-                const float alpha = m_new == neg_inf() ? 1.f : fast_exp2(m_old - m_new);
+                const float alpha = m_new == neg_inf() ? 1.f : fast_exp2((m_old - m_new) * log2_per_s);
                 m_sub[r] = m_new == neg_inf() ? 0.f : m_new;
-                m_lim[r] = m_new + RESCALE_SLACK;
+                m_lim[r] = m_new + RESCALE_SLACK * s_per_log2;
 #pragma unroll
                 for (int v = 0; v < ON / 8; ++v) {
                     o[4 * v + 2 * r] *= alpha;
@@ -708,13 +713,14 @@ ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int 
 #elif BF16 || F16X1
     // BF16: the A fragments of the 4 16-key k-steps, packed bf16: k-step kk takes S's
     // column groups 2kk (a0, a1) and 2kk + 1 (a2, a3), keys in the V^T tile's own order.
-    // F16X1: the same in fp16, each value 2^(S - m + P_SHIFT) as F16X3's.
+    // F16X1: the same in fp16, each value 2^(S - m + P_SHIFT) as F16X3's (S in its units).
     auto exponentiate = [&](const float (&s)[4 * NT], u32 (&pa)[NT / 2][4]) {
         // p(c, r): 2^(S - m) of S's values c[0], c[1] of row g + 8r, packed
-#if F16X1
-        const float ms[2] = {m_sub[0] - P_SHIFT, m_sub[1] - P_SHIFT};
+#if F16X1  // 2^((S - m) log2_per_s + P_SHIFT), one FFMA each
+        const float ms[2] = {P_SHIFT - m_sub[0] * log2_per_s, P_SHIFT - m_sub[1] * log2_per_s};
         auto p = [&](const float* c, int r) {
-            return pack_f16(fast_exp2(c[0] - ms[r]), fast_exp2(c[1] - ms[r]));
+            return pack_f16(fast_exp2(fmaf(c[0], log2_per_s, ms[r])),
+                            fast_exp2(fmaf(c[1], log2_per_s, ms[r])));
         };
 #else
         auto p = [&](const float* c, int r) {
@@ -761,7 +767,7 @@ ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int 
 #pragma unroll
         for (int grp = 0; grp < PV_GROUPS; ++grp)
             three_terms(ot[grp], pa, pl, grp * GROUP_STEPS, (grp + 1) * GROUP_STEPS,
-                        [&](float (&d)[4 * ON / 8], const u32 (&a)[4], int kk, bool lo) {
+                        [&](float (&d)[4 * ON / 8], const u32 (&a)[4], int kk, bool lo, bool) {
                 wgmma_m64n40k8_tf32(d, a, vt_desc(vt_tile + (lo ? LO_OFFSET : 0), kk));
             });
         wgmma_commit();
@@ -774,16 +780,15 @@ ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int 
     auto issue_pv = [&](const u32 (&pa)[NT / 2][4], const u32 (&pl)[NT / 2][4], int stage) {
         const u32 vt_tile = smem_s + stage * STAGE_BYTES + VT_OFFSET + rw * VT_TILE;
         const u64 vt_hi_desc = sw128_desc(vt_tile), vt_lo_desc = sw128_desc(vt_tile + VT_COLUMN);
-#pragma unroll
-        for (int grp = 0; grp < PV_GROUPS; ++grp)
-#pragma unroll
-            for (int i = 0; i < 4 * ON / 8; ++i) ot[grp][i] = 0.f;
-        wgmma_fence();
+        wgmma_fence();  // (the first product of each group overwrites its accumulator)
 #pragma unroll
         for (int grp = 0; grp < PV_GROUPS; ++grp)
             three_terms(ot[grp], pa, pl, grp * GROUP_STEPS, (grp + 1) * GROUP_STEPS,
-                        [&](float (&d)[4 * ON / 8], const u32 (&a)[4], int kk, bool lo) {
-                wgmma_m64n40k16_f16(d, a, (lo ? vt_lo_desc : vt_hi_desc) + 2 * kk);
+                        [&](float (&d)[4 * ON / 8], const u32 (&a)[4], int kk, bool lo, bool first) {
+                if (first)
+                    wgmma_m64n40k16_f16_first(d, a, (lo ? vt_lo_desc : vt_hi_desc) + 2 * kk);
+                else
+                    wgmma_m64n40k16_f16(d, a, (lo ? vt_lo_desc : vt_hi_desc) + 2 * kk);
             });
         wgmma_commit();
     };
@@ -912,7 +917,7 @@ ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int 
         wgmma_wait<0>();
         pin(s);
         pin(o);
-#if F16
+#if F16X3
         add_bias(s, stage);
 #endif
         if (PINGPONG && !second) asm volatile("bar.arrive %0, %1;" :: "r"(1 + rw), "n"(128 * ROW_GROUPS));

@@ -82,49 +82,51 @@ __device__ __forceinline__ void fence_async_shared() {
 
 // One wgmma with A from registers into a 64 x 64 (WGMMA_N64: d[32]) or 64 x 40 (WGMMA_N40:
 // d[20]) f32 accumulator: `op` the instruction, `imm` its immediate operands after B's
-// descriptor (scale-d, the A and B scales, and for 16-bit types B's transpose flag). The
-// register lists are written once here for every type and k.
-#define WGMMA_N64(op, imm, d, a, b)                                                         \
+// descriptor (scale-d, the A and B scales, and for 16-bit types B's transpose flag), `c`
+// the accumulator's constraint: "+f" (D += A B) or, with scale-d 0, "=f" (D = A B: the
+// compiler then zeroes no registers first). The register lists are written once here for
+// every type and k.
+#define WGMMA_N64(op, imm, c, d, a, b)                                                         \
     asm volatile(op " {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"               \
                     "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, "     \
                     "{%32,%33,%34,%35}, %36, " imm ";"                                       \
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),           \
-          "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),         \
-          "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]),     \
-          "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),     \
-          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]),     \
-          "+f"(d[30]), "+f"(d[31])                                                          \
+        : c(d[0]), c(d[1]), c(d[2]), c(d[3]), c(d[4]), c(d[5]),           \
+          c(d[6]), c(d[7]), c(d[8]), c(d[9]), c(d[10]), c(d[11]),         \
+          c(d[12]), c(d[13]), c(d[14]), c(d[15]), c(d[16]), c(d[17]),     \
+          c(d[18]), c(d[19]), c(d[20]), c(d[21]), c(d[22]), c(d[23]),     \
+          c(d[24]), c(d[25]), c(d[26]), c(d[27]), c(d[28]), c(d[29]),     \
+          c(d[30]), c(d[31])                                                          \
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b))
-#define WGMMA_N40(op, imm, d, a, b)                                                         \
+#define WGMMA_N40(op, imm, c, d, a, b)                                                         \
     asm volatile(op " {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19}, " \
                     "{%20,%21,%22,%23}, %24, " imm ";"                                       \
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),           \
-          "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),         \
-          "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]),     \
-          "+f"(d[18]), "+f"(d[19])                                                          \
+        : c(d[0]), c(d[1]), c(d[2]), c(d[3]), c(d[4]), c(d[5]),           \
+          c(d[6]), c(d[7]), c(d[8]), c(d[9]), c(d[10]), c(d[11]),         \
+          c(d[12]), c(d[13]), c(d[14]), c(d[15]), c(d[16]), c(d[17]),     \
+          c(d[18]), c(d[19])                                                          \
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b))
 
 // The same with A from shared memory too (`a` its descriptor, K-major as B; both operands
 // by descriptor take no registers for A).
-#define WGMMA_N64_SS(op, imm, d, a, b)                                                      \
+#define WGMMA_N64_SS(op, imm, c, d, a, b)                                                      \
     asm volatile(op " {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"               \
                     "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, "     \
                     "%32, %33, " imm ";"                                                    \
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),           \
-          "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),         \
-          "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]),     \
-          "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),     \
-          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]),     \
-          "+f"(d[30]), "+f"(d[31])                                                          \
+        : c(d[0]), c(d[1]), c(d[2]), c(d[3]), c(d[4]), c(d[5]),           \
+          c(d[6]), c(d[7]), c(d[8]), c(d[9]), c(d[10]), c(d[11]),         \
+          c(d[12]), c(d[13]), c(d[14]), c(d[15]), c(d[16]), c(d[17]),     \
+          c(d[18]), c(d[19]), c(d[20]), c(d[21]), c(d[22]), c(d[23]),     \
+          c(d[24]), c(d[25]), c(d[26]), c(d[27]), c(d[28]), c(d[29]),     \
+          c(d[30]), c(d[31])                                                          \
         : "l"(a), "l"(b))
 
 // D (64 x 64, f32) += A (64 x 8, tf32, registers) B (8 x 64, tf32, descriptor).
 __device__ __forceinline__ void wgmma_m64n64k8_tf32(float (&d)[32], const u32 (&a)[4], u64 b) {
-    WGMMA_N64("wgmma.mma_async.sync.aligned.m64n64k8.f32.tf32.tf32", "1, 1, 1", d, a, b);
+    WGMMA_N64("wgmma.mma_async.sync.aligned.m64n64k8.f32.tf32.tf32", "1, 1, 1", "+f", d, a, b);
 }
 // D (64 x 40, f32) += A (64 x 8, tf32, registers) B (8 x 40, tf32, descriptor).
 __device__ __forceinline__ void wgmma_m64n40k8_tf32(float (&d)[20], const u32 (&a)[4], u64 b) {
-    WGMMA_N40("wgmma.mma_async.sync.aligned.m64n40k8.f32.tf32.tf32", "1, 1, 1", d, a, b);
+    WGMMA_N40("wgmma.mma_async.sync.aligned.m64n40k8.f32.tf32.tf32", "1, 1, 1", "+f", d, a, b);
 }
 
 // The bf16 products (fp32 accumulation). A fragment, bf16 k16 (two values per register,
@@ -133,28 +135,39 @@ __device__ __forceinline__ void wgmma_m64n40k8_tf32(float (&d)[20], const u32 (&
 // transposed).
 // D (64 x 64, f32) += A (64 x 16, bf16, registers) B (16 x 64, bf16, descriptor).
 __device__ __forceinline__ void wgmma_m64n64k16_bf16(float (&d)[32], const u32 (&a)[4], u64 b) {
-    WGMMA_N64("wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16", "1, 1, 1, 0", d, a, b);
+    WGMMA_N64("wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16", "1, 1, 1, 0", "+f", d, a, b);
 }
 // D (64 x 64, f32) += A (64 x 16, bf16, descriptor) B (16 x 64, bf16, descriptor); the
 // immediates: scale-d, the A and B scales, A and B not transposed.
 __device__ __forceinline__ void wgmma_m64n64k16_bf16_ss(float (&d)[32], u64 a, u64 b) {
-    WGMMA_N64_SS("wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16", "1, 1, 1, 0, 0", d, a, b);
+    WGMMA_N64_SS("wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16", "1, 1, 1, 0, 0", "+f", d, a, b);
 }
 // D (64 x 40, f32) += A (64 x 16, bf16, registers) B (16 x 40, bf16, descriptor).
 __device__ __forceinline__ void wgmma_m64n40k16_bf16(float (&d)[20], const u32 (&a)[4], u64 b) {
-    WGMMA_N40("wgmma.mma_async.sync.aligned.m64n40k16.f32.bf16.bf16", "1, 1, 1, 0", d, a, b);
+    WGMMA_N40("wgmma.mma_async.sync.aligned.m64n40k16.f32.bf16.bf16", "1, 1, 1, 0", "+f", d, a, b);
 }
 
 // The same with fp16 operands (the fp32 mode's split products, attention_f16x3_wgmma):
 // fragments and layouts as bf16's.
 __device__ __forceinline__ void wgmma_m64n64k16_f16(float (&d)[32], const u32 (&a)[4], u64 b) {
-    WGMMA_N64("wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16", "1, 1, 1, 0", d, a, b);
+    WGMMA_N64("wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16", "1, 1, 1, 0", "+f", d, a, b);
 }
 __device__ __forceinline__ void wgmma_m64n40k16_f16(float (&d)[20], const u32 (&a)[4], u64 b) {
-    WGMMA_N40("wgmma.mma_async.sync.aligned.m64n40k16.f32.f16.f16", "1, 1, 1, 0", d, a, b);
+    WGMMA_N40("wgmma.mma_async.sync.aligned.m64n40k16.f32.f16.f16", "1, 1, 1, 0", "+f", d, a, b);
 }
 __device__ __forceinline__ void wgmma_m64n64k16_f16_ss(float (&d)[32], u64 a, u64 b) {
-    WGMMA_N64_SS("wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16", "1, 1, 1, 0, 0", d, a, b);
+    WGMMA_N64_SS("wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16", "1, 1, 1, 0, 0", "+f", d, a, b);
+}
+// D = A B (scale-d 0: D's old values neither read nor needed), for the first product into
+// a fresh accumulator.
+__device__ __forceinline__ void wgmma_m64n64k16_f16_ss_first(float (&d)[32], u64 a, u64 b) {
+    WGMMA_N64_SS("wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16", "0, 1, 1, 0, 0", "=f", d, a, b);
+}
+__device__ __forceinline__ void wgmma_m64n64k16_f16_first(float (&d)[32], const u32 (&a)[4], u64 b) {
+    WGMMA_N64("wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16", "0, 1, 1, 0", "=f", d, a, b);
+}
+__device__ __forceinline__ void wgmma_m64n40k16_f16_first(float (&d)[20], const u32 (&a)[4], u64 b) {
+    WGMMA_N40("wgmma.mma_async.sync.aligned.m64n40k16.f32.f16.f16", "0, 1, 1, 0", "=f", d, a, b);
 }
 
 // mbarriers in shared memory (sm_90) and bulk copies that complete on them. A phase

@@ -84,6 +84,39 @@ def test_f16x3_scales_of_zero_weights_are_one():
     assert _gpu.f16x3_scales(ta.Weights(32, 2, base.layer_norm_eps, params)) == (1.0, 1.0, 1.0)
 
 
+@pytest.mark.parametrize("qk,bias", [(1.0, 1.0), (1e-4, 1.0), (1e3, 1.0), (1.0, 1e4), (1.0, 0.0)])
+def test_f16_biased_scales_keep_the_scaled_bias_inside_fp16(qk, bias):
+    """The tf32 mode's one fp16 product (F16X1) accumulates S onto the pair bias stored
+    times s_b = s_q s_k: every bias value (worst-case LayerNorm rows) times s_b stays at or
+    below F16X3_TOP; s_q, s_k never exceed f16x3's (q and k stay inside fp16) and come down
+    only as far as the bias needs (within a factor 4 of the top)."""
+    import math
+
+    import triattn_cupy as ta
+
+    D, h = 128, 4
+    base = ta.random_weights(D, h, seed=6)
+    params = {k: (v * np.float32(qk) if k.split(".")[0] in ("query", "key") else
+                  v * np.float32(bias) if k.startswith("bias_proj") else v)
+              for k, v in base.params.items()}
+    weights = ta.Weights(D, h, base.layer_norm_eps, params)
+    qkv = _gpu.f16x3_scales(weights)
+    s_q, s_k, s_v, s_b = _gpu.f16_biased_scales(weights, qkv)
+    assert s_b == s_q * s_k and s_v == qkv[2]
+    assert s_q <= qkv[0] and s_k <= qkv[1] and s_q / s_k in (qkv[0] / qkv[1], 2 * qkv[0] / qkv[1])
+    gamma, beta = params["layer_norm.weight"].astype(np.float64), params["layer_norm.bias"]
+    wb = params["bias_proj.weight"].astype(np.float64)
+    u = wb * gamma
+    norms = np.linalg.norm(u, axis=1, keepdims=True)
+    u = np.divide(u, norms, out=np.zeros_like(u), where=norms > 0)
+    rng = np.random.default_rng(3)
+    n = np.concatenate([math.sqrt(D) * u, -math.sqrt(D) * u, rng.standard_normal((256, D))])
+    top = np.abs((n * gamma + beta) @ wb.T).max() * _gpu.LOG2E * s_b
+    assert top <= _gpu.F16X3_TOP
+    if s_b < qkv[0] * qkv[1]:  # brought down for the bias: no further than needed
+        assert top > _gpu.F16X3_TOP / 4
+
+
 def test_f16_split_chunks_hold_each_row_as_fp16_hi_then_lo():
     """project_mma.cu F16_TERMS reads each 16-value chunk row as 16 fp16 hi then 16 lo:
     hi + lo within ~2^-22 of the value (relative to the chunk's largest), same bytes."""
@@ -111,7 +144,7 @@ def test_f16_projection_scales_bound_layernorm_outputs_and_weights(magnitude):
               for k, v in base.params.items()}
     weights = ta.Weights(D, h, base.layer_norm_eps, params)
     qkv = _gpu.f16x3_scales(weights)
-    scales = _gpu.f16_projection_scales(weights, qkv)
+    scales = _gpu.f16_projection_scales(weights, (*qkv, 1.0))
     a_scale, w_scale = scales.a, scales.w
     gamma, beta = params["layer_norm.weight"], params["layer_norm.bias"]
     top = (math.sqrt(D) * np.abs(gamma) + np.abs(beta)).max() * a_scale

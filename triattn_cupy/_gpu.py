@@ -83,9 +83,12 @@ class DeviceWeights:
             self.beta = up(p["layer_norm.bias"])
             self.w_bias = up(p["bias_proj.weight"])
         self.f16x3_scales = f16x3_scales(weights)
-        # the fp16 projections' scales, with q, k, v scaled (KV_F16_FORMATS) or not
-        self._f16_scales = {True: f16_projection_scales(weights, self.f16x3_scales),
-                            False: f16_projection_scales(weights, (1.0, 1.0, 1.0))}
+        # The powers of two (s_q, s_k, s_v, s_b) the projection writing each fp16 format
+        # multiplies q, k, v and the pair bias by (attention_wgmma.cu undoes them); None:
+        # unscaled (every other format).
+        self.qkv_scales = {_configs.KV_F16X3_TILES: (*self.f16x3_scales, 1.0),
+                           _configs.KV_F16_TILES: f16_biased_scales(weights, self.f16x3_scales)}
+        self._weights = weights
         self.device_id = device_id
         self.plans: dict = {}  # input geometry -> Plan (Forward)
         device = cupy.cuda.Device(device_id)
@@ -102,33 +105,34 @@ class DeviceWeights:
         self.pair_dim, self.num_heads = weights.pair_dim, weights.num_heads
         self.head_dim, self.eps = weights.head_dim, weights.layer_norm_eps
 
-    def projection_weight(self, name: str, layout: str, scaled: bool = False):
+    def projection_weight(self, name: str, layout: str, scales=None):
         """Projection weight `name` ("qkvg": [Wq; Wk; Wv; Wg], or "out") in the layout its
         kernel reads: "chunks" as PyTorch stores it, [D_out, D_in], cut into the chunks
         project_mma.cu streams (weight_chunks; 3xTF32, which splits it where its fragments
         are loaded), "tf32 chunks" the same rounded to TF32 once (TF32 products),
         "transposed" [D_in, D_out] (FFMA, project.cu: a block's weight chunk a row slice).
         "f16 chunks" the chunks with each row's 16 values as fp16 hi, then lo, times the
-        weight scale of f16_scales(scaled) (project_mma.cu F16_TERMS).
-        `scaled`: Wq, Wk, Wv multiplied by f16x3_scales (for the projections that write
-        KV_F16_FORMATS). Made on first use, on this device (the caller holds it current)."""
+        weight scale of f16_scales(scales) (project_mma.cu F16_TERMS).
+        `scales`: Wq, Wk, Wv multiplied by its s_q, s_k, s_v (qkv_scales: for the
+        projections that write KV_F16_FORMATS). Made on first use, on this device (the
+        caller holds it current)."""
         def make():
             plain = self._plain[name]
-            if scaled and name == "qkvg":
-                plain = plain * _cupy().asarray(self._qkv_row_scales())[:, None]
+            if scales and name == "qkvg":
+                plain = plain * _cupy().asarray(_qkv_row_scales(scales, self.pair_dim))[:, None]
             if layout == "chunks":
                 return weight_chunks(plain)
             if layout == "tf32 chunks":
                 return weight_chunks(round_tf32(plain))
             if layout == "f16 chunks":
-                scales = self.f16_scales(scaled)
+                f16 = self.f16_scales(scales)
                 return f16_split_chunks(weight_chunks(
-                    plain * (scales.w if name == "qkvg" else scales.out_w)))
+                    plain * (f16.w if name == "qkvg" else f16.out_w)))
             if layout == "transposed":
                 return _cupy().ascontiguousarray(plain.T)
             raise ValueError("layout must be 'chunks', 'tf32 chunks', 'f16 chunks' or "
                              f"'transposed'; got {layout!r}")
-        return self._made((name, layout, scaled), make)
+        return self._made((name, layout, scales), make)
 
     def _made(self, key, make):
         """self._layouts[key], made by make() on first use (on this device)."""
@@ -137,30 +141,32 @@ class DeviceWeights:
             array = self._layouts[key] = make()
         return array
 
-    def qkvg_bias(self, scaled: bool = False):
-        """[bq; bk; bv; bg], or (`scaled`) with bq, bk, bv multiplied by f16x3_scales."""
-        if not scaled:
+    def qkvg_bias(self, scales=None):
+        """[bq; bk; bv; bg], or (`scales`) with bq, bk, bv multiplied by s_q, s_k, s_v."""
+        if not scales:
             return self.b_qkvg
-        return self._made(("b_qkvg", "", True),
-                          lambda: self.b_qkvg * _cupy().asarray(self._qkv_row_scales()))
+        return self._made(("b_qkvg", "", scales), lambda: self.b_qkvg * _cupy().asarray(
+            _qkv_row_scales(scales, self.pair_dim)))
 
-    def f16_scales(self, scaled: bool) -> "F16Scales":
-        """The fp16 projections' scales (F16Scales) for q, k, v scaled by f16x3_scales
-        (KV_F16_FORMATS) or not."""
-        return self._f16_scales[bool(scaled)]
+    def f16_scales(self, scales=None) -> "F16Scales":
+        """The fp16 projections' scales (F16Scales) for q, k, v and the pair bias scaled
+        by `scales` (qkv_scales) or not."""
+        return self._made(("f16 scales", "", scales), lambda: f16_projection_scales(
+            self._weights, scales or (1.0, 1.0, 1.0, 1.0)))
 
-    def bias_weight(self, f16: bool = False, scaled: bool = False):
-        """The pair-bias weights [h, D]; `f16`: times the weight scale of f16_scales(scaled)
-        (the F16_TERMS projections split or round them themselves)."""
-        if not f16:
+    def bias_weight(self, f16: bool = False, scales=None):
+        """The pair-bias weights [h, D]; times the bias scale s_b of `scales`, and (`f16`)
+        the weight scale of f16_scales(scales) (the F16_TERMS projections split or round
+        them themselves)."""
+        if not f16 and not scales:
             return self.w_bias
-        return self._made(("w_bias", "f16", bool(scaled)),
-                          lambda: self.w_bias * self.f16_scales(scaled).w)
+        factor = (scales[3] if scales else 1.0) * (self.f16_scales(scales).w if f16 else 1.0)
+        return self._made(("w_bias", f16, scales), lambda: self.w_bias * factor)
 
-    def _qkv_row_scales(self):
-        """Per output row of [Wq; Wk; Wv; Wg]: its f16x3 scale (1 for the gate)."""
-        D = self.pair_dim
-        return np.repeat(np.array([*self.f16x3_scales, 1.0], np.float32), D)
+
+def _qkv_row_scales(scales, D: int):
+    """Per output row of [Wq; Wk; Wv; Wg]: s_q, s_k, s_v of `scales` (1 for the gate)."""
+    return np.repeat(np.array([*scales[:3], 1.0], np.float32), D)
 
 
 # The largest |q|, |k| or |v| the f16x3 split may meet, scaled (2^14: 4x inside fp16's
@@ -182,6 +188,32 @@ def f16x3_scales(weights: Weights) -> tuple[float, float, float]:
     return tuple(_power_of_two_below(_projection_bound(p, D, name) * factor)
                  for name, factor in (("query", LOG2E / math.sqrt(weights.head_dim)),
                                       ("key", 1.0), ("value", 1.0)))
+
+
+def f16_biased_scales(weights: Weights, qkv: tuple[float, float, float]):
+    """(s_q, s_k, s_v, s_b) for the tf32 mode's one fp16 product (attention_wgmma.cu
+    F16X1): it accumulates S = Q K^T in units of c = s_q s_k onto the pair bias, which the
+    projection stores times s_b = c (one fewer instruction per score than undoing the
+    scales after the product). So c times the bias's bound (as f16x3_scales bounds q, from
+    the pair-bias weights, in log2(e) units) must stay at or below F16X3_TOP as well:
+    where f16x3_scales' c would pass it, s_q and s_k come down by the missing factor
+    (half each, powers of two). q's and k's scaled bounds become 2^7 sqrt(B_q B_k / B_b)
+    (B: the bounds), so they stay far inside fp16's normal range (the 11 bits of a TF32
+    product) unless the bias's bound is some 2^20 times |q| |k|'s, where q k is below the
+    bias's own fp16 rounding in S anyway (random weights: s_q, s_k 2^13, 2^11 -> 2^6, 2^4).
+    """
+    s_q, s_k, s_v = qkv
+    p = {k: np.asarray(v, np.float64) for k, v in weights.params.items()}
+    gamma, beta = p["layer_norm.weight"], p["layer_norm.bias"]
+    wb = p["bias_proj.weight"]
+    bias_top = LOG2E * float((math.sqrt(weights.pair_dim) * np.linalg.norm(wb * gamma, axis=1)
+                              + np.abs(wb @ beta)).max(initial=0.0))
+    if bias_top > 0:
+        over = s_q * s_k / _power_of_two_below(bias_top)  # a power of two
+        if over > 1:
+            e = round(math.log2(over))
+            s_q, s_k = s_q / 2.0 ** (e // 2), s_k / 2.0 ** (e - e // 2)
+    return s_q, s_k, s_v, s_q * s_k
 
 
 def _projection_bound(p: dict, D: int, name: str) -> float:
@@ -218,7 +250,8 @@ class F16Scales:
 def f16_projection_scales(weights: Weights, qkv_scales) -> F16Scales:
     """LayerNorm's output xn_d = n_d gamma_d + beta_d with |n|_2 <= sqrt(D) is at most
     sqrt(D) |gamma_d| + |beta_d|; the weights are [Wq; Wk; Wv; Wg] with the q, k, v rows
-    times qkv_scales (as DeviceWeights lays them out) and the pair-bias weights, under one
+    times qkv_scales (s_q, s_k, s_v, s_b: as DeviceWeights lays them out) and the pair-bias
+    weights (times s_b), under one
     scale (the kernel unscales every product by one factor); |g * o| <= max |v| (o is an
     average of rows of v, 0 < g < 1), bounded as f16x3_scales bounds v."""
     p = {k: np.asarray(v, np.float64) for k, v in weights.params.items()}
@@ -226,8 +259,8 @@ def f16_projection_scales(weights: Weights, qkv_scales) -> F16Scales:
     xn_top = float(np.max(math.sqrt(D) * np.abs(p["layer_norm.weight"])
                           + np.abs(p["layer_norm.bias"])))
     w_top = max([float(np.abs(p[f"{n}.weight"]).max()) * s for n, s in
-                 zip(("query", "key", "value", "gate"), (*qkv_scales, 1.0))]
-                + [float(np.abs(p["bias_proj.weight"]).max())])
+                 zip(("query", "key", "value", "gate"), (*qkv_scales[:3], 1.0))]
+                + [float(np.abs(p["bias_proj.weight"]).max()) * qkv_scales[3]])
     return F16Scales(_power_of_two_below(xn_top), _power_of_two_below(w_top),
                      _power_of_two_below(_projection_bound(p, D, "value")),
                      _power_of_two_below(float(np.abs(p["out_proj.weight"]).max())))
@@ -378,7 +411,7 @@ class Plan:
                  attention: "_configs.AttentionLaunch | None" = None):
         B, N, _ = pair_geometry(shape, dw.pair_dim)
         D, H, d = dw.pair_dim, dw.num_heads, dw.head_dim
-        self.f16x3_scales = dw.f16x3_scales
+        self._qkv_scales = dw.qkv_scales
         self.B, self.N, self.D, self.H, self.d = B, N, D, H, d
         self.M = M = B * N * N
         self.project_mma = _configs.project_uses_tensor_cores(precision, dw.compute_capability)
@@ -439,9 +472,9 @@ class Plan:
              _i32(B), _i32(N), _i32(D), _i32(H),
              _f32(dw.eps), _f32(LOG2E / math.sqrt(d)),
              _pointer(dw.gamma.data.ptr), _pointer(dw.beta.data.ptr),
-             _pointer(dw.projection_weight("qkvg", self.weight_layout, self.scaled).data.ptr),
-             _pointer(dw.qkvg_bias(self.scaled).data.ptr),
-             _pointer(dw.bias_weight(self.project_f16, self.scaled).data.ptr), None,
+             _pointer(dw.projection_weight("qkvg", self.weight_layout, self.scales).data.ptr),
+             _pointer(dw.qkvg_bias(self.scales).data.ptr),
+             _pointer(dw.bias_weight(self.project_f16, self.scales).data.ptr), None,
              *_mask_args(mask_meta),
              None, None, _i32(self.npk), None, *self._f16_projection_args(dw)),
             ((0, "pair"), (17, "mask"), (22, "qkvg"), (23, "bias"), (25, "vt")))
@@ -453,7 +486,7 @@ class Plan:
             "gated_out_project", -(-M // out_rows), _configs.PROJECT_THREADS,
             _configs.project_smem_bytes(D, out_rows, self.project_mma),
             (None, _i64(M), _i32(D),
-             _pointer(dw.projection_weight("out", self.weight_layout, self.scaled).data.ptr),
+             _pointer(dw.projection_weight("out", self.weight_layout, self.scales).data.ptr),
              _pointer(dw.b_out.data.ptr), None, *self._f16_projection_args(dw, out=True)),
             ((0, "qkvg"), (5, "out")))
         self.nan_fully_masked = nan_fully_masked
@@ -463,14 +496,15 @@ class Plan:
         gated_out_project), a_scale and unscale (none otherwise)."""
         if not self.project_f16:
             return ()
-        s = dw.f16_scales(self.scaled)
+        s = dw.f16_scales(self.scales)
         a, w = (s.out_a, s.out_w) if out else (s.a, s.w)
         return _f32(a), _f32(1.0 / (a * w))
 
     @property
-    def scaled(self) -> bool:
-        """Whether q, k and v come scaled into fp16's range (KV_F16_FORMATS)."""
-        return self.kv_format in _configs.KV_F16_FORMATS
+    def scales(self):
+        """(s_q, s_k, s_v, s_b): the powers of two q, k, v and the pair bias come scaled by
+        into fp16's range (KV_F16_FORMATS; DeviceWeights.qkv_scales), or None."""
+        return self._qkv_scales.get(self.kv_format)
 
     def attention_launch(self, k: "_configs.AttentionLaunch", nan_fully_masked: bool):
         if k.kv_format != self.kv_format:
@@ -483,7 +517,7 @@ class Plan:
         if k.kv_format in _configs.KV_TILED_FORMATS:  # and v (and k) from the tiles
             args, slots = args + (None,), slots + ((7, "vt"),)
         if k.kv_format in _configs.KV_F16_FORMATS:  # undo the projection's scales
-            s_q, s_k, s_v = self.f16x3_scales
+            s_q, s_k, s_v, _ = self.scales
             args += (_f32(1.0 / (s_q * s_k)), _f32(1.0 / s_v))
         return _Launch(k.config, k.name, k.blocks(self.B, self.N, self.H), k.threads, k.smem,
                        args, slots)
