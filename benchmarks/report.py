@@ -357,7 +357,8 @@ def _attention_core_table(data, stage_rows) -> list[str]:
             "fp32 mode runs them as split products on tensor cores, three per counted one: "
             "fp16 hi + lo on wgmma from N = 129 at head dim 32 (class fp32x3: a third of the "
             "bf16 ceiling), 3xTF32 below (a third of the TF32 ceiling: there the fp32x3 "
-            "fraction is low by ~2x).", ""]
+            "fraction is low by ~2x). The tf32 mode runs one fp16 product of scaled operands "
+            "there (class f16: TF32's bits at the bf16 rate), TF32 products below.", ""]
 
 
 def _md_escape(text: str) -> str:

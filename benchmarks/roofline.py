@@ -21,13 +21,17 @@ from __future__ import annotations
 NOMINAL_H200 = {"copy_GBps": 4200.0, "fp32_TFLOPs": 51.0, "tf32_TFLOPs": 406.0,
                 "bf16_TFLOPs": 779.0}
 
-CLASSES = ("fp32", "tf32", "bf16", "fp32x3")
+CLASSES = ("fp32", "tf32", "bf16", "fp32x3", "f16")
 # fp32x3: fp32-accurate products as three 16-bit tensor-core products each (ours in fp32
 # mode: a = hi + lo in fp16, hi*lo + lo*hi + hi*hi), so a third of the bf16 rate (fp16 runs
 # at bf16's). Not measured on its own: derived from the bf16 ceiling (rate()). Where our
 # fp32 mode runs 3xTF32 instead (N <= 128, or no wgmma), its ceiling is a third of TF32's,
 # about half of this, so the fraction shown there is low by about 2x.
 SPLIT_PRODUCTS = 3
+# f16: TF32-accurate products as one fp16 product of operands scaled into its range (ours in
+# tf32 mode on the wgmma path: fp16 keeps TF32's 11 significant bits), so the bf16 rate; its
+# accuracy class (benchmarks/common.py TOLERANCE) is TF32's. Where our tf32 mode runs TF32
+# products instead (N <= 128, or no wgmma) the fraction shown is low by about 2x.
 
 
 def attention_core_flops(B: int, N: int, D: int) -> int:
@@ -66,9 +70,11 @@ def rate_key(cls: str) -> str:
 
 
 def rate(ceilings: dict, cls: str) -> float:
-    """The TFLOP/s ceiling of class `cls` in `ceilings` (fp32x3: derived from bf16's)."""
+    """The TFLOP/s ceiling of class `cls` in `ceilings` (fp32x3, f16: derived from bf16's)."""
     if cls == "fp32x3":
         return ceilings[rate_key("bf16")] / SPLIT_PRODUCTS
+    if cls == "f16":
+        return ceilings[rate_key("bf16")]
     return ceilings[rate_key(cls)]
 
 
@@ -99,16 +105,17 @@ def precision_classes(system: str, precision: str | None = None) -> tuple[str, s
     """(core class, projection class) of a benchmarked system, for its floor.
 
     Peers in bf16 run their attention core in bf16 but the projections in fp32 PyTorch.
-    Ours: from the precision mode's name ("bf16"/"fp16" -> bf16, "tf32" -> tf32, else
-    fp32x3: the fp32 mode's split products on the 16-bit tensor cores) for both parts;
-    adjust here when a mode mixes them.
+    Ours: from the precision mode's name ("bf16"/"fp16" -> bf16, "tf32" -> f16: one fp16
+    product of scaled operands, TF32's bits at the 16-bit rate; else fp32x3: the fp32
+    mode's split products on the 16-bit tensor cores) for both parts; adjust here when a
+    mode mixes them.
     """
     name = (precision or system).lower()
     if system.startswith("ours"):
         if "bf16" in name or "fp16" in name or "half" in name:
             return "bf16", "bf16"
         if "tf32" in name:
-            return "tf32", "tf32"
+            return "f16", "f16"
         return "fp32x3", "fp32x3"
     if name.endswith("bf16"):
         return "bf16", "fp32"

@@ -97,8 +97,10 @@ def test_precision_classes():
     assert pc("sdpa") == ("fp32", "fp32")
     assert pc("ours_bf16", "bf16") == ("bf16", "bf16")
     assert pc("ours_fp32", None) == ("fp32x3", "fp32x3")  # split products, tensor cores
+    assert pc("ours_tf32", "tf32") == ("f16", "f16")  # one fp16 product of scaled operands
     c = dict(roofline.NOMINAL_H200)
     assert roofline.rate(c, "fp32x3") == pytest.approx(c["bf16_TFLOPs"] / 3)
+    assert roofline.rate(c, "f16") == c["bf16_TFLOPs"]
 
 
 def test_padding_mask_like_the_peers():
