@@ -31,8 +31,9 @@
 // likewise (24 wgmma) into PV_GROUPS fresh accumulators per tile, each added to O in
 // fp32: the tensor cores' accumulation truncates, so its chains are kept short
 // (benchmarks/NOTES.md, session 9).
-// BF16 (attention_bf16_wgmma, BULK only): Q as packed bf16 A fragments (the projection
-// stores q so), 2 wgmma m64n64k16 for S and 4 m64n40k16 for P V, P rounded to bf16 as it is
+// BF16 (attention_bf16_wgmma, BULK only): Q packed bf16 (the projection stores q so), written
+// once to a shared-memory tile that S's products read by descriptor (Q_SHARED), 2 wgmma
+// m64n64k16 for S and 4 m64n40k16 for P V, P rounded to bf16 as it is
 // exponentiated; the projection writes K tiles [64 keys][32 dims] bf16 in the 64-byte
 // swizzle and V^T tiles [32 dims][64 keys] bf16, one 128-byte row per dim, keys in their own
 // order (a bf16 A fragment takes S's columns in order: KV_FORMAT 6); fp32 softmax and O.
@@ -213,7 +214,7 @@ typedef unsigned short bias_elem;  // fp16 bits
 // Q_SHARED: then (from the next 1024 bytes) each warpgroup's Q tile [64 queries][32 dims],
 // 16-bit, in the 64-byte swizzle (K's layout), 4 KiB.
 #define Q_OFFSET (STAGES * STAGE_BYTES + 1024)
-#define Q_TILE 4096
+#define Q_TILE (64 * HEAD_DIM * 2)  // bytes
 #define SMEM_BYTES (Q_SHARED ? Q_OFFSET + 2 * ROWS * Q_TILE + 1024 \
                              : STAGES * STAGE_BYTES + BULK * 16 * STAGES + 1024)
 
@@ -279,8 +280,8 @@ ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int 
 
     // This warp: warpgroup wg, row rw of the block, queries q0 .. q0 + 15.
     // (ROWS 1: rw a constant 0, so the descriptors of the products stay in uniform
-    // registers: ~26-50 fewer instructions per tile, ptxas; not for F16X3, which it takes
-    // from 126 registers to 128 and 16 bytes of spills)
+    // registers: ~26-50 fewer instructions per tile, ptxas; not for F16X3, whose 128
+    // registers it pushed into spills)
     const int wg = warp / 4, rw = ROWS == 1 && !F16X3 ? 0 : wg / ROW_GROUPS;
     const bool row_ok = i0 + rw < N;
     float* const row = row_base(rw);

@@ -123,12 +123,15 @@ __device__ __forceinline__ void map_column(Tile& acc, int j, float2 cb, F f) {
 //   arrive scaled by powers of two that keep them inside fp16's range (the weights are:
 //   DeviceWeights.f16x3_scales).
 // 8 as 7 with the hi parts only (attention_f16_wgmma, the tf32 mode; head dim 32): fp16
-//   keeps TF32's 11 significant bits, so q, k and v scaled into its range (as format 7's)
-//   lose no more than TF32 rounding would. Per (b, i, head, 64 keys) 8 KiB, the K tile then
-//   the V^T tile (format 6's layout in fp16); qkvg rows of 2D words, q's 16 fp16 words per
-//   head at [32 h, 32 h + 16), the gate packed fp16 from word D (G_F16: its 11 bits are
-//   what the out projection's fp16 product keeps of g o anyway, at half format 7's
-//   bytes); the pair bias in format 5's fp16 tiles.
+//   keeps TF32's 11 significant bits, so q, k and v scaled into its range lose no more
+//   than TF32 rounding would. Per (b, i, head, 64 keys) 8 KiB, the K tile then the V^T tile
+//   (format 6's layout in fp16); qkvg rows of 2D words, q's 16 fp16 words per head at
+//   [32 h, 32 h + 16), the gate packed fp16 from word D (G_F16: its 11 bits are what the
+//   out projection's fp16 product keeps of g o anyway, at half format 7's bytes; but gates
+//   below fp16's normal range, 2^-14, lose bits: README, Not done yet); the pair bias in
+//   format 5's fp16 tiles, stored times s_b = s_q s_k (the units the attention accumulates
+//   S in). The scales are DeviceWeights.qkv_scales' (f16_biased_scales: f16x3's, with s_q
+//   and s_k lowered where the scaled bias would leave fp16).
 #ifndef KV_FORMAT
 #define KV_FORMAT 0
 #endif
@@ -485,7 +488,7 @@ __device__ __forceinline__ void store_qkvg(Tile& acc, int n0, const float2 (&cb)
             });
             col[j] = Q_WORD(D) + n / 2;
             packed[j] = true;
-#elif F16_QKV  // head n / 32's fp16 hi word, its lo Q_LO_WORDS further (store_pairs)
+#elif F16_QKV  // head n / 32's fp16 hi word (format 7: its lo Q_LO_WORDS further, store_pairs)
             map_column(acc, j, cb[j], [&](float2 v) {
                 u32 hi, lo = 0u;
 #if HI_LO

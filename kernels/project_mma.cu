@@ -418,9 +418,10 @@ __device__ __noinline__ void pair_bias(const float* As, int astr, const float* _
             const float* const w2 = w + t;  // this lane's k pairs: 2t, 2t + 1 (+ 8)
 #pragma unroll 2
             for (int k0 = 0; k0 < dpad; k0 += 16) {
-                u32 ah[4], al[4], bh[2], bl[2];
+                u32 ah[4], bh[2], bl[2];
                 ldsm_x4(ah, a_row + 4 * k0);
 #if F16_TERMS == 3
+                u32 al[4];
                 ldsm_x4(al, a_row + 4 * k0 + 32);
 #endif
                 // D % 4 == 0: k0 + 2t < D covers k0 + 2t + 1

@@ -160,9 +160,6 @@ __device__ __forceinline__ void wgmma_m64n64k16_f16_ss(float (&d)[32], u64 a, u6
 }
 // D = A B (scale-d 0: D's old values neither read nor needed), for the first product into
 // a fresh accumulator.
-__device__ __forceinline__ void wgmma_m64n64k16_f16_ss_first(float (&d)[32], u64 a, u64 b) {
-    WGMMA_N64_SS("wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16", "0, 1, 1, 0, 0", "=f", d, a, b);
-}
 __device__ __forceinline__ void wgmma_m64n64k16_f16_first(float (&d)[32], const u32 (&a)[4], u64 b) {
     WGMMA_N64("wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16", "0, 1, 1, 0", "=f", d, a, b);
 }

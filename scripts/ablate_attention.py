@@ -24,8 +24,12 @@ PATCHES = {  # name -> [(text, replacement)], every occurrence replaced
     "no_exp": [("__float_as_uint(fast_exp2(", "__float_as_uint((")],
     "no_rescale": [("    auto rescale = [&](const float (&s)[4 * NT]) {\n",
                     "    auto rescale = [&](const float (&s)[4 * NT]) {\n        if (!(N < 0)) return;\n")],
-    "no_bias": [("half2_to_float2(pair[0])", "make_float2(0.f, (float)n)"),
-                ("half2_to_float2(pair[BIAS_ROW8])", "make_float2((float)n, 0.f)")],
+    # S from constants instead of the bias tile (no loads, no conversions)
+    "no_bias": [("            bias_pairs(r, stage, j, 0);\n#pragma unroll\n"
+                 "            for (int q = 0; q < 4; ++q) {\n"
+                 "                const float2 x = half2_to_float2(r[q]);",
+                 "            for (int q = 0; q < 4; ++q) {\n"
+                 "                const float2 x = make_float2((float)q, (float)j);")],
     "no_s": [("for (int kk = 0; kk < DT; ++kk) wgmma_m64n64k8_tf32(",
               f"for (int kk = 0; kk < DT * ({NEVER}); ++kk) wgmma_m64n64k8_tf32(")],
     "no_pv": [("for (int kk = 0; kk < NT; ++kk) wgmma_m64n40k8_tf32(",
@@ -52,8 +56,7 @@ BF16_PATCHES = {
     "no_rescale": PATCHES["no_rescale"],
     "no_bias": PATCHES["no_bias"],
     # the bias words read as bf16 pairs (shift, mask) instead of converted from fp16
-    "bias_bf16": [("half2_to_float2(pair[0])", "bf16_pair(pair[0])"),
-                  ("half2_to_float2(pair[BIAS_ROW8])", "bf16_pair(pair[BIAS_ROW8])"),
+    "bias_bf16": [("const float2 x = half2_to_float2(r[q]);", "const float2 x = bf16_pair(r[q]);"),
                   ('#include "wgmma.cuh"\n', '#include "wgmma.cuh"\n__device__ __forceinline__ float2 '
                    "bf16_pair(u32 w) { return make_float2(__uint_as_float(w << 16), "
                    "__uint_as_float(w & 0xffff0000u)); }\n")],
@@ -62,10 +65,10 @@ BF16_PATCHES = {
                    ('#include "wgmma.cuh"\n', '#include "wgmma.cuh"\n__device__ __forceinline__ u32 '
                     "pack_trunc(float a, float b) { return __byte_perm(__float_as_uint(a), "
                     "__float_as_uint(b), 0x7632); }\n")],
-    "no_s": [("for (int kk = 0; kk < HEAD_DIM / 16; ++kk) wgmma_m64n64k16_bf16(",
-              f"for (int kk = 0; kk < HEAD_DIM / 16 * ({NEVER}); ++kk) wgmma_m64n64k16_bf16(")],
-    "no_pv": [("for (int kk = 0; kk < NT / 2; ++kk) wgmma_m64n40k16_bf16(",
-               f"for (int kk = 0; kk < NT / 2 * ({NEVER}); ++kk) wgmma_m64n40k16_bf16(")],
+    "no_s": [("            wgmma_m64n64k16_bf16_ss(s, ",
+              f"            if ({NEVER}) wgmma_m64n64k16_bf16_ss(s, ")],
+    "no_pv": [("            wgmma_m64n40k16_bf16(o, pa[kk], ",
+               f"            if ({NEVER}) wgmma_m64n40k16_bf16(o, pa[kk], ")],
 }
 BF16_VARIANTS = {"full": [], **{name: [name] for name in BF16_PATCHES},
                  "bias_bf16,pack_trunc": ["bias_bf16", "pack_trunc"],

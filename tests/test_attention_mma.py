@@ -191,7 +191,8 @@ def test_wgmma_both_policies_on_one_input(cp, variant):
 def test_f16_products_keep_their_accuracy_at_any_weight_scale(cp, magnitude, variant):
     """The fp32 mode's fp16 split products (f16x3) and the tf32 mode's one fp16 product
     (f16) scale q, k and v into fp16's range by powers of two from the weights
-    (_gpu.f16x3_scales): tiny or huge q/k/v weights must neither underflow nor overflow
+    (_gpu.f16x3_scales, f16_biased_scales): tiny or huge q/k/v weights must neither
+    underflow nor overflow
     (inf, NaN). f16x3 keeps the fp32 bound; f16 is held to the TF32 wgmma kernel's error
     on the same inputs (at 1e3 the scores reach ~1e6, where an 11-bit rounding of q and k
     moves them by hundreds: no TF32 product keeps 2e-3 there, PyTorch's neither)."""

@@ -270,6 +270,34 @@ def test_error_within_twice_pytorch_in_the_same_precision(cp, rng, precision):
 
 
 @pytest.mark.parametrize("precision", ["fp32", "tf32", "bf16"])
+def test_saturated_gates_with_no_out_bias(cp, rng, request, precision):
+    """Every gate near 0 (gate bias -20: g ~ 2e-9) and no out bias, past N = 128 at head
+    dim 32: the output is (g o) Wo, tiny, and every mode must still hold its bound.
+    A known defect on compute capability 9.0 (the session 12 review found it; marked
+    xfail there, strictly, so that its fix shows): the fp16 out projections (F16_TERMS)
+    scale g o by a fixed power of two from the weights (|g o| <= max |v|), which leaves it
+    among fp16's subnormals here, and the tf32 mode's fp16 gate flushes to 0 (measured:
+    tf32 1.0, fp32 2.7e-2, bf16 2.7e-2). The fix: a per-block scale from the tile's
+    largest |g o|, and the gate in fp32 (or scaled) for KV_FORMAT 8."""
+    if cp.cuda.Device().compute_capability == "90":
+        request.applymarker(pytest.mark.xfail(strict=True, reason="fp16 out projection of "
+                                              "tiny gates: README, Not done yet"))
+    base = ta.random_weights(64, 2, seed=int(rng.integers(1 << 31)))
+    params = dict(base.params)
+    params["gate.bias"] = np.full_like(params["gate.bias"], -20.0)
+    params["out_proj.bias"] = np.zeros_like(params["out_proj.bias"])
+    weights = ta.Weights(base.pair_dim, base.num_heads, base.layer_norm_eps, params)
+    pair = rng.standard_normal((1, 136, 136, 64)).astype(np.float32) * 2 + 0.5
+    mask = make_mask(rng, 1, 136, fully_masked_rows=False)
+    expected = reference.triangle_attention(pair, mask, weights)
+    got = ta.triangle_attention(cp.asarray(pair), cp.asarray(mask), weights,
+                                precision=precision).get()
+    err = rel_l2(got, expected)
+    print(f"{precision} saturated gates: rel L2 {err:.3g}")
+    assert err <= TOLERANCE[precision], (precision, err)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "tf32", "bf16"])
 def test_sizes_past_the_wgmma_thresholds(cp, rng, precision):
     """Head dim 32 at N = 293 and 321, where every mode takes the wgmma attention on an
     H100/H200 (from N = 129: _configs.uses_wgmma; elsewhere the mma.sync kernels):

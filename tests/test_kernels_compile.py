@@ -31,8 +31,9 @@ def _allowed_spill_bytes(config, arch) -> int:
       shape measured 25% faster than the spill-free ones (session 9);
     - 4 bytes in the 128-row bf16 projection for that attention, since its V^T stores
       went to 32-bit words through a lane shuffle (session 10);
-    - 4 bytes in the tf32 wgmma path's out projection on fp16 products (F16_TERMS 1, 64
-      rows, 80 registers for 3 blocks per SM; session 11).
+    - up to 8 bytes in the out projection for the TF32 wgmma kernel's bulk tiles (KV_FORMAT
+      5, tests and sweeps only since the tf32 mode took format 8) on fp16 products
+      (F16_TERMS 1, 64 rows, 80 registers for 3 blocks per SM; session 11).
     Removing them is open work (benchmarks/NOTES.md). Every other kernel: none."""
     defines = dict(config.defines)
     if (config.filename == "attention_mma.cu" and defines["PREC"] == 0
@@ -232,7 +233,11 @@ def test_no_generic_lambdas_in_kernels():
     import pathlib
     import re
 
-    generic = re.compile(r"\[[^\]\n]*\]\s*\([^)]*\bauto\b")
-    found = [f"{path.name}:{n}" for path in sorted(pathlib.Path(_compile._kernels_folder()).glob("*.cu*"))
-             for n, line in enumerate(path.read_text().splitlines(), 1) if generic.search(line)]
+    # a capture list, then a parameter list (one level of nested parentheses, as in
+    # `float (&d)[32]`, across lines) naming `auto`
+    generic = re.compile(r"\[[^\]\n]*\]\s*\((?:[^()]|\([^()]*\))*\bauto\b")
+    found = [f"{path.name}:{text[:m.start()].count(chr(10)) + 1}"
+             for path in sorted(pathlib.Path(_compile._kernels_folder()).glob("*.cu*"))
+             for text in [path.read_text()] for m in generic.finditer(text)]
     assert not found, found
+    assert generic.search("[&](float (&d)[32],\n     auto x) {")  # the pattern does match

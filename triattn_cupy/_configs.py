@@ -443,10 +443,9 @@ class WgmmaTiles:
     the bias tiles), STAGES tiles in the cp.async ring, MIN_BLOCKS per SM asked of the
     compiler, PINGPONG: a row's second warpgroup starts its Q K^T once the first has its S,
     instead of both at once; PV_GROUPS (3xTF32 and f16x3): fresh P V accumulators per key
-    tile, each added to O in fp32; BULK (TF32, bf16 and f16x3, no ping-pong; bf16 and f16x3
-    have no other): warp 0
-    fills the stages with bulk copies from K and V^T tiles (KV_BULK_FORMATS), paced by
-    mbarriers."""
+    tile, each added to O in fp32; BULK (TF32, bf16, f16x3 and f16, no ping-pong; bf16,
+    f16x3 and f16 have no other): warp 0 fills the stages with bulk copies from K and V^T
+    tiles (KV_BULK_FORMATS), paced by mbarriers."""
     rows: int = 1
     stages: int = 2
     min_blocks: int = 2
@@ -459,14 +458,16 @@ def attention_wgmma_tiles(variant: str = "tf32") -> WgmmaTiles:
     """TF32: one row per block, two blocks (16 warps) per SM, tiles by bulk copies (BULK):
     the fastest measured at 1x384 and 1x1024 (scripts/sweep_tiles.py, benchmarks/NOTES.md:
     3.14 against 3.49 ms with cp.async at 1x1024). bf16 the same in three blocks per SM
-    (2.50 against 2.61 ms at 1x1024, the same at 1x384, despite 88 bytes of spills).
+    (2.50 against 2.61 ms at 1x1024, the same at 1x384, when it spilled 88 bytes; with Q
+    in shared memory since session 12, 78 registers and no spills: 2.08 ms). f16 (the tf32
+    mode's one fp16 product) as bf16 (2.26 against 2.70 ms in 2 blocks per SM).
     3xTF32: one block per SM (its two stages, with the lo parts, V as copied and an fp32
     bias tile, take 161 KiB), the row's warpgroups in ping-pong, two fresh P V
     accumulators per tile."""
     if variant == "tf32x3":
         return WgmmaTiles(min_blocks=1, pingpong=1, pv_groups=2)
-    if variant == "bf16":  # 3 blocks per SM: 80 registers, 88 bytes spilled, and 4% faster
-        return WgmmaTiles(bulk=1, min_blocks=3)  # at 1x1024 than 2 (sweep_xor.log)
+    if variant == "bf16":  # 3 blocks per SM: 78 registers, no spills (Q_SHARED); faster
+        return WgmmaTiles(bulk=1, min_blocks=3)  # at 1x1024 than 2 (session12_call2.txt)
     if variant == "f16x3":  # 2 blocks per SM (101 KiB each), one fresh P V accumulator
         return WgmmaTiles(bulk=1, pv_groups=1)  # per tile: 123 registers, no spills
     if variant == "f16":  # as bf16's
@@ -496,11 +497,12 @@ def attention_wgmma_smem_bytes(tiles: WgmmaTiles, variant: str = "tf32") -> int:
 
 def attention_wgmma_launch(head_dim: int = 32, tiles: WgmmaTiles | None = None,
                            variant: str = "tf32") -> AttentionLaunch:
-    """The TF32 ("tf32"), fp32-accurate ("tf32x3") or bf16 ("bf16") attention on wgmma
-    (attention_<variant>_wgmma), reading k and v as the projection stores them for it:
-    TF32 with V^T tiles (KV_TF32_VT), or with K, V^T and bias tiles where `tiles.bulk`
-    (KV_TF32_TILES); 3xTF32 as attention_tf32x3 (KV_FP32); bf16 with bulk copies only,
-    from bf16 K and V^T tiles (KV_BF16_TILES)."""
+    """The attention on wgmma of `variant` (attention_<variant>_wgmma), reading k and v as
+    the projection stores them for it: TF32 ("tf32") with V^T tiles (KV_TF32_VT), or with
+    K, V^T and bias tiles where `tiles.bulk` (KV_TF32_TILES); 3xTF32 ("tf32x3") as
+    attention_tf32x3 (KV_FP32); bf16 ("bf16"), the fp32 mode's fp16 split ("f16x3") and
+    the tf32 mode's one fp16 product ("f16") with bulk copies only, from their K and V^T
+    tiles (KV_BF16_TILES, KV_F16X3_TILES, KV_F16_TILES)."""
     if variant not in WGMMA_VARIANTS:
         raise ValueError(f"variant must be one of {tuple(WGMMA_VARIANTS)}; got {variant!r}")
     if head_dim not in WGMMA_HEAD_DIMS:

@@ -176,8 +176,9 @@ F16X3_TOP = 2.0 ** 14
 
 def f16x3_scales(weights: Weights) -> tuple[float, float, float]:
     """Powers of two (s_q, s_k, s_v) for the fp32 mode's fp16 hi + lo products and the tf32
-    mode's one fp16 product (kernels/attention_wgmma.cu F16X3, F16X1): s_t times any value of q (with its log2(e)/sqrt(d)),
-    k or v stays below F16X3_TOP, by a bound from the weights alone. LayerNorm's output n
+    mode's one fp16 product (kernels/attention_wgmma.cu F16X3; F16X1 from them,
+    f16_biased_scales): s_t times any value of q (with its log2(e)/sqrt(d)), k or v stays
+    below F16X3_TOP, by a bound from the weights alone. LayerNorm's output n
     (before gamma, beta) has |n|_2 <= sqrt(D) in every row, so column c of x W^T + b is
     at most sqrt(D) |gamma * W[c]|_2 + |W[c] . beta + b[c]| in magnitude (Cauchy-Schwarz);
     the scale puts the largest column bound at or below F16X3_TOP. The bound is ~sqrt(D)
@@ -251,9 +252,10 @@ def f16_projection_scales(weights: Weights, qkv_scales) -> F16Scales:
     """LayerNorm's output xn_d = n_d gamma_d + beta_d with |n|_2 <= sqrt(D) is at most
     sqrt(D) |gamma_d| + |beta_d|; the weights are [Wq; Wk; Wv; Wg] with the q, k, v rows
     times qkv_scales (s_q, s_k, s_v, s_b: as DeviceWeights lays them out) and the pair-bias
-    weights (times s_b), under one
-    scale (the kernel unscales every product by one factor); |g * o| <= max |v| (o is an
-    average of rows of v, 0 < g < 1), bounded as f16x3_scales bounds v."""
+    weights (times s_b), under one scale (the kernel unscales every product by one factor);
+    |g * o| <= max |v| (o is an average of rows of v, 0 < g < 1), bounded as f16x3_scales
+    bounds v. (A fixed scale: where every gate is tiny, g o falls toward fp16's subnormals;
+    README, Not done yet.)"""
     p = {k: np.asarray(v, np.float64) for k, v in weights.params.items()}
     D = weights.pair_dim
     xn_top = float(np.max(math.sqrt(D) * np.abs(p["layer_norm.weight"])
