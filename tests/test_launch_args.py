@@ -41,6 +41,19 @@ def test_weight_chunks_are_the_rings_chunks_in_order(no, d):
             assert np.array_equal(got, want), (p, c)
 
 
+def _worst_case_rows(w, gamma, rng):
+    """LayerNorm-normalised rows n (|n|_2 = sqrt(D); the mean need not be 0 for the bound)
+    reaching each column's bound, n = +-sqrt(D) u with u the unit vector along gamma * W[c]
+    (zero where that is zero), and 256 random rows."""
+    import math
+
+    D = w.shape[1]
+    u = w * gamma
+    norms = np.linalg.norm(u, axis=1, keepdims=True)
+    u = np.divide(u, norms, out=np.zeros_like(u), where=norms > 0)
+    return np.concatenate([math.sqrt(D) * u, -math.sqrt(D) * u, rng.standard_normal((256, D))])
+
+
 @pytest.mark.parametrize("magnitude", [1e-6, 1.0, 1e4])
 @pytest.mark.parametrize("D,h", [(128, 4), (64, 2), (96, 3)])
 def test_f16x3_scales_keep_q_k_v_inside_fp16(D, h, magnitude):
@@ -63,12 +76,7 @@ def test_f16x3_scales_keep_q_k_v_inside_fp16(D, h, magnitude):
                                   ("value", 1.0)), scales):
         assert s == 2.0 ** round(math.log2(s))
         w, b = params[f"{name}.weight"].astype(np.float64), params[f"{name}.bias"]
-        # worst-case normalised rows: n = sqrt(D) u, u the unit vector along +-gamma * W[c]
-        # (|n|_2 = sqrt(D), mean need not be 0 for the bound), and random rows
-        u = w * gamma
-        u /= np.linalg.norm(u, axis=1, keepdims=True)
-        n = np.concatenate([math.sqrt(D) * u, -math.sqrt(D) * u,
-                            rng.standard_normal((256, D))])
+        n = _worst_case_rows(w, gamma, rng)
         values = ((n * gamma + beta) @ w.T + b) * factor * s
         top = np.abs(values).max()
         assert top <= _gpu.F16X3_TOP
@@ -90,8 +98,6 @@ def test_f16_biased_scales_keep_the_scaled_bias_inside_fp16(qk, bias):
     times s_b = s_q s_k: every bias value (worst-case LayerNorm rows) times s_b stays at or
     below F16X3_TOP; s_q, s_k never exceed f16x3's (q and k stay inside fp16) and come down
     only as far as the bias needs (within a factor 4 of the top)."""
-    import math
-
     import triattn_cupy as ta
 
     D, h = 128, 4
@@ -106,11 +112,7 @@ def test_f16_biased_scales_keep_the_scaled_bias_inside_fp16(qk, bias):
     assert s_q <= qkv[0] and s_k <= qkv[1] and s_q / s_k in (qkv[0] / qkv[1], 2 * qkv[0] / qkv[1])
     gamma, beta = params["layer_norm.weight"].astype(np.float64), params["layer_norm.bias"]
     wb = params["bias_proj.weight"].astype(np.float64)
-    u = wb * gamma
-    norms = np.linalg.norm(u, axis=1, keepdims=True)
-    u = np.divide(u, norms, out=np.zeros_like(u), where=norms > 0)
-    rng = np.random.default_rng(3)
-    n = np.concatenate([math.sqrt(D) * u, -math.sqrt(D) * u, rng.standard_normal((256, D))])
+    n = _worst_case_rows(wb, gamma, np.random.default_rng(3))
     top = np.abs((n * gamma + beta) @ wb.T).max() * _gpu.LOG2E * s_b
     assert top <= _gpu.F16X3_TOP
     if s_b < qkv[0] * qkv[1]:  # brought down for the bias: no further than needed

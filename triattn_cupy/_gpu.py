@@ -184,7 +184,7 @@ def f16x3_scales(weights: Weights) -> tuple[float, float, float]:
     the scale puts the largest column bound at or below F16X3_TOP. The bound is ~sqrt(D)
     times a typical value, so values sit well above fp16's subnormals. Powers of two: the
     scaled weights are exact, and the kernel undoes them exactly."""
-    p = {k: np.asarray(v, np.float64) for k, v in weights.params.items()}
+    p = _float64_params(weights)
     D = weights.pair_dim
     return tuple(_power_of_two_below(_projection_bound(p, D, name) * factor)
                  for name, factor in (("query", LOG2E / math.sqrt(weights.head_dim)),
@@ -204,11 +204,7 @@ def f16_biased_scales(weights: Weights, qkv: tuple[float, float, float]):
     bias's own fp16 rounding in S anyway (random weights: s_q, s_k 2^13, 2^11 -> 2^6, 2^4).
     """
     s_q, s_k, s_v = qkv
-    p = {k: np.asarray(v, np.float64) for k, v in weights.params.items()}
-    gamma, beta = p["layer_norm.weight"], p["layer_norm.bias"]
-    wb = p["bias_proj.weight"]
-    bias_top = LOG2E * float((math.sqrt(weights.pair_dim) * np.linalg.norm(wb * gamma, axis=1)
-                              + np.abs(wb @ beta)).max(initial=0.0))
+    bias_top = LOG2E * _projection_bound(_float64_params(weights), weights.pair_dim, "bias_proj")
     if bias_top > 0:
         over = s_q * s_k / _power_of_two_below(bias_top)  # a power of two
         if over > 1:
@@ -217,10 +213,15 @@ def f16_biased_scales(weights: Weights, qkv: tuple[float, float, float]):
     return s_q, s_k, s_v, s_q * s_k
 
 
+def _float64_params(weights: Weights) -> dict:
+    return {k: np.asarray(v, np.float64) for k, v in weights.params.items()}
+
+
 def _projection_bound(p: dict, D: int, name: str) -> float:
     """The largest |LayerNorm(x) W^T + b| any input can give for projection `name` (float64
-    parameters p): sqrt(D) |gamma * W[c]|_2 + |W[c] . beta + b[c]| over the columns c."""
-    w, b = p[f"{name}.weight"], p[f"{name}.bias"]
+    parameters p): sqrt(D) |gamma * W[c]|_2 + |W[c] . beta + b[c]| over the columns c (b = 0
+    for the pair-bias projection, which has none)."""
+    w, b = p[f"{name}.weight"], p.get(f"{name}.bias", 0.0)
     gamma, beta = p["layer_norm.weight"], p["layer_norm.bias"]
     bound = math.sqrt(D) * np.linalg.norm(w * gamma, axis=1) + np.abs(w @ beta + b)
     return float(bound.max()) if bound.size else 0.0
@@ -256,7 +257,7 @@ def f16_projection_scales(weights: Weights, qkv_scales) -> F16Scales:
     |g * o| <= max |v| (o is an average of rows of v, 0 < g < 1), bounded as f16x3_scales
     bounds v. (A fixed scale: where every gate is tiny, g o falls toward fp16's subnormals;
     README, Not done yet.)"""
-    p = {k: np.asarray(v, np.float64) for k, v in weights.params.items()}
+    p = _float64_params(weights)
     D = weights.pair_dim
     xn_top = float(np.max(math.sqrt(D) * np.abs(p["layer_norm.weight"])
                           + np.abs(p["layer_norm.bias"])))
