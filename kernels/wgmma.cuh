@@ -133,10 +133,6 @@ __device__ __forceinline__ void wgmma_m64n40k8_tf32(float (&d)[20], const u32 (&
 // the lower column in the low half; as mma.sync m16n8k16): a0 (g, 2t..2t+1) a1 (g+8,
 // 2t..2t+1) a2 (g, 2t+8..2t+9) a3 (g+8, 2t+8..2t+9). B K-major (the last operand 0: not
 // transposed).
-// D (64 x 64, f32) += A (64 x 16, bf16, registers) B (16 x 64, bf16, descriptor).
-__device__ __forceinline__ void wgmma_m64n64k16_bf16(float (&d)[32], const u32 (&a)[4], u64 b) {
-    WGMMA_N64("wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16", "1, 1, 1, 0", "+f", d, a, b);
-}
 // D (64 x 64, f32) += A (64 x 16, bf16, descriptor) B (16 x 64, bf16, descriptor); the
 // immediates: scale-d, the A and B scales, A and B not transposed.
 __device__ __forceinline__ void wgmma_m64n64k16_bf16_ss(float (&d)[32], u64 a, u64 b) {
