@@ -116,9 +116,12 @@ class DeviceWeights:
         `scales`: Wq, Wk, Wv multiplied by its s_q, s_k, s_v (qkv_scales: for the
         projections that write KV_F16_FORMATS). Made on first use, on this device (the
         caller holds it current)."""
+        if name != "qkvg":  # Wo's layouts do not depend on them: one copy serves every format
+            scales = None
+
         def make():
             plain = self._plain[name]
-            if scales and name == "qkvg":
+            if scales:
                 plain = plain * _cupy().asarray(_qkv_row_scales(scales, self.pair_dim))[:, None]
             if layout == "chunks":
                 return weight_chunks(plain)
