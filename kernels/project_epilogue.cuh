@@ -126,9 +126,8 @@ __device__ __forceinline__ void map_column(Tile& acc, int j, float2 cb, F f) {
 //   keeps TF32's 11 significant bits, so q, k and v scaled into its range lose no more
 //   than TF32 rounding would. Per (b, i, head, 64 keys) 8 KiB, the K tile then the V^T tile
 //   (format 6's layout in fp16); qkvg rows of 2D words, q's 16 fp16 words per head at
-//   [32 h, 32 h + 16), the gate packed fp16 from word D (G_F16: its 11 bits are what the
-//   out projection's fp16 product keeps of g o anyway, at half format 7's bytes; but gates
-//   below fp16's normal range, 2^-14, lose bits: README, Not done yet); the pair bias in
+//   [32 h, 32 h + 16), the gate fp32 at [D, 2D) (in fp16, session 12, gates below fp16's
+//   normal range lost their bits and below ~6e-8 became 0); the pair bias in
 //   format 5's fp16 tiles, stored times s_b = s_q s_k (the units the attention accumulates
 //   S in). The scales are DeviceWeights.qkv_scales' (f16_biased_scales: f16x3's, with s_q
 //   and s_k lowered where the scaled bias would leave fp16).
@@ -140,7 +139,6 @@ __device__ __forceinline__ void map_column(Tile& acc, int j, float2 cb, F f) {
 #define QG_PACKED (KV_FORMAT == 2 || KV_FORMAT == 6)  // q and the gate packed bf16
 #define F16_QKV (KV_FORMAT == 7 || KV_FORMAT == 8)  // q, k, v scaled, in fp16; rows of 2D words
 #define HI_LO (KV_FORMAT == 7)  // q, k, v and the bias as fp16 hi and lo
-#define G_F16 (KV_FORMAT == 8)  // the gate packed fp16
 #if KV_TILED
 #include "wgmma.cuh"
 #endif
@@ -230,16 +228,12 @@ __device__ __forceinline__ void store_pair_bias_tiled(bias_t* __restrict__ bias,
 #define Q_LO_WORDS 16  // HI_LO: from a q hi word to its lo word (head dim 32: 16 hi words)
 
 // Gate values k .. k + 3 of a qkvg row (k % 4 == 0): fp32, or (KV_FORMAT 2, 6) two packed
-// bf16 words, widened, or (8) two packed fp16 words.
+// bf16 words, widened.
 __device__ __forceinline__ float4 load_gate4(const float* row, int D, int k) {
 #if QG_PACKED
     const uint2 w = __ldg(reinterpret_cast<const uint2*>(row + GATE_WORD(D) + k / 2));
     return make_float4(__uint_as_float(w.x << 16), __uint_as_float(w.x & 0xffff0000u),
                        __uint_as_float(w.y << 16), __uint_as_float(w.y & 0xffff0000u));
-#elif G_F16
-    const uint2 w = __ldg(reinterpret_cast<const uint2*>(row + GATE_WORD(D) + k / 2));
-    const float2 lo = half2_to_float2(w.x), hi = half2_to_float2(w.y);
-    return make_float4(lo.x, lo.y, hi.x, hi.y);
 #else
     return ld4(row + GATE_WORD(D) + k);
 #endif
@@ -506,13 +500,9 @@ __device__ __forceinline__ void store_qkvg(Tile& acc, int n0, const float2 (&cb)
             });
 #endif
         } else if (n >= 3 * D) {
-#if QG_PACKED || G_F16  // packed bf16 (or fp16) from GATE_WORD
+#if QG_PACKED  // packed bf16 from GATE_WORD
             map_column(acc, j, cb[j], [](float2 v) {
-#if G_F16
-                return make_float2(__uint_as_float(pack_f16(sigmoid(v.x), sigmoid(v.y))), 0.f);
-#else
                 return make_float2(__uint_as_float(pack_bf16(sigmoid(v.x), sigmoid(v.y))), 0.f);
-#endif
             });
             col[j] = GATE_WORD(D) + (n - 3 * D) / 2;
             packed[j] = true;

@@ -245,10 +245,10 @@ class F16Scales:
     """Powers of two for the projections on fp16 products (project_mma.cu F16_TERMS), each
     putting its operand's largest possible value at or below F16X3_TOP: a, w:
     ln_qkvg_project's LayerNorm output and weights (the pair-bias weights included);
-    out_a, out_w: gated_out_project's g * o and Wo."""
+    out_w: gated_out_project's Wo (its g * o each block scales by its own largest value:
+    load_gated_tile_f16)."""
     a: float
     w: float
-    out_a: float
     out_w: float
 
 
@@ -257,9 +257,7 @@ def f16_projection_scales(weights: Weights, qkv_scales) -> F16Scales:
     sqrt(D) |gamma_d| + |beta_d|; the weights are [Wq; Wk; Wv; Wg] with the q, k, v rows
     times qkv_scales (s_q, s_k, s_v, s_b: as DeviceWeights lays them out) and the pair-bias
     weights (times s_b), under one scale (the kernel unscales every product by one factor);
-    |g * o| <= max |v| (o is an average of rows of v, 0 < g < 1), bounded as f16x3_scales
-    bounds v. (A fixed scale: where every gate is tiny, g o falls toward fp16's subnormals;
-    README, Not done yet.)"""
+    and Wo."""
     p = _float64_params(weights)
     D = weights.pair_dim
     xn_top = float(np.max(math.sqrt(D) * np.abs(p["layer_norm.weight"])
@@ -268,7 +266,6 @@ def f16_projection_scales(weights: Weights, qkv_scales) -> F16Scales:
                  zip(("query", "key", "value", "gate"), (*qkv_scales[:3], 1.0))]
                 + [float(np.abs(p["bias_proj.weight"]).max()) * qkv_scales[3]])
     return F16Scales(_power_of_two_below(xn_top), _power_of_two_below(w_top),
-                     _power_of_two_below(_projection_bound(p, D, "value")),
                      _power_of_two_below(float(np.abs(p["out_proj.weight"]).max())))
 
 
@@ -498,13 +495,14 @@ class Plan:
         self.nan_fully_masked = nan_fully_masked
 
     def _f16_projection_args(self, dw: DeviceWeights, out: bool = False):
-        """F16_TERMS's last two arguments of ln_qkvg_project (or `out`: of
-        gated_out_project), a_scale and unscale (none otherwise)."""
+        """F16_TERMS's last arguments of ln_qkvg_project, a_scale and unscale (or `out`:
+        gated_out_project's w_unscale); none otherwise."""
         if not self.project_f16:
             return ()
         s = dw.f16_scales(self.scales)
-        a, w = (s.out_a, s.out_w) if out else (s.a, s.w)
-        return _f32(a), _f32(1.0 / (a * w))
+        if out:  # the kernel scales each block's g o itself (load_gated_tile_f16)
+            return (_f32(1.0 / s.out_w),)
+        return _f32(s.a), _f32(1.0 / (s.a * s.w))
 
     @property
     def scales(self):
