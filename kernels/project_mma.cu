@@ -469,79 +469,61 @@ __device__ __noinline__ void pair_bias(const float* As, int astr, const float* _
     }
 }
 
-// As[ml][k] = TF32(g * o) of block row ml (zero past M and past D), o = qkvg[m, 0:D],
-// g the gate (load_gate4). Batches of 8 float4 pairs per thread (16 loads in flight): the out
-// projection waits on these loads. Not inlined: inlined, its registers pushed the
-// kernel's products into spills (ptxas).
-__device__ __noinline__ void load_gated_tile(const float* __restrict__ qkvg, i64 M, int D,
-                                             int dpad, int astr, i64 m0, float* As) {
+// As[ml][k] = op(g * o) of block row ml (zero past M and past D), o = qkvg[m, 0:D], g the
+// gate (load_gate4): a float4 piece per thread, consecutive threads on consecutive pieces
+// of a row (conflict-free stores), in batches of BATCH per thread (2 BATCH loads in
+// flight): the out projection waits on these loads.
+template <int BATCH, class Op>
+__device__ __forceinline__ void load_gated_pieces(const float* __restrict__ qkvg, i64 M, int D,
+                                                  int dpad, int astr, i64 m0, float* As, Op op) {
     const i64 ld = (F16_QKV ? 2LL : 4LL) * D;  // QKVG_LD
     const int per_row = dpad / 4, total = BM * per_row;
-    for (int base = threadIdx.x; base < total; base += 8 * THREADS) {
-        float4 v[8];
+    for (int base = threadIdx.x; base < total; base += BATCH * THREADS) {
+        float4 v[BATCH];
 #pragma unroll
-        for (int u = 0; u < 8; ++u) {
+        for (int u = 0; u < BATCH; ++u) {
             const int idx = base + u * THREADS, ml = idx / per_row, k = (idx % per_row) * 4;
             v[u] = zero4();
             if (idx < total && m0 + ml < M && k < D) {
                 const float* row = qkvg + (m0 + ml) * ld;
                 const float4 o = ld4(row + k), g = load_gate4(row, D, k);
-                v[u] = operand4(make_float4(g.x * o.x, g.y * o.y, g.z * o.z, g.w * o.w));
+                v[u] = op(make_float4(g.x * o.x, g.y * o.y, g.z * o.z, g.w * o.w));
             }
         }
 #pragma unroll
-        for (int u = 0; u < 8; ++u) {
+        for (int u = 0; u < BATCH; ++u) {
             const int idx = base + u * THREADS;
             if (idx < total) st4(As + (idx / per_row) * astr + (idx % per_row) * 4, v[u]);
         }
     }
 }
 
+// As = TF32(g * o) (operand4). Not inlined: inlined, its registers pushed the kernel's
+// products into spills (ptxas).
+__device__ __noinline__ void load_gated_tile(const float* __restrict__ qkvg, i64 M, int D,
+                                             int dpad, int astr, i64 m0, float* As) {
+    load_gated_pieces<8>(qkvg, M, D, dpad, astr, m0, As, [](float4 x) { return operand4(x); });
+}
+
 #if F16_TERMS
 // load_gated_tile for F16_TERMS: each 16-wide chunk's 64 bytes of As as 16 fp16 hi then 16
-// lo of a * g * o, a thread per chunk; returns 1 / a. a is the block's own power of two,
-// putting its largest |g o| in [2^13, 2^14): a scale fixed from the weights (|g o| <= max
-// |v|) left g o among fp16's subnormals where every gate is near 0 (session 12's review:
-// relative error 2.7e-2 in fp32 mode with every gate bias at -20). Two passes over the
-// thread's own chunks: g o in fp32 into As with its largest magnitude (two chunks, 16
-// float4 loads, in flight), the block's maximum (`red`: a word per warp), the split in
-// place.
+// lo of a * g * o; returns 1 / a. a is the block's own power of two, putting its largest
+// |g o| in [2^13, 2^14): a scale fixed from the weights (|g o| <= max |v|) left g o among
+// fp16's subnormals where every gate is near 0 (session 12's review: relative error 2.7e-2
+// in fp32 mode with every gate bias at -20). Two passes: g o in fp32 into As with each
+// thread's largest magnitude (batches of 4: 8 took the 64-row blocks past 80 registers),
+// the block's maximum (`red`: a word per warp), then the split in place, piece by piece as
+// pass 1 wrote them (a chunk's 4 pieces are 4 lanes of one warp, so a warp barrier orders
+// their reads before the chunk is overwritten). A thread per 64-byte chunk instead cost
+// ~0.2 ms at 1x1024 (its 16-byte stores at a 64-byte stride conflict 4-way, twice).
 __device__ __noinline__ float load_gated_tile_f16(const float* __restrict__ qkvg, i64 M, int D,
                                                   int dpad, int astr, i64 m0, float* As,
                                                   float* red) {
-    const i64 ld = (F16_QKV ? 2LL : 4LL) * D;  // QKVG_LD
-    const int per_row = dpad / 16, total = BM * per_row;
-    auto chunk_at = [&](int idx) { return As + (idx / per_row) * astr + (idx % per_row) * 16; };
     float top = 0.f;  // (NaN, where a fully masked query's o is, drops out of fmaxf)
-    for (int base = threadIdx.x; base < total; base += 2 * THREADS) {
-        float4 v[2][4];
-#pragma unroll
-        for (int u = 0; u < 2; ++u) {
-            const int idx = base + u * THREADS, ml = idx / per_row, c0 = (idx % per_row) * 16;
-#pragma unroll
-            for (int q = 0; q < 4; ++q) {
-                const int k = c0 + 4 * q;
-                v[u][q] = zero4();
-                if (idx < total && m0 + ml < M && k < D) {
-                    const float* row = qkvg + (m0 + ml) * ld;
-                    const float4 o = ld4(row + k), g = load_gate4(row, D, k);
-                    v[u][q] = make_float4(g.x * o.x, g.y * o.y, g.z * o.z, g.w * o.w);
-                }
-            }
-        }
-#pragma unroll
-        for (int u = 0; u < 2; ++u) {
-            const int idx = base + u * THREADS;
-            if (idx >= total) continue;
-            float4* const chunk = reinterpret_cast<float4*>(chunk_at(idx));
-#pragma unroll
-            for (int q = 0; q < 4; ++q) {
-                const float4 x = v[u][q];
-                chunk[q] = x;
-                top = fmaxf(top, fmaxf(fmaxf(fabsf(x.x), fabsf(x.y)), fmaxf(fabsf(x.z), fabsf(x.w))));
-            }
-        }
-    }
+    load_gated_pieces<4>(qkvg, M, D, dpad, astr, m0, As, [&](float4 x) {
+        top = fmaxf(top, fmaxf(fmaxf(fabsf(x.x), fabsf(x.y)), fmaxf(fabsf(x.z), fabsf(x.w))));
+        return x;
+    });
 #pragma unroll
     for (int lanes = 16; lanes; lanes >>= 1) top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, lanes));
     if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = top;
@@ -552,19 +534,18 @@ __device__ __noinline__ float load_gated_tile_f16(const float* __restrict__ qkvg
     frexpf(top, &e);  // top < 2^e
     // (at least 2^-126 for a's inverse to stay normal: below that, g o is at most 2^-112)
     const float a = top > 0.f ? ldexpf(1.f, min(14 - e, 126)) : 1.f;
-    for (int idx = threadIdx.x; idx < total; idx += THREADS) {  // pass 1's chunks, in place
-        uint4* const chunk = reinterpret_cast<uint4*>(chunk_at(idx));
-        u32 hi[8], lo[8];
-#pragma unroll
-        for (int q = 0; q < 4; ++q) {
-            const float4 x = reinterpret_cast<const float4*>(chunk)[q];
-            split_f16(x.x * a, x.y * a, hi[2 * q], lo[2 * q]);
-            split_f16(x.z * a, x.w * a, hi[2 * q + 1], lo[2 * q + 1]);
-        }
-        chunk[0] = make_uint4(hi[0], hi[1], hi[2], hi[3]);
-        chunk[1] = make_uint4(hi[4], hi[5], hi[6], hi[7]);
-        chunk[2] = make_uint4(lo[0], lo[1], lo[2], lo[3]);
-        chunk[3] = make_uint4(lo[4], lo[5], lo[6], lo[7]);
+    const int per_row = dpad / 4, total = BM * per_row;  // total % THREADS == 0: every lane
+    for (int idx = threadIdx.x; idx < total; idx += THREADS) {  // reaches each __syncwarp
+        float* const piece = As + (idx / per_row) * astr + (idx % per_row) * 4;
+        const float4 x = *reinterpret_cast<const float4*>(piece);
+        u32 hi[2], lo[2];
+        split_f16(x.x * a, x.y * a, hi[0], lo[0]);
+        split_f16(x.z * a, x.w * a, hi[1], lo[1]);
+        __syncwarp();  // the chunk's 4 pieces read before any of them is overwritten
+        const int q = idx % 4;  // (per_row % 4 == 0: the piece's place in its chunk)
+        u32* const chunk = reinterpret_cast<u32*>(piece - 4 * q);
+        *reinterpret_cast<uint2*>(chunk + 2 * q) = make_uint2(hi[0], hi[1]);
+        *reinterpret_cast<uint2*>(chunk + 8 + 2 * q) = make_uint2(lo[0], lo[1]);
     }
     return 1.f / a;
 }
