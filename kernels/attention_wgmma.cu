@@ -93,13 +93,15 @@
 // q, k, v fp32 as attention_tf32x3 reads them, KV_FORMAT 0; BULK: q only, KV_FORMAT 5;
 // BF16: q packed bf16 from word 2D, KV_FORMAT 6; F16X1: rows of 2D words, q's fp16 words
 // per head at [32 h, 32 h + 16), KV_FORMAT 8; F16X3: rows of 2D words, q's hi and lo
-// per head at [32 h, 32 h + 32), KV_FORMAT 7), o written over [0, D) of each row;
+// per head at [32 h, 32 h + 32), KV_FORMAT 7), o written over [0, D) of each row (O16:
+// packed bf16 or fp16 over [32 h, 32 h + 16) per head, where BF16's rows leave words
+// unused and F16X1's q was);
 // bias [B, H, N, NPK] fp16 (fp32 for SPLIT; BULK: the tiles of project_epilogue.cuh
 // bias_element), NPK a multiple of BK, -inf on the padded keys; vt
 // (not SPLIT) the V^T tiles ([B, N, H, NPK / 64] tiles of 8 KiB, zero past key N; BULK:
 // 16 KiB, the K tile then the V^T tile; BF16, F16X1: 8 KiB; F16X3: 16 KiB, K hi, K lo, V^T hi,
 // V^T lo); F16X3, F16X1: qk_unscale = 1 / (s_q s_k) and v_unscale = 1 / s_v, the projection's
-// scales undone.
+// scales undone (F16X1's o stays in v's units: the out projection undoes s_v).
 #include "common.cuh"
 #include "wgmma.cuh"
 
@@ -142,6 +144,13 @@
 // registers of A fragments, held for the whole key loop, pushed the 80-register kernels
 // (3 blocks per SM) into spills and made ptxas serialize their wgmmas.
 #define Q_SHARED (BF16 || F16X1)
+// o in 16 bits (BF16: bf16; F16X1: fp16 in v's units, which the out projection undoes), a
+// head's 16 words where its q was (project_epilogue.cuh O16): the out projection rounds
+// g o to 16 bits for its products anyway, and this halves o's bytes each way.
+#define O16 (BF16 || F16X1)
+#if O16
+static_assert(HEAD_DIM == 32, "O16: a lane's o values of a row are one 16-byte store");
+#endif
 
 #define BK 64                          // keys per tile
 #define ROW_GROUPS 2                   // warpgroups per row
@@ -974,12 +983,22 @@ ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int 
         const float inv = fully_masked ? 0.f : 1.0f / total[r];
 #endif
         const float fill = nan_fully_masked ? quiet_nan() : 0.f;
-        float* const out = row + (i64)j * ld + 2 * t;
+#if O16
+        u32 packed[DT];
+#endif
+        float* const out = row + (i64)j * ld + (O16 ? DT * t : 2 * t);
 #pragma unroll
-        for (int v = 0; v < DT; ++v) {
+        for (int v = 0; v < DT; ++v) {  // dims 8v + 2t, + 1
             float2 x = make_float2(o[4 * v + 2 * r] * inv, o[4 * v + 2 * r + 1] * inv);
             if (fully_masked) x = make_float2(fill, fill);
+#if O16
+            packed[v] = BF16 ? pack_bf16(x.x, x.y) : pack_f16(x.x, x.y);
+#else
             *reinterpret_cast<float2*>(out + 8 * v) = x;
+#endif
         }
+#if O16  // word 4t + v: dims 8v + 2t, + 1 (load_o4 gathers them)
+        *reinterpret_cast<uint4*>(out) = make_uint4(packed[0], packed[1], packed[2], packed[3]);
+#endif
     }
 }

@@ -112,7 +112,8 @@ __device__ __forceinline__ void map_column(Tile& acc, int j, float2 cb, F f) {
 // 6 as 5 in bf16 (attention_bf16_wgmma): per (b, i, head, 64 keys) 8 KiB, the K tile [64
 //   keys][32 dims] bf16 in the 64-byte swizzle (sw64), then the V^T tile [32 dims][64 keys]
 //   bf16 in the 128-byte swizzle, keys in their own order; q and the gate packed bf16 as
-//   in format 2; the pair bias in fp16 tiles as in format 5.
+//   in format 2; the pair bias in fp16 tiles as in format 5. The attention writes o in
+//   bf16 (O16, load_o4).
 // 7 as 6 in fp16 hi + lo pairs (split_f16; attention_f16x3_wgmma, the fp32 mode; head dim
 //   32): per (b, i, head, 64 keys) 16 KiB, the K hi tile, the K lo tile, the V^T hi tile,
 //   the V^T lo tile, each as format 6's; the pair bias as fp16 hi and lo tiles (32 KiB per
@@ -130,7 +131,8 @@ __device__ __forceinline__ void map_column(Tile& acc, int j, float2 cb, F f) {
 //   normal range lost their bits and below ~6e-8 became 0); the pair bias in
 //   format 5's fp16 tiles, stored times s_b = s_q s_k (the units the attention accumulates
 //   S in). The scales are DeviceWeights.qkv_scales' (f16_biased_scales: f16x3's, with s_q
-//   and s_k lowered where the scaled bias would leave fp16).
+//   and s_k lowered where the scaled bias would leave fp16). The attention writes o in
+//   fp16, in v's units, over q (O16, load_o4).
 #ifndef KV_FORMAT
 #define KV_FORMAT 0
 #endif
@@ -236,6 +238,30 @@ __device__ __forceinline__ float4 load_gate4(const float* row, int D, int k) {
                        __uint_as_float(w.y << 16), __uint_as_float(w.y & 0xffff0000u));
 #else
     return ld4(row + GATE_WORD(D) + k);
+#endif
+}
+
+// o in 16 bits (formats 6 and 8; attention_wgmma.cu O16): bf16, or fp16 in v's units
+// (format 8: the out projection's unscale undoes s_v), a head's 32 values in the 16 words
+// [32 h, 32 h + 16) of the row (head dim 32), as the attention's lanes hold them: its dim
+// pair p (dims 2p, 2p + 1) in word 4 (p % 4) + p / 4 (one 16-byte store per lane and row;
+// 4-byte stores pushed attention_f16_wgmma into spills). Values k .. k + 3 of a qkvg row
+// (k % 4 == 0: pairs p and p + 1, 4 words apart), widened.
+#define O16 (KV_FORMAT == 6 || KV_FORMAT == 8)
+__device__ __forceinline__ float4 load_o4(const float* row, int k) {
+#if O16
+    const int p = (k % 32) / 2;
+    const u32* const word = reinterpret_cast<const u32*>(row + 32 * (k / 32) + 4 * (p % 4) + p / 4);
+    const uint2 w = make_uint2(__ldg(word), __ldg(word + 4));
+#if KV_FORMAT == 6
+    return make_float4(__uint_as_float(w.x << 16), __uint_as_float(w.x & 0xffff0000u),
+                       __uint_as_float(w.y << 16), __uint_as_float(w.y & 0xffff0000u));
+#else
+    const float2 lo = half2_to_float2(w.x), hi = half2_to_float2(w.y);
+    return make_float4(lo.x, lo.y, hi.x, hi.y);
+#endif
+#else
+    return ld4(row + k);
 #endif
 }
 

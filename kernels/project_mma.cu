@@ -469,9 +469,9 @@ __device__ __noinline__ void pair_bias(const float* As, int astr, const float* _
     }
 }
 
-// As[ml][k] = op(g * o) of block row ml (zero past M and past D), o = qkvg[m, 0:D], g the
-// gate (load_gate4): a float4 piece per thread, consecutive threads on consecutive pieces
-// of a row (conflict-free stores), in batches of BATCH per thread (2 BATCH loads in
+// As[ml][k] = op(g * o) of block row ml (zero past M and past D), o from qkvg[m] (load_o4),
+// g the gate (load_gate4): a float4 piece per thread, consecutive threads on consecutive
+// pieces of a row (conflict-free stores), in batches of BATCH per thread (2 BATCH loads in
 // flight): the out projection waits on these loads.
 template <int BATCH, class Op>
 __device__ __forceinline__ void load_gated_pieces(const float* __restrict__ qkvg, i64 M, int D,
@@ -486,7 +486,7 @@ __device__ __forceinline__ void load_gated_pieces(const float* __restrict__ qkvg
             v[u] = zero4();
             if (idx < total && m0 + ml < M && k < D) {
                 const float* row = qkvg + (m0 + ml) * ld;
-                const float4 o = ld4(row + k), g = load_gate4(row, D, k);
+                const float4 o = load_o4(row, k), g = load_gate4(row, D, k);
                 v[u] = op(make_float4(g.x * o.x, g.y * o.y, g.z * o.z, g.w * o.w));
             }
         }

@@ -63,7 +63,7 @@ def _run_both(cp, rng, B, N, head_dim, variant, policy, tiles=None, launch=None)
         projected = fwd.qkvg.view(cp.uint32).copy()  # bits: unwritten columns may be NaN
         fwd.attention()  # reads q from the q slots, writes o over it
         rest_kept = bool((fwd.qkvg.view(cp.uint32)[:, fwd.D:] == projected[:, fwd.D:]).all())
-        return fwd.qkvg[:, :fwd.D].get(), rest_kept
+        return fwd.attention_output().get(), rest_kept
 
     ref, ref_kept = run(_configs.attention_ffma_launch(head_dim))
     got, got_kept = run(launch or _configs.attention_mma_launch(head_dim, variant, tiles))
@@ -218,7 +218,7 @@ def test_f16_products_keep_their_accuracy_at_any_weight_scale(cp, magnitude, var
         fwd = Forward(dw, pair, mask, "zero", None, attention=launch)
         fwd.project()
         fwd.attention()
-        outs.append(fwd.qkvg[:, :fwd.D].get())
+        outs.append(fwd.attention_output().get())
     assert np.isfinite(outs[1]).all()
     err = rel_l2(outs[1], outs[0])
     bound = TOL[variant] if variant == "f16x3" else max(TOL[variant], 2 * rel_l2(outs[2], outs[0]))

@@ -142,6 +142,9 @@ KV_F16X3_TILES = 7
 KV_F16_TILES = 8
 KV_F16_FORMATS = (KV_F16X3_TILES, KV_F16_TILES)  # q, k, v scaled into fp16: rows of 2D words
 KV_BULK_FORMATS = (KV_TF32_TILES, KV_BF16_TILES, *KV_F16_FORMATS)  # k, v and the pair bias in tiles
+# the attention writes o in 16 bits (bf16; fp16 in v's units) over each head's first 16
+# words (attention_wgmma.cu, project_epilogue.cuh O16)
+KV_O16_FORMATS = (KV_BF16_TILES, KV_F16_TILES)
 KV_TILED_FORMATS = (KV_TF32_VT, *KV_BULK_FORMATS)  # v (at least) in tiles
 
 

@@ -500,8 +500,10 @@ class Plan:
         if not self.project_f16:
             return ()
         s = dw.f16_scales(self.scales)
-        if out:  # the kernel scales each block's g o itself (load_gated_tile_f16)
-            return (_f32(1.0 / s.out_w),)
+        if out:  # the kernel scales each block's g o itself (load_gated_tile_f16); o comes
+            # in v's units where the attention writes it in fp16 (KV_F16_TILES: O16)
+            o_unit = self.scales[2] if self.kv_format == _configs.KV_F16_TILES else 1.0
+            return (_f32(1.0 / (s.out_w * o_unit)),)
         return _f32(s.a), _f32(1.0 / (s.a * s.w))
 
     @property
@@ -616,6 +618,24 @@ class Forward:
         2D] for KV_F16_FORMATS (q's fp16 words per head, hi and lo for f16x3, o over them;
         the gate)."""
         return _cupy().ndarray(self.plan.qkvg_shape, np.float32, memptr=self._scratch)
+
+    def attention_output(self):
+        """o [M, D] float32 as the attention stage left it in qkvg: fp32 over [0, D), or
+        for KV_O16_FORMATS 16 bits over each head's first 16 words (bf16; fp16 in v's
+        units for KV_F16_TILES, undone here). For tests and tools: the out projection
+        reads it in place."""
+        cupy = _cupy()
+        o = self.qkvg[:, :self.D]
+        if self.kv_format not in _configs.KV_O16_FORMATS:
+            return o.copy()
+        # a head's 16 words, dim pair p in word 4 (p % 4) + p // 4 (project_epilogue.cuh load_o4)
+        words = o.reshape(self.M, self.H, self.d)[:, :, :self.d // 2].view(cupy.uint32)
+        halves = words.reshape(self.M, self.H, 4, 4).transpose(0, 1, 3, 2).copy().view(cupy.uint16)
+        if self.kv_format == _configs.KV_BF16_TILES:
+            o = (halves.astype(cupy.uint32) << 16).view(cupy.float32)
+        else:
+            o = halves.view(cupy.float16).astype(cupy.float32) / np.float32(self.plan.scales[2])
+        return o.reshape(self.M, self.D)
 
     @property
     def bias(self):
