@@ -144,9 +144,10 @@
 // registers of A fragments, held for the whole key loop, pushed the 80-register kernels
 // (3 blocks per SM) into spills and made ptxas serialize their wgmmas.
 #define Q_SHARED (BF16 || F16X1)
-// o in 16 bits (BF16: bf16; F16X1: fp16 in v's units, which the out projection undoes), a
-// head's 16 words where its q was (project_epilogue.cuh O16): the out projection rounds
-// g o to 16 bits for its products anyway, and this halves o's bytes each way.
+// o in 16 bits (BF16: bf16; F16X1: fp16 in v's units, which the out projection undoes) in
+// the first 16 words of the head's o slot (F16X1: where its q was; project_epilogue.cuh
+// O16): the out projection rounds g o to 16 bits for its products anyway, and this halves
+// o's bytes each way.
 #define O16 (BF16 || F16X1)
 #if O16
 static_assert(HEAD_DIM == 32, "O16: a lane's o values of a row are one 16-byte store");
@@ -977,7 +978,7 @@ ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int 
         const int j = q0 + 8 * r + g;
         if (j >= N) continue;
         const bool fully_masked = total[r] == 0.f;
-#if F16
+#if F16X3  // (F16X1: o stays in v's units, O16)
         const float inv = fully_masked ? 0.f : v_unscale / total[r];
 #else
         const float inv = fully_masked ? 0.f : 1.0f / total[r];
