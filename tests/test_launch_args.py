@@ -41,6 +41,34 @@ def test_weight_chunks_are_the_rings_chunks_in_order(no, d):
             assert np.array_equal(got, want), (p, c)
 
 
+@pytest.mark.parametrize("no,d", [(512, 128), (130, 32), (3072, 768)])
+def test_f16_hi_chunks_are_the_one_product_rings_chunks(no, d):
+    """project_mma.cu F16_TERMS 1 reads chunk (pass p, k-chunk c) as the contiguous 8 KiB at
+    (p * D / 32 + c) * 8192 bytes, row n = fp16(W[p BN + n, 32 c : 32 c + 32]), zero past
+    NO."""
+    from triattn_cupy import _configs
+
+    bn, bk = _configs.PROJECT_MMA_HI_CHUNK
+    assert bk == 32 and bn * bk * 2 == 8192  # the ring's 8 KiB stages
+    w = np.random.default_rng(0).standard_normal((no, d)).astype(np.float32) * 300
+    got = _gpu.f16_hi_chunks(w)
+    assert got.dtype == np.float32 and got.flags.c_contiguous
+    flat = got.reshape(-1).view(np.float16)
+    chunks = d // bk
+    for p in range(-(-no // bn)):
+        for c in range(chunks):
+            chunk = flat[(p * chunks + c) * bn * bk:][:bn * bk].reshape(bn, bk)
+            want = np.zeros((bn, bk), np.float16)
+            part = w[p * bn:(p + 1) * bn, c * bk:(c + 1) * bk].astype(np.float16)
+            want[:part.shape[0]] = part
+            assert np.array_equal(chunk, want), (p, c)
+
+
+def test_f16_hi_chunks_need_d_a_multiple_of_32():
+    with pytest.raises(ValueError, match="multiple of 32"):
+        _gpu.f16_hi_chunks(np.ones((128, 48), np.float32))
+
+
 def _worst_case_rows(w, gamma, rng):
     """LayerNorm-normalised rows n (|n|_2 = sqrt(D); the mean need not be 0 for the bound)
     reaching each column's bound, n = +-sqrt(D) u with u the unit vector along gamma * W[c]

@@ -16,6 +16,9 @@ _PROJECT_BK, _PROJECT_BN = 16, 128
 # project_mma.cu streams W [NO, D] in chunks of BN output rows x BK inputs, pass by pass
 # (BN columns of the output) and chunk by chunk along D, each chunk one contiguous block
 PROJECT_MMA_CHUNK = (_PROJECT_BN, _PROJECT_BK)
+# F16_TERMS 1 streams W's fp16 hi parts alone: twice the inputs in the same 8 KiB chunk
+# (project_mma.cu RING_K; the pair dim a multiple of it)
+PROJECT_MMA_HI_CHUNK = (_PROJECT_BN, 2 * _PROJECT_BK)
 BIAS_KEY_ALIGN = 64  # the bias's key axis is padded to a multiple of every kernel's key tile
 
 

@@ -280,13 +280,31 @@ def f16_split_chunks(chunks):
     return xp.ascontiguousarray(both).view(xp.float32).reshape(chunks.shape)
 
 
-def weight_chunks(w):
+def f16_hi_chunks(w):
+    """W [NO, D] (scaled) as project_mma.cu's F16_TERMS 1 ring reads it: [NO / BN][D / 32]
+    [BN][32] fp16 (PROJECT_MMA_HI_CHUNK; NO rounded up, zero-padded), chunk (pass p,
+    k-chunk c) row n = fp16(W[p BN + n, 32 c : 32 c + 32]) rounded to nearest: k 0-15 in
+    the row's first 32 bytes, 16-31 in the next, the kernel's two k-steps. The products
+    read no lo parts, so the 8 KiB chunk carries twice the inputs of f16_split_chunks'.
+    Returned as float32 [NO / BN][D / 32][BN][16] (the same bytes). D must be a multiple
+    of 32 (head dim 32, the only one on these paths): the kernel's chunks would not line up
+    with the row tile's 16-column ones otherwise."""
+    xp = _cupy().get_array_module(w)
+    bn, bk = _configs.PROJECT_MMA_HI_CHUNK
+    if w.shape[1] % bk:
+        raise ValueError(f"the fp16 hi-part projection weights (F16_TERMS 1) need D a multiple "
+                         f"of {bk}; got D = {w.shape[1]}")
+    hi = weight_chunks(w, _configs.PROJECT_MMA_HI_CHUNK).astype(xp.float16)
+    return xp.ascontiguousarray(hi).view(xp.float32)
+
+
+def weight_chunks(w, chunk=_configs.PROJECT_MMA_CHUNK):
     """W [NO, D] as project_mma.cu's ring reads it: [NO / BN][D / BK][BN][BK]
-    (PROJECT_MMA_CHUNK; both rounded up, zero-padded), chunk (pass p, k-chunk c) = W[p BN
-    : (p + 1) BN, c BK : (c + 1) BK], one contiguous 8 KiB: a block copies each chunk whole
-    instead of 64 bytes from each of 128 rows."""
+    ((BN, BK) = chunk, PROJECT_MMA_CHUNK; both rounded up, zero-padded), chunk (pass p,
+    k-chunk c) = W[p BN : (p + 1) BN, c BK : (c + 1) BK], one contiguous 8 KiB: a block
+    copies each chunk whole instead of 64 bytes from each of 128 rows."""
     xp = _cupy().get_array_module(w)  # CuPy, or NumPy (the offline test of the layout)
-    bn, bk = _configs.PROJECT_MMA_CHUNK
+    bn, bk = chunk
     no, d = w.shape
     passes, chunks = -(-no // bn), -(-d // bk)
     padded = xp.zeros((passes * bn, chunks * bk), xp.float32)
