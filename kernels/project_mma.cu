@@ -34,9 +34,14 @@
 //     largest |g o|), split after it is loaded (load_gated_tile_f16); `w_unscale` undoes
 //     Wo's scale.
 //   F16_TERMS = 1 (without SPLIT; "tf32" and "bf16" with the wgmma attention, KV_FORMAT 8
-//     and 6, and the TF32 wgmma attention's 5): the same layout and scales, one product of
-//     the hi parts: fp16 keeps 11 significant bits as TF32 does, so the scaled products are
-//     as accurate as TF32's, at half the instructions (m16n8k16 against two m16n8k8).
+//     and 6, and the TF32 wgmma attention's 5): the same row tile and scales, one product
+//     of the hi parts: fp16 keeps 11 significant bits as TF32 does, so the scaled products
+//     are as accurate as TF32's, at half the instructions (m16n8k16 against two m16n8k8).
+//     The ring then holds W's hi parts alone, 32 per chunk row (RING_K): a chunk is two
+//     k-steps, so one barrier and one 8 KiB copy per 32 k values instead of per 16 (the
+//     loop was latency bound: 12% of its stalls at the barriers, session 12). The host
+//     lays W out so only for D % 32 == 0 (head dim 32, where these modes run), and
+//     ring_chunks stops the kernel where the row tile's width is no multiple of 32.
 // LayerNorm statistics, the biases and the gate are fp32.
 //
 // Both operands are row-major with k fastest, as ldmatrix wants them: the row tile As
@@ -52,10 +57,12 @@
 // Pointers (float32 unless noted, M = B*N*N rows, D % 4 == 0):
 //   x     [B, N, N, D] at b*sb + i*si + j*sj + c*sc elements (any strides; x_vec = 1 when
 //         sc == 1 and every row starts 16-byte aligned: rows copied with cp.async)
-//   W     [NO, D] (NO = 4D, or D for out_proj) in the ring's chunk order (F16_TERMS: as
-//         fp16 hi then lo per 16-wide chunk row, scaled: _gpu.f16_split_chunks), rounded to TF32
+//   W     [NO, D] (NO = 4D, or D for out_proj) in the ring's chunk order, rounded to TF32
 //         unless SPLIT: [NO / BN][DPAD / BK][BN][BK], zero past NO and D (DeviceWeights
-//         projection_weight), so that each chunk is one contiguous 8 KiB
+//         projection_weight), so that each chunk is one contiguous 8 KiB; F16_TERMS 3: the
+//         same chunks with each row's 16 values as fp16 hi then lo, scaled
+//         (_gpu.f16_split_chunks); F16_TERMS 1: [NO / BN][D / 32][BN][32] fp16 hi, scaled
+//         (_gpu.f16_hi_chunks), 8 KiB chunks too
 //   mask  [B, N, N] at b*mb + i*mi + j*mj elements, of the type named by mask_kind
 //         (MASK_* in project_epilogue.cuh), or null
 //   qkvg  [M, 4D] ([M, 2D]: KV_FORMAT 7, 8); bias [B, H, N, NPK] (fp16 where KV_FORMAT is
@@ -90,6 +97,10 @@
 #if F16_TERMS != 0 && F16_TERMS != (SPLIT ? 3 : 1)
 #error "project_mma.cu: F16_TERMS is 3 with SPLIT, 1 without, or 0"
 #endif
+// k values per ring chunk: the WSTR words of a chunk row hold BK fp32 values, or BK fp16 hi
+// then BK lo (F16_TERMS 3), or 2 BK fp16 hi (F16_TERMS 1, whose products never read a lo
+// part of W: the ring carries none).
+#define RING_K (F16_TERMS == 1 ? 2 * BK : BK)
 
 // This thread's share of one BM x BN output tile: the C fragments of its warp's
 // BM/2 x 32 corner, [m-tile][8-column n-tile][fragment].
@@ -186,8 +197,18 @@ __device__ __forceinline__ void mma_product(float (&acc)[4], const u32 (&a)[4], 
 // wavefronts for it, and ncu counted 1.5x the L2 sectors for those copies).
 __device__ __forceinline__ u32 w_piece(int r, int c) { return r * 64 + (((c ^ (r >> 1)) & 3) << 4); }
 
-// The weight W [NO][D], BN rows (output columns) x BK at a time, through a cp.async ring
-// of WSTAGES chunks [BN][WSTR], and the pass's BN output biases with its first chunk. A
+// Chunks of W per pass over BN columns: dpad / RING_K. F16_TERMS 1 takes D % 32 == 0 (head
+// dim 32 only; _gpu.f16_hi_chunks checks it on the host): with dpad an odd multiple of 16
+// the last 16 columns would be dropped, so the kernel stops with an error instead.
+__device__ __forceinline__ int ring_chunks(int dpad) {
+#if F16_TERMS == 1
+    if (dpad % RING_K != 0) __trap();
+#endif
+    return dpad / RING_K;
+}
+
+// The weight W [NO][D], BN rows (output columns) x RING_K at a time, through a cp.async
+// ring of WSTAGES chunks [BN][WSTR], and the pass's BN output biases with its first chunk. A
 // pass over the columns at n0 is primed with the first WSTAGES - 1 chunks (prime), then
 // each chunk kc is waited for and chunk kc + WSTAGES - 1 issued into the stage kc - 1
 // used: a chunk is little work, and one chunk ahead left each waiting on its L2 latency.
@@ -197,21 +218,21 @@ struct WeightRing {
     float* cbias;                // the biases [2][BN] in shared memory, by pass parity
     const float* __restrict__ W;
     const float* __restrict__ bvec;  // [NO]
-    int D, NO, nchunks;
+    int D, NO, nchunks;          // chunks per pass: ring_chunks(dpad)
 
     // Chunk kc of the pass at n0 into its stage, one commit group (empty past the last
-    // chunk, so every wait counts the same groups): each thread copies 2 of the BN x BK / 4
+    // chunk, so every wait counts the same groups): each thread copies 2 of the BN x WSTR / 4
     // 16-byte pieces of the contiguous chunk. Its rows past NO and columns past D are
     // zero in W (they meet the zero columns of As; an unread garbage NaN would otherwise
     // poison the sum).
     __device__ __forceinline__ void issue(int n0, int kc) const {
         if (kc < nchunks) {
             const u32 stage = ws + 4 * (kc % WSTAGES) * BN * WSTR;
-            const float* const chunk = W + ((i64)(n0 / BN) * nchunks + kc) * (BN * BK);
+            const float* const chunk = W + ((i64)(n0 / BN) * nchunks + kc) * (BN * WSTR);
 #pragma unroll
-            for (int p = 0; p < BN * BK / 4 / THREADS; ++p) {
+            for (int p = 0; p < BN * WSTR / 4 / THREADS; ++p) {
                 const int idx = threadIdx.x + p * THREADS;
-                const int nl = idx / (BK / 4), kl = (idx % (BK / 4)) * 4;
+                const int nl = idx / (WSTR / 4), kl = (idx % (WSTR / 4)) * 4;
                 cp_async16_or_zero(stage + w_piece(nl, kl / 4), chunk + 4 * idx, true);
             }
         }
@@ -244,7 +265,8 @@ struct WeightRing {
 // (w / 4) * BM/2 + (lane & 15) at column 4 (lane >> 4) (A fragment: matrices rows 0-7 and
 // 8-15 at k, then at k + 4); in a ring stage (an offset from the stage), row (w % 4) * 32
 // + (lane & 7) + 8 (lane >> 4) at piece (lane >> 3) & 1 (B fragments of n-tiles j and
-// j + 1, each at k and k + 4); k + 8 is piece + 2, the offset XOR 32 (w_piece).
+// j + 1, each at k and k + 4); k + 8 is piece + 2, the offset XOR 32 (w_piece). In fp16
+// halves (F16_TERMS) the pieces hold k to k + 7 and k + 8 to k + 15, piece + 2 is k + 16.
 __device__ __forceinline__ u32 a_lane_addr(const float* As, int astr) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     return smem_addr(As) + 4 * (((warp / 4) * (BM / 2) + (lane & 15)) * astr + 4 * (lane >> 4));
@@ -254,39 +276,56 @@ __device__ __forceinline__ u32 w_lane_offset() {
     return w_piece((warp % 4) * 32 + (lane & 7) + 8 * (lane >> 4), (lane >> 3) & 1);
 }
 
-// acc += As[warp's rows, kc*BK + 0:BK] x chunk[warp's columns, 0:BK]^T. With SPLIT the B
-// fragments of a k-step are split once, and each m-tile's A fragment just before its
-// products (all MT split at once would not fit in the registers of 3 blocks per SM).
-// F16 (F16_TERMS): the chunk is one 16-wide k-step of fp16 hi (its first 32 bytes per row,
-// in A and in the ring) and lo (the next 32: A + 32, the ring's offset XOR 32); F16 3: the
-// split's three products, F16 1: the hi parts' one.
+// acc += As[warp's rows, kc*RING_K + 0:RING_K] x chunk[warp's columns, 0:RING_K]^T (a_lane
+// at the chunk's first column). With SPLIT the B fragments of a k-step are split once,
+// and each m-tile's A fragment just before its products (all MT split at once would not
+// fit in the registers of 3 blocks per SM).
+// F16 3: the chunk is one 16-wide k-step of fp16 hi (its first 32 bytes per row, in A and
+// in the ring) and lo (the next 32: A + 32, the ring's offset XOR 32), the split's three
+// products. F16 1: two 16-wide k-steps of hi parts, one product each: step s takes A's
+// 16-column chunk s (its hi half: A + 64 s bytes; the lo half is not read) and the ring
+// row's bytes 32 s to 32 s + 31 (the offset XOR 32 s: w_piece's pieces 2 and 3).
 template <int F16>
 __device__ __forceinline__ void multiply_chunk(u32 a_lane, int astr, u32 w_stage, u32 w_lane,
                                                Tile& acc) {
-    if constexpr (F16 != 0) {
+    if constexpr (F16 == 1) {
+#pragma unroll
+        for (int s = 0; s < 2; ++s) {
+            u32 b[4][2];
+#pragma unroll
+            for (int jp = 0; jp < 2; ++jp) {
+                u32 r[4];
+                ldsm_x4(r, w_stage + ((w_lane + jp * 16 * 4 * WSTR) ^ (32 * s)));
+                b[2 * jp][0] = r[0], b[2 * jp][1] = r[1], b[2 * jp + 1][0] = r[2], b[2 * jp + 1][1] = r[3];
+            }
+#pragma unroll
+            for (int i = 0; i < MT; ++i) {
+                u32 a[4];
+                ldsm_x4(a, a_lane + 4 * (i * 16 * astr + s * BK));
+#pragma unroll
+                for (int j = 0; j < 4; ++j)
+                    mma_f16(acc.c[i][j], a[0], a[1], a[2], a[3], b[j][0], b[j][1]);
+            }
+        }
+        return;
+    }
+    if constexpr (F16 == 3) {
         u32 bh[4][2], bl[4][2];
 #pragma unroll
         for (int jp = 0; jp < 2; ++jp) {
             u32 r[4];
             ldsm_x4(r, w_stage + w_lane + jp * 16 * 4 * WSTR);
             bh[2 * jp][0] = r[0], bh[2 * jp][1] = r[1], bh[2 * jp + 1][0] = r[2], bh[2 * jp + 1][1] = r[3];
-            if constexpr (F16 == 3) {
-                ldsm_x4(r, w_stage + ((w_lane + jp * 16 * 4 * WSTR) ^ 32));
-                bl[2 * jp][0] = r[0], bl[2 * jp][1] = r[1], bl[2 * jp + 1][0] = r[2], bl[2 * jp + 1][1] = r[3];
-            }
+            ldsm_x4(r, w_stage + ((w_lane + jp * 16 * 4 * WSTR) ^ 32));
+            bl[2 * jp][0] = r[0], bl[2 * jp][1] = r[1], bl[2 * jp + 1][0] = r[2], bl[2 * jp + 1][1] = r[3];
         }
 #pragma unroll
         for (int i = 0; i < MT; ++i) {
             u32 ah[4], al[4];
             ldsm_x4(ah, a_lane + 4 * (i * 16 * astr));
-            if constexpr (F16 == 3) ldsm_x4(al, a_lane + 4 * (i * 16 * astr) + 32);
+            ldsm_x4(al, a_lane + 4 * (i * 16 * astr) + 32);
 #pragma unroll
-            for (int j = 0; j < 4; ++j) {
-                if constexpr (F16 == 3)
-                    split_terms<mma_f16>(acc.c[i][j], ah, al, bh[j], bl[j]);
-                else
-                    mma_f16(acc.c[i][j], ah[0], ah[1], ah[2], ah[3], bh[j][0], bh[j][1]);
-            }
+            for (int j = 0; j < 4; ++j) split_terms<mma_f16>(acc.c[i][j], ah, al, bh[j], bl[j]);
         }
         return;
     }
@@ -351,7 +390,7 @@ __device__ __forceinline__ void project_columns(const float* As, int astr, const
             cp_async_wait<WSTAGES - 2>();  // this thread's pieces of chunk kc landed
             __syncthreads();  // everyone's pieces visible; chunk kc - 1 read by every thread
             ring.issue(n0, kc + WSTAGES - 1);  // into the stage chunk kc - 1 used
-            multiply_chunk<F16>(a_lane + 4 * kc * BK, astr,
+            multiply_chunk<F16>(a_lane + 4 * kc * RING_K, astr,
                            ring.ws + 4 * (kc % WSTAGES) * BN * WSTR, w_lane, acc);
         }
         __syncthreads();  // every thread done with the ring
@@ -587,7 +626,7 @@ ln_qkvg_project(const float* __restrict__ x, i64 sb, i64 si, i64 sj, i64 sc, int
     const i64 NN = (i64)N * N, M = (i64)B * NN;
     const i64 m0 = (i64)blockIdx.x * BM;
     const int NO = 4 * D;
-    const WeightRing ring{smem_addr(s.Ws), s.cbias, W, b_qkvg, D, NO, dpad / BK};
+    const WeightRing ring{smem_addr(s.Ws), s.cbias, W, b_qkvg, D, NO, ring_chunks(dpad)};
 
     // 1. Where each row starts in x.
     row_offsets(s.rowoff, m0, M, N, sb, si, sj);
@@ -718,7 +757,7 @@ gated_out_project(const float* __restrict__ qkvg, i64 M, int D,
     const int dpad = (D + BK - 1) / BK * BK, astr = dpad + 4;
     const SmemLayout s = smem_layout(dpad);
     const i64 m0 = (i64)blockIdx.x * BM;
-    const WeightRing ring{smem_addr(s.Ws), s.cbias, W, b_out, D, D, dpad / BK};
+    const WeightRing ring{smem_addr(s.Ws), s.cbias, W, b_out, D, D, ring_chunks(dpad)};
     ring.prime(0);  // the first weight chunks and biases travel while the row tile loads
 
     // 1. A = g * o (operand4; F16_TERMS: scaled fp16 hi and lo), row-major: the gated

@@ -69,6 +69,73 @@ def test_f16_hi_chunks_need_d_a_multiple_of_32():
         _gpu.f16_hi_chunks(np.ones((128, 48), np.float32))
 
 
+def _w_piece(r, c):  # project_mma.cu w_piece
+    return r * 64 + (((c ^ (r >> 1)) & 3) << 4)
+
+
+def _ldsm_x4(smem, addresses):
+    """ldmatrix.x4 of 16-bit values: lanes 8 i to 8 i + 7 give the row addresses of matrix i;
+    lane T gets, from each matrix, row T / 4, values 2 (T % 4) and 2 (T % 4) + 1.
+    Returns [32 lanes][4 matrices][2] float64."""
+    out = np.empty((32, 4, 2))
+    for i in range(4):
+        for lane in range(32):
+            at = addresses[8 * i + lane // 4] + 4 * (lane % 4)
+            out[lane, i] = smem[at:at + 4].view(np.float16)
+    return out
+
+
+def _mma_m16n8k16(c, a, b):
+    """c [16, 8] += A B from the fragments of mma.m16n8k16 (a [32][4][2], b [32][2][2])."""
+    A, B = np.zeros((16, 16)), np.zeros((16, 8))
+    for lane in range(32):
+        g, t = lane // 4, lane % 4
+        for e in range(2):
+            A[g, 2 * t + e], A[g + 8, 2 * t + e] = a[lane, 0, e], a[lane, 1, e]
+            A[g, 2 * t + 8 + e], A[g + 8, 2 * t + 8 + e] = a[lane, 2, e], a[lane, 3, e]
+            B[2 * t + e, g], B[2 * t + 8 + e, g] = b[lane, 0, e], b[lane, 1, e]
+    c += A @ B
+
+
+@pytest.mark.parametrize("d", [32, 96])
+def test_one_product_loop_reads_matching_k_of_the_row_tile_and_the_ring(d):
+    """An emulation of project_mma.cu's F16_TERMS 1 product loop for one pass of a 64-row
+    block (ring.issue's copy into the swizzled stage, multiply_chunk's ldmatrix addresses,
+    the m16n8k16 fragments): ring chunk kc's bytes 0-31 / 32-63 per row meet the hi halves
+    of the row tile's 16-column chunks 2 kc / 2 kc + 1, so the result is hi(A) hi(W)^T.
+    The row tile's lo halves hold NaN: read anywhere, they would show."""
+    bm, bn, bk, astr = 64, 128, 16, d + 4
+    rng = np.random.default_rng(4)
+    a = rng.standard_normal((bm, d)).astype(np.float16)
+    w = rng.standard_normal((bn, d)).astype(np.float32)
+    # As: [BM][astr] words, each 16-column chunk as 16 fp16 hi then 16 lo (NaN here)
+    tile = np.full((bm, astr * 2), np.nan, np.float16)
+    for c0 in range(0, d, bk):
+        tile[:, 2 * c0:2 * c0 + bk] = a[:, c0:c0 + bk]
+    tile_bytes = tile.reshape(-1).view(np.uint8)
+    chunks = _gpu.f16_hi_chunks(w).reshape(-1).view(np.uint8).reshape(-1, bn * 64)
+    assert len(chunks) == d // 32
+    got = np.zeros((bm, bn))
+    for kc, chunk in enumerate(chunks):
+        stage = np.zeros(bn * 64, np.uint8)
+        for idx in range(bn * 4):  # WeightRing.issue: 16-byte piece idx to row idx / 4
+            at = _w_piece(idx // 4, idx % 4)
+            stage[at:at + 16] = chunk[16 * idx:16 * idx + 16]
+        for warp in range(8):
+            row0, col0 = (warp // 4) * (bm // 2), (warp % 4) * 32
+            lanes = np.arange(32)
+            a_lane = 4 * ((row0 + (lanes & 15)) * astr + 4 * (lanes >> 4)) + 4 * kc * 2 * bk
+            w_lane = _w_piece(col0 + (lanes & 7) + 8 * (lanes >> 4), (lanes >> 3) & 1)
+            for s in range(2):
+                b = [_ldsm_x4(stage, (w_lane + jp * 16 * 64) ^ (32 * s)) for jp in range(2)]
+                frags = [b[0][:, 0:2], b[0][:, 2:4], b[1][:, 0:2], b[1][:, 2:4]]
+                for i in range(bm // 32):
+                    af = _ldsm_x4(tile_bytes, a_lane + 4 * (i * 16 * astr + s * bk))
+                    for j in range(4):
+                        _mma_m16n8k16(got[row0 + 16 * i:][:16, col0 + 8 * j:][:, :8], af, frags[j])
+    want = a.astype(np.float64) @ w.astype(np.float16).astype(np.float64).T
+    assert np.allclose(got, want, rtol=1e-12, atol=1e-9)
+
 def _worst_case_rows(w, gamma, rng):
     """LayerNorm-normalised rows n (|n|_2 = sqrt(D); the mean need not be 0 for the bound)
     reaching each column's bound, n = +-sqrt(D) u with u the unit vector along gamma * W[c]

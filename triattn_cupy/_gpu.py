@@ -112,7 +112,9 @@ class DeviceWeights:
         are loaded), "tf32 chunks" the same rounded to TF32 once (TF32 products),
         "transposed" [D_in, D_out] (FFMA, project.cu: a block's weight chunk a row slice).
         "f16 chunks" the chunks with each row's 16 values as fp16 hi, then lo, times the
-        weight scale of f16_scales(scales) (project_mma.cu F16_TERMS).
+        weight scale of f16_scales(scales) (project_mma.cu F16_TERMS 3: f16_split_chunks);
+        "f16 hi chunks" the same scaled weight as fp16 hi parts alone, 32 per chunk row
+        (F16_TERMS 1: f16_hi_chunks).
         `scales`: Wq, Wk, Wv multiplied by its s_q, s_k, s_v (qkv_scales: for the
         projections that write KV_F16_FORMATS). Made on first use, on this device (the
         caller holds it current)."""
@@ -127,14 +129,16 @@ class DeviceWeights:
                 return weight_chunks(plain)
             if layout == "tf32 chunks":
                 return weight_chunks(round_tf32(plain))
-            if layout == "f16 chunks":
+            if layout in ("f16 chunks", "f16 hi chunks"):
                 f16 = self.f16_scales(scales)
-                return f16_split_chunks(weight_chunks(
-                    plain * (f16.w if name == "qkvg" else f16.out_w)))
+                scaled = plain * (f16.w if name == "qkvg" else f16.out_w)
+                if layout == "f16 hi chunks":
+                    return f16_hi_chunks(scaled)
+                return f16_split_chunks(weight_chunks(scaled))
             if layout == "transposed":
                 return _cupy().ascontiguousarray(plain.T)
-            raise ValueError("layout must be 'chunks', 'tf32 chunks', 'f16 chunks' or "
-                             f"'transposed'; got {layout!r}")
+            raise ValueError("layout must be 'chunks', 'tf32 chunks', 'f16 chunks', "
+                             f"'f16 hi chunks' or 'transposed'; got {layout!r}")
         return self._made((name, layout, scales), make)
 
     def _made(self, key, make):
@@ -549,12 +553,13 @@ class Plan:
     @property
     def weight_layout(self) -> str:
         """The projection weights' layout this forward's kernels read (projection_weight):
-        transposed for FFMA, in fp16 hi and lo chunks for fp16 products, in chunks for
+        transposed for FFMA, in fp16 hi and lo chunks for the split fp16 products
+        (F16_TERMS 3), in fp16 hi chunks for one fp16 product (F16_TERMS 1), in chunks for
         3xTF32, in chunks rounded to TF32 for TF32."""
         if not self.project_mma:
             return "transposed"
         if self.project_f16:
-            return "f16 chunks"
+            return "f16 chunks" if self.project_split else "f16 hi chunks"
         return "chunks" if self.project_split else "tf32 chunks"
 
 
