@@ -54,9 +54,16 @@ def time_size(size, precision):
     times = [(name, c - (cumulative[i - 1] if i else 0.0))
              for i, ((name, _), c) in enumerate(zip(stages, cumulative))]
     times.append(("host", total - cumulative[-1]))
+    # The projections alone, each repeated on the scratch the pass left (they read only
+    # the input and what the stage before wrote; the attention writes o over q, so it is
+    # timed by difference only): steadier than the differences for a change to one stage.
+    alone = {name: median_ms(launch, repeats) for name, launch in stages
+             if name != "attention"}
     flops = 4 * B * N**3 * D + 2 * B * N * N * D * (5 * D + h)
     line = " ".join(f"{name}={t:.3f}" for name, t in times)
-    print(f"{precision:9s} {size}: {total:.3f} ms  {flops / total / 1e9:.1f} TFLOP/s  [{line}]", flush=True)
+    line_alone = " ".join(f"{name}={t:.3f}" for name, t in alone.items())
+    print(f"{precision:9s} {size}: {total:.3f} ms  {flops / total / 1e9:.1f} TFLOP/s  [{line}]"
+          f"  alone [{line_alone}]", flush=True)
 
 
 PRECISIONS = ("fp32", "tf32", "bf16")
