@@ -41,7 +41,8 @@
 //     k-steps, so one barrier and one 8 KiB copy per 32 k values instead of per 16 (the
 //     loop was latency bound: 12% of its stalls at the barriers, session 12). The host
 //     lays W out so only for D % 32 == 0 (head dim 32, where these modes run), and
-//     ring_chunks stops the kernel where the row tile's width is no multiple of 32.
+//     ring_chunks stops the kernel where the row tile's width is no multiple of 32. The
+//     row tile's lo halves are neither computed nor written (nothing reads them).
 // LayerNorm statistics, the biases and the gate are fp32.
 //
 // Both operands are row-major with k fastest, as ldmatrix wants them: the row tile As
@@ -578,13 +579,17 @@ __device__ __noinline__ float load_gated_tile_f16(const float* __restrict__ qkvg
         float* const piece = As + (idx / per_row) * astr + (idx % per_row) * 4;
         const float4 x = *reinterpret_cast<const float4*>(piece);
         u32 hi[2], lo[2];
-        split_f16(x.x * a, x.y * a, hi[0], lo[0]);
-        split_f16(x.z * a, x.w * a, hi[1], lo[1]);
+        if (F16_TERMS == 1) {  // (its products read the hi parts alone)
+            hi[0] = pack_f16(x.x * a, x.y * a), hi[1] = pack_f16(x.z * a, x.w * a);
+        } else {
+            split_f16(x.x * a, x.y * a, hi[0], lo[0]);
+            split_f16(x.z * a, x.w * a, hi[1], lo[1]);
+        }
         __syncwarp();  // the chunk's 4 pieces read before any of them is overwritten
         const int q = idx % 4;  // (per_row % 4 == 0: the piece's place in its chunk)
         u32* const chunk = reinterpret_cast<u32*>(piece - 4 * q);
         *reinterpret_cast<uint2*>(chunk + 2 * q) = make_uint2(hi[0], hi[1]);
-        *reinterpret_cast<uint2*>(chunk + 8 + 2 * q) = make_uint2(lo[0], lo[1]);
+        if (F16_TERMS == 3) *reinterpret_cast<uint2*>(chunk + 8 + 2 * q) = make_uint2(lo[0], lo[1]);
     }
     return 1.f / a;
 }
@@ -679,7 +684,7 @@ ln_qkvg_project(const float* __restrict__ x, i64 sb, i64 si, i64 sj, i64 sc, int
         const float rstd = inverse_sqrt(acc / D + eps);  // biased variance, as torch.nn.LayerNorm
 #if F16_TERMS
         // Each 16-wide chunk's 64 bytes in place: its 16 values (zero past D) times a_scale
-        // as fp16 hi pairs, then lo pairs.
+        // as fp16 hi pairs, then lo pairs (F16_TERMS 3).
         for (int c0 = 0; c0 < dpad; c0 += 16) {
             float y[16];
 #pragma unroll
@@ -697,12 +702,19 @@ ln_qkvg_project(const float* __restrict__ x, i64 sb, i64 si, i64 sj, i64 sc, int
             }
             u32 hi[8], lo[8];
 #pragma unroll
-            for (int p = 0; p < 8; ++p) split_f16(y[2 * p], y[2 * p + 1], hi[p], lo[p]);
+            for (int p = 0; p < 8; ++p) {
+                if (F16_TERMS == 1)  // (its products read the hi parts alone)
+                    hi[p] = pack_f16(y[2 * p], y[2 * p + 1]);
+                else
+                    split_f16(y[2 * p], y[2 * p + 1], hi[p], lo[p]);
+            }
             uint4* const chunk = reinterpret_cast<uint4*>(row + c0);
             chunk[0] = make_uint4(hi[0], hi[1], hi[2], hi[3]);
             chunk[1] = make_uint4(hi[4], hi[5], hi[6], hi[7]);
-            chunk[2] = make_uint4(lo[0], lo[1], lo[2], lo[3]);
-            chunk[3] = make_uint4(lo[4], lo[5], lo[6], lo[7]);
+            if (F16_TERMS == 3) {
+                chunk[2] = make_uint4(lo[0], lo[1], lo[2], lo[3]);
+                chunk[3] = make_uint4(lo[4], lo[5], lo[6], lo[7]);
+            }
         }
 #else
 #pragma unroll 4  // gamma and beta are the same for every thread: loads of 4 trips in flight
