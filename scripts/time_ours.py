@@ -75,4 +75,8 @@ if __name__ == "__main__":
 
         _configs.attention_kernel = lambda d, *args: _configs.attention_ffma_launch(d)
         PRECISIONS = ("fp32-ffma",)
+    for arg in list(sys.argv[1:]):  # --precisions=tf32,bf16: those modes only
+        if arg.startswith("--precisions="):
+            sys.argv.remove(arg)
+            PRECISIONS = tuple(arg.split("=", 1)[1].split(","))
     main(sys.argv[1:] or ["2x128x64x4", "1x384x128x4", "1x1024x128x4"])
