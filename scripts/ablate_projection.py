@@ -5,8 +5,9 @@ sets the time. Check each row against the ceilings: a patch can let the compiler
 more than the part it names (after the epilogue of 024f159, `no_store` also lost the
 products: fp32 "products" at ~490 TFLOP/s). The patches were written for the TF32 and
 3xTF32 kernels: on the fp16-product paths (F16_TERMS, the wgmma attentions' projections)
-`no_store` leaves q's lo words stored, `no_load` misses load_gated_tile_f16, and
-`row_major_weights` no longer matches the ring's copy code; read those rows accordingly.
+`no_store` leaves q's lo words stored; `weights_l1` and `row_major_weights` no longer match
+the ring's copy code (its swizzled pieces, session 10) and stop with "text not found", as
+`no_bias_lo` does since format 7's bias store changed; read those rows accordingly.
 
     python3 scripts/ablate_projection.py [--variants full,no_store,...]
         [--precisions fp32,tf32,bf16] [sizes, default 1x1024x128x4 2x128x64x4]
@@ -45,7 +46,7 @@ PATCHES = {
                                 "const float4 o = make_float4(1.f, 2.f, 3.f, (float)ml), g = o;")],
                 "project_mma.cu": [("cp_async16_or_zero(smem_addr(dst + k), ok ? p + k : x, ok);",
                                     "cp_async16_or_zero(smem_addr(dst + k), x, false);"),
-                                   ("const float4 o = ld4(row + k), g = load_gate4(row, D, k);",
+                                   ("const float4 o = load_o4(row, k), g = load_gate4(row, D, k);",
                                     "const float4 o = make_float4(1.f, 2.f, 3.f, (float)ml), g = o;")]},
     # The weight chunks through L1 (cp.async.ca) instead of L2 only (.cg): the 2 blocks of an
     # SM stream the same chunks, and ncu puts the weights at ~2.9 GB of L2 traffic at 1x1024.
@@ -95,7 +96,8 @@ def use_variant(parts):
                 text = text.replace(old, new)
         return text
     _compile.kernel_source = source
-    _gpu.weight_chunks = (lambda w: w) if "row_major_weights" in parts else ORIGINAL_CHUNKS
+    _gpu.weight_chunks = ((lambda w, *chunk: w) if "row_major_weights" in parts
+                          else ORIGINAL_CHUNKS)
     rows = [r for r in (64, 128) if f"rows{r}" in parts]
     _configs.project_rows = (lambda *args: rows[0]) if rows else ORIGINAL_ROWS
     _configs.forget_compiled_kernels()
