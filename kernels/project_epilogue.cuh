@@ -92,8 +92,9 @@ __device__ __forceinline__ void map_column(Tile& acc, int j, float2 cb, F f) {
 }
 
 // How ln_qkvg_project stores q, k, v and the gate, for the kernels that read them (a
-// qkvg row is 4D words in every format but 7, whose rows are 2D (QKVG_LD); the attention
-// writes o over [0, D)):
+// qkvg row is 4D words in every format but 7 and 8, whose rows are 2D (QKVG_LD); the
+// attention writes o over [0, D), in 16 bits over each head's first 16 words in formats 6
+// and 8 (O16)):
 // 0 as computed (fp32): q, k, v, gate at words [0, D), [D, 2D), [2D, 3D), [3D, 4D);
 // 1 the same, k and v rounded to TF32 (attention_tf32 copies them as they are);
 // 2 packed bf16 (attention_bf16; half the bytes): bf16 index c from word D holds k column

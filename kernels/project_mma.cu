@@ -10,7 +10,8 @@
 //                      bias[b, head, i, j] = log2(e) * xn[m] . Wb[head]  # m = (b, i, j)
 //                        -inf where mask[b, i, j] == 0, and on the padded keys j in [N, NPK)
 //   gated_out_project: out = (g * o) Wo^T + bo                        # [M, D]
-//                        o = qkvg[:, 0:D] (attention output, written over q)
+//                        o = qkvg[:, 0:D] (attention output, written over q; formats 6
+//                          and 8: 16-bit, each head's first 16 words, load_o4)
 //                        g = the sigmoid gate (fp32 at qkvg[:, 3D:4D] or, formats 7
 //                          and 8, [D:2D] of rows of 2D words; or packed
 //                          bf16: KV_FORMAT, project_epilogue.cuh)
@@ -267,7 +268,9 @@ struct WeightRing {
 // 8-15 at k, then at k + 4); in a ring stage (an offset from the stage), row (w % 4) * 32
 // + (lane & 7) + 8 (lane >> 4) at piece (lane >> 3) & 1 (B fragments of n-tiles j and
 // j + 1, each at k and k + 4); k + 8 is piece + 2, the offset XOR 32 (w_piece). In fp16
-// halves (F16_TERMS) the pieces hold k to k + 7 and k + 8 to k + 15, piece + 2 is k + 16.
+// halves (F16_TERMS) the pieces hold k to k + 7 and k + 8 to k + 15; piece + 2 is then
+// the lo half of k to k + 7 in As and in the F16_TERMS 3 ring, and k + 16 in the F16_TERMS
+// 1 ring (32 hi values per row).
 __device__ __forceinline__ u32 a_lane_addr(const float* As, int astr) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     return smem_addr(As) + 4 * (((warp / 4) * (BM / 2) + (lane & 15)) * astr + 4 * (lane >> 4));
@@ -416,8 +419,9 @@ __device__ __forceinline__ void project_columns(const float* As, int astr, const
 // w, w + 8, ... (16 rows each) and the heads 8 at a time (the B fragment's n = g).
 // Not inlined: inlined, its registers pushed the kernel's 128-register products into
 // spills (ptxas); called once per block, the call costs nothing that shows.
-// F16_TERMS: As in fp16 hi and lo chunks, Wb scaled on the host, split here (F16_TERMS 3)
-// or rounded to fp16 (1); the products times `unscale`.
+// F16_TERMS: As in fp16 hi and lo chunks (F16_TERMS 1: hi only, its lo words stale), Wb
+// scaled on the host, split here (F16_TERMS 3) or rounded to fp16 (1); the products times
+// `unscale`.
 __device__ __noinline__ void pair_bias(const float* As, int astr, const float* __restrict__ Wb,
                                           int D, int dpad, int H, i64 m0, i64 M, int N,
                                           const void* __restrict__ mask, int mask_kind,
@@ -772,8 +776,8 @@ gated_out_project(const float* __restrict__ qkvg, i64 M, int D,
     const WeightRing ring{smem_addr(s.Ws), s.cbias, W, b_out, D, D, ring_chunks(dpad)};
     ring.prime(0);  // the first weight chunks and biases travel while the row tile loads
 
-    // 1. A = g * o (operand4; F16_TERMS: scaled fp16 hi and lo), row-major: the gated
-    //    intermediate exists only here.
+    // 1. A = g * o (operand4; F16_TERMS: scaled fp16 hi and lo, hi only for F16_TERMS 1),
+    //    row-major: the gated intermediate exists only here.
 #if F16_TERMS
     // (rowoff, ln_qkvg_project's, is free here: a word per warp for the block maximum)
     const float a_unscale = load_gated_tile_f16(qkvg, M, D, dpad, astr, m0, s.As,

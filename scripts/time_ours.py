@@ -54,9 +54,10 @@ def time_size(size, precision):
     times = [(name, c - (cumulative[i - 1] if i else 0.0))
              for i, ((name, _), c) in enumerate(zip(stages, cumulative))]
     times.append(("host", total - cumulative[-1]))
-    # The projections alone, each repeated on the scratch the pass left (they read only
-    # the input and what the stage before wrote; the attention writes o over q, so it is
-    # timed by difference only): steadier than the differences for a change to one stage.
+    # The projections alone, each repeated on the scratch the passes left: steadier than
+    # the differences for a change to one stage. (The repeated projection writes q back
+    # over o, so the out projection then reads q as its o: the same work, other values.
+    # The attention, which writes o over q, is timed by difference only.)
     alone = {name: median_ms(launch, repeats) for name, launch in stages
              if name != "attention"}
     flops = 4 * B * N**3 * D + 2 * B * N * N * D * (5 * D + h)
@@ -77,6 +78,8 @@ if __name__ == "__main__":
         PRECISIONS = ("fp32-ffma",)
     for arg in list(sys.argv[1:]):  # --precisions=tf32,bf16: those modes only
         if arg.startswith("--precisions="):
+            if PRECISIONS == ("fp32-ffma",):
+                raise SystemExit("--precisions and --ffma exclude each other")
             sys.argv.remove(arg)
             PRECISIONS = tuple(arg.split("=", 1)[1].split(","))
     main(sys.argv[1:] or ["2x128x64x4", "1x384x128x4", "1x1024x128x4"])
