@@ -298,3 +298,36 @@ def test_rejects_non_float_pair(small, dtype):
     weights, pair = small
     with pytest.raises(TypeError, match=r"pair must be a float array, got dtype"):
         triangle_attention(pair.astype(dtype), None, weights)
+
+
+# ---------------------------------------------------------------------------- saturated gates
+
+def test_sigmoid_keeps_its_precision_far_out():
+    from triattn_cupy.reference import _sigmoid
+
+    x = np.array([-700.0, -70.0, -37.5, -20.0, 0.0, 20.0, 70.0, 700.0])
+    want = np.array([1.0 / (1.0 + math.exp(-v)) if v >= 0 else math.exp(v) / (1.0 + math.exp(v))
+                     for v in x])
+    got = _sigmoid(x)
+    assert np.all(got > 0) and np.all(got <= 1)
+    np.testing.assert_allclose(got, want, rtol=1e-14, atol=0)
+    assert abs(_sigmoid(np.float64(-70.0)) / 3.975449735908647e-31 - 1) < 1e-12
+
+
+@pytest.mark.parametrize("gate_bias", [-20.0, -70.0])
+def test_saturated_gates_match_spec(rng, gate_bias):
+    """Every gate near 0 and no out bias: the output is tiny and all of it comes through
+    the gate (the GPU tests hold every mode to this reference there)."""
+    from triattn_cupy import Weights
+
+    base = random_weights(32, 2, seed=int(rng.integers(2**32)))
+    params = dict(base.params)
+    params["gate.bias"] = np.full_like(params["gate.bias"], gate_bias)
+    params["out_proj.bias"] = np.zeros_like(params["out_proj.bias"])
+    weights = Weights(base.pair_dim, base.num_heads, base.layer_norm_eps, params)
+    pair = make_pair(rng, 1, 9, 32)
+    keep = make_keep(rng, 1, 9)
+    expected = spec_forward(weights, pair, keep)
+    out = triangle_attention(pair, keep, weights, fully_masked="nan")
+    assert np.nanmax(np.abs(out)) > 0  # not flushed
+    check_against_spec(out, expected, keep, weights, "nan", TOL64)
