@@ -85,39 +85,29 @@ __device__ __forceinline__ void fence_async_shared() {
 // descriptor (scale-d, the A and B scales, and for 16-bit types B's transpose flag), `c`
 // the accumulator's constraint: "+f" (D += A B) or, with scale-d 0, "=f" (D = A B: the
 // compiler then zeroes no registers first). The register lists are written once here for
-// every type and k.
+// every type and k: the accumulator's registers as asm outputs 4, 8 and 32 at a time (from
+// index o), and the 32 outputs' placeholders.
+#define WGMMA_D4(c, d, o) c(d[o]), c(d[o + 1]), c(d[o + 2]), c(d[o + 3])
+#define WGMMA_D8(c, d, o) WGMMA_D4(c, d, o), WGMMA_D4(c, d, o + 4)
+#define WGMMA_D32(c, d, o) WGMMA_D8(c, d, o), WGMMA_D8(c, d, o + 8), WGMMA_D8(c, d, o + 16), \
+                           WGMMA_D8(c, d, o + 24)
+#define WGMMA_REGS32 "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15," \
+                     "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, "
 #define WGMMA_N64(op, imm, c, d, a, b)                                                         \
-    asm volatile(op " {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"               \
-                    "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, "     \
-                    "{%32,%33,%34,%35}, %36, " imm ";"                                       \
-        : c(d[0]), c(d[1]), c(d[2]), c(d[3]), c(d[4]), c(d[5]),           \
-          c(d[6]), c(d[7]), c(d[8]), c(d[9]), c(d[10]), c(d[11]),         \
-          c(d[12]), c(d[13]), c(d[14]), c(d[15]), c(d[16]), c(d[17]),     \
-          c(d[18]), c(d[19]), c(d[20]), c(d[21]), c(d[22]), c(d[23]),     \
-          c(d[24]), c(d[25]), c(d[26]), c(d[27]), c(d[28]), c(d[29]),     \
-          c(d[30]), c(d[31])                                                          \
+    asm volatile(op " " WGMMA_REGS32 "{%32,%33,%34,%35}, %36, " imm ";"                     \
+        : WGMMA_D32(c, d, 0)                                                                 \
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b))
 #define WGMMA_N40(op, imm, c, d, a, b)                                                         \
     asm volatile(op " {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19}, " \
                     "{%20,%21,%22,%23}, %24, " imm ";"                                       \
-        : c(d[0]), c(d[1]), c(d[2]), c(d[3]), c(d[4]), c(d[5]),           \
-          c(d[6]), c(d[7]), c(d[8]), c(d[9]), c(d[10]), c(d[11]),         \
-          c(d[12]), c(d[13]), c(d[14]), c(d[15]), c(d[16]), c(d[17]),     \
-          c(d[18]), c(d[19])                                                          \
+        : WGMMA_D8(c, d, 0), WGMMA_D8(c, d, 8), WGMMA_D4(c, d, 16)                           \
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b))
 
 // The same with A from shared memory too (`a` its descriptor, K-major as B; both operands
 // by descriptor take no registers for A).
 #define WGMMA_N64_SS(op, imm, c, d, a, b)                                                      \
-    asm volatile(op " {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"               \
-                    "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, "     \
-                    "%32, %33, " imm ";"                                                    \
-        : c(d[0]), c(d[1]), c(d[2]), c(d[3]), c(d[4]), c(d[5]),           \
-          c(d[6]), c(d[7]), c(d[8]), c(d[9]), c(d[10]), c(d[11]),         \
-          c(d[12]), c(d[13]), c(d[14]), c(d[15]), c(d[16]), c(d[17]),     \
-          c(d[18]), c(d[19]), c(d[20]), c(d[21]), c(d[22]), c(d[23]),     \
-          c(d[24]), c(d[25]), c(d[26]), c(d[27]), c(d[28]), c(d[29]),     \
-          c(d[30]), c(d[31])                                                          \
+    asm volatile(op " " WGMMA_REGS32 "%32, %33, " imm ";"                                   \
+        : WGMMA_D32(c, d, 0)                                                                 \
         : "l"(a), "l"(b))
 
 // D (64 x 64, f32) += A (64 x 8, tf32, registers) B (8 x 64, tf32, descriptor).
