@@ -66,6 +66,9 @@ PATCHES = {
                                "    if (x == 1234.5f) p[BIAS_TILE_BYTES / 4] = lo;")]},
     "rows64": {},  # not a text patch: 64-row blocks (3 per SM) at every size
     "rows128": {},  # nor this: 128-row blocks (2 per SM) at every size
+    # nor this: the wgmma attentions' projections with their products on mma.sync, as
+    # before kernels/project_wgmma.cuh (session 15)
+    "mma_sync_products": {},
 }
 VARIANTS = {
     "full": [],
@@ -84,6 +87,7 @@ def applies(parts, precision):
 
 ORIGINAL_ROWS = _configs.project_rows
 ORIGINAL_CHUNKS = _gpu.weight_chunks
+ORIGINAL_ON_WGMMA = _configs.project_on_wgmma
 
 
 def use_variant(parts):
@@ -100,6 +104,9 @@ def use_variant(parts):
                           else ORIGINAL_CHUNKS)
     rows = [r for r in (64, 128) if f"rows{r}" in parts]
     _configs.project_rows = (lambda *args: rows[0]) if rows else ORIGINAL_ROWS
+    _configs.project_on_wgmma = ((lambda *args: False) if "mma_sync_products" in parts
+                                 else ORIGINAL_ON_WGMMA)
+    _configs.project_config.cache_clear()
     _configs.forget_compiled_kernels()
 
 

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One call on a GPU machine: the GPU test suite, then the timings (and the benchmarks when
-# TRIATTN_BENCH holds benchmarks/run.py's arguments). Used with the device tool as:
+# TRIATTN_BENCH holds benchmarks/run.py's arguments, and the projection ablation when
+# TRIATTN_ABLATE holds scripts/ablate_projection.py's). Used with the device tool as:
 #   bash scripts/gpu_check.sh [pytest arguments, default: -m gpu tests/]
 # Writes logs under $OUT (the device tool's folder) or benchmarks/results/latest.
 set -uo pipefail
@@ -17,6 +18,9 @@ if [ -n "${TRIATTN_SWEEP:-}" ]; then
     python3 scripts/sweep_tiles.py 2>&1 | tee "$out/sweep_tiles.log"
 fi
 python3 scripts/time_ours.py 2>&1 | tee "$out/time_ours.log"
+if [ -n "${TRIATTN_ABLATE:-}" ]; then
+    python3 scripts/ablate_projection.py $TRIATTN_ABLATE 2>&1 | tee "$out/ablate_projection.log"
+fi
 if [ -n "${TRIATTN_BENCH:-}" ] && [ -f benchmarks/run.py ]; then
     python3 benchmarks/run.py --out "$out/bench" $TRIATTN_BENCH 2>&1 | tee "$out/bench.log"
 fi
