@@ -9,7 +9,7 @@ products: fp32 "products" at ~490 TFLOP/s). The patches were written for the TF3
 the ring's copy code (its swizzled pieces, session 10) and stop with "text not found", as
 `no_bias_lo` does since format 7's bias store changed; read those rows accordingly.
 
-    python3 scripts/ablate_projection.py [--variants full,no_store,...]
+    python3 scripts/ablate_projection.py [--variants full,no_store,only_gemm+mma_sync_products,...]
         [--precisions fp32,tf32,bf16] [sizes, default 1x1024x128x4 2x128x64x4]
 """
 import sys
@@ -69,6 +69,7 @@ PATCHES = {
     # nor this: the wgmma attentions' projections with their products on mma.sync, as
     # before kernels/project_wgmma.cuh (session 15)
     "mma_sync_products": {},
+    "stages5": {},  # nor this: 5 weight chunks in the ring (4 ahead) where 4 fit
 }
 VARIANTS = {
     "full": [],
@@ -76,6 +77,12 @@ VARIANTS = {
     "only_gemm": ["no_store", "no_pair_bias", "no_layernorm", "no_layernorm_mma", "no_load"],
 }
 PROJECT_FILE = {"fp32": "project_mma.cu", "tf32": "project_mma.cu", "bf16": "project_mma.cu"}  # sm_80+
+
+
+def parts_of(variant):
+    """A variant's parts: a name of VARIANTS, or names joined by "+" (their parts together,
+    as in only_gemm+mma_sync_products)."""
+    return [part for name in variant.split("+") for part in VARIANTS[name]]
 
 
 def applies(parts, precision):
@@ -88,6 +95,7 @@ def applies(parts, precision):
 ORIGINAL_ROWS = _configs.project_rows
 ORIGINAL_CHUNKS = _gpu.weight_chunks
 ORIGINAL_ON_WGMMA = _configs.project_on_wgmma
+ORIGINAL_STAGES = _configs.project_weight_stages
 
 
 def use_variant(parts):
@@ -106,7 +114,11 @@ def use_variant(parts):
     _configs.project_rows = (lambda *args: rows[0]) if rows else ORIGINAL_ROWS
     _configs.project_on_wgmma = ((lambda *args: False) if "mma_sync_products" in parts
                                  else ORIGINAL_ON_WGMMA)
+    _configs.project_weight_stages = (
+        (lambda *args: ORIGINAL_STAGES(*args) + (ORIGINAL_STAGES(*args) == 4))
+        if "stages5" in parts else ORIGINAL_STAGES)
     _configs.project_config.cache_clear()
+    _configs.project_smem_bytes.cache_clear()
     _configs.forget_compiled_kernels()
 
 
@@ -120,9 +132,9 @@ def main(sizes, variants, precisions):
         repeats = 50 if N <= 512 else 15
         for precision in precisions:
             for variant in variants:
-                if not applies(VARIANTS[variant], precision):
+                if not applies(parts_of(variant), precision):
                     continue
-                use_variant(VARIANTS[variant])
+                use_variant(parts_of(variant))
                 module._dw.plans.clear()  # the launch plans hold the kernels they chose
                 module._dw._layouts.clear()  # and the weights in the layout they read
                 stages = dict(module.stage_launchers(pair, mask, precision=precision))
@@ -130,7 +142,7 @@ def main(sizes, variants, precisions):
                     launch()
                 proj = median_ms(stages["layernorm+projections"], repeats)
                 out = median_ms(stages["gate+out_proj"], repeats)
-                print(f"{size} {precision:5s} {variant:17s} projection {proj:7.3f} ms"
+                print(f"{size} {precision:5s} {variant:30s} projection {proj:7.3f} ms"
                       f"  out projection {out:7.3f} ms", flush=True)
     use_variant([])
 
