@@ -87,25 +87,8 @@
 #ifndef PROJECT_MIN_BLOCKS  // resident blocks per SM asked of the compiler (__launch_bounds__):
 #define PROJECT_MIN_BLOCKS 2  // 2: at most 128 registers; 3 (64-row blocks): at most 80
 #endif
-#ifndef WGMMA_PRODUCTS
-#define WGMMA_PRODUCTS 0  // 1: the F16_TERMS products on Hopper's wgmma (sm_90a), below
-#endif
-// ln_qkvg_project's: the same, but 2 for 64-row blocks on wgmma, which spilled 8 to 132
-// bytes in 80 registers (formats 6 and 8: the epilogue, 32 columns at a time); 64-row
-// blocks serve small problems (_configs.project_rows: at most 2 per SM), or a wide D whose
-// row tile allows no 3 per SM.
-#if WGMMA_PRODUCTS && BM == 64
-#define LN_MIN_BLOCKS 2
-#else
-#define LN_MIN_BLOCKS PROJECT_MIN_BLOCKS
-#endif
-#if WGMMA_PRODUCTS
-#define MT 1            // the epilogue's view of a warp's accumulators, 32 columns at a time
-#define TROWS 2         // (project_wgmma.cuh)
-#else
 #define MT (BM / 32)    // 16-row m-tiles per warp; the 8 warps are 2 (rows) x 4 (columns)
 #define TROWS (BM / 16) // row slots per thread (thread_row)
-#endif
 #define WSTR BK         // words per row of a weight chunk in the ring (swizzled: w_piece)
 #ifndef SPLIT
 #define SPLIT 0         // 1: 3xTF32 products (the fp32 mode), 0: TF32
@@ -115,9 +98,6 @@
 #endif
 #if F16_TERMS != 0 && F16_TERMS != (SPLIT ? 3 : 1)
 #error "project_mma.cu: F16_TERMS is 3 with SPLIT, 1 without, or 0"
-#endif
-#if WGMMA_PRODUCTS && (F16_TERMS == 0 || (BM != 64 && BM != 128))
-#error "project_mma.cu: WGMMA_PRODUCTS takes the fp16 products (F16_TERMS) in blocks of 64 or 128 rows"
 #endif
 // k values per ring chunk: the WSTR words of a chunk row hold BK fp32 values, or BK fp16 hi
 // then BK lo (F16_TERMS 3), or 2 BK fp16 hi (F16_TERMS 1, whose products never read a lo
@@ -138,24 +118,6 @@ struct Tile {
     }
 };
 
-#define SLOT_RUN 2
-#if WGMMA_PRODUCTS
-// Warpgroup w (warps 4w..4w+3) takes 64 rows and WG_COLS columns of each pass: rows
-// wg_row0() on, columns wg_col0() on. 128-row blocks: rows 64 w, every column; 64-row
-// blocks: every row, columns 64 w. Warp w % 4 of the group holds its rows 16 (w % 4) to
-// 16 (w % 4) + 15 (wgmma's A and D fragments), handed to the epilogue 32 columns at a time
-// (from n0): pair j at column n0 + 8j + 2t, rows g and g + 8.
-#define WG_COLS (BM == 128 ? 128 : 64)
-__device__ __forceinline__ int wg_row0() { return BM == 128 ? (threadIdx.x >> 7) * 64 : 0; }
-__device__ __forceinline__ int wg_col0() { return BM == 128 ? 0 : (threadIdx.x >> 7) * 64; }
-__device__ __forceinline__ int pair_column(int n0, int j) {
-    return n0 + j * 8 + 2 * (threadIdx.x & 3);
-}
-__device__ __forceinline__ int thread_row(int s) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    return wg_row0() + (warp % 4) * 16 + (lane >> 2) + 8 * s;
-}
-#else
 // Column n of this thread's j-th value pair of the pass at n0 (j < 4; the pair is n, n+1).
 __device__ __forceinline__ int pair_column(int n0, int j) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -164,11 +126,11 @@ __device__ __forceinline__ int pair_column(int n0, int j) {
 
 // Row slot s < TROWS of this thread: its block row, and its value pair at column pair j
 // (slot = 2 m-tile + half: rows g and g + 8 of the m-tile, stored together).
+#define SLOT_RUN 2
 __device__ __forceinline__ int thread_row(int s) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     return (warp / 4) * (BM / 2) + (s / 2) * 16 + (lane >> 2) + 8 * (s % 2);
 }
-#endif
 __device__ __forceinline__ float* pair_at(Tile& acc, int s, int j) {
     return &acc.c[s / 2][j][2 * (s % 2)];
 }
@@ -291,13 +253,13 @@ struct WeightRing {
 #pragma unroll
         for (int kc = 0; kc < WSTAGES - 1; ++kc) issue(n0, kc);
     }
-    // This thread's biases of its value pairs from column col0 (pair_column) in the pass
-    // at n0 (landed with chunk 0, whose wait and barrier every thread has passed).
-    __device__ __forceinline__ void biases(int n0, int col0, float2 (&cb)[4]) const {
+    // This thread's biases of its value pairs in the pass at n0 (landed with chunk 0, whose
+    // wait and barrier every thread has passed).
+    __device__ __forceinline__ void biases(int n0, float2 (&cb)[4]) const {
         const float* const buf = cbias + ((n0 / BN) % 2) * BN - n0;
 #pragma unroll
         for (int j = 0; j < 4; ++j)
-            cb[j] = *reinterpret_cast<const float2*>(buf + pair_column(col0, j));
+            cb[j] = *reinterpret_cast<const float2*>(buf + pair_column(n0, j));
     }
 };
 
@@ -415,9 +377,6 @@ __device__ __forceinline__ void multiply_chunk(u32 a_lane, int astr, u32 w_stage
     }
 }
 
-#if WGMMA_PRODUCTS
-#include "project_wgmma.cuh"
-#else
 // All NO output columns of the block's rows, BN at a time: acc = As x W[n0 + ..., :]^T,
 // handed with the biases of this thread's column pairs (ring.bvec, staged in ring.cbias)
 // to store(acc, n0, cb), which may change acc. The caller has primed the ring for n0 = 0 (and may have used the wait
@@ -449,11 +408,10 @@ __device__ __forceinline__ void project_columns(const float* As, int astr, const
                     for (int e = 0; e < 4; ++e) acc.c[i][j][e] *= unscale;
         }
         float2 cb[4];
-        ring.biases(n0, n0, cb);  // from shared memory: no L2 latency to wait on
+        ring.biases(n0, cb);  // from shared memory: no L2 latency to wait on
         store(acc, n0, cb);
     }
 }
-#endif
 
 // bias[b, head, i, j] for every row (b, i, j) = m0 + ml of the block and every head:
 // log2(e) * As[ml] . Wb[head] on tensor cores (xn as As holds it, Wb rounded here; or
@@ -654,14 +612,11 @@ __device__ __forceinline__ SmemLayout smem_layout(int dpad) {
     s.rowoff = reinterpret_cast<i64*>(smem4);  // first: 8 * BM bytes keep 16-byte alignment
     s.As = reinterpret_cast<float*>(s.rowoff + BM);
     s.Ws = s.As + BM * (dpad + 4);
-#if WGMMA_PRODUCTS  // the stages start on 512 bytes (sw64's atoms; _configs.PROJECT_WGMMA_SLACK)
-    s.Ws += ((512u - (smem_addr(s.Ws) & 511u)) & 511u) / 4;
-#endif
     s.cbias = s.Ws + WSTAGES * BN * WSTR;
     return s;
 }
 
-extern "C" __global__ void __launch_bounds__(THREADS, LN_MIN_BLOCKS)
+extern "C" __global__ void __launch_bounds__(THREADS, PROJECT_MIN_BLOCKS)
 ln_qkvg_project(const float* __restrict__ x, i64 sb, i64 si, i64 sj, i64 sc, int x_vec,
                 int B, int N, int D, int H, float eps, float q_scale,
                 const float* __restrict__ gamma, const float* __restrict__ beta,

@@ -103,17 +103,6 @@ __device__ __forceinline__ void fence_async_shared() {
         : WGMMA_D8(c, d, 0), WGMMA_D8(c, d, 8), WGMMA_D4(c, d, 16)                           \
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b))
 
-// The same into a 64 x 128 accumulator (d[64]: D's n runs to 15), the operands' places
-// after its 64 registers.
-#define WGMMA_REGS64 "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15," \
-                     "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31," \
-                     "%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47," \
-                     "%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}, "
-#define WGMMA_N128(op, imm, c, d, a, b)                                                        \
-    asm volatile(op " " WGMMA_REGS64 "{%64,%65,%66,%67}, %68, " imm ";"                     \
-        : WGMMA_D32(c, d, 0), WGMMA_D32(c, d, 32)                                            \
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b))
-
 // The same with A from shared memory too (`a` its descriptor, K-major as B; both operands
 // by descriptor take no registers for A).
 #define WGMMA_N64_SS(op, imm, c, d, a, b)                                                      \
@@ -144,16 +133,13 @@ __device__ __forceinline__ void wgmma_m64n40k16_bf16(float (&d)[20], const u32 (
     WGMMA_N40("wgmma.mma_async.sync.aligned.m64n40k16.f32.bf16.bf16", "1, 1, 1, 0", "+f", d, a, b);
 }
 
-// The same with fp16 operands (the fp32 mode's split products, attention_f16x3_wgmma, and
-// the projections' fp16 products, project_wgmma.cuh): fragments and layouts as bf16's.
+// The same with fp16 operands (the fp32 mode's split products, attention_f16x3_wgmma):
+// fragments and layouts as bf16's.
 __device__ __forceinline__ void wgmma_m64n64k16_f16(float (&d)[32], const u32 (&a)[4], u64 b) {
     WGMMA_N64("wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16", "1, 1, 1, 0", "+f", d, a, b);
 }
 __device__ __forceinline__ void wgmma_m64n40k16_f16(float (&d)[20], const u32 (&a)[4], u64 b) {
     WGMMA_N40("wgmma.mma_async.sync.aligned.m64n40k16.f32.f16.f16", "1, 1, 1, 0", "+f", d, a, b);
-}
-__device__ __forceinline__ void wgmma_m64n128k16_f16(float (&d)[64], const u32 (&a)[4], u64 b) {
-    WGMMA_N128("wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16", "1, 1, 1, 0", "+f", d, a, b);
 }
 __device__ __forceinline__ void wgmma_m64n64k16_f16_ss(float (&d)[32], u64 a, u64 b) {
     WGMMA_N64_SS("wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16", "1, 1, 1, 0, 0", "+f", d, a, b);

@@ -9,7 +9,7 @@ products: fp32 "products" at ~490 TFLOP/s). The patches were written for the TF3
 the ring's copy code (its swizzled pieces, session 10) and stop with "text not found", as
 `no_bias_lo` does since format 7's bias store changed; read those rows accordingly.
 
-    python3 scripts/ablate_projection.py [--variants full,no_store,only_gemm+mma_sync_products,...]
+    python3 scripts/ablate_projection.py [--variants full,no_store,only_gemm+rows64,...]
         [--precisions fp32,tf32,bf16] [sizes, default 1x1024x128x4 2x128x64x4]
 """
 import sys
@@ -66,9 +66,6 @@ PATCHES = {
                                "    if (x == 1234.5f) p[BIAS_TILE_BYTES / 4] = lo;")]},
     "rows64": {},  # not a text patch: 64-row blocks (3 per SM) at every size
     "rows128": {},  # nor this: 128-row blocks (2 per SM) at every size
-    # nor this: the wgmma attentions' projections with their products on mma.sync, as
-    # before kernels/project_wgmma.cuh (session 15)
-    "mma_sync_products": {},
     "stages5": {},  # nor this: 5 weight chunks in the ring (4 ahead) where 4 fit
 }
 VARIANTS = {
@@ -81,7 +78,7 @@ PROJECT_FILE = {"fp32": "project_mma.cu", "tf32": "project_mma.cu", "bf16": "pro
 
 def parts_of(variant):
     """A variant's parts: a name of VARIANTS, or names joined by "+" (their parts together,
-    as in only_gemm+mma_sync_products)."""
+    as in only_gemm+rows64)."""
     return [part for name in variant.split("+") for part in VARIANTS[name]]
 
 
@@ -94,7 +91,6 @@ def applies(parts, precision):
 
 ORIGINAL_ROWS = _configs.project_rows
 ORIGINAL_CHUNKS = _gpu.weight_chunks
-ORIGINAL_ON_WGMMA = _configs.project_on_wgmma
 ORIGINAL_STAGES = _configs.project_weight_stages
 
 
@@ -112,8 +108,6 @@ def use_variant(parts):
                           else ORIGINAL_CHUNKS)
     rows = [r for r in (64, 128) if f"rows{r}" in parts]
     _configs.project_rows = (lambda *args: rows[0]) if rows else ORIGINAL_ROWS
-    _configs.project_on_wgmma = ((lambda *args: False) if "mma_sync_products" in parts
-                                 else ORIGINAL_ON_WGMMA)
     _configs.project_weight_stages = (
         (lambda *args: ORIGINAL_STAGES(*args) + (ORIGINAL_STAGES(*args) == 4))
         if "stages5" in parts else ORIGINAL_STAGES)

@@ -303,38 +303,6 @@ def test_sizes_past_the_wgmma_thresholds(cp, rng, precision):
     check_against_reference(cp, rng, 2, 321, 128, 4, mask_kind="int", precision=precision)
 
 
-@pytest.fixture
-def products_on(monkeypatch):
-    """products_on(wgmma): the wgmma attentions' projections take their products on wgmma
-    (the default on an H100/H200: _configs.project_on_wgmma) or, forced, on mma.sync. The
-    cached configurations are dropped before and after, so no other test sees the forced
-    ones."""
-    original = ta._configs.project_on_wgmma
-
-    def use(wgmma: bool):
-        monkeypatch.setattr(ta._configs, "project_on_wgmma",
-                            original if wgmma else (lambda *args: False))
-        ta._configs.project_config.cache_clear()
-
-    yield use
-    monkeypatch.undo()
-    ta._configs.project_config.cache_clear()
-
-
-@pytest.mark.parametrize("precision", ["fp32", "tf32", "bf16"])
-@pytest.mark.parametrize("rows", [64, 128])
-@pytest.mark.parametrize("wgmma", [True, False])
-def test_projections_on_wgmma(cp, rng, monkeypatch, products_on, wgmma, rows, precision):
-    """Head dim 32 past N = 128, the projections that write the wgmma attentions' tiles in
-    both block heights (64-row blocks serve only N <= 130 at D = 128 by themselves: forced
-    here) and both product loops (project_wgmma.cuh, and mma.sync's, which it replaced).
-    N = 150: 22 500 rows, no multiple of either block."""
-    products_on(wgmma)
-    monkeypatch.setattr(ta._configs, "project_rows", lambda *args: rows)
-    poison_pool(cp)
-    check_against_reference(cp, rng, 1, 150, 128, 4, fully_masked="nan", precision=precision)
-
-
 def test_large_n_memory_and_spot_rows(cp, rng):
     """B=1, N=2048, D=128 runs; scratch stays under 5x the input; sampled rows are exact."""
     B, N, D, h = 1, 2048, 128, 4

@@ -185,27 +185,6 @@ def test_which_attention_kernel_each_mode_takes():
     assert tf32.kv_format == _configs.KV_F16_TILES and tf32.smem <= _configs.SMEM_LIMIT
 
 
-def test_which_projection_products_each_mode_takes():
-    """The projections that write the wgmma attentions' tiles (every mode past N = 128 at
-    head dim 32 on compute capability 9.0) take their fp16 products on wgmma (sm_90a), with
-    the ring's alignment slack in their shared memory; every other projection keeps
-    mma.sync (or FFMA), for its own architecture."""
-    for precision in ("fp32", "tf32", "bf16"):
-        for n in (128, 129, 4096):
-            kv = _configs.attention_kernel(32, precision, 90, n).kv_format
-            split = _configs.project_splits(precision)
-            for rows in (64, 128):
-                config = _configs.project_config(rows, True, 128, kv, split)
-                wgmma = n > 128
-                assert (dict(config.defines).get("WGMMA_PRODUCTS", 0) == 1) == wgmma, (precision, n)
-                assert config.arch == (_configs.WGMMA_ARCH if wgmma else ""), (precision, n)
-                assert (_configs.project_smem_bytes(128, rows, True, wgmma)
-                        == _configs.project_smem_bytes(128, rows, True)
-                        + _configs.PROJECT_WGMMA_SLACK * wgmma)
-            kv80 = _configs.attention_kernel(32, precision, 80, n).kv_format
-            assert not _configs.project_on_wgmma(kv80, split)
-
-
 def test_a_too_small_gpu_falls_back_to_the_ffma_attention():
     launch = _configs.attention_kernel(32, "tf32", 86, 4096, SMEM_OPTIN["sm_86"])
     assert launch.name == "attention_fp32" and launch.kv_format == _configs.KV_FP32

@@ -167,9 +167,6 @@ def project_config(rows: int, tensor_cores: bool = False, pair_dim: int = 128,
     if tensor_cores:
         terms = project_f16_terms(kv_format, split)
         f16 = (("F16_TERMS", terms),) if terms else ()
-        if project_on_wgmma(kv_format, split):
-            return KernelConfig("project_mma.cu", shape + (("SPLIT", int(split)),) + f16
-                                + (("WGMMA_PRODUCTS", 1),), WGMMA_ARCH)
         return KernelConfig("project_mma.cu", shape + (("SPLIT", int(split)),) + f16)
     return KernelConfig("project.cu", shape + (("PAD", project_pad(pair_dim)),))
 
@@ -199,27 +196,17 @@ def project_f16_terms(kv_format: int, split: bool) -> int:
     return 1 if kv_format in (KV_TF32_TILES, KV_BF16_TILES, KV_F16_TILES) else 0
 
 
-def project_on_wgmma(kv_format: int, split: bool) -> bool:
-    """Whether the tensor-core projections take their fp16 products on Hopper's wgmma
-    (project_mma.cu WGMMA_PRODUCTS, kernels/project_wgmma.cuh, sm_90a): where they write
-    the tiles of the wgmma attentions (KV_BULK_FORMATS), which run on compute capability
-    9.0 alone, and take fp16 products (project_f16_terms)."""
-    return kv_format in KV_BULK_FORMATS and project_f16_terms(kv_format, split) != 0
-
-
 SMEM_LIMIT = 227 * 1024  # dynamic shared memory a block may opt into on sm_80 / sm_90
-PROJECT_WGMMA_SLACK = 512  # WGMMA_PRODUCTS aligns its weight ring up to 512 bytes (sw64)
 
 
-def _project_smem(pair_dim: int, bm: int, weight_stages: int, tensor_cores: bool,
-                  wgmma: bool = False) -> int:
+def _project_smem(pair_dim: int, bm: int, weight_stages: int, tensor_cores: bool) -> int:
     """project.cu: rowoff (8 per row), As [DPAD][BM+PAD], Ws [WSTAGES][BK][BN+PAD],
     red [THREADS]; project_mma.cu: rowoff, As [BM][DPAD+4], Ws [WSTAGES][BN][BK] (rows
-    swizzled, unpadded; `wgmma`: 512-byte aligned, PROJECT_WGMMA_SLACK), cbias [2][BN]."""
+    swizzled, unpadded), cbias [2][BN]."""
     dpad = -(-pair_dim // _PROJECT_BK) * _PROJECT_BK
     if tensor_cores:
-        return (8 * bm + 4 * (bm * (dpad + 4) + weight_stages * _PROJECT_BN * _PROJECT_BK
-                              + 2 * _PROJECT_BN) + PROJECT_WGMMA_SLACK * wgmma)
+        return 8 * bm + 4 * (bm * (dpad + 4) + weight_stages * _PROJECT_BN * _PROJECT_BK
+                             + 2 * _PROJECT_BN)
     pad = project_pad(pair_dim)
     return 8 * bm + 4 * (dpad * (bm + pad) + weight_stages * _PROJECT_BK * (_PROJECT_BN + pad)
                          + PROJECT_THREADS)
@@ -227,21 +214,18 @@ def _project_smem(pair_dim: int, bm: int, weight_stages: int, tensor_cores: bool
 
 def project_weight_stages(pair_dim: int, bm: int, tensor_cores: bool = False) -> int:
     """Weight chunks in the projection's cp.async ring: 4, or 2 where the row tile of a
-    wide D leaves no room for more (counting the wgmma ring's alignment slack, so that
-    both product loops have the same ring)."""
-    return 4 if _project_smem(pair_dim, bm, 4, tensor_cores, True) <= SMEM_LIMIT else 2
+    wide D leaves no room for more."""
+    return 4 if _project_smem(pair_dim, bm, 4, tensor_cores) <= SMEM_LIMIT else 2
 
 
 @functools.lru_cache(maxsize=None)  # per call: a look-up, not a rebuild
-def project_smem_bytes(pair_dim: int, bm: int, tensor_cores: bool | None = None,
-                       wgmma: bool = False) -> int:
+def project_smem_bytes(pair_dim: int, bm: int, tensor_cores: bool | None = None) -> int:
     """Dynamic shared memory of a projection block; tensor_cores None: the larger of the
-    two kernels' (what a GPU must allow for every precision); wgmma: the products on
-    wgmma (project_on_wgmma)."""
+    two kernels' (what a GPU must allow for every precision)."""
     if tensor_cores is None:
         return max(project_smem_bytes(pair_dim, bm, mma) for mma in (False, True))
     return _project_smem(pair_dim, bm, project_weight_stages(pair_dim, bm, tensor_cores),
-                         tensor_cores, wgmma and tensor_cores)
+                         tensor_cores)
 
 
 # ---- attention (kernels/attention.cu) ----

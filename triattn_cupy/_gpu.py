@@ -488,12 +488,11 @@ class Plan:
         sb, si, sj, sc = strides if len(strides) == 4 else (0, *strides)
         x_vec = int(sc == 1 and all(s % 4 == 0 for s in (sb, si, sj)) and aligned)
         rows = _configs.project_rows(D, M, dw.sm_count, dw.smem_limit, self.project_mma)
-        wgmma = self.project_mma and _configs.project_on_wgmma(self.kv_format, self.project_split)
         self.project = _Launch(
             _configs.project_config(rows, self.project_mma, D, self.kv_format,
                                     self.project_split),
             "ln_qkvg_project", -(-M // rows), _configs.PROJECT_THREADS,
-            _configs.project_smem_bytes(D, rows, self.project_mma, wgmma),
+            _configs.project_smem_bytes(D, rows, self.project_mma),
             (None, _i64(sb), _i64(si), _i64(sj), _i64(sc), _i32(x_vec),
              _i32(B), _i32(N), _i32(D), _i32(H),
              _f32(dw.eps), _f32(LOG2E / math.sqrt(d)),
@@ -510,7 +509,7 @@ class Plan:
             _configs.project_config(out_rows, self.project_mma, D, self.kv_format,
                                     self.project_split),  # kv_format: how it reads the gate
             "gated_out_project", -(-M // out_rows), _configs.PROJECT_THREADS,
-            _configs.project_smem_bytes(D, out_rows, self.project_mma, wgmma),
+            _configs.project_smem_bytes(D, out_rows, self.project_mma),
             (None, _i64(M), _i32(D),
              _pointer(dw.projection_weight("out", self.weight_layout, self.scales).data.ptr),
              _pointer(dw.b_out.data.ptr), None, *self._f16_projection_args(dw, out=True)),
