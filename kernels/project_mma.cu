@@ -381,11 +381,13 @@ __device__ __forceinline__ void multiply_chunk(u32 a_lane, int astr, u32 w_stage
 // handed with the biases of this thread's column pairs (ring.bvec, staged in ring.cbias)
 // to store(acc, n0, cb), which may change acc. The caller has primed the ring for n0 = 0 (and may have used the wait
 // for its own copies); As is complete and visible.
-// F16 (F16_TERMS): fp16 products (multiply_chunk), the accumulators times `unscale` before
-// the store.
+// F16 (F16_TERMS): fp16 products (multiply_chunk), the accumulators times `unscale`, then
+// times `unscale2`, before the store: two factors one after the other, as their product
+// may be below fp32's range where each result is not (gated_out_project).
 template <int F16, class Store>
 __device__ __forceinline__ void project_columns(const float* As, int astr, const WeightRing& ring,
-                                                Store store, float unscale = 1.f) {
+                                                Store store, float unscale = 1.f,
+                                                float unscale2 = 1.f) {
     const u32 a_lane = a_lane_addr(As, astr), w_lane = w_lane_offset();
     for (int n0 = 0; n0 < ring.NO; n0 += BN) {
         Tile acc;
@@ -405,7 +407,7 @@ __device__ __forceinline__ void project_columns(const float* As, int astr, const
 #pragma unroll
                 for (int j = 0; j < 4; ++j)
 #pragma unroll
-                    for (int e = 0; e < 4; ++e) acc.c[i][j][e] *= unscale;
+                    for (int e = 0; e < 4; ++e) acc.c[i][j][e] = acc.c[i][j][e] * unscale * unscale2;
         }
         float2 cb[4];
         ring.biases(n0, cb);  // from shared memory: no L2 latency to wait on
@@ -794,7 +796,9 @@ gated_out_project(const float* __restrict__ qkvg, i64 M, int D,
         store_out(acc, n0, cb, D, block_out, rows_here);
     };
 #if F16_TERMS
-    project_columns<F16_TERMS>(s.As, astr, ring, store, w_unscale * a_unscale);
+    // (w_unscale * a_unscale underflowed to 0 where a block's largest |g o| was below
+    // ~2^-96, its own scale a past 2^110: every output of the block 0, relative error 1)
+    project_columns<F16_TERMS>(s.As, astr, ring, store, w_unscale, a_unscale);
 #else
     project_columns<0>(s.As, astr, ring, store);
 #endif

@@ -64,6 +64,10 @@ PATCHES = {
     # format 7 (the fp32 mode's f16x3 attention): the pair bias's lo tile not stored
     "no_bias_lo": {EPILOGUE: [("    p[BIAS_TILE_BYTES / 4] = lo;",
                                "    if (x == 1234.5f) p[BIAS_TILE_BYTES / 4] = lo;")]},
+    # the weight chunks never copied (the products read whatever the ring holds): what
+    # streaming W through the ring costs the loop
+    "no_ring": {"project_mma.cu": [("        if (kc < nchunks) {",
+                                    "        if (kc < nchunks && nchunks < 0) {")]},
     "rows64": {},  # not a text patch: 64-row blocks (3 per SM) at every size
     "rows128": {},  # nor this: 128-row blocks (2 per SM) at every size
     "stages5": {},  # nor this: 5 weight chunks in the ring (4 ahead) where 4 fit
