@@ -451,6 +451,48 @@ __device__ __forceinline__ void store_kt(Tile& acc, int kcol0, const VtTarget& t
 
 __device__ __forceinline__ void st2(float* p, float2 v) { *reinterpret_cast<float2*>(p) = v; }
 
+// store_pairs' common case, every pass of D % 32 == 0: the four column pairs at col0 +
+// STRIDE j, all stored, all packed (PACKED) or none (a warp's 32 columns lie within one of
+// q, k, v and the gate). Each row's address is worked out once, and each store takes its
+// column as an immediate offset. (Per store, its own address, its column and row tested
+// and the packed choice made in branches of their own took ~1500 instructions per warp
+// and block at 1x1024, a sixth of the projection's; and the one address register all
+// stores shared made each wait for the one before to read it: ncu, session 15.)
+// Only where q (and the gate) are packed (formats 2, 6, 7, 8): in the other formats' 128-row
+// kernels it pushed the products into spills (up to 104 bytes).
+#define STORE_RUNS (QG_PACKED || F16_QKV)
+template <int STRIDE, bool PACKED>
+__device__ __forceinline__ void store_pair_run(Tile& acc, float* base, int col0, int ld,
+                                               int rows_here) {
+#pragma unroll
+    for (int s0 = 0; s0 < TROWS; s0 += SLOT_RUN) {
+        float* row[SLOT_RUN];
+        bool ok[SLOT_RUN];
+#pragma unroll
+        for (int h = 0; h < SLOT_RUN; ++h) {
+            const int r = thread_row(s0 + h);
+            ok[h] = r < rows_here;
+            row[h] = base + (r * ld + col0);
+        }
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+#pragma unroll
+            for (int h = 0; h < SLOT_RUN; ++h) {
+                if (!ok[h]) continue;
+                const float* const p = pair_at(acc, s0 + h, j);
+                float* const dst = row[h] + STRIDE * j;
+                if (PACKED) {
+                    *dst = p[0];
+#if HI_LO  // q's fp16 hi word, and its lo word after the head's hi words
+                    dst[Q_LO_WORDS] = p[1];
+#endif
+                } else {
+                    st2(dst, make_float2(p[0], p[1]));
+                }
+            }
+    }
+}
+
 // Store this thread's value pairs: column pair j of block row r at base + r * ld + col[j]
 // (in floats), as a float pair, or only its first word where packed[j] (two bf16; HI_LO:
 // q's fp16 hi word, and its lo word Q_LO_WORDS on). Column
@@ -460,6 +502,15 @@ __device__ __forceinline__ void st2(float* p, float2 v) { *reinterpret_cast<floa
 // (measured, benchmarks/NOTES.md).
 __device__ __forceinline__ void store_pairs(Tile& acc, float* base, const int (&col)[4],
                                             const bool (&packed)[4], int ld, int rows_here) {
+#if STORE_RUNS
+    const int stride = col[1] - col[0];
+    const bool run = col[0] >= 0 && col[2] == col[0] + 2 * stride && col[3] == col[0] + 3 * stride
+                     && packed[1] == packed[0] && packed[2] == packed[0] && packed[3] == packed[0];
+    if (run && stride == 8 && !packed[0]) return store_pair_run<8, false>(acc, base, col[0], ld, rows_here);
+    if (run && stride == 4 && packed[0]) return store_pair_run<4, true>(acc, base, col[0], ld, rows_here);
+    if (col[0] < 0 && col[1] < 0 && col[2] < 0 && col[3] < 0) return;  // (k, v in tiles)
+    // Any other case (a D whose regions cut a warp's columns), pair by pair:
+#endif
 #pragma unroll
     for (int s0 = 0; s0 < TROWS; s0 += SLOT_RUN)
 #pragma unroll
