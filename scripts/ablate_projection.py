@@ -68,6 +68,9 @@ PATCHES = {
     # streaming W through the ring costs the loop
     "no_ring": {"project_mma.cu": [("        if (kc < nchunks) {",
                                     "        if (kc < nchunks && nchunks < 0) {")]},
+    # the stores of q and the gate pair by pair again, as before store_pair_run (session 15)
+    "no_store_runs": {EPILOGUE: [("#define STORE_RUNS (QG_PACKED || F16_QKV)",
+                                  "#define STORE_RUNS 0")]},
     "rows64": {},  # not a text patch: 64-row blocks (3 per SM) at every size
     "rows128": {},  # nor this: 128-row blocks (2 per SM) at every size
     "stages5": {},  # nor this: 5 weight chunks in the ring (4 ahead) where 4 fit
