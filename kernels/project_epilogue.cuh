@@ -458,9 +458,13 @@ __device__ __forceinline__ void st2(float* p, float2 v) { *reinterpret_cast<floa
 // and the packed choice made in branches of their own took ~1500 instructions per warp
 // and block at 1x1024, a sixth of the projection's; and the one address register all
 // stores shared made each wait for the one before to read it: ncu, session 15.)
-// Only where q (and the gate) are packed (formats 2, 6, 7, 8): in the other formats' 128-row
-// kernels it pushed the products into spills (up to 104 bytes).
-#define STORE_RUNS (QG_PACKED || F16_QKV)
+// Only in ln_qkvg_project's stores of formats 6 and 8 (bf16 and tf32 past N = 128), where
+// it was measured faster (1x1024 tf32 1.38 -> 1.35 ms, bf16 1.238 -> 1.227; 1x384 tf32
+// 0.228 -> 0.219). It was slower in format 7's (fp32: 2.38 -> 2.40) and in the out
+// projection's store_out (+0.005 to +0.026 ms in every mode), and in formats 0, 1, 3 and
+// 5 it pushed the 128-row kernels into spills (format 0 with 3xTF32 to 104 bytes).
+// scripts/ablate_projection.py no_store_runs; benchmarks/NOTES.md, session 15.
+#define STORE_RUNS (KV_FORMAT == 6 || KV_FORMAT == 8)
 template <int STRIDE, bool PACKED>
 __device__ __forceinline__ void store_pair_run(Tile& acc, float* base, int col0, int ld,
                                                int rows_here) {
@@ -500,17 +504,21 @@ __device__ __forceinline__ void store_pair_run(Tile& acc, float* base, int col0,
 // out one after another, as the fragments hold them: storing column pair by column pair
 // (every row of one pair, then the next) made the stores take about twice as long
 // (measured, benchmarks/NOTES.md).
+// RUNS: take store_pair_run where it applies (STORE_RUNS).
+template <bool RUNS>
 __device__ __forceinline__ void store_pairs(Tile& acc, float* base, const int (&col)[4],
                                             const bool (&packed)[4], int ld, int rows_here) {
-#if STORE_RUNS
-    const int stride = col[1] - col[0];
-    const bool run = col[0] >= 0 && col[2] == col[0] + 2 * stride && col[3] == col[0] + 3 * stride
-                     && packed[1] == packed[0] && packed[2] == packed[0] && packed[3] == packed[0];
-    if (run && stride == 8 && !packed[0]) return store_pair_run<8, false>(acc, base, col[0], ld, rows_here);
-    if (run && stride == 4 && packed[0]) return store_pair_run<4, true>(acc, base, col[0], ld, rows_here);
-    if (col[0] < 0 && col[1] < 0 && col[2] < 0 && col[3] < 0) return;  // (k, v in tiles)
-    // Any other case (a D whose regions cut a warp's columns), pair by pair:
-#endif
+    if constexpr (RUNS) {
+        const int stride = col[1] - col[0];
+        const bool run = col[0] >= 0 && col[2] == col[0] + 2 * stride && col[3] == col[0] + 3 * stride
+                         && packed[1] == packed[0] && packed[2] == packed[0] && packed[3] == packed[0];
+        if (run && stride == 8 && !packed[0])
+            return store_pair_run<8, false>(acc, base, col[0], ld, rows_here);
+        if (run && stride == 4 && packed[0])
+            return store_pair_run<4, true>(acc, base, col[0], ld, rows_here);
+        if (col[0] < 0 && col[1] < 0 && col[2] < 0 && col[3] < 0) return;  // (k, v in tiles)
+        // Any other case (a D whose regions cut a warp's columns), pair by pair:
+    }
 #pragma unroll
     for (int s0 = 0; s0 < TROWS; s0 += SLOT_RUN)
 #pragma unroll
@@ -621,7 +629,7 @@ __device__ __forceinline__ void store_qkvg(Tile& acc, int n0, const float2 (&cb)
 #endif
         }
     }
-    store_pairs(acc, block_out, col, packed, QKVG_LD(D), rows_here);
+    store_pairs<STORE_RUNS>(acc, block_out, col, packed, QKVG_LD(D), rows_here);
 #if K_TILED
     store_kt(acc, kcol0, vt, rows_here);
 #endif
@@ -644,5 +652,5 @@ __device__ __forceinline__ void store_out(Tile& acc, int n0, const float2 (&cb)[
         col[j] = n < D ? n : -1;
         if (n < D) map_column(acc, j, cb[j], [](float2 v) { return v; });
     }
-    store_pairs(acc, block_out, col, packed, D, rows_here);
+    store_pairs<false>(acc, block_out, col, packed, D, rows_here);
 }

@@ -69,7 +69,7 @@ PATCHES = {
     "no_ring": {"project_mma.cu": [("        if (kc < nchunks) {",
                                     "        if (kc < nchunks && nchunks < 0) {")]},
     # the stores of q and the gate pair by pair again, as before store_pair_run (session 15)
-    "no_store_runs": {EPILOGUE: [("#define STORE_RUNS (QG_PACKED || F16_QKV)",
+    "no_store_runs": {EPILOGUE: [("#define STORE_RUNS (KV_FORMAT == 6 || KV_FORMAT == 8)",
                                   "#define STORE_RUNS 0")]},
     "rows64": {},  # not a text patch: 64-row blocks (3 per SM) at every size
     "rows128": {},  # nor this: 128-row blocks (2 per SM) at every size
