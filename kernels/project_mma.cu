@@ -136,6 +136,19 @@ __device__ __forceinline__ float* pair_at(Tile& acc, int s, int j) {
 }
 
 #define EXACT_FP32 SPLIT  // the fp32 mode: exact gate and LayerNorm (project_epilogue.cuh)
+
+// LayerNorm on every thread of a 128-row block, 2 consecutive threads per row, instead of
+// one thread per row on half the threads (ln_qkvg_project step 3). Written in session 15
+// without device time, off until measured: the ablation without LayerNorm
+// (no_layernorm_mma) took 0.25 ms of 1.38 off the tf32 projection at 1x1024, and its
+// barrier held the other half of the threads (ncu: 13% of the stall samples).
+// scripts/ablate_projection.py ln_split turns it on. 64-row blocks keep a thread per row
+// (at 4 per row their 80-register kernels spilled 4 bytes).
+#ifndef LN_SPLIT
+#define LN_SPLIT 0
+#endif
+#define LN_PAIRS (LN_SPLIT && BM == 128)
+#define LN_STEP (LN_PAIRS ? 2 : 1)  // threads per row
 #include "project_epilogue.cuh"
 
 // A value of the row tile as the products take it: fp32 to be split (SPLIT), else
@@ -671,6 +684,34 @@ ln_qkvg_project(const float* __restrict__ x, i64 sb, i64 si, i64 sj, i64 sc, int
     //    made this phase a chain of latencies: benchmarks/NOTES.md). The mean, the squared
     //    deviations (two passes: no cancellation), then xn = (x - mean) * rstd * gamma +
     //    beta in place, as the products take it (operand4; pad columns stay 0).
+    //    LN_PAIRS (off): every thread, 2 per row.
+#if LN_PAIRS
+    // (Thread `part` of a row takes its 16-wide chunks part, part + 2, ...: the 8 lanes of
+    // a quarter warp read distinct bank groups; each pass's sums meet by one shuffle.)
+    const int part = t % 2;
+    {
+        float* const row = s.As + (t / 2) * astr;
+        float acc = 0.f;
+        for (int c0 = 16 * part; c0 < D; c0 += 32)
+#pragma unroll
+            for (int q = 0; q < 4; ++q)
+                if (c0 + 4 * q < D) {
+                    const float4 v = *reinterpret_cast<const float4*>(row + c0 + 4 * q);
+                    acc += (v.x + v.y) + (v.z + v.w);
+                }
+        const float mu = (acc + __shfl_xor_sync(0xffffffffu, acc, 1)) / D;
+        acc = 0.f;
+        for (int c0 = 16 * part; c0 < D; c0 += 32)
+#pragma unroll
+            for (int q = 0; q < 4; ++q)
+                if (c0 + 4 * q < D) {
+                    const float4 v = *reinterpret_cast<const float4*>(row + c0 + 4 * q);
+                    const float dx = v.x - mu, dy = v.y - mu, dz = v.z - mu, dw = v.w - mu;
+                    acc = fmaf(dx, dx, fmaf(dy, dy, fmaf(dz, dz, fmaf(dw, dw, acc))));
+                }
+        acc += __shfl_xor_sync(0xffffffffu, acc, 1);
+#else
+    const int part = 0;
     if (t < BM) {
         float* const row = s.As + t * astr;
         float acc = 0.f;
@@ -687,11 +728,12 @@ ln_qkvg_project(const float* __restrict__ x, i64 sb, i64 si, i64 sj, i64 sc, int
             const float dx = v.x - mu, dy = v.y - mu, dz = v.z - mu, dw = v.w - mu;
             acc = fmaf(dx, dx, fmaf(dy, dy, fmaf(dz, dz, fmaf(dw, dw, acc))));
         }
+#endif
         const float rstd = inverse_sqrt(acc / D + eps);  // biased variance, as torch.nn.LayerNorm
 #if F16_TERMS
         // Each 16-wide chunk's 64 bytes in place: its 16 values (zero past D) times a_scale
         // as fp16 hi pairs, then lo pairs (F16_TERMS 3).
-        for (int c0 = 0; c0 < dpad; c0 += 16) {
+        for (int c0 = 16 * part; c0 < dpad; c0 += 16 * LN_STEP) {  // (this thread's chunks)
             float y[16];
 #pragma unroll
             for (int q = 0; q < 4; ++q) {
@@ -725,6 +767,7 @@ ln_qkvg_project(const float* __restrict__ x, i64 sb, i64 si, i64 sj, i64 sc, int
 #else
 #pragma unroll 4  // gamma and beta are the same for every thread: loads of 4 trips in flight
         for (int k = 0; k < D; k += 4) {
+            if (LN_STEP > 1 && (k / 16) % LN_STEP != part) continue;  // (this thread's chunks)
             const float4 v = *reinterpret_cast<const float4*>(row + k);
             const float4 g = ld4(gamma + k), c = ld4(beta + k);
             st4(row + k, operand4(make_float4((v.x - mu) * rstd * g.x + c.x,
