@@ -71,7 +71,7 @@ PATCHES = {
     # the stores of q and the gate pair by pair again, as before store_pair_run (session 15)
     "no_store_runs": {EPILOGUE: [("#define STORE_RUNS (KV_FORMAT == 6 || KV_FORMAT == 8)",
                                   "#define STORE_RUNS 0")]},
-    # LayerNorm on every thread, 2 (or 4) per row (project_mma.cu LN_SPLIT; session 15)
+    # LayerNorm on every thread of a 128-row block, 2 per row (project_mma.cu LN_SPLIT; session 15)
     "ln_split": {"project_mma.cu": [("#define LN_SPLIT 0", "#define LN_SPLIT 1")]},
     "rows64": {},  # not a text patch: 64-row blocks (3 per SM) at every size
     "rows128": {},  # nor this: 128-row blocks (2 per SM) at every size

@@ -50,7 +50,8 @@ def dump(root, nvdisasm):
         for arch in ("sm_80", "sm_90"):
             for config in _configs.all_configs(arch):
                 target = config.arch or arch
-                cubin = _compile._nvrtc_compile(config.filename, config.defines, target)[0]
+                cubin = _compile._nvrtc_compile(config.filename, config.defines, target,
+                                                _compile._CUPY_OPTIONS)[0]  # (as CuPy builds)
                 path.write_bytes(cubin + b"\0")  # (one byte short: sass_loop_count.py)
                 listing = subprocess.run([nvdisasm, "-c", str(path)], capture_output=True,
                                          text=True, check=True).stdout
@@ -95,6 +96,7 @@ def main():
     differ = 0
     for key in sorted(set(here) | set(there)):
         if key not in there or key not in here:
+            differ += 1
             print(f"only {'here' if key in here else 'at ' + args.rev}: {key}")
             continue
         for kernel in sorted(set(here[key]) | set(there[key])):
