@@ -50,9 +50,9 @@ def dump(root, nvdisasm):
         for arch in ("sm_80", "sm_90"):
             for config in _configs.all_configs(arch):
                 target = config.arch or arch
-                cubin = _compile._nvrtc_compile(config.filename, config.defines, target,
-                                                _compile._CUPY_OPTIONS)[0]  # (as CuPy builds)
-                path.write_bytes(cubin + b"\0")  # (one byte short: sass_loop_count.py)
+                # built as the run-time loader builds it (CuPy's options), from its cache
+                cubin = _compile._cubin_file(config.filename, config.defines, target)
+                path.write_bytes(cubin.read_bytes() + b"\0")  # (one byte short: sass_loop_count.py)
                 listing = subprocess.run([nvdisasm, "-c", str(path)], capture_output=True,
                                          text=True, check=True).stdout
                 key = f"{arch} {config.filename} {dict(config.defines)} {target}"
