@@ -91,11 +91,11 @@
 // THREADS = 256 ROWS; dynamic shared memory SMEM_BYTES (triattn_cupy/_configs.py mirrors
 // it). Pointers: qkvg [B*N*N, 4D] with q fp32 and k rounded to TF32 (KV_FORMAT 3; SPLIT:
 // q, k, v fp32 as attention_tf32x3 reads them, KV_FORMAT 0; BULK: q only, KV_FORMAT 5;
-// BF16: q packed bf16 from word 2D, KV_FORMAT 6; F16X1: rows of 2D words, q's fp16 words
-// per head at [32 h, 32 h + 16), KV_FORMAT 8; F16X3: rows of 2D words, q's hi and lo
-// per head at [32 h, 32 h + 32), KV_FORMAT 7), o written over [0, D) of each row (O16:
-// packed bf16 or fp16 over [32 h, 32 h + 16) per head, where BF16's rows leave words
-// unused and F16X1's q was);
+// BF16: rows of D words, q's packed bf16 words per head at [32 h, 32 h + 16), KV_FORMAT
+// 6; F16X1: rows of 2D words, q's fp16 words per head at [32 h, 32 h + 16), KV_FORMAT 8;
+// F16X3: rows of 2D words, q's hi and lo per head at [32 h, 32 h + 32), KV_FORMAT 7), o
+// written over [0, D) of each row (O16: packed bf16 or fp16 over [32 h, 32 h + 16) per
+// head, where BF16's and F16X1's q was);
 // bias [B, H, N, NPK] fp16 (fp32 for SPLIT; BULK: the tiles of project_epilogue.cuh
 // bias_element), NPK a multiple of BK, -inf on the padded keys; vt
 // (not SPLIT) the V^T tiles ([B, N, H, NPK / 64] tiles of 8 KiB, zero past key N; BULK:
@@ -279,7 +279,7 @@ ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int 
     const u32 smem_s = raw_s + align;
 
     const int D = H * HEAD_DIM;
-    const i64 ld = (F16 ? 2LL : 4LL) * D;  // words per qkvg row (project_epilogue.cuh QKVG_LD)
+    const i64 ld = (BF16 ? 1LL : F16 ? 2LL : 4LL) * D;  // words per qkvg row (project_epilogue.cuh QKVG_LD)
     const AttentionBlock blk = attention_block(N, H, BQ, ROWS);
     const int qtile = blk.qtile, i0 = blk.i0, head = blk.head, b = blk.b;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -319,7 +319,7 @@ ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int 
 
     // ---- Q: A fragments per 8-dim k-step, rounded to TF32 (zero past N); SPLIT: qa the
     // hi parts, qa_lo the lo; BF16: per 16-dim k-step, packed bf16 pairs as the projection
-    // stored them (from qkvg word 2D: project_epilogue.cuh QG_PACKED) ----
+    // stored them (in the head's slot: project_epilogue.cuh BF16_SLOTS) ----
 #if HALF16
     u32 qa[HEAD_DIM / 16][4];
 #if F16X3
@@ -328,12 +328,8 @@ ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int 
     {
         const int j0 = q0 + g, j1 = j0 + 8;
         const bool ok0 = row_ok && j0 < N, ok1 = row_ok && j1 < N;
-#if F16  // the head's 16 hi words (F16X3: then its 16 lo words), where o goes
+        // the head's 16 words (F16X3: hi, then its 16 lo words), where o goes
         const u32* const q_packed = reinterpret_cast<const u32*>(row);
-#else
-        const u32* const q_packed = reinterpret_cast<const u32*>(row - head * HEAD_DIM + 2 * D)
-                                    + head * (HEAD_DIM / 2);
-#endif
 #pragma unroll
         for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {  // dims 16kk + 2t, +1 in word 8kk + t
             const int w = 8 * kk + t;

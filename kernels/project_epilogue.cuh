@@ -9,6 +9,7 @@
 #pragma once
 #include "common.cuh"
 #include "mma.cuh"
+#include "project_math.cuh"
 
 // Where each of the block's BM rows (from m0) starts in x, an element offset into
 // rowoff[t] by threads t < BM (64-bit: B*N*N*D passes 2^31 at N ~ 4096); rows past the
@@ -21,58 +22,6 @@ __device__ __forceinline__ void row_offsets(i64* rowoff, i64 m0, i64 M, int N, i
         const i64 b = m / NN, r = m - b * NN, i = r / N, j = r - i * N;
         rowoff[t] = b * sb + i * si + j * sj;
     }
-}
-
-// mask_kind: how to read one mask element; "masked" means the element equals zero.
-#define MASK_NONE 0
-#define MASK_1BYTE 1   // bool, int8, uint8
-#define MASK_2BYTE 2   // int16, uint16
-#define MASK_4BYTE 3   // int32, uint32
-#define MASK_8BYTE 4   // int64, uint64
-#define MASK_F16 5
-#define MASK_F32 6
-#define MASK_F64 7
-
-__device__ __forceinline__ bool mask_keeps(const void* mask, int kind, i64 off) {
-    switch (kind) {
-        case MASK_NONE: return true;
-        case MASK_1BYTE: return static_cast<const unsigned char*>(mask)[off] != 0;
-        case MASK_2BYTE: return static_cast<const unsigned short*>(mask)[off] != 0;
-        case MASK_4BYTE: return static_cast<const unsigned int*>(mask)[off] != 0u;
-        case MASK_8BYTE: return static_cast<const unsigned long long*>(mask)[off] != 0ull;
-        // +0 and -0 are the only half-precision zeros; NaN keeps, as in the reference.
-        case MASK_F16: return (static_cast<const unsigned short*>(mask)[off] & 0x7fffu) != 0u;
-        case MASK_F32: return static_cast<const float*>(mask)[off] != 0.f;
-        default: return static_cast<const double*>(mask)[off] != 0.0;
-    }
-}
-
-// Whether the fp32 parts (gate, LayerNorm's 1/sigma) are exact to ~1 ulp, as PyTorch's,
-// or fast (MUFU approximations, ~2^-22 relative). The fp32 mode needs them exact: the fast
-// sigmoid alone adds ~1.4e-7 to the output's error (NumPy emulation), about PyTorch's
-// whole fp32 error (benchmarks/NOTES.md). Kernel files set it before the include.
-#ifndef EXACT_FP32
-#define EXACT_FP32 1
-#endif
-
-// 1 / (1 + e^-z): EXACT_FP32: expf and an IEEE division; else one MUFU exp2 and a fast
-// reciprocal (relative error ~1e-7, far inside the tf32 / bf16 bounds). e^-z overflowing
-// to inf gives 0, as it should.
-__device__ __forceinline__ float sigmoid(float z) {
-#if EXACT_FP32
-    return 1.0f / (1.0f + expf(-z));
-#else
-    return __fdividef(1.0f, 1.0f + fast_exp2(-z * LOG2E_F));
-#endif
-}
-
-// 1 / sqrt(x) for LayerNorm: EXACT_FP32: IEEE sqrt and division; else rsqrtf (MUFU).
-__device__ __forceinline__ float inverse_sqrt(float x) {
-#if EXACT_FP32
-    return 1.0f / sqrtf(x);
-#else
-    return rsqrtf(x);
-#endif
 }
 
 // The epilogues decide what a column pair is once (q, k/v or gate; in range), transform
@@ -92,9 +41,9 @@ __device__ __forceinline__ void map_column(Tile& acc, int j, float2 cb, F f) {
 }
 
 // How ln_qkvg_project stores q, k, v and the gate, for the kernels that read them (a
-// qkvg row is 4D words in every format but 7 and 8, whose rows are 2D (QKVG_LD); the
-// attention writes o over [0, D), in 16 bits over each head's first 16 words in formats 6
-// and 8 (O16)):
+// qkvg row is 4D words in every format but 6, 7 and 8, whose rows are D, 2D and 2D words
+// (QKVG_LD); the attention writes o over [0, D), in 16 bits over each head's first 16
+// words in formats 6 and 8 (O16)):
 // 0 as computed (fp32): q, k, v, gate at words [0, D), [D, 2D), [2D, 3D), [3D, 4D);
 // 1 the same, k and v rounded to TF32 (attention_tf32 copies them as they are);
 // 2 packed bf16 (attention_bf16; half the bytes): bf16 index c from word D holds k column
@@ -112,9 +61,12 @@ __device__ __forceinline__ void map_column(Tile& acc, int j, float2 cb, F f) {
 //   are zero in V^T, left unwritten in K.
 // 6 as 5 in bf16 (attention_bf16_wgmma): per (b, i, head, 64 keys) 8 KiB, the K tile [64
 //   keys][32 dims] bf16 in the 64-byte swizzle (sw64), then the V^T tile [32 dims][64 keys]
-//   bf16 in the 128-byte swizzle, keys in their own order; q and the gate packed bf16 as
-//   in format 2; the pair bias in fp16 tiles as in format 5. The attention writes o in
-//   bf16 (O16, load_o4).
+//   bf16 in the 128-byte swizzle, keys in their own order; the pair bias in fp16 tiles as
+//   in format 5. qkvg rows of D words, a 32-word slot per head (HEAD_SLOTS): q packed
+//   bf16 at [32 h, 32 h + 16) (dims 2w, 2w + 1 in word w), where the attention writes the
+//   head's o in bf16 (O16, load_o4), and the gate packed bf16 at [32 h + 16, 32 h + 32)
+//   (format 2's 4D-word rows, with k and v in tiles, left 2D of every row unused: 3.0
+//   GiB of scratch at 1x1024 against 1.5 now).
 // 7 as 6 in fp16 hi + lo pairs (split_f16; attention_f16x3_wgmma, the fp32 mode; head dim
 //   32): per (b, i, head, 64 keys) 16 KiB, the K hi tile, the K lo tile, the V^T hi tile,
 //   the V^T lo tile, each as format 6's; the pair bias as fp16 hi and lo tiles (32 KiB per
@@ -141,6 +93,7 @@ __device__ __forceinline__ void map_column(Tile& acc, int j, float2 cb, F f) {
 #define K_TILED (KV_FORMAT >= 5)  // k and the pair bias in tiles too
 #define QG_PACKED (KV_FORMAT == 2 || KV_FORMAT == 6)  // q and the gate packed bf16
 #define F16_QKV (KV_FORMAT == 7 || KV_FORMAT == 8)  // q, k, v scaled, in fp16; rows of 2D words
+#define BF16_SLOTS (KV_FORMAT == 6)  // q and the gate in each head's 32-word slot; rows of D words
 #define HI_LO (KV_FORMAT == 7)  // q, k, v and the bias as fp16 hi and lo
 #if KV_TILED
 #include "wgmma.cuh"
@@ -163,12 +116,7 @@ struct VtTarget {
 // in any softmax), -inf and NaN stay.
 #if KV_FORMAT == 2 || KV_TILED
 typedef unsigned short bias_t;  // fp16 bits
-__device__ __forceinline__ bias_t to_bias(float x) {
-    x = x > 65504.f ? 65504.f : x < -65504.f && x != neg_inf() ? -65504.f : x;
-    unsigned short h;
-    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(x));
-    return h;
-}
+__device__ __forceinline__ bias_t to_bias(float x) { return f16_bias_bits(x); }
 #else
 typedef float bias_t;
 __device__ __forceinline__ bias_t to_bias(float x) { return x; }
@@ -227,14 +175,18 @@ __device__ __forceinline__ void store_pair_bias_tiled(bias_t* __restrict__ bias,
 
 #define Q_WORD(D) (QG_PACKED ? 2 * (D) : 0)
 #define GATE_WORD(D) (QG_PACKED ? 5 * (D) / 2 : F16_QKV ? (D) : 3 * (D))
-#define QKVG_LD(D) (F16_QKV ? 2 * (D) : 4 * (D))  // words per qkvg row
+#define QKVG_LD(D) (F16_QKV ? 2 * (D) : BF16_SLOTS ? (D) : 4 * (D))  // words per qkvg row
 #define Q_LO_WORDS 16  // HI_LO: from a q hi word to its lo word (head dim 32: 16 hi words)
+
+// The word of a head-slot row (BF16_SLOTS) holding gate column c (even) and c + 1.
+#define GATE_SLOT_WORD(c) (32 * ((c) / 32) + 16 + (c) % 32 / 2)
 
 // Gate values k .. k + 3 of a qkvg row (k % 4 == 0): fp32, or (KV_FORMAT 2, 6) two packed
 // bf16 words, widened.
 __device__ __forceinline__ float4 load_gate4(const float* row, int D, int k) {
 #if QG_PACKED
-    const uint2 w = __ldg(reinterpret_cast<const uint2*>(row + GATE_WORD(D) + k / 2));
+    const uint2 w = __ldg(reinterpret_cast<const uint2*>(
+        row + (BF16_SLOTS ? GATE_SLOT_WORD(k) : GATE_WORD(D) + k / 2)));
     return make_float4(__uint_as_float(w.x << 16), __uint_as_float(w.x & 0xffff0000u),
                        __uint_as_float(w.y << 16), __uint_as_float(w.y & 0xffff0000u));
 #else
@@ -562,11 +514,11 @@ __device__ __forceinline__ void store_qkvg(Tile& acc, int n0, const float2 (&cb)
         // n even, D % 4 == 0: no pair straddles two of q (n < D), k, v, gate (n >= 3D).
         if (n >= NO) continue;
         if (n < D) {
-#if QG_PACKED  // packed bf16 from Q_WORD (n even: a whole word)
+#if QG_PACKED  // packed bf16 from Q_WORD, or in head n / 32's slot (n even: a whole word)
             map_column(acc, j, cb[j], [&](float2 v) {
                 return make_float2(__uint_as_float(pack_bf16(v.x * q_scale, v.y * q_scale)), 0.f);
             });
-            col[j] = Q_WORD(D) + n / 2;
+            col[j] = BF16_SLOTS ? n / 32 * 32 + n % 32 / 2 : Q_WORD(D) + n / 2;
             packed[j] = true;
 #elif F16_QKV  // head n / 32's fp16 hi word (format 7: its lo Q_LO_WORDS further, store_pairs)
             map_column(acc, j, cb[j], [&](float2 v) {
@@ -586,11 +538,11 @@ __device__ __forceinline__ void store_qkvg(Tile& acc, int n0, const float2 (&cb)
             });
 #endif
         } else if (n >= 3 * D) {
-#if QG_PACKED  // packed bf16 from GATE_WORD
+#if QG_PACKED  // packed bf16 from GATE_WORD, or in the head's slot after its q
             map_column(acc, j, cb[j], [](float2 v) {
                 return make_float2(__uint_as_float(pack_bf16(sigmoid(v.x), sigmoid(v.y))), 0.f);
             });
-            col[j] = GATE_WORD(D) + (n - 3 * D) / 2;
+            col[j] = BF16_SLOTS ? GATE_SLOT_WORD(n - 3 * D) : GATE_WORD(D) + (n - 3 * D) / 2;
             packed[j] = true;
 #else
             map_column(acc, j, cb[j], [](float2 v) {

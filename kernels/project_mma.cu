@@ -535,7 +535,7 @@ __device__ __noinline__ void pair_bias(const float* As, int astr, const float* _
 template <int BATCH, class Op>
 __device__ __forceinline__ void load_gated_pieces(const float* __restrict__ qkvg, i64 M, int D,
                                                   int dpad, int astr, i64 m0, float* As, Op op) {
-    const i64 ld = (F16_QKV ? 2LL : 4LL) * D;  // QKVG_LD
+    const i64 ld = (F16_QKV ? 2LL : BF16_SLOTS ? 1LL : 4LL) * D;  // QKVG_LD
     const int per_row = dpad / 4, total = BM * per_row;
     for (int base = threadIdx.x; base < total; base += BATCH * THREADS) {
         float4 v[BATCH];
@@ -796,7 +796,7 @@ ln_qkvg_project(const float* __restrict__ x, i64 sb, i64 si, i64 sj, i64 sc, int
 
     // 5. q, k, v and gate: every 4D output column of these rows, BN at a time.
     const int rows_here = (int)min((i64)BM, M - m0);
-    float* const block_out = qkvg + m0 * (F16_QKV ? QKVG_LD(D) : NO);  // row r at r QKVG_LD (< 2^31: BM * 4D)
+    float* const block_out = qkvg + m0 * QKVG_LD(D);  // row r at r QKVG_LD (< 2^31: BM * 4D)
     auto store = [&](Tile& acc, int n0, const float2 (&cb)[4]) {
         store_qkvg(acc, n0, cb, D, q_scale, block_out, rows_here, VtTarget{vt, m0, N, H, npk});
     };

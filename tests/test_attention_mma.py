@@ -62,7 +62,16 @@ def _run_both(cp, rng, B, N, head_dim, variant, policy, tiles=None, launch=None)
         fwd.project()
         projected = fwd.qkvg.view(cp.uint32).copy()  # bits: unwritten columns may be NaN
         fwd.attention()  # reads q from the q slots, writes o over it
-        rest_kept = bool((fwd.qkvg.view(cp.uint32)[:, fwd.D:] == projected[:, fwd.D:]).all())
+        # o's words: [0, D), or in 16 bits each head's first 16 (O16 formats, whose head
+        # slots hold the gate after them in format 6)
+        o_words = np.zeros(projected.shape[1], bool)
+        if fwd.kv_format in _configs.KV_O16_FORMATS:
+            for head in range(fwd.H):
+                o_words[32 * head:32 * head + 16] = True
+        else:
+            o_words[:fwd.D] = True
+        rest = cp.asarray(np.flatnonzero(~o_words))
+        rest_kept = bool((fwd.qkvg.view(cp.uint32)[:, rest] == projected[:, rest]).all())
         return fwd.attention_output().get(), rest_kept
 
     ref, ref_kept = run(_configs.attention_ffma_launch(head_dim))

@@ -453,8 +453,10 @@ class Plan:
         # whole tiles).
         self.npk = -(-N // _configs.BIAS_KEY_ALIGN) * _configs.BIAS_KEY_ALIGN
         # qkvg rows of 4D words; 2D for KV_F16_FORMATS, whose k and v are in tiles only and
-        # whose q (fp16; hi and lo for f16x3) and o share [0, D) (project_epilogue.cuh QKVG_LD)
-        row_words = 2 * D if self.kv_format in _configs.KV_F16_FORMATS else 4 * D
+        # whose q (fp16; hi and lo for f16x3) and o share [0, D); D for KV_BF16_TILES, q and
+        # the gate in bf16 in each head's 32 words (project_epilogue.cuh QKVG_LD)
+        row_words = (2 * D if self.kv_format in _configs.KV_F16_FORMATS
+                     else D if self.kv_format == _configs.KV_BF16_TILES else 4 * D)
         self.qkvg_shape, self.bias_shape = (M, row_words), (B, H, N, self.npk)
         # The scratch arrays in one pool allocation, the bias after qkvg (M * 8D bytes at
         # least: a multiple of 32, so the bias starts 16-byte aligned for its tile copies).

@@ -1,0 +1,67 @@
+// What every projection kernel (project.cu, project_mma.cu, project_tiles.cu) computes
+// the same way: the mask reader, the gate's sigmoid, LayerNorm's 1/sqrt and the pair bias
+// in fp16. Kernel files set EXACT_FP32 before the include.
+#pragma once
+#include "common.cuh"
+
+// mask_kind: how to read one mask element; "masked" means the element equals zero.
+#define MASK_NONE 0
+#define MASK_1BYTE 1   // bool, int8, uint8
+#define MASK_2BYTE 2   // int16, uint16
+#define MASK_4BYTE 3   // int32, uint32
+#define MASK_8BYTE 4   // int64, uint64
+#define MASK_F16 5
+#define MASK_F32 6
+#define MASK_F64 7
+
+__device__ __forceinline__ bool mask_keeps(const void* mask, int kind, i64 off) {
+    switch (kind) {
+        case MASK_NONE: return true;
+        case MASK_1BYTE: return static_cast<const unsigned char*>(mask)[off] != 0;
+        case MASK_2BYTE: return static_cast<const unsigned short*>(mask)[off] != 0;
+        case MASK_4BYTE: return static_cast<const unsigned int*>(mask)[off] != 0u;
+        case MASK_8BYTE: return static_cast<const unsigned long long*>(mask)[off] != 0ull;
+        // +0 and -0 are the only half-precision zeros; NaN keeps, as in the reference.
+        case MASK_F16: return (static_cast<const unsigned short*>(mask)[off] & 0x7fffu) != 0u;
+        case MASK_F32: return static_cast<const float*>(mask)[off] != 0.f;
+        default: return static_cast<const double*>(mask)[off] != 0.0;
+    }
+}
+
+// Whether the fp32 parts (gate, LayerNorm's 1/sigma) are exact to ~1 ulp, as PyTorch's,
+// or fast (MUFU approximations, ~2^-22 relative). The fp32 mode needs them exact: the fast
+// sigmoid alone adds ~1.4e-7 to the output's error (NumPy emulation), about PyTorch's
+// whole fp32 error (benchmarks/NOTES.md). Kernel files set it before the include.
+#ifndef EXACT_FP32
+#define EXACT_FP32 1
+#endif
+
+// 1 / (1 + e^-z): EXACT_FP32: expf and an IEEE division; else one MUFU exp2 and a fast
+// reciprocal (relative error ~1e-7, far inside the tf32 / bf16 bounds). e^-z overflowing
+// to inf gives 0, as it should.
+__device__ __forceinline__ float sigmoid(float z) {
+#if EXACT_FP32
+    return 1.0f / (1.0f + expf(-z));
+#else
+    return __fdividef(1.0f, 1.0f + fast_exp2(-z * LOG2E_F));
+#endif
+}
+
+// 1 / sqrt(x) for LayerNorm: EXACT_FP32: IEEE sqrt and division; else rsqrtf (MUFU).
+__device__ __forceinline__ float inverse_sqrt(float x) {
+#if EXACT_FP32
+    return 1.0f / sqrtf(x);
+#else
+    return rsqrtf(x);
+#endif
+}
+
+// The pair bias as fp16 bits (the bf16 and wgmma attentions hold it so): fp16 has TF32's
+// 10-bit mantissa at half the bytes of a bias tile; finite values beyond fp16's range
+// saturate to +-65504 (2^-65504 is 0 in any softmax), -inf and NaN stay.
+__device__ __forceinline__ unsigned short f16_bias_bits(float x) {
+    x = x > 65504.f ? 65504.f : x < -65504.f && x != neg_inf() ? -65504.f : x;
+    unsigned short h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(x));
+    return h;
+}
