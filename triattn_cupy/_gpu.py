@@ -141,6 +141,38 @@ class DeviceWeights:
                              f"'f16 hi chunks' or 'transposed'; got {layout!r}")
         return self._made((name, layout, scales), make)
 
+    def tile_weight_image(self, name: str, scales=None):
+        """project_tiles.cu's resident weights, byte for byte as its shared memory holds them
+        (sw128_image: fp16 rows in the 128-byte swizzle): "qkvg" [Wq; Wk; Wv; Wg] with the
+        q, k, v rows times `scales`' s_q, s_k, s_v, all times the weight scale of
+        f16_scales(scales), pass after pass (D rows each), then the pair-bias weights
+        (bias_weight) padded to 8 rows; "out" Wo times its own scale. A flat uint8 array.
+        The passes come in the order the kernel runs them: q, gate, k, v."""
+        if name != "qkvg":
+            scales = None
+
+        def make():
+            cupy = _cupy()
+            f16 = self.f16_scales(scales)
+            if name == "out":
+                return sw128_image((self._plain["out"] * f16.out_w).astype(cupy.float16)).ravel()
+            plain = self._plain["qkvg"]
+            if scales:
+                plain = plain * cupy.asarray(_qkv_row_scales(scales, self.pair_dim))[:, None]
+            w16 = (plain * f16.w).astype(cupy.float16)
+            D = self.pair_dim
+            wb = cupy.zeros((8, D), cupy.float16)
+            wb[:self.num_heads] = self.bias_weight(True, scales).astype(cupy.float16)
+            # the passes in the order the kernel runs them: q, gate, k, v (PASS_*)
+            parts = [sw128_image(w16[p * D:(p + 1) * D]) for p in (0, 3, 1, 2)] + [sw128_image(wb)]
+            return cupy.concatenate([part.ravel() for part in parts])
+        return self._made(("tile image", name, scales), make)
+
+    def tile_gamma_beta(self, a_scale: float):
+        """[gamma; beta] times a_scale (a power of two: exact), for project_tiles.cu."""
+        return self._made(("gamma beta", a_scale, None),
+                          lambda: _cupy().concatenate([self.gamma, self.beta]) * a_scale)
+
     def _made(self, key, make):
         """self._layouts[key], made by make() on first use (on this device)."""
         array = self._layouts.get(key)
@@ -271,6 +303,21 @@ def f16_projection_scales(weights: Weights, qkv_scales) -> F16Scales:
                 + [float(np.abs(p["bias_proj.weight"]).max()) * qkv_scales[3]])
     return F16Scales(_power_of_two_below(xn_top), _power_of_two_below(w_top),
                      _power_of_two_below(float(np.abs(p["out_proj.weight"]).max())))
+
+
+def sw128_image(a):
+    """A [R, K] 16-bit matrix (R % 8 == 0, K % 64 == 0) as K-major wgmma operand tiles in the
+    128-byte swizzle (kernels/wgmma.cuh sw128): [K / 64][R][64], each row's 16-byte chunk c
+    at chunk c ^ (row % 8), returned as uint8 [K / 64, R, 128]."""
+    xp = _cupy().get_array_module(a)
+    R, K = a.shape
+    if R % 8 or K % 64:
+        raise ValueError(f"sw128_image needs rows a multiple of 8 and columns of 64; got {a.shape}")
+    chunks = xp.ascontiguousarray(a).view(xp.uint8).reshape(R, K // 64, 8, 16).transpose(1, 0, 2, 3)
+    rows = xp.arange(R)[:, None]
+    image = xp.empty_like(chunks)
+    image[:, rows, xp.arange(8)[None, :] ^ (rows % 8)] = chunks
+    return xp.ascontiguousarray(image).reshape(K // 64, R, 128)
 
 
 def f16_split_chunks(chunks):
@@ -489,8 +536,15 @@ class Plan:
 
         sb, si, sj, sc = strides if len(strides) == 4 else (0, *strides)
         x_vec = int(sc == 1 and all(s % 4 == 0 for s in (sb, si, sj)) and aligned)
+        # The persistent projections (project_tiles.cu) of the tf32 and bf16 modes' wgmma
+        # path; the LayerNorm one copies whole rows of x, so it needs them 16-byte aligned.
+        self.tiles = self.project_f16 and _configs.uses_project_tiles(
+            self.kv_format, D, dw.compute_capability, dw.smem_limit)
+        self.project_tiles = self.tiles and bool(x_vec)
+        if self.project_tiles:
+            self.project = self._tiles_projection(dw, mask_meta, sb, si, sj)
         rows = _configs.project_rows(D, M, dw.sm_count, dw.smem_limit, self.project_mma)
-        self.project = _Launch(
+        self.project = self.project if self.project_tiles else _Launch(
             _configs.project_config(rows, self.project_mma, D, self.kv_format,
                                     self.project_split),
             "ln_qkvg_project", -(-M // rows), _configs.PROJECT_THREADS,
@@ -507,7 +561,7 @@ class Plan:
             ((0, "pair"), (17, "mask"), (22, "qkvg"), (23, "bias"), (25, "vt")))
         self.attention = self.attention_launch(self.attention_kernel, nan_fully_masked)
         out_rows = _configs.out_project_rows()
-        self.out_project = _Launch(
+        self.out_project = self._tiles_out_projection(dw) if self.tiles else _Launch(
             _configs.project_config(out_rows, self.project_mma, D, self.kv_format,
                                     self.project_split),  # kv_format: how it reads the gate
             "gated_out_project", -(-M // out_rows), _configs.PROJECT_THREADS,
@@ -517,6 +571,35 @@ class Plan:
              _pointer(dw.b_out.data.ptr), None, *self._f16_projection_args(dw, out=True)),
             ((0, "qkvg"), (5, "out")))
         self.nan_fully_masked = nan_fully_masked
+
+    def _tiles_projection(self, dw: DeviceWeights, mask_meta, sb, si, sj) -> "_Launch":
+        """ln_qkvg_project_tiles: one block per SM over the tiles of 64 keys (b, i, 64c ..),
+        its weights resident (DeviceWeights.tile_weight_image)."""
+        B, N, H, d = self.B, self.N, self.H, self.d
+        s = dw.f16_scales(self.scales)
+        tiles = B * N * -(-N // _configs.TILES_ROWS)
+        smem = _configs.project_tiles_smem_bytes(self.kv_format)
+        return _Launch(
+            _configs.project_tiles_config(self.kv_format), "ln_qkvg_project_tiles",
+            min(tiles, dw.sm_count), _configs.TILES_THREADS, smem,
+            (None, _i64(sb), _i64(si), _i64(sj), _i32(B), _i32(N), _i32(H), _f32(dw.eps),
+             _pointer(dw.tile_gamma_beta(s.a).data.ptr),
+             _pointer(dw.tile_weight_image("qkvg", self.scales).data.ptr),
+             _pointer(dw.qkvg_bias(self.scales).data.ptr),
+             _f32(LOG2E / math.sqrt(d)), _f32(1.0 / (s.a * s.w)), None, *_mask_args(mask_meta),
+             None, None, _i32(self.npk), None),
+            ((0, "pair"), (13, "mask"), (18, "qkvg"), (19, "bias"), (21, "vt")))
+
+    def _tiles_out_projection(self, dw: DeviceWeights) -> "_Launch":
+        """gated_out_project_tiles: one block per SM over the tiles of 64 rows, Wo resident."""
+        tiles = -(-self.M // _configs.TILES_ROWS)
+        return _Launch(
+            _configs.project_tiles_config(self.kv_format), "gated_out_project_tiles",
+            min(tiles, dw.sm_count), _configs.TILES_THREADS,
+            _configs.project_tiles_smem_bytes(self.kv_format, out=True),
+            (None, _i64(self.M), _pointer(dw.tile_weight_image("out").data.ptr),
+             _pointer(dw.b_out.data.ptr), None, *self._f16_projection_args(dw, out=True)),
+            ((0, "qkvg"), (4, "out")))
 
     def _f16_projection_args(self, dw: DeviceWeights, out: bool = False):
         """F16_TERMS's last arguments of ln_qkvg_project, a_scale and unscale (or `out`:

@@ -1,0 +1,658 @@
+// The two projections of the tf32 and bf16 modes on the wgmma attention's path (KV_FORMAT 8
+// and 6: head dim 32, compute capability 9.0), as persistent warpgroup GEMMs with the
+// weights resident in shared memory. They compute what project_mma.cu's ln_qkvg_project
+// and gated_out_project compute for those formats (F16_TERMS 1: one fp16 product of
+// operands scaled into fp16's range, fp32 accumulation), and store the same layouts
+// (project_epilogue.cuh KV_FORMAT 6 and 8):
+//
+//   ln_qkvg_project_tiles:   per tile of 64 keys (b, i, 64c .. 64c + 63) of one pair row:
+//     xn = LayerNorm(x) * a_scale             fp16, in shared memory (A)
+//     [q g k v] = xn [Wq; Wg; Wk; Wv]^T       4 passes of 64 x D x D, wgmma from A and W
+//     q (x q_scale) and the gate (sigmoid) into their qkvg words; K and V^T into the
+//     attention's 8 KiB tiles per head (through shared memory, one bulk copy each); the
+//     pair bias xn Wb^T (log2 e units, -inf where masked) into row i % 128 of its tiles.
+//   gated_out_project_tiles: per tile of 64 rows: out = (g o) Wo^T + bo, g o scaled by the
+//     tile's own power of two (as load_gated_tile_f16), out in fp32.
+//
+// Why (benchmarks/NOTES.md, session 16): project_mma.cu streams W through a ring per
+// 128-row block and 32-wide chunk (a barrier each), runs LayerNorm, the products and the
+// stores of a block one after another, and stores from the mma.sync fragments 4 bytes at a
+// time; at 1x1024 it took 1.27-1.38 ms against a ~0.45 ms memory floor. Here one block per
+// SM keeps W (128 KiB in fp16) in shared memory for its whole life, the copy engine brings
+// the next tile's rows while this tile computes, both operands reach the tensor cores by
+// descriptor (no fragment loads), each warpgroup issues the next pass's products before it
+// stores this one's, q and K and V^T go out through shared memory in whole sectors.
+//
+// Work split: 512 threads, four warpgroups (16 warps: with 8, ncu found the schedulers
+// idle 74% of the time, waiting on short latencies). LayerNorm: 8 threads per row.
+// Products: warpgroup w takes head w, the columns [32 w, 32 w + 32) of each pass,
+// m64n32k16, K = D in 8 steps, and the pair bias (m64n8k16, the heads as its 8 columns;
+// every warpgroup computes it, a wgmma under a branch serializes the kernel's: ptxas
+// C7519; warpgroup 0 stores it). Accumulator of warp (w % 4) of a warpgroup, lane (g, t):
+// rows 16 (w % 4) + g (+ 8), columns 8n + 2t, +1 (wgmma.cuh).
+//
+// Shared memory (bytes from a 1024-aligned base; sw128 = wgmma.cuh's 128-byte swizzle, rows
+// of 128 bytes = 64 fp16 along K, so a D-wide row is D / 64 such blocks):
+//   W      [4 passes][D / 64][D rows][128 B]   Wq, Wg, Wk, Wv in fp16, scaled (the host
+//                                              lays the image out: _gpu.tile_weight_image)
+//   WB     [D / 64][8 rows][128 B]             the pair-bias weights (rows >= H zero)
+//   A      [D / 64][64 rows][128 B]            the tile's xn, fp16 (zero past the last key)
+//   RAW    [2][64][D] fp32                     x rows, by bulk copy, a tile ahead; after
+//                                              LayerNorm the stage holds the tile's K and
+//                                              V^T tiles [H][8 KiB] on their way out (and
+//                                              before them q and a bf16 gate, each warp's
+//                                              in the 1 KiB of K rows it writes later)
+//   GB     [2][D] fp32                         gamma, beta times a_scale
+//   BAR    3 mbarriers: RAW stage 0, 1, the weights
+#include "common.cuh"
+#include "wgmma.cuh"
+
+#ifndef KV_FORMAT
+#define KV_FORMAT 8     // 8: fp16 (the tf32 mode's f16 attention); 6: bf16
+#endif
+#ifndef PAIR_DIM
+#define PAIR_DIM 128
+#endif
+#define EXACT_FP32 0    // the tf32 and bf16 modes: MUFU sigmoid and 1/sqrt (project_math.cuh)
+#include "project_math.cuh"
+
+#define PD PAIR_DIM
+#define THREADS 512
+#define ROWS 64                  // keys (rows) per tile
+#define PARTS (THREADS / ROWS)   // threads per row in LayerNorm and the gated loads
+#define KBLK (PD / 64)           // 128-byte swizzle blocks along K
+#define KSTEPS (PD / 16)         // k16 steps of a product
+#define NW 32                    // columns of a pass per warpgroup: one head
+#define HEADS (PD / 32)
+#define KV_BYTES 8192            // per (b, i, head, 64 keys): the K tile, then the V^T tile
+#define VT_IN_TILE 4096
+#define BIAS_TILE_BYTES 16384    // per (b, head, 128 queries, 64 keys), [128][64] fp16 sw128
+#if PD != 128
+#error "project_tiles.cu: written for D = 128 (4 heads of 32, one per warpgroup; W in fp16 fills 128 KiB)"
+#endif
+#if KV_FORMAT != 6 && KV_FORMAT != 8
+#error "project_tiles.cu: KV_FORMAT 6 (bf16) or 8 (fp16)"
+#endif
+#define BF16_OUT (KV_FORMAT == 6)
+// Words per qkvg row (project_epilogue.cuh QKVG_LD): format 8 q's fp16 words per head at
+// [32 h, 32 h + 16) (o later over them), the gate fp32 at [D, 2D); format 6 rows of D
+// words, q's bf16 words at [32 h, 32 h + 16), the gate's at [32 h + 16, 32 h + 32).
+#define QKVG_WORDS (BF16_OUT ? PD : 2 * PD)
+// The passes in the order they run (rows of the W image, _gpu.tile_weight_image): the
+// gate's sigmoid (two MUFU operations per value) second, where its epilogue overlaps
+// k's products; k and v last, staged together for their bulk copies.
+#define PASS_Q 0
+#define PASS_G 1
+#define PASS_K 2
+#define PASS_V 3
+
+#define W_BYTES (4 * PD * PD * 2)
+#define WB_BYTES (KBLK * 8 * 128)
+#define A_BYTES (KBLK * ROWS * 128)
+#define RAW_BYTES (ROWS * PD * 4)
+#define OFF_W 0
+#define OFF_WB (OFF_W + W_BYTES)
+#define OFF_A (OFF_WB + WB_BYTES)
+#define OFF_RAW (OFF_A + A_BYTES)
+#define OFF_GB (OFF_RAW + 2 * RAW_BYTES)
+#define OFF_BAR (OFF_GB + 2 * PD * 4)
+#define PROJECT_TILES_SMEM (OFF_BAR + 64 + 1024)  // + 1024: aligned up at run time
+#if HEADS * KV_BYTES != RAW_BYTES
+#error "project_tiles.cu: a tile's K and V^T tiles are staged in its RAW stage"
+#endif
+
+// wgmma m64nNk16, fp16 operands from shared memory (both K-major), fp32 accumulators;
+// `first`: D = A B (scale-d 0), else D += A B.
+#define WGMMA_SS_N32(first, d, a, b)                                                          \
+    asm volatile("wgmma.mma_async.sync.aligned.m64n32k16.f32.f16.f16 "                       \
+                 "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15}, %16, %17, "         \
+                 first ", 1, 1, 0, 0;"                                                        \
+                 : WGMMA_D8("+f", d, 0), WGMMA_D8("+f", d, 8) : "l"(a), "l"(b))
+#define WGMMA_SS_N8(first, d, a, b)                                                           \
+    asm volatile("wgmma.mma_async.sync.aligned.m64n8k16.f32.f16.f16 {%0,%1,%2,%3}, %4, %5, "  \
+                 first ", 1, 1, 0, 0;" : WGMMA_D4("+f", d, 0) : "l"(a), "l"(b))
+
+// acc = A [64 x D] x B^T: B's 32 (8) K-major rows from `b_rows` (shared address of their
+// first 128-byte block; the next block along K `b_step` bytes on): KSTEPS wgmma.
+__device__ __forceinline__ void product32(float (&acc)[16], u32 a_tile, u32 b_rows, u32 b_step) {
+#pragma unroll
+    for (int s = 0; s < KSTEPS; ++s) {
+        const u64 a = sw128_desc(a_tile + (s / 4) * (ROWS * 128)) + 2 * (s % 4);
+        const u64 b = sw128_desc(b_rows + (s / 4) * b_step) + 2 * (s % 4);
+        if (s == 0)
+            WGMMA_SS_N32("0", acc, a, b);
+        else
+            WGMMA_SS_N32("1", acc, a, b);
+    }
+}
+__device__ __forceinline__ void product8(float (&acc)[4], u32 a_tile, u32 b_rows) {
+#pragma unroll
+    for (int s = 0; s < KSTEPS; ++s) {
+        const u64 a = sw128_desc(a_tile + (s / 4) * (ROWS * 128)) + 2 * (s % 4);
+        const u64 b = sw128_desc(b_rows + (s / 4) * (8 * 128)) + 2 * (s % 4);
+        if (s == 0)
+            WGMMA_SS_N8("0", acc, a, b);
+        else
+            WGMMA_SS_N8("1", acc, a, b);
+    }
+}
+
+// Two values as the 16-bit pair q, k, v and the out projection's operands take.
+__device__ __forceinline__ u32 pack16(float x0, float x1) {
+    return BF16_OUT ? pack_bf16(x0, x1) : pack_f16(x0, x1);
+}
+
+// stmatrix: four 8x8 16-bit matrices from the warp's registers (lanes 8j .. 8j + 7 name the
+// 16-byte rows of matrix j; each lane holds word (row lane / 4, column pair lane % 4) of
+// every matrix, as a C fragment does); .trans stores each matrix transposed.
+__device__ __forceinline__ void stsm_x4(u32 addr, u32 r0, u32 r1, u32 r2, u32 r3) {
+    asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};"
+                 :: "r"(addr), "r"(r0), "r"(r1), "r"(r2), "r"(r3) : "memory");
+}
+__device__ __forceinline__ void stsm_x4_trans(u32 addr, u32 r0, u32 r1, u32 r2, u32 r3) {
+    asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};"
+                 :: "r"(addr), "r"(r0), "r"(r1), "r"(r2), "r"(r3) : "memory");
+}
+
+// Global stores of 8 and 16 bytes (C++ float2 stores came out of NVRTC as two 4-byte ones:
+// half sectors, ncu's "excessive sectors").
+__device__ __forceinline__ void st_global2(float* p, float x, float y) {
+    asm volatile("st.global.v2.f32 [%0], {%1, %2};" :: "l"(p), "f"(x), "f"(y) : "memory");
+}
+__device__ __forceinline__ void st_global4(void* p, uint4 v) {
+    asm volatile("st.global.v4.u32 [%0], {%1, %2, %3, %4};"
+                 :: "l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w) : "memory");
+}
+
+// Bulk copies shared -> global (the K and V^T tiles), one commit group per tile; the
+// issuing thread waits for their reads of shared memory before the stage is refilled.
+__device__ __forceinline__ void bulk_store(void* dst, u32 src, u32 bytes) {
+    asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;"
+                 :: "l"(dst), "r"(src), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
+__device__ __forceinline__ void bulk_wait_read() {
+    asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
+}
+__device__ __forceinline__ void bulk_wait_all() { asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); }
+
+// Both kernels' work split is written for THREADS threads: another launch stops here, loud,
+// instead of leaving heads unwritten.
+__device__ __forceinline__ void check_block() {
+    if (blockDim.x != THREADS) __trap();
+}
+
+// The warpgroup of this thread, as a value the compiler knows is the same across the warp
+// (the wgmma descriptors built from it stay in uniform registers).
+__device__ __forceinline__ int warpgroup() { return __shfl_sync(0xffffffffu, threadIdx.x / 128, 0); }
+
+// Byte offset in a [D / 64][64 rows][128 B] sw128 tile of column c (c % 4 == 0: 4 fp16,
+// 8 bytes) of row r.
+__device__ __forceinline__ u32 a_offset(int r, int c) {
+    return (c / 64) * (ROWS * 128) + sw128(r, 2 * (c % 64));
+}
+
+// The float4 piece of a D-float row that thread part p (of 8 per row) takes in its step k
+// (k < D / 32): 8 (k ^ (r % 2)) + p, columns 4 (that) .. + 3. The 8 lanes of a quarter warp
+// (one row) read distinct bank groups, and the 16 of a half warp (two rows) write the
+// pieces' 4 fp16 to distinct banks of A's swizzled rows (checked by enumeration).
+__device__ __forceinline__ int row_piece(int r, int p, int k) { return 8 * (k ^ (r & 1)) + p; }
+
+// One tile of ln_qkvg_project_tiles: pair row (b, i), keys key0 .. key0 + valid - 1.
+struct KeyTile {
+    int b, i, c, key0, valid;
+    i64 bi;  // b N + i
+    __device__ __forceinline__ KeyTile(int T, int N, int nc) {
+        bi = T / nc;
+        c = (int)(T - bi * nc);
+        b = (int)(bi / N);
+        i = (int)(bi - (i64)b * N);
+        key0 = 64 * c;
+        valid = min(64, N - key0);
+    }
+};
+
+// x rows of tile T into RAW stage `stage` (by warp 0): one bulk copy where the keys' rows
+// are contiguous (sj == D), else one per row; counted on the stage's mbarrier.
+__device__ __forceinline__ void load_rows(const float* x, i64 sb, i64 si, i64 sj, const KeyTile& kt,
+                                          u32 raw, u32 bar) {
+    const int lane = threadIdx.x & 31;
+    const float* const src = x + kt.b * sb + kt.i * si + kt.key0 * sj;
+    if (lane == 0) mbar_arrive_expect(bar, kt.valid * PD * 4);
+    __syncwarp();
+    if (sj == PD) {
+        if (lane == 0) bulk_copy(raw, src, kt.valid * PD * 4, bar);
+    } else {
+        for (int r = lane; r < kt.valid; r += 32) bulk_copy(raw + r * PD * 4, src + r * sj, PD * 4, bar);
+    }
+}
+
+// LayerNorm of the RAW stage into A, PARTS threads per row (row_piece), zero rows from
+// `valid` on. The mean, the squared deviations (two passes: no cancellation), then
+// xn = (x - mean) rstd gamma' + beta', gamma' and beta' times a_scale (GB).
+__device__ __forceinline__ void layernorm_tile(char* smem, const float* raw, int valid, float eps) {
+    const int tid = threadIdx.x, r = tid / PARTS, p = tid % PARTS;
+    const float4* const row = reinterpret_cast<const float4*>(raw + r * PD);
+    float4 v[PD / 32];
+#pragma unroll
+    for (int k = 0; k < PD / 32; ++k) v[k] = row[row_piece(r, p, k)];
+    float sum = 0.f;
+#pragma unroll
+    for (int k = 0; k < PD / 32; ++k) sum += (v[k].x + v[k].y) + (v[k].z + v[k].w);
+#pragma unroll
+    for (int lanes = 1; lanes < PARTS; lanes <<= 1) sum += __shfl_xor_sync(0xffffffffu, sum, lanes);
+    const float mu = sum / PD;
+    float sq = 0.f;
+#pragma unroll
+    for (int k = 0; k < PD / 32; ++k) {
+        const float dx = v[k].x - mu, dy = v[k].y - mu, dz = v[k].z - mu, dw = v[k].w - mu;
+        sq = fmaf(dx, dx, fmaf(dy, dy, fmaf(dz, dz, fmaf(dw, dw, sq))));
+    }
+#pragma unroll
+    for (int lanes = 1; lanes < PARTS; lanes <<= 1) sq += __shfl_xor_sync(0xffffffffu, sq, lanes);
+    const float rstd = inverse_sqrt(sq / PD + eps);  // biased variance, as torch.nn.LayerNorm
+    const bool ok = r < valid;
+    const float4* const gamma = reinterpret_cast<const float4*>(smem + OFF_GB);
+    const float4* const beta = gamma + PD / 4;
+#pragma unroll
+    for (int k = 0; k < PD / 32; ++k) {
+        const int idx = row_piece(r, p, k);
+        const float4 g = gamma[idx], c = beta[idx];
+        uint2 h = make_uint2(0u, 0u);
+        if (ok) {
+            h.x = pack_f16(fmaf((v[k].x - mu) * rstd, g.x, c.x), fmaf((v[k].y - mu) * rstd, g.y, c.y));
+            h.y = pack_f16(fmaf((v[k].z - mu) * rstd, g.z, c.z), fmaf((v[k].w - mu) * rstd, g.w, c.w));
+        }
+        *reinterpret_cast<uint2*>(smem + OFF_A + a_offset(r, 4 * idx)) = h;
+    }
+}
+
+// This warp's 16 rows x 32 columns of 16-bit pairs (w[n][h]: column pair 8n + 2t of row g
+// + 8h) through its 1 KiB of staging [16 rows][64 B] (chunks swizzled as sw64: conflict
+// free both ways), then to global memory, 64 bytes of each row at `dst(row)`, whole
+// sectors. valid: rows from it on are not stored.
+template <class Dst>
+__device__ __forceinline__ void store_rows16(const u32 (&w)[4][2], u32 stage, char* smem_stage,
+                                             int valid_rows, Dst dst) {
+    const int lane = threadIdx.x & 31, jm = lane >> 3, jr = lane & 7;
+#pragma unroll
+    for (int u = 0; u < 2; ++u) {  // matrix j: column group n = 2u + j / 2, rows + 8 (j % 2)
+        const int n = 2 * u + jm / 2, row = 8 * (jm % 2) + jr;
+        stsm_x4(stage + sw64(row, 16 * n), w[2 * u][0], w[2 * u][1], w[2 * u + 1][0], w[2 * u + 1][1]);
+    }
+    __syncwarp();
+#pragma unroll
+    for (int u = 0; u < 2; ++u) {
+        const int row = lane / 4 + 8 * u, chunk = lane % 4;
+        const uint4 v = *reinterpret_cast<const uint4*>(smem_stage + sw64(row, 16 * chunk));
+        if (row < valid_rows) st_global4(dst(row) + 16 * chunk, v);
+    }
+    __syncwarp();  // read out before the warp writes its staging again
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS, 1)
+ln_qkvg_project_tiles(const float* __restrict__ x, i64 sb, i64 si, i64 sj, int B, int N, int H,
+                      float eps, const float* __restrict__ gamma_beta,  // [2][D], times a_scale
+                      const uint4* __restrict__ w_image,  // W then WB (W_BYTES + WB_BYTES)
+                      const float* __restrict__ col_bias,  // [4 D]: bq, bk, bv, bg
+                      float q_scale, float unscale,
+                      const void* __restrict__ mask, int mask_kind, i64 mb, i64 mi, i64 mj,
+                      float* __restrict__ qkvg, unsigned short* __restrict__ bias, int npk,
+                      char* __restrict__ vt) {
+    extern __shared__ float4 smem4[];
+    const u32 raw_s = smem_addr(smem4);
+    const u32 align = (1024u - (raw_s & 1023u)) & 1023u;
+    char* const smem = reinterpret_cast<char*>(smem4) + align;
+    const u32 smem_s = raw_s + align;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int wg = warpgroup(), w4 = warp % 4, g = lane >> 2, t = lane & 3;
+    const int nc = (N + 63) / 64, ntiles = B * N * nc;
+    const u32 bar_w = smem_s + OFF_BAR + 16, bar_raw = smem_s + OFF_BAR;  // raw: + 8 stage
+    check_block();
+
+    if (tid == 0) {
+        mbar_init(bar_raw, 1);
+        mbar_init(bar_raw + 8, 1);
+        mbar_init(bar_w, 1);
+    }
+    for (int e = tid; e < 2 * PD / 4; e += THREADS)
+        reinterpret_cast<float4*>(smem + OFF_GB)[e] = ld4(gamma_beta + 4 * e);
+    __syncthreads();  // the mbarriers initialised, GB written
+    if (warp == 0) {
+        if (lane == 0) {
+            mbar_arrive_expect(bar_w, W_BYTES + WB_BYTES);
+            for (u32 off = 0; off < W_BYTES + WB_BYTES; off += 16384)
+                bulk_copy(smem_s + OFF_W + off, reinterpret_cast<const char*>(w_image) + off,
+                          min(16384u, (u32)(W_BYTES + WB_BYTES) - off), bar_w);
+        }
+        for (int s = 0; s < 2; ++s) {
+            const int T = blockIdx.x + s * gridDim.x;
+            if (T < ntiles)
+                load_rows(x, sb, si, sj, KeyTile(T, N, nc), smem_s + OFF_RAW + s * RAW_BYTES,
+                          bar_raw + 8 * s);
+        }
+    }
+
+    // This thread's column pairs 32 wg + 8n + 2t (n < 4) of head wg: their biases, folded
+    // with the scales as the epilogues apply them (q: (acc unscale + bq) q_scale as acc
+    // uq + bq q_scale; the gate's exponent -(acc unscale + bg) log2 e as acc ug + bg').
+    const int col0 = NW * wg + 2 * t;
+    float2 bq[4], bg[4], bk[4], bv[4];
+#pragma unroll
+    for (int n = 0; n < 4; ++n) {
+        const int col = col0 + 8 * n;
+        const float2 q = ld2(col_bias + col), k = ld2(col_bias + PD + col),
+                     v = ld2(col_bias + 2 * PD + col), gb = ld2(col_bias + 3 * PD + col);
+        bq[n] = make_float2(q.x * q_scale, q.y * q_scale);
+        bk[n] = k, bv[n] = v;
+        bg[n] = make_float2(-gb.x * LOG2E_F, -gb.y * LOG2E_F);
+    }
+    const float uq = unscale * q_scale, ug = -unscale * LOG2E_F;
+    const u32 a_tile = smem_s + OFF_A;
+    const u32 w_head = smem_s + OFF_W + wg * NW * 128;  // this warpgroup's rows of each pass
+    // The K tile rows (keys) this warp writes, 1 KiB, also its staging for q and the gate.
+    const u32 k_rows = wg * KV_BYTES + w4 * 1024;
+    int k = 0;
+    for (int T = blockIdx.x; T < ntiles; T += gridDim.x, ++k) {
+        const int stage = k & 1;
+        const KeyTile kt(T, N, nc);
+        const u32 raw = smem_s + OFF_RAW + stage * RAW_BYTES;
+        char* const raw_g = smem + OFF_RAW + stage * RAW_BYTES;
+        const i64 m_first = kt.bi * N + kt.key0;  // qkvg row of the tile's first key
+        // This thread's two rows (keys) of the accumulators, and their mask elements for
+        // the pair bias (warpgroup 0), loaded before the products run.
+        const int r0 = 16 * w4 + g, r1 = r0 + 8, rows_left = kt.valid - 16 * w4;
+        bool keep0 = r0 < kt.valid, keep1 = r1 < kt.valid;
+        if (wg == 0) {
+            const i64 base = kt.b * mb + kt.i * mi + (i64)kt.key0 * mj;
+            if (keep0) keep0 = mask_keeps(mask, mask_kind, base + r0 * mj);
+            if (keep1) keep1 = mask_keeps(mask, mask_kind, base + r1 * mj);
+        }
+
+        // 1. LayerNorm: RAW -> A.
+        mbar_wait(bar_raw + 8 * stage, (k >> 1) & 1);
+        layernorm_tile(smem, reinterpret_cast<const float*>(raw_g), kt.valid, eps);
+        fence_async_shared();  // A's generic stores, before the tensor cores read it
+        __syncthreads();       // A complete; the RAW stage free for the staging
+        if (k == 0) mbar_wait(bar_w, 0);
+        // The previous tile's stage, read by LayerNorm and (its bulk copies waited for
+        // here, long done) by the copy engine, takes the next tile: one tile ahead, without
+        // the wait at the end of a tile (it held every warp at this tile's barrier).
+        if (warp == 0 && k > 0) {
+            if (lane == 0) bulk_wait_read();
+            __syncwarp();
+            const int next = T + gridDim.x;
+            if (next < ntiles)
+                load_rows(x, sb, si, sj, KeyTile(next, N, nc), smem_s + OFF_RAW + (stage ^ 1) * RAW_BYTES,
+                          bar_raw + 8 * (stage ^ 1));
+        }
+
+        // 2. Products and epilogues, two passes in flight: pass p's accumulators are
+        //    stored while pass p + 1's run.
+        float acc0[16], acc1[16], accb[4];
+        wgmma_fence();
+        product32(acc0, a_tile, w_head + PASS_Q * KBLK * PD * 128, PD * 128);
+        product8(accb, a_tile, smem_s + OFF_WB);
+        wgmma_commit();
+        product32(acc1, a_tile, w_head + PASS_G * KBLK * PD * 128, PD * 128);
+        wgmma_commit();
+
+        // q: packed 16-bit into the head's q words (through the staging: 64 bytes a row).
+        wgmma_wait<1>();
+        pin(acc0);
+        pin(accb);
+        {
+            u32 w[4][2];
+#pragma unroll
+            for (int n = 0; n < 4; ++n)
+#pragma unroll
+                for (int h = 0; h < 2; ++h)
+                    w[n][h] = pack16(fmaf(acc0[4 * n + 2 * h], uq, bq[n].x),
+                                     fmaf(acc0[4 * n + 2 * h + 1], uq, bq[n].y));
+            store_rows16(w, raw + k_rows, raw_g + k_rows, rows_left, [&](int row) {
+                return reinterpret_cast<char*>(qkvg + (m_first + 16 * w4 + row) * QKVG_WORDS + 32 * wg);
+            });
+        }
+        // the pair bias (warpgroup 0): heads 2t, 2t + 1 of keys r0, r1; -inf where masked
+        // and on the keys past N (its tile's padded keys: npk is N rounded up to 64)
+        if (wg == 0) {
+            const int qt = kt.i / 128;
+            char* const tiles = reinterpret_cast<char*>(bias);
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int head = 2 * t + (e & 1), r = e < 2 ? r0 : r1;
+                if (head >= H) continue;
+                const i64 tile = (((i64)kt.b * H + head) * ((N + 127) / 128) + qt) * (npk / 64) + kt.c;
+                *reinterpret_cast<unsigned short*>(tiles + tile * BIAS_TILE_BYTES
+                                                   + sw128(kt.i % 128, 2 * r)) =
+                    f16_bias_bits((e < 2 ? keep0 : keep1) ? accb[e] * unscale * LOG2E_F : neg_inf());
+            }
+        }
+        wgmma_fence();
+        product32(acc0, a_tile, w_head + PASS_K * KBLK * PD * 128, PD * 128);
+        wgmma_commit();
+
+        // gate: 1 / (1 + 2^(-(acc unscale + bg) log2 e)): fp32 at [D, 2D) (format 8), or
+        // packed bf16 at the head's words [32 h + 16, 32 h + 32) (format 6, staged as q).
+        wgmma_wait<1>();
+        pin(acc1);
+        {
+            float s[4][4];
+#pragma unroll
+            for (int n = 0; n < 4; ++n)
+#pragma unroll
+                for (int e = 0; e < 4; ++e)
+                    s[n][e] = __fdividef(1.0f, 1.0f + fast_exp2(fmaf(acc1[4 * n + e], ug,
+                                                                     e & 1 ? bg[n].y : bg[n].x)));
+#if BF16_OUT
+            u32 w[4][2];
+#pragma unroll
+            for (int n = 0; n < 4; ++n)
+#pragma unroll
+                for (int h = 0; h < 2; ++h) w[n][h] = pack_bf16(s[n][2 * h], s[n][2 * h + 1]);
+            store_rows16(w, raw + k_rows, raw_g + k_rows, rows_left, [&](int row) {
+                return reinterpret_cast<char*>(qkvg + (m_first + 16 * w4 + row) * QKVG_WORDS + 32 * wg + 16);
+            });
+#else
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                if ((h ? r1 : r0) >= kt.valid) continue;
+                float* const row = qkvg + (m_first + (h ? r1 : r0)) * QKVG_WORDS + PD + col0;
+#pragma unroll
+                for (int n = 0; n < 4; ++n) st_global2(row + 8 * n, s[n][2 * h], s[n][2 * h + 1]);
+            }
+#endif
+        }
+        wgmma_fence();
+        product32(acc1, a_tile, w_head + PASS_V * KBLK * PD * 128, PD * 128);
+        wgmma_commit();
+
+        const int jm = lane >> 3, jr = lane & 7;  // the matrix and row this lane addresses
+        // k: acc unscale + bk, into the head's K tile [64 keys][32 dims] (sw64): matrix j of
+        // stmatrix u is column group n = 2u + j / 2, the warp's rows + 8 (j % 2).
+        wgmma_wait<1>();
+        pin(acc0);
+#pragma unroll
+        for (int u = 0; u < 2; ++u) {
+            u32 w[4];
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                const int n = 2 * u + j / 2, h = j % 2;
+                w[j] = pack16(fmaf(acc0[4 * n + 2 * h], unscale, bk[n].x),
+                              fmaf(acc0[4 * n + 2 * h + 1], unscale, bk[n].y));
+            }
+            const int n = 2 * u + jm / 2, key = 16 * w4 + 8 * (jm % 2) + jr;
+            stsm_x4(raw + wg * KV_BYTES + sw64(key, 16 * n), w[0], w[1], w[2], w[3]);
+        }
+        // v: acc unscale + bv (0 on the keys past N), transposed into the head's V^T tile
+        // [32 dims][64 keys] (sw128): matrix j's rows are the dims 8n + row.
+        wgmma_wait<0>();
+        pin(acc1);
+#pragma unroll
+        for (int u = 0; u < 2; ++u) {
+            u32 w[4];
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                const int n = 2 * u + j / 2, h = j % 2;
+                w[j] = (h ? r1 : r0) < kt.valid
+                           ? pack16(fmaf(acc1[4 * n + 2 * h], unscale, bv[n].x),
+                                    fmaf(acc1[4 * n + 2 * h + 1], unscale, bv[n].y))
+                           : 0u;
+            }
+            const int n = 2 * u + jm / 2, key = 16 * w4 + 8 * (jm % 2);
+            stsm_x4_trans(raw + wg * KV_BYTES + VT_IN_TILE + sw128(8 * n + jr, 2 * key),
+                          w[0], w[1], w[2], w[3]);
+        }
+        // Every head's K and V^T tile complete in the stage, and A's products done: out in
+        // one bulk copy each (the stage is refilled after the next tile's LayerNorm).
+        fence_async_shared();
+        __syncthreads();
+        if (tid == 0) {
+            for (int head = 0; head < HEADS; ++head)
+                bulk_store(vt + ((kt.bi * H + head) * (npk / 64) + kt.c) * KV_BYTES,
+                           raw + head * KV_BYTES, KV_BYTES);
+            bulk_commit();
+        }
+    }
+    if (tid == 0) bulk_wait_all();  // the last tile's copies complete before the block ends
+}
+
+// ---- gated_out_project_tiles: out = (g o) Wo^T + bo, 64 rows per tile ----
+//
+// A qkvg row holds o in 16 bits over each head's first 16 words (attention_wgmma.cu O16:
+// dims 2p, 2p + 1 in word 4 (p % 4) + p / 4; format 8: fp16 in v's units, which w_unscale
+// undoes) and the gate (format 8: fp32 at [D, 2D); format 6: bf16 in the head's words
+// [32 h + 16, 32 h + 32)). A tile's 64 rows are contiguous: one bulk copy, one tile ahead.
+// PARTS threads per row as LayerNorm's (row_piece: piece P holds columns 4P .. 4P + 3 of
+// head P / 8). The tile's g o is scaled by its own power of two a, its largest |g o| into
+// [2^13, 2^14) (gates near 0 keep their bits: load_gated_tile_f16), and the products are
+// undone by w_unscale, then by 1 / a, one after the other (their product may fall below
+// fp32's range where each result does not). Warpgroup w computes out's columns [32 w,
+// 32 w + 32).
+//
+// Shared memory: WO [D / 64][D rows][128 B] (Wo in fp16, scaled), A as above, IN [2][64
+// rows][QKVG_WORDS words], RED [16] (the warps' largest |g o|), 2 mbarriers.
+#define IN_BYTES (ROWS * QKVG_WORDS * 4)
+#define WO_BYTES (PD * PD * 2)
+#define OFF_WO 0
+#define OFF_AO (OFF_WO + WO_BYTES)
+#define OFF_IN (OFF_AO + A_BYTES)
+#define OFF_RED (OFF_IN + 2 * IN_BYTES)
+#define OFF_OBAR (OFF_RED + 64)
+#define OUT_TILES_SMEM (OFF_OBAR + 64 + 1024)
+
+extern "C" __global__ void __launch_bounds__(THREADS, 1)
+gated_out_project_tiles(const float* __restrict__ qkvg, i64 M,
+                        const uint4* __restrict__ wo_image,  // WO_BYTES
+                        const float* __restrict__ b_out, float* __restrict__ out,
+                        float w_unscale) {
+    extern __shared__ float4 smem4[];
+    const u32 raw_s = smem_addr(smem4);
+    const u32 align = (1024u - (raw_s & 1023u)) & 1023u;
+    char* const smem = reinterpret_cast<char*>(smem4) + align;
+    const u32 smem_s = raw_s + align;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int wg = warpgroup(), w4 = warp % 4, g = lane >> 2, t = lane & 3;
+    const i64 ntiles = (M + ROWS - 1) / ROWS;
+    const u32 bar_w = smem_s + OFF_OBAR + 16, bar_in = smem_s + OFF_OBAR;
+    float* const red = reinterpret_cast<float*>(smem + OFF_RED);
+    check_block();
+
+    // Tile T's rows into IN stage s (thread 0).
+    auto load_tile = [&](i64 T, int s) {
+        const u32 bytes = (u32)min((i64)ROWS, M - T * ROWS) * QKVG_WORDS * 4;
+        mbar_arrive_expect(bar_in + 8 * s, bytes);
+        bulk_copy(smem_s + OFF_IN + s * IN_BYTES, qkvg + T * ROWS * QKVG_WORDS, bytes, bar_in + 8 * s);
+    };
+    if (tid == 0) {
+        mbar_init(bar_in, 1);
+        mbar_init(bar_in + 8, 1);
+        mbar_init(bar_w, 1);
+    }
+    __syncthreads();
+    if (tid == 0) {
+        mbar_arrive_expect(bar_w, WO_BYTES);
+        bulk_copy(smem_s + OFF_WO, wo_image, WO_BYTES, bar_w);
+        for (int s = 0; s < 2; ++s)
+            if (blockIdx.x + s * gridDim.x < ntiles) load_tile(blockIdx.x + s * gridDim.x, s);
+    }
+    const int col0 = NW * wg + 2 * t;
+    float2 bo[4];
+#pragma unroll
+    for (int n = 0; n < 4; ++n) bo[n] = ld2(b_out + col0 + 8 * n);
+
+    const int r = tid / PARTS, p = tid % PARTS;
+    int k = 0;
+    for (i64 T = blockIdx.x; T < ntiles; T += gridDim.x, ++k) {
+        const int stage = k & 1;
+        const int rows_here = (int)min((i64)ROWS, M - T * ROWS);
+        mbar_wait(bar_in + 8 * stage, (k >> 1) & 1);
+
+        // 1. g o of this thread's pieces, and the tile's largest |g o|. o's dims 4p .. 4p + 3
+        //    of a head are its dim pairs 2p, 2p + 1, in words 8 (p % 2) + p / 2 and 4 on.
+        const u32* const row = reinterpret_cast<const u32*>(smem + OFF_IN + stage * IN_BYTES)
+                               + r * QKVG_WORDS;
+        float4 go[PD / 32];
+        float top = 0.f;  // (NaN, where a fully masked query's o is, drops out of fmaxf)
+#pragma unroll
+        for (int j = 0; j < PD / 32; ++j) {
+            const int P = row_piece(r, p, j), head = P / 8;
+            const u32* const slot = row + 32 * head;
+            const u32 o01 = slot[8 * (p % 2) + p / 2], o23 = slot[8 * (p % 2) + p / 2 + 4];
+#if BF16_OUT
+            const uint2 gw = *reinterpret_cast<const uint2*>(slot + 16 + 2 * p);
+            const float4 gate = make_float4(__uint_as_float(gw.x << 16), __uint_as_float(gw.x & 0xffff0000u),
+                                            __uint_as_float(gw.y << 16), __uint_as_float(gw.y & 0xffff0000u));
+            const float4 o = make_float4(__uint_as_float(o01 << 16), __uint_as_float(o01 & 0xffff0000u),
+                                         __uint_as_float(o23 << 16), __uint_as_float(o23 & 0xffff0000u));
+#else
+            const float4 gate = *reinterpret_cast<const float4*>(reinterpret_cast<const float*>(row) + PD + 4 * P);
+            const float2 o0 = half2_to_float2(o01), o1 = half2_to_float2(o23);
+            const float4 o = make_float4(o0.x, o0.y, o1.x, o1.y);
+#endif
+            go[j] = make_float4(gate.x * o.x, gate.y * o.y, gate.z * o.z, gate.w * o.w);
+            top = fmaxf(top, fmaxf(fmaxf(fabsf(go[j].x), fabsf(go[j].y)), fmaxf(fabsf(go[j].z), fabsf(go[j].w))));
+        }
+        if (r >= rows_here) top = 0.f;  // (rows past M: whatever the stage held)
+#pragma unroll
+        for (int lanes = 16; lanes; lanes >>= 1) top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, lanes));
+        if (lane == 0) red[warp] = top;
+        __syncthreads();  // (also: every thread is past the previous tile's products)
+#pragma unroll
+        for (int w = 0; w < THREADS / 32; ++w) top = fmaxf(top, red[w]);
+        int e;
+        frexpf(top, &e);  // top < 2^e
+        // (at least 2^-126 for a's inverse to stay normal: below that, g o is at most 2^-112)
+        const float a = top > 0.f ? ldexpf(1.f, min(14 - e, 126)) : 1.f;
+#pragma unroll
+        for (int j = 0; j < PD / 32; ++j) {
+            uint2 h = make_uint2(0u, 0u);
+            if (r < rows_here)
+                h = make_uint2(pack_f16(go[j].x * a, go[j].y * a), pack_f16(go[j].z * a, go[j].w * a));
+            *reinterpret_cast<uint2*>(smem + OFF_AO + a_offset(r, 4 * row_piece(r, p, j))) = h;
+        }
+        fence_async_shared();
+        __syncthreads();  // A complete (and RED read by everyone); the IN stage read
+        if (k == 0) mbar_wait(bar_w, 0);
+        if (tid == 0 && T + 2 * gridDim.x < ntiles) load_tile(T + 2 * gridDim.x, stage);
+
+        // 2. out = (A Wo^T) w_unscale / a + bo: this warpgroup's 32 columns.
+        float acc[16];
+        wgmma_fence();
+        product32(acc, smem_s + OFF_AO, smem_s + OFF_WO + wg * NW * 128, PD * 128);
+        wgmma_commit();
+        wgmma_wait<0>();
+        pin(acc);
+        const float a_unscale = 1.f / a;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int rr = 16 * w4 + g + 8 * h;
+            if (rr >= rows_here) continue;
+            float* const dst = out + (T * ROWS + rr) * PD + col0;
+#pragma unroll
+            for (int n = 0; n < 4; ++n)
+                st_global2(dst + 8 * n, acc[4 * n + 2 * h] * w_unscale * a_unscale + bo[n].x,
+                           acc[4 * n + 2 * h + 1] * w_unscale * a_unscale + bo[n].y);
+        }
+    }
+}

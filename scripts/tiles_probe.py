@@ -1,0 +1,180 @@
+"""Where the persistent projections (kernels/project_tiles.cu) depart from project_mma.cu's,
+part by part, on the same inputs and scratch, and how long each takes (a GPU with wgmma:
+H100/H200). For each size and mode (tf32: KV_FORMAT 8, bf16: 6):
+
+  projection      both kernels run on the same pair; q, the gate, the K and V^T tiles and
+                  the pair-bias tiles compared (decoded to fp32; the keys past N, which
+                  the old kernel leaves unwritten in K, left out)
+  out projection  both kernels run on the same qkvg (after the new projection and the
+                  attention); the outputs compared
+  forward         each plan's whole forward against the float64 NumPy reference
+
+    python3 scripts/tiles_probe.py [--precisions tf32,bf16] [sizes BxNxDxh ...]
+"""
+import statistics
+import sys
+
+import cupy as cp
+import numpy as np
+
+import triattn_cupy as ta
+from triattn_cupy import _configs, _gpu, reference
+
+
+def median_ms(fn, repeats=20):
+    start, stop = cp.cuda.Event(), cp.cuda.Event()
+    times = []
+    for _ in range(repeats):
+        start.record()
+        fn()
+        stop.record()
+        stop.synchronize()
+        times.append(cp.cuda.get_elapsed_time(start, stop))
+    return statistics.median(times)
+
+
+def plan_with(dw, tiles, *key):
+    _configs.PROJECT_TILES = tiles
+    dw.plans.clear()
+    return _gpu.Plan(dw, *key)
+
+
+def decode16(words, bf16):
+    """uint32 words of two 16-bit values each -> float32 pairs (low half first)."""
+    halves = cp.ascontiguousarray(words).view(cp.uint16)
+    if bf16:
+        return (halves.astype(cp.uint32) << 16).view(cp.float32)
+    return halves.view(cp.float16).astype(cp.float32)
+
+
+def compare(name, got, want, where=None):
+    got, want = cp.asarray(got, cp.float64), cp.asarray(want, cp.float64)
+    if where is not None:
+        got, want = got[where], want[where]
+    inf_mismatch = int(cp.count_nonzero(cp.isinf(got) != cp.isinf(want)))
+    nan_got, nan_want = int(cp.count_nonzero(cp.isnan(got))), int(cp.count_nonzero(cp.isnan(want)))
+    finite = cp.isfinite(got) & cp.isfinite(want)
+    g, w = got[finite], want[finite]
+    scale = float(cp.abs(w).max()) if w.size else 0.0
+    diff = float(cp.abs(g - w).max()) if w.size else 0.0
+    rel = float(cp.linalg.norm(g - w) / max(float(cp.linalg.norm(w)), 1e-30)) if w.size else 0.0
+    ok = inf_mismatch == 0 and nan_got == nan_want and rel < 4e-3
+    print(f"    {name:10s} rel L2 {rel:9.2e}  max|diff|/max|ref| {diff / max(scale, 1e-30):9.2e}"
+          f"  inf mismatches {inf_mismatch}  NaN {nan_got}/{nan_want}  {'ok' if ok else 'DIFFERS'}",
+          flush=True)
+    return ok
+
+
+def scratch_views(fwd):
+    plan = fwd.plan
+    base = fwd._scratch
+    qkvg = cp.ndarray(plan.qkvg_shape, cp.float32, memptr=base).copy()
+    bias = cp.ndarray(plan.bias_shape, plan.bias_dtype, memptr=base + plan.qkvg_bytes).copy()
+    vt = cp.ndarray((plan.vt_bytes // 2,), cp.uint16,
+                    memptr=base + plan.qkvg_bytes + plan.bias_bytes).copy()
+    return qkvg, bias, vt
+
+
+def probe(size, precision, rng):
+    B, N, D, h = map(int, size.split("x"))
+    weights = ta.random_weights(D, h, seed=int(rng.integers(1 << 31)))
+    module = ta.TriangleAttention(weights)
+    dw = module._dw
+    pair_h = (rng.standard_normal((B, N, N, D)) * 2 + 0.5).astype(np.float32)
+    keep = rng.random((B, N, N)) > 0.25
+    keep[:, rng.integers(N), :] = False
+    pair, mask = cp.asarray(pair_h), cp.asarray(keep)
+    key = (pair.shape, tuple(s // 4 for s in pair.strides), True, _gpu._mask_meta(mask),
+           precision, False)
+    old = plan_with(dw, False, *key)
+    new = plan_with(dw, True, *key)
+    kv = new.kv_format
+    print(f"{size} {precision}: format {kv}, tiles projection {new.project_tiles}, "
+          f"out {new.tiles}", flush=True)
+    if not new.tiles:
+        return True
+    dw.plans[key] = new
+    fwd = _gpu.Forward(dw, pair, mask, "zero", None, precision)
+    assert fwd.plan is new
+    cp.cuda.Device().synchronize()
+    ptrs = fwd._pointers
+    # -- the projection: new, then old, on the same scratch (poisoned before each)
+    results = {}
+    for label, plan in (("new", new), ("old", old)):
+        cp.ndarray((new.scratch_bytes // 4,), cp.float32, memptr=fwd._scratch).fill(np.nan)
+        plan.project(ptrs)
+        cp.cuda.Device().synchronize()
+        results[label] = scratch_views(fwd)
+    ok = True
+    (q_new, b_new, v_new), (q_old, b_old, v_old) = results["new"], results["old"]
+    bf16 = kv == _configs.KV_BF16_TILES
+    words_new, words_old = q_new.view(cp.uint32), q_old.view(cp.uint32)
+    slots = [slice(32 * hd, 32 * hd + 16) for hd in range(h)]
+    q_cols_new = cp.concatenate([words_new[:, s] for s in slots], axis=1)
+    q_cols_old = cp.concatenate([words_old[:, s] for s in slots], axis=1)
+    ok &= compare("q", decode16(q_cols_new, bf16), decode16(q_cols_old, bf16))
+    if bf16:
+        g_new = cp.concatenate([words_new[:, 32 * hd + 16:32 * hd + 32] for hd in range(h)], axis=1)
+        g_old = cp.concatenate([words_old[:, 32 * hd + 16:32 * hd + 32] for hd in range(h)], axis=1)
+        ok &= compare("gate", decode16(g_new, True), decode16(g_old, True))
+    else:
+        ok &= compare("gate", q_new[:, D:2 * D], q_old[:, D:2 * D])
+    nc = new.npk // 64
+    tiles_new = v_new.reshape(B * N, h, nc, 4096)
+    tiles_old = v_old.reshape(B * N, h, nc, 4096)
+    dec = (lambda t: (t.astype(cp.uint32) << 16).view(cp.float32)) if bf16 else \
+        (lambda t: t.view(cp.float16).astype(cp.float32))
+    k_new = dec(cp.ascontiguousarray(tiles_new[..., :2048])).reshape(B * N, h, nc * 64, 32)
+    k_old = dec(cp.ascontiguousarray(tiles_old[..., :2048])).reshape(B * N, h, nc * 64, 32)
+    valid_keys = (cp.arange(nc * 64) < N)[None, None, :, None]
+    ok &= compare("K tiles", k_new, k_old, cp.broadcast_to(valid_keys, k_new.shape))
+    ok &= compare("V^T tiles", dec(cp.ascontiguousarray(tiles_new[..., 2048:])),
+                  dec(cp.ascontiguousarray(tiles_old[..., 2048:])))
+    rows = (cp.arange(b_new.shape[2])[:, None] * 128 + cp.arange(128)[None, :] < N)
+    where = cp.broadcast_to(rows[None, None, :, None, :, None], b_new.shape)
+    ok &= compare("bias", b_new.astype(cp.float32), b_old.astype(cp.float32), where)
+    t_new = median_ms(lambda: new.project(ptrs))
+    t_old = median_ms(lambda: old.project(ptrs))
+    print(f"    projection: new {t_new:.3f} ms, old {t_old:.3f} ms", flush=True)
+    # -- the out projection on one qkvg (the new projection's, then the attention)
+    new.project(ptrs)
+    new.attention(ptrs)
+    outs = {}
+    for label, plan in (("new", new), ("old", old)):
+        fwd.out.fill(np.nan)
+        plan.out_project(ptrs)
+        cp.cuda.Device().synchronize()
+        outs[label] = fwd.out.copy()
+    ok &= compare("out", outs["new"], outs["old"])
+    t_new = median_ms(lambda: new.out_project(ptrs))
+    t_old = median_ms(lambda: old.out_project(ptrs))
+    print(f"    out projection: new {t_new:.3f} ms, old {t_old:.3f} ms", flush=True)
+    # -- whole forwards against the float64 reference (small enough sizes only)
+    if B * N * N <= 400 * 400:
+        expected = reference.triangle_attention(pair_h, keep, weights)
+        for label, plan in (("new", new), ("old", old)):
+            dw.plans[key] = plan
+            got = module(pair, mask, precision=precision).get()
+            err = float(np.linalg.norm(got - expected) / np.linalg.norm(expected))
+            bound = {"tf32": 1e-3, "bf16": 5e-3}[precision]
+            print(f"    forward {label}: rel L2 {err:.3g} (bound {bound})", flush=True)
+            ok &= err <= bound
+    _configs.PROJECT_TILES = True
+    dw.plans.clear()
+    return ok
+
+
+def main(args):
+    precisions = ["tf32", "bf16"]
+    if args and args[0].startswith("--precisions="):
+        precisions = args.pop(0).split("=", 1)[1].split(",")
+    sizes = args or ["1x129x128x4", "2x192x128x4", "1x200x128x4", "1x320x128x4", "1x1024x128x4"]
+    print(cp.cuda.runtime.getDeviceProperties(0)["name"].decode(), "cupy", cp.__version__)
+    rng = np.random.default_rng(2026)
+    bad = [(s, p) for s in sizes for p in precisions if not probe(s, p, rng)]
+    print("all parts agree" if not bad else f"DIFFERS: {bad}")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

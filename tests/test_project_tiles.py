@@ -1,0 +1,220 @@
+"""The persistent projections of the tf32 and bf16 modes' wgmma path (kernels/project_tiles.cu):
+their weight images and shared-memory mirror offline, and on a GPU with wgmma (H100/H200)
+the forward that takes them against the float64 reference: N on and off the 64-key tiles,
+B > 1, masks with fully-masked queries under both policies, every way the pair's rows can
+arrive (one bulk copy per tile, one per row, or the old kernel where rows are misaligned),
+saturated gates, and the same inputs through project_mma.cu's projections."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import triattn_cupy as ta
+from triattn_cupy import _compile, _configs, _gpu, reference
+from helpers import rel_l2
+
+TOLERANCE = {"tf32": 1e-3, "bf16": 5e-3}
+
+
+def _sw128(row, byte):  # kernels/wgmma.cuh sw128
+    return row * 128 + ((((byte >> 4) ^ row) & 7) << 4) + (byte & 15)
+
+
+def test_weight_image_is_the_swizzled_tile():
+    """_gpu.sw128_image lays a [R, K] 16-bit matrix out as wgmma's 128-byte swizzle: element
+    (r, c) at block c // 64, sw128(r, 2 (c % 64)), as the kernel's descriptors read it."""
+    pytest.importorskip("cupy")
+    rng = np.random.default_rng(0)
+    a = rng.integers(0, 1 << 16, (24, 128)).astype(np.uint16)
+    image = _gpu.sw128_image(a.view(np.float16)).ravel()
+    expected = np.zeros_like(image)
+    for r in range(24):
+        for c in range(128):
+            off = (c // 64) * 24 * 128 + _sw128(r, 2 * (c % 64))
+            expected[off:off + 2] = np.frombuffer(a[r, c].tobytes(), np.uint8)
+    assert np.array_equal(image, expected)
+    with pytest.raises(ValueError, match="multiple of 8"):
+        _gpu.sw128_image(np.zeros((12, 64), np.float16))
+
+
+def test_where_the_persistent_projections_run():
+    """The tf32 and bf16 modes' wgmma formats at D = 128 on compute capability 9.0 only;
+    TRIATTN_PROJECT_TILES=0 (PROJECT_TILES) turns them off."""
+    f16, bf16 = _configs.KV_F16_TILES, _configs.KV_BF16_TILES
+    assert _configs.uses_project_tiles(f16, 128, 90) and _configs.uses_project_tiles(bf16, 128, 90)
+    assert not _configs.uses_project_tiles(f16, 64, 90)
+    assert not _configs.uses_project_tiles(f16, 128, 80)
+    assert not _configs.uses_project_tiles(_configs.KV_F16X3_TILES, 128, 90)
+    assert not _configs.uses_project_tiles(bf16, 128, 90, smem_limit=163 * 1024)
+    saved = _configs.PROJECT_TILES
+    try:
+        _configs.PROJECT_TILES = False
+        assert not _configs.uses_project_tiles(f16, 128, 90)
+    finally:
+        _configs.PROJECT_TILES = saved
+    assert all(_configs.project_tiles_config(kv) in _configs.all_configs("sm_90") for kv in (f16, bf16))
+
+
+@pytest.mark.parametrize("kv_format", [_configs.KV_F16_TILES, _configs.KV_BF16_TILES])
+def test_shared_memory_mirror_matches_the_kernel(kv_format):
+    """_configs.project_tiles_smem_bytes and TILES_THREADS are what the host launches with;
+    the kernels lay their shared memory out by PROJECT_TILES_SMEM and OUT_TILES_SMEM and
+    split their work for THREADS: a static_assert that they agree (PTX only). (A launch
+    of 256 threads once left half the heads unwritten; the kernels now trap on it.)"""
+    nvrtc = pytest.importorskip("cupy_backends.cuda.libs.nvrtc")
+    try:
+        nvrtc.getVersion()
+    except Exception:
+        pytest.skip("NVRTC library not found (pip install 'cupy-cuda13x[ctk]')")
+    config = _configs.project_tiles_config(kv_format)
+    source = (_compile.full_source(config.filename, config.defines)
+              + f"\nstatic_assert(PROJECT_TILES_SMEM == {_configs.project_tiles_smem_bytes(kv_format)}, \"in\");"
+              + f"\nstatic_assert(OUT_TILES_SMEM == {_configs.project_tiles_smem_bytes(kv_format, out=True)}, \"out\");"
+              + f"\nstatic_assert(THREADS == {_configs.TILES_THREADS}, \"threads\");\n")
+    program = nvrtc.createProgram(source, "mirror.cu", [], [])
+    try:
+        try:
+            nvrtc.compileProgram(program, ["-arch=compute_90a", *_compile.NVRTC_OPTIONS])
+        except nvrtc.NVRTCError:
+            pytest.fail(nvrtc.getProgramLog(program)[-800:])
+    finally:
+        nvrtc.destroyProgram(program)
+
+
+# ---- on the GPU ----
+
+@pytest.fixture
+def cp():
+    import cupy
+
+    return cupy
+
+
+def _needs_wgmma(cp):
+    if int(cp.cuda.Device().compute_capability) != 90:
+        pytest.skip("the persistent projections run on compute capability 9.0 (H100/H200)")
+
+
+def _inputs(rng, B, N, D=128, h=4, fully_masked_rows=True):
+    weights = ta.random_weights(D, h, seed=int(rng.integers(1 << 31)))
+    pair = (rng.standard_normal((B, N, N, D)) * 2 + 0.5).astype(np.float32)
+    keep = rng.random((B, N, N)) > 0.25
+    if fully_masked_rows:
+        keep[:, rng.integers(N), :] = False
+    return weights, pair, keep
+
+
+def _check(cp, weights, pair_dev, mask_h, precision, fully_masked="zero", expect_tiles=True):
+    pair_h = pair_dev.get()
+    module = ta.TriangleAttention(weights)
+    cp.full(64 << 18, np.nan, np.float32)  # (freed: the pool hands out NaN-filled memory)
+    out = cp.full(pair_dev.shape, np.nan, np.float32)
+    got = module(pair_dev, cp.asarray(mask_h), fully_masked=fully_masked, out=out,
+                 precision=precision)
+    (plan,) = module._dw.plans.values()
+    assert plan.tiles and plan.project_tiles == expect_tiles, (plan.tiles, plan.project_tiles)
+    expected = reference.triangle_attention(pair_h, mask_h, weights, fully_masked=fully_masked)
+    got = got.get()
+    if fully_masked == "nan":
+        fully = np.broadcast_to((~mask_h.any(axis=-1))[:, None, :, None], got.shape)
+        assert np.array_equal(np.isnan(got), fully), "NaN exactly at fully-masked queries"
+        err = rel_l2(got, expected, where=~fully)
+    else:
+        err = rel_l2(got, expected)
+    assert err <= TOLERANCE[precision], (precision, pair_dev.shape, err)
+    return err
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", ["tf32", "bf16"])
+@pytest.mark.parametrize("B,N", [(1, 129), (2, 192), (1, 200), (3, 131), (1, 256), (2, 257)])
+def test_forward_on_and_off_the_key_tiles(cp, rng, B, N, precision):
+    """N a multiple of the 64-key tiles and not (the last tile's keys past N: zero rows of
+    A, zero V^T, -inf bias), B > 1, both policies."""
+    _needs_wgmma(cp)
+    weights, pair, keep = _inputs(rng, B, N)
+    _check(cp, weights, cp.asarray(pair), keep, precision, ("zero", "nan")[N % 2])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", ["tf32", "bf16"])
+@pytest.mark.parametrize("view", ["transposed", "padded_rows", "pair_rows_apart", "misaligned"])
+def test_pair_rows_in_any_layout(cp, rng, view, precision):
+    """One bulk copy per tile where a tile's rows are contiguous (sj = D: pair_rows_apart),
+    one per row otherwise (transposed, padded_rows), and project_mma.cu's projection
+    beside the new out projection where rows are not 16-byte aligned (misaligned)."""
+    _needs_wgmma(cp)
+    B, N, D = 2, 150, 128
+    weights, pair, keep = _inputs(rng, B, N)
+    if view == "transposed":
+        dev = cp.asarray(np.ascontiguousarray(pair.transpose(0, 2, 1, 3))).transpose(0, 2, 1, 3)
+    elif view == "padded_rows":
+        base = cp.zeros((B, N, N, D + 4), np.float32)
+        base[..., :D] = cp.asarray(pair)
+        dev = base[..., :D]
+    elif view == "pair_rows_apart":
+        base = cp.zeros((B, N, N + 3, D), np.float32)
+        base[:, :, :N] = cp.asarray(pair)
+        dev = base[:, :, :N]
+    else:
+        base = cp.zeros((B, N, N, D + 1), np.float32)
+        base[..., 1:] = cp.asarray(pair)
+        dev = base[..., 1:]
+    assert not dev.flags.c_contiguous
+    _check(cp, weights, dev, keep, precision, expect_tiles=view != "misaligned")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", ["tf32", "bf16"])
+@pytest.mark.parametrize("gate_bias", [-20.0, -70.0])
+def test_saturated_gates(cp, rng, precision, gate_bias):
+    """Every gate near 0 and no out bias (tests/test_gpu.py's case at D = 128): each tile
+    scales its own g o, and the two unscales apply one after the other."""
+    _needs_wgmma(cp)
+    base, pair, keep = _inputs(rng, 1, 136, fully_masked_rows=False)
+    params = dict(base.params)
+    params["gate.bias"] = np.full_like(params["gate.bias"], gate_bias)
+    params["out_proj.bias"] = np.zeros_like(params["out_proj.bias"])
+    weights = ta.Weights(base.pair_dim, base.num_heads, base.layer_norm_eps, params)
+    _check(cp, weights, cp.asarray(pair), keep, precision)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", ["tf32", "bf16"])
+def test_same_result_as_the_mma_projections(cp, rng, precision):
+    """The same inputs through project_mma.cu's projections (PROJECT_TILES off) and through
+    project_tiles.cu's: each within the mode's bound, and within it of each other."""
+    _needs_wgmma(cp)
+    weights, pair, keep = _inputs(rng, 2, 160)
+    dev, mask = cp.asarray(pair), cp.asarray(keep)
+    outs = {}
+    saved = _configs.PROJECT_TILES
+    try:
+        for tiles in (False, True):
+            _configs.PROJECT_TILES = tiles
+            module = ta.TriangleAttention(weights)
+            outs[tiles] = module(dev, mask, precision=precision).get()
+            (plan,) = module._dw.plans.values()
+            assert plan.project_tiles == tiles
+    finally:
+        _configs.PROJECT_TILES = saved
+    expected = reference.triangle_attention(pair, keep, weights)
+    for out in outs.values():
+        assert rel_l2(out, expected) <= TOLERANCE[precision]
+    assert rel_l2(outs[True], outs[False]) <= TOLERANCE[precision]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", ["tf32", "bf16"])
+def test_large_n_spot_rows(cp, rng, precision):
+    """1x1024 (each block many tiles, both RAW stages cycling): sampled rows exact."""
+    _needs_wgmma(cp)
+    B, N, D, h = 1, 1024, 128, 4
+    weights = ta.random_weights(D, h, seed=int(rng.integers(1 << 31)))
+    pair = cp.random.standard_normal((B, N, N, D), dtype=np.float32)
+    mask = cp.ones((B, N, N), bool)
+    mask[:, :, -N // 10:] = False
+    out = ta.TriangleAttention(weights)(pair, mask, precision=precision)
+    rows = [0, 63, 64, 500, N - 1]
+    expected = reference.triangle_attention(pair.get(), mask.get(), weights, rows=rows)
+    assert rel_l2(out[:, rows], expected) <= TOLERANCE[precision]
