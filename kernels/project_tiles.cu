@@ -182,6 +182,13 @@ __device__ __forceinline__ void check_block() {
     if (blockDim.x != THREADS) __trap();
 }
 
+// The block's three mbarriers from `first` (two stages, then the weights), one arrival each.
+__device__ __forceinline__ void init_barriers(u32 first) {
+    if (threadIdx.x == 0)
+#pragma unroll
+        for (int b = 0; b < 3; ++b) mbar_init(first + 8 * b, 1);
+}
+
 // The warpgroup of this thread, as a value the compiler knows is the same across the warp
 // (the wgmma descriptors built from it stay in uniform registers).
 __device__ __forceinline__ int warpgroup() { return __shfl_sync(0xffffffffu, threadIdx.x / 128, 0); }
@@ -197,6 +204,20 @@ __device__ __forceinline__ u32 a_offset(int r, int c) {
 // (one row) read distinct bank groups, and the 16 of a half warp (two rows) write the
 // pieces' 4 fp16 to distinct banks of A's swizzled rows (checked by enumeration).
 __device__ __forceinline__ int row_piece(int r, int p, int k) { return 8 * (k ^ (r & 1)) + p; }
+
+// What both kernels start with: the dynamic shared memory aligned up to 1024 bytes (the
+// swizzle atoms' alignment) as `smem` (generic) and `smem_s` (shared address), and this
+// thread's place: tid, lane, warp, its warpgroup wg, w4 = warp % 4, g, t (the fragments'
+// lane / 4 and lane % 4). A macro: as a function returning the two addresses, ptxas took
+// them out of the uniform registers and the kernel's code changed throughout.
+#define BLOCK_PROLOGUE()                                                                   \
+    extern __shared__ float4 smem4[];                                                      \
+    const u32 raw_s = smem_addr(smem4);                                                    \
+    const u32 align = (1024u - (raw_s & 1023u)) & 1023u;                                   \
+    char* const smem = reinterpret_cast<char*>(smem4) + align;                             \
+    const u32 smem_s = raw_s + align;                                                      \
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;                         \
+    const int wg = warpgroup(), w4 = warp % 4, g = lane >> 2, t = lane & 3
 
 // One tile of ln_qkvg_project_tiles: pair row (b, i), keys key0 .. key0 + valid - 1.
 struct KeyTile {
@@ -299,22 +320,11 @@ ln_qkvg_project_tiles(const float* __restrict__ x, i64 sb, i64 si, i64 sj, int B
                       const void* __restrict__ mask, int mask_kind, i64 mb, i64 mi, i64 mj,
                       float* __restrict__ qkvg, unsigned short* __restrict__ bias, int npk,
                       char* __restrict__ vt) {
-    extern __shared__ float4 smem4[];
-    const u32 raw_s = smem_addr(smem4);
-    const u32 align = (1024u - (raw_s & 1023u)) & 1023u;
-    char* const smem = reinterpret_cast<char*>(smem4) + align;
-    const u32 smem_s = raw_s + align;
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const int wg = warpgroup(), w4 = warp % 4, g = lane >> 2, t = lane & 3;
+    BLOCK_PROLOGUE();
     const int nc = (N + 63) / 64, ntiles = B * N * nc;
     const u32 bar_w = smem_s + OFF_BAR + 16, bar_raw = smem_s + OFF_BAR;  // raw: + 8 stage
     check_block();
-
-    if (tid == 0) {
-        mbar_init(bar_raw, 1);
-        mbar_init(bar_raw + 8, 1);
-        mbar_init(bar_w, 1);
-    }
+    init_barriers(bar_raw);
     for (int e = tid; e < 2 * PD / 4; e += THREADS)
         reinterpret_cast<float4*>(smem + OFF_GB)[e] = ld4(gamma_beta + 4 * e);
     __syncthreads();  // the mbarriers initialised, GB written
@@ -369,6 +379,14 @@ ln_qkvg_project_tiles(const float* __restrict__ x, i64 sb, i64 si, i64 sj, int B
             if (keep1) keep1 = mask_keeps(mask, mask_kind, base + r1 * mj);
         }
 
+        // This warp's 16 rows of 32 packed 16-bit columns w, through its staging, into
+        // their qkvg rows from word `word` (q: the head's slot; format 6's gate: its half).
+        auto store_slot = [&](const u32 (&w)[4][2], int word) {
+            store_rows16(w, raw + k_rows, raw_g + k_rows, rows_left, [&](int row) {
+                return reinterpret_cast<char*>(qkvg + (m_first + 16 * w4 + row) * QKVG_WORDS + word);
+            });
+        };
+
         // 1. LayerNorm: RAW -> A.
         mbar_wait(bar_raw + 8 * stage, (k >> 1) & 1);
         layernorm_tile(smem, reinterpret_cast<const float*>(raw_g), kt.valid, eps);
@@ -409,9 +427,7 @@ ln_qkvg_project_tiles(const float* __restrict__ x, i64 sb, i64 si, i64 sj, int B
                 for (int h = 0; h < 2; ++h)
                     w[n][h] = pack16(fmaf(acc0[4 * n + 2 * h], uq, bq[n].x),
                                      fmaf(acc0[4 * n + 2 * h + 1], uq, bq[n].y));
-            store_rows16(w, raw + k_rows, raw_g + k_rows, rows_left, [&](int row) {
-                return reinterpret_cast<char*>(qkvg + (m_first + 16 * w4 + row) * QKVG_WORDS + 32 * wg);
-            });
+            store_slot(w, 32 * wg);
         }
         // the pair bias (warpgroup 0): heads 2t, 2t + 1 of keys r0, r1; -inf where masked
         // and on the keys past N (its tile's padded keys: npk is N rounded up to 64)
@@ -450,9 +466,7 @@ ln_qkvg_project_tiles(const float* __restrict__ x, i64 sb, i64 si, i64 sj, int B
             for (int n = 0; n < 4; ++n)
 #pragma unroll
                 for (int h = 0; h < 2; ++h) w[n][h] = pack_bf16(s[n][2 * h], s[n][2 * h + 1]);
-            store_rows16(w, raw + k_rows, raw_g + k_rows, rows_left, [&](int row) {
-                return reinterpret_cast<char*>(qkvg + (m_first + 16 * w4 + row) * QKVG_WORDS + 32 * wg + 16);
-            });
+            store_slot(w, 32 * wg + 16);
 #else
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
@@ -546,13 +560,7 @@ gated_out_project_tiles(const float* __restrict__ qkvg, i64 M,
                         const uint4* __restrict__ wo_image,  // WO_BYTES
                         const float* __restrict__ b_out, float* __restrict__ out,
                         float w_unscale) {
-    extern __shared__ float4 smem4[];
-    const u32 raw_s = smem_addr(smem4);
-    const u32 align = (1024u - (raw_s & 1023u)) & 1023u;
-    char* const smem = reinterpret_cast<char*>(smem4) + align;
-    const u32 smem_s = raw_s + align;
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const int wg = warpgroup(), w4 = warp % 4, g = lane >> 2, t = lane & 3;
+    BLOCK_PROLOGUE();
     const i64 ntiles = (M + ROWS - 1) / ROWS;
     const u32 bar_w = smem_s + OFF_OBAR + 16, bar_in = smem_s + OFF_OBAR;
     float* const red = reinterpret_cast<float*>(smem + OFF_RED);
@@ -564,11 +572,7 @@ gated_out_project_tiles(const float* __restrict__ qkvg, i64 M,
         mbar_arrive_expect(bar_in + 8 * s, bytes);
         bulk_copy(smem_s + OFF_IN + s * IN_BYTES, qkvg + T * ROWS * QKVG_WORDS, bytes, bar_in + 8 * s);
     };
-    if (tid == 0) {
-        mbar_init(bar_in, 1);
-        mbar_init(bar_in + 8, 1);
-        mbar_init(bar_w, 1);
-    }
+    init_barriers(bar_in);
     __syncthreads();
     if (tid == 0) {
         mbar_arrive_expect(bar_w, WO_BYTES);

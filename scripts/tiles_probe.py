@@ -11,7 +11,6 @@ H100/H200). For each size and mode (tf32: KV_FORMAT 8, bf16: 6):
 
     python3 scripts/tiles_probe.py [--precisions tf32,bf16] [sizes BxNxDxh ...]
 """
-import statistics
 import sys
 
 import cupy as cp
@@ -19,18 +18,7 @@ import numpy as np
 
 import triattn_cupy as ta
 from triattn_cupy import _configs, _gpu, reference
-
-
-def median_ms(fn, repeats=20):
-    start, stop = cp.cuda.Event(), cp.cuda.Event()
-    times = []
-    for _ in range(repeats):
-        start.record()
-        fn()
-        stop.record()
-        stop.synchronize()
-        times.append(cp.cuda.get_elapsed_time(start, stop))
-    return statistics.median(times)
+from time_ours import median_ms  # scripts/ is on sys.path when run as a script
 
 
 def plan_with(dw, tiles, *key):
@@ -133,8 +121,8 @@ def probe(size, precision, rng):
     rows = (cp.arange(b_new.shape[2])[:, None] * 128 + cp.arange(128)[None, :] < N)
     where = cp.broadcast_to(rows[None, None, :, None, :, None], b_new.shape)
     ok &= compare("bias", b_new.astype(cp.float32), b_old.astype(cp.float32), where)
-    t_new = median_ms(lambda: new.project(ptrs))
-    t_old = median_ms(lambda: old.project(ptrs))
+    t_new = median_ms(lambda: new.project(ptrs), 20)
+    t_old = median_ms(lambda: old.project(ptrs), 20)
     print(f"    projection: new {t_new:.3f} ms, old {t_old:.3f} ms", flush=True)
     # -- the out projection on one qkvg (the new projection's, then the attention)
     new.project(ptrs)
@@ -146,8 +134,8 @@ def probe(size, precision, rng):
         cp.cuda.Device().synchronize()
         outs[label] = fwd.out.copy()
     ok &= compare("out", outs["new"], outs["old"])
-    t_new = median_ms(lambda: new.out_project(ptrs))
-    t_old = median_ms(lambda: old.out_project(ptrs))
+    t_new = median_ms(lambda: new.out_project(ptrs), 20)
+    t_old = median_ms(lambda: old.out_project(ptrs), 20)
     print(f"    out projection: new {t_new:.3f} ms, old {t_old:.3f} ms", flush=True)
     # -- whole forwards against the float64 reference (small enough sizes only)
     if B * N * N <= 400 * 400:

@@ -85,3 +85,22 @@ def spec_forward(weights, pair, mask=None) -> np.ndarray:
         out = model(torch.from_numpy(pair), torch.from_numpy(np.ascontiguousarray(mask)))
     out = out.numpy()
     return out if batched else out[0]
+
+
+def compile_ptx_or_fail(source: str, arch: str = "compute_90a"):
+    """Compile `source` to PTX with NVRTC (no GPU, no ptxas), failing the calling test with
+    the end of the compiler's log on an error: for the kernels' static_asserts against the
+    host's mirrors of their layouts."""
+    import pytest
+    from cupy_backends.cuda.libs import nvrtc
+
+    from triattn_cupy import _compile
+
+    program = nvrtc.createProgram(source, "mirror.cu", [], [])
+    try:
+        try:
+            nvrtc.compileProgram(program, [f"-arch={arch}", *_compile.NVRTC_OPTIONS])
+        except nvrtc.NVRTCError:
+            pytest.fail(nvrtc.getProgramLog(program)[-800:])
+    finally:
+        nvrtc.destroyProgram(program)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from triattn_cupy import _compile, _configs
+from helpers import compile_ptx_or_fail
 
 nvrtc = pytest.importorskip("cupy_backends.cuda.libs.nvrtc",
                             reason="CuPy's NVRTC bindings are needed to compile kernels")
@@ -54,8 +55,9 @@ def test_compiles_without_spills(config, arch):
     assert report, f"no ptxas report in:\n{log}"
     # ptxas serializes the wgmma of a function (each waits for the one before) where it
     # cannot keep their register operands safe while they run, and says so (C7513): a
-    # pipelined register-A loop did (session 15), at no error
-    assert "C7513" not in log, log
+    # pipelined register-A loop did (session 15), at no error; or where a wgmma sits under
+    # a branch (C7519: project_tiles.cu's pair bias in one warpgroup only, session 16)
+    assert "C7513" not in log and "C7519" not in log, log
     allowed = _allowed_spill_bytes(config, arch)
     for entry, usage in report.items():
         assert usage["spill_stores"] <= allowed and usage["spill_loads"] <= allowed, (entry, usage)
@@ -216,24 +218,15 @@ def test_wgmma_shared_memory_mirror_matches_the_kernel(variant):
     lays its shared memory out by its own SMEM_BYTES. A launch given less than the kernel
     uses would read and write past its allocation, silently: compile a static_assert
     that the two agree (PTX only, no ptxas)."""
-    from cupy_backends.cuda.libs import nvrtc
-
     checked = 0
     for tiles in _WGMMA_SHAPES:
         try:
             launch = _configs.attention_wgmma_launch(32, tiles, variant)
         except ValueError:  # a shape the variant does not take (bulk or not)
             continue
-        source = (_compile.full_source(launch.config.filename, launch.config.defines)
-                  + f'\nstatic_assert(SMEM_BYTES == {launch.smem}, "smem mirror");\n')
-        program = nvrtc.createProgram(source, "mirror.cu", [], [])
-        try:
-            try:
-                nvrtc.compileProgram(program, ["-arch=compute_90a", *_compile.NVRTC_OPTIONS])
-            except nvrtc.NVRTCError:
-                pytest.fail(f"{variant} {tiles}: {nvrtc.getProgramLog(program)[-600:]}")
-        finally:
-            nvrtc.destroyProgram(program)
+        compile_ptx_or_fail(_compile.full_source(launch.config.filename, launch.config.defines)
+                            + f'\nstatic_assert(SMEM_BYTES == {launch.smem}, "smem mirror: '
+                            f'{variant} {tiles}");\n')
         checked += 1
     assert checked >= 3
 

@@ -11,7 +11,7 @@ import pytest
 
 import triattn_cupy as ta
 from triattn_cupy import _compile, _configs, _gpu, reference
-from helpers import rel_l2
+from helpers import compile_ptx_or_fail, rel_l2
 
 TOLERANCE = {"tf32": 1e-3, "bf16": 5e-3}
 
@@ -67,18 +67,11 @@ def test_shared_memory_mirror_matches_the_kernel(kv_format):
     except Exception:
         pytest.skip("NVRTC library not found (pip install 'cupy-cuda13x[ctk]')")
     config = _configs.project_tiles_config(kv_format)
-    source = (_compile.full_source(config.filename, config.defines)
-              + f"\nstatic_assert(PROJECT_TILES_SMEM == {_configs.project_tiles_smem_bytes(kv_format)}, \"in\");"
-              + f"\nstatic_assert(OUT_TILES_SMEM == {_configs.project_tiles_smem_bytes(kv_format, out=True)}, \"out\");"
-              + f"\nstatic_assert(THREADS == {_configs.TILES_THREADS}, \"threads\");\n")
-    program = nvrtc.createProgram(source, "mirror.cu", [], [])
-    try:
-        try:
-            nvrtc.compileProgram(program, ["-arch=compute_90a", *_compile.NVRTC_OPTIONS])
-        except nvrtc.NVRTCError:
-            pytest.fail(nvrtc.getProgramLog(program)[-800:])
-    finally:
-        nvrtc.destroyProgram(program)
+    compile_ptx_or_fail(
+        _compile.full_source(config.filename, config.defines)
+        + f"\nstatic_assert(PROJECT_TILES_SMEM == {_configs.project_tiles_smem_bytes(kv_format)}, \"in\");"
+        + f"\nstatic_assert(OUT_TILES_SMEM == {_configs.project_tiles_smem_bytes(kv_format, out=True)}, \"out\");"
+        + f"\nstatic_assert(THREADS == {_configs.TILES_THREADS}, \"threads\");\n")
 
 
 # ---- on the GPU ----
