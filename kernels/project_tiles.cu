@@ -31,6 +31,20 @@
 // C7519; warpgroup 0 stores it). Accumulator of warp (w % 4) of a warpgroup, lane (g, t):
 // rows 16 (w % 4) + g (+ 8), columns 8n + 2t, +1 (wgmma.cuh).
 //
+// Launch (triattn_cupy/_gpu.py Plan: _tiles_projection, _tiles_out_projection): grid
+// min(tiles, SMs), block THREADS = 512, dynamic shared memory PROJECT_TILES_SMEM or
+// OUT_TILES_SMEM (_configs.project_tiles_smem_bytes mirrors them). Pointers, float32 unless
+// noted, M = B N N rows:
+//   x           [B, N, N, D] at b sb + i si + j sj (elements; the channel stride 1 and every
+//               row 16-byte aligned: whole rows by bulk copy)
+//   gamma_beta  [2][D] LayerNorm's gamma and beta times a_scale
+//   w_image     W's and WB's shared-memory image, fp16 (DeviceWeights.tile_weight_image)
+//   col_bias    [4 D] bq, bk, bv, bg (format 8: bq, bk, bv times s_q, s_k, s_v, as W's rows)
+//   mask        [B, N, N] at b mb + i mi + j mj, of the type mask_kind names, or null
+//   qkvg        [M, QKVG_WORDS] (below); bias: the fp16 bias tiles [B, H, ceil(N / 128),
+//               npk / 64][128][64]; vt: the K and V^T tiles [B N, H, npk / 64] x 8 KiB
+//   wo_image    Wo's image, fp16; b_out [D]; out [M, D] contiguous
+//
 // Shared memory (bytes from a 1024-aligned base; sw128 = wgmma.cuh's 128-byte swizzle, rows
 // of 128 bytes = 64 fp16 along K, so a D-wide row is D / 64 such blocks):
 //   W      [4 passes][D / 64][D rows][128 B]   Wq, Wg, Wk, Wv in fp16, scaled (the host
@@ -240,7 +254,7 @@ __device__ __forceinline__ void load_rows(const float* x, i64 sb, i64 si, i64 sj
     const int lane = threadIdx.x & 31;
     const float* const src = x + kt.b * sb + kt.i * si + kt.key0 * sj;
     if (lane == 0) mbar_arrive_expect(bar, kt.valid * PD * 4);
-    __syncwarp();
+    __syncwarp();  // lane 0's expected bytes announced before any copy can complete
     if (sj == PD) {
         if (lane == 0) bulk_copy(raw, src, kt.valid * PD * 4, bar);
     } else {
@@ -301,7 +315,7 @@ __device__ __forceinline__ void store_rows16(const u32 (&w)[4][2], u32 stage, ch
         const int n = 2 * u + jm / 2, row = 8 * (jm % 2) + jr;
         stsm_x4(stage + sw64(row, 16 * n), w[2 * u][0], w[2 * u][1], w[2 * u + 1][0], w[2 * u + 1][1]);
     }
-    __syncwarp();
+    __syncwarp();  // the staged rows written before any lane reads them back
 #pragma unroll
     for (int u = 0; u < 2; ++u) {
         const int row = lane / 4 + 8 * u, chunk = lane % 4;
@@ -398,7 +412,7 @@ ln_qkvg_project_tiles(const float* __restrict__ x, i64 sb, i64 si, i64 sj, int B
         // the wait at the end of a tile (it held every warp at this tile's barrier).
         if (warp == 0 && k > 0) {
             if (lane == 0) bulk_wait_read();
-            __syncwarp();
+            __syncwarp();  // lane 0 past its wait before the warp issues the copies
             const int next = T + gridDim.x;
             if (next < ntiles)
                 load_rows(x, sb, si, sj, KeyTile(next, N, nc), smem_s + OFF_RAW + (stage ^ 1) * RAW_BYTES,
@@ -520,7 +534,7 @@ ln_qkvg_project_tiles(const float* __restrict__ x, i64 sb, i64 si, i64 sj, int B
         // Every head's K and V^T tile complete in the stage, and A's products done: out in
         // one bulk copy each (the stage is refilled after the next tile's LayerNorm).
         fence_async_shared();
-        __syncthreads();
+        __syncthreads();  // every warp's K and V^T rows staged, every warpgroup's products done
         if (tid == 0) {
             for (int head = 0; head < HEADS; ++head)
                 bulk_store(vt + ((kt.bi * H + head) * (npk / 64) + kt.c) * KV_BYTES,
@@ -573,7 +587,7 @@ gated_out_project_tiles(const float* __restrict__ qkvg, i64 M,
         bulk_copy(smem_s + OFF_IN + s * IN_BYTES, qkvg + T * ROWS * QKVG_WORDS, bytes, bar_in + 8 * s);
     };
     init_barriers(bar_in);
-    __syncthreads();
+    __syncthreads();  // the mbarriers initialised before thread 0 counts copies on them
     if (tid == 0) {
         mbar_arrive_expect(bar_w, WO_BYTES);
         bulk_copy(smem_s + OFF_WO, wo_image, WO_BYTES, bar_w);
