@@ -537,28 +537,30 @@ class Plan:
         sb, si, sj, sc = strides if len(strides) == 4 else (0, *strides)
         x_vec = int(sc == 1 and all(s % 4 == 0 for s in (sb, si, sj)) and aligned)
         # The persistent projections (project_tiles.cu) of the tf32 and bf16 modes' wgmma
-        # path; the LayerNorm one copies whole rows of x, so it needs them 16-byte aligned.
-        self.tiles = self.project_f16 and _configs.uses_project_tiles(
+        # path (tensor-core projections, which tests may turn off); the LayerNorm one copies
+        # whole rows of x, so it needs them 16-byte aligned.
+        self.tiles = self.project_mma and _configs.uses_project_tiles(
             self.kv_format, D, dw.compute_capability, dw.smem_limit)
         self.project_tiles = self.tiles and bool(x_vec)
         if self.project_tiles:
             self.project = self._tiles_projection(dw, mask_meta, sb, si, sj)
-        rows = _configs.project_rows(D, M, dw.sm_count, dw.smem_limit, self.project_mma)
-        self.project = self.project if self.project_tiles else _Launch(
-            _configs.project_config(rows, self.project_mma, D, self.kv_format,
-                                    self.project_split),
-            "ln_qkvg_project", -(-M // rows), _configs.PROJECT_THREADS,
-            _configs.project_smem_bytes(D, rows, self.project_mma),
-            (None, _i64(sb), _i64(si), _i64(sj), _i64(sc), _i32(x_vec),
-             _i32(B), _i32(N), _i32(D), _i32(H),
-             _f32(dw.eps), _f32(LOG2E / math.sqrt(d)),
-             _pointer(dw.gamma.data.ptr), _pointer(dw.beta.data.ptr),
-             _pointer(dw.projection_weight("qkvg", self.weight_layout, self.scales).data.ptr),
-             _pointer(dw.qkvg_bias(self.scales).data.ptr),
-             _pointer(dw.bias_weight(self.project_f16, self.scales).data.ptr), None,
-             *_mask_args(mask_meta),
-             None, None, _i32(self.npk), None, *self._f16_projection_args(dw)),
-            ((0, "pair"), (17, "mask"), (22, "qkvg"), (23, "bias"), (25, "vt")))
+        else:
+            rows = _configs.project_rows(D, M, dw.sm_count, dw.smem_limit, self.project_mma)
+            self.project = _Launch(
+                _configs.project_config(rows, self.project_mma, D, self.kv_format,
+                                        self.project_split),
+                "ln_qkvg_project", -(-M // rows), _configs.PROJECT_THREADS,
+                _configs.project_smem_bytes(D, rows, self.project_mma),
+                (None, _i64(sb), _i64(si), _i64(sj), _i64(sc), _i32(x_vec),
+                 _i32(B), _i32(N), _i32(D), _i32(H),
+                 _f32(dw.eps), _f32(LOG2E / math.sqrt(d)),
+                 _pointer(dw.gamma.data.ptr), _pointer(dw.beta.data.ptr),
+                 _pointer(dw.projection_weight("qkvg", self.weight_layout, self.scales).data.ptr),
+                 _pointer(dw.qkvg_bias(self.scales).data.ptr),
+                 _pointer(dw.bias_weight(self.project_f16, self.scales).data.ptr), None,
+                 *_mask_args(mask_meta),
+                 None, None, _i32(self.npk), None, *self._f16_projection_args(dw)),
+                ((0, "pair"), (17, "mask"), (22, "qkvg"), (23, "bias"), (25, "vt")))
         self.attention = self.attention_launch(self.attention_kernel, nan_fully_masked)
         out_rows = _configs.out_project_rows()
         self.out_project = self._tiles_out_projection(dw) if self.tiles else _Launch(
