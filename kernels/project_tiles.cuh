@@ -1,0 +1,197 @@
+// What the persistent warpgroup projections share (project_tiles.cu: the tf32 and bf16
+// modes, one fp16 product; project_tiles_split.cu: the fp32 mode, fp16 hi + lo products):
+// the block's shape and work split, the wgmma of a warpgroup's 32 columns from shared
+// memory, the tiles of 64 keys of one pair row and their rows' bulk copies, the stores
+// through shared memory (stmatrix, bulk copies out) and the block's prologue. A kernel file
+// defines PAIR_DIM (128) and includes project_math.cuh (EXACT_FP32 set) before this.
+#pragma once
+#include "common.cuh"
+#include "wgmma.cuh"
+
+#define PD PAIR_DIM
+#define THREADS 512
+#define ROWS 64                  // keys (rows) per tile
+#define PARTS (THREADS / ROWS)   // threads per row in LayerNorm and the gated loads
+#define KBLK (PD / 64)           // 128-byte swizzle blocks along K
+#define KSTEPS (PD / 16)         // k16 steps of a product
+#define NW 32                    // columns of a pass per warpgroup: one head
+#define HEADS (PD / 32)
+#if PD != 128
+#error "project_tiles.cuh: written for D = 128 (4 heads of 32, one per warpgroup)"
+#endif
+
+// wgmma m64n32k16, fp16 operands from shared memory (both K-major), fp32 accumulators;
+// `first`: D = A B (scale-d 0), else D += A B.
+#define WGMMA_SS_N32(first, d, a, b)                                                          \
+    asm volatile("wgmma.mma_async.sync.aligned.m64n32k16.f32.f16.f16 "                       \
+                 "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15}, %16, %17, "         \
+                 first ", 1, 1, 0, 0;"                                                        \
+                 : WGMMA_D8("+f", d, 0), WGMMA_D8("+f", d, 8) : "l"(a), "l"(b))
+
+// acc = A [64 x D] x B^T: B's 32 K-major rows from `b_rows` (shared address of their
+// first 128-byte block; the next block along K `b_step` bytes on): KSTEPS wgmma.
+__device__ __forceinline__ void product32(float (&acc)[16], u32 a_tile, u32 b_rows, u32 b_step) {
+#pragma unroll
+    for (int s = 0; s < KSTEPS; ++s) {
+        const u64 a = sw128_desc(a_tile + (s / 4) * (ROWS * 128)) + 2 * (s % 4);
+        const u64 b = sw128_desc(b_rows + (s / 4) * b_step) + 2 * (s % 4);
+        if (s == 0)
+            WGMMA_SS_N32("0", acc, a, b);
+        else
+            WGMMA_SS_N32("1", acc, a, b);
+    }
+}
+
+// stmatrix: four 8x8 16-bit matrices from the warp's registers (lanes 8j .. 8j + 7 name the
+// 16-byte rows of matrix j; each lane holds word (row lane / 4, column pair lane % 4) of
+// every matrix, as a C fragment does); .trans stores each matrix transposed.
+__device__ __forceinline__ void stsm_x4(u32 addr, u32 r0, u32 r1, u32 r2, u32 r3) {
+    asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};"
+                 :: "r"(addr), "r"(r0), "r"(r1), "r"(r2), "r"(r3) : "memory");
+}
+__device__ __forceinline__ void stsm_x4_trans(u32 addr, u32 r0, u32 r1, u32 r2, u32 r3) {
+    asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};"
+                 :: "r"(addr), "r"(r0), "r"(r1), "r"(r2), "r"(r3) : "memory");
+}
+
+// Global stores of 8 and 16 bytes (C++ float2 stores came out of NVRTC as two 4-byte ones:
+// half sectors, ncu's "excessive sectors").
+__device__ __forceinline__ void st_global2(float* p, float x, float y) {
+    asm volatile("st.global.v2.f32 [%0], {%1, %2};" :: "l"(p), "f"(x), "f"(y) : "memory");
+}
+__device__ __forceinline__ void st_global4(void* p, uint4 v) {
+    asm volatile("st.global.v4.u32 [%0], {%1, %2, %3, %4};"
+                 :: "l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w) : "memory");
+}
+
+// Bulk copies shared -> global (the K and V^T tiles), one commit group per tile; the
+// issuing thread waits for their reads of shared memory before the stage is refilled.
+__device__ __forceinline__ void bulk_store(void* dst, u32 src, u32 bytes) {
+    asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;"
+                 :: "l"(dst), "r"(src), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
+__device__ __forceinline__ void bulk_wait_read() {
+    asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
+}
+__device__ __forceinline__ void bulk_wait_all() { asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); }
+
+// Both kernels' work split is written for THREADS threads: another launch stops here, loud,
+// instead of leaving heads unwritten.
+__device__ __forceinline__ void check_block() {
+    if (blockDim.x != THREADS) __trap();
+}
+
+// The block's three mbarriers from `first` (two stages, then the weights), one arrival each.
+__device__ __forceinline__ void init_barriers(u32 first) {
+    if (threadIdx.x == 0)
+#pragma unroll
+        for (int b = 0; b < 3; ++b) mbar_init(first + 8 * b, 1);
+}
+
+// The warpgroup of this thread, as a value the compiler knows is the same across the warp
+// (the wgmma descriptors built from it stay in uniform registers).
+__device__ __forceinline__ int warpgroup() { return __shfl_sync(0xffffffffu, threadIdx.x / 128, 0); }
+
+// Byte offset in a [D / 64][64 rows][128 B] sw128 tile of column c (c % 4 == 0: 4 fp16,
+// 8 bytes) of row r.
+__device__ __forceinline__ u32 a_offset(int r, int c) {
+    return (c / 64) * (ROWS * 128) + sw128(r, 2 * (c % 64));
+}
+
+// The float4 piece of a D-float row that thread part p (of 8 per row) takes in its step k
+// (k < D / 32): 8 (k ^ (r % 2)) + p, columns 4 (that) .. + 3. The 8 lanes of a quarter warp
+// (one row) read distinct bank groups, and the 16 of a half warp (two rows) write the
+// pieces' 4 fp16 to distinct banks of A's swizzled rows (checked by enumeration).
+__device__ __forceinline__ int row_piece(int r, int p, int k) { return 8 * (k ^ (r & 1)) + p; }
+
+// What both kernels start with: the dynamic shared memory aligned up to 1024 bytes (the
+// swizzle atoms' alignment) as `smem` (generic) and `smem_s` (shared address), and this
+// thread's place: tid, lane, warp, its warpgroup wg, w4 = warp % 4, g, t (the fragments'
+// lane / 4 and lane % 4). A macro: as a function returning the two addresses, ptxas took
+// them out of the uniform registers and the kernel's code changed throughout.
+#define BLOCK_PROLOGUE()                                                                   \
+    extern __shared__ float4 smem4[];                                                      \
+    const u32 raw_s = smem_addr(smem4);                                                    \
+    const u32 align = (1024u - (raw_s & 1023u)) & 1023u;                                   \
+    char* const smem = reinterpret_cast<char*>(smem4) + align;                             \
+    const u32 smem_s = raw_s + align;                                                      \
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;                         \
+    const int wg = warpgroup(), w4 = warp % 4, g = lane >> 2, t = lane & 3
+
+// One tile of ln_qkvg_project_tiles: pair row (b, i), keys key0 .. key0 + valid - 1.
+struct KeyTile {
+    int b, i, c, key0, valid;
+    i64 bi;  // b N + i
+    __device__ __forceinline__ KeyTile(int T, int N, int nc) {
+        bi = T / nc;
+        c = (int)(T - bi * nc);
+        b = (int)(bi / N);
+        i = (int)(bi - (i64)b * N);
+        key0 = 64 * c;
+        valid = min(64, N - key0);
+    }
+};
+
+// x rows of tile T into RAW stage `stage` (by warp 0): one bulk copy where the keys' rows
+// are contiguous (sj == D), else one per row; counted on the stage's mbarrier.
+__device__ __forceinline__ void load_rows(const float* x, i64 sb, i64 si, i64 sj, const KeyTile& kt,
+                                          u32 raw, u32 bar) {
+    const int lane = threadIdx.x & 31;
+    const float* const src = x + kt.b * sb + kt.i * si + kt.key0 * sj;
+    if (lane == 0) mbar_arrive_expect(bar, kt.valid * PD * 4);
+    __syncwarp();  // lane 0's expected bytes announced before any copy can complete
+    if (sj == PD) {
+        if (lane == 0) bulk_copy(raw, src, kt.valid * PD * 4, bar);
+    } else {
+        for (int r = lane; r < kt.valid; r += 32) bulk_copy(raw + r * PD * 4, src + r * sj, PD * 4, bar);
+    }
+}
+// This warp's 16 rows x 32 columns of 16-bit pairs (w[n][h]: column pair 8n + 2t of row g
+// + 8h) through its 1 KiB of staging [16 rows][64 B] (chunks swizzled as sw64: conflict
+// free both ways), then to global memory, 64 bytes of each row at `dst(row)`, whole
+// sectors. valid: rows from it on are not stored.
+template <class Dst>
+__device__ __forceinline__ void store_rows16(const u32 (&w)[4][2], u32 stage, char* smem_stage,
+                                             int valid_rows, Dst dst) {
+    const int lane = threadIdx.x & 31, jm = lane >> 3, jr = lane & 7;
+#pragma unroll
+    for (int u = 0; u < 2; ++u) {  // matrix j: column group n = 2u + j / 2, rows + 8 (j % 2)
+        const int n = 2 * u + jm / 2, row = 8 * (jm % 2) + jr;
+        stsm_x4(stage + sw64(row, 16 * n), w[2 * u][0], w[2 * u][1], w[2 * u + 1][0], w[2 * u + 1][1]);
+    }
+    __syncwarp();  // the staged rows written before any lane reads them back
+#pragma unroll
+    for (int u = 0; u < 2; ++u) {
+        const int row = lane / 4 + 8 * u, chunk = lane % 4;
+        const uint4 v = *reinterpret_cast<const uint4*>(smem_stage + sw64(row, 16 * chunk));
+        if (row < valid_rows) st_global4(dst(row) + 16 * chunk, v);
+    }
+    __syncwarp();  // read out before the warp writes its staging again
+}
+
+// Row r of a RAW stage of 64 x D floats: this thread's (part p's) PD / 32 float4 pieces of
+// it (row_piece) in v, and the row's LayerNorm statistics, combined over its PARTS threads
+// (consecutive lanes): the mean, then the squared deviations from it (two passes: no
+// cancellation), rstd = 1 / sqrt(biased variance + eps), as torch.nn.LayerNorm.
+__device__ __forceinline__ void row_moments(const float* raw, int r, int p, float eps,
+                                            float4 (&v)[PD / 32], float& mu, float& rstd) {
+    const float4* const row = reinterpret_cast<const float4*>(raw + r * PD);
+#pragma unroll
+    for (int k = 0; k < PD / 32; ++k) v[k] = row[row_piece(r, p, k)];
+    float sum = 0.f;
+#pragma unroll
+    for (int k = 0; k < PD / 32; ++k) sum += (v[k].x + v[k].y) + (v[k].z + v[k].w);
+#pragma unroll
+    for (int lanes = 1; lanes < PARTS; lanes <<= 1) sum += __shfl_xor_sync(0xffffffffu, sum, lanes);
+    mu = sum / PD;
+    float sq = 0.f;
+#pragma unroll
+    for (int k = 0; k < PD / 32; ++k) {
+        const float dx = v[k].x - mu, dy = v[k].y - mu, dz = v[k].z - mu, dw = v[k].w - mu;
+        sq = fmaf(dx, dx, fmaf(dy, dy, fmaf(dz, dz, fmaf(dw, dw, sq))));
+    }
+#pragma unroll
+    for (int lanes = 1; lanes < PARTS; lanes <<= 1) sq += __shfl_xor_sync(0xffffffffu, sq, lanes);
+    rstd = inverse_sqrt(sq / PD + eps);
+}
