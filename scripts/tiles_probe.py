@@ -1,6 +1,7 @@
-"""Where the persistent projections (kernels/project_tiles.cu) depart from project_mma.cu's,
-part by part, on the same inputs and scratch, and how long each takes (a GPU with wgmma:
-H100/H200). For each size and mode (tf32: KV_FORMAT 8, bf16: 6):
+"""Where the persistent projections (kernels/project_tiles.cu, project_tiles_split.cu) depart
+from project_mma.cu's, part by part, on the same inputs and scratch, and how long each takes
+(a GPU with wgmma: H100/H200). For each size and mode (tf32: KV_FORMAT 8, bf16: 6, fp32: 7,
+whose q, K, V^T and bias are fp16 hi + lo pairs, compared as their sums):
 
   projection      both kernels run on the same pair; q, the gate, the K and V^T tiles and
                   the pair-bias tiles compared (decoded to fp32; the keys past N, which
@@ -9,7 +10,7 @@ H100/H200). For each size and mode (tf32: KV_FORMAT 8, bf16: 6):
                   attention); the outputs compared
   forward         each plan's whole forward against the float64 NumPy reference
 
-    python3 scripts/tiles_probe.py [--precisions tf32,bf16] [sizes BxNxDxh ...]
+    python3 scripts/tiles_probe.py [--precisions fp32,tf32,bf16] [sizes BxNxDxh ...]
 """
 import sys
 
@@ -35,7 +36,7 @@ def decode16(words, bf16):
     return halves.view(cp.float16).astype(cp.float32)
 
 
-def compare(name, got, want, where=None):
+def compare(name, got, want, where=None, tol=4e-3):
     got, want = cp.asarray(got, cp.float64), cp.asarray(want, cp.float64)
     if where is not None:
         got, want = got[where], want[where]
@@ -46,7 +47,7 @@ def compare(name, got, want, where=None):
     scale = float(cp.abs(w).max()) if w.size else 0.0
     diff = float(cp.abs(g - w).max()) if w.size else 0.0
     rel = float(cp.linalg.norm(g - w) / max(float(cp.linalg.norm(w)), 1e-30)) if w.size else 0.0
-    ok = inf_mismatch == 0 and nan_got == nan_want and rel < 4e-3
+    ok = inf_mismatch == 0 and nan_got == nan_want and rel < tol
     print(f"    {name:10s} rel L2 {rel:9.2e}  max|diff|/max|ref| {diff / max(scale, 1e-30):9.2e}"
           f"  inf mismatches {inf_mismatch}  NaN {nan_got}/{nan_want}  {'ok' if ok else 'DIFFERS'}",
           flush=True)
@@ -61,6 +62,39 @@ def scratch_views(fwd):
     vt = cp.ndarray((plan.vt_bytes // 2,), cp.uint16,
                     memptr=base + plan.qkvg_bytes + plan.bias_bytes).copy()
     return qkvg, bias, vt
+
+
+def decode_parts(qkvg, bias, vt, kv, B, N, D, h, npk):
+    """{part: (fp32 values, where to compare or None)} of one projection's scratch: q, the
+    gate, the K and V^T tiles (the keys past N, which project_mma.cu leaves unwritten in K,
+    left out) and the bias tiles (the query rows past N left out); fp32's hi + lo pairs
+    (format 7) as their sums."""
+    bf16, split = kv == _configs.KV_BF16_TILES, kv == _configs.KV_F16X3_TILES
+    words = qkvg.view(cp.uint32)
+
+    def head_words(first, count):  # those words of every head's 32-word slot, decoded
+        return decode16(cp.concatenate([words[:, 32 * hd + first:32 * hd + first + count]
+                                        for hd in range(h)], axis=1), bf16)
+    q = head_words(0, 16) + head_words(16, 16) if split else head_words(0, 16)
+    gate = head_words(16, 16) if bf16 else qkvg[:, D:2 * D]
+    nc = npk // 64
+    tiles = vt.reshape(B * N, h, nc, -1)  # per tile: K then V^T (format 7: each hi, lo)
+    dec = (lambda t: (t.astype(cp.uint32) << 16).view(cp.float32)) if bf16 else \
+        (lambda t: t.view(cp.float16).astype(cp.float32))
+    quarter = tiles.shape[-1] // (4 if split else 2)
+
+    def piece(k):
+        return dec(cp.ascontiguousarray(tiles[..., k * quarter:(k + 1) * quarter]))
+    k_tile, vt_tile = (piece(0) + piece(1), piece(2) + piece(3)) if split else (piece(0), piece(1))
+    k_tile = k_tile.reshape(B * N, h, nc * 64, 32)
+    valid_keys = cp.broadcast_to((cp.arange(nc * 64) < N)[None, None, :, None], k_tile.shape)
+    b = bias.astype(cp.float32)
+    if split:
+        b = b[:, :, :, :, 0] + b[:, :, :, :, 1]  # hi + lo (-inf + 0 where masked)
+    rows = (cp.arange(b.shape[2])[:, None] * 128 + cp.arange(128)[None, :] < N)
+    where = cp.broadcast_to(rows[None, None, :, None, :, None], b.shape)
+    return {"q": (q, None), "gate": (gate, None), "K tiles": (k_tile, valid_keys),
+            "V^T tiles": (vt_tile, None), "bias": (b, where)}
 
 
 def probe(size, precision, rng):
@@ -94,33 +128,11 @@ def probe(size, precision, rng):
         cp.cuda.Device().synchronize()
         results[label] = scratch_views(fwd)
     ok = True
-    (q_new, b_new, v_new), (q_old, b_old, v_old) = results["new"], results["old"]
-    bf16 = kv == _configs.KV_BF16_TILES
-    words_new, words_old = q_new.view(cp.uint32), q_old.view(cp.uint32)
-    slots = [slice(32 * hd, 32 * hd + 16) for hd in range(h)]
-    q_cols_new = cp.concatenate([words_new[:, s] for s in slots], axis=1)
-    q_cols_old = cp.concatenate([words_old[:, s] for s in slots], axis=1)
-    ok &= compare("q", decode16(q_cols_new, bf16), decode16(q_cols_old, bf16))
-    if bf16:
-        g_new = cp.concatenate([words_new[:, 32 * hd + 16:32 * hd + 32] for hd in range(h)], axis=1)
-        g_old = cp.concatenate([words_old[:, 32 * hd + 16:32 * hd + 32] for hd in range(h)], axis=1)
-        ok &= compare("gate", decode16(g_new, True), decode16(g_old, True))
-    else:
-        ok &= compare("gate", q_new[:, D:2 * D], q_old[:, D:2 * D])
-    nc = new.npk // 64
-    tiles_new = v_new.reshape(B * N, h, nc, 4096)
-    tiles_old = v_old.reshape(B * N, h, nc, 4096)
-    dec = (lambda t: (t.astype(cp.uint32) << 16).view(cp.float32)) if bf16 else \
-        (lambda t: t.view(cp.float16).astype(cp.float32))
-    k_new = dec(cp.ascontiguousarray(tiles_new[..., :2048])).reshape(B * N, h, nc * 64, 32)
-    k_old = dec(cp.ascontiguousarray(tiles_old[..., :2048])).reshape(B * N, h, nc * 64, 32)
-    valid_keys = (cp.arange(nc * 64) < N)[None, None, :, None]
-    ok &= compare("K tiles", k_new, k_old, cp.broadcast_to(valid_keys, k_new.shape))
-    ok &= compare("V^T tiles", dec(cp.ascontiguousarray(tiles_new[..., 2048:])),
-                  dec(cp.ascontiguousarray(tiles_old[..., 2048:])))
-    rows = (cp.arange(b_new.shape[2])[:, None] * 128 + cp.arange(128)[None, :] < N)
-    where = cp.broadcast_to(rows[None, None, :, None, :, None], b_new.shape)
-    ok &= compare("bias", b_new.astype(cp.float32), b_old.astype(cp.float32), where)
+    tol = 1e-5 if precision == "fp32" else 4e-3  # (fp32: both kernels' parts to ~2^-22)
+    parts = {label: decode_parts(*results[label], kv, B, N, D, h, new.npk) for label in results}
+    for name in ("q", "gate", "K tiles", "V^T tiles", "bias"):
+        (got, where), (want, _) = parts["new"][name], parts["old"][name]
+        ok &= compare(name, got, want, where, tol)
     t_new = median_ms(lambda: new.project(ptrs), 20)
     t_old = median_ms(lambda: old.project(ptrs), 20)
     print(f"    projection: new {t_new:.3f} ms, old {t_old:.3f} ms", flush=True)
@@ -133,7 +145,7 @@ def probe(size, precision, rng):
         plan.out_project(ptrs)
         cp.cuda.Device().synchronize()
         outs[label] = fwd.out.copy()
-    ok &= compare("out", outs["new"], outs["old"])
+    ok &= compare("out", outs["new"], outs["old"], tol=tol)
     t_new = median_ms(lambda: new.out_project(ptrs), 20)
     t_old = median_ms(lambda: old.out_project(ptrs), 20)
     print(f"    out projection: new {t_new:.3f} ms, old {t_old:.3f} ms", flush=True)
@@ -144,7 +156,7 @@ def probe(size, precision, rng):
             dw.plans[key] = plan
             got = module(pair, mask, precision=precision).get()
             err = float(np.linalg.norm(got - expected) / np.linalg.norm(expected))
-            bound = {"tf32": 1e-3, "bf16": 5e-3}[precision]
+            bound = {"fp32": 1e-5, "tf32": 1e-3, "bf16": 5e-3}[precision]
             print(f"    forward {label}: rel L2 {err:.3g} (bound {bound})", flush=True)
             ok &= err <= bound
     _configs.PROJECT_TILES = True
@@ -153,7 +165,7 @@ def probe(size, precision, rng):
 
 
 def main(args):
-    precisions = ["tf32", "bf16"]
+    precisions = ["fp32", "tf32", "bf16"]
     if args and args[0].startswith("--precisions="):
         precisions = args.pop(0).split("=", 1)[1].split(",")
     sizes = args or ["1x129x128x4", "2x192x128x4", "1x200x128x4", "1x320x128x4", "1x1024x128x4"]

@@ -1,6 +1,7 @@
-"""The persistent projections of the tf32 and bf16 modes' wgmma path (kernels/project_tiles.cu):
-their weight images and shared-memory mirror offline, and on a GPU with wgmma (H100/H200)
-the forward that takes them against the float64 reference: N on and off the 64-key tiles,
+"""The persistent projections of the wgmma path (kernels/project_tiles.cu: the tf32 and bf16
+modes; kernels/project_tiles_split.cu: the fp32 mode's fp16 hi + lo products): their
+weight images and shared-memory mirrors offline, and on a GPU with wgmma (H100/H200) the
+forward that takes them against the float64 reference: N on and off the 64-key tiles,
 B > 1, masks with fully-masked queries under both policies, every way the pair's rows can
 arrive (one bulk copy per tile, one per row, or the old kernel where rows are misaligned),
 saturated gates, and the same inputs through project_mma.cu's projections."""
@@ -13,7 +14,8 @@ import triattn_cupy as ta
 from triattn_cupy import _compile, _configs, _gpu, reference
 from helpers import compile_ptx_or_fail, rel_l2
 
-TOLERANCE = {"tf32": 1e-3, "bf16": 5e-3}
+TOLERANCE = {"fp32": 1e-5, "tf32": 1e-3, "bf16": 5e-3}
+PRECISIONS = list(TOLERANCE)
 
 
 def _sw128(row, byte):  # kernels/wgmma.cuh sw128
@@ -37,25 +39,63 @@ def test_weight_image_is_the_swizzled_tile():
         _gpu.sw128_image(np.zeros((12, 64), np.float16))
 
 
+@pytest.mark.gpu
+def test_split_weight_image_is_hi_then_lo_of_each_pass():
+    """The fp32 mode's image (tile_weight_image(split=True), project_tiles_split.cu): for
+    each pass in the order of its halves (q, k, then gate, v) the sw128 image of the
+    scaled weights' fp16 hi part, then of their lo part, no pair-bias rows; hi + lo is the
+    scaled weight to ~2^-22. And Wo's: hi, then lo."""
+    weights = ta.random_weights(128, 4, seed=5)
+    dw = _gpu.DeviceWeights(weights, 0)
+    scales = dw.qkv_scales[_configs.KV_F16X3_TILES]
+    f16 = dw.f16_scales(scales)
+    D, part = 128, 128 * 128 * 2
+    plain = np.concatenate([weights.params[f"{n}.weight"] for n in ("query", "key", "value", "gate")])
+    row_scale = np.repeat(np.array([*scales[:3], 1.0]), D)[:, None]
+    scaled = plain.astype(np.float64) * row_scale * f16.w
+    passes = [scaled[p * D:(p + 1) * D] for p in (0, 1, 3, 2)]
+    out = weights.params["out_proj.weight"].astype(np.float64) * f16.out_w
+    for image, wanted in ((dw.tile_weight_image("qkvg", scales, split=True).get(), passes),
+                          (dw.tile_weight_image("out", split=True).get(), [out])):
+        assert image.size == 2 * len(wanted) * part
+        for k, want in enumerate(wanted):
+            hi = _unswizzle(image[2 * k * part:(2 * k + 1) * part], D, D).astype(np.float64)
+            lo = _unswizzle(image[(2 * k + 1) * part:(2 * k + 2) * part], D, D).astype(np.float64)
+            assert np.array_equal(hi, want.astype(np.float32).astype(np.float16).astype(np.float64))
+            assert np.abs(hi + lo - want).max() <= 2.0 ** -21 * np.abs(want).max()
+
+
+def _unswizzle(image, R, K):
+    """sw128_image's inverse: uint8 [K / 64, R, 128] -> float16 [R, K]."""
+    chunks = image.reshape(K // 64, R, 8, 16)
+    rows = np.arange(R)[:, None]
+    plain = chunks[:, rows, np.arange(8)[None, :] ^ (rows % 8)]
+    return np.ascontiguousarray(plain.transpose(1, 0, 2, 3)).reshape(R, K * 2).view(np.float16)
+
+
 def test_where_the_persistent_projections_run():
-    """The tf32 and bf16 modes' wgmma formats at D = 128 on compute capability 9.0 only;
-    TRIATTN_PROJECT_TILES=0 (PROJECT_TILES) turns them off."""
-    f16, bf16 = _configs.KV_F16_TILES, _configs.KV_BF16_TILES
-    assert _configs.uses_project_tiles(f16, 128, 90) and _configs.uses_project_tiles(bf16, 128, 90)
-    assert not _configs.uses_project_tiles(f16, 64, 90)
-    assert not _configs.uses_project_tiles(f16, 128, 80)
-    assert not _configs.uses_project_tiles(_configs.KV_F16X3_TILES, 128, 90)
-    assert not _configs.uses_project_tiles(bf16, 128, 90, smem_limit=163 * 1024)
+    """Every mode's wgmma format at D = 128 on compute capability 9.0 only (fp32's in the
+    split kernels); TRIATTN_PROJECT_TILES=0 (PROJECT_TILES) turns them off."""
+    f16, bf16, f16x3 = _configs.KV_F16_TILES, _configs.KV_BF16_TILES, _configs.KV_F16X3_TILES
+    for kv in (f16, bf16, f16x3):
+        assert _configs.uses_project_tiles(kv, 128, 90)
+        assert not _configs.uses_project_tiles(kv, 64, 90)
+        assert not _configs.uses_project_tiles(kv, 128, 80)
+        assert not _configs.uses_project_tiles(kv, 128, 90, smem_limit=163 * 1024)
+        assert _configs.project_tiles_config(kv) in _configs.all_configs("sm_90")
+    assert not _configs.uses_project_tiles(_configs.KV_TF32_TILES, 128, 90)
+    assert _configs.project_tiles_config(f16x3).filename == "project_tiles_split.cu"
+    assert _configs.project_tiles_config(f16).filename == "project_tiles.cu"
     saved = _configs.PROJECT_TILES
     try:
         _configs.PROJECT_TILES = False
         assert not _configs.uses_project_tiles(f16, 128, 90)
     finally:
         _configs.PROJECT_TILES = saved
-    assert all(_configs.project_tiles_config(kv) in _configs.all_configs("sm_90") for kv in (f16, bf16))
 
 
-@pytest.mark.parametrize("kv_format", [_configs.KV_F16_TILES, _configs.KV_BF16_TILES])
+@pytest.mark.parametrize("kv_format", [_configs.KV_F16_TILES, _configs.KV_BF16_TILES,
+                                       _configs.KV_F16X3_TILES])
 def test_shared_memory_mirror_matches_the_kernel(kv_format):
     """_configs.project_tiles_smem_bytes and TILES_THREADS are what the host launches with;
     the kernels lay their shared memory out by PROJECT_TILES_SMEM and OUT_TILES_SMEM and
@@ -84,6 +124,8 @@ def cp():
 
 
 def _needs_wgmma(cp):
+    if not ta.gpu_available():
+        pytest.skip("no CUDA GPU")
     if int(cp.cuda.Device().compute_capability) != 90:
         pytest.skip("the persistent projections run on compute capability 9.0 (H100/H200)")
 
@@ -119,7 +161,7 @@ def _check(cp, weights, pair_dev, mask_h, precision, fully_masked="zero", expect
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("precision", ["tf32", "bf16"])
+@pytest.mark.parametrize("precision", PRECISIONS)
 @pytest.mark.parametrize("B,N", [(1, 129), (2, 192), (1, 200), (3, 131), (1, 256), (2, 257)])
 def test_forward_on_and_off_the_key_tiles(cp, rng, B, N, precision):
     """N a multiple of the 64-key tiles and not (the last tile's keys past N: zero rows of
@@ -130,7 +172,7 @@ def test_forward_on_and_off_the_key_tiles(cp, rng, B, N, precision):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("precision", ["tf32", "bf16"])
+@pytest.mark.parametrize("precision", PRECISIONS)
 @pytest.mark.parametrize("view", ["transposed", "padded_rows", "pair_rows_apart", "misaligned"])
 def test_pair_rows_in_any_layout(cp, rng, view, precision):
     """One bulk copy per tile where a tile's rows are contiguous (sj = D: pair_rows_apart),
@@ -158,7 +200,7 @@ def test_pair_rows_in_any_layout(cp, rng, view, precision):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("precision", ["tf32", "bf16"])
+@pytest.mark.parametrize("precision", PRECISIONS)
 @pytest.mark.parametrize("gate_bias", [-20.0, -70.0])
 def test_saturated_gates(cp, rng, precision, gate_bias):
     """Every gate near 0 and no out bias (tests/test_gpu.py's case at D = 128): each tile
@@ -173,7 +215,7 @@ def test_saturated_gates(cp, rng, precision, gate_bias):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("precision", ["tf32", "bf16"])
+@pytest.mark.parametrize("precision", PRECISIONS)
 def test_same_result_as_the_mma_projections(cp, rng, precision):
     """The same inputs through project_mma.cu's projections (PROJECT_TILES off) and through
     project_tiles.cu's: each within the mode's bound, and within it of each other."""
@@ -198,7 +240,7 @@ def test_same_result_as_the_mma_projections(cp, rng, precision):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("precision", ["tf32", "bf16"])
+@pytest.mark.parametrize("precision", PRECISIONS)
 def test_large_n_spot_rows(cp, rng, precision):
     """1x1024 (each block many tiles, both RAW stages cycling): sampled rows exact."""
     _needs_wgmma(cp)

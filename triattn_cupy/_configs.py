@@ -229,44 +229,60 @@ def project_smem_bytes(pair_dim: int, bm: int, tensor_cores: bool | None = None)
                          tensor_cores)
 
 
-# ---- the persistent projections of the tf32 and bf16 modes' wgmma path (kernels/project_tiles.cu) ----
+# ---- the persistent projections of the wgmma path (kernels/project_tiles.cu: tf32, bf16;
+# kernels/project_tiles_split.cu: fp32) ----
 
-TILES_PAIR_DIM = 128  # the pair dim project_tiles.cu is written for (W in fp16: 128 KiB resident)
+TILES_PAIR_DIM = 128  # the pair dim they are written for (W in fp16: 128 KiB resident)
 # TRIATTN_PROJECT_TILES=0 keeps project_mma.cu's projections everywhere (read at import;
 # scripts/tiles_probe.py and the A/B timings flip it between plans)
 PROJECT_TILES = os.environ.get("TRIATTN_PROJECT_TILES", "1") != "0"
 TILES_ROWS = 64       # rows (keys) per tile
 TILES_THREADS = 512   # 4 warpgroups, one head each (project_tiles.cu THREADS)
-_TILES_FORMATS = (KV_BF16_TILES, KV_F16_TILES)
+_TILES_FORMATS = (KV_BF16_TILES, KV_F16_TILES, KV_F16X3_TILES)
 
 
 def uses_project_tiles(kv_format: int, pair_dim: int, compute_capability: int,
                        smem_limit: int = SMEM_LIMIT) -> bool:
     """Whether the out projection, and (where the pair's rows allow: Plan) the LayerNorm +
-    q/k/v/gate projection, take project_tiles.cu instead of project_mma.cu: the tf32 and
-    bf16 modes on the wgmma attention (KV_F16_TILES, KV_BF16_TILES: compute capability 9.0,
-    head dim 32) at D = 128, where their weights fit in shared memory beside the tiles."""
+    q/k/v/gate projection, take the persistent projections instead of project_mma.cu:
+    every mode on the wgmma attention (compute capability 9.0, head dim 32: KV_F16_TILES,
+    KV_BF16_TILES in project_tiles.cu, the fp32 mode's KV_F16X3_TILES in
+    project_tiles_split.cu) at D = 128, where their weights fit in shared memory beside
+    the tiles."""
     return (PROJECT_TILES and kv_format in _TILES_FORMATS and pair_dim == TILES_PAIR_DIM
-            and compute_capability == 90 and project_tiles_smem_bytes(kv_format) <= smem_limit)
+            and compute_capability == 90
+            and max(project_tiles_smem_bytes(kv_format, out) for out in (False, True)) <= smem_limit)
+
+
+def project_tiles_split(kv_format: int) -> bool:
+    """Whether the persistent projections of `kv_format` split their products into fp16 hi
+    and lo parts (the fp32 mode's f16x3: project_tiles_split.cu)."""
+    return kv_format == KV_F16X3_TILES
 
 
 @functools.lru_cache(maxsize=None)
 def project_tiles_config(kv_format: int) -> KernelConfig:
+    if project_tiles_split(kv_format):
+        return KernelConfig("project_tiles_split.cu", (("PAIR_DIM", TILES_PAIR_DIM),), WGMMA_ARCH)
     return KernelConfig("project_tiles.cu", (("KV_FORMAT", kv_format),
                                              ("PAIR_DIM", TILES_PAIR_DIM)), WGMMA_ARCH)
 
 
 def project_tiles_smem_bytes(kv_format: int, out: bool = False) -> int:
-    """project_tiles.cu's PROJECT_TILES_SMEM (ln_qkvg_project_tiles) or OUT_TILES_SMEM
-    (`out`): W [4 D][D] and WB [8][D] fp16, A [64][D] fp16, 2 stages of 64 rows of D
-    floats, gamma and beta, 64 bytes of mbarriers; the out projection Wo [D][D] fp16, A,
-    2 stages of 64 qkvg rows, the warps' maxima and the mbarriers (64 bytes each); each
-    + 1024 of alignment."""
+    """The kernels' PROJECT_TILES_SMEM (ln_qkvg_project_tiles) or OUT_TILES_SMEM (`out`),
+    each + 1024 of alignment and 64 bytes of mbarriers. project_tiles.cu: W [4 D][D] and WB
+    [8][D] fp16, A [64][D] fp16, 2 stages of 64 rows of D floats, gamma and beta; the out
+    projection Wo [D][D] fp16, A, 2 stages of 64 qkvg rows, the warps' maxima (64 bytes).
+    project_tiles_split.cu: W's hi and lo for two passes [4][D][D] fp16, A hi and lo, the 2
+    stages; the out projection Wo's and A's hi and lo, the 2 stages, the maxima."""
     D = TILES_PAIR_DIM
-    a = 64 * D * 2
+    parts = 2 if project_tiles_split(kv_format) else 1  # hi and lo, or hi
+    a = parts * 64 * D * 2
     if out:
         row_words = D if kv_format == KV_BF16_TILES else 2 * D
-        return D * D * 2 + a + 2 * 64 * row_words * 4 + 64 + 64 + 1024
+        return parts * D * D * 2 + a + 2 * 64 * row_words * 4 + 64 + 64 + 1024
+    if parts == 2:
+        return 4 * D * D * 2 + a + 2 * 64 * D * 4 + 64 + 1024
     return 4 * D * D * 2 + 8 * D * 2 + a + 2 * 64 * D * 4 + 8 * D + 64 + 1024
 
 

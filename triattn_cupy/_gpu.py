@@ -141,32 +141,43 @@ class DeviceWeights:
                              f"'f16 hi chunks' or 'transposed'; got {layout!r}")
         return self._made((name, layout, scales), make)
 
-    def tile_weight_image(self, name: str, scales=None):
-        """project_tiles.cu's resident weights, byte for byte as its shared memory holds them
-        (sw128_image: fp16 rows in the 128-byte swizzle): "qkvg" [Wq; Wk; Wv; Wg] with the
-        q, k, v rows times `scales`' s_q, s_k, s_v, all times the weight scale of
-        f16_scales(scales), pass after pass (D rows each), then the pair-bias weights
-        (bias_weight) padded to 8 rows; "out" Wo times its own scale. A flat uint8 array.
-        The passes come in the order the kernel runs them: q, gate, k, v."""
+    def tile_weight_image(self, name: str, scales=None, split: bool = False):
+        """The persistent projections' resident weights, byte for byte as their shared
+        memory holds them (sw128_image: fp16 rows in the 128-byte swizzle): "qkvg" [Wq; Wk;
+        Wv; Wg] with the q, k, v rows times `scales`' s_q, s_k, s_v, all times the weight
+        scale of f16_scales(scales), pass after pass (D rows each); "out" Wo times its own
+        scale. A flat uint8 array.
+        project_tiles.cu: the passes in the order it runs them, q, gate, k, v, then the
+        pair-bias weights (bias_weight) padded to 8 rows.
+        `split` (project_tiles_split.cu): each pass as its fp16 hi part, then its lo part
+        (split16), in the order of its two halves, q, k, then gate, v (it computes the pair
+        bias in fp32 from bias_weight)."""
         if name != "qkvg":
             scales = None
 
         def make():
             cupy = _cupy()
             f16 = self.f16_scales(scales)
+
+            def image(w):  # sw128 images of w's fp16 parts, one after the other
+                return [sw128_image(part).ravel() for part in (split16(w) if split
+                                                                else (w.astype(cupy.float16),))]
             if name == "out":
-                return sw128_image((self._plain["out"] * f16.out_w).astype(cupy.float16)).ravel()
+                return cupy.concatenate(image(self._plain["out"] * f16.out_w))
             plain = self._plain["qkvg"]
             if scales:
                 plain = plain * cupy.asarray(_qkv_row_scales(scales, self.pair_dim))[:, None]
-            w16 = (plain * f16.w).astype(cupy.float16)
+            scaled = plain * f16.w
             D = self.pair_dim
-            wb = cupy.zeros((8, D), cupy.float16)
-            wb[:self.num_heads] = self.bias_weight(True, scales).astype(cupy.float16)
-            # the passes in the order the kernel runs them: q, gate, k, v (PASS_*)
-            parts = [sw128_image(w16[p * D:(p + 1) * D]) for p in (0, 3, 1, 2)] + [sw128_image(wb)]
-            return cupy.concatenate([part.ravel() for part in parts])
-        return self._made(("tile image", name, scales), make)
+            # the passes in the order the kernel runs them (PASS_*, or the halves)
+            order = (0, 1, 3, 2) if split else (0, 3, 1, 2)
+            parts = [piece for p in order for piece in image(scaled[p * D:(p + 1) * D])]
+            if not split:
+                wb = cupy.zeros((8, D), cupy.float16)
+                wb[:self.num_heads] = self.bias_weight(True, scales).astype(cupy.float16)
+                parts.append(sw128_image(wb).ravel())
+            return cupy.concatenate(parts)
+        return self._made(("tile image", name, (scales, split)), make)
 
     def tile_gamma_beta(self, a_scale: float):
         """[gamma; beta] times a_scale (a power of two: exact), for project_tiles.cu."""
@@ -320,14 +331,20 @@ def sw128_image(a):
     return xp.ascontiguousarray(image).reshape(K // 64, R, 128)
 
 
+def split16(w):
+    """float32 w as its fp16 hi part (rounded to nearest) and lo part (the rest, rounded
+    again): hi + lo holds ~22 significant bits of w (within fp16's range)."""
+    xp = _cupy().get_array_module(w)
+    hi = w.astype(xp.float16)
+    return hi, (w - hi.astype(xp.float32)).astype(xp.float16)
+
+
 def f16_split_chunks(chunks):
     """Weight chunks [..., BN, BK] float32 as project_mma.cu's F16_TERMS ring reads them:
     each row's BK values as fp16 hi (rounded to nearest), then BK fp16 lo (the rest,
     rounded again): the same bytes, returned as a float32 array of the input's shape."""
     xp = _cupy().get_array_module(chunks)
-    hi = chunks.astype(xp.float16)
-    lo = (chunks - hi.astype(xp.float32)).astype(xp.float16)
-    both = xp.concatenate([hi, lo], axis=-1)  # [..., BN, 2 BK] fp16
+    both = xp.concatenate(split16(chunks), axis=-1)  # [..., BN, 2 BK] fp16
     return xp.ascontiguousarray(both).view(xp.float32).reshape(chunks.shape)
 
 
@@ -576,9 +593,11 @@ class Plan:
 
     def _tiles_projection(self, dw: DeviceWeights, mask_meta, sb, si, sj) -> "_Launch":
         """ln_qkvg_project_tiles: one block per SM over the tiles of 64 keys (b, i, 64c ..),
-        its weights resident (DeviceWeights.tile_weight_image)."""
+        its weights resident (DeviceWeights.tile_weight_image); the split kernel (fp32
+        mode) also takes the pair-bias weights in fp32 and 1 / a_scale."""
         B, N, H, d = self.B, self.N, self.H, self.d
         s = dw.f16_scales(self.scales)
+        split = _configs.project_tiles_split(self.kv_format)
         tiles = B * N * -(-N // _configs.TILES_ROWS)
         smem = _configs.project_tiles_smem_bytes(self.kv_format)
         return _Launch(
@@ -586,20 +605,23 @@ class Plan:
             min(tiles, dw.sm_count), _configs.TILES_THREADS, smem,
             (None, _i64(sb), _i64(si), _i64(sj), _i32(B), _i32(N), _i32(H), _f32(dw.eps),
              _pointer(dw.tile_gamma_beta(s.a).data.ptr),
-             _pointer(dw.tile_weight_image("qkvg", self.scales).data.ptr),
+             _pointer(dw.tile_weight_image("qkvg", self.scales, split).data.ptr),
              _pointer(dw.qkvg_bias(self.scales).data.ptr),
              _f32(LOG2E / math.sqrt(d)), _f32(1.0 / (s.a * s.w)), None, *_mask_args(mask_meta),
-             None, None, _i32(self.npk), None),
+             None, None, _i32(self.npk), None,
+             *((_pointer(dw.bias_weight(False, self.scales).data.ptr), _f32(1.0 / s.a))
+               if split else ())),
             ((0, "pair"), (13, "mask"), (18, "qkvg"), (19, "bias"), (21, "vt")))
 
     def _tiles_out_projection(self, dw: DeviceWeights) -> "_Launch":
         """gated_out_project_tiles: one block per SM over the tiles of 64 rows, Wo resident."""
         tiles = -(-self.M // _configs.TILES_ROWS)
+        split = _configs.project_tiles_split(self.kv_format)
         return _Launch(
             _configs.project_tiles_config(self.kv_format), "gated_out_project_tiles",
             min(tiles, dw.sm_count), _configs.TILES_THREADS,
             _configs.project_tiles_smem_bytes(self.kv_format, out=True),
-            (None, _i64(self.M), _pointer(dw.tile_weight_image("out").data.ptr),
+            (None, _i64(self.M), _pointer(dw.tile_weight_image("out", split=split).data.ptr),
              _pointer(dw.b_out.data.ptr), None, *self._f16_projection_args(dw, out=True)),
             ((0, "qkvg"), (4, "out")))
 
