@@ -78,35 +78,62 @@
 #error "project_tiles_split.cu: a tile's K (or V^T) hi and lo tiles are staged in its RAW stage"
 #endif
 
-// A warpgroup's 32 columns of A [64 x D] x B^T, split: acc = A_hi B_hi (product32), cor =
-// A_hi B_lo + A_lo B_hi over the KSTEPS k-steps, each a chain from zero. A's lo tile is
-// A_PART bytes after its hi tile at `a_tile`; B's 32 K-major rows at `b_rows` (hi; the
-// next block along K PD * 128 bytes on), its lo part `b_lo` bytes further.
-__device__ __forceinline__ void correction32(float (&cor)[16], u32 a_tile, u32 b_rows, u32 b_lo) {
+// The hi*hi products chain onto one accumulator for CHAIN_STEPS k-steps at most (a chain
+// of KSTEPS measured ~2e-7 relative error in q, k and v: benchmarks/NOTES.md, session 17);
+// PASSES_IN_FLIGHT 2: the second pass's products are issued before the first's epilogue
+// (registers allowing).
+#ifndef CHAIN_STEPS
+#define CHAIN_STEPS 4
+#endif
+#ifndef PASSES_IN_FLIGHT
+#define PASSES_IN_FLIGHT 1
+#endif
+#define CHAINS (KSTEPS / CHAIN_STEPS)
+#if KSTEPS % CHAIN_STEPS != 0
+#error "project_tiles_split.cu: CHAIN_STEPS divides the k-steps"
+#endif
+
+// The accumulators of a warpgroup's 32 columns of a split product: acc[c] the hi*hi
+// products of k-steps [c CHAIN_STEPS, (c + 1) CHAIN_STEPS), cor the hi*lo and lo*hi ones
+// of every k-step (2^-11 of acc's size: their own chaining loses 2^-11 as much).
+struct SplitAcc {
+    float acc[CHAINS][16];
+    float cor[16];
+};
+
+// A [64 x D] x B^T, split, each accumulator a chain from zero. A's lo tile is A_PART bytes
+// after its hi tile at `a_tile`; B's 32 K-major rows at `b_rows` (hi; the next block along
+// K PD * 128 bytes on), its lo part `b_lo` bytes further.
+__device__ __forceinline__ void split_product32(SplitAcc& r, u32 a_tile, u32 b_rows, u32 b_lo) {
 #pragma unroll
     for (int s = 0; s < KSTEPS; ++s) {
         const u32 a_at = a_tile + (s / 4) * (ROWS * 128), b_at = b_rows + (s / 4) * (PD * 128);
         const u64 ah = sw128_desc(a_at) + 2 * (s % 4), al = sw128_desc(a_at + A_PART) + 2 * (s % 4);
         const u64 bh = sw128_desc(b_at) + 2 * (s % 4), bl = sw128_desc(b_at + b_lo) + 2 * (s % 4);
-        if (s == 0)
-            WGMMA_SS_N32("0", cor, ah, bl);
+        if (s % CHAIN_STEPS == 0)
+            WGMMA_SS_N32("0", r.acc[s / CHAIN_STEPS], ah, bh);
         else
-            WGMMA_SS_N32("1", cor, ah, bl);
-        WGMMA_SS_N32("1", cor, al, bh);
+            WGMMA_SS_N32("1", r.acc[s / CHAIN_STEPS], ah, bh);
+        if (s == 0)
+            WGMMA_SS_N32("0", r.cor, ah, bl);
+        else
+            WGMMA_SS_N32("1", r.cor, ah, bl);
+        WGMMA_SS_N32("1", r.cor, al, bh);
     }
 }
-__device__ __forceinline__ void split_product32(float (&acc)[16], float (&cor)[16], u32 a_tile,
-                                                u32 b_rows, u32 b_lo) {
-    product32(acc, a_tile, b_rows, PD * 128);
-    correction32(cor, a_tile, b_rows, b_lo);
-}
 
-// After the wait for a pass's products: acc += cor, in fp32 (cor's registers free).
-__device__ __forceinline__ void fold(float (&acc)[16], float (&cor)[16]) {
-    pin(acc);
-    pin(cor);
+// After the wait for a pass's products: their sum in fp32, into out.
+__device__ __forceinline__ void fold(SplitAcc& r, float (&out)[16]) {
 #pragma unroll
-    for (int e = 0; e < 16; ++e) acc[e] += cor[e];
+    for (int c = 0; c < CHAINS; ++c) pin(r.acc[c]);
+    pin(r.cor);
+#pragma unroll
+    for (int e = 0; e < 16; ++e) {
+        float sum = r.acc[0][e];
+#pragma unroll
+        for (int c = 1; c < CHAINS; ++c) sum += r.acc[c][e];
+        out[e] = sum + r.cor[e];
+    }
 }
 
 // x's fp16 hi and lo parts of a float4, 4 values each, as two uint2.
@@ -243,16 +270,19 @@ ln_qkvg_project_tiles(const float* __restrict__ x, i64 sb, i64 si, i64 sj, int B
         float2 b0[4], b1[4];
 #pragma unroll
         for (int n = 0; n < 4; ++n) b0[n] = ld2(col_bias + (half ? 3 * PD : 0) + col0 + 8 * n);  // bq, bg
-        float acc0[16], cor0[16], acc1[16], cor1[16];
-        const u32 w1 = w_head + 2 * W_PART;
+        SplitAcc pass0, pass1;
+        float acc0[16], acc1[16];
         wgmma_fence();
-        split_product32(acc0, cor0, a_tile, w_head, W_PART);
+        split_product32(pass0, a_tile, w_head, W_PART);
         wgmma_commit();
-        split_product32(acc1, cor1, a_tile, w1, W_PART);
+#if PASSES_IN_FLIGHT == 2
+        split_product32(pass1, a_tile, w_head + 2 * W_PART, W_PART);
         wgmma_commit();
-
         wgmma_wait<1>();
-        fold(acc0, cor0);
+#else
+        wgmma_wait<0>();
+#endif
+        fold(pass0, acc0);
         if (half == 0) {
             // q: (acc unscale + bq) q_scale, fp16 hi words then lo words into the head's slot
             // (through the staging: 64 bytes a row each).
@@ -287,8 +317,13 @@ ln_qkvg_project_tiles(const float* __restrict__ x, i64 sb, i64 si, i64 sj, int B
         const int jm = lane >> 3, jr = lane & 7;  // the matrix and row this lane addresses
 #pragma unroll
         for (int n = 0; n < 4; ++n) b1[n] = ld2(col_bias + (half ? 2 * PD : PD) + col0 + 8 * n);  // bk, bv
+#if PASSES_IN_FLIGHT == 1
+        wgmma_fence();
+        split_product32(pass1, a_tile, w_head + 2 * W_PART, W_PART);
+        wgmma_commit();
+#endif
         wgmma_wait<0>();
-        fold(acc1, cor1);
+        fold(pass1, acc1);
         const u32 head_stage = raw + wg * HALF_KV;
 #pragma unroll
         for (int u = 0; u < 2; ++u) {
@@ -425,12 +460,13 @@ gated_out_project_tiles(const float* __restrict__ qkvg, i64 M,
         if (tid == 0 && T + 2 * gridDim.x < ntiles) load_tile(T + 2 * gridDim.x, stage);
 
         // 2. out = (A Wo^T) w_unscale / a + bo: this warpgroup's 32 columns.
-        float acc[16], cor[16];
+        SplitAcc products;
+        float acc[16];
         wgmma_fence();
-        split_product32(acc, cor, smem_s + OFF_AO, smem_s + OFF_WO + wg * NW * 128, W_PART);
+        split_product32(products, smem_s + OFF_AO, smem_s + OFF_WO + wg * NW * 128, W_PART);
         wgmma_commit();
         wgmma_wait<0>();
-        fold(acc, cor);
+        fold(products, acc);
         const float a_unscale = 1.f / a;
 #pragma unroll
         for (int h = 0; h < 2; ++h) {

@@ -10,7 +10,11 @@ whose q, K, V^T and bias are fp16 hi + lo pairs, compared as their sums):
                   attention); the outputs compared
   forward         each plan's whole forward against the float64 NumPy reference
 
-    python3 scripts/tiles_probe.py [--precisions fp32,tf32,bf16] [sizes BxNxDxh ...]
+    python3 scripts/tiles_probe.py [--precisions=fp32,tf32,bf16] [--split-defines=NAME=V,...]
+                                   [sizes BxNxDxh ...]
+
+--split-defines compiles project_tiles_split.cu with those #defines added (CHAIN_STEPS,
+PASSES_IN_FLIGHT: the fp32 kernels' variants, benchmarks/NOTES.md session 17).
 """
 import sys
 
@@ -164,10 +168,31 @@ def probe(size, precision, rng):
     return ok
 
 
+def with_split_defines(extra):
+    """_configs.project_tiles_config with `extra` ((name, value) pairs) added to the split
+    kernels' defines."""
+    plain = _configs.project_tiles_config
+
+    def config(kv_format):
+        c = plain(kv_format)
+        if _configs.project_tiles_split(kv_format):
+            c = _configs.KernelConfig(c.filename, c.defines + extra, c.arch)
+        return c
+    _configs.project_tiles_config = config
+
+
 def main(args):
     precisions = ["fp32", "tf32", "bf16"]
-    if args and args[0].startswith("--precisions="):
-        precisions = args.pop(0).split("=", 1)[1].split(",")
+    for arg in list(args):
+        if arg.startswith("--precisions="):
+            precisions = arg.split("=", 1)[1].split(",")
+        elif arg.startswith("--split-defines="):
+            extra = tuple((k, int(v)) for k, v in (kv.split("=") for kv in arg.split("=", 1)[1].split(",")))
+            with_split_defines(extra)
+            print("split kernels' defines +", dict(extra))
+        else:
+            continue
+        args.remove(arg)
     sizes = args or ["1x129x128x4", "2x192x128x4", "1x200x128x4", "1x320x128x4", "1x1024x128x4"]
     print(cp.cuda.runtime.getDeviceProperties(0)["name"].decode(), "cupy", cp.__version__)
     rng = np.random.default_rng(2026)
