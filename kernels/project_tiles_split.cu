@@ -193,7 +193,8 @@ __device__ __forceinline__ void layernorm_split_tile(char* smem, const float* ra
     const float x = keep ? mine * a_unscale * LOG2E_F : neg_inf();
     const unsigned short hi = f16_bias_bits(x);
     const float h = half2_to_float2(hi).x;
-    const i64 tile = (((i64)kt.b * H + p) * ((N + 127) / 128) + kt.i / 128) * (npk / 64) + kt.c;
+    const i64 per_head = (i64)((N + 127) / 128) * (npk / 64);  // bias tiles of one (b, head)
+    const i64 tile = ((i64)kt.b * H + p) * per_head + (kt.i / 128) * (npk / 64) + kt.c;
     char* const at = reinterpret_cast<char*>(bias) + tile * BIAS_TILE_BYTES + sw128(kt.i % 128, 2 * r);
     *reinterpret_cast<unsigned short*>(at) = hi;
     *reinterpret_cast<unsigned short*>(at + BIAS_LO) = f16_bias_bits(isinf(h) ? 0.f : x - h);
@@ -268,8 +269,6 @@ ln_qkvg_project_tiles(const float* __restrict__ x, i64 sb, i64 si, i64 sj, int B
         // 2. This half's two passes (q and k, or the gate and v), the second's products
         //    running while the first's epilogue stores; b0, b1 their column biases.
         float2 b0[4], b1[4];
-#pragma unroll
-        for (int n = 0; n < 4; ++n) b0[n] = ld2(col_bias + (half ? 3 * PD : 0) + col0 + 8 * n);  // bq, bg
         SplitAcc pass0, pass1;
         float acc0[16], acc1[16];
         wgmma_fence();
@@ -283,6 +282,8 @@ ln_qkvg_project_tiles(const float* __restrict__ x, i64 sb, i64 si, i64 sj, int B
         wgmma_wait<0>();
 #endif
         fold(pass0, acc0);
+#pragma unroll
+        for (int n = 0; n < 4; ++n) b0[n] = ld2(col_bias + (half ? 3 * PD : 0) + col0 + 8 * n);  // bq, bg
         if (half == 0) {
             // q: (acc unscale + bq) q_scale, fp16 hi words then lo words into the head's slot
             // (through the staging: 64 bytes a row each).
@@ -314,9 +315,6 @@ ln_qkvg_project_tiles(const float* __restrict__ x, i64 sb, i64 si, i64 sj, int B
             }
         }
 
-        const int jm = lane >> 3, jr = lane & 7;  // the matrix and row this lane addresses
-#pragma unroll
-        for (int n = 0; n < 4; ++n) b1[n] = ld2(col_bias + (half ? 2 * PD : PD) + col0 + 8 * n);  // bk, bv
 #if PASSES_IN_FLIGHT == 1
         wgmma_fence();
         split_product32(pass1, a_tile, w_head + 2 * W_PART, W_PART);
@@ -324,6 +322,9 @@ ln_qkvg_project_tiles(const float* __restrict__ x, i64 sb, i64 si, i64 sj, int B
 #endif
         wgmma_wait<0>();
         fold(pass1, acc1);
+#pragma unroll
+        for (int n = 0; n < 4; ++n) b1[n] = ld2(col_bias + (half ? 2 * PD : PD) + col0 + 8 * n);  // bk, bv
+        const int jm = lane >> 3, jr = lane & 7;  // the matrix and row this lane addresses
         const u32 head_stage = raw + wg * HALF_KV;
 #pragma unroll
         for (int u = 0; u < 2; ++u) {
