@@ -26,9 +26,10 @@
 //
 // Accuracy: a wgmma adds its products to the accumulator inside the tensor cores, which
 // do not round to nearest, so a long chain of them loses bits (README: 1.2e-5 at D = 768
-// for chained 3xTF32 mma.sync). A pass keeps two accumulators, each a chain from zero over
-// the 8 k-steps: acc the hi*hi products, cor the hi*lo and lo*hi ones (2^-11 of acc's
-// size, so their chaining error is 2^-11 of acc's); acc + cor in fp32 at the end.
+// for chained 3xTF32 mma.sync). A pass keeps the hi*hi products of each CHAIN_STEPS
+// k-steps in an accumulator of their own and the hi*lo and lo*hi ones in another (2^-11
+// of their size: that chain's losses are 2^-11 as large), each a chain from zero, summed
+// in fp32 after the wait (SplitAcc, fold).
 //
 // Work split and shared memory as project_tiles.cu's (4 warpgroups, 512 threads, head w
 // in warpgroup w, LayerNorm and the gated loads 8 threads per row). Launch
@@ -78,12 +79,14 @@
 #error "project_tiles_split.cu: a tile's K (or V^T) hi and lo tiles are staged in its RAW stage"
 #endif
 
-// The hi*hi products chain onto one accumulator for CHAIN_STEPS k-steps at most (a chain
-// of KSTEPS measured ~2e-7 relative error in q, k and v: benchmarks/NOTES.md, session 17);
-// PASSES_IN_FLIGHT 2: the second pass's products are issued before the first's epilogue
-// (registers allowing).
+// The hi*hi products chain onto one accumulator for CHAIN_STEPS k-steps at most. Measured
+// at 1x200 / 1x384 (benchmarks/NOTES.md, session 17), the forward's error against float64
+// with chains of 8, 4 and 2 k-steps: 2.41 / 1.90, 1.70 / 1.35 and 1.43 / 1.13 (e-7), and
+// 1.41 / 1.07 with project_mma.cu's projections, at the same speed. PASSES_IN_FLIGHT 2:
+// the second pass's products issued before the first's epilogue (no faster with chains of
+// 8; with shorter ones its accumulators spill).
 #ifndef CHAIN_STEPS
-#define CHAIN_STEPS 4
+#define CHAIN_STEPS 2
 #endif
 #ifndef PASSES_IN_FLIGHT
 #define PASSES_IN_FLIGHT 1
