@@ -10,24 +10,27 @@ out=${OUT:-benchmarks/results/latest}
 mkdir -p "$out"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/gpu.txt"
-# Arguments replace the default selection: every GPU test, in three pytest processes at
+# Arguments replace the default selection: every GPU test, in four pytest processes at
 # once on the one GPU (its tests are small; the suite's ~10 minutes in one process passed
-# the device tool's per-call limit), each file group logged on its own.
+# the device tool's per-call limit), each group logged on its own.
 if [ $# -gt 0 ]; then
     python3 -m pytest -q -ra -p no:cacheprovider "$@" 2>&1 | tee "$out/gpu_tests.log"
     status=${PIPESTATUS[0]}
 else
     status=0
     pids=()
-    for group in "tests/test_attention_mma.py" "tests/test_gpu.py" \
-                 "tests/ --ignore=tests/test_attention_mma.py --ignore=tests/test_gpu.py"; do
-        name=$(basename "${group%% *}" .py)  # (the rest: "tests")
-        # shellcheck disable=SC2086
-        python3 -m pytest -q -ra -p no:cacheprovider -m gpu $group > "$out/gpu_tests_$name.log" 2>&1 &
+    groups=("attention_mma:tests/test_attention_mma.py"
+            "gpu_fp32:tests/test_gpu.py -k fp32"
+            "gpu_other:tests/test_gpu.py -k 'not fp32'"
+            "rest:tests/ --ignore=tests/test_attention_mma.py --ignore=tests/test_gpu.py")
+    for group in "${groups[@]}"; do
+        eval "python3 -m pytest -q -ra -p no:cacheprovider -m gpu ${group#*:}" \
+            > "$out/gpu_tests_${group%%:*}.log" 2>&1 &
         pids+=($!)
     done
     for pid in "${pids[@]}"; do wait "$pid" || status=1; done
-    tail -n 3 "$out"/gpu_tests_*.log | tee "$out/gpu_tests.log"
+    tail -n 3 "$out"/gpu_tests_*.log > "$out/gpu_tests.log"
+    cat "$out/gpu_tests.log"
 fi
 if [ -n "${TRIATTN_SWEEP:-}" ]; then
     python3 scripts/sweep_tiles.py 2>&1 | tee "$out/sweep_tiles.log"
