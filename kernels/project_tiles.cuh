@@ -195,3 +195,21 @@ __device__ __forceinline__ void row_moments(const float* raw, int r, int p, floa
     for (int lanes = 1; lanes < PARTS; lanes <<= 1) sq += __shfl_xor_sync(0xffffffffu, sq, lanes);
     rstd = inverse_sqrt(sq / PD + eps);
 }
+
+// The out projections' power of two a for a tile of g o: its largest |g o| (`top`, this
+// thread's; the block's through `red`, a word per warp, and one barrier) into [2^13,
+// 2^14), so that gates near 0 keep their bits in fp16 (project_mma.cu load_gated_tile_f16);
+// at least 2^-126 for a's inverse to stay normal (below that, g o is at most 2^-112).
+// NaN, where a fully masked query's o is, drops out of fmaxf.
+__device__ __forceinline__ float tile_scale(float top, float* red) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+#pragma unroll
+    for (int lanes = 16; lanes; lanes >>= 1) top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, lanes));
+    if (lane == 0) red[warp] = top;
+    __syncthreads();
+#pragma unroll
+    for (int w = 0; w < THREADS / 32; ++w) top = fmaxf(top, red[w]);
+    int e;
+    frexpf(top, &e);  // top < 2^e
+    return top > 0.f ? ldexpf(1.f, min(14 - e, 126)) : 1.f;
+}

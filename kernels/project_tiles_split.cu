@@ -438,17 +438,9 @@ gated_out_project_tiles(const float* __restrict__ qkvg, i64 M,
             go[j] = make_float4(gate.x * o.x, gate.y * o.y, gate.z * o.z, gate.w * o.w);
             top = fmaxf(top, fmaxf(fmaxf(fabsf(go[j].x), fabsf(go[j].y)), fmaxf(fabsf(go[j].z), fabsf(go[j].w))));
         }
-        if (r >= rows_here) top = 0.f;  // (rows past M: whatever the stage held)
-#pragma unroll
-        for (int lanes = 16; lanes; lanes >>= 1) top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, lanes));
-        if (lane == 0) red[warp] = top;
-        __syncthreads();  // (also: every thread is past the previous tile's products)
-#pragma unroll
-        for (int w = 0; w < THREADS / 32; ++w) top = fmaxf(top, red[w]);
-        int e;
-        frexpf(top, &e);  // top < 2^e
-        // (at least 2^-126 for a's inverse to stay normal: below that, g o is at most 2^-112)
-        const float a = top > 0.f ? ldexpf(1.f, min(14 - e, 126)) : 1.f;
+        // (rows past M: whatever the stage held; the barrier inside: also every thread is
+        // past the previous tile's products)
+        const float a = tile_scale(r < rows_here ? top : 0.f, red);
 #pragma unroll
         for (int j = 0; j < PD / 32; ++j) {
             uint2 hi = make_uint2(0u, 0u), lo = hi;
