@@ -131,15 +131,14 @@ __device__ __forceinline__ bias_t to_bias(float x) { return x; }
 // ~22 bits of it, to +-131008.
 template <class At>
 __device__ __forceinline__ void put_bias(At at, i64 jj, float x) {
-    const bias_t hi = to_bias(x);
 #if HI_LO
-    const float h = half2_to_float2(hi).x;
-    const bias_t lo = to_bias(isinf(h) ? 0.f : x - h);
+    bias_t hi, lo;
+    f16_bias_split(x, hi, lo);
     bias_t* const p = at(jj);
     p[0] = hi;
     p[BIAS_TILE_BYTES / 2 / sizeof(bias_t)] = lo;  // the lo half of the tile
 #else
-    *at(jj) = hi;
+    *at(jj) = to_bias(x);
 #endif
 }
 template <class At>

@@ -65,3 +65,12 @@ __device__ __forceinline__ unsigned short f16_bias_bits(float x) {
     asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(x));
     return h;
 }
+
+// The pair bias as fp16 hi and lo bits (the fp32 mode's tiles): hi as f16_bias_bits, lo the
+// rest rounded again (0 where hi is infinite): hi + lo holds ~22 bits of x, to +-131008.
+__device__ __forceinline__ void f16_bias_split(float x, unsigned short& hi, unsigned short& lo) {
+    hi = f16_bias_bits(x);
+    float h;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(h) : "h"(hi));
+    lo = f16_bias_bits(isinf(h) ? 0.f : x - h);
+}

@@ -150,8 +150,7 @@ __device__ __forceinline__ void split4(float4 x, uint2& hi, uint2& lo) {
 // (row_moments), gamma' and beta' times a_scale (exact: a power of two). With `wb` (half
 // 0) also the pair bias of the tile's keys for every head: xn . wb[head] from the fp32 xn
 // (the PARTS threads' sums combined), log2 e units, -inf where masked and on the keys
-// past N; part p stores head p's, hi and lo, into row i % 128 of its tile (put_bias's
-// split: lo 0 where hi is infinite).
+// past N; part p stores head p's, hi and lo, into row i % 128 of its tile (f16_bias_split).
 __device__ __forceinline__ void layernorm_split_tile(char* smem, const float* raw, const KeyTile& kt,
                                                      float eps, const float* __restrict__ gamma_beta,
                                                      const float* __restrict__ wb, float a_unscale,
@@ -194,13 +193,13 @@ __device__ __forceinline__ void layernorm_split_tile(char* smem, const float* ra
     const float mine = p == 0 ? dot[0] : p == 1 ? dot[1] : p == 2 ? dot[2] : dot[3];  // (HEADS 4)
     const bool keep = ok && mask_keeps(mask, mask_kind, kt.b * mb + kt.i * mi + (i64)(kt.key0 + r) * mj);
     const float x = keep ? mine * a_unscale * LOG2E_F : neg_inf();
-    const unsigned short hi = f16_bias_bits(x);
-    const float h = half2_to_float2(hi).x;
+    unsigned short hi, lo;
+    f16_bias_split(x, hi, lo);
     const i64 per_head = (i64)((N + 127) / 128) * (npk / 64);  // bias tiles of one (b, head)
     const i64 tile = ((i64)kt.b * H + p) * per_head + (kt.i / 128) * (npk / 64) + kt.c;
     char* const at = reinterpret_cast<char*>(bias) + tile * BIAS_TILE_BYTES + sw128(kt.i % 128, 2 * r);
     *reinterpret_cast<unsigned short*>(at) = hi;
-    *reinterpret_cast<unsigned short*>(at + BIAS_LO) = f16_bias_bits(isinf(h) ? 0.f : x - h);
+    *reinterpret_cast<unsigned short*>(at + BIAS_LO) = lo;
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS, 1)

@@ -281,9 +281,8 @@ def project_tiles_smem_bytes(kv_format: int, out: bool = False) -> int:
     if out:
         row_words = D if kv_format == KV_BF16_TILES else 2 * D
         return parts * D * D * 2 + a + 2 * 64 * row_words * 4 + 64 + 64 + 1024
-    if parts == 2:
-        return 4 * D * D * 2 + a + 2 * 64 * D * 4 + 64 + 1024
-    return 4 * D * D * 2 + 8 * D * 2 + a + 2 * 64 * D * 4 + 8 * D + 64 + 1024
+    wb_gb = 0 if parts == 2 else 8 * D * 2 + 8 * D  # project_tiles.cu's WB and GB
+    return 4 * D * D * 2 + a + 2 * 64 * D * 4 + wb_gb + 64 + 1024
 
 
 # ---- attention (kernels/attention.cu) ----
