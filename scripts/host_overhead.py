@@ -29,6 +29,32 @@ def host_us(fn, calls=300):
     return elapsed / calls * 1e6
 
 
+def prepare_parts(module, pair, mask):
+    """Host µs of the steps a call takes before its first launch, each timed alone."""
+    dw = module._dw
+    forward = _gpu.Forward(dw, pair, mask, "zero", None, "bf16")
+    key = next(iter(dw.plans))
+    stream = cp.cuda.get_current_stream()
+    parts = {
+        "as_device_array": lambda: _gpu.as_device_array(pair, "pair", dw.device_id),
+        "dtype check": lambda: pair.dtype != np.float32,
+        "pair_geometry": lambda: _gpu.pair_geometry(pair.shape, dw.pair_dim),
+        "strides": lambda: tuple(s // pair.itemsize for s in pair.strides),
+        "data.ptr": lambda: pair.data.ptr,
+        "_mask_meta": lambda: _gpu._mask_meta(mask),
+        "plans.get": lambda: dw.plans.get(key),
+        "_on_device": lambda: _gpu._on_device(dw.device_id),
+        "cupy.empty": lambda: cp.empty(pair.shape, np.float32),
+        "cupy.ndarray": lambda: cp.ndarray(pair.shape, np.float32),
+        "cupy.cuda.alloc": lambda: cp.cuda.alloc(forward.plan.scratch_bytes),
+        "current stream": lambda: cp.cuda.get_current_stream().ptr,
+        "args.fill": lambda: forward.plan.project.args.fill(forward._pointers),
+    }
+    print("prepare, each step alone (host us): " + " ".join(
+        f"{name}={host_us(fn, 3000):.2f}" for name, fn in parts.items()), flush=True)
+    del stream
+
+
 def main(sizes):
     print(cp.cuda.runtime.getDeviceProperties(0)["name"].decode(), "cupy", cp.__version__)
     for size in sizes:
@@ -45,6 +71,7 @@ def main(sizes):
                   f"event-timed call {median_ms(call, 100) * 1e3:6.1f} us  "
                   f"prepare {host_us(prepare):5.1f} us  launches (host us) {launches}",
                   flush=True)
+        prepare_parts(module, pair, mask)
         profile = cProfile.Profile()
         profile.enable()
         for _ in range(300):

@@ -1,25 +1,58 @@
-"""Kernel arguments that need no GPU to check: scalars converted once and reused, the
-projection weights' chunk layout."""
+"""Kernel arguments that need no GPU to check: the parameter blocks the launches pass to
+cuLaunchKernel (triattn_cupy/_launch.py), the projection weights' chunk layout."""
 import numpy as np
 import pytest
 
-from triattn_cupy import _gpu
+from triattn_cupy import _gpu, _launch
 
 pytest.importorskip("cupy")
 
 
-def test_scalar_arguments_are_cached_per_type_and_value():
-    assert _gpu._i32(7) is _gpu._i32(7)
-    assert _gpu._i32(7) is not _gpu._i64(7)  # same value, another width
-    assert _gpu._f32(0.5) is _gpu._f32(0.5)
-    assert _gpu._i32(np.int64(7)) is _gpu._i32(7)  # NumPy and Python ints alike
+def test_arguments_sit_in_8_byte_slots_in_their_own_width():
+    """cuLaunchKernel reads each parameter's size from its slot's address: little-endian
+    values at the start of 8-byte slots, the rest zero."""
+    args = _launch.KernelArgs((_launch.I32(-3), _launch.I64(-(1 << 40)), _launch.F32(1e-5),
+                               _launch.Ptr(0xDEAD0000BEEF), None), ((4, "pair"),))
+    slots = args.values({"pair": 0x7F0012345600})
+    assert slots.dtype == np.uint64 and len(slots) == 5
+    raw = slots.view(np.uint8).reshape(5, 8)
+    assert raw[0, :4].view(np.int32)[0] == -3 and not raw[0, 4:].any()
+    assert raw[1].view(np.int64)[0] == -(1 << 40)
+    assert raw[2, :4].view(np.float32)[0] == np.float32(1e-5) and not raw[2, 4:].any()
+    assert slots[3] == 0xDEAD0000BEEF and slots[4] == 0x7F0012345600
 
 
-def test_scalar_arguments_keep_their_type():
-    from cupy.cuda.function import CNumpyArray
+def test_parameter_array_points_at_each_slot_of_the_threads_block():
+    import ctypes
 
-    for arg in (_gpu._i32(3), _gpu._i64(-(1 << 40)), _gpu._f32(1e-5)):
-        assert isinstance(arg, CNumpyArray)
+    args = _launch.KernelArgs((None, _launch.I32(7), None), ((0, "qkvg"), (2, "out")))
+    params = args.fill({"qkvg": 1 << 33, "out": 5 << 20})
+    addresses = np.ctypeslib.as_array((ctypes.c_uint64 * 3).from_address(params))
+    values = [ctypes.c_uint64.from_address(int(a)).value for a in addresses]
+    assert values == [1 << 33, 7, 5 << 20]
+    assert args.fill({"qkvg": 1, "out": 2}) == params  # the same block, refilled
+    assert [ctypes.c_uint64.from_address(int(a)).value for a in addresses] == [1, 7, 2]
+
+
+def test_each_thread_fills_its_own_parameter_block():
+    """Two threads launching the same plan must not pass each other's pointers."""
+    import threading
+
+    args = _launch.KernelArgs((None,), ((0, "pair"),))
+    mine = args.fill({"pair": 1})
+    theirs = {}
+    thread = threading.Thread(target=lambda: theirs.update(p=args.fill({"pair": 2})))
+    thread.start()
+    thread.join()
+    assert theirs["p"] != mine
+    assert args.values({"pair": 1})[0] == 1
+
+
+def test_arguments_left_to_the_call_must_be_its_slots():
+    with pytest.raises(ValueError, match="pointer slots"):
+        _launch.KernelArgs((None, _launch.I32(1)), ((1, "pair"),))
+    with pytest.raises(TypeError, match="argument 0"):
+        _launch.KernelArgs((np.ones(2),), ())
 
 
 @pytest.mark.parametrize("no,d", [(512, 128), (4, 4), (130, 20), (3072, 768)])

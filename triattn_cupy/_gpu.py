@@ -28,12 +28,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import math
 
 import numpy as np
 
 from . import _configs
+from ._launch import F32, I32, I64, Launch, Ptr
 from ._checks import check_fully_masked, check_mask_dtype, check_mask_shape, pair_geometry
 from .weights import Weights
 
@@ -388,35 +388,6 @@ def round_tf32(a):
     return ((bits + cupy.uint32(0x1000)) & cupy.uint32(0xFFFFE000)).view(cupy.float32)
 
 
-@functools.lru_cache(maxsize=4096)
-def by_value(dtype: str, value):
-    """A scalar kernel argument of NumPy type `dtype` ("i4", "i8", "f4"), converted once.
-
-    CuPy takes a NumPy scalar through its general scalar path, about a microsecond per
-    argument and launch; the projection has 22 of them, and at small sizes the host side of
-    a call outlasts its kernels. A size-one array wrapped as CuPy's by-value argument
-    (CNumpyArray) is passed as it is. Falls back to the NumPy scalar where CuPy lacks it.
-    """
-    scalar = np.array(value, dtype=dtype)
-    try:
-        from cupy.cuda.function import CNumpyArray
-    except ImportError:  # pragma: no cover - depends on the CuPy version
-        return scalar[()]
-    return CNumpyArray(scalar)
-
-
-def _i32(value):
-    return by_value("i4", int(value))
-
-
-def _i64(value):
-    return by_value("i8", int(value))
-
-
-def _f32(value):
-    return by_value("f4", float(value))
-
-
 def _on_device(device_id: int):
     """CuPy's context for `device_id`, or none where it is current already (entering one
     costs about a microsecond of host time, and a call enters two)."""
@@ -457,43 +428,13 @@ def as_device_array(obj, arg: str, device_id: int):
     return array
 
 
-class _Launch:
-    """One kernel launch worked out in advance: the kernel (compiled, its shared memory
-    opted in), grid, block, shared memory and argument tuple, where the names in `slots`
-    ((position, name) pairs) stand for the pointers of one call, filled in by __call__."""
-    __slots__ = ("kernel", "grid", "block", "smem", "args", "slots")
-
-    def __init__(self, config, name, grid, block, smem, args, slots):
-        self.kernel = config.get(name, smem)
-        self.grid, self.block, self.smem = (grid,), (block,), smem
-        self.args, self.slots = list(args), tuple(slots)
-
-    def __call__(self, pointers):
-        args = self.args.copy()
-        for position, name in self.slots:
-            args[position] = pointers[name]
-        self.kernel(self.grid, self.block, tuple(args), shared_mem=self.smem)
-
-
-_CIntptr = None  # cupy.cuda.function.CIntptr, imported on first use
-
-
-def _pointer(address: int):
-    """A pointer argument, passed by value: CuPy turns an ndarray argument into its CArray
-    (a struct of shape and strides) at every launch, about a microsecond each."""
-    global _CIntptr
-    if _CIntptr is None:
-        from cupy.cuda.function import CIntptr as _CIntptr
-    return _CIntptr(address)
-
-
 class Plan:
     """The launches of a forward pass over one input geometry: pair shape and strides,
     alignment, mask dtype and strides, precision and fully-masked policy. Everything but
     the pointers of a call is decided here, once per module and geometry (Forward keeps
     them in DeviceWeights.plans): at small sizes the host time before the first kernel starts is what the
     caller waits for (benchmarks/NOTES.md). Stages, in order: `project`, `attention`,
-    `out_project`, each a _Launch taking the pointers pair, mask, qkvg, bias and out."""
+    `out_project`, each a Launch taking the pointers pair, mask, qkvg, bias and out."""
 
     def __init__(self, dw: DeviceWeights, shape, strides, aligned: bool, mask_meta,
                  precision: str, nan_fully_masked: bool,
@@ -563,35 +504,35 @@ class Plan:
             self.project = self._tiles_projection(dw, mask_meta, sb, si, sj)
         else:
             rows = _configs.project_rows(D, M, dw.sm_count, dw.smem_limit, self.project_mma)
-            self.project = _Launch(
+            self.project = Launch(
                 _configs.project_config(rows, self.project_mma, D, self.kv_format,
                                         self.project_split),
                 "ln_qkvg_project", -(-M // rows), _configs.PROJECT_THREADS,
                 _configs.project_smem_bytes(D, rows, self.project_mma),
-                (None, _i64(sb), _i64(si), _i64(sj), _i64(sc), _i32(x_vec),
-                 _i32(B), _i32(N), _i32(D), _i32(H),
-                 _f32(dw.eps), _f32(LOG2E / math.sqrt(d)),
-                 _pointer(dw.gamma.data.ptr), _pointer(dw.beta.data.ptr),
-                 _pointer(dw.projection_weight("qkvg", self.weight_layout, self.scales).data.ptr),
-                 _pointer(dw.qkvg_bias(self.scales).data.ptr),
-                 _pointer(dw.bias_weight(self.project_f16, self.scales).data.ptr), None,
+                (None, I64(sb), I64(si), I64(sj), I64(sc), I32(x_vec),
+                 I32(B), I32(N), I32(D), I32(H),
+                 F32(dw.eps), F32(LOG2E / math.sqrt(d)),
+                 Ptr(dw.gamma.data.ptr), Ptr(dw.beta.data.ptr),
+                 Ptr(dw.projection_weight("qkvg", self.weight_layout, self.scales).data.ptr),
+                 Ptr(dw.qkvg_bias(self.scales).data.ptr),
+                 Ptr(dw.bias_weight(self.project_f16, self.scales).data.ptr), None,
                  *_mask_args(mask_meta),
-                 None, None, _i32(self.npk), None, *self._f16_projection_args(dw)),
+                 None, None, I32(self.npk), None, *self._f16_projection_args(dw)),
                 ((0, "pair"), (17, "mask"), (22, "qkvg"), (23, "bias"), (25, "vt")))
         self.attention = self.attention_launch(self.attention_kernel, nan_fully_masked)
         out_rows = _configs.out_project_rows()
-        self.out_project = self._tiles_out_projection(dw) if self.tiles else _Launch(
+        self.out_project = self._tiles_out_projection(dw) if self.tiles else Launch(
             _configs.project_config(out_rows, self.project_mma, D, self.kv_format,
                                     self.project_split),  # kv_format: how it reads the gate
             "gated_out_project", -(-M // out_rows), _configs.PROJECT_THREADS,
             _configs.project_smem_bytes(D, out_rows, self.project_mma),
-            (None, _i64(M), _i32(D),
-             _pointer(dw.projection_weight("out", self.weight_layout, self.scales).data.ptr),
-             _pointer(dw.b_out.data.ptr), None, *self._f16_projection_args(dw, out=True)),
+            (None, I64(M), I32(D),
+             Ptr(dw.projection_weight("out", self.weight_layout, self.scales).data.ptr),
+             Ptr(dw.b_out.data.ptr), None, *self._f16_projection_args(dw, out=True)),
             ((0, "qkvg"), (5, "out")))
         self.nan_fully_masked = nan_fully_masked
 
-    def _tiles_projection(self, dw: DeviceWeights, mask_meta, sb, si, sj) -> "_Launch":
+    def _tiles_projection(self, dw: DeviceWeights, mask_meta, sb, si, sj) -> "Launch":
         """ln_qkvg_project_tiles: one block per SM over the tiles of 64 keys (b, i, 64c ..),
         its weights resident (DeviceWeights.tile_weight_image); the split kernel (fp32
         mode) also takes the pair-bias weights in fp32 and 1 / a_scale."""
@@ -600,29 +541,29 @@ class Plan:
         split = _configs.project_tiles_split(self.kv_format)
         tiles = B * N * -(-N // _configs.TILES_ROWS)
         smem = _configs.project_tiles_smem_bytes(self.kv_format)
-        return _Launch(
+        return Launch(
             _configs.project_tiles_config(self.kv_format), "ln_qkvg_project_tiles",
             min(tiles, dw.sm_count), _configs.TILES_THREADS, smem,
-            (None, _i64(sb), _i64(si), _i64(sj), _i32(B), _i32(N), _i32(H), _f32(dw.eps),
-             _pointer(dw.tile_gamma_beta(s.a).data.ptr),
-             _pointer(dw.tile_weight_image("qkvg", self.scales, split).data.ptr),
-             _pointer(dw.qkvg_bias(self.scales).data.ptr),
-             _f32(LOG2E / math.sqrt(d)), _f32(1.0 / (s.a * s.w)), None, *_mask_args(mask_meta),
-             None, None, _i32(self.npk), None,
-             *((_pointer(dw.bias_weight(False, self.scales).data.ptr), _f32(1.0 / s.a))
+            (None, I64(sb), I64(si), I64(sj), I32(B), I32(N), I32(H), F32(dw.eps),
+             Ptr(dw.tile_gamma_beta(s.a).data.ptr),
+             Ptr(dw.tile_weight_image("qkvg", self.scales, split).data.ptr),
+             Ptr(dw.qkvg_bias(self.scales).data.ptr),
+             F32(LOG2E / math.sqrt(d)), F32(1.0 / (s.a * s.w)), None, *_mask_args(mask_meta),
+             None, None, I32(self.npk), None,
+             *((Ptr(dw.bias_weight(False, self.scales).data.ptr), F32(1.0 / s.a))
                if split else ())),
             ((0, "pair"), (13, "mask"), (18, "qkvg"), (19, "bias"), (21, "vt")))
 
-    def _tiles_out_projection(self, dw: DeviceWeights) -> "_Launch":
+    def _tiles_out_projection(self, dw: DeviceWeights) -> "Launch":
         """gated_out_project_tiles: one block per SM over the tiles of 64 rows, Wo resident."""
         tiles = -(-self.M // _configs.TILES_ROWS)
         split = _configs.project_tiles_split(self.kv_format)
-        return _Launch(
+        return Launch(
             _configs.project_tiles_config(self.kv_format), "gated_out_project_tiles",
             min(tiles, dw.sm_count), _configs.TILES_THREADS,
             _configs.project_tiles_smem_bytes(self.kv_format, out=True),
-            (None, _i64(self.M), _pointer(dw.tile_weight_image("out", split=split).data.ptr),
-             _pointer(dw.b_out.data.ptr), None, *self._f16_projection_args(dw, out=True)),
+            (None, I64(self.M), Ptr(dw.tile_weight_image("out", split=split).data.ptr),
+             Ptr(dw.b_out.data.ptr), None, *self._f16_projection_args(dw, out=True)),
             ((0, "qkvg"), (4, "out")))
 
     def _f16_projection_args(self, dw: DeviceWeights, out: bool = False):
@@ -634,8 +575,8 @@ class Plan:
         if out:  # the kernel scales each block's g o itself (load_gated_tile_f16); o comes
             # in v's units where the attention writes it in fp16 (KV_F16_TILES: O16)
             o_unit = self.scales[2] if self.kv_format == _configs.KV_F16_TILES else 1.0
-            return (_f32(1.0 / (s.out_w * o_unit)),)
-        return _f32(s.a), _f32(1.0 / (s.a * s.w))
+            return (F32(1.0 / (s.out_w * o_unit)),)
+        return F32(s.a), F32(1.0 / (s.a * s.w))
 
     @property
     def scales(self):
@@ -648,15 +589,15 @@ class Plan:
             raise ValueError(f"launch {k.name} reads k and v in format {k.kv_format}, but "
                              f"this forward's projection stores format {self.kv_format}; "
                              f"build the Forward with attention=that launch")
-        args = (None, None, _i32(self.B), _i32(self.N), _i32(self.H), _i32(self.npk),
-                _i32(nan_fully_masked))
+        args = (None, None, I32(self.B), I32(self.N), I32(self.H), I32(self.npk),
+                I32(nan_fully_masked))
         slots = ((0, "qkvg"), (1, "bias"))
         if k.kv_format in _configs.KV_TILED_FORMATS:  # and v (and k) from the tiles
             args, slots = args + (None,), slots + ((7, "vt"),)
         if k.kv_format in _configs.KV_F16_FORMATS:  # undo the projection's scales
             s_q, s_k, s_v, _ = self.scales
-            args += (_f32(1.0 / (s_q * s_k)), _f32(1.0 / s_v))
-        return _Launch(k.config, k.name, k.blocks(self.B, self.N, self.H), k.threads, k.smem,
+            args += (F32(1.0 / (s_q * s_k)), F32(1.0 / s_v))
+        return Launch(k.config, k.name, k.blocks(self.B, self.N, self.H), k.threads, k.smem,
                        args, slots)
 
     @property
@@ -684,10 +625,10 @@ def _mask_meta(mask):
 def _mask_args(meta):
     """(kind, mb, mi, mj) for project.cu's mask reader (MASK_* codes), after its pointer."""
     if meta is None:  # a null pointer
-        return _i32(0), _i64(0), _i64(0), _i64(0)
+        return I32(0), I64(0), I64(0), I64(0)
     itemsize, is_float, strides = meta
     kind = 5 + {2: 0, 4: 1, 8: 2}[itemsize] if is_float else {1: 1, 2: 2, 4: 3, 8: 4}[itemsize]
-    return (_i32(kind), *map(_i64, strides))
+    return (I32(kind), *map(I64, strides))
 
 
 _PLANS_PER_MODULE = 64  # geometries remembered per DeviceWeights (then forgotten, all at once)
@@ -737,12 +678,12 @@ class Forward:
             self.out = cupy.empty(pair.shape, np.float32) if out is None else out
             self._scratch = cupy.cuda.alloc(plan.scratch_bytes)  # qkvg, the bias, V^T
         scratch = self._scratch.ptr
-        self._pointers = {"pair": _pointer(pair.data.ptr),
-                          "mask": _pointer(0 if mask is None else mask.data.ptr),
-                          "qkvg": _pointer(scratch), "bias": _pointer(scratch + plan.qkvg_bytes),
-                          "vt": _pointer(scratch + plan.qkvg_bytes + plan.bias_bytes
-                                         if plan.vt_bytes else 0),
-                          "out": _pointer(self.out.data.ptr)}
+        # The call's device addresses, by the names the launches' slots give them
+        self._pointers = {"pair": pair.data.ptr, "mask": 0 if mask is None else mask.data.ptr,
+                          "qkvg": scratch, "bias": scratch + plan.qkvg_bytes,
+                          "vt": (scratch + plan.qkvg_bytes + plan.bias_bytes
+                                 if plan.vt_bytes else 0),
+                          "out": self.out.data.ptr}
 
     @property
     def qkvg(self):
