@@ -105,8 +105,8 @@ class Launch:
     __slots__ = ("kernel", "function", "grid", "block", "smem", "args")
 
     def __init__(self, config, name, grid, block, smem, args, slots):
-        self.kernel = config.get(name, smem)  # (keeps its module loaded)
-        self.function = self.kernel.ptr       # its CUfunction
+        self.kernel = config.get(name, smem)   # a cupy.RawKernel (keeps its module loaded)
+        self.function = self.kernel.kernel.ptr  # its CUfunction on the current device
         self.grid, self.block, self.smem = int(grid), int(block), int(smem)
         self.args = KernelArgs(args, slots)
 
