@@ -26,10 +26,10 @@ from triattn_cupy import _configs, _gpu, reference
 from time_ours import median_ms  # scripts/ is on sys.path when run as a script
 
 
-def plan_with(dw, tiles, *key):
+def plan_with(dw, tiles, key):
     _configs.PROJECT_TILES = tiles
     dw.plans.clear()
-    return _gpu.Plan(dw, *key)
+    return _gpu.make_plan(dw, key)
 
 
 def decode16(words, bf16):
@@ -110,10 +110,9 @@ def probe(size, precision, rng):
     keep = rng.random((B, N, N)) > 0.25
     keep[:, rng.integers(N), :] = False
     pair, mask = cp.asarray(pair_h), cp.asarray(keep)
-    key = (pair.shape, tuple(s // 4 for s in pair.strides), True, _gpu._mask_meta(mask),
-           precision, False)
-    old = plan_with(dw, False, *key)
-    new = plan_with(dw, True, *key)
+    key = _gpu.plan_key(pair, mask, precision, False)
+    old = plan_with(dw, False, key)
+    new = plan_with(dw, True, key)
     kv = new.kv_format
     print(f"{size} {precision}: format {kv}, tiles projection {new.project_tiles}, "
           f"out {new.tiles}", flush=True)

@@ -613,13 +613,28 @@ class Plan:
         return "chunks" if self.project_split else "tf32 chunks"
 
 
-def _mask_meta(mask):
-    """What of the mask a plan depends on: None, or (itemsize, is float, strides in
-    elements over (B, N, N))."""
-    if mask is None:
+def plan_key(pair, mask, precision: str, nan_fully_masked: bool):
+    """The key of DeviceWeights.plans: what a Plan depends on, as the arrays give it
+    (byte strides; the mask's dtype and byte strides), cheap to build at every call."""
+    return (pair.shape, pair.strides, pair.data.ptr % 16 == 0,
+            None if mask is None else (mask.dtype, mask.strides), precision, nan_fully_masked)
+
+
+def make_plan(dw: "DeviceWeights", key, attention: "_configs.AttentionLaunch | None" = None):
+    """The Plan of a plan_key (pair strides in elements, the mask's meta)."""
+    shape, strides, aligned, mask_key, precision, nan_fully_masked = key
+    return Plan(dw, shape, tuple(s // 4 for s in strides), aligned, _mask_meta(mask_key),
+                precision, nan_fully_masked, attention)
+
+
+def _mask_meta(mask_key):
+    """What of the mask a plan depends on, from plan_key's (dtype, byte strides): None, or
+    (itemsize, is float, strides in elements over (B, N, N))."""
+    if mask_key is None:
         return None
-    strides = tuple(s // mask.itemsize for s in mask.strides)
-    return (mask.itemsize, mask.dtype.kind == "f", strides if len(strides) == 3 else (0, *strides))
+    dtype, byte_strides = mask_key
+    strides = tuple(s // dtype.itemsize for s in byte_strides)
+    return (dtype.itemsize, dtype.kind == "f", strides if len(strides) == 3 else (0, *strides))
 
 
 def _mask_args(meta):
@@ -660,30 +675,39 @@ class Forward:
                 raise ValueError(f"out must be a C-contiguous float32 array of shape "
                                  f"{pair.shape}; got {out.dtype} {out.shape} "
                                  f"(c_contiguous={out.flags.c_contiguous})")
-        strides = tuple(s // pair.itemsize for s in pair.strides)
-        key = (pair.shape, strides, pair.data.ptr % 16 == 0, _mask_meta(mask), precision,
-               fully_masked == "nan")
+        key = plan_key(pair, mask, precision, fully_masked == "nan")
         with _on_device(dw.device_id):  # one device switch: kernels, allocations
             if attention is None:
                 plan = dw.plans.get(key)
                 if plan is None:
                     if len(dw.plans) >= _PLANS_PER_MODULE:
                         dw.plans.clear()
-                    plan = dw.plans[key] = Plan(dw, *key)
+                    plan = dw.plans[key] = make_plan(dw, key)
             else:
-                plan = Plan(dw, *key, attention=attention)
+                plan = make_plan(dw, key, attention)
             self.plan, self.dw, self.pair, self.mask = plan, dw, pair, mask
             self.B, self.N, self.D, self.H, self.d = plan.B, plan.N, plan.D, plan.H, plan.d
             self.M, self.npk, self.kv_format = plan.M, plan.npk, plan.kv_format
-            self.out = cupy.empty(pair.shape, np.float32) if out is None else out
             self._scratch = cupy.cuda.alloc(plan.scratch_bytes)  # qkvg, the bias, V^T
+            # The output's memory now, its CuPy array once the kernels are launched (making
+            # an ndarray costs ~2.5 µs of host time, which the first kernel need not wait on)
+            self._out = out
+            self._out_memory = out.data if out is not None else cupy.cuda.alloc(4 * pair.size)
         scratch = self._scratch.ptr
         # The call's device addresses, by the names the launches' slots give them
         self._pointers = {"pair": pair.data.ptr, "mask": 0 if mask is None else mask.data.ptr,
                           "qkvg": scratch, "bias": scratch + plan.qkvg_bytes,
                           "vt": (scratch + plan.qkvg_bytes + plan.bias_bytes
                                  if plan.vt_bytes else 0),
-                          "out": self.out.data.ptr}
+                          "out": self._out_memory.ptr}
+
+    @property
+    def out(self):
+        """The float32 result, shaped like pair (the caller's `out`, or the array made
+        for it)."""
+        if self._out is None:
+            self._out = _cupy().ndarray(self.pair.shape, np.float32, memptr=self._out_memory)
+        return self._out
 
     @property
     def qkvg(self):
@@ -743,6 +767,7 @@ class Forward:
             self.plan.project(self._pointers)
             self.plan.attention(self._pointers)
             self.plan.out_project(self._pointers)
+            out = self.out
         # Scratch back to the pool now, not at GC (the pool reuses it in stream order).
         self._scratch = self._pointers = None
-        return self.out
+        return out
