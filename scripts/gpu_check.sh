@@ -10,9 +10,11 @@ out=${OUT:-benchmarks/results/latest}
 mkdir -p "$out"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/gpu.txt"
-# Arguments replace the default selection: every GPU test, in four pytest processes at
+# Arguments replace the default selection: every GPU test, in six pytest processes at
 # once on the one GPU (its tests are small; the suite's ~10 minutes in one process passed
-# the device tool's per-call limit), each group logged on its own.
+# the device tool's per-call limit), each group logged on its own. The float64 references
+# run on the CPU: each process gets its share of the cores (16 on the H200 machine)
+# rather than all of them each.
 if [ $# -gt 0 ]; then
     python3 -m pytest -q -ra -p no:cacheprovider "$@" 2>&1 | tee "$out/gpu_tests.log"
     status=${PIPESTATUS[0]}
@@ -21,14 +23,25 @@ else
     pids=()
     groups=("attention_mma:tests/test_attention_mma.py"
             "gpu_fp32:tests/test_gpu.py -k fp32"
-            "gpu_other:tests/test_gpu.py -k 'not fp32'"
-            "rest:tests/ --ignore=tests/test_attention_mma.py --ignore=tests/test_gpu.py")
+            "gpu_tf32:tests/test_gpu.py -k 'tf32 and not fp32'"
+            "gpu_bf16:tests/test_gpu.py -k 'not fp32 and not tf32'"
+            "infer_tiles:tests/test_infer.py tests/test_project_tiles.py"
+            "rest:tests/ --ignore=tests/test_attention_mma.py --ignore=tests/test_gpu.py --ignore=tests/test_infer.py --ignore=tests/test_project_tiles.py")
+    threads=$(( $(nproc) / ${#groups[@]} ))
+    export OMP_NUM_THREADS=$(( threads > 0 ? threads : 1 ))
+    export OPENBLAS_NUM_THREADS=$OMP_NUM_THREADS MKL_NUM_THREADS=$OMP_NUM_THREADS
     for group in "${groups[@]}"; do
         eval "python3 -m pytest -q -ra -p no:cacheprovider -m gpu ${group#*:}" \
             > "$out/gpu_tests_${group%%:*}.log" 2>&1 &
         pids+=($!)
     done
-    for pid in "${pids[@]}"; do wait "$pid" || status=1; done
+    for i in "${!pids[@]}"; do
+        wait "${pids[$i]}"; rc=$?
+        # (the last group holds GPU tests of files yet to come: none is no failure)
+        if [ $rc -ne 0 ] && ! { [ $rc -eq 5 ] && [ "$i" -eq $(( ${#pids[@]} - 1 )) ]; }; then
+            status=1
+        fi
+    done
     tail -n 3 "$out"/gpu_tests_*.log > "$out/gpu_tests.log"
     cat "$out/gpu_tests.log"
 fi
