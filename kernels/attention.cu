@@ -16,7 +16,8 @@
 // threads; dynamic shared memory 4*(HEAD_DIM*(BQ + BK) + BK*DV + BK*PSTR) bytes.
 // Pointers (float32): qkvg [B*N*N, 4D] with q at column h*d, k at D + h*d, v at 2D + h*d
 // (o overwrites q: only this block reads those q values); bias [B, H, N, NPK], NPK a
-// multiple of BK with -inf on the padded keys.
+// multiple of BK with -inf on the padded keys; key_extent [B] (key_extent.cu) or null: the
+// key loop stops at the tile holding key key_extent[b] - 1 (visited_keys).
 #include "common.cuh"
 
 #ifndef HEAD_DIM
@@ -37,7 +38,7 @@
 
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
 attention_fp32(float* qkvg, const float* __restrict__ bias, int B, int N, int H, int npk,
-               int nan_fully_masked) {
+               int nan_fully_masked, const int* __restrict__ key_extent) {
     extern __shared__ float4 smem4[];
     float* Qt = reinterpret_cast<float*>(smem4);  // [HEAD_DIM][BQ]  q^T of this query tile
     float* Kt = Qt + HEAD_DIM * BQ;               // [HEAD_DIM][BK]  k^T of one key tile
@@ -53,6 +54,7 @@ attention_fp32(float* qkvg, const float* __restrict__ bias, int B, int N, int H,
     const int q0 = qtile * BQ;
     float* row = qkvg + bi * N * ld + head * HEAD_DIM;  // + j*ld: position (b, i, j), head
     const float* bias_bh = bias + ((i64)b * H + head) * N * npk;
+    const int keys = visited_keys(key_extent, b, N);
 
     // Query tile, transposed so that a thread's TM queries are TM/4 float4 loads.
     // Consecutive threads take consecutive queries: conflict-free transposed stores.
@@ -74,7 +76,7 @@ attention_fp32(float* qkvg, const float* __restrict__ bias, int B, int N, int H,
         for (int c = 0; c < CW; ++c) o[r][c] = 0.f;
     }
 
-    for (int k0 = 0; k0 < N; k0 += BK) {
+    for (int k0 = 0; k0 < keys; k0 += BK) {
         __syncthreads();  // the previous tile's Kt, Vs and Pt are no longer read
         // Key tile transposed (as Qt); value tile as is. Keys past N are zero, so their
         // scores are 0 + bias = -inf and their values contribute 0 * 0.

@@ -101,7 +101,9 @@
 // (not SPLIT) the V^T tiles ([B, N, H, NPK / 64] tiles of 8 KiB, zero past key N; BULK:
 // 16 KiB, the K tile then the V^T tile; BF16, F16X1: 8 KiB; F16X3: 16 KiB, K hi, K lo, V^T hi,
 // V^T lo); F16X3, F16X1: qk_unscale = 1 / (s_q s_k) and v_unscale = 1 / s_v, the projection's
-// scales undone (F16X1's o stays in v's units: the out projection undoes s_v).
+// scales undone (F16X1's o stays in v's units: the out projection undoes s_v); key_extent
+// [B] (key_extent.cu) or null: the key loop stops at the tile holding key key_extent[b] - 1
+// (visited_keys).
 #include "common.cuh"
 #include "wgmma.cuh"
 
@@ -271,7 +273,7 @@ ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int 
 #if F16
       , float qk_unscale, float v_unscale
 #endif
-      ) {
+      , const int* __restrict__ key_extent) {
     extern __shared__ float4 smem4[];
     const u32 raw_s = smem_addr(smem4);
     const u32 align = (1024u - (raw_s & 1023u)) & 1023u;
@@ -282,6 +284,7 @@ ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int 
     const i64 ld = (BF16 ? 1LL : F16 ? 2LL : 4LL) * D;  // words per qkvg row (project_epilogue.cuh QKVG_LD)
     const AttentionBlock blk = attention_block(N, H, BQ, ROWS);
     const int qtile = blk.qtile, i0 = blk.i0, head = blk.head, b = blk.b;
+    const int keys = visited_keys(key_extent, b, N);  // the key loop's end (key_extent.cu)
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int g = lane >> 2, t = lane & 3;
 
@@ -429,7 +432,7 @@ ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int 
 
 #if !BULK  // (BULK: produce(), below)
     auto issue = [&](int k0, int stage) {  // K, V^T and bias of the tile at k0, then commit
-        if (k0 < N) {
+        if (k0 < keys) {
             const u32 st = smem_s + stage * STAGE_BYTES;
             const char* const tile_base = k_base + (i64)k0 * ld * 4 + copy_src;
 #pragma unroll
@@ -846,7 +849,7 @@ ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int 
     // then the V^T tile, as shared memory holds them); keys past N are left unwritten in
     // K (S is masked to -inf there) and zero in V^T.
     const u32 full_bar = smem_s + STAGES * STAGE_BYTES, empty_bar = full_bar + 8 * STAGES;
-    const int tiles = (N + BK - 1) / BK;
+    const int tiles = (keys + BK - 1) / BK;
     const char* const kv_row0 = reinterpret_cast<const char*>(vt)
                                 + (((i64)b * N + i0) * H + head) * ntiles * KV_TILES;
     const i64 kv_rstride = (i64)H * ntiles * KV_TILES;
@@ -892,7 +895,7 @@ ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int 
     u32 pl[PA_STEPS][4];
 #endif
     int stage = 0;
-    for (int k0 = 0; k0 < N; k0 += BK) {
+    for (int k0 = 0; k0 < keys; k0 += BK) {
 #if BULK
         if (warp == 0 && tile + STAGES - 1 < tiles) {  // refill the stage the last tile used
             const int j = tile + STAGES - 1;

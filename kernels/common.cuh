@@ -46,6 +46,15 @@ __device__ __forceinline__ float online_max_update(float& m, float tile_max, flo
 // then the rows, then the head. So the blocks running at one time share one head's pair
 // bias, which every row i reads whole again: at N = 4096 the bias of all heads outgrows L2
 // (head before rows: tf32 wgmma attention 245 ms, rows before head 216; benchmarks/NOTES.md).
+// The keys an attention block visits, [0, keys): key_extent[b] (key_extent.cu: every key
+// from it on is masked for every query of batch b, so the tiles past it add 2^-inf = 0 to
+// every sum), within [1, N]; N where there is no extent (no mask, or too small an N for
+// trailing tiles to be worth a launch). At least one key: a batch whose every key is
+// masked still runs its first tile and ends with l = 0, the fully masked output, as before.
+__device__ __forceinline__ int visited_keys(const int* __restrict__ key_extent, int b, int N) {
+    return key_extent ? max(1, min(N, __ldg(key_extent + b))) : N;
+}
+
 struct AttentionBlock {
     int qtile, i0, head, b;
 };

@@ -462,6 +462,25 @@ def attention_mma_launch(head_dim: int, variant: str, tiles: MmaTiles | None = N
                            _MMA_KV_FORMAT[variant])
 
 
+# ---- each batch's key extent under the mask (kernels/key_extent.cu) ----
+
+# N from which a masked forward finds each batch's key extent, so that the attention's key
+# loops stop at the last key tile any query keeps (exact: the tiles past it are masked for
+# every query). Below it a trailing masked tile is too small a share to pay for the
+# memset and the launch (2x128x64x4 is host-bound).
+KEY_EXTENT_MIN_N = 512
+KEY_EXTENT_THREADS = 256
+
+
+def key_extent_config() -> KernelConfig:
+    return KernelConfig("key_extent.cu", ())
+
+
+def key_extent_chunks(N: int) -> int:
+    """Blocks per batch: ~16 mask elements per thread, at most 512 blocks (one atomic each)."""
+    return max(1, min(512, -(-N * N // (16 * KEY_EXTENT_THREADS))))
+
+
 def attention_ffma_launch(head_dim: int) -> AttentionLaunch:
     return AttentionLaunch(attention_config(head_dim), "attention_fp32",
                            attention_tiles(head_dim)[0], 1, ATTENTION_THREADS,
@@ -642,6 +661,7 @@ def all_configs(arch: str | None = None):
         configs.update(project_config(rows, True, D, kv, kv == KV_F16X3_TILES)
                        for D in (128, MAX_PAIR_DIM) for kv in KV_TILED_FORMATS
                        for rows in {project_rows(D, total) for total in (1, 1 << 62)})
+    configs.add(key_extent_config())
     configs.update(attention_config(d) for d in supported_head_dims())
     configs.update(attention_mma_config(d, v, attention_mma_tiles(d, v, n, cc))
                    for v in ATTENTION_MMA_VARIANTS for d in attention_mma_head_dims(v)

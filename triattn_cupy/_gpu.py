@@ -491,6 +491,19 @@ class Plan:
                          _configs.KV_BF16_TILES: tiles, _configs.KV_F16_TILES: tiles,
                          _configs.KV_F16X3_TILES: 2 * tiles}.get(self.kv_format, 0)
         self.scratch_bytes = self.qkvg_bytes + self.bias_bytes + self.vt_bytes
+        # Each batch's key extent under the mask (key_extent.cu; B ints after the rest),
+        # where the attention's key loops may stop early: masked forwards from
+        # KEY_EXTENT_MIN_N.
+        self.key_extent = None
+        if mask_meta is not None and N >= _configs.KEY_EXTENT_MIN_N:
+            chunks = _configs.key_extent_chunks(N)
+            self.key_extent = Launch(
+                _configs.key_extent_config(), "mask_key_extent", chunks * B,
+                _configs.KEY_EXTENT_THREADS, 0,
+                (None, *_mask_args(mask_meta), I32(N), I32(chunks), None),
+                ((0, "mask"), (7, "extent")))
+            self.extent_offset = self.scratch_bytes
+            self.scratch_bytes += 4 * B
 
         sb, si, sj, sc = strides if len(strides) == 4 else (0, *strides)
         x_vec = int(sc == 1 and all(s % 4 == 0 for s in (sb, si, sj)) and aligned)
@@ -597,6 +610,7 @@ class Plan:
         if k.kv_format in _configs.KV_F16_FORMATS:  # undo the projection's scales
             s_q, s_k, s_v, _ = self.scales
             args += (F32(1.0 / (s_q * s_k)), F32(1.0 / s_v))
+        args, slots = args + (None,), slots + ((len(args), "extent"),)  # (null: all N keys)
         return Launch(k.config, k.name, k.blocks(self.B, self.N, self.H), k.threads, k.smem,
                        args, slots)
 
@@ -699,6 +713,7 @@ class Forward:
                           "qkvg": scratch, "bias": scratch + plan.qkvg_bytes,
                           "vt": (scratch + plan.qkvg_bytes + plan.bias_bytes
                                  if plan.vt_bytes else 0),
+                          "extent": scratch + plan.extent_offset if plan.key_extent else 0,
                           "out": self._out_memory.ptr}
 
     @property
@@ -747,9 +762,11 @@ class Forward:
         self.plan.project(self._pointers)
 
     def attention(self, launch: "_configs.AttentionLaunch | None" = None):
-        """The attention stage; `launch` replaces the kernel chosen for this forward (tile
-        sweeps time kernels on the same scratch): it must read k and v in the form this
-        forward's projection stores them."""
+        """The attention stage (with the key extent before it, where the plan finds one);
+        `launch` replaces the kernel chosen for this forward (tile sweeps time kernels on
+        the same scratch): it must read k and v in the form this forward's projection
+        stores them."""
+        self._find_key_extent()
         if launch is None:
             self.plan.attention(self._pointers)
         else:
@@ -762,9 +779,17 @@ class Forward:
         return [("layernorm+projections", self.project),
                 ("attention", self.attention), ("gate+out_proj", self.out_project)]
 
+    def _find_key_extent(self):
+        if self.plan.key_extent is not None:
+            cupy = _cupy()
+            cupy.cuda.runtime.memsetAsync(self._pointers["extent"], 0, 4 * self.B,
+                                          cupy.cuda.get_current_stream().ptr)
+            self.plan.key_extent(self._pointers)
+
     def run(self):
         with _on_device(self.dw.device_id):
             self.plan.project(self._pointers)
+            self._find_key_extent()
             self.plan.attention(self._pointers)
             self.plan.out_project(self._pointers)
             out = self.out
