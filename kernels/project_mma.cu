@@ -23,14 +23,18 @@
 //   SPLIT = 1 ("fp32"): fp32 operands, each split where its fragment is loaded into
 //     a = hi + lo (both TF32; lo carries the bits hi drops), and a b taken as
 //     hi*lo + lo*hi + hi*hi: the lo*lo term is below fp32 rounding (3xTF32); each k-step's
-//     terms are summed apart and added to the accumulator in fp32 (split_terms).
-//   F16_TERMS = 3 (with SPLIT; the fp32 mode's projection for attention_f16x3_wgmma,
-//     KV_FORMAT 7): ln_qkvg_project's products in fp16 hi + lo instead, the same three
+//     terms are summed apart and added to the accumulator in fp32 (split_terms). Launched
+//     only with TRIATTN_PROJECT_F16_SPLIT=0 since session 18 (_configs.project_f16_terms).
+//   F16_TERMS = 3 (with SPLIT; the fp32 mode's projections in every KV_FORMAT: 7 for
+//     attention_f16x3_wgmma, 0 for attention_tf32x3 and the FFMA attention, which read q,
+//     k, v unscaled): the products in fp16 hi + lo instead, the same three
 //     terms at half the products (m16n8k16) and no split in the loop: LayerNorm writes each
 //     16-wide chunk of the row tile as 16 fp16 hi then 16 lo (64 bytes, in place of its 16
 //     fp32), scaled by a_scale (a power of two keeping |xn| below 2^14); the host lays W
 //     (and the pair-bias weights, split here) out the same way, scaled by a power of two;
-//     the accumulators are multiplied by `unscale` = 1 / (both scales) before the epilogue.
+//     the accumulators are multiplied by `unscale` = 1 / (both scales) before the epilogue,
+//     which then stores what 3xTF32's would (format 7: q, k, v times the attention's
+//     scales, which the host folds into W; format 0: as computed).
 //     gated_out_project likewise: g * o scaled by the block's own power of two (from its
 //     largest |g o|), split after it is loaded (load_gated_tile_f16); `w_unscale` undoes
 //     Wo's scale.

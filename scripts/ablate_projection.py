@@ -120,7 +120,7 @@ def use_variant(parts):
     _configs.project_weight_stages = (
         (lambda *args: ORIGINAL_STAGES(*args) + (ORIGINAL_STAGES(*args) == 4))
         if "stages5" in parts else ORIGINAL_STAGES)
-    _configs.project_config.cache_clear()
+    _configs._project_config.cache_clear()
     _configs.project_smem_bytes.cache_clear()
     _configs.forget_compiled_kernels()
 
