@@ -91,6 +91,9 @@
 #ifndef PROJECT_MIN_BLOCKS  // resident blocks per SM asked of the compiler (__launch_bounds__):
 #define PROJECT_MIN_BLOCKS 2  // 2: at most 128 registers; 3 (64-row blocks): at most 80
 #endif
+#ifndef OUT_MIN_BLOCKS  // the same for gated_out_project alone: PROJECT_MIN_BLOCKS, or 3 by
+#define OUT_MIN_BLOCKS PROJECT_MIN_BLOCKS  // scripts/ablate_projection.py out_blocks3 (64-row
+#endif                  // F16_TERMS 3 fits 80 registers there unspilled; ln_qkvg_project not)
 #define MT (BM / 32)    // 16-row m-tiles per warp; the 8 warps are 2 (rows) x 4 (columns)
 #define TROWS (BM / 16) // row slots per thread (thread_row)
 #define WSTR BK         // words per row of a weight chunk in the ring (swizzled: w_piece)
@@ -811,7 +814,7 @@ ln_qkvg_project(const float* __restrict__ x, i64 sb, i64 si, i64 sj, i64 sc, int
 #endif
 }
 
-extern "C" __global__ void __launch_bounds__(THREADS, PROJECT_MIN_BLOCKS)
+extern "C" __global__ void __launch_bounds__(THREADS, OUT_MIN_BLOCKS)
 gated_out_project(const float* __restrict__ qkvg, i64 M, int D,
                   const float* __restrict__ W, const float* __restrict__ b_out,
                   float* __restrict__ out

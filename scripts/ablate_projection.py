@@ -73,6 +73,12 @@ PATCHES = {
                                   "#define STORE_RUNS 0")]},
     # LayerNorm on every thread of a 128-row block, 2 per row (project_mma.cu LN_SPLIT; session 15)
     "ln_split": {"project_mma.cu": [("#define LN_SPLIT 0", "#define LN_SPLIT 1")]},
+    # gated_out_project in 3 blocks per SM (80 registers) where its config asks 2: the fp32
+    # mode's 64-row fp16 hi + lo out projection, which fits them unspilled (session 18;
+    # the tf32 and bf16 ones have 3 already). At 2x128x64x4, 512 blocks: 2 waves of 264
+    # blocks, or one of 396 and 116.
+    "out_blocks3": {"project_mma.cu": [("#define OUT_MIN_BLOCKS PROJECT_MIN_BLOCKS",
+                                        "#define OUT_MIN_BLOCKS 3")]},
     "rows64": {},  # not a text patch: 64-row blocks (3 per SM) at every size
     "rows128": {},  # nor this: 128-row blocks (2 per SM) at every size
     "stages5": {},  # nor this: 5 weight chunks in the ring (4 ahead) where 4 fit
