@@ -23,14 +23,18 @@
 //   SPLIT = 1 ("fp32"): fp32 operands, each split where its fragment is loaded into
 //     a = hi + lo (both TF32; lo carries the bits hi drops), and a b taken as
 //     hi*lo + lo*hi + hi*hi: the lo*lo term is below fp32 rounding (3xTF32); each k-step's
-//     terms are summed apart and added to the accumulator in fp32 (split_terms).
-//   F16_TERMS = 3 (with SPLIT; the fp32 mode's projection for attention_f16x3_wgmma,
-//     KV_FORMAT 7): ln_qkvg_project's products in fp16 hi + lo instead, the same three
+//     terms are summed apart and added to the accumulator in fp32 (split_terms). Launched
+//     only with TRIATTN_PROJECT_F16_SPLIT=0 since session 18 (_configs.project_f16_terms).
+//   F16_TERMS = 3 (with SPLIT; the fp32 mode's projections in every KV_FORMAT: 7 for
+//     attention_f16x3_wgmma, 0 for attention_tf32x3 and the FFMA attention, which read q,
+//     k, v unscaled): the products in fp16 hi + lo instead, the same three
 //     terms at half the products (m16n8k16) and no split in the loop: LayerNorm writes each
 //     16-wide chunk of the row tile as 16 fp16 hi then 16 lo (64 bytes, in place of its 16
 //     fp32), scaled by a_scale (a power of two keeping |xn| below 2^14); the host lays W
 //     (and the pair-bias weights, split here) out the same way, scaled by a power of two;
-//     the accumulators are multiplied by `unscale` = 1 / (both scales) before the epilogue.
+//     the accumulators are multiplied by `unscale` = 1 / (both scales) before the epilogue,
+//     which then stores what 3xTF32's would (format 7: q, k, v times the attention's
+//     scales, which the host folds into W; format 0: as computed).
 //     gated_out_project likewise: g * o scaled by the block's own power of two (from its
 //     largest |g o|), split after it is loaded (load_gated_tile_f16); `w_unscale` undoes
 //     Wo's scale.
@@ -87,6 +91,9 @@
 #ifndef PROJECT_MIN_BLOCKS  // resident blocks per SM asked of the compiler (__launch_bounds__):
 #define PROJECT_MIN_BLOCKS 2  // 2: at most 128 registers; 3 (64-row blocks): at most 80
 #endif
+#ifndef OUT_MIN_BLOCKS  // the same for gated_out_project alone: PROJECT_MIN_BLOCKS, or 3 by
+#define OUT_MIN_BLOCKS PROJECT_MIN_BLOCKS  // scripts/ablate_projection.py out_blocks3 (64-row
+#endif                  // F16_TERMS 3 fits 80 registers there unspilled; ln_qkvg_project not)
 #define MT (BM / 32)    // 16-row m-tiles per warp; the 8 warps are 2 (rows) x 4 (columns)
 #define TROWS (BM / 16) // row slots per thread (thread_row)
 #define WSTR BK         // words per row of a weight chunk in the ring (swizzled: w_piece)
@@ -807,7 +814,7 @@ ln_qkvg_project(const float* __restrict__ x, i64 sb, i64 si, i64 sj, i64 sc, int
 #endif
 }
 
-extern "C" __global__ void __launch_bounds__(THREADS, PROJECT_MIN_BLOCKS)
+extern "C" __global__ void __launch_bounds__(THREADS, OUT_MIN_BLOCKS)
 gated_out_project(const float* __restrict__ qkvg, i64 M, int D,
                   const float* __restrict__ W, const float* __restrict__ b_out,
                   float* __restrict__ out

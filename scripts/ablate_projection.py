@@ -73,6 +73,15 @@ PATCHES = {
                                   "#define STORE_RUNS 0")]},
     # LayerNorm on every thread of a 128-row block, 2 per row (project_mma.cu LN_SPLIT; session 15)
     "ln_split": {"project_mma.cu": [("#define LN_SPLIT 0", "#define LN_SPLIT 1")]},
+    # gated_out_project in 3 blocks per SM (80 registers) where its config asks 2: the fp32
+    # mode's 64-row fp16 hi + lo out projection, which fits them unspilled (session 18;
+    # the tf32 and bf16 ones have 3 already). At 2x128x64x4, 512 blocks: 2 waves of 264
+    # blocks, or one of 396 and 116.
+    "out_blocks3": {"project_mma.cu": [("#define OUT_MIN_BLOCKS PROJECT_MIN_BLOCKS",
+                                        "#define OUT_MIN_BLOCKS 3")]},
+    # nor this: the fp32 mode's 3xTF32 products where it takes fp16 hi + lo ones since
+    # session 18 (TRIATTN_PROJECT_F16_SPLIT=0; every format but 7): the same-call A/B
+    "tf32x3_products": {},
     "rows64": {},  # not a text patch: 64-row blocks (3 per SM) at every size
     "rows128": {},  # nor this: 128-row blocks (2 per SM) at every size
     "stages5": {},  # nor this: 5 weight chunks in the ring (4 ahead) where 4 fit
@@ -101,6 +110,7 @@ def applies(parts, precision):
 ORIGINAL_ROWS = _configs.project_rows
 ORIGINAL_CHUNKS = _gpu.weight_chunks
 ORIGINAL_STAGES = _configs.project_weight_stages
+ORIGINAL_F16_SPLIT = _configs.PROJECT_F16_SPLIT
 
 
 def use_variant(parts):
@@ -120,7 +130,8 @@ def use_variant(parts):
     _configs.project_weight_stages = (
         (lambda *args: ORIGINAL_STAGES(*args) + (ORIGINAL_STAGES(*args) == 4))
         if "stages5" in parts else ORIGINAL_STAGES)
-    _configs.project_config.cache_clear()
+    _configs.PROJECT_F16_SPLIT = ORIGINAL_F16_SPLIT and "tf32x3_products" not in parts
+    _configs._project_config.cache_clear()
     _configs.project_smem_bytes.cache_clear()
     _configs.forget_compiled_kernels()
 

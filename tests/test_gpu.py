@@ -296,6 +296,117 @@ def test_saturated_gates_with_no_out_bias(cp, rng, precision, gate_bias):
     assert err <= TOLERANCE[precision], (precision, gate_bias, err)
 
 
+# ---- the fp32 mode's projections on their own (project_mma.cu F16_TERMS 3, KV_FORMAT 0) ----
+
+PROJECTION_TOL = 3e-7  # rel L2 of each stored part against float64 (emulated: ~1.1e-7)
+
+
+def _format0_forward(cp, rng, B, N, D, h, f16_split, monkeypatch):
+    """A forward in fp32 mode whose projections write KV_FP32 (the FFMA attention forced:
+    any head dim reads format 0), its scratch and output filled with NaN; the weights,
+    pair (host float32) and keep mask (fully masked queries, and on N > 2 a key masked
+    for every query) with it. `f16_split` False: 3xTF32 (TRIATTN_PROJECT_F16_SPLIT=0)."""
+    from triattn_cupy import _configs
+    from triattn_cupy._gpu import DeviceWeights, Forward
+
+    monkeypatch.setattr(_configs, "PROJECT_F16_SPLIT", f16_split)
+    weights = ta.random_weights(D, h, seed=int(rng.integers(1 << 31)))
+    pair = (rng.standard_normal((B, N, N, D)) * 2 + 0.5).astype(np.float32)
+    keep = make_mask(rng, B, N)
+    if N > 2:
+        keep[:, :, rng.integers(N)] = False  # a key masked for every query
+    if not keep.any():  # (N = 1: both pairs' one key masked, 1 in 16) something to compare
+        keep[0, 0, 0] = True
+    dw = DeviceWeights(weights, cp.cuda.runtime.getDevice())
+    fwd = Forward(dw, cp.asarray(pair), cp.asarray(keep), "zero", None, "fp32",
+                  attention=_configs.attention_ffma_launch(D // h))
+    assert fwd.kv_format == _configs.KV_FP32
+    if not fwd.plan.project_mma:
+        pytest.skip("this GPU takes the FFMA projections (compute capability below 8.0)")
+    assert fwd.plan.project_f16 == f16_split
+    for array in (fwd.qkvg, fwd.bias, fwd.out):  # (the bias is float32 in KV_FP32)
+        array.fill(np.nan)
+    return weights, pair, keep, fwd
+
+
+def _projected_float64(weights, pair, keep):
+    """What ln_qkvg_project stores in KV_FP32, in float64 from the float32 pair: q (times
+    log2(e)/sqrt(d)), k, v and the gate [M, D] each, and the pair bias [B, h, N, N] in
+    log2(e) units, -inf where the mask drops (b, j, k)."""
+    p = {k: v.astype(np.float64) for k, v in weights.params.items()}
+    B, N, D = pair.shape[0], pair.shape[1], weights.pair_dim
+    xn = reference.layer_norm(pair.astype(np.float64).reshape(-1, D), p["layer_norm.weight"],
+                              p["layer_norm.bias"], weights.layer_norm_eps)   # [M, D]
+
+    def linear(name):
+        return xn @ p[f"{name}.weight"].T + p[f"{name}.bias"]
+
+    log2e = np.log2(np.e)
+    parts = {"q": linear("query") * (log2e / np.sqrt(weights.head_dim)), "k": linear("key"),
+             "v": linear("value"), "gate": reference._sigmoid(linear("gate"))}
+    bias = np.moveaxis((xn @ p["bias_proj.weight"].T).reshape(B, N, N, -1), -1, 1) * log2e
+    parts["bias"] = np.where(keep[:, None], bias, -np.inf)                  # [B, h, N, N]
+    return parts
+
+
+@pytest.mark.parametrize("D,h", [(64, 4), (128, 4), (40, 2)])
+@pytest.mark.parametrize("N", [1, 17, 128])
+def test_fp32_projection_parts_against_float64(cp, rng, monkeypatch, N, D, h):
+    """ln_qkvg_project of the fp32 mode writing KV_FP32 (fp16 hi + lo products,
+    F16_TERMS 3, since session 18; 3xTF32 before): q, k, v, the gate and the pair bias,
+    each within PROJECTION_TOL of float64, -inf exactly where the mask drops a key and on
+    the padded keys [N, npk), nothing left unwritten (NaN-filled scratch). B = 2; N = 1,
+    17 and 128 give 2, 578 and 32768 rows (partial and whole 128-row blocks); D = 40 has
+    a partial 16-wide k chunk (dpad 48). The 3xTF32 products' errors on the same inputs
+    are printed beside them."""
+    B = 2
+    seed = int(rng.integers(1 << 62))  # the same inputs for both products
+    errors = {}
+    for f16_split in (False, True):
+        weights, pair, keep, fwd = _format0_forward(cp, np.random.default_rng(seed), B, N,
+                                                    D, h, f16_split, monkeypatch)
+        fwd.project()
+        qkvg = fwd.qkvg.get()
+        bias = fwd.bias.get()                                               # [B, h, N, npk]
+        want = _projected_float64(weights, pair, keep)
+        got = {name: qkvg[:, c * D:(c + 1) * D] for c, name in enumerate(("q", "k", "v", "gate"))}
+        assert np.isneginf(bias[..., N:]).all(), "padded keys must be -inf"
+        got["bias"] = bias[..., :N]
+        masked = np.isneginf(want["bias"])
+        assert np.array_equal(np.isneginf(got["bias"]), masked), "-inf exactly where masked"
+        errors[f16_split] = {
+            name: rel_l2(got[name], want[name], where=~masked if name == "bias" else None)
+            for name in want}
+    print(f"{B}x{N}x{D}x{h} fp32 projection rel L2, fp16 hi + lo: "
+          + ", ".join(f"{k} {v:.3g}" for k, v in errors[True].items())
+          + "; 3xTF32: " + ", ".join(f"{k} {v:.3g}" for k, v in errors[False].items()))
+    for name, err in errors[True].items():
+        assert err <= PROJECTION_TOL, (name, err, errors)
+
+
+@pytest.mark.parametrize("D,h", [(64, 4), (128, 4), (40, 2)])
+@pytest.mark.parametrize("N", [1, 17, 128])
+def test_fp32_out_projection_against_float64(cp, rng, monkeypatch, N, D, h):
+    """gated_out_project of the fp32 mode reading KV_FP32 (o fp32 over q, the gate at
+    [3D, 4D); fp16 hi + lo products since session 18): out = (g o) Wo^T + bo from the g
+    and o the earlier stages left, within PROJECTION_TOL of float64 (out = bo exactly
+    where a query is fully masked: o = 0 there)."""
+    weights, pair, keep, fwd = _format0_forward(cp, rng, 2, N, D, h, True, monkeypatch)
+    fwd.project()
+    fwd.attention()
+    o = fwd.attention_output().get().astype(np.float64)
+    g = fwd.qkvg.get()[:, 3 * D:].astype(np.float64)
+    fwd.out_project()
+    out = fwd.out.get().reshape(-1, D)
+    p = weights.params
+    want = (g * o) @ p["out_proj.weight"].astype(np.float64).T + p["out_proj.bias"]
+    err = rel_l2(out, want)
+    print(f"2x{N}x{D}x{h} fp32 out projection rel L2 {err:.3g}")
+    assert err <= PROJECTION_TOL, err
+    fully = np.broadcast_to((~keep.any(axis=-1))[:, None, :], (2, N, N)).reshape(-1)
+    assert np.array_equal(out[fully], np.broadcast_to(p["out_proj.bias"], out[fully].shape))
+
+
 @pytest.mark.parametrize("precision", ["fp32", "tf32", "bf16"])
 def test_sizes_past_the_wgmma_thresholds(cp, rng, precision):
     """Head dim 32 at N = 293 and 321, where every mode takes the wgmma attention on an

@@ -260,10 +260,13 @@ def test_f16_split_chunks_hold_each_row_as_fp16_hi_then_lo():
     assert np.abs(hi + lo - chunks).max() <= 2.0 ** -21 * np.abs(chunks).max()
 
 
+@pytest.mark.parametrize("scaled", [True, False], ids=["f16x3_tiles", "unscaled"])
 @pytest.mark.parametrize("magnitude", [1e-5, 1.0, 3e3])
-def test_f16_projection_scales_bound_layernorm_outputs_and_weights(magnitude):
+def test_f16_projection_scales_bound_layernorm_outputs_and_weights(magnitude, scaled):
     """a_scale keeps every LayerNorm output (|n|_2 <= sqrt(D) per row) and w_scale every
-    scaled weight at or below F16X3_TOP, each within a factor 2 of it."""
+    scaled weight at or below F16X3_TOP, each within a factor 2 of it: with q, k, v
+    scaled into fp16 for the f16x3 attention (KV_F16X3_TILES) or stored unscaled (KV_FP32:
+    DeviceWeights.f16_scales(None), qkv_scales (1, 1, 1, 1))."""
     import math
 
     import triattn_cupy as ta
@@ -273,7 +276,7 @@ def test_f16_projection_scales_bound_layernorm_outputs_and_weights(magnitude):
     params = {k: (v * np.float32(magnitude) if k.startswith("layer_norm") else v)
               for k, v in base.params.items()}
     weights = ta.Weights(D, h, base.layer_norm_eps, params)
-    qkv = _gpu.f16x3_scales(weights)
+    qkv = _gpu.f16x3_scales(weights) if scaled else (1.0, 1.0, 1.0)
     scales = _gpu.f16_projection_scales(weights, (*qkv, 1.0))
     a_scale, w_scale = scales.a, scales.w
     gamma, beta = params["layer_norm.weight"], params["layer_norm.bias"]

@@ -152,21 +152,29 @@ KV_O16_FORMATS = (KV_BF16_TILES, KV_F16_TILES)
 KV_TILED_FORMATS = (KV_TF32_VT, *KV_BULK_FORMATS)  # v (at least) in tiles
 
 
-@functools.lru_cache(maxsize=None)  # per call: a look-up, not a rebuild
 def project_config(rows: int, tensor_cores: bool = False, pair_dim: int = 128,
-                   kv_format: int = KV_FP32, split: bool = False) -> KernelConfig:
-    """rows per block; tensor_cores: mma.sync products (project_mma.cu), TF32, or 3xTF32
-    where `split` (fp32-accurate), on fp16 operands where project_f16_terms says so
-    (F16_TERMS); else FFMA (project.cu); kv_format: how k and v are stored, for the
-    attention kernel (KV_*)."""
+                   kv_format: int = KV_FP32, split: bool = False,
+                   f16_split: bool | None = None) -> KernelConfig:
+    """rows per block; tensor_cores: mma.sync products (project_mma.cu), TF32, or
+    fp32-accurate split products where `split`, on fp16 operands where project_f16_terms
+    says so (F16_TERMS; `f16_split`: as there); else FFMA (project.cu); kv_format: how k
+    and v are stored, for the attention kernel (KV_*)."""
+    terms = project_f16_terms(kv_format, split, f16_split) if tensor_cores else 0
+    return _project_config(rows, tensor_cores, pair_dim, kv_format, split, terms)
+
+
+@functools.lru_cache(maxsize=None)  # per call: a look-up, not a rebuild
+def _project_config(rows: int, tensor_cores: bool, pair_dim: int, kv_format: int,
+                    split: bool, terms: int) -> KernelConfig:
     # 64-row blocks fit in 80 registers: 3 per SM where shared memory allows (D <= 128),
     # one wave instead of two for a small problem such as 2x128x64x4; but not with split
-    # operands (the out projection spills 4 bytes), which keep 2 per SM.
+    # operands, which keep 2 per SM (at 80 registers 3xTF32's out projection spilled 4
+    # bytes, and fp16 hi + lo's ln_qkvg_project spills 4 on sm_90; its gated_out_project
+    # does not: 3 per SM there is untried, session 18).
     min_blocks = 3 if rows == 64 and not (tensor_cores and split) else 2
     shape = (("BM", rows), ("WSTAGES", project_weight_stages(pair_dim, rows, tensor_cores)),
              ("KV_FORMAT", kv_format), ("PROJECT_MIN_BLOCKS", min_blocks))
     if tensor_cores:
-        terms = project_f16_terms(kv_format, split)
         f16 = (("F16_TERMS", terms),) if terms else ()
         return KernelConfig("project_mma.cu", shape + (("SPLIT", int(split)),) + f16)
     return KernelConfig("project.cu", shape + (("PAD", project_pad(pair_dim)),))
@@ -174,26 +182,37 @@ def project_config(rows: int, tensor_cores: bool = False, pair_dim: int = 128,
 
 def project_uses_tensor_cores(precision: str, compute_capability: int = 90) -> bool:
     """Tensor cores on sm_80 and newer in every mode: TF32 products for tf32 and bf16 (their
-    error, ~1e-4, is inside both modes' bounds), 3xTF32 for fp32 (project_splits); FFMA
-    before sm_80."""
+    error, ~1e-4, is inside both modes' bounds), split products for fp32 (project_splits:
+    fp16 hi + lo, project_f16_terms); FFMA before sm_80."""
     check_precision(precision)
     return compute_capability >= 80
 
 
 def project_splits(precision: str) -> bool:
-    """Whether the tensor-core projections split their operands (3xTF32): in fp32 mode."""
+    """Whether the tensor-core projections split their operands (fp16 hi + lo, or 3xTF32):
+    in fp32 mode."""
     return precision == "fp32"
 
 
-def project_f16_terms(kv_format: int, split: bool) -> int:
+# TRIATTN_PROJECT_F16_SPLIT=0 gives the fp32 mode's mma.sync projections 3xTF32 products
+# again wherever they took them before session 18 (every format but KV_F16X3_TILES, whose
+# have been fp16 hi + lo since session 11): read at import; A/B timings and the GPU tests
+# of the two set it between plans (project_config takes it per call).
+PROJECT_F16_SPLIT = os.environ.get("TRIATTN_PROJECT_F16_SPLIT", "1") != "0"
+
+
+def project_f16_terms(kv_format: int, split: bool, f16_split: bool | None = None) -> int:
     """The tensor-core projections' products on scaled fp16 operands (project_mma.cu
     F16_TERMS; DeviceWeights.f16_scales), half the instructions of TF32's: 3 (hi*lo + lo*hi
-    + hi*hi, fp32-accurate) for the fp32 mode's f16x3 attention (KV_F16X3_TILES), 1 (hi*hi,
-    TF32's 11 bits) for the tf32 and bf16 wgmma attentions' bulk tiles (KV_F16_TILES,
-    KV_BF16_TILES, and the TF32 wgmma kernel's KV_TF32_TILES); 0 (TF32 or 3xTF32)
-    elsewhere."""
+    + hi*hi, fp32-accurate: half the mma.sync instructions of 3xTF32's and no split in the
+    loop) for every format of the fp32 mode (`split`); 1 (hi*hi, TF32's 11 bits) for the
+    tf32 and bf16 wgmma attentions' bulk tiles (KV_F16_TILES, KV_BF16_TILES, and the TF32
+    wgmma kernel's KV_TF32_TILES); 0 (TF32) elsewhere. `f16_split` False (None:
+    PROJECT_F16_SPLIT) keeps 3xTF32 (0) for the split formats but KV_F16X3_TILES."""
     if split:
-        return 3 if kv_format == KV_F16X3_TILES else 0
+        if kv_format == KV_F16X3_TILES:
+            return 3
+        return 3 if (PROJECT_F16_SPLIT if f16_split is None else f16_split) else 0
     return 1 if kv_format in (KV_TF32_TILES, KV_BF16_TILES, KV_F16_TILES) else 0
 
 
@@ -657,6 +676,10 @@ def all_configs(arch: str | None = None):
                                       (False, KV_BF16, False), (True, KV_FP32, True),
                                       (True, KV_TF32, False), (True, KV_BF16, False),
                                       (True, KV_FP32, False))}
+    # the fp32 mode's 3xTF32 projections, which TRIATTN_PROJECT_F16_SPLIT=0 selects
+    configs.update(project_config(rows, True, D, KV_FP32, True, f16_split=False)
+                   for D in (128, MAX_PAIR_DIM)
+                   for rows in {project_rows(D, total) for total in (1, 1 << 62)})
     if 90 in capabilities:  # the projections that write tiles feed the sm_90a attention only
         configs.update(project_config(rows, True, D, kv, kv == KV_F16X3_TILES)
                        for D in (128, MAX_PAIR_DIM) for kv in KV_TILED_FORMATS

@@ -3,9 +3,9 @@
 Stages (one launch each):
   project    LayerNorm + q/k/v/gate + pair bias with the mask folded in; the mask is
              read in place, in its own dtype and strides; tensor cores on sm_80+
-             (project_mma.cu: 3xTF32 for "fp32", TF32 for "tf32" and "bf16"; with the
-             wgmma attention fp16 products of scaled operands instead, F16_TERMS: the
-             split's three for "fp32", one for "tf32" and "bf16"), else FFMA (project.cu)
+             (project_mma.cu: fp16 hi + lo split products of scaled operands for "fp32",
+             F16_TERMS 3; TF32 for "tf32" and "bf16", with the wgmma attention one fp16
+             product of scaled operands instead, F16_TERMS 1), else FFMA (project.cu)
   attention  flash-style softmax attention, o written over q: tensor cores for head dims
              that are multiples of 8 on sm_80+ (attention_mma.cu: 3xTF32 for "fp32",
              TF32, bf16; at head dim 32 on compute capability 9.0 from N = 129:
@@ -200,7 +200,8 @@ class DeviceWeights:
 
     def f16_scales(self, scales=None) -> "F16Scales":
         """The fp16 projections' scales (F16Scales) for q, k, v and the pair bias scaled
-        by `scales` (qkv_scales) or not."""
+        by `scales` (qkv_scales), or (None) stored unscaled, as KV_FP32 has them: then the
+        operand scales alone, which the kernels undo before their epilogues."""
         return self._made(("f16 scales", "", scales), lambda: f16_projection_scales(
             self._weights, scales or (1.0, 1.0, 1.0, 1.0)))
 
@@ -302,9 +303,12 @@ class F16Scales:
 def f16_projection_scales(weights: Weights, qkv_scales) -> F16Scales:
     """LayerNorm's output xn_d = n_d gamma_d + beta_d with |n|_2 <= sqrt(D) is at most
     sqrt(D) |gamma_d| + |beta_d|; the weights are [Wq; Wk; Wv; Wg] with the q, k, v rows
-    times qkv_scales (s_q, s_k, s_v, s_b: as DeviceWeights lays them out) and the pair-bias
-    weights (times s_b), under one scale (the kernel unscales every product by one factor);
-    and Wo."""
+    times qkv_scales (s_q, s_k, s_v, s_b: as DeviceWeights lays them out; all 1 for the
+    formats that store q, k, v and the bias unscaled) and the pair-bias weights (times
+    s_b), under one scale (the kernel unscales every product by one factor); and Wo.
+    Each product of two scaled operands is at most F16X3_TOP^2 = 2^28 and exact in the
+    tensor cores' fp32 accumulation, and a sum of D <= 768 of them stays far inside fp32's
+    range: no fp16 value is formed from a product, only from the operands."""
     p = _float64_params(weights)
     D = weights.pair_dim
     xn_top = float(np.max(math.sqrt(D) * np.abs(p["layer_norm.weight"])
