@@ -8,7 +8,7 @@
 //   o[b,i,j,h]   = sum_k 2^(s[k] - max s) v[b,i,k,h] / sum_k 2^(s[k] - max s)
 //
 // Both products run on mma.sync; the online softmax (running max m, running sum l per
-// query) runs on the accumulators in registers, in fp32. Three precisions, one source:
+// query) runs on the accumulators in registers, in fp32. Four precisions, one source:
 //   PREC 0  attention_tf32x3  fp32-accurate: every operand a = hi + lo with
 //           hi = rna_tf32(a), lo = rna_tf32(a - hi), and a.b ~= lo.hi' + hi.lo' + hi.hi'
 //           (lo.lo' ~ 2^-22 |a.b| is dropped): three m16n8k8 tf32 mma per product,
@@ -18,6 +18,16 @@
 //   PREC 1  attention_tf32    one m16n8k8 tf32 mma: q, k, v rounded to nearest TF32, P
 //           as is (truncated by the tensor cores; its row sums come from the same P)
 //   PREC 2  attention_bf16    m16n8k16 bf16 mma, fp32 accumulation
+//   PREC 3  attention_f16x3   fp32-accurate as PREC 0, in fp16 at twice TF32's rate: every
+//           operand a = hi + lo with hi = rn_f16(a), lo = rn_f16(a - hi) (22 bits where
+//           lo is a normal fp16), three m16n8k16 fp16 mma per product, accumulated as
+//           PREC 0's. fp16's range is narrow: q, k and v are multiplied by powers of two
+//           s_q, s_k, s_v (kernel arguments, from a bound on the weights:
+//           _gpu.f16x3_scales) as they are split, which keep every value below 2^14, and
+//           undone exactly: S = (Q K^T) / (s_q s_k) + bias, o = O / (s_v l). P is split
+//           as 2^(s - m + P_SHIFT) (at most 2^(RESCALE_SLACK + P_SHIFT) = 2^14, its lo
+//           parts normal down to 2^(s - m) ~ 2^-8; P_SHIFT cancels in O / l), its row
+//           sums exact fp32 adds. Reads what PREC 0 reads (fp32 q, k, v and bias).
 // Inputs and outputs stay fp32 in every mode.
 //
 // Work split: a block of 8 warps owns ROWS pair rows i (of one batch b) and BQ queries of
@@ -32,9 +42,10 @@
 //     TF32, or packed bf16 at half the bytes; project.cu KV_FORMAT), so cp.async copies
 //     them as they are into a ring of STAGES tiles (K, V and the bias tile), issued
 //     STAGES - 1 tiles ahead: one barrier per tile, no register staging.
-//   staged (3xTF32): each tile is loaded into registers one tile ahead (in flight while
-//     the current tile is multiplied), split into TF32 hi and lo parts and stored; the
-//     bias tile is copied with cp.async one tile ahead into one of two buffers.
+//   staged (3xTF32, f16x3): each tile is loaded into registers one tile ahead (in flight
+//     while the current tile is multiplied), split into TF32 (or scaled fp16) hi and lo
+//     parts and stored; the bias tile is copied with cp.async one tile ahead into one of
+//     two buffers.
 // Fragments then come from ldmatrix, 4 B operands per instruction, except V in DIRECT
 // TF32, which is read with two scalar loads per fragment from V [key][dim]:
 //   K  [key][dim]: tf32: a row of 4 fp32 is one 8x8 b16 matrix row, so lane (g, t)
@@ -48,8 +59,8 @@
 //                  (0 2 4 6 1 3 5 7): B is then a plain ldmatrix
 //      DIRECT tf32: V [key][dim], rows of d + 4 words: the 32 lanes' words
 //                  (2t) (d+4) + g fall in banks 8t + g, all distinct
-//      bf16: [key][dim] and ldmatrix.trans; the A fragment of m16n8k16 is exactly two C
-//                  fragments of adjacent n-tiles
+//      bf16, f16x3: [key][dim] and ldmatrix.trans; the A fragment of m16n8k16 is exactly
+//                  two C fragments of adjacent n-tiles
 // Fragment layouts (PTX ISA, "Matrix Fragments for mma.m16n8k8 / m16n8k16"), with
 // g = lane >> 2, t = lane & 3:
 //   m16n8k8 tf32:  A a0 (g, t) a1 (g+8, t) a2 (g, t+4) a3 (g+8, t+4);
@@ -67,8 +78,9 @@
 // values, k at bf16 index h*d and v at D + h*d from column D, and q packed from column 2D
 // (bf16 index h*d; project_epilogue.cuh KV_FORMAT 2), o still fp32 over [0, D).
 // bias [B, H, N, NPK] (fp16 for attention_bf16), NPK a multiple of BK (whole tiles are copied), -inf on the padded
-// keys [N, NPK). key_extent [B] (key_extent.cu) or null: the key loop stops at the tile
-// holding key key_extent[b] - 1 (visited_keys).
+// keys [N, NPK). attention_f16x3 takes s_q, s_k, s_v (powers of two) after
+// nan_fully_masked. key_extent [B] (key_extent.cu) or null, last: the DIRECT
+// paths' key loops stop at the tile holding key key_extent[b] - 1 (visited_keys).
 #include "common.cuh"
 #include "mma.cuh"
 
@@ -76,7 +88,7 @@
 #define HEAD_DIM 32     // d, a multiple of 8, at most 128
 #endif
 #ifndef PREC
-#define PREC 0          // 0 = 3xTF32 (fp32-accurate), 1 = TF32, 2 = bf16
+#define PREC 0          // 0 = 3xTF32 (fp32-accurate), 1 = TF32, 2 = bf16, 3 = f16x3 (fp32-accurate)
 #endif
 #ifndef BK
 #define BK 64           // keys per tile (a multiple of 16)
@@ -88,7 +100,7 @@
 #define ROWS 1          // pair rows per block (1, 2, 4 or 8)
 #endif
 #ifndef PREFETCH
-#define PREFETCH 1      // staged: the next key/value tile is loaded into registers during this one
+#define PREFETCH 1      // staged (3xTF32, f16x3): the next key/value tile is loaded into registers during this one
 #endif
 #ifndef STAGES
 #define STAGES 3        // DIRECT: tiles in the shared-memory ring (2 or more)
@@ -103,16 +115,25 @@
 #define BQ (16 * MT * ROW_WARPS)  // queries per row and block
 #define NT (BK / 8)               // 8-key n-tiles of S
 #define DT (HEAD_DIM / 8)         // 8-column n-tiles of O
-#define SPLIT (PREC == 0)
+#define TF32X3 (PREC == 0)
 #define BF16 (PREC == 2)
+#define F16X3 (PREC == 3)
+#define SPLIT (TF32X3 || F16X3)   // three products per product, hi and lo parts of K and V
+#define HALF (BF16 || F16X3)      // 16-bit operands, m16n8k16
 #define DIRECT (!SPLIT)           // k and v come from the projection in tensor-core form
 // The row sums of P on the tensor cores, as P times a B operand of ones (one mma per
 // k-step of PV instead of an add per score); the same rounded P as O's numerator. Not for
-// 3xTF32, whose sums stay exact fp32 adds.
+// the split products, whose sums stay exact fp32 adds.
 #define SUM_MMA DIRECT
 // How far a tile's maximum may exceed the reference maximum before O and l are rescaled.
 #define RESCALE_SLACK 8.f
+// f16x3: P scaled by 2^P_SHIFT (its largest value 2^(RESCALE_SLACK + P_SHIFT) = 2^14, inside
+// fp16's 65504), so that its fp16 lo parts stay normal down to smaller weights.
+#define P_SHIFT 6.f
 
+#if PREC < 0 || PREC > 3
+#error "attention_mma.cu: PREC must be 0, 1, 2 or 3"
+#endif
 #if HEAD_DIM % 8 != 0 || HEAD_DIM > 128
 #error "attention_mma.cu: HEAD_DIM must be a multiple of 8, at most 128"
 #endif
@@ -130,11 +151,12 @@
 #endif
 
 // Shared memory of one row and tile: K (and its lo part), then V (and its lo part).
-#if BF16
-typedef unsigned short elem_t;  // bf16 bits
-// Rows of d + 8 bf16: a multiple of 16 bytes (ldmatrix rows), and the 8 rows an ldmatrix
-// reads land on distinct 16-byte bank groups when d % 16 == 0. For d % 16 == 8 the last
-// 16-wide k-step reads columns d..d+7 of K: kept zero (the q fragment is zero there too).
+#if HALF
+typedef unsigned short elem_t;  // bf16 or fp16 bits
+// K and V [key][dim], rows of d + 8 halves: a multiple of 16 bytes (ldmatrix rows), and
+// the 8 rows an ldmatrix reads land on distinct 16-byte bank groups when d % 16 == 0. For
+// d % 16 == 8 the last 16-wide k-step reads columns d..d+7 of K: kept zero (the q fragment
+// is zero there too, but 0 times a NaN left in shared memory would not be).
 #define KSTR (HEAD_DIM + 8)
 #define VSTR (HEAD_DIM + 8)
 #define K_ELEMS (BK * KSTR)
@@ -181,7 +203,7 @@ typedef float bias_elem;
 
 // 3xTF32: split the query fragments once (2 * MT * d/2 registers) when that is small,
 // else again for every key tile (volatile conversions, so they cannot be hoisted).
-#define QSPLIT_ONCE (SPLIT && MT * HEAD_DIM <= 32)
+#define QSPLIT_ONCE (TF32X3 && MT * HEAD_DIM <= 32)
 
 // Staged key/value loader: each thread moves 8 consecutive dims (a whole 32-byte sector)
 // of one key, the 32 lanes of a warp 32 consecutive keys.
@@ -199,7 +221,9 @@ typedef float bias_elem;
 
 #if BF16
 #define ENTRY attention_bf16
-#elif SPLIT
+#elif F16X3
+#define ENTRY attention_f16x3
+#elif TF32X3
 #define ENTRY attention_tf32x3
 #else
 #define ENTRY attention_tf32
@@ -207,7 +231,11 @@ typedef float bias_elem;
 
 extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
 ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int npk,
-      int nan_fully_masked, const int* __restrict__ key_extent) {
+      int nan_fully_masked
+#if F16X3
+      , float s_q, float s_k, float s_v
+#endif
+      , const int* __restrict__ key_extent) {
     extern __shared__ float4 smem4[];
     char* const smem = reinterpret_cast<char*>(smem4);
     const u32 smem_s = smem_addr(smem);  // the same, as a shared-memory address
@@ -298,6 +326,41 @@ ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int 
                                       + (key * KSTR + HEAD_DIM) * ELEM_BYTES) =
                 make_uint4(0u, 0u, 0u, 0u);
         }
+#elif F16X3
+#define KS ((HEAD_DIM + 15) / 16)  // 16-wide k-steps; the last is half zero when d % 16 == 8
+    // The undoing factors of the scales: powers of two, so exact, and so are the products.
+    const float qk_unscale = 1.f / (s_q * s_k), v_unscale = 1.f / s_v;
+    // q (fp32, times log2 e / sqrt(d)) times s_q, split into fp16 hi and lo A fragments once:
+    // hi and lo of the head dim take as many registers as q itself in fp32.
+    u32 qh[MT][KS][4], ql[MT][KS][4];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+        const int j0 = q0 + 16 * mt + g, j1 = j0 + 8;
+        const bool ok0 = row_ok && j0 < N, ok1 = row_ok && j1 < N;
+#pragma unroll
+        for (int kk = 0; kk < KS; ++kk) {
+            const int c = 16 * kk + 2 * t;  // {a0,a1} (j0, c..c+1) {a2,a3} (j1, ..) {a4,a5} (j0, c+8..)
+            const float* const p0 = row + (i64)j0 * ld + c;
+            const float* const p1 = row + (i64)j1 * ld + c;
+            const bool upper = 16 * kk + 16 <= HEAD_DIM;  // else past d: zero
+            const float2 zero = make_float2(0.f, 0.f);
+            const float2 x[4] = {ok0 ? *reinterpret_cast<const float2*>(p0) : zero,
+                                 ok1 ? *reinterpret_cast<const float2*>(p1) : zero,
+                                 ok0 && upper ? *reinterpret_cast<const float2*>(p0 + 8) : zero,
+                                 ok1 && upper ? *reinterpret_cast<const float2*>(p1 + 8) : zero};
+#pragma unroll
+            for (int e = 0; e < 4; ++e)
+                split_f16(x[e].x * s_q, x[e].y * s_q, qh[mt][kk][e], ql[mt][kk][e]);
+        }
+    }
+    // Columns d..d+7 of K's hi and lo parts are read by the last k-step when d % 16 == 8:
+    // zero them once (the staged stores never write there).
+    if (HEAD_DIM % 16 == 8)
+        for (int idx = tid; idx < ROWS * BK * PARTS; idx += THREADS) {
+            const int key = idx % BK, part = (idx / BK) % PARTS, r = idx / (BK * PARTS);
+            *reinterpret_cast<uint4*>(smem + (r * ROW_ELEMS + part * K_ELEMS + key * KSTR + HEAD_DIM)
+                                      * ELEM_BYTES) = make_uint4(0u, 0u, 0u, 0u);
+        }
 #else
     float qf[MT][DT][4];  // fp32 A fragments: a0 (j0, 8kk+t) a1 (j1, ..) a2 (j0, 8kk+t+4) a3
 #pragma unroll
@@ -377,7 +440,12 @@ ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int 
 #endif
                     const float b[4] = {x0.x, x0.y, x1.x, x1.y};
 #pragma unroll
-                    for (int e = 0; e < 4; ++e) s[mt][n][e] = onto ? s[mt][n][e] + b[e] : b[e];
+                    for (int e = 0; e < 4; ++e)
+#if F16X3  // the products in units of s_q s_k, undone in the same instruction
+                        s[mt][n][e] = onto ? fmaf(s[mt][n][e], qk_unscale, b[e]) : b[e];
+#else
+                        s[mt][n][e] = onto ? s[mt][n][e] + b[e] : b[e];
+#endif
                 }
         };
 #if SPLIT
@@ -412,6 +480,28 @@ ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int 
                     mma_bf16(s[mt][2 * n2 + 1], qa[mt][kk][0], qa[mt][kk][1], qa[mt][kk][2],
                              qa[mt][kk][3], kb[2], kb[3]);
                 }
+            }
+#elif F16X3
+#pragma unroll
+        for (int kk = 0; kk < KS; ++kk)
+#pragma unroll
+            for (int n2 = 0; n2 < NT / 2; ++n2) {
+                // matrices: n-tile 2 n2 (b0, b1), n-tile 2 n2 + 1 (b0, b1); hi, then lo
+                const u32 a = k_lane + ELEM_BYTES * ((16 * n2 + 8 * (lane >> 4) + (lane & 7)) * KSTR
+                                                     + 16 * kk + 8 * ((lane >> 3) & 1));
+                u32 kh[4], kl[4];
+                ldsm_x4(kh, a);
+                ldsm_x4(kl, a + ELEM_BYTES * K_ELEMS);
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                    for (int h = 0; h < 2; ++h) {  // the two small cross terms first
+                        float (&acc)[4] = s[mt][2 * n2 + h];
+                        const u32 (&ah)[4] = qh[mt][kk], (&al)[4] = ql[mt][kk];
+                        mma_f16(acc, al[0], al[1], al[2], al[3], kh[2 * h], kh[2 * h + 1]);
+                        mma_f16(acc, ah[0], ah[1], ah[2], ah[3], kl[2 * h], kl[2 * h + 1]);
+                        mma_f16(acc, ah[0], ah[1], ah[2], ah[3], kh[2 * h], kh[2 * h + 1]);
+                    }
             }
 #else
 #pragma unroll
@@ -518,7 +608,11 @@ ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int 
         for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
             for (int r = 0; r < 2; ++r) {
+#if F16X3  // 2^(s - m + P_SHIFT)
+                const float m_ref = m_sub[mt][r] - P_SHIFT;
+#else
                 const float m_ref = m_sub[mt][r];
+#endif
 #if SUM_MMA
 #pragma unroll
                 for (int n = 0; n < NT; ++n) {
@@ -569,6 +663,51 @@ ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int 
 #pragma unroll
             for (int mt = 0; mt < MT; ++mt)
                 mma_bf16(o[mt][DT - 1], pa[mt][0], pa[mt][1], pa[mt][2], pa[mt][3], vb[0], vb[1]);
+#endif
+        }
+#elif F16X3
+#pragma unroll
+        for (int kk = 0; kk < NT / 2; ++kk) {
+            // A fragments of k-step kk (keys 16 kk ..), hi and lo: S n-tiles 2 kk and 2 kk + 1
+            u32 ph[MT][4], pl[MT][4];
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+                split_f16(s[mt][2 * kk][0], s[mt][2 * kk][1], ph[mt][0], pl[mt][0]);
+                split_f16(s[mt][2 * kk][2], s[mt][2 * kk][3], ph[mt][1], pl[mt][1]);
+                split_f16(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1], ph[mt][2], pl[mt][2]);
+                split_f16(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3], ph[mt][3], pl[mt][3]);
+            }
+            // O += P_lo V_hi + P_hi V_lo + P_hi V_hi, summed in a fragment of its own and added
+            // to O in fp32 (as PREC 0's: the tensor cores' accumulation truncates)
+            auto pv = [&](float (&acc)[4], const u32 (&a_hi)[4], const u32 (&a_lo)[4],
+                          u32 h0, u32 h1, u32 l0, u32 l1) {
+                float f[4] = {0.f, 0.f, 0.f, 0.f};
+                mma_f16(f, a_lo[0], a_lo[1], a_lo[2], a_lo[3], h0, h1);
+                mma_f16(f, a_hi[0], a_hi[1], a_hi[2], a_hi[3], l0, l1);
+                mma_f16(f, a_hi[0], a_hi[1], a_hi[2], a_hi[3], h0, h1);
+#pragma unroll
+                for (int e = 0; e < 4; ++e) acc[e] += f[e];
+            };
+            // matrices: keys 16 kk + 0..7 and + 8..15 (b0, b1) of d-tiles 2 v2 and 2 v2 + 1
+            const u32 vrow = v_lane + ELEM_BYTES * (16 * kk + 8 * ((lane >> 3) & 1) + (lane & 7)) * VSTR;
+#pragma unroll
+            for (int v2 = 0; v2 < DT / 2; ++v2) {
+                u32 vh[4], vl[4];
+                ldsm_x4_trans(vh, vrow + ELEM_BYTES * 8 * (2 * v2 + (lane >> 4)));
+                ldsm_x4_trans(vl, vrow + ELEM_BYTES * (V_ELEMS + 8 * (2 * v2 + (lane >> 4))));
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt) {
+                    pv(o[mt][2 * v2], ph[mt], pl[mt], vh[0], vh[1], vl[0], vl[1]);
+                    pv(o[mt][2 * v2 + 1], ph[mt], pl[mt], vh[2], vh[3], vl[2], vl[3]);
+                }
+            }
+#if DT % 2
+            u32 vh[2], vl[2];
+            ldsm_x2_trans(vh, vrow + ELEM_BYTES * 8 * (DT - 1));
+            ldsm_x2_trans(vl, vrow + ELEM_BYTES * (V_ELEMS + 8 * (DT - 1)));
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt)
+                pv(o[mt][DT - 1], ph[mt], pl[mt], vh[0], vh[1], vl[0], vl[1]);
 #endif
         }
 #else
@@ -733,6 +872,23 @@ ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int 
                  kv[it][1].x, kv[it][1].y, kv[it][1].z, kv[it][1].w},
                 {kv[it][2].x, kv[it][2].y, kv[it][2].z, kv[it][2].w,
                  kv[it][3].x, kv[it][3].y, kv[it][3].z, kv[it][3].w}};
+#if F16X3
+            // k times s_k and v times s_v as fp16 hi and lo: 16 bytes of each part per row
+            // (K and V both [key][dim]); the 8 lanes of a store phase write 8 consecutive
+            // keys, rows (d + 8) * 2 bytes = 16 * odd apart (d % 16 == 0): no bank conflict.
+#pragma unroll
+            for (int m2 = 0; m2 < 2; ++m2) {
+                const float scale = m2 ? s_v : s_k;
+                u32 hi[4], lo[4];
+#pragma unroll
+                for (int e = 0; e < 4; ++e)
+                    split_f16(x[m2][2 * e] * scale, x[m2][2 * e + 1] * scale, hi[e], lo[e]);
+                elem_t* const dst = (m2 ? V : K) + key * KSTR + 8 * c;  // KSTR = VSTR
+                *reinterpret_cast<uint4*>(dst) = make_uint4(hi[0], hi[1], hi[2], hi[3]);
+                *reinterpret_cast<uint4*>(dst + (m2 ? V_ELEMS : K_ELEMS)) =
+                    make_uint4(lo[0], lo[1], lo[2], lo[3]);
+            }
+#else
             // hi parts stored before the lo parts are formed: fewer live registers
             u32 hi[2][8];
 #pragma unroll
@@ -755,6 +911,7 @@ ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int 
             kdst_lo[1] = make_uint4(lo[0][4], lo[0][5], lo[0][6], lo[0][7]);
 #pragma unroll
             for (int e = 0; e < 8; ++e) V[V_ELEMS + (8 * c + e) * VSTR + p] = lo[1][e];
+#endif
         }
     };
 
@@ -792,7 +949,11 @@ ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int 
             const int j = q0 + 16 * mt + 8 * r + g;
             if (j >= N) continue;
             const bool fully_masked = total == 0.f;
+#if F16X3  // O in units of s_v
+            const float inv = fully_masked ? 0.f : v_unscale / total;
+#else
             const float inv = fully_masked ? 0.f : 1.0f / total;
+#endif
             const float fill = nan_fully_masked ? quiet_nan() : 0.f;
             float* out = row + (i64)j * ld + 2 * t;
 #pragma unroll

@@ -44,6 +44,14 @@ def dump(root, nvdisasm):
     sys.path.insert(0, str(root))
     from triattn_cupy import _compile, _configs  # noqa: E402 (the tree under root)
 
+    # The kernel sources of that tree too: under an editable install (pip install -e) the
+    # package's `kernels` resource resolves to the installed checkout's folder whichever
+    # tree the Python modules come from, so both sides compiled the same .cu files and only
+    # a change of defines could show.
+    if (root / "kernels").is_dir():
+        _compile._kernels_folder = lambda: root / "kernels"
+        _compile.kernel_source.cache_clear()
+
     result = {}
     with tempfile.TemporaryDirectory() as tmp:
         path = pathlib.Path(tmp) / "kernel.cubin"

@@ -3,6 +3,9 @@ _configs.attention_mma_tiles (CUDA events, median of repeats; FLOPs of QK^T and 
 
     python3 scripts/sweep_tiles.py [--wgmma-only] [--variants tf32,bf16,f16x3,f16] 1x384x128x4 1x1024x128x4
 
+f16x3 names both the mma.sync kernel (every candidate where the head dim takes it) and,
+at head dim 32, the wgmma one.
+
 --wgmma-only: of the mma.sync kernel only the chosen shape (for comparison), then every
 wgmma candidate (WGMMA_CANDIDATES).
 """
@@ -16,8 +19,8 @@ from triattn_cupy import _configs
 from triattn_cupy._gpu import DeviceWeights, Forward
 from time_ours import median_ms  # scripts/ is on sys.path when run as a script
 
-# (bk, mt, rows, prefetch, min_blocks, stages): prefetch is read by 3xTF32 only, stages by
-# TF32 and bf16 only.
+# (bk, mt, rows, prefetch, min_blocks, stages): prefetch is read by 3xTF32 and f16x3 only,
+# stages by TF32 and bf16 only.
 CANDIDATES = [_configs.MmaTiles(*shape) for shape in
               [(64, 2, 1, 1, 1), (16, 2, 1, 1, 1), (64, 1, 1, 1, 2, 2), (32, 1, 1, 1, 2),
                (32, 1, 1, 1, 2, 4), (16, 1, 1, 1, 2), (32, 1, 1, 0, 2), (32, 2, 2, 1, 1),
@@ -46,7 +49,7 @@ def main(sizes):
         pair = cp.random.standard_normal((B, N, N, D), dtype=np.float32)
         flops = 4 * B * N**3 * D
         for variant in VARIANTS:
-            if variant not in _configs.ATTENTION_MMA_VARIANTS:  # wgmma only (f16x3, f16)
+            if variant not in _configs.ATTENTION_MMA_VARIANTS:  # wgmma only (f16)
                 sweep_wgmma(dw, pair, size, d, flops, 20 if N <= 512 else 5, variant)
                 continue
             if d not in _configs.attention_mma_head_dims(variant):

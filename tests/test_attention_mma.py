@@ -20,7 +20,7 @@ from helpers import rel_l2
 pytestmark = pytest.mark.gpu
 
 TOL = {"tf32x3": 1e-5, "tf32": 2e-3, "bf16": 1e-2, "f16x3": 1e-5, "f16": 2e-3}
-MMA_VARIANTS = list(_configs.ATTENTION_MMA_VARIANTS)  # (f16x3 and f16 are wgmma only)
+MMA_VARIANTS = list(_configs.ATTENTION_MMA_VARIANTS)  # (f16 is wgmma only; f16x3 both)
 HEAD_DIMS = [8, 16, 24, 32, 64, 128]
 SIZES_N = [1, 7, 64, 65, 130]
 
@@ -87,6 +87,96 @@ def test_mma_matches_ffma(cp, rng, B, N, head_dim, variant):
     if head_dim not in _configs.attention_mma_head_dims(variant):
         pytest.skip(f"{variant} takes the FFMA kernel at d={head_dim}")
     _check_against_ffma(cp, rng, B, N, head_dim, variant, None)
+
+
+# The fp32 mode's mma.sync attention (attention_f16x3, fp16 split products) where the
+# shared grid above does not reach: N = 2, 17 (one partial 32-key tile), 128 (whole tiles,
+# the small-N shapes: the benchmark's 2x128x64x4 at d = 16), B = 3, both policies (by N +
+# B), head dims with a half-zero last k-step (d % 16 == 8: 8, 24, 40), and the tiles the
+# table picks for sm_80 as well (run here on whatever GPU there is).
+@pytest.mark.parametrize("cc", [80, 90])
+@pytest.mark.parametrize("head_dim", [8, 16, 24, 32, 40, 64])
+@pytest.mark.parametrize("N", [2, 17, 128])
+def test_f16x3_mma_matches_ffma_at_more_sizes(cp, rng, N, head_dim, cc):
+    tiles = _configs.attention_mma_tiles(head_dim, "f16x3", N, cc)
+    _check_against_ffma(cp, rng, 3, N, head_dim, "f16x3", tiles)
+
+
+def _attention_float64(qkvg, bias, B, N, H, d):
+    """The attention stage in float64 from what the projection wrote (KV_FP32): qkvg [M, 4D]
+    (q pre-scaled by log2 e / sqrt(d)), bias [B, H, N, NPK] (log2 e units, -inf where
+    masked); o [M, D], 0 for fully masked queries."""
+    D = H * d
+    x = qkvg.reshape(B, N, N, 4 * D)
+    q, k, v = (x[..., c * D:(c + 1) * D].reshape(B, N, N, H, d) for c in range(3))
+    s = np.einsum("bijhc,bikhc->bhijk", q, k) + bias[:, :, None, :, :N]  # [B, H, i, j, k]
+    m = s.max(axis=-1, keepdims=True)
+    fully = m == -np.inf
+    p = np.exp2(s - np.where(fully, 0.0, m))
+    l = p.sum(axis=-1, keepdims=True)
+    o = np.einsum("bhijk,bikhc->bijhc", p / np.where(fully, 1.0, l), v)
+    return o.reshape(B * N * N, D)
+
+
+@pytest.mark.parametrize("B,N,head_dim", [(2, 128, 16), (1, 75, 64), (2, 33, 24), (2, 1, 8),
+                                          (1, 100, 32)])
+def test_f16x3_mma_as_accurate_as_tf32x3_against_float64(cp, rng, B, N, head_dim):
+    """The fp32 mode's two mma.sync attentions on the same projected q, k, v and bias,
+    each against the float64 attention of those inputs: f16x3 within the fp32 bound and
+    within twice 3xTF32's error (a NumPy emulation of both splits put them at 2.0e-7 and
+    1.9e-7 at d = 16, N = 128: scripts/emulate_f16x3_attention.py)."""
+    from triattn_cupy._gpu import DeviceWeights, Forward
+
+    h = 4
+    weights = ta.random_weights(head_dim * h, h, seed=int(rng.integers(1 << 31)))
+    dw = DeviceWeights(weights, cp.cuda.runtime.getDevice())
+    pair = cp.asarray(rng.standard_normal((B, N, N, head_dim * h)).astype(np.float32) * 2 + 0.5)
+    mask = cp.asarray(_mask(rng, B, N))
+    errors = {}
+    for variant in ("tf32x3", "f16x3"):
+        fwd = Forward(dw, pair, mask, "zero", None,
+                      attention=_configs.attention_mma_launch(head_dim, variant, n=N))
+        fwd.project()
+        want = _attention_float64(fwd.qkvg.get().astype(np.float64),
+                                  fwd.bias.get().astype(np.float64), B, N, h, head_dim)
+        fwd.attention()
+        errors[variant] = rel_l2(fwd.attention_output().get(), want)
+    print(f"{B}x{N} d={head_dim}: rel L2 vs float64 tf32x3 {errors['tf32x3']:.3g}, "
+          f"f16x3 {errors['f16x3']:.3g}")
+    assert errors["f16x3"] <= TOL["f16x3"]
+    assert errors["f16x3"] <= 2 * errors["tf32x3"] + 1e-8, errors
+
+
+@pytest.mark.parametrize("head_dim", [16, 32])
+@pytest.mark.parametrize("magnitude", [1e-4, 1e3])
+def test_f16x3_mma_keeps_its_accuracy_at_any_weight_scale(cp, magnitude, head_dim):
+    """attention_f16x3 scales the fp32 q, k, v it reads into fp16's range by the powers of
+    two the host derives from the weights (_gpu.f16x3_scales): tiny or huge q/k/v weights
+    must neither underflow nor overflow (inf, NaN) and keep the fp32 bound."""
+    from triattn_cupy._gpu import DeviceWeights, Forward
+
+    rng = np.random.default_rng(11)
+    B, N, h = 2, 97, 2
+    base = ta.random_weights(head_dim * h, h, seed=5)
+    params = dict(base.params)
+    for name in ("query", "key", "value"):
+        for part in ("weight", "bias"):
+            params[f"{name}.{part}"] = params[f"{name}.{part}"] * np.float32(magnitude)
+    weights = ta.Weights(base.pair_dim, base.num_heads, base.layer_norm_eps, params)
+    dw = DeviceWeights(weights, cp.cuda.runtime.getDevice())
+    pair = cp.asarray(rng.standard_normal((B, N, N, head_dim * h)).astype(np.float32) * 2 + 0.5)
+    mask = cp.asarray(_mask(rng, B, N))
+    outs = []
+    for launch in (_configs.attention_ffma_launch(head_dim),
+                   _configs.attention_mma_launch(head_dim, "f16x3", n=N)):
+        fwd = Forward(dw, pair, mask, "zero", None, attention=launch)
+        fwd.project()
+        fwd.attention()
+        outs.append(fwd.attention_output().get())
+    assert np.isfinite(outs[1]).all()
+    err = rel_l2(outs[1], outs[0])
+    print(f"f16x3 mma d={head_dim} weights x{magnitude:g}: rel L2 {err:.3g}")
+    assert err <= TOL["f16x3"]
 
 
 # Every tile shape the tuning sweep (scripts/time_ours.py --tiles) may pick.

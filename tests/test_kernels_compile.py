@@ -179,21 +179,29 @@ def test_smaller_gpus_get_launches_that_fit_or_a_clear_error(gpu):
 
 def test_which_attention_kernel_each_mode_takes():
     """The wgmma kernels only on compute capability 9.0, at head dim 32, above their N
-    thresholds (every mode from N = 129; fp32 as f16x3, tf32 as f16); mma.sync otherwise."""
+    thresholds (every mode from N = 129; fp32 as f16x3, tf32 as f16); mma.sync otherwise
+    (fp32 as its f16x3 too, which scales q, k, v itself: operand_scales)."""
     def name(d, precision, cc, n):
         return _configs.attention_kernel(d, precision, cc, n).name
 
     assert name(32, "tf32", 90, 128) == "attention_tf32"
     assert name(32, "tf32", 90, 129) == "attention_f16_wgmma"
-    assert name(32, "fp32", 90, 128) == "attention_tf32x3"
+    assert name(32, "fp32", 90, 128) == "attention_f16x3"
     assert name(32, "fp32", 90, 129) == "attention_f16x3_wgmma"
     assert name(32, "bf16", 90, 128) == "attention_bf16"
     assert name(32, "bf16", 90, 129) == "attention_bf16_wgmma"
     for cc in (80, 89, 100):  # sm_90a code runs on 9.0 only
-        assert name(32, "fp32", cc, 4096) == "attention_tf32x3"
+        assert name(32, "fp32", cc, 4096) == "attention_f16x3"
         assert name(32, "tf32", cc, 4096) == "attention_tf32"
         assert name(32, "bf16", cc, 4096) == "attention_bf16"
-    assert name(64, "fp32", 90, 4096) == "attention_tf32x3"
+    assert name(64, "fp32", 90, 4096) == "attention_f16x3"
+    assert name(16, "fp32", 90, 128) == "attention_f16x3"  # the benchmark's 2x128x64x4
+    small = _configs.attention_kernel(16, "fp32", 90, 128)
+    assert small.kv_format == _configs.KV_FP32 and small.operand_scales
+    # 3xTF32 stays available (tests, sweeps), reading the same format, without scales
+    tf32x3 = _configs.attention_mma_launch(16, "tf32x3", n=128)
+    assert tf32x3.name == "attention_tf32x3" and tf32x3.kv_format == _configs.KV_FP32
+    assert not tf32x3.operand_scales
     fp32 = _configs.attention_kernel(32, "fp32", 90, 4096)
     assert fp32.kv_format == _configs.KV_F16X3_TILES and fp32.smem <= _configs.SMEM_LIMIT
     bf16 = _configs.attention_kernel(32, "bf16", 90, 4096)
@@ -229,6 +237,31 @@ def test_wgmma_shared_memory_mirror_matches_the_kernel(variant):
                             f'{variant} {tiles}");\n')
         checked += 1
     assert checked >= 3
+
+
+# Every mma.sync tile shape the tests and sweeps launch (tests/test_attention_mma.py TILES,
+# scripts/sweep_tiles.py CANDIDATES), and the tables' own.
+_MMA_SHAPES = [_configs.MmaTiles(*shape) for shape in
+               [(64, 1, 1, 1, 1), (64, 1, 2, 1, 1), (32, 2, 2, 1, 1), (16, 2, 1, 1, 1),
+                (64, 1, 2, 0, 1), (32, 1, 1, 0, 2), (32, 1, 1, 1, 2, 2), (32, 1, 1, 1, 3, 2),
+                (16, 1, 1, 1, 2, 4), (32, 2, 2, 0, 1)]]
+
+
+@pytest.mark.parametrize("variant", list(_configs.ATTENTION_MMA_VARIANTS))
+def test_mma_shared_memory_mirror_matches_the_kernel(variant):
+    """_configs.attention_mma_smem_bytes, what the host asks for at launch, equals the
+    kernel's own SMEM_BYTES (compiled as a static_assert, PTX only), for every variant at
+    head dims on both sides of 16-wide k-steps (d % 16 == 8) and every listed shape."""
+    for d in (8, 16, 24, 64):
+        if d not in _configs.attention_mma_head_dims(variant):
+            continue
+        for tiles in _MMA_SHAPES + [_configs.attention_mma_tiles(d, variant, n, cc)
+                                    for n in (128, 129) for cc in (80, 90)]:
+            launch = _configs.attention_mma_launch(d, variant, tiles)
+            compile_ptx_or_fail(
+                _compile.full_source(launch.config.filename, launch.config.defines)
+                + f'\nstatic_assert(SMEM_BYTES == {launch.smem}, "smem mirror: {variant} '
+                f'd={d} {tiles}");\n', "compute_80")
 
 
 def test_no_generic_lambdas_in_kernels():

@@ -329,9 +329,18 @@ def attention_smem_bytes(head_dim: int) -> int:
 # ---- attention on tensor cores (kernels/attention_mma.cu) ----
 
 ATTENTION_MMA_THREADS = 256  # 8 warps
-ATTENTION_MMA_VARIANTS = ("tf32x3", "tf32", "bf16")  # entry point attention_<variant>
-_MMA_PREC = {"tf32x3": 0, "tf32": 1, "bf16": 2}
-_MMA_KV_FORMAT = {"tf32x3": KV_FP32, "tf32": KV_TF32, "bf16": KV_BF16}
+# entry point attention_<variant>; "f16x3": the fp32 mode's split products in fp16 (twice
+# TF32's rate), "tf32x3" (3xTF32) kept for tests and sweeps
+ATTENTION_MMA_VARIANTS = ("tf32x3", "tf32", "bf16", "f16x3")
+_MMA_PREC = {"tf32x3": 0, "tf32": 1, "bf16": 2, "f16x3": 3}
+# f16x3 reads what tf32x3 reads (fp32 q, k, v and bias) and scales them into fp16 itself
+_MMA_KV_FORMAT = {"tf32x3": KV_FP32, "tf32": KV_TF32, "bf16": KV_BF16, "f16x3": KV_FP32}
+# The variants staged through registers (split into hi and lo parts as they are stored),
+# which take PREFETCH; the others copy k and v as stored through a ring of STAGES.
+_MMA_STAGED = ("tf32x3", "f16x3")
+# The variants that take the powers of two (s_q, s_k, s_v) of _gpu.f16x3_scales as their
+# last arguments (AttentionLaunch.operand_scales)
+_MMA_OPERAND_SCALES = ("f16x3",)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -341,7 +350,8 @@ class MmaTiles:
     into registers (3xTF32, whose tiles are staged through registers), MIN_BLOCKS resident
     blocks per SM asked of the compiler (2: at most 128 registers per thread), STAGES
     tiles in the cp.async ring (TF32 and bf16, which copy k and v as the projection wrote
-    them). The 8 warps give BQ = 16 * MT * 8 / ROWS queries per row."""
+    them). The 8 warps give BQ = 16 * MT * 8 / ROWS queries per row. PREFETCH is read by
+    the staged variants (3xTF32, f16x3) only."""
     bk: int = 64
     mt: int = 1
     rows: int = 1
@@ -356,9 +366,9 @@ class MmaTiles:
 
 def attention_mma_head_dims(variant: str = "bf16"):
     """Head dims the tensor-core kernel takes for `variant`: multiples of 8 whose tiles
-    fit in registers without spills (bf16 up to 128, TF32 up to 120, 3xTF32 up to 64; wider
-    head dims stay on the FFMA kernel)."""
-    top = {"tf32x3": 64, "tf32": 120}.get(variant, MAX_HEAD_DIM)
+    fit in registers without spills (bf16 up to 128, TF32 up to 120, 3xTF32 and f16x3 up
+    to 64; wider head dims stay on the FFMA kernel)."""
+    top = {"tf32x3": 64, "f16x3": 64, "tf32": 120}.get(variant, MAX_HEAD_DIM)
     return tuple(range(8, top + 1, 8))
 
 
@@ -373,11 +383,17 @@ def attention_mma_tiles(head_dim: int, variant: str, n: int = 1 << 30,
     measured on an H200 (scripts/sweep_tiles.py, benchmarks/NOTES.md) within what compiles
     without spills for that architecture (tests/test_kernels_compile.py: sm_80 for 80-89,
     sm_90 from 90) and fits the shared memory."""
-    if variant == "tf32x3":  # staged through registers
+    if variant in _MMA_STAGED:  # staged through registers
+        # f16x3 (not yet measured: 3xTF32's shapes where they compile without spills):
+        # its fp16 operands take fewer registers (q's hi and lo as many as q in fp32), so at
+        # d <= 16 and small N it keeps the next tile in registers too (105-127 registers,
+        # no spills; 3xTF32 spills there); at d = 24 on sm_90 3xTF32's shape spills 24-40
+        # bytes in f16x3 too, so it drops the prefetch instead (125 registers).
+        f16 = variant == "f16x3"
         if head_dim <= 32:
             if n <= _SMALL_N and head_dim <= 16:  # (d = 24, 32 spill within 128 registers on sm_80;
                 # d = 16 with the next tile in registers too)
-                return MmaTiles(bk=32, prefetch=0, min_blocks=2)
+                return MmaTiles(bk=32, prefetch=int(f16), min_blocks=2)
             # 2 rows x 2 m-tiles per warp at every N (one row was faster at N > 512, 10.8
             # against 11.8 ms at 1x1024, but spills since each k-step's P V terms are summed
             # in fragments of their own: session 7, benchmarks/NOTES.md); d = 24 without
@@ -387,13 +403,13 @@ def attention_mma_tiles(head_dim: int, variant: str, n: int = 1 << 30,
                 # 2 blocks per SM, one row, the next tile in registers: 0.55 against 0.73 ms
                 # at 1x384x96x4 and 0.080 against 0.094 at 1x160, though it spills 24-32 bytes
                 # (results/h200-dev/sweep_tf32x3_d24.log; tests/test_kernels_compile.py)
-                return MmaTiles(bk=32, min_blocks=2)
+                return MmaTiles(bk=32, prefetch=int(not f16), min_blocks=2)
             if compute_capability < 90 and head_dim > 24:
                 return MmaTiles(bk=32, mt=1, rows=2)
             return MmaTiles(bk=32, mt=2, rows=2, prefetch=0 if head_dim == 24 else 1)
         if head_dim <= 64:
             return MmaTiles(bk=16)
-        raise ValueError(f"3xTF32 attention takes head dims up to 64; got {head_dim}")
+        raise ValueError(f"{variant} attention takes head dims up to 64; got {head_dim}")
     # TF32 and bf16: the cp.async ring; 2 blocks of 8 warps per SM where their registers fit
     if head_dim <= 16 and n <= _SMALL_N:  # 3 blocks per SM (80 registers, 2-stage ring)
         return MmaTiles(bk=32, min_blocks=3, stages=2)
@@ -414,14 +430,15 @@ def attention_mma_tiles(head_dim: int, variant: str, n: int = 1 << 30,
 def attention_mma_config(head_dim: int, variant: str, tiles: MmaTiles | None = None
                          ) -> KernelConfig:
     """The configuration whose entry point `attention_<variant>` serves `head_dim`;
-    variant "tf32x3" (fp32-accurate 3xTF32), "tf32" or "bf16"."""
+    variant "tf32x3" (fp32-accurate 3xTF32), "f16x3" (fp32-accurate, fp16 split
+    products), "tf32" or "bf16"."""
     if variant not in ATTENTION_MMA_VARIANTS:
         raise ValueError(f"variant must be one of {ATTENTION_MMA_VARIANTS}; got {variant!r}")
     if head_dim not in attention_mma_head_dims(variant):
         raise ValueError(f"the tensor-core attention ({variant}) takes head dims "
                          f"{attention_mma_head_dims(variant)}; got {head_dim}")
     tiles = tiles or attention_mma_tiles(head_dim, variant)
-    if variant == "tf32x3":  # staged through registers
+    if variant in _MMA_STAGED:  # staged through registers
         shape = (("PREFETCH", tiles.prefetch),)
     else:  # copied as stored, through the ring
         shape = (("STAGES", tiles.stages),)
@@ -433,12 +450,16 @@ def attention_mma_config(head_dim: int, variant: str, tiles: MmaTiles | None = N
 def attention_mma_smem_bytes(head_dim: int, variant: str, tiles: MmaTiles | None = None
                              ) -> int:
     """3xTF32: per row K [BK][d+4] and V^T [d][BK+4] tf32 words, hi and lo; then two bias
-    tiles [BQ][BK+8] fp32. TF32 / bf16: STAGES x (per row K and V [BK][d+4] words or
-    [BK][d+8] halves, one bias tile, fp16 in bf16 mode)."""
+    tiles [BQ][BK+8] fp32. f16x3: the same with K and V [BK][d+8] fp16, hi and lo.
+    TF32 / bf16: STAGES x (per row K and V [BK][d+4] words or [BK][d+8] halves, one bias
+    tile, fp16 in bf16 mode)."""
     t = tiles or attention_mma_tiles(head_dim, variant)
     bias_tile = (2 if variant == "bf16" else 4) * t.queries * (t.bk + 8)  # fp16 in bf16 mode
-    if variant == "tf32x3":
-        per_row = 2 * 4 * (t.bk * (head_dim + 4) + head_dim * (t.bk + 4))
+    if variant in _MMA_STAGED:
+        if variant == "f16x3":
+            per_row = 2 * 2 * 2 * t.bk * (head_dim + 8)
+        else:
+            per_row = 2 * 4 * (t.bk * (head_dim + 4) + head_dim * (t.bk + 4))
         return t.rows * per_row + 2 * bias_tile
     per_row = 4 * t.bk * (head_dim + 8) if variant == "bf16" else 8 * t.bk * (head_dim + 4)
     return t.stages * (t.rows * per_row + bias_tile)
@@ -448,7 +469,9 @@ def attention_mma_smem_bytes(head_dim: int, variant: str, tiles: MmaTiles | None
 class AttentionLaunch:
     """One attention kernel and its launch shape: blocks of `threads` threads, each taking
     `queries` queries of `rows` pair rows of one head; it reads k and v as the projection
-    stores them in `kv_format` (KV_*)."""
+    stores them in `kv_format` (KV_*); `operand_scales`: it scales q, k and v into fp16's
+    range itself and takes the powers of two (s_q, s_k, s_v) of _gpu.f16x3_scales as its
+    last arguments (attention_f16x3)."""
     config: KernelConfig
     name: str
     queries: int
@@ -456,14 +479,16 @@ class AttentionLaunch:
     threads: int
     smem: int
     kv_format: int = KV_FP32
+    operand_scales: bool = False
 
     def blocks(self, B: int, N: int, H: int) -> int:
         return -(-N // self.queries) * H * B * -(-N // self.rows)
 
 
-# precision -> the attention kernel variant
+# precision -> the attention kernel variant (mma.sync): the fp32 mode's split products in
+# fp16, f16x3 (twice TF32's rate; 3xTF32, "tf32x3", stays for tests and sweeps)
 PRECISIONS = ("fp32", "tf32", "bf16")
-_MMA_VARIANT = {"fp32": "tf32x3", "tf32": "tf32", "bf16": "bf16"}
+_MMA_VARIANT = {"fp32": "f16x3", "tf32": "tf32", "bf16": "bf16"}
 
 
 def check_precision(precision: str):
@@ -478,7 +503,7 @@ def attention_mma_launch(head_dim: int, variant: str, tiles: MmaTiles | None = N
                            f"attention_{variant}", tiles.queries, tiles.rows,
                            ATTENTION_MMA_THREADS,
                            attention_mma_smem_bytes(head_dim, variant, tiles),
-                           _MMA_KV_FORMAT[variant])
+                           _MMA_KV_FORMAT[variant], variant in _MMA_OPERAND_SCALES)
 
 
 # ---- each batch's key extent under the mask (kernels/key_extent.cu) ----

@@ -7,8 +7,9 @@ Stages (one launch each):
              F16_TERMS 3; TF32 for "tf32" and "bf16", with the wgmma attention one fp16
              product of scaled operands instead, F16_TERMS 1), else FFMA (project.cu)
   attention  flash-style softmax attention, o written over q: tensor cores for head dims
-             that are multiples of 8 on sm_80+ (attention_mma.cu: 3xTF32 for "fp32",
-             TF32, bf16; at head dim 32 on compute capability 9.0 from N = 129:
+             that are multiples of 8 on sm_80+ (attention_mma.cu: fp16 split products,
+             f16x3, for "fp32" (3xTF32 kept for tests), TF32, bf16; at head dim 32 on
+             compute capability 9.0 from N = 129:
              attention_wgmma.cu, "fp32" as fp16 split products there, "tf32" as one
              fp16 product of scaled operands), else FFMA fp32
              (attention.cu)
@@ -446,6 +447,7 @@ class Plan:
         B, N, _ = pair_geometry(shape, dw.pair_dim)
         D, H, d = dw.pair_dim, dw.num_heads, dw.head_dim
         self._qkv_scales = dw.qkv_scales
+        self._f16x3_scales = dw.f16x3_scales  # what attention_f16x3 scales q, k, v by itself
         self.B, self.N, self.D, self.H, self.d = B, N, D, H, d
         self.M = M = B * N * N
         self.project_mma = _configs.project_uses_tensor_cores(precision, dw.compute_capability)
@@ -614,6 +616,8 @@ class Plan:
         if k.kv_format in _configs.KV_F16_FORMATS:  # undo the projection's scales
             s_q, s_k, s_v, _ = self.scales
             args += (F32(1.0 / (s_q * s_k)), F32(1.0 / s_v))
+        if k.operand_scales:  # the kernel scales fp32 q, k, v into fp16's range itself
+            args += tuple(F32(s) for s in self._f16x3_scales)
         args, slots = args + (None,), slots + ((len(args), "extent"),)  # (null: all N keys)
         return Launch(k.config, k.name, k.blocks(self.B, self.N, self.H), k.threads, k.smem,
                        args, slots)
