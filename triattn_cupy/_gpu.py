@@ -719,6 +719,11 @@ class Plan:
             raise ValueError(f"launch {k.name} reads k and v in format {k.kv_format}, but "
                              f"this forward's projection stores format {self.kv_format}; "
                              f"build the Forward with attention=that launch")
+        if _configs.scales_key(k) != _configs.scales_key(self.attention_kernel):
+            raise ValueError(f"launch {k.name} reads q, k and the bias scaled by the scale set "
+                             f"{_configs.scales_key(k)!r}, but this forward's projection "
+                             f"scales them by {_configs.scales_key(self.attention_kernel)!r}; "
+                             f"build the Forward with attention=that launch")
         args = (None, None, _i32(self.B), _i32(self.N), _i32(self.H), _i32(self.npk),
                 _i32(nan_fully_masked))
         slots = ((0, "qkvg"), (1, "bias"))
