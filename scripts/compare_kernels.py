@@ -44,6 +44,11 @@ def dump(root, nvdisasm):
     sys.path.insert(0, str(root))
     from triattn_cupy import _compile, _configs  # noqa: E402 (the tree under root)
 
+    # The kernels of that tree too: an editable install maps triattn_cupy.kernels to its
+    # own checkout whatever sys.path says, which would compile one tree's kernels twice.
+    _compile._kernels_folder = lambda: root / "kernels"
+    _compile.kernel_source.cache_clear()
+
     result = {}
     with tempfile.TemporaryDirectory() as tmp:
         path = pathlib.Path(tmp) / "kernel.cubin"
