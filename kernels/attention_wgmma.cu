@@ -60,6 +60,15 @@
 // which the exponent's FFMA takes back out (qk_unscale = 1 / c): P = 2^((S - m) / c +
 // P_SHIFT); [O | l] += P V in 4 wgmma m64n40k16 straight into O; the projection writes
 // format 6's tiles in fp16, q's 16 fp16 words per head where its o goes (KV_FORMAT 8).
+// S16 (attention_f16s_wgmma, an option of F16X1 for the bf16 mode): the same inputs (KV_FORMAT
+// 8, scaled by _gpu.f16s_scales so that |bias| + |q . k| <= 2^15 in S's units c = s_q s_k,
+// c >= 1), S = bias + Q K^T in fp16 accumulators (wgmma .f16.f16.f16): the bias tile's
+// fp16 pairs are the accumulator's start as loaded, the row maxima and the exponent run on
+// fp16 pairs (P = 2^x, x = S / c + P16_SHIFT - m / c in one fma.rn.f16x2, ex2.approx.f16x2),
+// and P comes out packed as P V's A fragment; [O | l] += P V stays fp32. S keeps fp16's 11
+// bits (PyTorch's bf16 S keeps 8); x rounds to fp16 (half an ulp 2^-11..2^-10 where P is
+// largest), ex2.approx.f16's own error is ~2^-10 relative. ~154 instructions per warp and
+// 64-key tile against F16X1's ~227 (scripts/sass_loop_count.py).
 // tf32 operands must be K-major: K [key][dim] already is (the projection's layout); V
 // must be read as V^T [dim][key]. TF32: the projection writes V^T for this kernel, tile by
 // tile, exactly as shared memory holds it (project_epilogue.cuh KV_FORMAT 3): copying it
