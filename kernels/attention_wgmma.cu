@@ -60,6 +60,15 @@
 // which the exponent's FFMA takes back out (qk_unscale = 1 / c): P = 2^((S - m) / c +
 // P_SHIFT); [O | l] += P V in 4 wgmma m64n40k16 straight into O; the projection writes
 // format 6's tiles in fp16, q's 16 fp16 words per head where its o goes (KV_FORMAT 8).
+// S16 (attention_f16s_wgmma, an option of F16X1 for the bf16 mode): the same inputs (KV_FORMAT
+// 8, scaled by _gpu.f16s_scales so that |bias| + |q . k| <= 2^15 in S's units c = s_q s_k,
+// c >= 1), S = bias + Q K^T in fp16 accumulators (wgmma .f16.f16.f16): the bias tile's
+// fp16 pairs are the accumulator's start as loaded, the row maxima and the exponent run on
+// fp16 pairs (P = 2^x, x = S / c + P16_SHIFT - m / c in one fma.rn.f16x2, ex2.approx.f16x2),
+// and P comes out packed as P V's A fragment; [O | l] += P V stays fp32. S keeps fp16's 11
+// bits (PyTorch's bf16 S keeps 8); x rounds to fp16 (half an ulp 2^-11..2^-10 where P is
+// largest), ex2.approx.f16's own error is ~2^-10 relative. ~154 instructions per warp and
+// 64-key tile against F16X1's ~227 (scripts/sass_loop_count.py).
 // tf32 operands must be K-major: K [key][dim] already is (the projection's layout); V
 // must be read as V^T [dim][key]. TF32: the projection writes V^T for this kernel, tile by
 // tile, exactly as shared memory holds it (project_epilogue.cuh KV_FORMAT 3): copying it
@@ -140,6 +149,12 @@
 #ifndef F16X1
 #define F16X1 0         // 1: fp16 operands, one product (attention_f16_wgmma; BULK, KV_FORMAT 8)
 #endif
+#ifndef S16
+#define S16 0           // F16X1 with S in fp16 accumulators (attention_f16s_wgmma; the bf16 mode's option)
+#endif
+#ifndef P16_SHIFT
+#define P16_SHIFT 2.f   // S16: P = 2^((S - m) / c + P16_SHIFT), at most 2^(RESCALE_SLACK + 2)
+#endif
 #define F16 (F16X3 || F16X1)  // fp16 operands, scaled by the projection (qk_unscale, v_unscale)
 #define HALF16 (BF16 || F16)  // 16-bit operands: k16 products, K rows of 64 bytes
 // Q K^T with Q from shared memory (both operands by descriptor; BF16, F16X1): Q's 8
@@ -174,6 +189,9 @@ static_assert(HEAD_DIM == 32, "O16: a lane's o values of a row are one 16-byte s
 #error "attention_wgmma.cu: F16X3 and F16X1 are BULK variants, without SPLIT, BF16 or each other"
 #endif
 #define P_SHIFT 6.f  // F16: P scaled by 2^6 (at most 2^(RESCALE_SLACK + 6), inside fp16)
+#if S16 && !F16X1
+#error "attention_wgmma.cu: S16 is an option of F16X1"
+#endif
 
 #if ROWS != 1 && ROWS != 2
 #error "attention_wgmma.cu: ROWS must be 1 or 2"
@@ -196,6 +214,9 @@ typedef unsigned short bias_elem;  // fp16 bits
 #elif F16X3
 typedef unsigned short bias_elem;  // fp16 bits: the hi tile, then the lo
 #define ENTRY attention_f16x3_wgmma
+#elif F16X1 && S16
+typedef unsigned short bias_elem;  // fp16 bits
+#define ENTRY attention_f16s_wgmma
 #elif F16X1
 typedef unsigned short bias_elem;  // fp16 bits
 #define ENTRY attention_f16_wgmma
@@ -577,6 +598,33 @@ ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int 
         r[0] = pair[0], r[1] = pair[4], r[2] = pair[4 * BSTR], r[3] = pair[4 * BSTR + 4];
     };
 #endif
+#if S16
+    // S16: S = bias + Q K^T in fp16 accumulators (wgmma_m64n64k16_f16acc_ss), 16 registers
+    // of pairs: s[2n] row g, s[2n + 1] row g + 8, columns 8n + 2t, + 1. The bias tile's
+    // fp16 pairs start the accumulator as they are, no conversions: one ldmatrix.x4 per
+    // two pairs as bias_pairs', its lanes naming the matrices in the accumulator's order
+    // (matrix q: rows g + 8 (q & 1), chunk q >> 1; lane L names row (L & 7) + 8 ((L >> 3) &
+    // 1), chunk L >> 4), so that it writes s[4j .. 4j + 3] directly (in bias_pairs' order
+    // ptxas moved all 16 registers into place: 16 more instructions per tile). Every
+    // partial sum stays inside fp16: |bias| + |q . k| <= S16_TOP in S's units by the scales'
+    // bound (_gpu.f16s_scales), and a partial dot product is bounded as the whole one.
+    const u32 bias_acc_rows = smem_s + BIAS_OFFSET
+        + (q_in_tile + (lane & 7) + 8 * ((lane >> 3) & 1)) * 128 + 16 * ((lane >> 4) ^ (lane & 7));
+    auto issue_s = [&](u32 (&s)[2 * NT], int stage) {
+#pragma unroll
+        for (int j = 0; j < NT / 2; ++j) {
+            u32 r[4];
+            ldsm_x4(r, (bias_acc_rows + stage * STAGE_BYTES) ^ (32 * j));
+            s[4 * j] = r[0], s[4 * j + 1] = r[1], s[4 * j + 2] = r[2], s[4 * j + 3] = r[3];
+        }
+        const u64 k_desc = sw64_desc(smem_s + stage * STAGE_BYTES + rw * K_TILE);
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < HEAD_DIM / 16; ++kk)
+            wgmma_m64n64k16_f16acc_ss(s, sw64_desc(q_tile) + 2 * kk, k_desc + 2 * kk);
+        wgmma_commit();
+    };
+#else
     // Where bias_pairs' r[q] goes in S (pairs 2j, 2j + 1 of rows g, g + 8): s[8j + slot(q)], + 1
     auto pair_slot = [](int q) { return 4 * (q & 1) + 2 * (q >> 1); };
     auto issue_s = [&](float (&s)[4 * NT], int stage) {
@@ -624,6 +672,7 @@ ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int 
 #endif
         wgmma_commit();
     };
+#endif  // S16
 #if F16X3
     // S = products qk_unscale + bias, once the products are done: the bias's hi and lo
     // tiles summed (exact in fp32; -inf + 0 where masked).
@@ -658,6 +707,72 @@ ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int 
 #else
     const float log2_per_s = 1.f, s_per_log2 = 1.f;
 #endif
+#if S16
+    // S16: the same on S's fp16 pairs. The maximum: a max.f16x2 tree over each row's 8
+    // pairs (S's values, exact), its two candidates per row paired across the rows by two
+    // byte permutes and one more max; compared in fp32 with m_lim (fp32, S's units, as
+    // F16X1's). P = 2^x, x = S / c + ms[r] in one fma.rn.f16x2 per pair (S / c exact, one
+    // rounding), ex2.approx.f16x2 giving P already packed as P V's A fragment (register
+    // 4kk + e of S is word e of k-step kk's fragment). ms[r] = P16_SHIFT - m_sub / c rounded
+    // to fp16 once per move of m, and O's rescale factor taken from the rounded offsets
+    // (2^(ms_new - ms_old)), so all of a row's P share one reference exactly however ms
+    // rounded; x <= RESCALE_SLACK + P16_SHIFT (+ that rounding): P <= ~2^10. fp16 keeps x's
+    // rounding small where P is large: half an ulp of x at the row's largest keys (x near
+    // P16_SHIFT = 2) is 2^-11..2^-10 (P16_SHIFT 6, F16X1's, would put them in [4, 8): 2^-9),
+    // under ex2.approx.f16's own error; P below 2^-14 is subnormal (x < -14, keys 2^16
+    // below the row's largest: negligible in the sum). Masked keys: S = -inf, x = -inf,
+    // P = 0; rows with every key so far masked keep m_sub 0, ms P16_SHIFT (finite: no
+    // -inf - (-inf)). ms cannot overflow: |m_sub / c| <= the scores' bound <= 2^15 (c >= 1,
+    // _gpu.f16s_scales).
+    const u32 inv_c2 = pack_f16(qk_unscale, qk_unscale);  // 1 / c (a power of two: exact)
+    float msf[2] = {P16_SHIFT, P16_SHIFT};                 // ms as fp32 (exact)
+    u32 ms2[2] = {pack_f16(P16_SHIFT, P16_SHIFT), pack_f16(P16_SHIFT, P16_SHIFT)};
+    auto hmax2 = [](u32 a, u32 b) {
+        u32 d;
+        asm("max.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+        return d;
+    };
+    auto rescale = [&](const u32 (&s)[2 * NT]) {
+        u32 a = s[0], b = s[1];  // rows g, g + 8
+#pragma unroll
+        for (int n = 1; n < NT; ++n) a = hmax2(a, s[2 * n]), b = hmax2(b, s[2 * n + 1]);
+        // (a.lo, b.lo) against (a.hi, b.hi): the two rows' maxima in one pair
+        const float2 mx = half2_to_float2(hmax2(__byte_perm(a, b, 0x5410), __byte_perm(a, b, 0x7632)));
+        const bool grow = mx.x > m_lim[0] || mx.y > m_lim[1];
+        if (__any_sync(0xffffffffu, grow)) {
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                float x = r ? mx.y : mx.x;
+                x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
+                x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+                const float m_old = m_lim[r] == neg_inf() ? neg_inf() : m_sub[r];
+                const float m_new = fmaxf(m_old, x);
+                m_sub[r] = m_new == neg_inf() ? 0.f : m_new;
+                m_lim[r] = m_new + RESCALE_SLACK * s_per_log2;
+                ms2[r] = pack_f16(P16_SHIFT - m_sub[r] * log2_per_s, P16_SHIFT - m_sub[r] * log2_per_s);
+                const float ms_new = half2_to_float2(ms2[r]).x;
+                // (m_old -inf: O and l are still 0, and ms_new - msf may be large)
+                const float alpha = m_old == neg_inf() ? 0.f : fast_exp2(ms_new - msf[r]);
+                msf[r] = ms_new;
+#pragma unroll
+                for (int v = 0; v < ON / 8; ++v) {
+                    o[4 * v + 2 * r] *= alpha;
+                    o[4 * v + 2 * r + 1] *= alpha;
+                }
+            }
+        }
+    };
+    auto exponentiate = [&](const u32 (&s)[2 * NT], u32 (&pa)[NT / 2][4]) {
+#pragma unroll
+        for (int kk = 0; kk < NT / 2; ++kk)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {  // row e & 1
+                u32 x;
+                asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(x) : "r"(s[4 * kk + e]), "r"(inv_c2), "r"(ms2[e & 1]));
+                asm("ex2.approx.f16x2 %0, %1;" : "=r"(pa[kk][e]) : "r"(x));
+            }
+    };
+#else
     auto rescale = [&](const float (&s)[4 * NT]) {
         float mx[2];
         bool grow = false;
@@ -756,6 +871,7 @@ ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int 
         }
     };
 #endif
+#endif  // S16
 
     // [O | l] += P [V | 1 | 0], issued: k-step kk takes keys 8kk .. 8kk + 7 of the V^T tile
     // in ring stage `stage`, 32 bytes along the rows of its 32-key column.
@@ -918,7 +1034,11 @@ ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int 
         // one's products overlap the other's softmax.
         const bool second = PINGPONG && wg % ROW_GROUPS == 1;
         if (second) asm volatile("bar.sync %0, %1;" :: "r"(1 + rw), "n"(128 * ROW_GROUPS));
+#if S16
+        u32 s[2 * NT];
+#else
         float s[4 * NT];
+#endif
 #if SPLIT
         float bs[4 * NT];
         load_bias(bs, stage);
@@ -941,7 +1061,14 @@ ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int 
             for (int n = 0; n < NT; ++n)
 #pragma unroll
                 for (int e = 0; e < 4; ++e)
-                    if (k0 + 8 * n + 2 * t + (e & 1) >= N) s[4 * n + e] = neg_inf();
+                    if (k0 + 8 * n + 2 * t + (e & 1) >= N) {
+#if S16  // fp16 -inf (0xfc00) in half e & 1 of register 2n + row
+                        u32& w = s[2 * n + (e >> 1)];
+                        w = e & 1 ? (w & 0xffffu) | 0xfc000000u : (w & 0xffff0000u) | 0xfc00u;
+#else
+                        s[4 * n + e] = neg_inf();
+#endif
+                    }
         }
 #endif
         rescale(s);

@@ -144,6 +144,18 @@ __device__ __forceinline__ void wgmma_m64n40k16_f16(float (&d)[20], const u32 (&
 __device__ __forceinline__ void wgmma_m64n64k16_f16_ss(float (&d)[32], u64 a, u64 b) {
     WGMMA_N64_SS("wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16", "1, 1, 1, 0, 0", "+f", d, a, b);
 }
+// D (64 x 64) += A B with fp16 operands by descriptor into fp16 accumulators (the bf16 mode's
+// S in 16 bits, attention_f16s_wgmma): 16 registers of fp16 pairs, register i holding the
+// f32 layout's elements 2i, 2i + 1 above: d[2n] (g, 8n+2t..8n+2t+1), d[2n+1] (g+8, the same
+// columns), the lower column in the low half (mma.sync m16n8k16's f16 C, per 8 columns).
+__device__ __forceinline__ void wgmma_m64n64k16_f16acc_ss(u32 (&d)[16], u64 a, u64 b) {
+    asm volatile("wgmma.mma_async.sync.aligned.m64n64k16.f16.f16.f16 "
+                 "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15}, %16, %17, 1, 1, 1, 0, 0;"
+        : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3]), "+r"(d[4]), "+r"(d[5]), "+r"(d[6]),
+          "+r"(d[7]), "+r"(d[8]), "+r"(d[9]), "+r"(d[10]), "+r"(d[11]), "+r"(d[12]),
+          "+r"(d[13]), "+r"(d[14]), "+r"(d[15])
+        : "l"(a), "l"(b));
+}
 // D = A B (scale-d 0: D's old values neither read nor needed), for the first product into
 // a fresh accumulator.
 __device__ __forceinline__ void wgmma_m64n64k16_f16_first(float (&d)[32], const u32 (&a)[4], u64 b) {

@@ -2,7 +2,10 @@
 the machine code (offline: NVRTC and nvdisasm, no GPU). The figures in benchmarks/NOTES.md
 ("~292 -> ~223 instructions per tile", session 12) come from here.
 
-    python3 scripts/sass_loop_count.py [--nvdisasm PATH] [fp32 tf32 bf16]
+    python3 scripts/sass_loop_count.py [--nvdisasm PATH] [fp32 tf32 bf16 f16s ...]
+
+Each name a precision (its attention kernel on the H200) or a wgmma variant
+(_configs.WGMMA_VARIANTS: "f16s", the bf16 mode's S16 option, "f16", ...).
 
 nvdisasm is not in every CUDA install: `pip install nvidia-cuda-nvdisasm` brings one (it is
 looked for on PATH, then in that wheel). The count follows one iteration's common path:
@@ -28,7 +31,8 @@ GROUPS = (("tensor", lambda op: op.startswith(("HGMMA", "WARPGROUP"))),
           ("sync and branch", lambda op: op in ("SYNCS.PHASECHK", "SYNCS.ARRIVE", "WARPSYNC",
                                                 "BSSY", "BSYNC", "YIELD", "NOP", "VOTE", "BRA")),
           ("floating point", lambda op: op in ("MUFU.EX2", "FADD", "FFMA", "FMUL", "FMNMX",
-                                               "FSEL", "FSETP", "HADD2", "F2FP", "SHFL")),
+                                               "FSEL", "FSETP", "HADD2", "F2FP", "SHFL",
+                                               "HFMA2", "HMNMX2", "VHMNMX")),
           ("shared and local memory", lambda op: op in ("LDS", "LDSM", "LDL", "STL")),
           ("integer and moves", lambda op: True))
 
@@ -144,11 +148,14 @@ def walk(instructions, labels):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--nvdisasm")
-    parser.add_argument("precisions", nargs="*", default=["fp32", "tf32", "bf16"])
+    parser.add_argument("precisions", nargs="*", default=["fp32", "tf32", "bf16"],
+                        help="precisions or wgmma variants")
     args = parser.parse_args()
     nvdisasm = find_nvdisasm(args.nvdisasm)
     for precision in args.precisions:
-        launch = _configs.attention_kernel(32, precision, 90)
+        launch = (_configs.attention_kernel(32, precision, 90)
+                  if precision in _configs.PRECISIONS
+                  else _configs.attention_wgmma_launch(32, variant=precision))
         counts = collections.Counter(opname(t) for t in walk(*parse(
             disassemble(launch.config, nvdisasm))))
         print(f"{precision} ({launch.name}): {sum(counts.values())} instructions per warp "

@@ -2,6 +2,8 @@
 
 The full comparison with the peers is benchmarks/run.py; this is the fast loop for a
 kernel change:  python3 scripts/time_ours.py 2x128x64x4 1x384x128x4 1x1024x128x4
+(--precisions=bf16: that mode alone; TRIATTN_BF16_S16=1: the bf16 mode on the f16s
+attention, S in fp16; each line ends with the attention kernel the forward took)
 """
 import statistics
 import sys
@@ -63,8 +65,10 @@ def time_size(size, precision):
     flops = 4 * B * N**3 * D + 2 * B * N * N * D * (5 * D + h)
     line = " ".join(f"{name}={t:.3f}" for name, t in times)
     line_alone = " ".join(f"{name}={t:.3f}" for name, t in alone.items())
+    # the attention kernel the forward took (the bf16 mode's depends on TRIATTN_BF16_S16)
+    kernels = ",".join(sorted({plan.attention_kernel.name for plan in module._dw.plans.values()}))
     print(f"{precision:9s} {size}: {total:.3f} ms  {flops / total / 1e9:.1f} TFLOP/s  [{line}]"
-          f"  alone [{line_alone}]", flush=True)
+          f"  alone [{line_alone}]  {kernels}", flush=True)
 
 
 PRECISIONS = ("fp32", "tf32", "bf16")

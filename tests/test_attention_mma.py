@@ -19,8 +19,9 @@ from helpers import rel_l2
 
 pytestmark = pytest.mark.gpu
 
-TOL = {"tf32x3": 1e-5, "tf32": 2e-3, "bf16": 1e-2, "f16x3": 1e-5, "f16": 2e-3}
-MMA_VARIANTS = list(_configs.ATTENTION_MMA_VARIANTS)  # (f16 is wgmma only; f16x3 both)
+# f16s (the bf16 mode's option: S in fp16) held to bf16's
+TOL = {"tf32x3": 1e-5, "tf32": 2e-3, "bf16": 1e-2, "f16x3": 1e-5, "f16": 2e-3, "f16s": 1e-2}
+MMA_VARIANTS = list(_configs.ATTENTION_MMA_VARIANTS)  # (f16 and f16s are wgmma only; f16x3 both)
 HEAD_DIMS = [8, 16, 24, 32, 64, 128]
 SIZES_N = [1, 7, 64, 65, 130]
 
@@ -254,7 +255,10 @@ WGMMA_TILES = [("tf32", _configs.attention_wgmma_tiles("tf32")),
                ("f16x3", _configs.WgmmaTiles(rows=2, stages=2, min_blocks=1, pv_groups=1, bulk=1)),
                ("f16", _configs.attention_wgmma_tiles("f16")),
                ("f16", _configs.WgmmaTiles(min_blocks=2, bulk=1)),
-               ("f16", _configs.WgmmaTiles(rows=2, stages=3, min_blocks=1, bulk=1))]
+               ("f16", _configs.WgmmaTiles(rows=2, stages=3, min_blocks=1, bulk=1)),
+               ("f16s", _configs.attention_wgmma_tiles("f16s")),
+               ("f16s", _configs.WgmmaTiles(min_blocks=2, bulk=1)),
+               ("f16s", _configs.WgmmaTiles(rows=2, stages=3, min_blocks=1, bulk=1))]
 
 
 def _needs_sm_90(cp):
@@ -274,6 +278,16 @@ def test_wgmma_matches_ffma(cp, rng, B, N, variant, tiles):
                         _configs.attention_wgmma_launch(32, tiles, variant))
 
 
+@pytest.mark.parametrize("N", [129, 200, 257])
+@pytest.mark.parametrize("B", [1, 2])
+def test_f16s_matches_ffma_off_the_tiles(cp, rng, B, N):
+    """The f16s attention (S in fp16) at N past one query tile and off the key tiles, with
+    the masks of _mask (a fully masked query; a query whose first key tile is all masked)."""
+    _needs_sm_90(cp)
+    _check_against_ffma(cp, rng, B, N, 32, "f16s", None,
+                        _configs.attention_wgmma_launch(32, variant="f16s"))
+
+
 @pytest.mark.parametrize("variant", list(_configs.WGMMA_VARIANTS))
 def test_wgmma_both_policies_on_one_input(cp, variant):
     _needs_sm_90(cp)
@@ -285,7 +299,7 @@ def test_wgmma_both_policies_on_one_input(cp, variant):
         assert rel_l2(got, ref, where=~np.isnan(ref)) <= TOL[variant]
 
 
-@pytest.mark.parametrize("variant", ["f16x3", "f16"])
+@pytest.mark.parametrize("variant", ["f16x3", "f16", "f16s"])
 @pytest.mark.parametrize("magnitude", [1e-4, 1e3])
 def test_f16_products_keep_their_accuracy_at_any_weight_scale(cp, magnitude, variant):
     """The fp32 mode's fp16 split products (f16x3) and the tf32 mode's one fp16 product
@@ -294,7 +308,10 @@ def test_f16_products_keep_their_accuracy_at_any_weight_scale(cp, magnitude, var
     underflow nor overflow
     (inf, NaN). f16x3 keeps the fp32 bound; f16 is held to the TF32 wgmma kernel's error
     on the same inputs (at 1e3 the scores reach ~1e6, where an 11-bit rounding of q and k
-    moves them by hundreds: no TF32 product keeps 2e-3 there, PyTorch's neither)."""
+    moves them by hundreds: no TF32 product keeps 2e-3 there, PyTorch's neither).
+    f16s (S in fp16) at 1e-4 likewise against the bf16 wgmma kernel; at 1e3 its scores
+    could pass fp16's range (_gpu.f16s_scales: no scales), so forcing it fails clearly and
+    the bf16 mode with it selected takes the bf16 variant."""
     _needs_sm_90(cp)
     from triattn_cupy._gpu import DeviceWeights, Forward
 
@@ -309,10 +326,23 @@ def test_f16_products_keep_their_accuracy_at_any_weight_scale(cp, magnitude, var
     dw = DeviceWeights(weights, cp.cuda.runtime.getDevice())
     pair = cp.asarray(rng.standard_normal((B, N, N, d * h)).astype(np.float32) * 2 + 0.5)
     mask = cp.asarray(_mask(rng, B, N))
+    if variant == "f16s" and magnitude > 1:
+        assert dw.qkv_scales["f16s"] is None
+        with pytest.raises(ValueError, match="fp16's range"):
+            Forward(dw, pair, mask, "zero", None,
+                    attention=_configs.attention_wgmma_launch(d, variant="f16s"))
+        before = _configs.bf16_variant()
+        try:
+            _configs.set_bf16_variant("f16s")
+            fwd = Forward(dw, pair, mask, "zero", None, precision="bf16")
+            assert fwd.plan.attention_kernel.name == "attention_bf16_wgmma"
+        finally:
+            _configs.set_bf16_variant(before)
+        return
     outs = []
     launches = [_configs.attention_ffma_launch(d), _configs.attention_wgmma_launch(d, variant=variant)]
-    if variant == "f16":
-        launches.append(_configs.attention_wgmma_launch(d, variant="tf32"))
+    if variant in ("f16", "f16s"):
+        launches.append(_configs.attention_wgmma_launch(d, variant="tf32" if variant == "f16" else "bf16"))
     for launch in launches:
         fwd = Forward(dw, pair, mask, "zero", None, attention=launch)
         fwd.project()

@@ -417,6 +417,74 @@ def test_sizes_past_the_wgmma_thresholds(cp, rng, precision):
     check_against_reference(cp, rng, 2, 321, 128, 4, mask_kind="int", precision=precision)
 
 
+@pytest.fixture
+def bf16_s16():
+    """The bf16 mode on the f16s attention (S in fp16 accumulators; TRIATTN_BF16_S16=1 does
+    the same for a whole run) for this test, its former variant restored after. Tests
+    using it make their own weights, so no Plan of another variant is cached for them."""
+    before = ta._configs.bf16_variant()
+    ta._configs.set_bf16_variant("f16s")
+    yield
+    ta._configs.set_bf16_variant(before)
+
+
+def _plan_kernels(module):
+    return {plan.attention_kernel.name for plan in module._dw.plans.values()}
+
+
+@pytest.mark.parametrize("N", [129, 200, 257])
+@pytest.mark.parametrize("B", [1, 2])
+@pytest.mark.parametrize("policy", ["zero", "nan"])
+def test_bf16_s16_against_float64(cp, rng, bf16_s16, B, N, policy):
+    """The bf16 mode with S in fp16 (attention_f16s_wgmma) against float64 at bf16's
+    threshold: head dim 32 past N = 128 (the wgmma path), N off the 64-key and 128-query
+    tiles, B = 2, a fully masked query under both policies, and a query whose first key
+    tile is all masked but a later key is not (its running max restarts from -inf)."""
+    D, h = 128, 4
+    weights = ta.random_weights(D, h, seed=int(rng.integers(1 << 31)))
+    pair = rng.standard_normal((B, N, N, D)).astype(np.float32) * 2 + 0.5
+    mask = make_mask(rng, B, N)
+    j = (int(rng.integers(N)) + 1) % N
+    mask[:, j, :64] = False
+    mask[:, j, 64 + int(rng.integers(N - 64))] = True
+    expected = reference.triangle_attention(pair, mask, weights, fully_masked=policy)
+    module = ta.TriangleAttention(weights)
+    poison_pool(cp)
+    got = module(cp.asarray(pair), cp.asarray(mask), fully_masked=policy,
+                 precision="bf16").get()
+    assert _plan_kernels(module) == {"attention_f16s_wgmma"}
+    fully = np.broadcast_to(~mask.any(axis=-1)[:, None, :, None], got.shape)
+    if policy == "nan":
+        assert np.array_equal(np.isnan(got), fully), "NaN exactly at fully-masked queries"
+    err = rel_l2(got, expected, where=~fully)
+    print(f"bf16 f16s B={B} N={N} {policy}: rel L2 {err:.3g}")
+    assert err <= TOLERANCE["bf16"], (B, N, policy, err)
+    if policy == "zero":
+        assert np.isfinite(got).all()
+        assert rel_l2(got, expected) <= TOLERANCE["bf16"]
+
+
+def test_bf16_s16_error_within_twice_pytorch_bf16(cp, rng, bf16_s16):
+    """Issue 6's bound for the bf16 mode on f16s: no worse than twice PyTorch's bf16 error
+    on the same inputs, at the wgmma path's sizes (head dim 32, N > 128)."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("torch has no CUDA here")
+    for B, N, D, h in [(1, 160, 128, 4), (1, 300, 128, 4), (2, 200, 64, 2)]:
+        weights = ta.random_weights(D, h, seed=int(rng.integers(1 << 31)))
+        pair = (rng.standard_normal((B, N, N, D)) * 2 + 0.5).astype(np.float32)
+        mask = make_mask(rng, B, N, fully_masked_rows=False)
+        expected = spec_forward(weights, pair, mask)
+        module = ta.TriangleAttention(weights)
+        ours = module(cp.asarray(pair), cp.asarray(mask), precision="bf16").get()
+        assert _plan_kernels(module) == {"attention_f16s_wgmma"}
+        theirs = _torch_in_precision(torch, weights, pair, mask, "bf16")
+        ours_err, torch_err = rel_l2(ours, expected), rel_l2(theirs, expected)
+        print(f"bf16 f16s {B}x{N}x{D}x{h}: ours {ours_err:.3g}, PyTorch {torch_err:.3g}, "
+              f"ratio {ours_err / torch_err:.2f}")
+        assert ours_err <= 2 * torch_err, ((B, N, D, h), ours_err, torch_err)
+
+
 def test_large_n_memory_and_spot_rows(cp, rng):
     """B=1, N=2048, D=128 runs; scratch stays under 5x the input; sampled rows are exact."""
     B, N, D, h = 1, 2048, 128, 4

@@ -289,3 +289,98 @@ def test_f16_projection_scales_bound_layernorm_outputs_and_weights(magnitude, sc
     out_w_top = np.abs(params["out_proj.weight"]).max() * scales.out_w
     assert _gpu.F16X3_TOP / 2 < out_w_top <= _gpu.F16X3_TOP
     # (g * o: scaled per block by the out projection itself, load_gated_tile_f16)
+
+
+@pytest.mark.parametrize("qk,bias", [(1.0, 1.0), (1e-4, 1.0), (30.0, 1.0), (1.0, 1e2), (1.0, 0.0)])
+def test_f16s_scales_keep_s_inside_fp16(qk, bias):
+    """The bf16 mode's f16s option accumulates S = bias c + q_s . k_s in fp16 (c = s_q s_k):
+    for rows reaching each projection's bound and random rows, every |bias c| + |q_s . k_s|
+    (per head, every query-key pair of the rows) stays at or below S16_TOP, and so does every
+    partial sum of the dot product; c is a power of two in [1, S16_MAX_C], s_v f16x3's, and
+    q and k scaled stay inside fp16 (at most 2^9)."""
+    import math
+
+    import triattn_cupy as ta
+
+    D, h = 128, 4
+    d = D // h
+    base = ta.random_weights(D, h, seed=8)
+    params = {k: (v * np.float32(qk) if k.split(".")[0] in ("query", "key") else
+                  v * np.float32(bias) if k.startswith("bias_proj") else v)
+              for k, v in base.params.items()}
+    weights = ta.Weights(D, h, base.layer_norm_eps, params)
+    scales = _gpu.f16s_scales(weights, 2.0 ** 11)
+    assert scales is not None
+    s_q, s_k, s_v, c = scales
+    assert c == s_q * s_k and s_v == 2.0 ** 11 and 1 <= c <= _gpu.S16_MAX_C
+    assert all(s == 2.0 ** round(math.log2(s)) for s in scales)
+    gamma, beta = params["layer_norm.weight"].astype(np.float64), params["layer_norm.bias"]
+    rng = np.random.default_rng(4)
+
+    def project(name, factor, rows):
+        w, b = params[f"{name}.weight"].astype(np.float64), params.get(f"{name}.bias", 0.0)
+        return ((rows * gamma + beta) @ w.T + b) * factor
+
+    for head in range(h):
+        cols = slice(head * d, (head + 1) * d)
+        rows = {name: _worst_case_rows(params[f"{name}.weight"].astype(np.float64)[cols],
+                                       gamma, rng) for name in ("query", "key")}
+        q = project("query", _gpu.LOG2E / math.sqrt(d), rows["query"])[:, cols] * s_q
+        k = project("key", 1.0, rows["key"])[:, cols] * s_k
+        assert np.abs(q).max() <= 2 ** 9 and np.abs(k).max() <= 2 ** 9
+        partial = np.abs(np.cumsum(q[:, None, :] * k[None, :, :], axis=-1)).max()
+        wb = params["bias_proj.weight"].astype(np.float64)
+        b_top = np.abs(project("bias_proj", _gpu.LOG2E, _worst_case_rows(wb, gamma, rng))).max()
+        assert partial + b_top * c <= _gpu.S16_TOP
+
+
+def test_f16s_scales_refuse_scores_past_fp16():
+    """Scores that could pass 2^15 in log2 units (q and k weights x 1e3: ~1e6) leave c
+    below 1: no f16s scales (the Plan then takes the bf16 variant)."""
+    import triattn_cupy as ta
+
+    base = ta.random_weights(64, 2, seed=3)
+    params = {k: (v * np.float32(1e3) if k.split(".")[0] in ("query", "key") else v)
+              for k, v in base.params.items()}
+    assert _gpu.f16s_scales(ta.Weights(64, 2, base.layer_norm_eps, params), 1.0) is None
+
+
+def test_bf16_variant_switch():
+    """The bf16 mode's wgmma variant: "bf16" unless TRIATTN_BF16_S16=1 (read at import) or
+    set_bf16_variant; the f16s launch reads format 8 with its own scale set."""
+    from triattn_cupy import _configs
+
+    before = _configs.bf16_variant()
+    try:
+        _configs.set_bf16_variant("f16s")
+        launch = _configs.attention_kernel(32, "bf16", 90, 1024)
+        assert launch.name == "attention_f16s_wgmma"
+        assert launch.kv_format == _configs.KV_F16_TILES
+        assert _configs.scales_key(launch) == "f16s"
+        assert ("S16", 1) in launch.config.defines and ("F16X1", 1) in launch.config.defines
+        assert _configs.attention_kernel(32, "bf16", 90, 128).name == "attention_bf16"
+        assert _configs.attention_kernel(32, "tf32", 90, 1024).name == "attention_f16_wgmma"
+        _configs.set_bf16_variant("bf16")
+        assert _configs.attention_kernel(32, "bf16", 90, 1024).name == "attention_bf16_wgmma"
+        with pytest.raises(ValueError, match="bf16 mode's wgmma variant"):
+            _configs.set_bf16_variant("f16")
+    finally:
+        _configs.set_bf16_variant(before)
+    f16 = _configs.attention_wgmma_launch(32, variant="f16")
+    assert _configs.scales_key(f16) == _configs.KV_F16_TILES
+    assert (_configs.attention_wgmma_launch(32, variant="f16s").smem == f16.smem)
+
+
+def test_bf16_variant_from_the_environment():
+    import os
+    import subprocess
+    import sys
+
+    code = "from triattn_cupy import _configs; print(_configs.bf16_variant())"
+    for value, expected in (("1", "f16s"), ("0", "bf16"), (None, "bf16")):
+        env = {k: v for k, v in os.environ.items() if k != "TRIATTN_BF16_S16"}
+        if value is not None:
+            env["TRIATTN_BF16_S16"] = value
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                             text=True, check=True).stdout.strip()
+        assert out == expected, (value, out)

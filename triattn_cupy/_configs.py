@@ -543,11 +543,42 @@ VT_TILE_BYTES = WGMMA_KEYS * 32 * 4  # one V^T tile of KV_TF32_VT: 64 keys x 32 
 # entry points attention_<variant>_wgmma
 WGMMA_VARIANTS = {"tf32": (0, KV_TF32_VT, KV_TF32_TILES), "tf32x3": (1, KV_FP32, None),
                   "bf16": (0, None, KV_BF16_TILES), "f16x3": (0, None, KV_F16X3_TILES),
-                  "f16": (0, None, KV_F16_TILES)}
+                  "f16": (0, None, KV_F16_TILES), "f16s": (0, None, KV_F16_TILES)}
+# "f16s": f16 with S = bias + Q K^T in fp16 accumulators and the softmax's max and
+# exponent on fp16 pairs (attention_wgmma.cu S16), reading format 8 as f16 does but with q,
+# k and the bias scaled so that S fits in fp16 (_gpu.f16s_scales: the bf16 mode's option).
 # precision -> the wgmma variant serving it: the fp32 mode's split products in fp16 (twice
 # TF32's rate; 3xTF32 "tf32x3" stays for tests and sweeps), the tf32 mode's one fp16
-# product of scaled operands (TF32's 11 bits at twice its rate; "tf32" stays likewise)
-_WGMMA_VARIANT = {"fp32": "f16x3", "tf32": "f16", "bf16": "bf16"}
+# product of scaled operands (TF32's 11 bits at twice its rate; "tf32" stays likewise);
+# bf16's own ("bf16"), or "f16s" where TRIATTN_BF16_S16=1 (or set_bf16_variant("f16s")):
+# format 8's projections then serve the bf16 mode (their out projection reads an fp32 gate,
+# ~0.12 ms slower at 1x1024 than format 6's), for A/B runs until it is measured.
+BF16_WGMMA_VARIANTS = ("bf16", "f16s")
+_WGMMA_VARIANT = {"fp32": "f16x3", "tf32": "f16",
+                  "bf16": "f16s" if os.environ.get("TRIATTN_BF16_S16", "0") == "1" else "bf16"}
+
+
+def set_bf16_variant(variant: str):
+    """The wgmma variant of the bf16 mode from now on ("bf16" or "f16s"; the default from
+    TRIATTN_BF16_S16). Forwards planned before keep theirs: DeviceWeights keeps its Plans,
+    so set this before the first forward of a module (or pass `attention=`)."""
+    if variant not in BF16_WGMMA_VARIANTS:
+        raise ValueError(f"the bf16 mode's wgmma variant must be one of "
+                         f"{BF16_WGMMA_VARIANTS}; got {variant!r}")
+    _WGMMA_VARIANT["bf16"] = variant
+    attention_kernel.cache_clear()
+
+
+def scales_key(launch: AttentionLaunch):
+    """The key of DeviceWeights.qkv_scales whose powers of two the projection feeding
+    `launch` scales q, k, v and the pair bias by: its format, but "f16s" for the f16s
+    variant (format 8 with S in fp16: its own bound, _gpu.f16s_scales)."""
+    return "f16s" if launch.name == "attention_f16s_wgmma" else launch.kv_format
+
+
+def bf16_variant() -> str:
+    """The bf16 mode's wgmma variant now (set_bf16_variant)."""
+    return _WGMMA_VARIANT["bf16"]
 # N above which a precision takes the wgmma kernel, of its variant (_WGMMA_VARIANT)
 # (scripts/sweep_tiles.py, benchmarks/NOTES.md): TF32 from N = 129. bf16 from N = 129 as
 # TF32 (faster at 1x384 and 1x1024: 0.179 / 2.50 against 0.198 / 3.00 ms; not swept
@@ -560,7 +591,7 @@ _WGMMA_ABOVE_N = {"tf32": _SMALL_N, "fp32": _SMALL_N, "bf16": _SMALL_N}
 
 
 # The variants whose Q K^T reads Q from shared memory (attention_wgmma.cu Q_SHARED)
-WGMMA_Q_SHARED = ("bf16", "f16")
+WGMMA_Q_SHARED = ("bf16", "f16", "f16s")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -596,7 +627,7 @@ def attention_wgmma_tiles(variant: str = "tf32") -> WgmmaTiles:
         return WgmmaTiles(bulk=1, min_blocks=3)  # at 1x1024 than 2 (session12_call2.txt)
     if variant == "f16x3":  # 2 blocks per SM (101 KiB each), one fresh P V accumulator
         return WgmmaTiles(bulk=1, pv_groups=1)  # per tile: 123 registers, no spills
-    if variant == "f16":  # as bf16's
+    if variant in ("f16", "f16s"):  # as bf16's (f16s: 80 registers, no spills)
         return WgmmaTiles(bulk=1, min_blocks=3)
     return WgmmaTiles(bulk=1)
 
@@ -608,7 +639,7 @@ def attention_wgmma_smem_bytes(tiles: WgmmaTiles, variant: str = "tf32") -> int:
     and 1024 bytes to align the start; bf16 and f16 (WGMMA_Q_SHARED) also a Q tile [64][32]
     16-bit per warpgroup, 1024-aligned after the mbarriers."""
     split = WGMMA_VARIANTS[variant][0]
-    element = 2 if variant in ("bf16", "f16x3", "f16") else 4
+    element = 2 if variant in ("bf16", "f16x3", "f16", "f16s") else 4
     parts = 2 if variant == "f16x3" else 1 + split  # hi and lo (f16x3: every tile)
     k_tile = tiles.rows * WGMMA_KEYS * 32 * element
     k_vt = k_tile + tiles.rows * 40 * WGMMA_KEYS * element
@@ -628,7 +659,8 @@ def attention_wgmma_launch(head_dim: int = 32, tiles: WgmmaTiles | None = None,
     K, V^T and bias tiles where `tiles.bulk` (KV_TF32_TILES); 3xTF32 ("tf32x3") as
     attention_tf32x3 (KV_FP32); bf16 ("bf16"), the fp32 mode's fp16 split ("f16x3") and
     the tf32 mode's one fp16 product ("f16") with bulk copies only, from their K and V^T
-    tiles (KV_BF16_TILES, KV_F16X3_TILES, KV_F16_TILES)."""
+    tiles (KV_BF16_TILES, KV_F16X3_TILES, KV_F16_TILES); "f16s" as "f16" with S in fp16
+    (the bf16 mode's option), reading KV_F16_TILES with scales of its own (scales_key)."""
     if variant not in WGMMA_VARIANTS:
         raise ValueError(f"variant must be one of {tuple(WGMMA_VARIANTS)}; got {variant!r}")
     if head_dim not in WGMMA_HEAD_DIMS:
@@ -646,8 +678,10 @@ def attention_wgmma_launch(head_dim: int = 32, tiles: WgmmaTiles | None = None,
         extra += (("BF16", 1),)
     if variant == "f16x3":
         extra += (("F16X3", 1), ("PV_GROUPS", t.pv_groups))
-    if variant == "f16":
+    if variant in ("f16", "f16s"):
         extra += (("F16X1", 1),)
+    if variant == "f16s":
+        extra += (("S16", 1),)
     config = KernelConfig("attention_wgmma.cu", (
         ("HEAD_DIM", head_dim), ("ROWS", t.rows), ("STAGES", t.stages),
         ("MIN_BLOCKS", t.min_blocks), ("PINGPONG", t.pingpong)) + extra, WGMMA_ARCH)

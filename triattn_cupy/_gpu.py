@@ -87,8 +87,11 @@ class DeviceWeights:
         # The powers of two (s_q, s_k, s_v, s_b) the projection writing each fp16 format
         # multiplies q, k, v and the pair bias by (attention_wgmma.cu undoes them); None:
         # unscaled (every other format).
+        # (_configs.scales_key: "f16s" for the f16s variant, which reads format 8 with S in
+        # fp16; None where these weights' scores could pass fp16's range: f16s_scales)
         self.qkv_scales = {_configs.KV_F16X3_TILES: (*self.f16x3_scales, 1.0),
-                           _configs.KV_F16_TILES: f16_biased_scales(weights, self.f16x3_scales)}
+                           _configs.KV_F16_TILES: f16_biased_scales(weights, self.f16x3_scales),
+                           "f16s": f16s_scales(weights, self.f16x3_scales[2])}
         self._weights = weights
         self.device_id = device_id
         self.plans: dict = {}  # input geometry -> Plan (Forward)
@@ -263,6 +266,65 @@ def f16_biased_scales(weights: Weights, qkv: tuple[float, float, float]):
             e = round(math.log2(over))
             s_q, s_k = s_q / 2.0 ** (e // 2), s_k / 2.0 ** (e - e // 2)
     return s_q, s_k, s_v, s_q * s_k
+
+
+# f16s (attention_wgmma.cu S16): the bound on |S| = |bias + q . k| in S's units, s_q s_k = c
+# (2^15: half of fp16's largest, room for the roundings of q, k and the partial sums), and
+# the largest c taken (1 / c stays a normal fp16 number, the exponent's fma operand).
+S16_TOP = 2.0 ** 15
+S16_MAX_C = 2.0 ** 14
+
+
+def f16s_scales(weights: Weights, s_v: float):
+    """(s_q, s_k, s_v, s_b = s_q s_k) for the f16s attention (attention_wgmma.cu S16, the bf16
+    mode's option), or None where no such scales exist for these weights.
+
+    The f16s kernel accumulates S = bias c + q_s . k_s (c = s_q s_k) in fp16, so every
+    partial sum must stay inside fp16's range, for any input: the bounds are
+    Cauchy-Schwarz's per head. q_h = W_h (gamma n) + W_h beta + b_h with |n|_2 <= sqrt(D)
+    (LayerNorm), so |q_h|_2 <= sqrt(D) ||W_h diag(gamma)||_2 + |W_h beta + b_h|_2 (the
+    spectral norm; q with its log2(e)/sqrt(d)), B_q the largest over heads, B_k alike, and
+    |q_h . k_h| <= B_q B_k for every head and any partial sum of the dot product; the bias
+    (in log2(e) units) is at most B_b (_projection_bound). c is the largest power of two with
+    c (B_q B_k + B_b) <= S16_TOP, at most S16_MAX_C; s_q and s_k split it so that q's and k's
+    scaled bounds are about equal (~sqrt(c B_q B_k) <= 2^8, far inside fp16 and its normal
+    range). fp16's relative precision makes S's rounding independent of c; the range is
+    all the scale decides.
+
+    c below 1 (scores that could reach 2^15 in log2 units: B_q B_k + B_b > 2^15) is refused
+    (None): the kernel forms the exponent as S / c + ms with ms = P16_SHIFT - m / c in fp16,
+    which c >= 1 keeps finite (|m / c| <= 2^15). Forwards of such weights take the "bf16"
+    variant instead (Plan), or fail clearly where the f16s launch is forced."""
+    p = _float64_params(weights)
+    D, H, d = weights.pair_dim, weights.num_heads, weights.head_dim
+    b_q = _head_bound(p, D, H, "query") * LOG2E / math.sqrt(d)
+    b_k = _head_bound(p, D, H, "key")
+    b_b = LOG2E * _projection_bound(p, D, "bias_proj")
+    total = b_q * b_k + b_b
+    if not math.isfinite(total):
+        return None
+    c = S16_MAX_C if total == 0 else min(S16_MAX_C, 2.0 ** math.floor(math.log2(S16_TOP / total)))
+    if c < 1:
+        return None
+    # s_q = 2^e ~ sqrt(c b_k / b_q): q's and k's scaled bounds equal (either may be 0: q or
+    # k all zero, any split serves)
+    e = (math.floor(math.log2(c * b_k / b_q) / 2) if b_q > 0 and b_k > 0 else 0)
+    e = max(-40, min(40, e))
+    return 2.0 ** e, c / 2.0 ** e, s_v, c
+
+
+def _head_bound(p: dict, D: int, H: int, name: str) -> float:
+    """The largest |LayerNorm(x) W_h^T + b_h|_2 over heads h (the head's d columns) any input
+    can give for projection `name`: sqrt(D) ||W_h diag(gamma)||_2 + |W_h beta + b_h|_2."""
+    w, b = p[f"{name}.weight"], p[f"{name}.bias"]
+    gamma, beta = p["layer_norm.weight"], p["layer_norm.bias"]
+    d = w.shape[0] // H
+    bound = 0.0
+    for h in range(H):
+        wh = w[h * d:(h + 1) * d]
+        bound = max(bound, math.sqrt(D) * float(np.linalg.norm(wh * gamma, 2))
+                    + float(np.linalg.norm(wh @ beta + b[h * d:(h + 1) * d])))
+    return bound
 
 
 def _float64_params(weights: Weights) -> dict:
@@ -456,6 +518,15 @@ class Plan:
         # the projection stores k and v in the form that kernel reads.
         self.attention_kernel = attention or _configs.attention_kernel(
             d, precision, dw.compute_capability, N, dw.smem_limit)
+        if (_configs.scales_key(self.attention_kernel) == "f16s"
+                and dw.qkv_scales["f16s"] is None):
+            if attention is not None:
+                raise ValueError(f"{attention.name} needs these weights' scores inside fp16's "
+                                 f"range (_gpu.f16s_scales: their bound passes 2^15 in log2 "
+                                 f"units); use another attention launch")
+            # the bf16 mode's f16s option (_configs.set_bf16_variant) for weights it cannot
+            # take: the bf16 variant, which holds S in fp32
+            self.attention_kernel = _configs.attention_wgmma_launch(d, variant="bf16")
         self.kv_format = self.attention_kernel.kv_format
         self.project_f16 = self.project_mma and bool(_configs.project_f16_terms(
             self.kv_format, self.project_split))  # fp16 products (F16_TERMS)
@@ -601,12 +672,17 @@ class Plan:
     def scales(self):
         """(s_q, s_k, s_v, s_b): the powers of two q, k, v and the pair bias come scaled by
         into fp16's range (KV_F16_FORMATS; DeviceWeights.qkv_scales), or None."""
-        return self._qkv_scales.get(self.kv_format)
+        return self._qkv_scales.get(_configs.scales_key(self.attention_kernel))
 
     def attention_launch(self, k: "_configs.AttentionLaunch", nan_fully_masked: bool):
         if k.kv_format != self.kv_format:
             raise ValueError(f"launch {k.name} reads k and v in format {k.kv_format}, but "
                              f"this forward's projection stores format {self.kv_format}; "
+                             f"build the Forward with attention=that launch")
+        if _configs.scales_key(k) != _configs.scales_key(self.attention_kernel):
+            raise ValueError(f"launch {k.name} reads q, k and the bias scaled by the scale set "
+                             f"{_configs.scales_key(k)!r}, but this forward's projection "
+                             f"scales them by {_configs.scales_key(self.attention_kernel)!r}; "
                              f"build the Forward with attention=that launch")
         args = (None, None, I32(self.B), I32(self.N), I32(self.H), I32(self.npk),
                 I32(nan_fully_masked))
