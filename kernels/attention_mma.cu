@@ -79,8 +79,8 @@
 // (bf16 index h*d; project_epilogue.cuh KV_FORMAT 2), o still fp32 over [0, D).
 // bias [B, H, N, NPK] (fp16 for attention_bf16), NPK a multiple of BK (whole tiles are copied), -inf on the padded
 // keys [N, NPK). attention_f16x3 takes s_q, s_k, s_v (powers of two) after
-// nan_fully_masked. key_extent [B] (key_extent.cu) or null, last: the DIRECT
-// paths' key loops stop at the tile holding key key_extent[b] - 1 (visited_keys).
+// nan_fully_masked. key_extent [B] (key_extent.cu) or null, last: not read here (every key
+// is visited; see the kernel).
 #include "common.cuh"
 #include "mma.cuh"
 
@@ -245,19 +245,13 @@ ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int 
     const AttentionBlock blk = attention_block(N, H, BQ, ROWS);
     const int qtile = blk.qtile, i0 = blk.i0, head = blk.head, b = blk.b;  // i0: first row
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-#if DIRECT
-    // The key loop's end (key_extent.cu), in shared memory: read where it is needed, after
-    // the loop's barriers, it takes no register from the 128-register configurations (one
-    // more live value spilled 4 bytes in one). The staged path (3xTF32, the fp32 mode
-    // where the wgmma kernel is not: mostly N <= 128) visits every key: there the extent's
-    // value or its barrier pushed its spills up (d = 24: 24 -> 44 bytes; d = 32, two rows:
-    // 0 -> 12).
-    __shared__ int keys;
-    if (tid == 0) keys = visited_keys(key_extent, b, N);
-    __syncthreads();
-#else
-    const int keys = N;
-#endif
+    // Every key is visited here (key_extent, for attention_wgmma.cu and attention.cu, is
+    // not read): a key loop ending at a loaded value is no longer uniform, and ptxas moved
+    // the loop's address arithmetic from uniform to per-thread registers (tf32 at d = 16,
+    // 2x128x64x4: 21 -> 30 µs; in shared memory, the value's barrier and static shared
+    // memory pushed the 3xTF32 spills up and the 48 KiB bf16 tiles past the default limit:
+    // benchmarks/NOTES.md, session 18).
+    (void)key_extent;
     const int g = lane >> 2, t = lane & 3;  // fragment row group, thread in group
 
     // qkvg at (b, i0 + r, j = 0), this head's q columns.
@@ -816,7 +810,7 @@ ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int 
     // Copy the tile at k0 into stage `stage` (nothing past the last tile), then commit a
     // group either way, so that the group count stays in step with the tiles.
     auto issue = [&](int k0, int stage) {
-        if (k0 < keys) {
+        if (k0 < N) {
             const u32 st = smem_s + stage * STAGE_BYTES;
             const char* const tile_base = copy_base + (i64)k0 * ld * 4;  // key k0 of row i0
 #pragma unroll
@@ -832,7 +826,7 @@ ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int 
 #pragma unroll
     for (int s = 0; s < STAGES - 1; ++s) issue(s * BK, s);
     int stage = 0;
-    for (int k0 = 0; k0 < keys; k0 += BK) {
+    for (int k0 = 0; k0 < N; k0 += BK) {
         cp_async_wait<STAGES - 2>();  // this thread's copies of this tile landed
         __syncthreads();  // everyone's copies visible; every warp is done with the last tile
         // The stage freed by the last tile takes the tile STAGES - 1 ahead.
@@ -918,8 +912,8 @@ ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int 
     if (PREFETCH) fetch(0);
     copy_bias(0, bias_tiles_s);
     cp_async_commit();
-    for (int k0 = 0, tile = 0; k0 < keys; k0 += BK, ++tile) {
-        const bool more = k0 + BK < keys;
+    for (int k0 = 0, tile = 0; k0 < N; k0 += BK, ++tile) {
+        const bool more = k0 + BK < N;
         if (!PREFETCH) fetch(k0);
         __syncthreads();  // every warp is done with the previous tile (and bias buffer)
         store();

@@ -335,7 +335,7 @@ def test_f16_products_keep_their_accuracy_at_any_weight_scale(cp, magnitude, var
         try:
             _configs.set_bf16_variant("f16s")
             fwd = Forward(dw, pair, mask, "zero", None, precision="bf16")
-            assert fwd.plan.attention_kernel.name == "attention_bf16_wgmma"
+            assert "f16s" not in fwd.plan.attention_kernel.name  # (N = 97: mma.sync bf16)
         finally:
             _configs.set_bf16_variant(before)
         return

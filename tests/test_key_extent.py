@@ -1,7 +1,9 @@
 """Each batch's key extent under the mask (kernels/key_extent.cu) and the attention's key
 loops stopping there: the extent against NumPy for every mask layout, and forwards with
-and without it equal to the bit in every mode and on every attention path (a tile past the
-extent is masked for every query, so it adds exactly nothing)."""
+and without it equal in every mode and on every attention path: to the bit where a tile's
+products are added to the output in fp32 (a tile past the extent is masked for every
+query, so it adds exactly zero), to the tensor cores' truncation where they are
+accumulated in the tensor cores (the tf32 and bf16 wgmma kernels)."""
 from __future__ import annotations
 
 import numpy as np
@@ -9,6 +11,7 @@ import pytest
 
 import triattn_cupy as ta
 from triattn_cupy import _configs, _gpu
+from helpers import rel_l2
 
 pytestmark = pytest.mark.gpu
 
@@ -95,6 +98,15 @@ def test_stopping_at_the_key_extent_changes_no_bit(cp, rng, monkeypatch, D, h, p
         assert (plan.key_extent is not None) == (min_n <= N)
         outs.append(out.get())
     with_extent, without = outs
-    np.testing.assert_array_equal(with_extent, without)  # (NaN where NaN, -0 == +0)
+    assert np.array_equal(np.isnan(with_extent), np.isnan(without))
     if fully_masked == "zero":
         assert np.isfinite(with_extent).all()
+    chained = precision != "fp32" and "wgmma" in plan.attention_kernel.name
+    if not chained:  # the skipped tiles' zeros added in fp32: nothing changes
+        np.testing.assert_array_equal(with_extent, without)  # (NaN where NaN, -0 == +0)
+    else:
+        # The tf32 and bf16 wgmma kernels add each tile's P V onto O inside the tensor cores,
+        # whose accumulation truncates: a tile of zeros still moves O's last bits (seen: 0.3%
+        # of the elements, by up to ~3e-4 absolute). Far inside either mode's error.
+        finite = np.isfinite(without)
+        assert rel_l2(with_extent[finite], without[finite]) <= 1e-4
