@@ -346,8 +346,9 @@ def test_f16s_scales_refuse_scores_past_fp16():
 
 
 def test_bf16_variant_switch():
-    """The bf16 mode's wgmma variant: "bf16" unless TRIATTN_BF16_S16=1 (read at import) or
-    set_bf16_variant; the f16s launch reads format 8 with its own scale set."""
+    """The bf16 mode's wgmma variant: by N ("auto": f16s from BF16_F16S_FROM_N) unless
+    TRIATTN_BF16_S16 (read at import) or set_bf16_variant says one; the f16s launch reads
+    format 8 with its own scale set."""
     from triattn_cupy import _configs
 
     before = _configs.bf16_variant()
@@ -362,6 +363,10 @@ def test_bf16_variant_switch():
         assert _configs.attention_kernel(32, "tf32", 90, 1024).name == "attention_f16_wgmma"
         _configs.set_bf16_variant("bf16")
         assert _configs.attention_kernel(32, "bf16", 90, 1024).name == "attention_bf16_wgmma"
+        _configs.set_bf16_variant("auto")
+        top = _configs.BF16_F16S_FROM_N
+        assert _configs.attention_kernel(32, "bf16", 90, top).name == "attention_f16s_wgmma"
+        assert _configs.attention_kernel(32, "bf16", 90, top - 1).name == "attention_bf16_wgmma"
         with pytest.raises(ValueError, match="bf16 mode's wgmma variant"):
             _configs.set_bf16_variant("f16")
     finally:
@@ -377,7 +382,7 @@ def test_bf16_variant_from_the_environment():
     import sys
 
     code = "from triattn_cupy import _configs; print(_configs.bf16_variant())"
-    for value, expected in (("1", "f16s"), ("0", "bf16"), (None, "bf16")):
+    for value, expected in (("1", "f16s"), ("0", "bf16"), (None, "auto")):
         env = {k: v for k, v in os.environ.items() if k != "TRIATTN_BF16_S16"}
         if value is not None:
             env["TRIATTN_BF16_S16"] = value

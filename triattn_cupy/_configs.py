@@ -550,17 +550,22 @@ WGMMA_VARIANTS = {"tf32": (0, KV_TF32_VT, KV_TF32_TILES), "tf32x3": (1, KV_FP32,
 # precision -> the wgmma variant serving it: the fp32 mode's split products in fp16 (twice
 # TF32's rate; 3xTF32 "tf32x3" stays for tests and sweeps), the tf32 mode's one fp16
 # product of scaled operands (TF32's 11 bits at twice its rate; "tf32" stays likewise);
-# bf16's own ("bf16"), or "f16s" where TRIATTN_BF16_S16=1 (or set_bf16_variant("f16s")):
-# format 8's projections then serve the bf16 mode (their out projection reads an fp32 gate,
-# ~0.12 ms slower at 1x1024 than format 6's), for A/B runs until it is measured.
-BF16_WGMMA_VARIANTS = ("bf16", "f16s")
+# for bf16 ("auto") its own variant ("bf16") below BF16_F16S_FROM_N and "f16s" from there:
+# format 8's projections then serve the bf16 mode (their out projection reads an fp32 gate:
+# session 18 measured the projections 0.655 + 0.360 -> 0.701 + 0.552 ms at 1x1024, the
+# attention 1.958 -> 1.734; forward 2.952 -> 2.834, and 0.302 -> 0.322 at 1x384; a cubic
+# attention gain against a quadratic projection cost fitted to the two breaks even near N
+# = 730). TRIATTN_BF16_S16=1 / 0 (or set_bf16_variant) takes one variant at every N.
+BF16_WGMMA_VARIANTS = ("auto", "bf16", "f16s")
+BF16_F16S_FROM_N = 768
 _WGMMA_VARIANT = {"fp32": "f16x3", "tf32": "f16",
-                  "bf16": "f16s" if os.environ.get("TRIATTN_BF16_S16", "0") == "1" else "bf16"}
+                  "bf16": {"1": "f16s", "0": "bf16"}.get(os.environ.get("TRIATTN_BF16_S16"),
+                                                         "auto")}
 
 
 def set_bf16_variant(variant: str):
-    """The wgmma variant of the bf16 mode from now on ("bf16" or "f16s"; the default from
-    TRIATTN_BF16_S16). Forwards planned before keep theirs: DeviceWeights keeps its Plans,
+    """The wgmma variant of the bf16 mode from now on ("auto": by N, BF16_F16S_FROM_N;
+    "bf16" or "f16s" at every N; the default from TRIATTN_BF16_S16, else "auto"). Forwards planned before keep theirs: DeviceWeights keeps its Plans,
     so set this before the first forward of a module (or pass `attention=`)."""
     if variant not in BF16_WGMMA_VARIANTS:
         raise ValueError(f"the bf16 mode's wgmma variant must be one of "
@@ -708,7 +713,10 @@ def attention_kernel(head_dim: int, precision: str, compute_capability: int = 90
     limit = SMEM_LIMIT if smem_limit is None else smem_limit
     variant = _MMA_VARIANT[precision]
     if uses_wgmma(head_dim, precision, compute_capability, n):
-        launch = attention_wgmma_launch(head_dim, variant=_WGMMA_VARIANT[precision])
+        wgmma_variant = _WGMMA_VARIANT[precision]
+        if wgmma_variant == "auto":
+            wgmma_variant = "f16s" if n >= BF16_F16S_FROM_N else "bf16"
+        launch = attention_wgmma_launch(head_dim, variant=wgmma_variant)
         if launch.smem <= limit:
             return launch
     if compute_capability >= 80 and head_dim in attention_mma_head_dims(variant):
