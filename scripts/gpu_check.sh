@@ -4,6 +4,8 @@
 # TRIATTN_ABLATE holds scripts/ablate_projection.py's). Used with the device tool as:
 #   bash scripts/gpu_check.sh [pytest arguments, default: -m gpu tests/]
 # Writes logs under $OUT (the device tool's folder) or benchmarks/results/latest.
+# TRIATTN_GROUP_TIMEOUT=s stops each test group after s seconds (its log still comes back
+# within a device call's limit); TRIATTN_NO_TIMING=1 leaves out time_ours.py.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-benchmarks/results/latest}
@@ -31,7 +33,7 @@ else
     export OMP_NUM_THREADS=$(( threads > 0 ? threads : 1 ))
     export OPENBLAS_NUM_THREADS=$OMP_NUM_THREADS MKL_NUM_THREADS=$OMP_NUM_THREADS
     for group in "${groups[@]}"; do
-        eval "python3 -m pytest -q -ra -p no:cacheprovider -m gpu ${group#*:}" \
+        eval "timeout ${TRIATTN_GROUP_TIMEOUT:-0} python3 -m pytest -q -ra -p no:cacheprovider -m gpu ${group#*:}" \
             > "$out/gpu_tests_${group%%:*}.log" 2>&1 &
         pids+=($!)
     done
@@ -48,7 +50,9 @@ fi
 if [ -n "${TRIATTN_SWEEP:-}" ]; then
     python3 scripts/sweep_tiles.py 2>&1 | tee "$out/sweep_tiles.log"
 fi
-python3 scripts/time_ours.py 2>&1 | tee "$out/time_ours.log"
+if [ -z "${TRIATTN_NO_TIMING:-}" ]; then
+    python3 scripts/time_ours.py 2>&1 | tee "$out/time_ours.log"
+fi
 if [ -n "${TRIATTN_ABLATE:-}" ]; then
     python3 scripts/ablate_projection.py $TRIATTN_ABLATE 2>&1 | tee "$out/ablate_projection.log"
 fi
