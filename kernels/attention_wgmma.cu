@@ -152,6 +152,9 @@
 #ifndef S16
 #define S16 0           // F16X1 with S in fp16 accumulators (attention_f16s_wgmma; the bf16 mode's option)
 #endif
+#ifndef SLOT_ROWS
+#define SLOT_ROWS 0     // F16X1: qkvg rows of D words, q and the gate in each head's slot (KV_FORMAT 9), not 2D
+#endif
 #ifndef P16_SHIFT
 #define P16_SHIFT 2.f   // S16: P = 2^((S - m) / c + P16_SHIFT), at most 2^(RESCALE_SLACK + 2)
 #endif
@@ -302,7 +305,7 @@ ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int 
     const u32 smem_s = raw_s + align;
 
     const int D = H * HEAD_DIM;
-    const i64 ld = (BF16 ? 1LL : F16 ? 2LL : 4LL) * D;  // words per qkvg row (project_epilogue.cuh QKVG_LD)
+    const i64 ld = (BF16 || SLOT_ROWS ? 1LL : F16 ? 2LL : 4LL) * D;  // words per qkvg row (project_epilogue.cuh QKVG_LD)
     const AttentionBlock blk = attention_block(N, H, BQ, ROWS);
     const int qtile = blk.qtile, i0 = blk.i0, head = blk.head, b = blk.b;
     const int keys = visited_keys(key_extent, b, N);  // the key loop's end (key_extent.cu)

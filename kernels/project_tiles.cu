@@ -59,8 +59,8 @@
 //   GB     [2][D] fp32                         gamma, beta times a_scale
 //   BAR    3 mbarriers: RAW stage 0, 1, the weights
 #ifndef KV_FORMAT
-#define KV_FORMAT 8     // 8: fp16 (the tf32 mode's f16 attention); 6: bf16
-#endif
+#define KV_FORMAT 8     // 8: fp16 (the tf32 mode's f16 attention); 6: bf16; 9: 8's fp16
+#endif                  // in 6's rows (the bf16 mode's f16s attention)
 #ifndef PAIR_DIM
 #define PAIR_DIM 128
 #endif
@@ -71,14 +71,18 @@
 #define KV_BYTES 8192            // per (b, i, head, 64 keys): the K tile, then the V^T tile
 #define VT_IN_TILE 4096
 #define BIAS_TILE_BYTES 16384    // per (b, head, 128 queries, 64 keys), [128][64] fp16 sw128
-#if KV_FORMAT != 6 && KV_FORMAT != 8
-#error "project_tiles.cu: KV_FORMAT 6 (bf16) or 8 (fp16)"
+#if KV_FORMAT != 6 && KV_FORMAT != 8 && KV_FORMAT != 9
+#error "project_tiles.cu: KV_FORMAT 6 (bf16), 8 (fp16) or 9 (fp16, bf16 gate in the slots)"
 #endif
-#define BF16_OUT (KV_FORMAT == 6)
+#define BF16_OUT (KV_FORMAT == 6)        // q, K, V^T (and o) in bf16, else scaled fp16
+#define GATE_SLOTS (KV_FORMAT != 8)      // the gate in bf16 beside q, else fp32 after the row's q
 // Words per qkvg row (project_epilogue.cuh QKVG_LD): format 8 q's fp16 words per head at
-// [32 h, 32 h + 16) (o later over them), the gate fp32 at [D, 2D); format 6 rows of D
-// words, q's bf16 words at [32 h, 32 h + 16), the gate's at [32 h + 16, 32 h + 32).
-#define QKVG_WORDS (BF16_OUT ? PD : 2 * PD)
+// [32 h, 32 h + 16) (o later over them), the gate fp32 at [D, 2D); formats 6 and 9 rows of
+// D words, q's bf16 (9: fp16) words at [32 h, 32 h + 16), the gate's bf16 at [32 h + 16,
+// 32 h + 32): half format 8's bytes for the gate, written here and read by the out
+// projection (the bf16 mode's f16s attention reads format 9; the tf32 mode keeps its gate
+// in fp32, whose 16-bit form measured more error, session 13).
+#define QKVG_WORDS (GATE_SLOTS ? PD : 2 * PD)
 // The passes in the order they run (rows of the W image, _gpu.tile_weight_image): the
 // gate's sigmoid (two MUFU operations per value) second, where its epilogue overlaps
 // k's products; k and v last, staged together for their bulk copies.
@@ -299,7 +303,7 @@ ln_qkvg_project_tiles(const float* __restrict__ x, i64 sb, i64 si, i64 sj, int B
                 for (int e = 0; e < 4; ++e)
                     s[n][e] = __fdividef(1.0f, 1.0f + fast_exp2(fmaf(acc1[4 * n + e], ug,
                                                                      e & 1 ? bg[n].y : bg[n].x)));
-#if BF16_OUT
+#if GATE_SLOTS
             u32 w[4][2];
 #pragma unroll
             for (int n = 0; n < 4; ++n)
@@ -442,14 +446,17 @@ gated_out_project_tiles(const float* __restrict__ qkvg, i64 M,
             const int P = row_piece(r, p, j), head = P / 8;
             const u32* const slot = row + 32 * head;
             const u32 o01 = slot[8 * (p % 2) + p / 2], o23 = slot[8 * (p % 2) + p / 2 + 4];
-#if BF16_OUT
+#if GATE_SLOTS
             const uint2 gw = *reinterpret_cast<const uint2*>(slot + 16 + 2 * p);
             const float4 gate = make_float4(__uint_as_float(gw.x << 16), __uint_as_float(gw.x & 0xffff0000u),
                                             __uint_as_float(gw.y << 16), __uint_as_float(gw.y & 0xffff0000u));
+#else
+            const float4 gate = *reinterpret_cast<const float4*>(reinterpret_cast<const float*>(row) + PD + 4 * P);
+#endif
+#if BF16_OUT
             const float4 o = make_float4(__uint_as_float(o01 << 16), __uint_as_float(o01 & 0xffff0000u),
                                          __uint_as_float(o23 << 16), __uint_as_float(o23 & 0xffff0000u));
 #else
-            const float4 gate = *reinterpret_cast<const float4*>(reinterpret_cast<const float*>(row) + PD + 4 * P);
             const float2 o0 = half2_to_float2(o01), o1 = half2_to_float2(o23);
             const float4 o = make_float4(o0.x, o0.y, o1.x, o1.y);
 #endif

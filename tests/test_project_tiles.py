@@ -77,7 +77,7 @@ def test_where_the_persistent_projections_run():
     """Every mode's wgmma format at D = 128 on compute capability 9.0 only (fp32's in the
     split kernels); TRIATTN_PROJECT_TILES=0 (PROJECT_TILES) turns them off."""
     f16, bf16, f16x3 = _configs.KV_F16_TILES, _configs.KV_BF16_TILES, _configs.KV_F16X3_TILES
-    for kv in (f16, bf16, f16x3):
+    for kv in (f16, bf16, f16x3, _configs.KV_F16S_TILES):
         assert _configs.uses_project_tiles(kv, 128, 90)
         assert not _configs.uses_project_tiles(kv, 64, 90)
         assert not _configs.uses_project_tiles(kv, 128, 80)
@@ -95,7 +95,7 @@ def test_where_the_persistent_projections_run():
 
 
 @pytest.mark.parametrize("kv_format", [_configs.KV_F16_TILES, _configs.KV_BF16_TILES,
-                                       _configs.KV_F16X3_TILES])
+                                       _configs.KV_F16X3_TILES, _configs.KV_F16S_TILES])
 def test_shared_memory_mirror_matches_the_kernel(kv_format):
     """_configs.project_tiles_smem_bytes and TILES_THREADS are what the host launches with;
     the kernels lay their shared memory out by PROJECT_TILES_SMEM and OUT_TILES_SMEM and

@@ -144,11 +144,18 @@ KV_F16X3_TILES = 7
 # the hi parts alone: KV_BF16_TILES's tiles in fp16, q, k, v scaled as KV_F16X3_TILES's (the
 # tf32 mode's wgmma attention, f16)
 KV_F16_TILES = 8
-KV_F16_FORMATS = (KV_F16X3_TILES, KV_F16_TILES)  # q, k, v scaled into fp16: rows of 2D words
+# KV_F16_TILES's tiles, q and bias in KV_BF16_TILES's rows of D words: q's fp16 words and the
+# gate's bf16 ones in each head's slot (the bf16 mode's f16s attention, from project_tiles.cu
+# only: the gate in half of format 8's bytes)
+KV_F16S_TILES = 9
+# q, k, v scaled into fp16 (rows of 2D words, but D for KV_F16S_TILES)
+KV_F16_FORMATS = (KV_F16X3_TILES, KV_F16_TILES, KV_F16S_TILES)
 KV_BULK_FORMATS = (KV_TF32_TILES, KV_BF16_TILES, *KV_F16_FORMATS)  # k, v and the pair bias in tiles
 # the attention writes o in 16 bits (bf16; fp16 in v's units) over each head's first 16
 # words (attention_wgmma.cu, project_epilogue.cuh O16)
-KV_O16_FORMATS = (KV_BF16_TILES, KV_F16_TILES)
+KV_O16_FORMATS = (KV_BF16_TILES, KV_F16_TILES, KV_F16S_TILES)
+# rows of D words: q (then o) and the gate in each head's 32-word slot
+KV_SLOT_FORMATS = (KV_BF16_TILES, KV_F16S_TILES)
 KV_TILED_FORMATS = (KV_TF32_VT, *KV_BULK_FORMATS)  # v (at least) in tiles
 
 
@@ -213,7 +220,7 @@ def project_f16_terms(kv_format: int, split: bool, f16_split: bool | None = None
         if kv_format == KV_F16X3_TILES:
             return 3
         return 3 if (PROJECT_F16_SPLIT if f16_split is None else f16_split) else 0
-    return 1 if kv_format in (KV_TF32_TILES, KV_BF16_TILES, KV_F16_TILES) else 0
+    return 1 if kv_format in (KV_TF32_TILES, KV_BF16_TILES, KV_F16_TILES, KV_F16S_TILES) else 0
 
 
 SMEM_LIMIT = 227 * 1024  # dynamic shared memory a block may opt into on sm_80 / sm_90
@@ -257,7 +264,7 @@ TILES_PAIR_DIM = 128  # the pair dim they are written for (W in fp16: 128 KiB re
 PROJECT_TILES = os.environ.get("TRIATTN_PROJECT_TILES", "1") != "0"
 TILES_ROWS = 64       # rows (keys) per tile
 TILES_THREADS = 512   # 4 warpgroups, one head each (project_tiles.cu THREADS)
-_TILES_FORMATS = (KV_BF16_TILES, KV_F16_TILES, KV_F16X3_TILES)
+_TILES_FORMATS = (KV_BF16_TILES, KV_F16_TILES, KV_F16X3_TILES, KV_F16S_TILES)
 
 
 def uses_project_tiles(kv_format: int, pair_dim: int, compute_capability: int,
@@ -298,7 +305,7 @@ def project_tiles_smem_bytes(kv_format: int, out: bool = False) -> int:
     parts = 2 if project_tiles_split(kv_format) else 1  # hi and lo, or hi
     a = parts * 64 * D * 2
     if out:
-        row_words = D if kv_format == KV_BF16_TILES else 2 * D
+        row_words = D if kv_format in KV_SLOT_FORMATS else 2 * D
         return parts * D * D * 2 + a + 2 * 64 * row_words * 4 + 64 + 64 + 1024
     wb_gb = 0 if parts == 2 else 8 * D * 2 + 8 * D  # project_tiles.cu's WB and GB
     return 4 * D * D * 2 + a + 2 * 64 * D * 4 + wb_gb + 64 + 1024
@@ -658,14 +665,15 @@ def attention_wgmma_smem_bytes(tiles: WgmmaTiles, variant: str = "tf32") -> int:
 
 
 def attention_wgmma_launch(head_dim: int = 32, tiles: WgmmaTiles | None = None,
-                           variant: str = "tf32") -> AttentionLaunch:
+                           variant: str = "tf32", slot_rows: bool = False) -> AttentionLaunch:
     """The attention on wgmma of `variant` (attention_<variant>_wgmma), reading k and v as
     the projection stores them for it: TF32 ("tf32") with V^T tiles (KV_TF32_VT), or with
     K, V^T and bias tiles where `tiles.bulk` (KV_TF32_TILES); 3xTF32 ("tf32x3") as
     attention_tf32x3 (KV_FP32); bf16 ("bf16"), the fp32 mode's fp16 split ("f16x3") and
     the tf32 mode's one fp16 product ("f16") with bulk copies only, from their K and V^T
     tiles (KV_BF16_TILES, KV_F16X3_TILES, KV_F16_TILES); "f16s" as "f16" with S in fp16
-    (the bf16 mode's option), reading KV_F16_TILES with scales of its own (scales_key)."""
+    (the bf16 mode's option), reading KV_F16_TILES with scales of its own (scales_key), or
+    where `slot_rows` KV_F16S_TILES (its q in format 6's rows of D words)."""
     if variant not in WGMMA_VARIANTS:
         raise ValueError(f"variant must be one of {tuple(WGMMA_VARIANTS)}; got {variant!r}")
     if head_dim not in WGMMA_HEAD_DIMS:
@@ -687,6 +695,9 @@ def attention_wgmma_launch(head_dim: int = 32, tiles: WgmmaTiles | None = None,
         extra += (("F16X1", 1),)
     if variant == "f16s":
         extra += (("S16", 1),)
+        if slot_rows:  # reading format 9's rows of D words (Plan: where project_tiles.cu writes them)
+            extra += (("SLOT_ROWS", 1),)
+            kv_format = KV_F16S_TILES
     config = KernelConfig("attention_wgmma.cu", (
         ("HEAD_DIM", head_dim), ("ROWS", t.rows), ("STAGES", t.stages),
         ("MIN_BLOCKS", t.min_blocks), ("PINGPONG", t.pingpong)) + extra, WGMMA_ARCH)
@@ -750,6 +761,7 @@ def all_configs(arch: str | None = None):
     if 90 in capabilities:  # the projections that write tiles feed the sm_90a attention only
         configs.update(project_config(rows, True, D, kv, kv == KV_F16X3_TILES)
                        for D in (128, MAX_PAIR_DIM) for kv in KV_TILED_FORMATS
+                       if kv != KV_F16S_TILES  # (project_tiles.cu only)
                        for rows in {project_rows(D, total) for total in (1, 1 << 62)})
     configs.add(key_extent_config())
     configs.update(attention_config(d) for d in supported_head_dims())
@@ -759,5 +771,7 @@ def all_configs(arch: str | None = None):
     if 90 in capabilities:
         configs.update(attention_wgmma_launch(d, variant=v).config for d in WGMMA_HEAD_DIMS
                        for v in WGMMA_VARIANTS)
+        configs.update(attention_wgmma_launch(d, variant="f16s", slot_rows=True).config
+                       for d in WGMMA_HEAD_DIMS)
         configs.update(project_tiles_config(kv) for kv in _TILES_FORMATS)
     return sorted(configs, key=lambda c: (c.filename, c.defines, c.arch))

@@ -527,6 +527,17 @@ class Plan:
             # the bf16 mode's f16s option (_configs.set_bf16_variant) for weights it cannot
             # take: the bf16 variant, which holds S in fp32
             self.attention_kernel = _configs.attention_wgmma_launch(d, variant="bf16")
+        sb, si, sj, sc = strides if len(strides) == 4 else (0, *strides)
+        x_vec = int(sc == 1 and all(s % 4 == 0 for s in (sb, si, sj)) and aligned)
+        if (attention is None and self.attention_kernel.name == "attention_f16s_wgmma"
+                and self.project_mma):
+            # The bf16 mode's f16s attention reads format 9 (the gate in bf16: half format 8's
+            # bytes) where project_tiles.cu writes both projections, else its own bf16 variant
+            # (format 6; project_mma.cu writes neither 9 nor, for this mode, 8 faster).
+            slots = _configs.attention_wgmma_launch(d, variant="f16s", slot_rows=True)
+            self.attention_kernel = (slots if x_vec and _configs.uses_project_tiles(
+                slots.kv_format, D, dw.compute_capability, dw.smem_limit)
+                else _configs.attention_wgmma_launch(d, variant="bf16"))
         self.kv_format = self.attention_kernel.kv_format
         self.project_f16 = self.project_mma and bool(_configs.project_f16_terms(
             self.kv_format, self.project_split))  # fp16 products (F16_TERMS)
@@ -537,8 +548,8 @@ class Plan:
         # qkvg rows of 4D words; 2D for KV_F16_FORMATS, whose k and v are in tiles only and
         # whose q (fp16; hi and lo for f16x3) and o share [0, D); D for KV_BF16_TILES, q and
         # the gate in bf16 in each head's 32 words (project_epilogue.cuh QKVG_LD)
-        row_words = (2 * D if self.kv_format in _configs.KV_F16_FORMATS
-                     else D if self.kv_format == _configs.KV_BF16_TILES else 4 * D)
+        row_words = (D if self.kv_format in _configs.KV_SLOT_FORMATS
+                     else 2 * D if self.kv_format in _configs.KV_F16_FORMATS else 4 * D)
         self.qkvg_shape, self.bias_shape = (M, row_words), (B, H, N, self.npk)
         # The scratch arrays in one pool allocation, the bias after qkvg (M * 8D bytes at
         # least: a multiple of 32, so the bias starts 16-byte aligned for its tile copies).
@@ -566,6 +577,7 @@ class Plan:
         tiles = B * N * H * (self.npk // _configs.WGMMA_KEYS) * _configs.VT_TILE_BYTES
         self.vt_bytes = {_configs.KV_TF32_VT: tiles, _configs.KV_TF32_TILES: 2 * tiles,
                          _configs.KV_BF16_TILES: tiles, _configs.KV_F16_TILES: tiles,
+                         _configs.KV_F16S_TILES: tiles,
                          _configs.KV_F16X3_TILES: 2 * tiles}.get(self.kv_format, 0)
         self.scratch_bytes = self.qkvg_bytes + self.bias_bytes + self.vt_bytes
         # Each batch's key extent under the mask (key_extent.cu; B ints after the rest),
@@ -582,8 +594,6 @@ class Plan:
             self.extent_offset = self.scratch_bytes
             self.scratch_bytes += 4 * B
 
-        sb, si, sj, sc = strides if len(strides) == 4 else (0, *strides)
-        x_vec = int(sc == 1 and all(s % 4 == 0 for s in (sb, si, sj)) and aligned)
         # The persistent projections (project_tiles.cu) of the tf32 and bf16 modes' wgmma
         # path (tensor-core projections, which tests may turn off); the LayerNorm one copies
         # whole rows of x, so it needs them 16-byte aligned.
@@ -664,7 +674,8 @@ class Plan:
         s = dw.f16_scales(self.scales)
         if out:  # the kernel scales each block's g o itself (load_gated_tile_f16); o comes
             # in v's units where the attention writes it in fp16 (KV_F16_TILES: O16)
-            o_unit = self.scales[2] if self.kv_format == _configs.KV_F16_TILES else 1.0
+            o_unit = (self.scales[2] if self.kv_format in (_configs.KV_F16_TILES,
+                                                           _configs.KV_F16S_TILES) else 1.0)
             return (F32(1.0 / (s.out_w * o_unit)),)
         return F32(s.a), F32(1.0 / (s.a * s.w))
 
