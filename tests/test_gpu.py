@@ -436,10 +436,18 @@ def _plan_kernels(module):
     return {plan.attention_kernel.name for plan in module._dw.plans.values()}
 
 
+@pytest.fixture(params=[False, True], ids=["rows2D", "slot_rows"])
+def slot_rows(request, monkeypatch):
+    """The f16s attention reading format 8 (rows of 2D words), or format 9 (the gate in
+    bf16 in each head's slot, _configs.BF16_SLOT_ROWS) where project_tiles.cu runs."""
+    monkeypatch.setattr(ta._configs, "BF16_SLOT_ROWS", request.param)
+    return request.param
+
+
 @pytest.mark.parametrize("N", [129, 200, 257])
 @pytest.mark.parametrize("B", [1, 2])
 @pytest.mark.parametrize("policy", ["zero", "nan"])
-def test_bf16_s16_against_float64(cp, rng, bf16_s16, B, N, policy):
+def test_bf16_s16_against_float64(cp, rng, bf16_s16, slot_rows, B, N, policy):
     """The bf16 mode with S in fp16 (attention_f16s_wgmma) against float64 at bf16's
     threshold: head dim 32 past N = 128 (the wgmma path), N off the 64-key and 128-query
     tiles, B = 2, a fully masked query under both policies, and a query whose first key
@@ -457,6 +465,8 @@ def test_bf16_s16_against_float64(cp, rng, bf16_s16, B, N, policy):
     got = module(cp.asarray(pair), cp.asarray(mask), fully_masked=policy,
                  precision="bf16").get()
     assert _plan_kernels(module) == {"attention_f16s_wgmma"}
+    plan, = module._dw.plans.values()
+    assert plan.kv_format == (ta._configs.KV_F16S_TILES if slot_rows else ta._configs.KV_F16_TILES)
     fully = np.broadcast_to(~mask.any(axis=-1)[:, None, :, None], got.shape)
     if policy == "nan":
         assert np.array_equal(np.isnan(got), fully), "NaN exactly at fully-masked queries"
@@ -468,7 +478,7 @@ def test_bf16_s16_against_float64(cp, rng, bf16_s16, B, N, policy):
         assert rel_l2(got, expected) <= TOLERANCE["bf16"]
 
 
-def test_bf16_s16_error_within_twice_pytorch_bf16(cp, rng, bf16_s16):
+def test_bf16_s16_error_within_twice_pytorch_bf16(cp, rng, bf16_s16, slot_rows):
     """Issue 6's bound for the bf16 mode on f16s: no worse than twice PyTorch's bf16 error
     on the same inputs, at the wgmma path's sizes (head dim 32, N > 128)."""
     torch = pytest.importorskip("torch")
@@ -481,7 +491,9 @@ def test_bf16_s16_error_within_twice_pytorch_bf16(cp, rng, bf16_s16):
         expected = spec_forward(weights, pair, mask)
         module = ta.TriangleAttention(weights)
         ours = module(cp.asarray(pair), cp.asarray(mask), precision="bf16").get()
-        assert _plan_kernels(module) == {"attention_f16s_wgmma"}
+        # (format 9 at D = 128 only: elsewhere the mode keeps its bf16 variant)
+        assert _plan_kernels(module) == {"attention_bf16_wgmma" if slot_rows and D != 128
+                                         else "attention_f16s_wgmma"}
         theirs = _torch_in_precision(torch, weights, pair, mask, "bf16")
         ours_err, torch_err = rel_l2(ours, expected), rel_l2(theirs, expected)
         print(f"bf16 f16s {B}x{N}x{D}x{h}: ours {ours_err:.3g}, PyTorch {torch_err:.3g}, "

@@ -530,7 +530,7 @@ class Plan:
         sb, si, sj, sc = strides if len(strides) == 4 else (0, *strides)
         x_vec = int(sc == 1 and all(s % 4 == 0 for s in (sb, si, sj)) and aligned)
         if (attention is None and self.attention_kernel.name == "attention_f16s_wgmma"
-                and self.project_mma):
+                and self.project_mma and _configs.BF16_SLOT_ROWS):
             # The bf16 mode's f16s attention reads format 9 (the gate in bf16: half format 8's
             # bytes) where project_tiles.cu writes both projections, else its own bf16 variant
             # (format 6; project_mma.cu writes neither 9 nor, for this mode, 8 faster).
