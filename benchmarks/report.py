@@ -355,10 +355,11 @@ def _attention_core_table(data, stage_rows) -> list[str]:
          "of TF32 ceiling"], rows) + [
         "", "Counted FLOPs of q k^T and p v (4 B N^3 D) over the attention stage's time. The "
             "fp32 mode runs them as split products on tensor cores, three per counted one: "
-            "fp16 hi + lo on wgmma from N = 129 at head dim 32 (class fp32x3: a third of the "
-            "bf16 ceiling), 3xTF32 below (a third of the TF32 ceiling: there the fp32x3 "
-            "fraction is low by ~2x). The tf32 mode runs one fp16 product of scaled operands "
-            "there (class f16: TF32's bits at the bf16 rate), TF32 products below.", ""]
+            "fp16 hi + lo (class fp32x3: a third of the bf16 ceiling), on wgmma from N = "
+            "129 at head dim 32, on mma.sync below (since session 18; 3xTF32 before). The "
+            "tf32 mode runs one fp16 product of scaled operands on wgmma (class f16: TF32's "
+            "bits at the bf16 rate), TF32 products below; the bf16 mode from N = 768 fp16 "
+            "operands with S in fp16 (f16s).", ""]
 
 
 def _md_escape(text: str) -> str:
