@@ -33,7 +33,9 @@ def main(sizes):
             time_size(size, precision)
 
 
-def time_size(size, precision):
+def padded_inputs(size):
+    """(module, pair, mask) for a "BxNxDxh" size: random weights (seed 0), a standard-normal
+    pair, the last N // 10 rows and columns masked (padded queries fully masked)."""
     B, N, D, h = map(int, size.split("x"))
     module = ta.TriangleAttention(ta.random_weights(D, h, seed=0))
     pair = cp.random.standard_normal((B, N, N, D), dtype=np.float32)
@@ -42,6 +44,12 @@ def time_size(size, precision):
     if pad:
         mask[:, :, -pad:] = False
         mask[:, -pad:, :] = False
+    return module, pair, mask
+
+
+def time_size(size, precision):
+    module, pair, mask = padded_inputs(size)
+    B, N, D, h = map(int, size.split("x"))
     repeats = 50 if N <= 512 else 10
     kw = {} if precision == "fp32-ffma" else {"precision": precision}
     for _ in range(3):

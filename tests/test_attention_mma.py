@@ -148,17 +148,25 @@ def test_f16x3_mma_as_accurate_as_tf32x3_against_float64(cp, rng, B, N, head_dim
     assert errors["f16x3"] <= 2 * errors["tf32x3"] + 1e-8, errors
 
 
-@pytest.mark.parametrize("head_dim", [16, 32])
-@pytest.mark.parametrize("magnitude", [1e-4, 1e3])
-def test_f16x3_mma_keeps_its_accuracy_at_any_weight_scale(cp, magnitude, head_dim):
-    """attention_f16x3 scales the fp32 q, k, v it reads into fp16's range by the powers of
-    two the host derives from the weights (_gpu.f16x3_scales): tiny or huge q/k/v weights
-    must neither underflow nor overflow (inf, NaN) and keep the fp32 bound."""
-    from triattn_cupy._gpu import DeviceWeights, Forward
+def _attention_outputs(dw, pair, mask, launches):
+    """Each launch's attention output o on the same inputs (its own projection first)."""
+    from triattn_cupy._gpu import Forward
 
-    rng = np.random.default_rng(11)
-    B, N, h = 2, 97, 2
-    base = ta.random_weights(head_dim * h, h, seed=5)
+    outs = []
+    for launch in launches:
+        fwd = Forward(dw, pair, mask, "zero", None, attention=launch)
+        fwd.project()
+        fwd.attention()
+        outs.append(fwd.attention_output().get())
+    return outs
+
+
+def _scaled_qkv_inputs(cp, rng, B, N, head_dim, h, magnitude, seed):
+    """(DeviceWeights, pair, mask) with random weights whose q, k and v weights and biases
+    are scaled by `magnitude`: what the fp16 kernels' scales must absorb."""
+    from triattn_cupy._gpu import DeviceWeights
+
+    base = ta.random_weights(head_dim * h, h, seed=seed)
     params = dict(base.params)
     for name in ("query", "key", "value"):
         for part in ("weight", "bias"):
@@ -166,14 +174,20 @@ def test_f16x3_mma_keeps_its_accuracy_at_any_weight_scale(cp, magnitude, head_di
     weights = ta.Weights(base.pair_dim, base.num_heads, base.layer_norm_eps, params)
     dw = DeviceWeights(weights, cp.cuda.runtime.getDevice())
     pair = cp.asarray(rng.standard_normal((B, N, N, head_dim * h)).astype(np.float32) * 2 + 0.5)
-    mask = cp.asarray(_mask(rng, B, N))
-    outs = []
-    for launch in (_configs.attention_ffma_launch(head_dim),
-                   _configs.attention_mma_launch(head_dim, "f16x3", n=N)):
-        fwd = Forward(dw, pair, mask, "zero", None, attention=launch)
-        fwd.project()
-        fwd.attention()
-        outs.append(fwd.attention_output().get())
+    return dw, pair, cp.asarray(_mask(rng, B, N))
+
+
+@pytest.mark.parametrize("head_dim", [16, 32])
+@pytest.mark.parametrize("magnitude", [1e-4, 1e3])
+def test_f16x3_mma_keeps_its_accuracy_at_any_weight_scale(cp, magnitude, head_dim):
+    """attention_f16x3 scales the fp32 q, k, v it reads into fp16's range by the powers of
+    two the host derives from the weights (_gpu.f16x3_scales): tiny or huge q/k/v weights
+    must neither underflow nor overflow (inf, NaN) and keep the fp32 bound."""
+    rng = np.random.default_rng(11)
+    B, N, h = 2, 97, 2
+    dw, pair, mask = _scaled_qkv_inputs(cp, rng, B, N, head_dim, h, magnitude, seed=5)
+    outs = _attention_outputs(dw, pair, mask, (_configs.attention_ffma_launch(head_dim),
+                                               _configs.attention_mma_launch(head_dim, "f16x3", n=N)))
     assert np.isfinite(outs[1]).all()
     err = rel_l2(outs[1], outs[0])
     print(f"f16x3 mma d={head_dim} weights x{magnitude:g}: rel L2 {err:.3g}")
@@ -313,19 +327,11 @@ def test_f16_products_keep_their_accuracy_at_any_weight_scale(cp, magnitude, var
     could pass fp16's range (_gpu.f16s_scales: no scales), so forcing it fails clearly and
     the bf16 mode with it selected takes the bf16 variant."""
     _needs_sm_90(cp)
-    from triattn_cupy._gpu import DeviceWeights, Forward
+    from triattn_cupy._gpu import Forward
 
     rng = np.random.default_rng(7)
     B, N, h, d = 1, 97, 2, 32
-    base = ta.random_weights(d * h, h, seed=3)
-    params = dict(base.params)
-    for name in ("query", "key", "value"):
-        for part in ("weight", "bias"):
-            params[f"{name}.{part}"] = params[f"{name}.{part}"] * np.float32(magnitude)
-    weights = ta.Weights(base.pair_dim, base.num_heads, base.layer_norm_eps, params)
-    dw = DeviceWeights(weights, cp.cuda.runtime.getDevice())
-    pair = cp.asarray(rng.standard_normal((B, N, N, d * h)).astype(np.float32) * 2 + 0.5)
-    mask = cp.asarray(_mask(rng, B, N))
+    dw, pair, mask = _scaled_qkv_inputs(cp, rng, B, N, d, h, magnitude, seed=3)
     if variant == "f16s" and magnitude > 1:
         assert dw.qkv_scales["f16s"] is None
         with pytest.raises(ValueError, match="fp16's range"):
@@ -339,15 +345,10 @@ def test_f16_products_keep_their_accuracy_at_any_weight_scale(cp, magnitude, var
         finally:
             _configs.set_bf16_variant(before)
         return
-    outs = []
     launches = [_configs.attention_ffma_launch(d), _configs.attention_wgmma_launch(d, variant=variant)]
     if variant in ("f16", "f16s"):
         launches.append(_configs.attention_wgmma_launch(d, variant="tf32" if variant == "f16" else "bf16"))
-    for launch in launches:
-        fwd = Forward(dw, pair, mask, "zero", None, attention=launch)
-        fwd.project()
-        fwd.attention()
-        outs.append(fwd.attention_output().get())
+    outs = _attention_outputs(dw, pair, mask, launches)
     assert np.isfinite(outs[1]).all()
     err = rel_l2(outs[1], outs[0])
     bound = TOL[variant] if variant == "f16x3" else max(TOL[variant], 2 * rel_l2(outs[2], outs[0]))
