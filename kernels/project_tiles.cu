@@ -3,7 +3,8 @@
 // weights resident in shared memory. They compute what project_mma.cu's ln_qkvg_project
 // and gated_out_project compute for those formats (F16_TERMS 1: one fp16 product of
 // operands scaled into fp16's range, fp32 accumulation), and store the same layouts
-// (project_epilogue.cuh KV_FORMAT 6 and 8):
+// (project_epilogue.cuh KV_FORMAT 6 and 8; and KV_FORMAT 9, format 8's tiles in format 6's
+// rows, for the bf16 mode's f16s attention, which only these kernels write):
 //
 //   ln_qkvg_project_tiles:   per tile of 64 keys (b, i, 64c .. 64c + 63) of one pair row:
 //     xn = LayerNorm(x) * a_scale             fp16, in shared memory (A)
@@ -292,7 +293,8 @@ ln_qkvg_project_tiles(const float* __restrict__ x, i64 sb, i64 si, i64 sj, int B
         wgmma_commit();
 
         // gate: 1 / (1 + 2^(-(acc unscale + bg) log2 e)): fp32 at [D, 2D) (format 8), or
-        // packed bf16 at the head's words [32 h + 16, 32 h + 32) (format 6, staged as q).
+        // packed bf16 at the head's words [32 h + 16, 32 h + 32) (formats 6 and 9, staged as
+        // q).
         wgmma_wait<1>();
         pin(acc1);
         {

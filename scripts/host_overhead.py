@@ -34,7 +34,6 @@ def prepare_parts(module, pair, mask):
     dw = module._dw
     forward = _gpu.Forward(dw, pair, mask, "zero", None, "bf16")
     key = next(iter(dw.plans))
-    stream = cp.cuda.get_current_stream()
     parts = {
         "as_device_array": lambda: _gpu.as_device_array(pair, "pair", dw.device_id),
         "dtype check": lambda: pair.dtype != np.float32,
@@ -49,7 +48,6 @@ def prepare_parts(module, pair, mask):
     }
     print("prepare, each step alone (host us): " + " ".join(
         f"{name}={host_us(fn, 3000):.2f}" for name, fn in parts.items()), flush=True)
-    del stream
 
 
 def main(sizes):
