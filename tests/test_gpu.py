@@ -491,14 +491,41 @@ def test_bf16_s16_error_within_twice_pytorch_bf16(cp, rng, bf16_s16, slot_rows):
         expected = spec_forward(weights, pair, mask)
         module = ta.TriangleAttention(weights)
         ours = module(cp.asarray(pair), cp.asarray(mask), precision="bf16").get()
-        # (format 9 at D = 128 only: elsewhere the mode keeps its bf16 variant)
-        assert _plan_kernels(module) == {"attention_bf16_wgmma" if slot_rows and D != 128
-                                         else "attention_f16s_wgmma"}
+        # (format 9 at D = 128 only: elsewhere the forced f16s reads format 8)
+        plan, = module._dw.plans.values()
+        assert plan.attention_kernel.name == "attention_f16s_wgmma"
+        assert plan.kv_format == (ta._configs.KV_F16S_TILES if slot_rows and D == 128
+                                  else ta._configs.KV_F16_TILES)
         theirs = _torch_in_precision(torch, weights, pair, mask, "bf16")
         ours_err, torch_err = rel_l2(ours, expected), rel_l2(theirs, expected)
         print(f"bf16 f16s {B}x{N}x{D}x{h}: ours {ours_err:.3g}, PyTorch {torch_err:.3g}, "
               f"ratio {ours_err / torch_err:.2f}")
         assert ours_err <= 2 * torch_err, ((B, N, D, h), ours_err, torch_err)
+
+
+@pytest.mark.parametrize("N,D,aligned,expected", [
+    (ta._configs.BF16_F16S_SLOTS_FROM_N - 1, 128, True, ("attention_bf16_wgmma", "KV_BF16_TILES")),
+    (ta._configs.BF16_F16S_SLOTS_FROM_N, 128, True, ("attention_f16s_wgmma", "KV_F16S_TILES")),
+    (ta._configs.BF16_F16S_SLOTS_FROM_N, 64, True, ("attention_bf16_wgmma", "KV_BF16_TILES")),
+    (ta._configs.BF16_F16S_SLOTS_FROM_N, 128, False, ("attention_bf16_wgmma", "KV_BF16_TILES")),
+    (ta._configs.BF16_F16S_FROM_N, 64, True, ("attention_f16s_wgmma", "KV_F16_TILES")),
+    (ta._configs.BF16_F16S_FROM_N, 128, False, ("attention_f16s_wgmma", "KV_F16_TILES"))])
+def test_bf16_auto_variant_by_n_and_layout(cp, N, D, aligned, expected):
+    """The bf16 mode's default ("auto") kernel and format (head dim 32, the wgmma path):
+    f16s on format 9 from BF16_F16S_SLOTS_FROM_N where project_tiles.cu writes the
+    projections (D = 128, 16-byte aligned rows), on format 8 from BF16_F16S_FROM_N
+    elsewhere (another D, or a pair viewed one channel off), the bf16 variant below."""
+    if ta._configs.bf16_variant() != "auto" or not ta._configs.BF16_SLOT_ROWS:
+        pytest.skip("TRIATTN_BF16_S16 or TRIATTN_BF16_SLOT_ROWS=0 set for this run")
+    module = ta.TriangleAttention(ta.random_weights(D, D // 32, seed=0))
+    if cp.cuda.Device().compute_capability != "90":
+        pytest.skip("the wgmma attention runs on compute capability 9.0 only")
+    store = cp.zeros((1, N, N, D + (0 if aligned else 1)), np.float32)
+    pair = store if aligned else store[..., 1:]
+    module(pair, precision="bf16")
+    plan, = module._dw.plans.values()
+    assert (plan.attention_kernel.name, plan.kv_format) == (
+        expected[0], getattr(ta._configs, expected[1]))
 
 
 def test_large_n_memory_and_spot_rows(cp, rng):

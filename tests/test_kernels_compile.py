@@ -204,12 +204,13 @@ def test_which_attention_kernel_each_mode_takes():
     assert not tf32x3.operand_scales
     fp32 = _configs.attention_kernel(32, "fp32", 90, 4096)
     assert fp32.kv_format == _configs.KV_F16X3_TILES and fp32.smem <= _configs.SMEM_LIMIT
-    bf16 = _configs.attention_kernel(32, "bf16", 90, 512)
+    bf16 = _configs.attention_kernel(32, "bf16", 90, _configs.BF16_F16S_SLOTS_FROM_N - 1)
     assert bf16.kv_format == _configs.KV_BF16_TILES and bf16.smem <= _configs.SMEM_LIMIT
-    # from BF16_F16S_FROM_N S in fp16 (format 8 here; format 9 where the Plan's projections
-    # are project_tiles.cu's)
-    bf16 = _configs.attention_kernel(32, "bf16", 90, 4096)
-    assert bf16.name == "attention_f16s_wgmma" and bf16.smem <= _configs.SMEM_LIMIT
+    # from BF16_F16S_SLOTS_FROM_N S in fp16 (format 8 here; the Plan takes format 9 where
+    # project_tiles.cu writes the projections, else the bf16 variant below BF16_F16S_FROM_N)
+    for n in (_configs.BF16_F16S_SLOTS_FROM_N, 4096):
+        bf16 = _configs.attention_kernel(32, "bf16", 90, n)
+        assert bf16.name == "attention_f16s_wgmma" and bf16.smem <= _configs.SMEM_LIMIT
     tf32 = _configs.attention_kernel(32, "tf32", 90, 4096)
     assert tf32.kv_format == _configs.KV_F16_TILES and tf32.smem <= _configs.SMEM_LIMIT
 

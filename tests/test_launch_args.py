@@ -345,8 +345,9 @@ def test_f16s_scales_refuse_scores_past_fp16():
     assert _gpu.f16s_scales(ta.Weights(64, 2, base.layer_norm_eps, params), 1.0) is None
 
 
-def test_bf16_variant_switch():
-    """The bf16 mode's wgmma variant: by N ("auto": f16s from BF16_F16S_FROM_N) unless
+def test_bf16_variant_switch(monkeypatch):
+    """The bf16 mode's wgmma variant: by N ("auto": f16s from BF16_F16S_SLOTS_FROM_N, or
+    from BF16_F16S_FROM_N with format 9 off: the Plan then reads format 8) unless
     TRIATTN_BF16_S16 (read at import) or set_bf16_variant says one; the f16s launch reads
     format 8 with its own scale set."""
     from triattn_cupy import _configs
@@ -364,13 +365,17 @@ def test_bf16_variant_switch():
         _configs.set_bf16_variant("bf16")
         assert _configs.attention_kernel(32, "bf16", 90, 1024).name == "attention_bf16_wgmma"
         _configs.set_bf16_variant("auto")
-        top = _configs.BF16_F16S_FROM_N
-        assert _configs.attention_kernel(32, "bf16", 90, top).name == "attention_f16s_wgmma"
-        assert _configs.attention_kernel(32, "bf16", 90, top - 1).name == "attention_bf16_wgmma"
+        for slot_rows, top in ((True, _configs.BF16_F16S_SLOTS_FROM_N),
+                               (False, _configs.BF16_F16S_FROM_N)):
+            monkeypatch.setattr(_configs, "BF16_SLOT_ROWS", slot_rows)
+            _configs.attention_kernel.cache_clear()
+            assert _configs.attention_kernel(32, "bf16", 90, top).name == "attention_f16s_wgmma"
+            assert (_configs.attention_kernel(32, "bf16", 90, top - 1).name
+                    == "attention_bf16_wgmma")
         with pytest.raises(ValueError, match="bf16 mode's wgmma variant"):
             _configs.set_bf16_variant("f16")
     finally:
-        _configs.set_bf16_variant(before)
+        _configs.set_bf16_variant(before)  # (clears attention_kernel's cache)
     f16 = _configs.attention_wgmma_launch(32, variant="f16")
     assert _configs.scales_key(f16) == _configs.KV_F16_TILES
     assert (_configs.attention_wgmma_launch(32, variant="f16s").smem == f16.smem)

@@ -557,19 +557,23 @@ WGMMA_VARIANTS = {"tf32": (0, KV_TF32_VT, KV_TF32_TILES), "tf32x3": (1, KV_FP32,
 # precision -> the wgmma variant serving it: the fp32 mode's split products in fp16 (twice
 # TF32's rate; 3xTF32 "tf32x3" stays for tests and sweeps), the tf32 mode's one fp16
 # product of scaled operands (TF32's 11 bits at twice its rate; "tf32" stays likewise);
-# for bf16 ("auto") its own variant ("bf16") below BF16_F16S_FROM_N and "f16s" from there:
-# format 8's projections then serve the bf16 mode (their out projection reads an fp32 gate:
+# for bf16 ("auto") its own variant ("bf16") below BF16_F16S_FROM_N and "f16s" from there
+# (from BF16_F16S_SLOTS_FROM_N where it reads format 9, below): format 8's projections then serve the bf16 mode (their out projection reads an fp32 gate:
 # session 18 measured the projections 0.655 + 0.360 -> 0.701 + 0.552 ms at 1x1024, the
 # attention 1.958 -> 1.734; forward 2.952 -> 2.834, and 0.302 -> 0.322 at 1x384; a cubic
 # attention gain against a quadratic projection cost fitted to the two breaks even near N
 # = 730). TRIATTN_BF16_S16=1 / 0 (or set_bf16_variant) takes one variant at every N.
 BF16_WGMMA_VARIANTS = ("auto", "bf16", "f16s")
-# TRIATTN_BF16_SLOT_ROWS=1: the f16s attention reads KV_F16S_TILES (its gate in bf16, half
-# format 8's bytes) where project_tiles.cu writes the projections (Plan). Correct on the
-# GPU (session 18: the f16s tests against float64 and twice PyTorch's bf16 error at D =
-# 128) but not yet timed, so off by default (read at import; tests set it per plan).
-BF16_SLOT_ROWS = os.environ.get("TRIATTN_BF16_SLOT_ROWS", "0") == "1"
+# Format 9 (KV_F16S_TILES: the gate in bf16 in each head's slot, half format 8's bytes) for
+# the f16s attention where project_tiles.cu writes the projections (Plan): on by default
+# (TRIATTN_BF16_SLOT_ROWS=0: format 8 everywhere; read at import, tests set it per plan).
+# Session 19 measured format 8 -> 9 at 1x1024 2.87 -> 2.73 ms (the gate and out projection
+# 0.54 -> 0.30), and with format 9 the f16s attention ahead of the bf16 variant from 1x384
+# (0.294 -> 0.282 ms) up: there "auto" takes f16s from BF16_F16S_SLOTS_FROM_N, elsewhere
+# (format 8) from BF16_F16S_FROM_N.
+BF16_SLOT_ROWS = os.environ.get("TRIATTN_BF16_SLOT_ROWS", "1") == "1"
 BF16_F16S_FROM_N = 768
+BF16_F16S_SLOTS_FROM_N = 384
 _WGMMA_VARIANT = {"fp32": "f16x3", "tf32": "f16",
                   "bf16": {"1": "f16s", "0": "bf16"}.get(os.environ.get("TRIATTN_BF16_S16"),
                                                          "auto")}
@@ -731,7 +735,9 @@ def attention_kernel(head_dim: int, precision: str, compute_capability: int = 90
     if uses_wgmma(head_dim, precision, compute_capability, n):
         wgmma_variant = _WGMMA_VARIANT[precision]
         if wgmma_variant == "auto":
-            wgmma_variant = "f16s" if n >= BF16_F16S_FROM_N else "bf16"
+            # (the Plan keeps f16s below BF16_F16S_FROM_N only where format 9 is written)
+            from_n = BF16_F16S_SLOTS_FROM_N if BF16_SLOT_ROWS else BF16_F16S_FROM_N
+            wgmma_variant = "f16s" if n >= from_n else "bf16"
         launch = attention_wgmma_launch(head_dim, variant=wgmma_variant)
         if launch.smem <= limit:
             return launch

@@ -532,12 +532,15 @@ class Plan:
         if (attention is None and self.attention_kernel.name == "attention_f16s_wgmma"
                 and self.project_mma and _configs.BF16_SLOT_ROWS):
             # The bf16 mode's f16s attention reads format 9 (the gate in bf16: half format 8's
-            # bytes) where project_tiles.cu writes both projections, else its own bf16 variant
-            # (format 6; project_mma.cu writes neither 9 nor, for this mode, 8 faster).
+            # bytes) where project_tiles.cu writes both projections (project_mma.cu does not
+            # write format 9). Elsewhere it reads format 8, where "auto" takes the bf16
+            # variant (format 6) below format 8's crossover, BF16_F16S_FROM_N.
             slots = _configs.attention_wgmma_launch(d, variant="f16s", slot_rows=True)
-            self.attention_kernel = (slots if x_vec and _configs.uses_project_tiles(
-                slots.kv_format, D, dw.compute_capability, dw.smem_limit)
-                else _configs.attention_wgmma_launch(d, variant="bf16"))
+            if x_vec and _configs.uses_project_tiles(slots.kv_format, D, dw.compute_capability,
+                                                     dw.smem_limit):
+                self.attention_kernel = slots
+            elif _configs.bf16_variant() == "auto" and N < _configs.BF16_F16S_FROM_N:
+                self.attention_kernel = _configs.attention_wgmma_launch(d, variant="bf16")
         self.kv_format = self.attention_kernel.kv_format
         self.project_f16 = self.project_mma and bool(_configs.project_f16_terms(
             self.kv_format, self.project_split))  # fp16 products (F16_TERMS)
