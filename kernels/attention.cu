@@ -39,6 +39,8 @@
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
 attention_fp32(float* qkvg, const float* __restrict__ bias, int B, int N, int H, int npk,
                int nan_fully_masked, const int* __restrict__ key_extent) {
+    wait_for_previous_kernel();  // q, k, v, the bias and the key extent come from it
+    allow_next_kernel();
     extern __shared__ float4 smem4[];
     float* Qt = reinterpret_cast<float*>(smem4);  // [HEAD_DIM][BQ]  q^T of this query tile
     float* Kt = Qt + HEAD_DIM * BQ;               // [HEAD_DIM][BK]  k^T of one key tile

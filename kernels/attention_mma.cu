@@ -238,6 +238,8 @@ ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int 
       , const int* __restrict__ key_extent) {
     extern __shared__ float4 smem4[];
     char* const smem = reinterpret_cast<char*>(smem4);
+    wait_for_previous_kernel();  // q, k, v and the bias come from it (common.cuh)
+    allow_next_kernel();
     const u32 smem_s = smem_addr(smem);  // the same, as a shared-memory address
 
     const int D = H * HEAD_DIM;

@@ -299,6 +299,8 @@ ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int 
 #endif
       , const int* __restrict__ key_extent) {
     extern __shared__ float4 smem4[];
+    wait_for_previous_kernel();  // q, k, v, the bias and the key extent come from it
+    allow_next_kernel();
     const u32 raw_s = smem_addr(smem4);
     const u32 align = (1024u - (raw_s & 1023u)) & 1023u;
     char* const smem = reinterpret_cast<char*>(smem4) + align;

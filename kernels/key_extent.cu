@@ -23,6 +23,7 @@
 extern "C" __global__ void __launch_bounds__(THREADS)
 mask_key_extent(const void* __restrict__ mask, int mask_kind, i64 mb, i64 mi, i64 mj, int N,
                 int chunks, int* __restrict__ key_extent) {
+    allow_next_kernel();  // (the attention after it waits for it: common.cuh)
     const int b = blockIdx.x / chunks, chunk = blockIdx.x % chunks;
     const i64 pairs = (i64)N * N;
     int extent = 0;  // this thread's largest kept key + 1

@@ -233,6 +233,7 @@ ln_qkvg_project(const float* __restrict__ x, i64 sb, i64 si, i64 sj, i64 sc, int
                 const void* __restrict__ mask, int mask_kind, i64 mb, i64 mi, i64 mj,
                 float* __restrict__ qkvg, float* __restrict__ bias, int npk,
                 float* __restrict__ vt) {
+    allow_next_kernel();  // the attention may launch (it waits for this kernel: common.cuh)
     const int dpad = (D + BK - 1) / BK * BK;
     const SmemLayout s = smem_layout(dpad);
     const int t = threadIdx.x;
@@ -330,6 +331,7 @@ gated_out_project(const float* __restrict__ qkvg, i64 M, int D,
     const int dpad = (D + BK - 1) / BK * BK;
     const SmemLayout s = smem_layout(dpad);
     const i64 m0 = (i64)blockIdx.x * BM, ld = 4LL * D;
+    wait_for_previous_kernel();  // o comes from the attention (common.cuh)
 
     // 1. A = g * o, transposed into As[k][m]: the gated intermediate exists only here.
     //    Batches of 8 (16 loads in flight per thread): this kernel waits on these loads.

@@ -651,6 +651,7 @@ ln_qkvg_project(const float* __restrict__ x, i64 sb, i64 si, i64 sj, i64 sc, int
                 , float a_scale, float unscale
 #endif
                 ) {
+    allow_next_kernel();  // the attention may launch (it waits for this kernel: common.cuh)
     const int dpad = (D + BK - 1) / BK * BK, astr = dpad + 4;
     const SmemLayout s = smem_layout(dpad);
     const int t = threadIdx.x, lane = t & 31, warp = t >> 5;
@@ -827,6 +828,7 @@ gated_out_project(const float* __restrict__ qkvg, i64 M, int D,
     const i64 m0 = (i64)blockIdx.x * BM;
     const WeightRing ring{smem_addr(s.Ws), s.cbias, W, b_out, D, D, ring_chunks(dpad)};
     ring.prime(0);  // the first weight chunks and biases travel while the row tile loads
+    wait_for_previous_kernel();  // (and while the attention drains: o comes from it, common.cuh)
 
     // 1. A = g * o (operand4; F16_TERMS: scaled fp16 hi and lo, hi only for F16_TERMS 1),
     //    row-major: the gated intermediate exists only here.

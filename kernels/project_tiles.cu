@@ -165,6 +165,7 @@ ln_qkvg_project_tiles(const float* __restrict__ x, i64 sb, i64 si, i64 sj, int B
                       float* __restrict__ qkvg, unsigned short* __restrict__ bias, int npk,
                       char* __restrict__ vt) {
     BLOCK_PROLOGUE();
+    allow_next_kernel();  // the attention may launch (it waits for this kernel: common.cuh)
     const int nc = (N + 63) / 64, ntiles = B * N * nc;
     const u32 bar_w = smem_s + OFF_BAR + 16, bar_raw = smem_s + OFF_BAR;  // raw: + 8 stage
     check_block();
@@ -422,6 +423,7 @@ gated_out_project_tiles(const float* __restrict__ qkvg, i64 M,
     if (tid == 0) {
         mbar_arrive_expect(bar_w, WO_BYTES);
         bulk_copy(smem_s + OFF_WO, wo_image, WO_BYTES, bar_w);
+        wait_for_previous_kernel();  // o comes from the attention (common.cuh); Wo need not wait
         for (int s = 0; s < 2; ++s)
             if (blockIdx.x + s * gridDim.x < ntiles) load_tile(blockIdx.x + s * gridDim.x, s);
     }

@@ -212,6 +212,7 @@ ln_qkvg_project_tiles(const float* __restrict__ x, i64 sb, i64 si, i64 sj, int B
                       float* __restrict__ qkvg, unsigned short* __restrict__ bias, int npk,
                       char* __restrict__ vt, const float* __restrict__ wb, float a_unscale) {
     BLOCK_PROLOGUE();
+    allow_next_kernel();  // the attention may launch (it waits for this kernel: common.cuh)
     const int nc = (N + 63) / 64, ntiles = B * N * nc;
     // This block's tiles blockIdx.x + n gridDim.x (n < mine; the grid is at most ntiles), each
     // in half 0, then each in half 1: step s takes tile n = s % mine in half s / mine.
@@ -409,6 +410,7 @@ gated_out_project_tiles(const float* __restrict__ qkvg, i64 M,
         mbar_arrive_expect(bar_w, 2 * W_PART);
         for (u32 off = 0; off < 2 * W_PART; off += 16384)
             bulk_copy(smem_s + OFF_WO + off, reinterpret_cast<const char*>(wo_image) + off, 16384, bar_w);
+        wait_for_previous_kernel();  // o comes from the attention (common.cuh); Wo need not wait
         for (int s = 0; s < 2; ++s)
             if (blockIdx.x + s * gridDim.x < ntiles) load_tile(blockIdx.x + s * gridDim.x, s);
     }

@@ -40,7 +40,7 @@ def prepare_parts(module, pair, mask):
         "pair_geometry": lambda: _gpu.pair_geometry(pair.shape, dw.pair_dim),
         "plan_key": lambda: _gpu.plan_key(pair, mask, "bf16", False),
         "plans.get": lambda: dw.plans.get(key),
-        "_on_device": lambda: _gpu._on_device(dw.device_id),
+        "current device": lambda: cp.cuda.runtime.getDevice() != dw.device_id,
         "cupy.empty": lambda: cp.empty(pair.shape, np.float32),
         "cupy.cuda.alloc": lambda: cp.cuda.alloc(forward.plan.scratch_bytes),
         "current stream": lambda: cp.cuda.get_current_stream().ptr,

@@ -528,6 +528,34 @@ def test_bf16_auto_variant_by_n_and_layout(cp, N, D, aligned, expected):
         expected[0], getattr(ta._configs, expected[1]))
 
 
+@pytest.mark.parametrize("precision", ta.PRECISIONS)
+def test_overlapped_launches_equal_plain_ones(cp, rng, monkeypatch, precision):
+    """The attention and the out projection launched as programmatic dependents (sm_90:
+    their blocks start while the kernel before drains and wait inside, common.cuh) give
+    the very bits of plain launches: at N = 17 and 130 (mma.sync and wgmma attentions,
+    B = 2) and at N = 600 under a mask (the key extent's kernel between them), with
+    fully masked rows. Each forward on a poisoned pool, twice over, so that a wait that
+    let a kernel read stale scratch would show."""
+    D, h = 128, 4
+    weights = ta.random_weights(D, h, seed=int(rng.integers(1 << 31)))
+    for B, N in [(2, 17), (2, 130), (1, 600)]:
+        pair = cp.asarray(rng.standard_normal((B, N, N, D)).astype(np.float32))
+        mask = cp.asarray(make_mask(rng, B, N))
+        outs = {}
+        for overlap in (True, False, True):
+            monkeypatch.setattr(ta._configs, "OVERLAP_LAUNCHES", overlap)
+            module = ta.TriangleAttention(weights)  # (its own plans)
+            poison_pool(cp)
+            got = module(pair, mask, precision=precision, fully_masked="nan")
+            plan, = module._dw.plans.values()
+            assert plan.attention.overlap == plan.out_project.overlap == (
+                overlap and module._dw.compute_capability >= 90)
+            if overlap in outs:
+                assert cp.array_equal(got, outs[overlap], equal_nan=True), (B, N, "repeat")
+            outs[overlap] = got
+        assert cp.array_equal(outs[True], outs[False], equal_nan=True), (precision, B, N)
+
+
 def test_large_n_memory_and_spot_rows(cp, rng):
     """B=1, N=2048, D=128 runs; scratch stays under 5x the input; sampled rows are exact."""
     B, N, D, h = 1, 2048, 128, 4

@@ -394,3 +394,19 @@ def test_bf16_variant_from_the_environment():
         out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
                              text=True, check=True).stdout.strip()
         assert out == expected, (value, out)
+
+
+def test_overlap_launch_configuration_matches_cuda_h():
+    """cuLaunchKernelEx's configuration as _launch lays it out (ctypes) against cuda.h's
+    CUlaunchConfig_st and CUlaunchAttribute_st on a 64-bit host: the attribute an id,
+    4 bytes of padding and a 64-byte value union; the stream at byte 32 after seven
+    unsigned ints; the attribute list and its count after it."""
+    import ctypes
+
+    assert ctypes.sizeof(_launch._LaunchAttribute) == 72
+    assert _launch._LaunchAttribute.value.offset == 8
+    assert ctypes.sizeof(_launch._LaunchConfig) == 56
+    assert (_launch._LaunchConfig.smem.offset, _launch._LaunchConfig.stream.offset,
+            _launch._LaunchConfig.attrs.offset, _launch._LaunchConfig.num_attrs.offset) == (24, 32, 40, 48)
+    attribute = _launch._LaunchAttribute(id=_launch._PROGRAMMATIC_STREAM_SERIALIZATION, value=1)
+    assert bytes(attribute)[:12] == bytes([6, 0, 0, 0, 0, 0, 0, 0, 1, 0, 0, 0])

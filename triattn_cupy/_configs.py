@@ -572,6 +572,12 @@ BF16_WGMMA_VARIANTS = ("auto", "bf16", "f16s")
 # (0.294 -> 0.282 ms) up: there "auto" takes f16s from BF16_F16S_SLOTS_FROM_N, elsewhere
 # (format 8) from BF16_F16S_FROM_N.
 BF16_SLOT_ROWS = os.environ.get("TRIATTN_BF16_SLOT_ROWS", "1") == "1"
+# TRIATTN_PDL=1: the attention and the out projection launched as programmatic dependents
+# of the kernel before them on sm_90 and newer (_launch.Launch overlap, kernels/common.cuh
+# wait_for_previous_kernel; read at import). Off by default: session 19 measured no gain at
+# 2x128x64x4 within the benchmark's spread between processes (+-5%), and at 1x384 medians
+# 2-4% higher, with a wider spread (benchmarks/NOTES.md).
+OVERLAP_LAUNCHES = os.environ.get("TRIATTN_PDL", "0") == "1"
 BF16_F16S_FROM_N = 768
 BF16_F16S_SLOTS_FROM_N = 384
 _WGMMA_VARIANT = {"fp32": "f16x3", "tf32": "f16",

@@ -455,15 +455,6 @@ def round_tf32(a):
     return ((bits + cupy.uint32(0x1000)) & cupy.uint32(0xFFFFE000)).view(cupy.float32)
 
 
-def _on_device(device_id: int):
-    """CuPy's context for `device_id`, or none where it is current already (entering one
-    costs about a microsecond of host time, and a call enters two)."""
-    cupy = _cupy()
-    if cupy.cuda.runtime.getDevice() == device_id:
-        return contextlib.nullcontext()
-    return cupy.cuda.Device(device_id)
-
-
 def _describe(obj) -> str:
     return f"{type(obj).__module__}.{type(obj).__qualname__}"
 
@@ -488,7 +479,7 @@ def as_device_array(obj, arg: str, device_id: int):
     else:
         raise TypeError(f"{arg} must be a CuPy array or a GPU array exposing "
                         f"__cuda_array_interface__ or DLPack; got {_describe(obj)}")
-    if array.device.id != device_id:
+    if array.data.device_id != device_id:  # (cheaper than array.device, a new Device)
         raise ValueError(f"{arg} is on GPU {array.device.id} but the weights are on GPU "
                          f"{device_id}; move it with cupy.asarray under "
                          f"cupy.cuda.Device({device_id}), or build the module there")
@@ -513,6 +504,9 @@ class Plan:
         self.B, self.N, self.D, self.H, self.d = B, N, D, H, d
         self.M = M = B * N * N
         self.project_mma = _configs.project_uses_tensor_cores(precision, dw.compute_capability)
+        # The attention and the out projection launched as programmatic dependents of the
+        # kernel before them (_launch.Launch overlap; sm_90 and newer, OVERLAP_LAUNCHES)
+        self.overlap = _configs.OVERLAP_LAUNCHES and dw.compute_capability >= 90
         self.project_split = self.project_mma and _configs.project_splits(precision)
         # `attention` replaces the kernel chosen for this precision (tests and tile sweeps);
         # the projection stores k and v in the form that kernel reads.
@@ -632,7 +626,7 @@ class Plan:
             (None, I64(M), I32(D),
              Ptr(dw.projection_weight("out", self.weight_layout, self.scales).data.ptr),
              Ptr(dw.b_out.data.ptr), None, *self._f16_projection_args(dw, out=True)),
-            ((0, "qkvg"), (5, "out")))
+            ((0, "qkvg"), (5, "out")), self.overlap)
         self.nan_fully_masked = nan_fully_masked
 
     def _tiles_projection(self, dw: DeviceWeights, mask_meta, sb, si, sj) -> "Launch":
@@ -667,7 +661,7 @@ class Plan:
             _configs.project_tiles_smem_bytes(self.kv_format, out=True),
             (None, I64(self.M), Ptr(dw.tile_weight_image("out", split=split).data.ptr),
              Ptr(dw.b_out.data.ptr), None, *self._f16_projection_args(dw, out=True)),
-            ((0, "qkvg"), (4, "out")))
+            ((0, "qkvg"), (4, "out")), self.overlap)
 
     def _f16_projection_args(self, dw: DeviceWeights, out: bool = False):
         """F16_TERMS's last arguments of ln_qkvg_project, a_scale and unscale (or `out`:
@@ -710,7 +704,7 @@ class Plan:
             args += tuple(F32(s) for s in self._f16x3_scales)
         args, slots = args + (None,), slots + ((len(args), "extent"),)  # (null: all N keys)
         return Launch(k.config, k.name, k.blocks(self.B, self.N, self.H), k.threads, k.smem,
-                       args, slots)
+                       args, slots, self.overlap)
 
     @property
     def weight_layout(self) -> str:
@@ -788,7 +782,10 @@ class Forward:
                                  f"{pair.shape}; got {out.dtype} {out.shape} "
                                  f"(c_contiguous={out.flags.c_contiguous})")
         key = plan_key(pair, mask, precision, fully_masked == "nan")
-        with _on_device(dw.device_id):  # one device switch: kernels, allocations
+        # Whether calls must switch to the weights' device (each look-up of the current
+        # device costs ~0.7 µs of host time before the first kernel: done once here)
+        self.dw, self._switch = dw, cupy.cuda.runtime.getDevice() != dw.device_id
+        with self._on_device():  # one device switch: kernels, allocations
             if attention is None:
                 plan = dw.plans.get(key)
                 if plan is None:
@@ -797,28 +794,47 @@ class Forward:
                     plan = dw.plans[key] = make_plan(dw, key)
             else:
                 plan = make_plan(dw, key, attention)
-            self.plan, self.dw, self.pair, self.mask = plan, dw, pair, mask
-            self.B, self.N, self.D, self.H, self.d = plan.B, plan.N, plan.D, plan.H, plan.d
-            self.M, self.npk, self.kv_format = plan.M, plan.npk, plan.kv_format
+            self.plan, self.pair, self.mask = plan, pair, mask
             self._scratch = cupy.cuda.alloc(plan.scratch_bytes)  # qkvg, the bias, V^T
-            # The output's memory now, its CuPy array once the kernels are launched (making
-            # an ndarray costs ~2.5 µs of host time, which the first kernel need not wait on)
-            self._out = out
-            self._out_memory = out.data if out is not None else cupy.cuda.alloc(4 * pair.size)
         scratch = self._scratch.ptr
+        # The output's memory is taken after the first launch (_take_out_memory: ~1 µs of
+        # host time the first kernel need not wait on), its CuPy array after the last
+        # (making an ndarray costs ~2.5 µs)
+        self._out, self._out_memory = out, None if out is None else out.data
         # The call's device addresses, by the names the launches' slots give them
         self._pointers = {"pair": pair.data.ptr, "mask": 0 if mask is None else mask.data.ptr,
                           "qkvg": scratch, "bias": scratch + plan.qkvg_bytes,
                           "vt": (scratch + plan.qkvg_bytes + plan.bias_bytes
                                  if plan.vt_bytes else 0),
                           "extent": scratch + plan.extent_offset if plan.key_extent else 0,
-                          "out": self._out_memory.ptr}
+                          "out": None if out is None else out.data.ptr}
+
+    # The geometry, as the plan has it
+    B = property(lambda self: self.plan.B)
+    N = property(lambda self: self.plan.N)
+    D = property(lambda self: self.plan.D)
+    H = property(lambda self: self.plan.H)
+    d = property(lambda self: self.plan.d)
+    M = property(lambda self: self.plan.M)
+    npk = property(lambda self: self.plan.npk)
+    kv_format = property(lambda self: self.plan.kv_format)
+
+    def _on_device(self):
+        """The weights' device as the current one, for kernels and allocations."""
+        return _cupy().cuda.Device(self.dw.device_id) if self._switch else contextlib.nullcontext()
+
+    def _take_out_memory(self):
+        if self._out_memory is None:
+            self._out_memory = _cupy().cuda.alloc(4 * self.pair.size)
+            self._pointers["out"] = self._out_memory.ptr
 
     @property
     def out(self):
         """The float32 result, shaped like pair (the caller's `out`, or the array made
         for it)."""
         if self._out is None:
+            with self._on_device():
+                self._take_out_memory()
             self._out = _cupy().ndarray(self.pair.shape, np.float32, memptr=self._out_memory)
         return self._out
 
@@ -856,22 +872,27 @@ class Forward:
 
     # -- stages --------------------------------------------------------------------
 
+    # (Each stage on the weights' device: stages() hands them out to be called alone.)
     def project(self):
-        self.plan.project(self._pointers)
+        with self._on_device():
+            self.plan.project(self._pointers)
 
     def attention(self, launch: "_configs.AttentionLaunch | None" = None):
         """The attention stage (with the key extent before it, where the plan finds one);
         `launch` replaces the kernel chosen for this forward (tile sweeps time kernels on
         the same scratch): it must read k and v in the form this forward's projection
         stores them."""
-        self._find_key_extent()
-        if launch is None:
-            self.plan.attention(self._pointers)
-        else:
-            self.plan.attention_launch(launch, self.plan.nan_fully_masked)(self._pointers)
+        with self._on_device():
+            self._find_key_extent()
+            if launch is None:
+                self.plan.attention(self._pointers)
+            else:
+                self.plan.attention_launch(launch, self.plan.nan_fully_masked)(self._pointers)
 
     def out_project(self):
-        self.plan.out_project(self._pointers)
+        with self._on_device():
+            self._take_out_memory()
+            self.plan.out_project(self._pointers)
 
     def stages(self):
         return [("layernorm+projections", self.project),
@@ -885,8 +906,9 @@ class Forward:
             self.plan.key_extent(self._pointers)
 
     def run(self):
-        with _on_device(self.dw.device_id):
+        with self._on_device():
             self.plan.project(self._pointers)
+            self._take_out_memory()
             self._find_key_extent()
             self.plan.attention(self._pointers)
             self.plan.out_project(self._pointers)
