@@ -358,8 +358,9 @@ def _attention_core_table(data, stage_rows) -> list[str]:
             "fp16 hi + lo (class fp32x3: a third of the bf16 ceiling), on wgmma from N = "
             "129 at head dim 32, on mma.sync below (since session 18; 3xTF32 before). The "
             "tf32 mode runs one fp16 product of scaled operands on wgmma (class f16: TF32's "
-            "bits at the bf16 rate), TF32 products below; the bf16 mode from N = 768 fp16 "
-            "operands with S in fp16 (f16s).", ""]
+            "bits at the bf16 rate), TF32 products below; the bf16 mode fp16 operands with S "
+            "in fp16 (f16s) from N = 384 where the projections write format 9 (D = 128; "
+            "since session 19), else from N = 768.", ""]
 
 
 def _md_escape(text: str) -> str:
