@@ -50,14 +50,14 @@ def rel_l2(actual, expected, where=None) -> float:
 
 
 def spec_model(weights, dtype=None):
-    """The reference module (shared/spec/reference_module.py) in eval mode, holding
+    """The spec module (`torch_spec.TriangleSelfAttention`) in eval mode, holding
     `weights` (a `triattn_cupy.Weights`) in `dtype` (torch.float64 by default).
 
-    Skips the calling test when the spec file is not found (see `spec.load_spec_module`).
+    Skips the calling test where torch is not installed (see `spec.load_spec_module`).
     """
     from spec import load_spec_module
 
-    module = load_spec_module()  # skips without torch or the spec file
+    module = load_spec_module()  # skips without torch
     import torch
 
     model = module.TriangleSelfAttention(weights.pair_dim, weights.num_heads)

@@ -1,5 +1,5 @@
 """The NumPy reference (`triattn_cupy.reference.triangle_attention`) against the spec module
-(shared/spec/reference_module.py, run by PyTorch in float64).
+(`tests/torch_spec.py`, run by PyTorch in float64).
 
 Fully-masked queries: the spec returns NaN at every (b, i, j) whose mask row (b, j, :) is all
 zero; ``fully_masked="nan"`` must give NaN exactly there, ``"zero"`` exactly out_proj.bias.
