@@ -75,6 +75,29 @@ def test_ours_equals_the_reference_file_in_float64(rng, B, N, D, h):
     assert err < TOL, f"relative L2 error {err:.3e}"
 
 
+@pytest.mark.parametrize("dtype_name", ["float32", "bfloat16"])
+def test_ours_equals_the_reference_file_bit_for_bit_in_low_precision(rng, dtype_name):
+    """The same operations in the same order: equal to the bit in float32 and bf16 too, so
+    the GPU tests' "at most twice PyTorch's error in the same precision" means the same
+    with either module."""
+    import torch
+
+    reference = load_reference_file_module()
+    ours = load_spec_module()
+    dtype = getattr(torch, dtype_name)
+    B, N, D, h = 2, 33, 64, 4
+    seed = int(rng.integers(2**31))
+    ours_model = random_module(ours, D, h, seed).to(dtype)
+    reference_model = random_module(reference, D, h, seed).to(dtype)
+    pair = torch.from_numpy(rng.standard_normal((B, N, N, D))).to(dtype)   # (B, N, N, D)
+    mask = torch.from_numpy(mask_with_fully_masked_queries(rng, B, N))     # (B, N, N)
+    with torch.no_grad():
+        expected = reference_model(pair, mask).float().numpy()
+        actual = ours_model(pair, mask).float().numpy()
+    assert np.array_equal(actual, expected, equal_nan=True)
+    assert np.isnan(expected).any() and not np.isnan(expected).all()
+
+
 def test_default_initialisation_draws_the_reference_files_numbers():
     """Under one seed both modules initialise alike (weights/default.h5's recipe relies on
     it), in the reference's parameter order."""
