@@ -159,3 +159,29 @@ def test_safetensors_and_pickled_model(tmp_path, model, capsys):
 def test_usage_errors(ckpt, argv, message, capsys):
     assert main([str(ckpt), *argv]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_checkpoint_to_triattn_infer_on_the_cpu(tmp_path, ckpt, model, rng):
+    """The worked example: --list, --prefix, then triattn-infer with no convention flag."""
+    from triattn_cupy.infer import main as infer_main
+
+    weights_path = tmp_path / "tri_att_end.h5"
+    assert main([str(ckpt), str(weights_path), "--prefix",
+                 "pairformer_module.layers.0.tri_att_end"]) == 0
+    pair = rng.standard_normal((2, 12, 12, D)).astype(np.float32)
+    keep = np.ones((2, 12, 12), np.float32)
+    keep[1, :, 9:] = 0  # a crop of the keys
+    keep[0, 3, :] = 0   # a row without keys
+    keep[0, :, 5] = 0   # a column without keys: a row of the transposed pair
+    (tmp_path / "in").mkdir()
+    np.savez(tmp_path / "in" / "x.npz", pair=pair, mask=keep)
+    assert infer_main([str(tmp_path / "in"), "-o", str(tmp_path / "out"), "--weights",
+                       str(weights_path), "--device", "cpu", "--output-format", "npy",
+                       "-q"]) == 0
+    out = np.load(tmp_path / "out" / "x.npy")
+    block = model.pairformer_module["layers"][0].tri_att_end.double().eval()
+    with torch.no_grad():
+        expected = block(torch.from_numpy(pair.astype(np.float64)),
+                         torch.from_numpy(keep.astype(np.float64))).numpy()
+    where = keep.any(-2)[:, None, :, None]  # ending node: column j keeps a key
+    assert rel_l2(out, expected, where=where) < 1e-5
