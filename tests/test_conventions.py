@@ -217,3 +217,17 @@ def test_rejects_mask_shapes_by_layout(rng, mask_layout, shape, expected):
     pair = rng.standard_normal((2, 5, 5, 16))
     with pytest.raises(ValueError, match=rf"mask must have shape {expected}"):
         triangle_attention(pair, np.ones(shape, bool), weights, mask_layout=mask_layout)
+
+
+@pytest.mark.parametrize("mask_layout,node", CONVENTIONS)
+def test_float32_path(rng, mask_layout, node):
+    weights = random_weights(32, 4, seed=11)
+    pair = rng.standard_normal((2, 17, 17, 32)).astype(np.float32)
+    keep = random_keep(rng, 2, 17)
+    out = triangle_attention(pair, keep, weights, mask_layout=mask_layout, node=node,
+                             dtype=np.float32, fully_masked="nan")
+    expected = direct_forward(pair, keep, weights, mask_layout, node)
+    nan = np.isnan(expected)
+    assert out.dtype == np.float32
+    assert np.array_equal(np.isnan(out), nan)
+    assert rel_l2(out, expected, where=~nan) < 1e-5
