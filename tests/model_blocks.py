@@ -3,15 +3,18 @@
 `boltz_block` is Boltz's own module (boltz-community 2.12:
 ``boltz.model.layers.triangular_attention.attention``), skipping the calling test where it
 is not installed (``pip install --no-deps boltz-community==2.12.0 einops scipy``).
-`OpenFoldTriangleAttention` restates OpenFold's block (``openfold/model/
-triangular_attention.py`` with ``primitives.Attention``), which OpenFold3 (pair bias named
-``linear_z``) and Protenix 2.0 (no gate or output bias) share: their packages need too much
-of their dependencies to import here. With Boltz's settings (no biases) it must equal Boltz's
-module, which `test_importing.py` checks.
+`protenix_block` is Protenix's (2.0: ``protenix.model.triangular.triangular``; ``pip install
+--no-deps protenix==2.0.0 optree``, imported with ``LAYERNORM_TYPE=torch`` so that it does
+not build its CUDA LayerNorm). `OpenFoldTriangleAttention` restates OpenFold's block
+(``openfold/model/triangular_attention.py`` with ``primitives.Attention``), which OpenFold3
+shares with its pair bias named ``linear_z``: those packages need too much of their
+dependencies to import here. With Boltz's settings (no biases) it must equal Boltz's module,
+which `test_importing.py` checks.
 """
 from __future__ import annotations
 
 import math
+import os
 
 import numpy as np
 import pytest
@@ -27,6 +30,23 @@ def boltz_block(c_in, c_hidden, no_heads, starting=True):
                "boltz-community==2.12.0 einops scipy)")
     cls = (attention.TriangleAttentionStartingNode if starting
            else attention.TriangleAttentionEndingNode)
+    return cls(c_in, c_hidden, no_heads)
+
+
+def protenix_block(c_in, c_hidden, no_heads, starting=True):
+    saved = os.environ.get("LAYERNORM_TYPE")
+    os.environ["LAYERNORM_TYPE"] = "torch"  # read when the module is imported
+    try:
+        triangular = pytest.importorskip(
+            "protenix.model.triangular.triangular",
+            reason="protenix is not installed (pip install --no-deps protenix==2.0.0 optree)")
+    finally:
+        if saved is None:
+            del os.environ["LAYERNORM_TYPE"]
+        else:
+            os.environ["LAYERNORM_TYPE"] = saved
+    cls = (triangular.TriangleAttentionStartingNode if starting
+           else triangular.TriangleAttentionEndingNode)
     return cls(c_in, c_hidden, no_heads)
 
 

@@ -79,9 +79,11 @@ def check_block(module, rng, starting, B=2, N=13):
 
 # --- against the models' own code ------------------------------------------------------------
 
+@pytest.mark.parametrize("make_block", [mb.boltz_block, mb.protenix_block],
+                         ids=["boltz", "protenix"])
 @pytest.mark.parametrize("starting", [True, False])
-def test_boltz_block(rng, starting):
-    module = mb.randomize(mb.boltz_block(D, C, H, starting=starting), seed=1)
+def test_models_own_blocks(rng, make_block, starting):
+    module = mb.randomize(make_block(D, C, H, starting=starting), seed=1)
     weights = import_weights(module)
     assert weights.node == ("starting" if starting else "ending")  # from the class: not named
     check_block(module, rng, starting)
