@@ -5,16 +5,22 @@
 is not installed (``pip install --no-deps boltz-community==2.12.0 einops scipy``).
 `protenix_block` is Protenix's (2.0: ``protenix.model.triangular.triangular``; ``pip install
 --no-deps protenix==2.0.0 optree``, imported with ``LAYERNORM_TYPE=torch`` so that it does
-not build its CUDA LayerNorm). `OpenFoldTriangleAttention` restates OpenFold's block
-(``openfold/model/triangular_attention.py`` with ``primitives.Attention``), which OpenFold3
-shares with its pair bias named ``linear_z``: those packages need too much of their
-dependencies to import here. With Boltz's settings (no biases) it must equal Boltz's module,
-which `test_importing.py` checks.
+not build its CUDA LayerNorm). `openfold3_block` is OpenFold3's (0.5:
+``openfold3.core.model.layers.triangular_attention``; ``pip install --no-deps
+openfold3==0.5.0 ml_collections absl-py biotite``, imported without running the package's
+``__init__``, which needs gemmi). `OpenFoldTriangleAttention` restates OpenFold's block
+(``openfold/model/triangular_attention.py`` with ``primitives.Attention``; OpenFold itself is
+not on PyPI); with Boltz's settings (no biases) it must equal Boltz's module, which
+`test_importing.py` checks.
 """
 from __future__ import annotations
 
+import importlib.util
 import math
 import os
+import sys
+import types
+import warnings
 
 import numpy as np
 import pytest
@@ -48,6 +54,34 @@ def protenix_block(c_in, c_hidden, no_heads, starting=True):
     cls = (triangular.TriangleAttentionStartingNode if starting
            else triangular.TriangleAttentionEndingNode)
     return cls(c_in, c_hidden, no_heads)
+
+
+def openfold3_block(c_in, c_hidden, no_heads):
+    """OpenFold3's ``TriangleAttention`` (starting=True: its pair blocks run ``tri_att_end``
+    on the transposed pair with ``transpose_bias=True``; see `openfold3_ending`)."""
+    if "openfold3" not in sys.modules:
+        spec = importlib.util.find_spec("openfold3")
+        if spec is None:
+            pytest.skip("openfold3 is not installed (pip install --no-deps openfold3==0.5.0 "
+                        "ml_collections absl-py biotite)")
+        package = types.ModuleType("openfold3")  # its __init__ imports gemmi
+        package.__path__ = list(spec.submodule_search_locations)
+        sys.modules["openfold3"] = package
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # no Triton, no DeepSpeed here
+        try:
+            from openfold3.core.model.layers.triangular_attention import TriangleAttention
+        except ImportError as err:
+            pytest.skip(f"openfold3's triangle attention does not import: {err}")
+    return TriangleAttention(c_in, c_hidden, no_heads)
+
+
+def openfold3_ending(block, z, mask):
+    """What OpenFold3's pair block (``tri_att_start_end``) adds for ``tri_att_end``."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out = block(z.transpose(-2, -3), mask=mask.transpose(-1, -2), transpose_bias=True)
+    return out.transpose(-2, -3)
 
 
 class OpenFoldAttention(nn.Module):

@@ -13,7 +13,8 @@ from triattn_cupy import random_weights
 from triattn_cupy.reference import triangle_attention
 
 TOL64 = 1e-12
-CONVENTIONS = [(layout, node) for layout in ("pair", "row") for node in ("starting", "ending")]
+CONVENTIONS = [(layout, node) for layout in ("pair", "row")
+               for node in ("starting", "ending", "ending_af3")]
 
 
 def direct_forward(pair, mask, weights, mask_layout, node):
@@ -21,7 +22,7 @@ def direct_forward(pair, mask, weights, mask_layout, node):
     p = {name: value.astype(np.float64) for name, value in weights.params.items()}
     x = np.array(pair, np.float64)
     keep = np.ones(x.shape[:-1], bool) if mask is None else np.array(mask) != 0
-    if node == "ending":  # the block on the transposed pair, as copies
+    if node != "starting":  # the block on the transposed pair, as copies
         x = np.ascontiguousarray(x.swapaxes(1, 2))
         keep = np.ascontiguousarray(keep.swapaxes(1, 2))
     B, N, _, D = x.shape
@@ -37,7 +38,10 @@ def direct_forward(pair, mask, weights, mask_layout, node):
     q, k, v = (linear(n).reshape(B, N, N, h, d) for n in ("query", "key", "value"))
     bias = x @ p["bias_proj.weight"].T                                   # [B, J, K, h]
     s = np.einsum("bijhd,bikhd->bihjk", q, k) / np.sqrt(d)              # [B, I, h, J, K]
-    s = s + np.einsum("bjkh->bhjk", bias)[:, None]
+    if node == "ending_af3":  # query j, key k: the bias of pair[j, k] = x[k, j]
+        s = s + np.einsum("bkjh->bhjk", bias)[:, None]
+    else:
+        s = s + np.einsum("bjkh->bhjk", bias)[:, None]
     if mask_layout == "pair":
         s = np.where(keep[:, None, None, :, :], s, -np.inf)             # mask[b, j, k]
     else:
@@ -48,7 +52,7 @@ def direct_forward(pair, mask, weights, mask_layout, node):
     o = np.einsum("bihjk,bikhd->bijhd", a, v).reshape(B, N, N, D)
     g = 1 / (1 + np.exp(-linear("gate")))
     out = (g * o) @ p["out_proj.weight"].T + p["out_proj.bias"]
-    return out.swapaxes(1, 2) if node == "ending" else out
+    return out if node == "starting" else out.swapaxes(1, 2)
 
 
 def random_keep(rng, B, N):
@@ -89,6 +93,19 @@ def test_zero_policy_gives_out_proj_bias(rng, mask_layout, node):
     out = triangle_attention(pair, keep, weights, mask_layout=mask_layout, node=node)
     assert np.isfinite(out).all()
     assert np.array_equal(out[nan], np.broadcast_to(weights["out_proj.bias"], out.shape)[nan])
+
+
+def test_af3_ending_differs_from_ending_by_the_bias(rng):
+    weights = random_weights(16, 4, seed=12)
+    pair = rng.standard_normal((1, 8, 8, 16))
+    a = triangle_attention(pair, None, weights, node="ending")
+    b = triangle_attention(pair, None, weights, node="ending_af3")
+    assert rel_l2(a, b) > 1e-2
+    no_bias = dataclasses.replace(weights, params={**weights.params,
+                                                   "bias_proj.weight": np.zeros((4, 16))})
+    a = triangle_attention(pair, None, no_bias, node="ending")
+    b = triangle_attention(pair, None, no_bias, node="ending_af3")
+    assert np.array_equal(a, b)
 
 
 @pytest.mark.parametrize("mask_layout", ["pair", "row"])
@@ -187,7 +204,8 @@ def test_weights_carry_the_conventions(rng):
 
 @pytest.mark.parametrize("field,value,message", [
     ("mask_layout", "rows", r"Weights.mask_layout must be one of \('pair', 'row'\), got 'rows'"),
-    ("node", "end", r"Weights.node must be one of \('starting', 'ending'\), got 'end'"),
+    ("node", "end", r"Weights.node must be one of \('starting', 'ending', 'ending_af3'\), "
+                    r"got 'end'"),
 ])
 def test_weights_reject_unknown_conventions(field, value, message):
     weights = random_weights(16, 4)
@@ -201,8 +219,8 @@ def test_rejects_unknown_conventions_in_a_call(rng):
     with pytest.raises(ValueError, match=r"mask_layout must be one of \('pair', 'row'\), "
                                          r"got 'ik'"):
         triangle_attention(pair, None, weights, mask_layout="ik")
-    with pytest.raises(ValueError, match=r"node must be one of \('starting', 'ending'\), "
-                                         r"got 'incoming'"):
+    with pytest.raises(ValueError, match=r"node must be one of \('starting', 'ending', "
+                                         r"'ending_af3'\), got 'incoming'"):
         triangle_attention(pair, None, weights, node="incoming")
 
 

@@ -14,7 +14,7 @@ from triattn_cupy.reference import triangle_attention
 
 
 @pytest.mark.parametrize("mask_layout", ["pair", "row"])
-@pytest.mark.parametrize("node", ["starting", "ending"])
+@pytest.mark.parametrize("node", ["starting", "ending", "ending_af3"])
 def test_conventions_round_trip(tmp_path, mask_layout, node):
     weights = dataclasses.replace(random_weights(16, 4, seed=1), mask_layout=mask_layout,
                                   node=node)
@@ -70,4 +70,5 @@ def test_bad_conventions_are_reported_together(tmp_path):
     message = str(info.value)
     assert "2 problems" in message
     assert "root attribute 'mask_layout': expected one of ('pair', 'row'), got 'ik'" in message
-    assert "root attribute 'node': expected one of ('starting', 'ending'), got 1" in message
+    assert ("root attribute 'node': expected one of ('starting', 'ending', 'ending_af3'), "
+            "got 1") in message

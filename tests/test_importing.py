@@ -89,6 +89,42 @@ def test_models_own_blocks(rng, make_block, starting):
     check_block(module, rng, starting)
 
 
+@pytest.mark.filterwarnings("ignore::UserWarning")  # openfold3: no Triton, no CUDA here
+def test_openfold3_blocks_as_its_pair_block_runs_them(rng):
+    """OpenFold3 0.5's own module, called as its pair block calls tri_att_start and
+    tri_att_end: the ending node with the untransposed pair's bias ("ending_af3")."""
+    model = torch.nn.ModuleDict({"pairformer_stack": torch.nn.ModuleDict({"blocks": (
+        torch.nn.ModuleList([torch.nn.ModuleDict({
+            "tri_att_start": mb.openfold3_block(D, C, H),
+            "tri_att_end": mb.openfold3_block(D, C, H)})]))})})
+    mb.randomize(model, seed=9)
+    sd = state_dict_of(model)
+    blocks = find_blocks(sd)
+    assert [(b.prefix, b.family.name, b.node, b.biases) for b in blocks] == [
+        ("pairformer_stack.blocks.0.tri_att_start.", "openfold3", "starting", ()),
+        ("pairformer_stack.blocks.0.tri_att_end.", "openfold3", "ending_af3", ())]
+    start = import_weights(sd, "pairformer_stack.blocks.0.tri_att_start")
+    end = import_weights(sd, "pairformer_stack.blocks.0.tri_att_end")
+    layer = model["pairformer_stack"]["blocks"][0].double().eval()
+    for kind in ("padding", "crop", "random"):
+        pair = rng.standard_normal((2, 12, 12, D))
+        keep = masks(rng, kind, 2, 12)
+        z, m = torch.from_numpy(pair), torch.from_numpy(keep)
+        with torch.no_grad():
+            expected_start = mb.to_numpy(layer["tri_att_start"](z, mask=m))
+            expected_end = mb.to_numpy(mb.openfold3_ending(layer["tri_att_end"], z, m))
+        assert rel_l2(triangle_attention(pair, keep, start), expected_start,
+                      where=kept_rows(keep, True)) < TOL64, kind
+        assert rel_l2(triangle_attention(pair, keep, end), expected_end,
+                      where=kept_rows(keep, False)) < TOL64, kind
+        # the AlphaFold2 ending node is not what OpenFold3 computes
+        assert rel_l2(triangle_attention(pair, keep, end, node="ending"), expected_end,
+                      where=kept_rows(keep, False)) > 1e-3
+    # an older OpenFold3's ending node can be asked for by name
+    assert import_weights(sd, "pairformer_stack.blocks.0.tri_att_end", node="ending").node == (
+        "ending")
+
+
 def test_openfold_port_is_boltz_without_biases(rng):
     boltz = mb.randomize(mb.boltz_block(D, C, H, starting=False), seed=2).double()
     port = mb.OpenFoldTriangleAttention(D, C, H, starting=False, gate_out_bias=False).double()
@@ -196,7 +232,8 @@ def test_errors(small_model):
         import_weights(sd, "msa_module.row_attention")
     with pytest.raises(ValueError, match=r"block 'extra.pair_attention.' \(openfold\): its "
                                          r"module path does not name the node; pass "
-                                         r"node='starting' or node='ending' \(--node\)"):
+                                         r"node='starting', 'ending' or 'ending_af3' "
+                                         r"\(--node\)"):
         import_weights(sd, "extra.pair_attention")
     assert import_weights(sd, "extra.pair_attention", node="ending").node == "ending"
     with pytest.raises(ValueError, match=r"node='ending' disagrees with block "

@@ -18,6 +18,11 @@ Node: which axis a row runs along.
 - ``"ending"``: the block is applied to the transposed pair: ``pair.transpose(-2, -3)``,
   ``mask.transpose(-1, -2)`` (either layout, the (B, N, 1, 1, N) form transposed like the
   (B, N, N) form it stands for), and the output transposed back to the caller's layout.
+  The pair bias of query i and key k in column j is that of pair[k, i] (AlphaFold2's
+  Algorithm 14; OpenFold, Boltz, Protenix).
+- ``"ending_af3"``: as "ending", but the pair bias is taken from the pair before it is
+  transposed: that of pair[i, k] for query i and key k. AlphaFold3's code computes its
+  ending node so, and OpenFold3 (0.5, ``transpose_bias=True``) follows it.
 
 The models add ``1e9 * (mask - 1)`` to the scores where the spec adds -inf. The two give the
 same softmax wherever a query keeps at least one key (``exp(-1e9)`` is 0 in float32 and
@@ -29,7 +34,8 @@ downstream; here such a query follows ``fully_masked`` (zero attention output, o
 from __future__ import annotations
 
 MASK_LAYOUTS = ("pair", "row")
-NODES = ("starting", "ending")
+NODES = ("starting", "ending", "ending_af3")
+ENDING_NODES = ("ending", "ending_af3")
 
 
 def check_mask_layout(mask_layout, arg: str = "mask_layout") -> str:

@@ -19,6 +19,7 @@ from collections.abc import Mapping
 import numpy as np
 
 from . import importing
+from .conventions import NODES
 from .hdf5 import save_weights
 from .weights import Weights
 
@@ -185,9 +186,11 @@ def _parser() -> argparse.ArgumentParser:
                         help="the block to export, by module path (e.g. "
                              "pairformer_module.layers.3.tri_att_start); needed where the "
                              "checkpoint holds several")
-    parser.add_argument("--node", choices=("starting", "ending"),
+    parser.add_argument("--node", choices=NODES,
                         help="the node of a block whose module path does not name it "
-                             "(tri_att_start / tri_att_end do)")
+                             "(tri_att_start / tri_att_end do); ending_af3: the ending node "
+                             "with the pair bias of the untransposed pair (AlphaFold3, "
+                             "OpenFold3), in place of the path's own ending node")
     parser.add_argument("--num-heads", type=_positive_int, metavar="H",
                         help="number of attention heads; inferred from the pair bias "
                              "projection, checked against it when given")

@@ -16,7 +16,9 @@ A bias the block does not have is zero in `Weights`: OpenFold's q, k, v have non
 reference family computes the spec's conventions ("pair" mask, "starting" node); the OpenFold
 families index the mask (b, i, k) ("row") and name the node in the module path
 (``tri_att_start`` / ``tri_att_end``, ``triangle_attention_starting_node``, ...); where the
-path does not say, the caller names it. A block whose heads x head width differs from its
+path does not say, the caller names it. OpenFold3's pair blocks run ``tri_att_end`` with the
+pair bias of the untransposed pair (``transpose_bias=True``, as AlphaFold3): its ending
+blocks import as node "ending_af3". A block whose heads x head width differs from its
 pair dimension D is refused: this module projects q, k, v and the gate to D channels.
 
 PyTorch is needed only for ``.pt`` / ``.pth`` / ``.ckpt`` files and modules, safetensors only
@@ -34,7 +36,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from .conventions import check_node
+from .conventions import ENDING_NODES, check_node
 from .weights import LINEAR_NAMES, Weights
 
 logger = logging.getLogger(__name__)
@@ -50,26 +52,27 @@ class Family:
     names: dict
     mask_layout: str
     default_node: str | None  # where neither the module path nor the caller names one
+    ending_node: str          # what a module path naming the ending node means
 
     @property
     def pair_bias(self) -> str:
         return self.names["bias_proj.weight"]
 
 
-def _family(name, pair_bias, linears, mask_layout, default_node) -> Family:
+def _family(name, pair_bias, linears, mask_layout, default_node, ending_node) -> Family:
     names = {"layer_norm.weight": "layer_norm.weight", "layer_norm.bias": "layer_norm.bias",
              "bias_proj.weight": f"{pair_bias}.weight"}
     for ours, theirs in zip(LINEAR_NAMES, linears):
         names[f"{ours}.weight"] = f"{theirs}.weight"
         names[f"{ours}.bias"] = f"{theirs}.bias"
-    return Family(name, names, mask_layout, default_node)
+    return Family(name, names, mask_layout, default_node, ending_node)
 
 
 _MHA = tuple(f"mha.linear_{x}" for x in "qkvgo")  # in LINEAR_NAMES' order
 FAMILIES = (
-    _family("reference", "bias_proj", LINEAR_NAMES, "pair", "starting"),
-    _family("openfold", "linear", _MHA, "row", None),
-    _family("openfold3", "linear_z", _MHA, "row", None),
+    _family("reference", "bias_proj", LINEAR_NAMES, "pair", "starting", "ending"),
+    _family("openfold", "linear", _MHA, "row", None, "ending"),
+    _family("openfold3", "linear_z", _MHA, "row", None, "ending_af3"),
 )
 _REQUIRED = ("layer_norm.weight", "layer_norm.bias", "bias_proj.weight",
              *(f"{name}.weight" for name in LINEAR_NAMES))
@@ -84,7 +87,7 @@ class Block:
     pair_dim: int
     num_heads: int
     head_width: int           # the projections' width / heads (D where supported)
-    node: str | None          # named by the module path, else None
+    node: str | None          # named by the module path (in the family's sense), else None
     biases: tuple             # our linear names ("query", ...) whose bias the block holds
     problem: str | None       # why it cannot be imported, None if it can
 
@@ -251,7 +254,10 @@ def _describe(family: Family, prefix: str, state_dict) -> Block:
                 f"dimension D = {D}; triattn-cupy's module projects q, k, v and the gate to "
                 f"D channels, so it cannot run this block")
     biases = tuple(name for name in LINEAR_NAMES if f"{name}.bias" in sd)
-    return Block(prefix, family, D, h, width, node_from_path(prefix), biases,
+    node = node_from_path(prefix)
+    if node == "ending":
+        node = family.ending_node
+    return Block(prefix, family, D, h, width, node, biases,
                  "; ".join(problems) if problems else None)
 
 
@@ -322,8 +328,9 @@ def block_weights(state_dict, block: Block, *, node=None, layer_norm_eps=None,
                   num_heads=None) -> Weights:
     """The `Weights` of one found block, with its family's mask layout and its node.
 
-    node: "starting" / "ending" for a block whose module path does not name its node; where
-    the path names it, a different `node` is an error. The reference family's default is
+    node: "starting" / "ending" / "ending_af3" for a block whose module path does not name
+    its node; where the path names it, a node of the other direction is an error (one of
+    the two ending nodes replaces the other). The reference family's default is
     "starting" (the spec's module); the OpenFold families' blocks need a node named.
     num_heads: checked if given. layer_norm_eps: not stored in checkpoints; 1e-5 (every
     family's default) if None.
@@ -333,13 +340,13 @@ def block_weights(state_dict, block: Block, *, node=None, layer_norm_eps=None,
         raise ValueError(f"{where}: {block.problem}")
     if node is not None:
         check_node(node)
-        if block.node is not None and node != block.node:
+        if block.node is not None and (node in ENDING_NODES) != (block.node in ENDING_NODES):
             raise ValueError(f"node={node!r} disagrees with {where}: its module path says "
                              f"{block.node!r}")
-    node = block.node or node or block.family.default_node
+    node = node or block.node or block.family.default_node
     if node is None:
         raise ValueError(f"{where}: its module path does not name the node; pass "
-                         f"node='starting' or node='ending' (--node)")
+                         f"node='starting', 'ending' or 'ending_af3' (--node)")
     if num_heads is not None and num_heads != block.num_heads:
         raise ValueError(f"num_heads={num_heads} disagrees with {block.family.pair_bias}"
                          f".shape[0] = {block.num_heads}")

@@ -16,7 +16,8 @@ attention output zero (so ``out = bo`` there), ``"nan"`` returns NaN like the re
 Real models' conventions (`triattn_cupy.conventions`): with ``mask_layout="row"`` the mask
 is indexed (b, i, k) (-inf where ``mask[b, i, k] == 0``, for every query j of row i), and
 ``node="ending"`` applies all of the above to the transposed pair and mask and writes the
-output in the caller's layout. Both are read as NumPy views, without copies.
+output in the caller's layout (``"ending_af3"``: with the pair bias transposed back). Both
+are read as NumPy views, without copies.
 """
 from __future__ import annotations
 
@@ -56,8 +57,9 @@ def triangle_attention(pair, mask, weights: Weights, *, fully_masked: str = "zer
     (N, 1, 1, N). Computed and returned in `dtype` (float64 or float32), shaped like `pair`.
     mask_layout: "pair" (mask[b, j, k]: key k of query j, in every row i; the spec's) or
     "row" (mask[b, i, k]: key k of every query of row i; OpenFold's, Boltz's, Protenix's).
-    node: "starting" (rows along the first N axis) or "ending" (the block applied to the
-    transposed pair and mask, the output transposed back). None: the weights' own
+    node: "starting" (rows along the first N axis), "ending" (the block applied to the
+    transposed pair and mask, the output transposed back) or "ending_af3" (as "ending",
+    with the pair bias of the untransposed pair, as AlphaFold3). None: the weights' own
     (`Weights.mask_layout`, `Weights.node`), so weights imported from a model compute what
     the model computes.
     rows: optional indices of the rows to compute (a spot check of a large input): indices
@@ -82,7 +84,7 @@ def triangle_attention(pair, mask, weights: Weights, *, fully_masked: str = "zer
         mask = np.asarray(mask)
         check_mask_dtype(mask.dtype)
         keep = mask_as_square(mask, B, N, batched, mask_layout) != 0  # [B, N, N]
-    if node == "ending":
+    if node != "starting":
         # The transposed pair and mask as strided views: x[b, i, j] = pair[b, j, i].
         x = x.swapaxes(1, 2)
         keep = keep.swapaxes(1, 2)
@@ -96,6 +98,8 @@ def triangle_attention(pair, mask, weights: Weights, *, fully_masked: str = "zer
 
     g = _sigmoid(linear("gate", x))                                  # [B, N, N, D]
     bias = np.moveaxis(x @ p["bias_proj.weight"].T, -1, 1)           # [B, h, N, N]
+    if node == "ending_af3":
+        bias = bias.swapaxes(-1, -2)  # [b, h, j, k] from pair[b, j, k], not from pair[b, k, j]
     if mask_layout == "pair":
         bias = np.where(keep[:, None], bias, -np.inf)                # mask folded in
     # [B, N]: the queries j (pair layout) or the rows i (row layout) left without a key.

@@ -35,8 +35,9 @@ def parameter_shapes(pair_dim: int, num_heads: int) -> dict[str, tuple[int, ...]
 class Weights:
     """Host-side parameters: ``params[name]`` is a float32 array of ``parameter_shapes``.
 
-    mask_layout ("pair" or "row") and node ("starting" or "ending"): the conventions of the
-    module the parameters belong to; the spec's module is "pair", "starting".
+    mask_layout ("pair" or "row") and node ("starting", "ending", "ending_af3"): the
+    conventions of the module the parameters belong to; the spec's module is "pair",
+    "starting".
     """
 
     pair_dim: int
