@@ -120,6 +120,9 @@ def test_openfold3_blocks_as_its_pair_block_runs_them(rng):
         # the AlphaFold2 ending node is not what OpenFold3 computes
         assert rel_l2(triangle_attention(pair, keep, end, node="ending"), expected_end,
                       where=kept_rows(keep, False)) > 1e-3
+    # a module alone: its starting flag says nothing of how OpenFold3 runs it
+    with pytest.raises(ValueError, match=r"does not name the node"):
+        import_weights(model["pairformer_stack"]["blocks"][0]["tri_att_end"])
     # an older OpenFold3's ending node can be asked for by name
     assert import_weights(sd, "pairformer_stack.blocks.0.tri_att_end", node="ending").node == (
         "ending")

@@ -53,26 +53,30 @@ class Family:
     mask_layout: str
     default_node: str | None  # where neither the module path nor the caller names one
     ending_node: str          # what a module path naming the ending node means
+    # Whether a module's `starting` flag is its node: OpenFold3's pair blocks run
+    # tri_att_end, a module with starting=True, on the transposed pair.
+    flag_is_node: bool
 
     @property
     def pair_bias(self) -> str:
         return self.names["bias_proj.weight"]
 
 
-def _family(name, pair_bias, linears, mask_layout, default_node, ending_node) -> Family:
+def _family(name, pair_bias, linears, mask_layout, default_node, ending_node,
+            flag_is_node) -> Family:
     names = {"layer_norm.weight": "layer_norm.weight", "layer_norm.bias": "layer_norm.bias",
              "bias_proj.weight": f"{pair_bias}.weight"}
     for ours, theirs in zip(LINEAR_NAMES, linears):
         names[f"{ours}.weight"] = f"{theirs}.weight"
         names[f"{ours}.bias"] = f"{theirs}.bias"
-    return Family(name, names, mask_layout, default_node, ending_node)
+    return Family(name, names, mask_layout, default_node, ending_node, flag_is_node)
 
 
 _MHA = tuple(f"mha.linear_{x}" for x in "qkvgo")  # in LINEAR_NAMES' order
 FAMILIES = (
-    _family("reference", "bias_proj", LINEAR_NAMES, "pair", "starting", "ending"),
-    _family("openfold", "linear", _MHA, "row", None, "ending"),
-    _family("openfold3", "linear_z", _MHA, "row", None, "ending_af3"),
+    _family("reference", "bias_proj", LINEAR_NAMES, "pair", "starting", "ending", False),
+    _family("openfold", "linear", _MHA, "row", None, "ending", True),
+    _family("openfold3", "linear_z", _MHA, "row", None, "ending_af3", False),
 )
 _REQUIRED = ("layer_norm.weight", "layer_norm.bias", "bias_proj.weight",
              *(f"{name}.weight" for name in LINEAR_NAMES))
@@ -393,9 +397,12 @@ def _module_eps(module, prefix: str):
     return float(eps) if isinstance(eps, (int, float)) else None
 
 
-def _module_node(module, prefix: str):
-    """The block's node where `module` holds it (the models' ``starting`` flag), else None."""
-    starting = getattr(_submodule(module, prefix), "starting", None)
+def _module_node(module, block: Block):
+    """The block's node where `module` holds it (the models' ``starting`` flag) and its
+    family means it, else None."""
+    if not block.family.flag_is_node:
+        return None
+    starting = getattr(_submodule(module, block.prefix), "starting", None)
     return {True: "starting", False: "ending"}.get(starting) if isinstance(starting, bool) \
         else None
 
@@ -418,7 +425,7 @@ def import_weights(state_dict_or_path, prefix=None, node=None, *, layer_norm_eps
     if layer_norm_eps is None:
         layer_norm_eps = _module_eps(module, block.prefix)
     if node is None and block.node is None:
-        node = _module_node(module, block.prefix)
+        node = _module_node(module, block)
     return block_weights(state_dict, block, node=node, layer_norm_eps=layer_norm_eps,
                          num_heads=num_heads)
 
@@ -436,7 +443,7 @@ def import_all(state_dict_or_path, node=None, *, layer_norm_eps=None,
             refused.append(block)
             continue
         eps = layer_norm_eps if layer_norm_eps is not None else _module_eps(module, block.prefix)
-        own = None if block.node else _module_node(module, block.prefix)
+        own = None if block.node else _module_node(module, block)
         imported[block.prefix] = block_weights(
             state_dict, block, node=None if block.node else (own or node), layer_norm_eps=eps)
     return imported, refused
