@@ -12,7 +12,8 @@ families, relative to the block's prefix (every one has ``layer_norm.weight`` an
     openfold3  linear_z          mha.linear_q, _k, _v, _g, _o            OpenFold3
 
 A bias the block does not have is zero in `Weights`: OpenFold's q, k, v have none, Boltz's
-(boltz-community 2.12) and Protenix's (2.0) gate and output projections none either. The
+(boltz-community 2.12), Protenix's (2.0) and OpenFold3's (0.5) gate and output projections
+none either (OpenFold's have them). The
 reference family computes the spec's conventions ("pair" mask, "starting" node); the OpenFold
 families index the mask (b, i, k) ("row") and name the node in the module path
 (``tri_att_start`` / ``tri_att_end``, ``triangle_attention_starting_node``, ...); where the
