@@ -185,3 +185,16 @@ def test_checkpoint_to_triattn_infer_on_the_cpu(tmp_path, ckpt, model, rng):
                          torch.from_numpy(keep.astype(np.float64))).numpy()
     where = keep.any(-2)[:, None, :, None]  # ending node: column j keeps a key
     assert rel_l2(out, expected, where=where) < 1e-5
+
+
+def test_list_without_blocks(tmp_path, capsys):
+    torch.save({"encoder.weight": torch.zeros(3, 3)}, tmp_path / "other.pt")
+    assert main([str(tmp_path / "other.pt"), "--list"]) == 2
+    assert "no triangle attention block found" in one_error_line(capsys)
+
+
+def test_help_names_the_new_options(capsys):
+    assert main(["--help"]) == 0
+    text = capsys.readouterr().out
+    for option in ("--list", "--all", "--prefix", "--node", "--allow-pickle", "ending_af3"):
+        assert option in text
