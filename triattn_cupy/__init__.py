@@ -8,6 +8,7 @@ from . import reference
 from ._configs import PRECISIONS
 from .api import TriangleAttention, gpu_available, triangle_attention
 from .export import export_weights
+from .importing import import_weights
 from .hdf5 import (WeightsFormatError, default_weights_path, load_default_weights,
                    load_weights, save_weights)
 from .weights import Weights, parameter_shapes, random_weights
@@ -16,5 +17,5 @@ __all__ = [
     "__version__", "reference", "PRECISIONS", "Weights", "parameter_shapes", "random_weights",
     "TriangleAttention", "gpu_available", "triangle_attention",
     "load_weights", "save_weights", "load_default_weights", "default_weights_path",
-    "WeightsFormatError", "export_weights",
+    "WeightsFormatError", "export_weights", "import_weights",
 ]

@@ -1,20 +1,25 @@
 """PyTorch -> HDF5: `export_weights` and the ``triattn-export`` command.
 
-PyTorch is imported only when an export runs, so the package imports without it; install
-it with ``pip install triattn-cupy[export]``.
+`export_weights` writes a reference-module instance or its state_dict. The command reads
+any checkpoint `triattn_cupy.importing` reads (the reference's names, OpenFold's, OpenFold3's,
+Boltz's, Protenix's) and exports one block (``--prefix``), lists them (``--list``) or exports
+every one (``--all DIR``). PyTorch is imported only when an export runs, so the package
+imports without it; install it with ``pip install triattn-cupy[export]``.
 """
 from __future__ import annotations
 
 import argparse
 import logging
 import math
-import pickle
+import os
 import re
 import sys
 from collections.abc import Mapping
 
 import numpy as np
 
+from . import importing
+from .conventions import NODES
 from .hdf5 import save_weights
 from .weights import Weights
 
@@ -124,58 +129,144 @@ def _positive_float(text: str) -> float:
     return value
 
 
-def _load_state_dict(torch, path: str):
-    """torch.load(weights_only=True) of a state_dict, or a ValueError in one sentence."""
-    try:
-        state_dict = torch.load(path, map_location="cpu", weights_only=True)
-    except FileNotFoundError:
-        raise ValueError(f"checkpoint {path}: no such file") from None
-    except pickle.UnpicklingError as err:  # torch's long message: keep its one useful line
-        detail = re.search(r"WeightsUnpickler error:\s*([^\n]*[^\s])", str(err))
-        raise ValueError(
-            f"cannot load checkpoint {path} with torch.load(weights_only=True); expected a "
-            f"torch.save'd state_dict (a pickled module is refused)"
-            + (f": {detail.group(1).split('. ')[0]}" if detail else "")) from None
-    except Exception as err:  # zip, EOF and torch errors alike
-        lines = str(err).strip().splitlines()
-        raise ValueError(f"cannot load checkpoint {path}: {type(err).__name__}"
-                         + (f": {lines[0]}" if lines else "")) from None
-    if not isinstance(state_dict, Mapping):
-        raise ValueError(f"checkpoint {path} holds a {type(state_dict).__name__}, expected a "
-                         f"state_dict (torch.save(module.state_dict(), ...))")
-    return state_dict
+_BIAS_LETTERS = {"query": "q", "key": "k", "value": "v", "gate": "g", "out_proj": "o"}
+
+
+def format_blocks(blocks) -> str:
+    """The ``--list`` table: one line per block, a note under each that cannot be exported."""
+    header = ("prefix", "family", "D", "heads", "head width", "node", "biases")
+    rows = []
+    for b in blocks:
+        node = b.node or (f"{b.family.default_node} (default)" if b.family.default_node
+                          else "? (--node)")
+        rows.append(((b.prefix or "(root)"), b.family.name, str(b.pair_dim), str(b.num_heads),
+                     str(b.head_width or "?"), node,
+                     ",".join(_BIAS_LETTERS[n] for n in b.biases) or "none"))
+    widths = [max(len(r[c]) for r in [header, *rows]) for c in range(len(header))]
+    lines = ["  ".join(text.ljust(w) for text, w in zip(header, widths)).rstrip()]
+    for b, row in zip(blocks, rows):
+        lines.append("  ".join(text.ljust(w) for text, w in zip(row, widths)).rstrip())
+        if b.problem:
+            lines.append(f"    cannot be exported: {b.problem}")
+    lines.append(f"{len(blocks)} triangle attention block{'s' if len(blocks) != 1 else ''}; "
+                 f"biases: those the checkpoint holds (q, k, v, g, o: query, key, value, gate, "
+                 f"output projection); absent ones are zeros")
+    return "\n".join(lines)
+
+
+def block_file_name(prefix: str) -> str:
+    """``pairformer_module.layers.3.tri_att_start.`` -> ``pairformer_module.layers.3.
+    tri_att_start.h5`` (characters other than letters, digits, ``._-`` become ``_``)."""
+    stem = re.sub(r"[^A-Za-z0-9._-]", "_", prefix.rstrip(".")) or "triangle_attention"
+    return stem + ".h5"
 
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="triattn-export",
-        description="Convert a PyTorch checkpoint of the reference triangle self-attention "
-                    "module (saved with torch.save(module.state_dict(), ...)) into a "
-                    "triattn-cupy HDF5 weights file (format version 1).")
-    parser.add_argument("checkpoint", help="the torch.save'd state_dict (.pt / .pth)")
-    parser.add_argument("output", help="the HDF5 weights file to write (.h5); replaced "
-                                       "atomically if it exists")
+        description="Convert the triangle attention blocks of a PyTorch checkpoint (the "
+                    "reference module's state_dict, or a model's: OpenFold, OpenFold3, Boltz, "
+                    "Protenix) into triattn-cupy HDF5 weights files (format version 1) that "
+                    "record each block's mask layout and node.",
+        epilog="examples: triattn-export model.ckpt --list; "
+               "triattn-export model.ckpt tri.h5 --prefix pairformer_module.layers.3.tri_att_start; "
+               "triattn-export model.ckpt --all blocks/")
+    parser.add_argument("checkpoint",
+                        help="a state_dict or full-model .pt / .pth, a Lightning .ckpt, or a "
+                             ".safetensors file")
+    parser.add_argument("output", nargs="?",
+                        help="the HDF5 weights file to write (.h5); replaced atomically if it "
+                             "exists")
+    action = parser.add_mutually_exclusive_group()
+    action.add_argument("--list", action="store_true",
+                        help="list every triangle attention block found and write nothing")
+    action.add_argument("--all", metavar="DIR",
+                        help="write one file per block into DIR, named after its prefix")
+    parser.add_argument("--prefix", metavar="PREFIX",
+                        help="the block to export, by module path (e.g. "
+                             "pairformer_module.layers.3.tri_att_start); needed where the "
+                             "checkpoint holds several")
+    parser.add_argument("--node", choices=NODES,
+                        help="the node of a block whose module path does not name it "
+                             "(tri_att_start / tri_att_end do); ending_af3: the ending node "
+                             "with the pair bias of the untransposed pair (AlphaFold3, "
+                             "OpenFold3), in place of the path's own ending node")
     parser.add_argument("--num-heads", type=_positive_int, metavar="H",
-                        help="number of attention heads; inferred from bias_proj.weight, "
-                             "checked against it when given")
+                        help="number of attention heads; inferred from the pair bias "
+                             "projection, checked against it when given")
     parser.add_argument("--layer-norm-eps", type=_positive_float, metavar="EPS",
-                        help="LayerNorm epsilon (not stored in a state_dict; default 1e-5)")
+                        help="LayerNorm epsilon (not stored in a checkpoint; default 1e-5)")
+    parser.add_argument("--allow-pickle", action="store_true",
+                        help="unpickle a checkpoint that torch.load(weights_only=True) refuses "
+                             "(a full model); runs its code: only for files you trust")
     return parser
 
 
+def _check_usage(parser, args) -> None:
+    if args.list or args.all:
+        if args.output:
+            parser.error(f"--{'list' if args.list else 'all'} takes no OUTPUT "
+                         f"(got {args.output!r})")
+        if args.prefix:
+            parser.error(f"--prefix picks one block for OUTPUT; it does not go with "
+                         f"--{'list' if args.list else 'all'}")
+    elif not args.output:
+        parser.error("OUTPUT is required (or --list, or --all DIR)")
+
+
+def _export_all(state_dict, args) -> None:
+    imported, refused = importing.import_all(state_dict, node=args.node,
+                                             layer_norm_eps=args.layer_norm_eps)
+    for block in refused:
+        logger.warning("skipped %r (%s): %s", block.prefix, block.family.name, block.problem)
+    if not imported:
+        raise ValueError("no triangle attention block could be exported"
+                         + (f" ({len(refused)} refused)" if refused else ""))
+    names = {}
+    for prefix in imported:
+        name = block_file_name(prefix)
+        if name in names:
+            raise ValueError(f"blocks {names[name]!r} and {prefix!r} would both be written "
+                             f"to {name}")
+        names[name] = prefix
+    os.makedirs(args.all, exist_ok=True)
+    for name, prefix in names.items():
+        path = os.path.join(args.all, name)
+        save_weights(imported[prefix], path)
+        weights = imported[prefix]
+        logger.info("wrote %s: %s, D %d, %d heads, mask layout %s, node %s", path,
+                    prefix or "(root)", weights.pair_dim, weights.num_heads,
+                    weights.mask_layout, weights.node)
+
+
 def main(argv=None) -> int:
-    """``triattn-export CHECKPOINT OUTPUT.h5 [--num-heads H] [--layer-norm-eps EPS]``."""
+    """``triattn-export CHECKPOINT OUTPUT.h5 [--prefix P]``, ``CHECKPOINT --list``,
+    ``CHECKPOINT --all DIR``."""
+    parser = _parser()
     try:
-        args = _parser().parse_args(argv)
+        args = parser.parse_intermixed_args(argv)  # OUTPUT may follow the options
+        _check_usage(parser, args)
     except SystemExit as exc:  # --help (0) or a usage error (2, already printed)
         return exc.code
     logging.basicConfig(level=logging.INFO, format="triattn-export: %(message)s")
     try:
-        torch = _import_torch()
         logger.info("reading %s", args.checkpoint)
-        state_dict = _load_state_dict(torch, args.checkpoint)
-        export_weights(state_dict, args.output, num_heads=args.num_heads,
-                       layer_norm_eps=args.layer_norm_eps)
+        state_dict = importing.load_checkpoint(args.checkpoint, allow_pickle=args.allow_pickle)
+        if args.list:
+            blocks = importing.find_blocks(state_dict)
+            if not blocks:
+                importing.import_weights(state_dict)  # raises: says which names it looked for
+            print(format_blocks(blocks))
+        elif args.all:
+            _export_all(state_dict, args)
+        else:
+            weights = importing.import_weights(
+                state_dict, args.prefix, args.node, num_heads=args.num_heads,
+                layer_norm_eps=args.layer_norm_eps)
+            save_weights(weights, args.output)
+            logger.info("wrote %s: pair_dim %d, num_heads %d, layer_norm_eps %g, mask layout "
+                        "%s, node %s", args.output, weights.pair_dim, weights.num_heads,
+                        weights.layer_norm_eps, weights.mask_layout, weights.node)
     except (ImportError, OSError, TypeError, ValueError) as err:
         message = " ".join(str(err).split())  # one line, even for multi-line messages
         print(f"triattn-export: error: {message}", file=sys.stderr)

@@ -3,7 +3,9 @@
 One float32 dataset per parameter, at the reference module's state_dict name with ``.``
 replaced by ``/`` (``query.weight`` -> ``query/weight``), in PyTorch's
 (out_features, in_features) layout. Root attributes: ``format``, ``format_version``,
-``pair_dim``, ``num_heads``, ``layer_norm_eps``.
+``pair_dim``, ``num_heads``, ``layer_norm_eps``, and the module's conventions
+``mask_layout`` and ``node`` (`triattn_cupy.conventions`; a file without them, as written
+before they existed, is read as "pair" and "starting").
 
 `load_weights` checks the whole file against `parameter_shapes` before returning and
 raises one `WeightsFormatError` that lists every problem it found.
@@ -19,6 +21,7 @@ import uuid
 import h5py
 import numpy as np
 
+from .conventions import MASK_LAYOUTS, NODES
 from .weights import OPTIONAL_BIASES, Weights, parameter_shapes
 
 FORMAT = "triattn-cupy/weights"
@@ -81,6 +84,8 @@ def _read(f: h5py.File, path: str) -> Weights:
     if eps is None or not math.isfinite(eps) or eps <= 0:
         problems.append(f"root attribute 'layer_norm_eps': expected a positive finite "
                         f"number, got {_describe_attr(f, 'layer_norm_eps')}")
+    mask_layout = _convention_attr(f, "mask_layout", MASK_LAYOUTS, problems)
+    node = _convention_attr(f, "node", NODES, problems)
     if pair_dim and num_heads and pair_dim % num_heads:
         problems.append(f"root attributes: pair_dim {pair_dim} must be a multiple of "
                         f"num_heads {num_heads}")
@@ -117,7 +122,7 @@ def _read(f: h5py.File, path: str) -> Weights:
             f"{path}: invalid triattn-cupy weights file, {len(problems)} problem"
             f"{'s' if len(problems) > 1 else ''}{unchecked}:\n  - " + "\n  - ".join(problems))
     try:
-        return Weights(pair_dim, num_heads, eps, params)
+        return Weights(pair_dim, num_heads, eps, params, mask_layout=mask_layout, node=node)
     except ValueError as err:  # not expected after the checks above; keep the file name
         raise WeightsFormatError(f"{path}: {err}") from err
 
@@ -178,6 +183,18 @@ def _describe_attr(f: h5py.File, name: str) -> str:
     return repr(value.item() if isinstance(value, np.generic) else value)
 
 
+def _convention_attr(f: h5py.File, name: str, allowed: tuple, problems: list) -> str:
+    """A convention attribute's value; absent: the first allowed value (the spec's)."""
+    if name not in f.attrs:
+        return allowed[0]
+    value = _as_str(f.attrs[name])
+    if value not in allowed:
+        problems.append(f"root attribute '{name}': expected one of {allowed}, got "
+                        f"{_describe_attr(f, name)}")
+        return allowed[0]
+    return value
+
+
 def _positive_int_attr(f: h5py.File, name: str, problems: list):
     value = _as_int(f.attrs.get(name))
     if value is None or value < 1:
@@ -222,6 +239,8 @@ def _write(f: h5py.File, weights: Weights) -> None:
     f.attrs["pair_dim"] = np.int64(weights.pair_dim)
     f.attrs["num_heads"] = np.int64(weights.num_heads)
     f.attrs["layer_norm_eps"] = np.float64(weights.layer_norm_eps)
+    f.attrs["mask_layout"] = weights.mask_layout
+    f.attrs["node"] = weights.node
     for param in parameter_shapes(weights.pair_dim, weights.num_heads):
         f.create_dataset(dataset_name(param),
                          data=np.ascontiguousarray(weights[param], dtype=np.float32))

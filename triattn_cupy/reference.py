@@ -12,6 +12,12 @@ Same semantics as the reference module (``shared/spec/reference_module.py``):
 
 A query whose keys are all masked has no softmax; ``fully_masked="zero"`` makes its
 attention output zero (so ``out = bo`` there), ``"nan"`` returns NaN like the reference.
+
+Real models' conventions (`triattn_cupy.conventions`): with ``mask_layout="row"`` the mask
+is indexed (b, i, k) (-inf where ``mask[b, i, k] == 0``, for every query j of row i), and
+``node="ending"`` applies all of the above to the transposed pair and mask and writes the
+output in the caller's layout (``"ending_af3"``: with the pair bias transposed back). Both
+are read as NumPy views, without copies.
 """
 from __future__ import annotations
 
@@ -19,7 +25,8 @@ import math
 
 import numpy as np
 
-from ._checks import check_fully_masked, check_mask_dtype, check_mask_shape, pair_geometry
+from ._checks import check_fully_masked, check_mask_dtype, pair_geometry
+from .conventions import check_mask_layout, check_node, mask_as_square
 from .weights import Weights
 
 # Rows i processed together; bounds the (rows, h, N, N) score buffer.
@@ -42,16 +49,26 @@ def _sigmoid(x):
 
 
 def triangle_attention(pair, mask, weights: Weights, *, fully_masked: str = "zero",
-                       dtype=np.float64, rows=None) -> np.ndarray:
+                       dtype=np.float64, rows=None, mask_layout=None, node=None) -> np.ndarray:
     """Triangle self-attention on the CPU.
 
     pair: (B, N, N, D) or (N, N, D), any real dtype. mask: (B, N, N) / (N, N) of bool,
-    int or float (0 = masked), or None. Computed and returned in `dtype` (float64 or
-    float32), shaped like `pair`.
-    rows: optional indices i of the rows to compute (a spot check of a large input);
-    the result then has len(rows) in place of the first N axis.
+    int or float (0 = masked), or None; with ``mask_layout="row"`` also (B, N, 1, 1, N) /
+    (N, 1, 1, N). Computed and returned in `dtype` (float64 or float32), shaped like `pair`.
+    mask_layout: "pair" (mask[b, j, k]: key k of query j, in every row i; the spec's) or
+    "row" (mask[b, i, k]: key k of every query of row i; OpenFold's, Boltz's, Protenix's).
+    node: "starting" (rows along the first N axis), "ending" (the block applied to the
+    transposed pair and mask, the output transposed back) or "ending_af3" (as "ending",
+    with the pair bias of the untransposed pair, as AlphaFold3). None: the weights' own
+    (`Weights.mask_layout`, `Weights.node`), so weights imported from a model compute what
+    the model computes.
+    rows: optional indices of the rows to compute (a spot check of a large input): indices
+    i of the first N axis for the starting node, of the second for the ending node (the
+    rows of the transposed pair); the result then has len(rows) in place of that axis.
     """
     check_fully_masked(fully_masked)
+    mask_layout = check_mask_layout(weights.mask_layout if mask_layout is None else mask_layout)
+    node = check_node(weights.node if node is None else node)
     dtype = np.dtype(dtype)
     if dtype not in (np.float32, np.float64):
         raise ValueError(f"dtype must be float32 or float64, got {dtype}")
@@ -60,25 +77,33 @@ def triangle_attention(pair, mask, weights: Weights, *, fully_masked: str = "zer
         raise TypeError(f"pair must be a float array, got dtype {pair.dtype}")
     B, N, batched = pair_geometry(pair.shape, weights.pair_dim)
     D, h, d = weights.pair_dim, weights.num_heads, weights.head_dim
-    x = pair.astype(dtype).reshape(B, N, N, D)
+    x = pair.reshape(B, N, N, D)                                     # a view of pair
     if mask is None:
         keep = np.ones((B, N, N), bool)
     else:
         mask = np.asarray(mask)
         check_mask_dtype(mask.dtype)
-        check_mask_shape(mask.shape, B, N, batched)
-        keep = (mask != 0).reshape(B, N, N)
+        keep = mask_as_square(mask, B, N, batched, mask_layout) != 0  # [B, N, N]
+    if node != "starting":
+        # The transposed pair and mask as strided views: x[b, i, j] = pair[b, j, i].
+        x = x.swapaxes(1, 2)
+        keep = keep.swapaxes(1, 2)
 
     p = {name: value.astype(dtype) for name, value in weights.params.items()}
-    x = layer_norm(x, p["layer_norm.weight"], p["layer_norm.bias"], weights.layer_norm_eps)
+    x = layer_norm(x.astype(dtype, copy=False), p["layer_norm.weight"], p["layer_norm.bias"],
+                   weights.layer_norm_eps)
 
     def linear(name, inp):
         return inp @ p[f"{name}.weight"].T + p[f"{name}.bias"]
 
     g = _sigmoid(linear("gate", x))                                  # [B, N, N, D]
     bias = np.moveaxis(x @ p["bias_proj.weight"].T, -1, 1)           # [B, h, N, N]
-    bias = np.where(keep[:, None], bias, -np.inf)                    # mask folded in
-    fully = ~keep.any(axis=-1)                                       # [B, N] queries j
+    if node == "ending_af3":
+        bias = bias.swapaxes(-1, -2)  # [b, h, j, k] from pair[b, j, k], not from pair[b, k, j]
+    if mask_layout == "pair":
+        bias = np.where(keep[:, None], bias, -np.inf)                # mask folded in
+    # [B, N]: the queries j (pair layout) or the rows i (row layout) left without a key.
+    fully = ~keep.any(axis=-1)
 
     if rows is None:
         rows = np.arange(N)
@@ -86,7 +111,9 @@ def triangle_attention(pair, mask, weights: Weights, *, fully_masked: str = "zer
         rows = np.asarray(rows).reshape(-1)
         if rows.dtype.kind not in "iu" or rows.size == 0 or rows.min() < 0 or rows.max() >= N:
             raise ValueError(f"rows must be non-empty integer indices in [0, {N}); got {rows}")
-    out = np.empty((B, len(rows), N, D), dtype)
+    out = np.empty((B, len(rows), N, D) if node == "starting" else (B, N, len(rows), D), dtype)
+    out_rows = out if node == "starting" else out.swapaxes(1, 2)    # [B, R, N, D] view
+    fill = np.nan if fully_masked == "nan" else 0.0
     chunk = max(1, _SCORE_BUDGET_ELEMENTS // (h * N * N))
     for b in range(B):
         for i0 in range(0, len(rows), chunk):
@@ -97,6 +124,9 @@ def triangle_attention(pair, mask, weights: Weights, *, fully_masked: str = "zer
             k = linear("key", xi).reshape(R, N, h, d).transpose(0, 2, 1, 3)
             v = linear("value", xi).reshape(R, N, h, d).transpose(0, 2, 1, 3)
             s = q @ k.transpose(0, 1, 3, 2) * dtype.type(1 / math.sqrt(d)) + bias[b][None]  # [R, h, N, N]
+            if mask_layout == "row":
+                # [R, 1, 1, N]: key k removed from every query of row i
+                s = np.where(keep[b, picked][:, None, None, :], s, -np.inf)
             m = s.max(axis=-1, keepdims=True)
             # A fully-masked query has m = -inf; exp(-inf - (-inf)) would be NaN, so
             # subtract 0 there instead: every term is exp(-inf) = 0 and the sum is 0.
@@ -104,8 +134,11 @@ def triangle_attention(pair, mask, weights: Weights, *, fully_masked: str = "zer
             total = e.sum(axis=-1, keepdims=True)
             with np.errstate(invalid="ignore", divide="ignore"):
                 o = (e @ v) / total                                  # [R, h, N, d]; 0/0 = NaN
-            fill = np.nan if fully_masked == "nan" else 0.0
-            o = np.where(fully[b][None, None, :, None], fill, o)
+            if mask_layout == "pair":
+                dead = fully[b][None, None, :, None]                 # [1, 1, N, 1] queries j
+            else:
+                dead = fully[b, picked][:, None, None, None]         # [R, 1, 1, 1] rows i
+            o = np.where(dead, fill, o)
             o = o.transpose(0, 2, 1, 3).reshape(R, N, D)             # [R, N, D]
-            out[b, i0:i0 + R] = linear("out_proj", g[b, picked] * o)
+            out_rows[b, i0:i0 + R] = linear("out_proj", g[b, picked] * o)
     return out if batched else out[0]

@@ -1,15 +1,19 @@
 """The parameters of one triangle self-attention module, on the host.
 
 `Weights` holds float32 NumPy arrays keyed by the reference module's state_dict names
-(``"query.weight"``, ...), with PyTorch's (out_features, in_features) layout. Reading and
-writing them as HDF5 lives in `triattn_cupy.hdf5`; building them from PyTorch in
-`triattn_cupy.export`.
+(``"query.weight"``, ...), with PyTorch's (out_features, in_features) layout, and the two
+conventions of the module they came from (`triattn_cupy.conventions`): the mask layout and
+the node, which a forward uses unless the call overrides them. Reading and writing them as
+HDF5 lives in `triattn_cupy.hdf5`; building them from PyTorch in `triattn_cupy.export`,
+from real models' checkpoints in `triattn_cupy.importing`.
 """
 from __future__ import annotations
 
 import dataclasses
 
 import numpy as np
+
+from .conventions import check_mask_layout, check_node
 
 # name -> shape, in terms of D (pair_dim) and h (num_heads). The table every loader checks.
 LINEAR_NAMES = ("query", "key", "value", "gate", "out_proj")
@@ -29,14 +33,23 @@ def parameter_shapes(pair_dim: int, num_heads: int) -> dict[str, tuple[int, ...]
 
 @dataclasses.dataclass(eq=False)  # identity equality: device copies are cached per object
 class Weights:
-    """Host-side parameters: ``params[name]`` is a float32 array of ``parameter_shapes``."""
+    """Host-side parameters: ``params[name]`` is a float32 array of ``parameter_shapes``.
+
+    mask_layout ("pair" or "row") and node ("starting", "ending", "ending_af3"): the
+    conventions of the module the parameters belong to; the spec's module is "pair",
+    "starting".
+    """
 
     pair_dim: int
     num_heads: int
     layer_norm_eps: float
     params: dict
+    mask_layout: str = "pair"
+    node: str = "starting"
 
     def __post_init__(self):
+        check_mask_layout(self.mask_layout, "Weights.mask_layout")
+        check_node(self.node, "Weights.node")
         if self.pair_dim < 1 or self.num_heads < 1 or self.pair_dim % self.num_heads:
             raise ValueError(
                 f"pair_dim must be a positive multiple of num_heads; got pair_dim="

@@ -1,0 +1,200 @@
+"""``triattn-export`` on real models' checkpoints: --list, --prefix, --all."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from helpers import rel_l2
+from triattn_cupy.export import block_file_name, main
+from triattn_cupy.hdf5 import load_weights
+from triattn_cupy.reference import triangle_attention
+
+torch = pytest.importorskip("torch")
+import model_blocks as mb  # noqa: E402  (needs torch)
+
+D, C, H = 32, 8, 4
+START0 = "pairformer_module.layers.0.tri_att_start."
+
+
+@pytest.fixture
+def model():
+    def make_block(starting):
+        return mb.boltz_block(D, C, H, starting=starting)
+    return mb.randomize(mb.SmallModel(make_block, D), seed=11)
+
+
+@pytest.fixture
+def ckpt(tmp_path, model):
+    """A Lightning checkpoint of the model."""
+    path = tmp_path / "model.ckpt"
+    torch.save({"epoch": 1, "state_dict": model.state_dict(),
+                "hyper_parameters": {"c_z": D}}, path)
+    return path
+
+
+def one_error_line(capsys) -> str:
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("triattn-export: error: ")
+    return err
+
+
+def test_list(ckpt, capsys):
+    assert main([str(ckpt), "--list"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split() == ["prefix", "family", "D", "heads", "head", "width", "node",
+                                "biases"]
+    rows = [line.split() for line in lines[1:-1]]
+    assert rows == [
+        [START0, "openfold", "32", "4", "8", "starting", "none"],
+        ["pairformer_module.layers.0.tri_att_end.", "openfold", "32", "4", "8", "ending", "none"],
+        ["pairformer_module.layers.1.tri_att_start.", "openfold", "32", "4", "8", "starting",
+         "none"],
+        ["pairformer_module.layers.1.tri_att_end.", "openfold", "32", "4", "8", "ending", "none"],
+        ["extra.pair_attention.", "openfold", "32", "4", "8", "?", "(--node)", "none"],
+    ]
+    assert lines[-1].startswith("5 triangle attention blocks; biases:")
+
+
+def test_list_shows_biases_and_refused_blocks(tmp_path, capsys):
+    sd = {}
+    for prefix, block in [("a.tri_att_end.", mb.OpenFoldTriangleAttention(D, C, H)),
+                          ("b.tri_att_start.", mb.OpenFoldTriangleAttention(
+                              D, C, H, pair_bias_name="linear_z")),
+                          ("c.tri_att_start.", mb.boltz_block(D, 4, H))]:
+        sd.update({prefix + k: v for k, v in block.state_dict().items()})
+    torch.save(sd, tmp_path / "m.pt")
+    assert main([str(tmp_path / "m.pt"), "--list"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[1].split() == ["a.tri_att_end.", "openfold", "32", "4", "8", "ending", "g,o"]
+    assert out[2].split() == ["b.tri_att_start.", "openfold3", "32", "4", "8", "starting", "g,o"]
+    assert out[3].split() == ["c.tri_att_start.", "openfold", "32", "4", "4", "starting", "none"]
+    assert out[4].strip().startswith("cannot be exported: heads x head width = 4 x 4 = 16 "
+                                     "differs from the pair dimension D = 32")
+    assert main([str(tmp_path / "m.pt"), str(tmp_path / "c.h5"), "--prefix",
+                 "c.tri_att_start"]) == 2
+    assert "heads x head width = 4 x 4 = 16" in one_error_line(capsys)
+
+
+def test_prefix_exports_what_the_block_computes(tmp_path, ckpt, model, rng, capsys):
+    out = tmp_path / "end.h5"
+    assert main([str(ckpt), str(out), "--prefix", "pairformer_module.layers.1.tri_att_end"]) == 0
+    weights = load_weights(out)
+    assert (weights.mask_layout, weights.node) == ("row", "ending")
+    block = model.pairformer_module["layers"][1].tri_att_end.double().eval()
+    pair = rng.standard_normal((2, 10, 10, D))
+    keep = (rng.random((2, 10, 10)) < 0.7).astype(np.float64)
+    keep[:, 0, :] = keep[:, :, 0] = 1
+    with torch.no_grad():
+        expected = block(torch.from_numpy(pair), torch.from_numpy(keep)).numpy()
+    assert rel_l2(triangle_attention(pair, keep, weights), expected) < 1e-12
+
+
+def test_several_blocks_need_a_prefix(tmp_path, ckpt, capsys):
+    assert main([str(ckpt), str(tmp_path / "w.h5")]) == 2
+    line = one_error_line(capsys)
+    assert "5 triangle attention blocks found" in line and "(--prefix; --list lists them)" in line
+    assert not (tmp_path / "w.h5").exists()
+
+
+def test_unnamed_node_needs_the_flag(tmp_path, ckpt, capsys):
+    out = tmp_path / "w.h5"
+    assert main([str(ckpt), str(out), "--prefix", "extra.pair_attention"]) == 2
+    assert "does not name the node" in one_error_line(capsys)
+    assert main([str(ckpt), str(out), "--prefix", "extra.pair_attention", "--node",
+                 "ending"]) == 0
+    assert load_weights(out).node == "ending"
+    assert main([str(ckpt), str(out), "--prefix", START0, "--node", "ending"]) == 2
+    assert "its module path says 'starting'" in one_error_line(capsys)
+
+
+def test_all(tmp_path, ckpt, capsys):
+    folder = tmp_path / "blocks"
+    assert main([str(ckpt), "--all", str(folder)]) == 2
+    assert "'extra.pair_attention.' (openfold): its module path does not name the node" in (
+        one_error_line(capsys))
+    assert main([str(ckpt), "--all", str(folder), "--node", "starting",
+                 "--layer-norm-eps", "1e-6"]) == 0
+    names = sorted(p.name for p in folder.iterdir())
+    assert names == sorted([f"{START0}h5", "pairformer_module.layers.0.tri_att_end.h5",
+                            "pairformer_module.layers.1.tri_att_start.h5",
+                            "pairformer_module.layers.1.tri_att_end.h5",
+                            "extra.pair_attention.h5"])
+    nodes = {name: load_weights(folder / name).node for name in names}
+    assert nodes["pairformer_module.layers.1.tri_att_end.h5"] == "ending"
+    assert nodes["extra.pair_attention.h5"] == "starting"
+    assert load_weights(folder / names[0]).layer_norm_eps == 1e-6
+
+
+def test_block_file_name():
+    assert block_file_name(START0) == "pairformer_module.layers.0.tri_att_start.h5"
+    assert block_file_name("") == "triangle_attention.h5"
+    assert block_file_name("a b/c.") == "a_b_c.h5"
+
+
+def test_safetensors_and_pickled_model(tmp_path, model, capsys):
+    safetensors_torch = pytest.importorskip("safetensors.torch")
+    path = tmp_path / "model.safetensors"
+    safetensors_torch.save_file(model.state_dict(), str(path))
+    assert main([str(path), str(tmp_path / "a.h5"), "--prefix", START0]) == 0
+    whole = tmp_path / "whole.pt"
+    torch.save(model, whole)
+    assert main([str(whole), str(tmp_path / "b.h5"), "--prefix", START0]) == 2
+    assert "--allow-pickle" in one_error_line(capsys)
+    assert main([str(whole), str(tmp_path / "b.h5"), "--prefix", START0,
+                 "--allow-pickle"]) == 0
+    a, b = load_weights(tmp_path / "a.h5"), load_weights(tmp_path / "b.h5")
+    for name in a.params:
+        assert np.array_equal(a[name], b[name]), name
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--list", "out.h5"], "--list takes no OUTPUT"),
+    (["--all", "dir", "out.h5"], "--all takes no OUTPUT"),
+    (["--list", "--prefix", "a"], "it does not go with --list"),
+    (["--all", "dir", "--prefix", "a"], "it does not go with --all"),
+    ([], "OUTPUT is required (or --list, or --all DIR)"),
+    (["--list", "--all", "dir"], "not allowed with argument"),
+    (["out.h5", "--node", "middle"], "invalid choice: 'middle'"),
+])
+def test_usage_errors(ckpt, argv, message, capsys):
+    assert main([str(ckpt), *argv]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_checkpoint_to_triattn_infer_on_the_cpu(tmp_path, ckpt, model, rng):
+    """The worked example: --list, --prefix, then triattn-infer with no convention flag."""
+    from triattn_cupy.infer import main as infer_main
+
+    weights_path = tmp_path / "tri_att_end.h5"
+    assert main([str(ckpt), str(weights_path), "--prefix",
+                 "pairformer_module.layers.0.tri_att_end"]) == 0
+    pair = rng.standard_normal((2, 12, 12, D)).astype(np.float32)
+    keep = np.ones((2, 12, 12), np.float32)
+    keep[1, :, 9:] = 0  # a crop of the keys
+    keep[0, 3, :] = 0   # a row without keys
+    keep[0, :, 5] = 0   # a column without keys: a row of the transposed pair
+    (tmp_path / "in").mkdir()
+    np.savez(tmp_path / "in" / "x.npz", pair=pair, mask=keep)
+    assert infer_main([str(tmp_path / "in"), "-o", str(tmp_path / "out"), "--weights",
+                       str(weights_path), "--device", "cpu", "--output-format", "npy",
+                       "-q"]) == 0
+    out = np.load(tmp_path / "out" / "x.npy")
+    block = model.pairformer_module["layers"][0].tri_att_end.double().eval()
+    with torch.no_grad():
+        expected = block(torch.from_numpy(pair.astype(np.float64)),
+                         torch.from_numpy(keep.astype(np.float64))).numpy()
+    where = keep.any(-2)[:, None, :, None]  # ending node: column j keeps a key
+    assert rel_l2(out, expected, where=where) < 1e-5
+
+
+def test_list_without_blocks(tmp_path, capsys):
+    torch.save({"encoder.weight": torch.zeros(3, 3)}, tmp_path / "other.pt")
+    assert main([str(tmp_path / "other.pt"), "--list"]) == 2
+    assert "no triangle attention block found" in one_error_line(capsys)
+
+
+def test_help_names_the_new_options(capsys):
+    assert main(["--help"]) == 0
+    text = capsys.readouterr().out
+    for option in ("--list", "--all", "--prefix", "--node", "--allow-pickle", "ending_af3"):
+        assert option in text
