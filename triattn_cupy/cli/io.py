@@ -25,7 +25,7 @@ import zipfile
 
 import numpy as np
 
-from ._checks import check_mask_dtype, check_mask_shape, pair_geometry
+from .._checks import check_mask_dtype, check_mask_shape, pair_geometry
 
 INPUT_SUFFIXES = {".npy": "npy", ".npz": "npz", ".h5": "hdf5", ".hdf5": "hdf5"}
 OUTPUT_SUFFIXES = {"hdf5": ".h5", "npy": ".npy"}

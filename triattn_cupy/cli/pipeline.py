@@ -1,11 +1,4 @@
-"""`triattn-infer`: triangle self-attention over saved pair representations.
-
-    triattn-infer INPUT... --output-dir OUT [--recursive] [--device cpu | --devices 0,1]
-    triattn-infer --demo
-
-Each input file (.npy, .npz, .h5/.hdf5 holding a pair (N, N, D) or (B, N, N, D) and, except
-.npy, an optional mask) gives one output file under OUT at the same relative path: HDF5
-with the dataset ``out`` and attributes that record how it was made, or a plain .npy.
+"""The batch job of `triattn-infer`: plan the outputs, then read, compute and write.
 
 How a run is organised (one process, threads):
 
@@ -18,36 +11,32 @@ The queues are short, so reading the next file overlaps the computation of the c
 one, and writing overlaps both, while host memory stays bounded. The main thread only
 plans, shows progress and reports. A problem with one file fails that file alone; the run
 goes on, and the exit status says whether anything failed.
-
-Exit status: 0 all files done or skipped, 1 some file failed, 2 usage or setup error
-(bad flags, no device, unusable weights), 130 interrupted (Ctrl-C).
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
 import dataclasses
 import datetime
-import functools
 import importlib.resources
 import json
 import logging
 import os
 import queue
 import signal
-import sys
 import threading
 import time
 
-from ._version import __version__
-from ._io import (OUTPUT_DATASET, InputError, existing_output_state, input_kind,
-                  is_infer_output, output_path, read_input, remove_quietly, sha256_file,
-                  walk_inputs, write_output)
-from ._infer_backends import (ComputeError, CpuBackend, GpuBackend, SetupError, gpu_probe,
-                              parse_devices, precision_support)
+from .._version import __version__
+from .io import (InputError, existing_output_state, input_kind, is_infer_output,
+                 output_path, read_input, remove_quietly, sha256_file, walk_inputs,
+                 write_output)
+from .backends import (ComputeError, CpuBackend, GpuBackend, SetupError, gpu_probe,
+                       precision_support)
+from .report import Progress, report
 
-logger = logging.getLogger("triattn_cupy.infer")
+logger = logging.getLogger("triattn_cupy.cli")
 
+# Exit status of a run (documented in `triattn-infer --help`).
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 _END = object()  # end of a queue's stream
 
@@ -88,116 +77,6 @@ class RunResult:
     def positions(self) -> int:
         return sum(o.positions for o in self.outcomes if o.status == "done")
 
-
-# --- command line ---------------------------------------------------------------------------
-
-def _devices_arg(text: str):
-    if text.strip().lower() == "all":
-        return "all"
-    try:
-        return parse_devices(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
-def build_parser(prog: str = "triattn-infer") -> argparse.ArgumentParser:
-    precisions, _ = precision_support()
-    parser = argparse.ArgumentParser(
-        prog=prog,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        description=(
-            "Triangle self-attention (AlphaFold-style pair attention) over saved pair\n"
-            "representations.\n\n"
-            "Each INPUT is a file or a folder of files: .npy (the pair array alone), .npz or\n"
-            ".h5/.hdf5 (a pair array and an optional mask). A pair is (N, N, D) or\n"
-            "(B, N, N, D), float32 or float64; N may differ between files. Each input gives\n"
-            "one output at the same relative path under --output-dir."),
-        epilog=(
-            "outputs are written to a temporary file and renamed into place when complete:\n"
-            "an interrupted run never leaves a half-written output, and running the same\n"
-            "command again skips the finished ones (resume). A file that cannot be used is\n"
-            "reported and skipped, and the run goes on.\n\n"
-            "exit status: 0 all files done or skipped, 1 some file failed, 2 usage or setup\n"
-            "error, 130 interrupted.\n\n"
-            "quick check of the installation:  triattn-infer --demo"))
-    add = parser.add_argument
-    add("inputs", nargs="*", metavar="INPUT",
-        help="input files (.npy, .npz, .h5, .hdf5) and/or folders of them")
-    add("-o", "--output-dir", metavar="DIR",
-        help="folder for the outputs, mirroring the inputs' relative paths; created if "
-             "needed (required, except with --demo)")
-    add("-r", "--recursive", action="store_true",
-        help="also take input files from the sub-folders of INPUT folders")
-    add("--pair-key", default="pair", metavar="NAME",
-        help="name of the pair array in .npz and .h5 inputs (default: %(default)s)")
-    add("--mask-key", default=None, metavar="NAME",
-        help="name of the optional mask (B, N, N) or (N, N) in .npz and .h5 inputs, "
-             "0 = masked; a file without it is computed unmasked (default: mask)")
-    add("--weights", metavar="PATH",
-        help="HDF5 weights file (default: the shipped default weights, pair_dim 128, "
-             "4 heads); its D must match the inputs'")
-    add("--fully-masked", choices=("zero", "nan"), default="zero",
-        help="output of a query whose keys are all masked: 'zero' attention (the output "
-             "is out_proj.bias) or 'nan' as the PyTorch reference (default: %(default)s)")
-    if precisions:
-        add("--precision", choices=precisions, default=None,
-            help="arithmetic of the GPU kernels; inputs and outputs stay float32 "
-                 f"(default: {precisions[0]})")
-    add("--output-format", choices=("hdf5", "npy"), default="hdf5",
-        help="hdf5: <name>.h5 with dataset 'out' and attributes recording the input, the "
-             "weights and their SHA-256, the version and the options; npy: <name>.npy, the "
-             "plain float32 array (default: %(default)s)")
-    add("--overwrite", action="store_true",
-        help="recompute outputs that exist already (default: skip them, so a run that was "
-             "interrupted resumes where it stopped)")
-    add("--device", choices=("auto", "gpu", "cpu"), default="auto",
-        help="auto: the GPU when one is usable, else the CPU (said in one log line); "
-             "gpu: fail if there is none; cpu: the NumPy backend (default: %(default)s)")
-    add("--devices", type=_devices_arg, metavar="LIST",
-        help="GPUs to spread the files over, one worker each: comma-separated indices "
-             "such as 0,1,2,3, or 'all' (default: 0)")
-    add("-q", "--quiet", action="store_true",
-        help="no progress bar and no summary: only warnings and errors")
-    add("-v", "--verbose", action="store_true", help="also log each file as it is done")
-    add("--demo", action="store_true",
-        help="generate a few small inputs in a temporary folder, run them with the default "
-             "weights, check one against the float64 NumPy reference and print the error "
-             "and the throughput")
-    add("--version", action="version", version=f"%(prog)s (triattn-cupy) {__version__}")
-    return parser
-
-
-def main(argv=None, *, prog: str = "triattn-infer") -> int:
-    """Entry point of `triattn-infer` and `python -m triattn_cupy`; returns the exit
-    status (see the module docstring)."""
-    parser = build_parser(prog)
-    try:
-        args = parser.parse_args(argv)
-    except SystemExit as exc:  # --help, --version, or a usage error already printed
-        return exc.code if isinstance(exc.code, int) else EXIT_USAGE
-    with _logging_for(args):
-        try:
-            if args.demo:
-                from ._infer_demo import run_demo
-                return run_demo(args)
-            if not args.inputs:
-                parser.print_usage(sys.stderr)
-                logger.error("no INPUT given (files or folders of .npy, .npz, .h5); "
-                             "try --demo for a first run")
-                return EXIT_USAGE
-            if not args.output_dir:
-                parser.print_usage(sys.stderr)
-                logger.error("--output-dir is required")
-                return EXIT_USAGE
-            return run(args).exit_code
-        except SetupError as exc:
-            logger.error("%s", exc)
-            return EXIT_USAGE
-        except KeyboardInterrupt:
-            logger.error("interrupted")
-            return EXIT_INTERRUPTED
-
-
 # --- the run --------------------------------------------------------------------------------
 
 def run(args, *, summary: bool = True) -> RunResult:
@@ -217,7 +96,7 @@ def run(args, *, summary: bool = True) -> RunResult:
         if not tasks:
             result = RunResult(_exit_code(outcomes, False), outcomes)
             if summary:
-                _report(result, output_dir, args.output_format)
+                report(result, output_dir, args.output_format)
             return result
         backends = make_backends(kind, devices, weights, args.fully_masked, precision)
         options = {"fully_masked": args.fully_masked, "precision": precision or "fp32",
@@ -229,7 +108,7 @@ def run(args, *, summary: bool = True) -> RunResult:
             "precision": options["precision"],
             "options": json.dumps(options, sort_keys=True)}
         pipeline = _Pipeline(backends, weights.pair_dim, args, common_attrs)
-        progress = _Progress(len(tasks), quiet=args.quiet)
+        progress = Progress(len(tasks), quiet=args.quiet)
         start = time.perf_counter()
         try:
             interrupted = pipeline.run(tasks, lambda o: (outcomes.append(o), progress.add(o)))
@@ -241,7 +120,7 @@ def run(args, *, summary: bool = True) -> RunResult:
     if interrupted:
         result.not_processed = len(tasks) - len(pipeline.seen)
     if summary:
-        _report(result, output_dir, args.output_format)
+        report(result, output_dir, args.output_format)
     return result
 
 
@@ -287,7 +166,7 @@ def resolve_devices(args) -> tuple[str, list]:
 
 def load_weights(path_arg, stack: contextlib.ExitStack):
     """(Weights, absolute path, SHA-256) of --weights or of the shipped default."""
-    from . import hdf5
+    from .. import hdf5
 
     if path_arg is None:
         path = stack.enter_context(importlib.resources.as_file(hdf5.default_weights_path()))
@@ -634,138 +513,3 @@ class _Pipeline:
     def _fail(self, task, reason):
         logger.error("%s: %s", task.input, reason)
         self._report(task, "failed", reason)
-
-
-# --- progress and report --------------------------------------------------------------------
-
-def _si(x: float) -> str:
-    for unit, scale in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
-        if abs(x) >= scale:
-            return f"{x / scale:.3g}{unit}"
-    return f"{x:.3g}"
-
-
-@functools.lru_cache(maxsize=None)
-def _tqdm():
-    try:
-        from tqdm import tqdm
-        return tqdm
-    except ImportError:
-        return None
-
-
-class _Progress:
-    """A tqdm bar (files, pair positions/s, ETA), or a throttled log line without tqdm."""
-
-    def __init__(self, total: int, quiet: bool):
-        self.total, self.quiet = total, quiet
-        self.count = self.positions = 0
-        self.start = self.last_log = time.perf_counter()
-        tqdm = None if quiet else _tqdm()
-        self.bar = (tqdm(total=total, unit="file", desc="triattn-infer", file=sys.stderr,
-                         dynamic_ncols=True, smoothing=0.3) if tqdm else None)
-
-    def add(self, outcome: Outcome):
-        self.count += 1
-        self.positions += outcome.positions
-        elapsed = max(time.perf_counter() - self.start, 1e-9)
-        rate = f"{_si(self.positions / elapsed)} pairs/s"
-        if self.bar is not None:
-            self.bar.set_postfix_str(rate, refresh=False)
-            self.bar.update(1)
-        elif not self.quiet:
-            now = time.perf_counter()
-            if now - self.last_log >= 2.0 or self.count in (1, self.total):
-                self.last_log = now
-                eta = elapsed / self.count * (self.total - self.count)
-                logger.info("[%d/%d files] %s, ETA %s", self.count, self.total, rate,
-                            _duration(eta))
-
-    def close(self):
-        if self.bar is not None:
-            self.bar.close()
-
-
-def _duration(seconds: float) -> str:
-    seconds = int(round(seconds))
-    h, rem = divmod(seconds, 3600)
-    m, s = divmod(rem, 60)
-    return f"{h}:{m:02d}:{s:02d}" if h else f"{m:02d}:{s:02d}"
-
-
-def _report(result: RunResult, output_dir: str, output_format: str):
-    done, skipped, failed = (result.count(s) for s in ("done", "skipped", "failed"))
-    total = len(result.outcomes)
-    logger.info("%d file%s: %d computed, %d skipped, %d failed", total,
-                "s" if total != 1 else "", done, skipped, failed)
-    if done:
-        seconds = max(result.seconds, 1e-9)
-        if len(result.devices) > 1:
-            per = [f"{d}: {sum(o.device == d for o in result.outcomes)} files"
-                   for d in result.devices]
-            where = ", ".join(per)
-        else:
-            where = result.devices[0]
-        logger.info("time %.2f s, %s pair positions/s (B*N*N summed over %d file%s), on %s",
-                    result.seconds, _si(result.positions / seconds), done,
-                    "s" if done != 1 else "", where)
-        fmt = (f"HDF5, dataset {OUTPUT_DATASET!r}" if output_format == "hdf5"
-               else "NumPy .npy")
-        logger.info("outputs in %s (%s)", output_dir, fmt)
-    if result.interrupted:
-        logger.error("interrupted: %d file%s not processed; run the same command again to "
-                     "resume", result.not_processed, "s were" if result.not_processed != 1
-                     else " was")
-    if failed:
-        bad = [o for o in result.outcomes if o.status == "failed"]
-        lines = [f"  {o.input}: {o.reason}" for o in bad[:20]]
-        if len(bad) > 20:
-            lines.append(f"  ... and {len(bad) - 20} more")
-        logger.error("%d file%s failed:\n%s", failed, "s" if failed > 1 else "",
-                     "\n".join(lines))
-
-
-# --- logging --------------------------------------------------------------------------------
-
-class _Formatter(logging.Formatter):
-    def format(self, record):
-        text = record.getMessage()
-        if record.levelno >= logging.ERROR:
-            text = "error: " + text
-        elif record.levelno >= logging.WARNING:
-            text = "warning: " + text
-        if record.exc_info:
-            text += "\n" + self.formatException(record.exc_info)
-        return "triattn-infer: " + text
-
-
-class _Handler(logging.Handler):
-    """To stderr, through tqdm.write when tqdm is there so the bar stays intact."""
-
-    def emit(self, record):
-        try:
-            text = self.format(record)
-            tqdm = _tqdm()
-            if tqdm is not None:
-                tqdm.write(text, file=sys.stderr)
-            else:
-                sys.stderr.write(text + "\n")
-                sys.stderr.flush()
-        except Exception:
-            self.handleError(record)
-
-
-@contextlib.contextmanager
-def _logging_for(args):
-    package_logger = logging.getLogger("triattn_cupy")
-    handler = _Handler()
-    handler.setFormatter(_Formatter())
-    old_level = package_logger.level
-    package_logger.setLevel(logging.WARNING if args.quiet
-                            else logging.DEBUG if args.verbose else logging.INFO)
-    package_logger.addHandler(handler)
-    try:
-        yield
-    finally:
-        package_logger.removeHandler(handler)
-        package_logger.setLevel(old_level)

@@ -16,7 +16,7 @@ import inspect
 
 import numpy as np
 
-from . import reference
+from .. import reference
 
 GIB = float(1 << 30)
 DEFAULT_PRECISIONS = ("fp32", "tf32", "bf16")

@@ -1,4 +1,4 @@
-"""`triattn-infer` through `main([...])`: formats, resume, atomic writes, bad inputs,
+"""`triattn-infer` (triattn_cupy.cli) through `main([...])`: formats, resume, atomic writes, bad inputs,
 refusals, device flags, the demo. CPU backend everywhere except the tests marked `gpu`.
 
 Sizes are tiny (D=16, h=2, N <= 13) so the file runs in seconds on a CPU.
@@ -19,10 +19,12 @@ import numpy as np
 import pytest
 
 import triattn_cupy
-from triattn_cupy import infer, random_weights, reference
-from triattn_cupy import _io
-from triattn_cupy._infer_backends import (CpuBackend, gpu_probe, parse_devices,
-                                          precision_support)
+from triattn_cupy import random_weights, reference
+from triattn_cupy.cli import io as cli_io
+from triattn_cupy.cli import main as cli_main
+from triattn_cupy.cli import pipeline, report
+from triattn_cupy.cli.backends import (CpuBackend, gpu_probe, parse_devices,
+                                       precision_support)
 from triattn_cupy.hdf5 import save_weights
 from helpers import rel_l2
 
@@ -59,7 +61,7 @@ def cli(weights_file, out_dir, *args, device="cpu"):
     argv = [*map(str, args), "--output-dir", str(out_dir), "--weights", str(weights_file)]
     if device:
         argv += ["--device", device]
-    return infer.main(argv)
+    return cli_main.main(argv)
 
 
 def read_output(path):
@@ -199,7 +201,7 @@ def test_folder_without_recursive_takes_one_level(dataset, weights_file, tmp_pat
 
 
 def test_progress_logs_without_tqdm(dataset, weights_file, tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(infer, "_tqdm", lambda: None)
+    monkeypatch.setattr(report, "tqdm_or_none", lambda: None)
     src, _ = dataset
     assert cli(weights_file, tmp_path / "out", src) == 0
     err = capsys.readouterr().err
@@ -261,9 +263,9 @@ def test_resume_warns_about_outputs_of_other_weights(dataset, weights_file, tmp_
 
 
 def crash_on(name, exc):
-    """A stand-in for _io._write_hdf5 that writes part of the file for `name`, then
+    """A stand-in for cli_io._write_hdf5 that writes part of the file for `name`, then
     raises `exc` (as a crash mid-write would); other files are written normally."""
-    real = _io._write_hdf5
+    real = cli_io._write_hdf5
 
     def writer(tmp, out, attrs):
         if os.path.basename(tmp).startswith(f".{name}."):
@@ -279,7 +281,7 @@ def test_crash_mid_write_leaves_no_output_and_no_temp(dataset, weights, weights_
                                                       tmp_path, monkeypatch, capsys):
     src, items = dataset
     out = tmp_path / "out"
-    monkeypatch.setattr(_io, "_write_hdf5", crash_on("b.h5", OSError("simulated crash")))
+    monkeypatch.setattr(cli_io, "_write_hdf5", crash_on("b.h5", OSError("simulated crash")))
     assert cli(weights_file, out, src) == 1
     assert all_files(out) == ["a.h5", "c.h5", "d.h5"]  # no b.h5, no .b.h5.*.tmp
     assert_same(read_output(out / "a.h5")[0], expected_output(weights, *items["a.npy"]))
@@ -297,7 +299,7 @@ def test_crash_while_overwriting_keeps_the_earlier_output(dataset, weights_file,
     out = tmp_path / "out"
     assert cli(weights_file, out, src) == 0
     before = sha(out / "b.h5")
-    monkeypatch.setattr(_io, "_write_hdf5", crash_on("b.h5", OSError("disk gone")))
+    monkeypatch.setattr(cli_io, "_write_hdf5", crash_on("b.h5", OSError("disk gone")))
     assert cli(weights_file, out, src, "--overwrite") == 1
     assert sha(out / "b.h5") == before  # intact: the new one was never renamed over it
     assert all_files(out) == ["a.h5", "b.h5", "c.h5", "d.h5"]
@@ -307,8 +309,8 @@ def test_interrupt_mid_write_stops_cleanly_and_resumes(dataset, weights_file, tm
                                                        monkeypatch, capsys):
     src, _ = dataset
     out = tmp_path / "out"
-    monkeypatch.setattr(_io, "_write_hdf5", crash_on("b.h5", KeyboardInterrupt()))
-    assert cli(weights_file, out, src) == infer.EXIT_INTERRUPTED
+    monkeypatch.setattr(cli_io, "_write_hdf5", crash_on("b.h5", KeyboardInterrupt()))
+    assert cli(weights_file, out, src) == pipeline.EXIT_INTERRUPTED
     files = all_files(out)
     assert "b.h5" not in files and not any(f.endswith(".tmp") for f in files)
     assert "run the same command again to resume" in capsys.readouterr().err
@@ -328,13 +330,13 @@ def test_ctrl_c_signal_finishes_the_file_in_hand(tmp_path, weights_file):
     out = tmp_path / "out"
     script = f"""
 import sys, time
-from triattn_cupy import _io, infer
-real = _io._write_hdf5
+from triattn_cupy.cli import io as cli_io, main as cli_main
+real = cli_io._write_hdf5
 def slow(tmp, out, attrs):
     real(tmp, out, attrs)
     time.sleep(1.5)  # the temporary file exists, complete but not yet renamed
-_io._write_hdf5 = slow
-sys.exit(infer.main([{str(src)!r}, "-o", {str(out)!r}, "--weights", {str(weights_file)!r},
+cli_io._write_hdf5 = slow
+sys.exit(cli_main.main([{str(src)!r}, "-o", {str(out)!r}, "--weights", {str(weights_file)!r},
                      "--device", "cpu", "-q"]))
 """
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
@@ -352,7 +354,7 @@ sys.exit(infer.main([{str(src)!r}, "-o", {str(out)!r}, "--weights", {str(weights
     assert proc.poll() is None, proc.communicate()[1]
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=30)
-    assert proc.returncode == infer.EXIT_INTERRUPTED, err
+    assert proc.returncode == pipeline.EXIT_INTERRUPTED, err
     files = all_files(out)
     assert files == ["x0.h5"], (files, err)  # finished, then stopped; nothing half-written
     assert "interrupted" in err
@@ -427,7 +429,7 @@ def test_unusable_weights_is_a_setup_error(dataset, tmp_path, capsys):
 
 def test_wrong_d_for_the_default_weights(dataset, tmp_path, capsys):
     src, _ = dataset  # D=16 inputs; the default weights have D=128
-    assert infer.main([str(src / "a.npy"), "-o", str(tmp_path / "out"), "--device",
+    assert cli_main.main([str(src / "a.npy"), "-o", str(tmp_path / "out"), "--device",
                        "cpu"]) == 1
     assert "pair_dim 128; got 16" in capsys.readouterr().err
 
@@ -508,7 +510,7 @@ def test_parse_devices():
     ("-1", "non-negative integers"), ("0,", "comma-separated")])
 def test_devices_flag_syntax(dataset, weights_file, tmp_path, capsys, value, message):
     src, _ = dataset
-    assert infer.main([str(src), "-o", str(tmp_path / "o"), "--devices", value]) == 2
+    assert cli_main.main([str(src), "-o", str(tmp_path / "o"), "--devices", value]) == 2
     err = capsys.readouterr().err
     assert "argument --devices" in err and message in err
 
@@ -537,8 +539,8 @@ class FakeGpuBackend(CpuBackend):
 
 @pytest.fixture
 def two_fake_gpus(monkeypatch):
-    monkeypatch.setattr(infer, "gpu_probe", lambda: (2, ""))
-    monkeypatch.setattr(infer, "GpuBackend", FakeGpuBackend)
+    monkeypatch.setattr(pipeline, "gpu_probe", lambda: (2, ""))
+    monkeypatch.setattr(pipeline, "GpuBackend", FakeGpuBackend)
 
 
 def test_devices_spread_files_over_workers(two_fake_gpus, dataset, weights, weights_file,
@@ -605,11 +607,11 @@ def test_output_dir_must_be_a_folder(dataset, weights_file, tmp_path, capsys):
 
 
 def test_usage_errors(tmp_path, capsys):
-    assert infer.main([]) == 2
+    assert cli_main.main([]) == 2
     assert "no INPUT given" in capsys.readouterr().err
-    assert infer.main([str(tmp_path)]) == 2
+    assert cli_main.main([str(tmp_path)]) == 2
     assert "--output-dir is required" in capsys.readouterr().err
-    assert infer.main(["--help"]) == 0
+    assert cli_main.main(["--help"]) == 0
     assert "--output-dir" in capsys.readouterr().out
 
 
@@ -627,7 +629,7 @@ def test_python_m_help():
 
 
 def test_demo_on_cpu(capsys, tmp_path):
-    assert infer.main(["--demo", "--device", "cpu", "-o", str(tmp_path / "demo")]) == 0
+    assert cli_main.main(["--demo", "--device", "cpu", "-o", str(tmp_path / "demo")]) == 0
     out = capsys.readouterr().out
     assert "relative L2 error" in out and ": OK" in out and "Demo passed" in out
     assert "pair positions/s" in out and "CPU" in out
@@ -729,3 +731,34 @@ def test_two_gpus_share_the_files(dataset, weights, weights_file, tmp_path, caps
     err = capsys.readouterr().err
     assert "GPU 0" in err and "GPU 1" in err
     assert used <= {"GPU 0", "GPU 1"}
+
+
+# --- the package's shape ------------------------------------------------------------------
+
+def test_cli_modules_import_no_circle_and_stay_small():
+    """The modules of triattn_cupy.cli import each other along one direction (imports
+    inside functions included), and none is over 600 lines."""
+    import ast
+
+    folder = REPO / "triattn_cupy" / "cli"
+    modules = {p.stem: p for p in folder.glob("*.py") if p.stem != "__init__"}
+    edges = {}
+    for name, path in modules.items():
+        text = path.read_text()
+        assert len(text.splitlines()) <= 600, f"{path.name}: over 600 lines"
+        deps = set()
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.ImportFrom) and node.level == 1:
+                if node.module:
+                    deps.add(node.module.split(".")[0])
+                else:
+                    deps |= {a.name for a in node.names}
+        edges[name] = deps & set(modules)
+
+    def visit(name, stack):
+        assert name not in stack, f"import circle: {' -> '.join(stack + [name])}"
+        for dep in sorted(edges[name]):
+            visit(dep, stack + [name])
+
+    for name in modules:
+        visit(name, [])
