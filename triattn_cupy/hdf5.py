@@ -6,7 +6,11 @@ replaced by ``/`` (``query.weight`` -> ``query/weight``), in PyTorch's
 ``pair_dim``, ``num_heads``, ``layer_norm_eps``.
 
 `load_weights` checks the whole file against `parameter_shapes` before returning and
-raises one `WeightsFormatError` that lists every problem it found.
+raises one `WeightsFormatError` that lists every problem it found. Shapes, dtypes and
+storage come from the file's metadata and are checked before any data is read. A file
+must hold its data itself: external links, external raw storage and virtual datasets are
+refused (`ExternalDataError`), so a file can never read another file's bytes; hard links
+and soft links that stay inside the file are followed.
 """
 from __future__ import annotations
 
@@ -24,10 +28,106 @@ from .weights import OPTIONAL_BIASES, Weights, parameter_shapes
 FORMAT = "triattn-cupy/weights"
 FORMAT_VERSION = 1
 _PARAM_NAMES = tuple(parameter_shapes(1, 1))  # the names; shapes depend on the attributes
+# The largest pair_dim a file may declare: five (D, D) float32 matrices of 64 MiB each.
+# Real models are far below it (AlphaFold: 128; the GPU kernels take at most 768); a file
+# beyond it is refused before anything is read.
+MAX_PAIR_DIM = 4096
+_SOFT_LINK_DEPTH = 8
 
 
 class WeightsFormatError(ValueError):
     """A weights file that is missing, unreadable, or not valid format version 1."""
+
+
+class ExternalDataError(ValueError):
+    """An HDF5 object whose data would come from outside its file (an external link,
+    external raw storage or a virtual dataset)."""
+
+
+# --- reading HDF5 safely (weights and inputs) ---------------------------------------------
+
+def local_object(f: h5py.File, path: str, _depth: int = 0):
+    """The object at `path` in `f`, reached only through hard links and soft links that
+    stay inside the file; None when nothing is there. Raises `ExternalDataError` when
+    the path goes through an external link (which would open another file)."""
+    node = f["/"]
+    parts = [p for p in str(path).split("/") if p]
+    for i, part in enumerate(parts):
+        if not isinstance(node, h5py.Group) or part not in node:
+            return None
+        link = node.get(part, getlink=True)
+        where = "/".join(parts[:i + 1])
+        if isinstance(link, h5py.ExternalLink):
+            raise ExternalDataError(
+                f"'{where}' is an external link to {link.filename}:{link.path}; refused: "
+                f"the file must hold its data itself")
+        if isinstance(link, h5py.SoftLink):
+            if _depth >= _SOFT_LINK_DEPTH:
+                raise ExternalDataError(f"'{where}': soft links nested too deeply")
+            target = link.path if link.path.startswith("/") else (
+                "/".join(parts[:i] + [link.path]))
+            node = local_object(f, target, _depth + 1)
+            if node is None:
+                return None  # a dangling soft link: nothing there
+        else:
+            node = node.get(part)
+    return node
+
+
+def check_local_storage(ds: h5py.Dataset, name: str) -> None:
+    """ExternalDataError when the raw data of `ds` lives in other files."""
+    if ds.is_virtual:
+        raise ExternalDataError(
+            f"'{name}' is a virtual dataset (its data are mapped from other files); "
+            f"refused: the file must hold its data itself")
+    if ds.external:
+        files = ", ".join(sorted({str(entry[0]) for entry in ds.external}))
+        raise ExternalDataError(
+            f"'{name}' keeps its raw data in external files ({files}); refused: the file "
+            f"must hold its data itself")
+
+
+def missing_storage(ds: h5py.Dataset, name: str):
+    """A sentence when `ds` cannot hold the data its shape declares, else None.
+
+    Unwritten storage reads back as the fill value (zeros), so a dataset whose shape
+    promises more bytes than the file stores for it is not data. Without filters the
+    stored size is at least the logical size; with compression it is smaller but not 0.
+    """
+    logical = int(np.prod(ds.shape or (), dtype=np.int64)) * ds.dtype.itemsize
+    if logical == 0:
+        return None
+    stored = ds.id.get_storage_size()
+    filtered = ds.id.get_create_plist().get_nfilters() > 0
+    if stored == 0 or (not filtered and stored < logical):
+        return (f"'{name}' declares {logical} bytes ({ds.dtype} {ds.shape}) but the file "
+                f"stores {stored} bytes for it (unwritten data would read as zeros)")
+    return None
+
+
+def local_datasets(f: h5py.File, problems: list) -> dict:
+    """{path: Dataset} of every dataset reachable inside `f`, each of its names included
+    (a dataset hard-linked under two names appears twice). External links are appended
+    to `problems` and not followed."""
+    datasets = {}
+
+    def visit(name, link):  # returns None: a value would stop the visit
+        name = name if isinstance(name, str) else repr(name)  # h5py: bytes if not UTF-8
+        try:
+            obj = local_object(f, name)
+        except ExternalDataError as err:
+            if isinstance(link, h5py.ExternalLink):
+                problems.append(str(err))
+            return None
+        if isinstance(obj, h5py.Dataset):
+            datasets[name] = obj
+        return None
+
+    if hasattr(f, "visititems_links"):  # h5py >= 3.11: every link, hard links included
+        f.visititems_links(visit)
+    else:
+        f.visititems(lambda name, obj: visit(name, None))
+    return datasets
 
 
 def dataset_name(param: str) -> str:
@@ -81,19 +181,21 @@ def _read(f: h5py.File, path: str) -> Weights:
     if eps is None or not math.isfinite(eps) or eps <= 0:
         problems.append(f"root attribute 'layer_norm_eps': expected a positive finite "
                         f"number, got {_describe_attr(f, 'layer_norm_eps')}")
+    if pair_dim and pair_dim > MAX_PAIR_DIM:
+        problems.append(f"root attribute 'pair_dim': {pair_dim} is beyond the largest this "
+                        f"package reads, {MAX_PAIR_DIM}")
+        pair_dim = None
+    if pair_dim and num_heads and num_heads > pair_dim:
+        problems.append(f"root attributes: num_heads {num_heads} is more than pair_dim "
+                        f"{pair_dim}")
+        num_heads = None
     if pair_dim and num_heads and pair_dim % num_heads:
         problems.append(f"root attributes: pair_dim {pair_dim} must be a multiple of "
                         f"num_heads {num_heads}")
         pair_dim = None
     shapes = parameter_shapes(pair_dim, num_heads) if pair_dim and num_heads else None
 
-    datasets = {}
-
-    def collect(name, obj):  # returns None: a value would stop visititems
-        if isinstance(obj, h5py.Dataset):  # h5py gives bytes for a name that is not UTF-8
-            datasets[name if isinstance(name, str) else repr(name)] = obj
-
-    f.visititems(collect)
+    datasets = local_datasets(f, problems)
     params = {}
     for param in _PARAM_NAMES:
         name = dataset_name(param)
@@ -132,6 +234,22 @@ def _read_dataset(ds: h5py.Dataset, name: str, expected, problems: list):
     if ds.shape is None or (expected is not None and ds.shape != expected):
         got = "an empty dataspace" if ds.shape is None else ds.shape
         problems.append(f"dataset '{name}': expected shape {expected or '(any)'}, got {got}")
+        return None
+    if expected is None and (len(ds.shape) not in (1, 2)
+                             or max(ds.shape, default=0) > MAX_PAIR_DIM):
+        # The attributes are broken, so the exact shapes are unknown; read no more than
+        # the largest valid parameter could hold.
+        problems.append(f"dataset '{name}': shape {ds.shape} fits no parameter (1 or 2 "
+                        f"axes of at most {MAX_PAIR_DIM})")
+        return None
+    try:
+        check_local_storage(ds, name)
+    except ExternalDataError as err:
+        problems.append(f"dataset {err}")
+        return None
+    short = missing_storage(ds, name)
+    if short:
+        problems.append(f"dataset {short}")
         return None
     raw = np.asarray(ds[()])
     bad = ~np.isfinite(raw)
