@@ -19,13 +19,17 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import math
 import os
+import stat
 import uuid
 import zipfile
 
 import numpy as np
 
 from .._checks import check_mask_dtype, check_mask_shape, pair_geometry
+from ..hdf5 import (ExternalDataError, check_local_storage, local_datasets, local_object,
+                    missing_storage)
 
 INPUT_SUFFIXES = {".npy": "npy", ".npz": "npz", ".h5": "hdf5", ".hdf5": "hdf5"}
 OUTPUT_SUFFIXES = {"hdf5": ".h5", "npy": ".npy"}
@@ -38,6 +42,7 @@ TEMP_SUFFIX = ".tmp"
 # temporary arrays, and lets h5py's global lock go between slabs, so the reader thread and
 # the writer thread take turns instead of one waiting for a whole file.
 _SLAB_BYTES = 64 << 20
+GIB = float(1 << 30)
 
 
 class InputError(Exception):
@@ -70,13 +75,39 @@ def input_kind(path) -> str | None:
     return INPUT_SUFFIXES.get(os.path.splitext(os.fspath(path))[1].lower())
 
 
-def walk_inputs(folder: str, recursive: bool, exclude: str | None = None):
-    """Input files under `folder` (sorted; only one level unless `recursive`), as paths.
+def special_file_kind(path) -> str | None:
+    """None for a regular file (or a link to one); else what it is ("a FIFO", "a
+    socket", "a device", "missing"). Looks at the inode only: opening a FIFO would block
+    until a writer comes."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return "missing"
+    if stat.S_ISREG(mode):
+        return None
+    if stat.S_ISFIFO(mode):
+        return "a FIFO"
+    if stat.S_ISSOCK(mode):
+        return "a socket"
+    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
+        return "a device"
+    if stat.S_ISDIR(mode):
+        return "a folder"
+    return "not a regular file"
 
-    `exclude`: a folder whose subtree is skipped (the output folder, when it lies inside
-    an input folder, so outputs of an earlier run are not read as inputs).
+
+def walk_inputs(folder: str, recursive: bool, exclude: str | None = None,
+                ignore=None):
+    """(input files, skipped) under `folder`, sorted; only one level unless `recursive`.
+
+    Input files are regular files with an input suffix; `skipped` lists (path, reason)
+    for every other visible file: another suffix, or a special file (FIFO, socket,
+    device), which is never opened. Hidden files (temporary outputs, claims) are passed
+    over silently, as are paths for which `ignore(path)` is true (the npy outputs'
+    provenance records). `exclude`: a folder whose subtree is skipped (the output folder,
+    when it lies inside an input folder, so outputs of an earlier run are not read).
     """
-    found = []
+    found, skipped = [], []
     exclude = os.path.realpath(exclude) if exclude else None
     for root, dirs, files in os.walk(folder):
         if recursive:
@@ -85,9 +116,19 @@ def walk_inputs(folder: str, recursive: bool, exclude: str | None = None):
         else:
             dirs[:] = []
         for name in sorted(files):
-            if input_kind(name) and not name.startswith("."):  # ".x.h5.<id>.tmp" too
-                found.append(os.path.join(root, name))
-    return found
+            if name.startswith("."):  # ".x.h5.<id>.tmp", claims, editors' files
+                continue
+            path = os.path.join(root, name)
+            if ignore is not None and ignore(path):
+                continue
+            special = special_file_kind(path)
+            if special is not None:
+                skipped.append((path, f"{special}, not a regular file; not opened"))
+            elif input_kind(name) is None:
+                skipped.append((path, "not an input type (.npy, .npz, .h5, .hdf5)"))
+            else:
+                found.append(path)
+    return found, skipped
 
 
 def output_path(output_dir: str, rel: str, output_format: str) -> str:
@@ -141,21 +182,30 @@ def existing_output_state(path, output_format: str) -> tuple[str, dict]:
 # --- reading ------------------------------------------------------------------------------
 
 def read_input(path: str, kind: str, *, pair_dim: int, pair_key: str = "pair",
-               mask_key: str = "mask", alloc=None) -> LoadedInput:
+               mask_key: str = "mask", mask_required: bool = False,
+               alloc=None) -> LoadedInput:
     """Read one input file, check it against `pair_dim`, convert the pair to float32 once.
 
-    `alloc(shape)` returns the float32 destination array (pinned host memory for the GPU
-    path); it is called only after the header has been checked. Raises `InputError`.
+    Every shape and dtype is checked from the file's header or metadata before its data
+    are read, and `alloc(shape)` (the float32 destination; pinned host memory for the
+    GPU path) is called only then. `mask_required`: a file without `mask_key` is an
+    error rather than unmasked. Raises `InputError`.
     """
     alloc = alloc or (lambda shape: np.empty(shape, np.float32))
     readers = {"npy": _read_npy, "npz": _read_npz, "hdf5": _read_hdf5}
     if kind not in readers:
         raise InputError(f"unsupported file type (expected one of "
                          f"{', '.join(INPUT_SUFFIXES)})")
+    special = special_file_kind(path)
+    if special is not None:
+        raise InputError(f"{special}, not a regular file; not opened")
+    keys = _Keys(pair_dim, pair_key, mask_key, mask_required)
     try:
-        pair, source_dtype, mask = readers[kind](path, pair_dim, pair_key, mask_key, alloc)
+        pair, source_dtype, mask = readers[kind](path, keys, alloc)
     except (InputError, MemoryError):
         raise
+    except ExternalDataError as exc:
+        raise InputError(str(exc)) from None
     except Exception as exc:  # zipfile, h5py, numpy header errors, OSError, ...
         raise InputError(f"cannot read the {kind} file (corrupt or truncated?): "
                          f"{type(exc).__name__}: {exc}") from exc
@@ -166,14 +216,49 @@ def read_input(path: str, kind: str, *, pair_dim: int, pair_key: str = "pair",
     return LoadedInput(pair, mask, B, N, batched, source_dtype)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Keys:
+    pair_dim: int
+    pair_key: str
+    mask_key: str
+    mask_required: bool
+
+
 def _check_header(shape, dtype, pair_dim: int, what: str = "pair"):
+    """(B, N, batched) of a pair header, after its dtype, shape and size are checked."""
     dtype = np.dtype(dtype)
     if dtype.kind != "f" or dtype.itemsize not in (4, 8):  # either byte order
-        raise InputError(f"{what} has dtype {np.dtype(dtype)}; expected float32 or float64")
+        raise InputError(f"{what} has dtype {dtype}; expected float32 or float64")
     try:
-        pair_geometry(shape, pair_dim, arg=what)
+        geometry = pair_geometry(shape, pair_dim, arg=what)
     except ValueError as exc:
         raise InputError(str(exc)) from None
+    need = _count(shape) * 4
+    memory = _host_memory_bytes()
+    if memory and need > memory:
+        raise InputError(f"{what} {tuple(shape)} takes {need / GIB:.1f} GiB as float32, more "
+                         f"than this machine's {memory / GIB:.1f} GiB of memory")
+    return geometry
+
+
+def _check_mask_header(shape, dtype, geometry):
+    B, N, batched = geometry
+    try:
+        check_mask_dtype(np.dtype(dtype))
+        check_mask_shape(shape, B, N, batched)
+    except (TypeError, ValueError) as exc:
+        raise InputError(str(exc)) from None
+
+
+def _count(shape) -> int:
+    return math.prod(int(n) for n in shape)
+
+
+def _host_memory_bytes() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        return 0
 
 
 def _convert_into(dest: np.ndarray, src: np.ndarray):
@@ -186,79 +271,167 @@ def _convert_into(dest: np.ndarray, src: np.ndarray):
 
 
 def _slab_rows(arr) -> int:
-    row_bytes = max(1, int(np.prod(arr.shape[1:], dtype=np.int64)) * 8)
+    row_bytes = max(1, _count(arr.shape[1:]) * 8)
     return max(1, _SLAB_BYTES // row_bytes)
 
 
-def _read_npy(path, pair_dim, pair_key, mask_key, alloc):
+def _npy_header(f):
+    """(shape, fortran_order, dtype, header bytes) of the .npy stream `f`, through NumPy's
+    public header readers. Format 3.0 differs from 2.0 only in allowing UTF-8 field names;
+    its header is read as 2.0's (field names would read as Latin-1, and no dtype with
+    fields is accepted anyway)."""
     fmt = np.lib.format
-    with open(path, "rb") as f:
-        version = fmt.read_magic(f)
-        if version == (1, 0):
-            shape, _, dtype = fmt.read_array_header_1_0(f)
-        elif version == (2, 0):
-            shape, _, dtype = fmt.read_array_header_2_0(f)
-        else:  # version 3.0 (utf-8 field names) has no public reader
-            shape, _, dtype = fmt._read_array_header(f, version)
-        offset = f.tell()
+    version = fmt.read_magic(f)
+    if version == (1, 0):
+        shape, fortran, dtype = fmt.read_array_header_1_0(f)
+    elif version in ((2, 0), (3, 0)):
+        shape, fortran, dtype = fmt.read_array_header_2_0(f)
+    else:
+        raise InputError(f"unsupported .npy format version {version[0]}.{version[1]}")
+    return shape, fortran, dtype, f.tell()
+
+
+def _open_regular(path):
+    """`path` opened for reading, refusing anything but a regular file without blocking
+    (a FIFO swapped in after planning would otherwise block the reader)."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise InputError("not a regular file; not read")
+        if hasattr(os, "set_blocking"):
+            os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _read_npy(path, keys: _Keys, alloc):
+    if keys.mask_required:
+        raise InputError(f"a .npy file holds the pair alone, without the mask "
+                         f"{keys.mask_key!r} that --mask-key names")
+    with _open_regular(path) as f:
+        shape, fortran, dtype, offset = _npy_header(f)
         size = os.fstat(f.fileno()).st_size
-    _check_header(shape, dtype, pair_dim)
-    need = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-    if size - offset < need:
-        raise InputError(f"file is truncated: its header announces {need} bytes of "
-                         f"{dtype} {tuple(shape)} data, the file holds {size - offset}")
-    # The file is mapped, not read: the one copy is the conversion into `dest`.
-    src = np.load(path, mmap_mode="r", allow_pickle=False)
-    dest = alloc(tuple(shape))
-    _convert_into(dest, src)
-    del src
+        _check_header(shape, dtype, keys.pair_dim)
+        need = _count(shape) * dtype.itemsize
+        if size - offset < need:
+            raise InputError(f"file is truncated: its header announces {need} bytes of "
+                             f"{dtype} {tuple(shape)} data, the file holds {size - offset}")
+        # The file is mapped, not read: the one copy is the conversion into `dest`.
+        src = np.memmap(f, dtype=dtype, mode="r", offset=offset, shape=tuple(shape),
+                        order="F" if fortran else "C")
+        dest = alloc(tuple(shape))
+        _convert_into(dest, src)
+        del src
     return dest, str(dtype), None
 
 
-def _read_npz(path, pair_dim, pair_key, mask_key, alloc):
-    if not zipfile.is_zipfile(path):
-        raise InputError("not a .npz file (no zip archive found; truncated or corrupt?)")
-    with np.load(path, allow_pickle=False) as z:
-        if pair_key not in z.files:
-            raise InputError(f"no array {pair_key!r} in the archive (it holds "
-                             f"{', '.join(map(repr, z.files)) or 'nothing'}); "
-                             f"choose one with --pair-key")
-        raw = z[pair_key]
-        _check_header(raw.shape, raw.dtype, pair_dim)
-        mask = z[mask_key] if mask_key in z.files else None
-    dest = alloc(raw.shape)
-    _convert_into(dest, raw)
-    return dest, str(raw.dtype), mask
+def _read_npz(path, keys: _Keys, alloc):
+    with _open_regular(path) as f:
+        if not zipfile.is_zipfile(f):
+            raise InputError("not a .npz file (no zip archive found; truncated or corrupt?)")
+        with zipfile.ZipFile(f) as z:
+            members = {name[:-4]: name for name in z.namelist() if name.endswith(".npy")}
+            if keys.pair_key not in members:
+                raise InputError(f"no array {keys.pair_key!r} in the archive (it holds "
+                                 f"{', '.join(map(repr, members)) or 'nothing'}); "
+                                 f"choose one with --pair-key")
+            pair_info = z.getinfo(members[keys.pair_key])
+            mask_info = z.getinfo(members[keys.mask_key]) if keys.mask_key in members else None
+            if mask_info is None and keys.mask_required:
+                raise InputError(f"no mask {keys.mask_key!r} (--mask-key) in the archive (it "
+                                 f"holds {', '.join(map(repr, members))})")
+            # Both headers first: nothing is decompressed before the shapes agree.
+            shape, fortran, dtype = _npz_member_header(z, pair_info, "pair")
+            geometry = _check_header(shape, dtype, keys.pair_dim)
+            if mask_info is not None:
+                mshape, _, mdtype = _npz_member_header(z, mask_info, "mask")
+                _check_mask_header(mshape, mdtype, geometry)
+            dest = alloc(tuple(shape))
+            with z.open(pair_info) as member:
+                _npy_header(member)
+                _stream_into(dest, member, dtype, fortran)
+            mask = None
+            if mask_info is not None:
+                with z.open(mask_info) as member:
+                    mask = np.lib.format.read_array(member, allow_pickle=False)
+    return dest, str(dtype), mask
 
 
-def _read_hdf5(path, pair_dim, pair_key, mask_key, alloc):
+def _npz_member_header(z, info, what):
+    """(shape, fortran_order, dtype) of one array of an .npz archive, read from its
+    header alone; its size must be the one the archive's directory records."""
+    with z.open(info) as member:
+        shape, fortran, dtype, header = _npy_header(member)
+    if dtype.hasobject:
+        raise InputError(f"{what} has dtype {dtype}; object arrays are not read")
+    need = header + _count(shape) * dtype.itemsize
+    if info.file_size != need:
+        raise InputError(f"{what}: its header announces {dtype} {tuple(shape)} "
+                         f"({need} bytes with the header) but the archive holds "
+                         f"{info.file_size} bytes for it (corrupt?)")
+    return shape, fortran, dtype
+
+
+def _stream_into(dest: np.ndarray, stream, dtype: np.dtype, fortran: bool):
+    """Fill `dest` from the raw array bytes of `stream` in slabs (a slab of the first axis,
+    or of the last for Fortran order, whose bytes are those of the transpose)."""
+    shape = dest.shape
+    view = dest.T if fortran else dest  # C-order view of the bytes in the file
+    rows = view.shape[0]
+    row_items = _count(view.shape[1:])
+    step = max(1, _SLAB_BYTES // max(1, row_items * dtype.itemsize))
+    with np.errstate(over="ignore"):
+        for i in range(0, rows, step):
+            n = min(step, rows - i)
+            want = n * row_items * dtype.itemsize
+            data = stream.read(want)
+            if len(data) != want:
+                raise InputError(f"the archive's data for {dtype} {tuple(shape)} end early")
+            chunk = np.frombuffer(data, dtype).reshape((n,) + view.shape[1:])
+            np.copyto(view[i:i + n], chunk, casting="unsafe")
+
+
+def _read_hdf5(path, keys: _Keys, alloc):
     import h5py
 
-    if not h5py.is_hdf5(path):
+    if not h5py.is_hdf5(path):  # (read_input has checked that it is a regular file)
         raise InputError("not an HDF5 file (no HDF5 signature found)")
     with h5py.File(path, "r") as f:
         if _attr_str(f.attrs.get("format")) == OUTPUT_FORMAT:
             raise InputError("this is an output of triattn-infer, not an input")
-        ds = f.get(pair_key)
+        ds = local_object(f, keys.pair_key)
         if not isinstance(ds, h5py.Dataset):
-            names = []
-            f.visititems(lambda name, obj: names.append(name)
-                         if isinstance(obj, h5py.Dataset) else None)
-            raise InputError(f"no dataset {pair_key!r} in the file (it holds "
+            names = local_datasets(f, [])
+            raise InputError(f"no dataset {keys.pair_key!r} in the file (it holds "
                              f"{', '.join(map(repr, names)) or 'no datasets'}); "
                              f"choose one with --pair-key")
-        _check_header(ds.shape, ds.dtype, pair_dim)
+        mds = local_object(f, keys.mask_key)
+        if mds is not None and not isinstance(mds, h5py.Dataset):
+            raise InputError(f"{keys.mask_key!r} is a group, expected the mask dataset")
+        if mds is None and keys.mask_required:
+            raise InputError(f"no mask {keys.mask_key!r} (--mask-key) in the file")
+        # Metadata first: shapes, dtypes, where the data live, how much the file stores.
+        if ds.shape is None:
+            raise InputError(f"{keys.pair_key!r} has an empty dataspace, no array")
+        geometry = _check_header(ds.shape, ds.dtype, keys.pair_dim)
+        for dset, name in ((ds, keys.pair_key), (mds, keys.mask_key)):
+            if dset is not None:
+                check_local_storage(dset, name)
+                short = missing_storage(dset, name)
+                if short:
+                    raise InputError(short)
+        if mds is not None:
+            if mds.shape is None:
+                raise InputError(f"mask {keys.mask_key!r} has an empty dataspace, no array")
+            _check_mask_header(mds.shape, mds.dtype, geometry)
         dest = alloc(ds.shape)
         step = _slab_rows(ds)
         for i in range(0, ds.shape[0], step):  # HDF5 converts float64 -> float32 here
             sel = np.s_[i:i + step]
             ds.read_direct(dest, source_sel=sel, dest_sel=sel)
-        mask = None
-        mds = f.get(mask_key)
-        if mds is not None:
-            if not isinstance(mds, h5py.Dataset):
-                raise InputError(f"{mask_key!r} is a group, expected the mask dataset")
-            mask = mds[()]
+        mask = mds[()] if mds is not None else None
         return dest, str(ds.dtype), mask
 
 

@@ -45,7 +45,10 @@ def build_parser(prog: str = "triattn-infer") -> argparse.ArgumentParser:
             "Each INPUT is a file or a folder of files: .npy (the pair array alone), .npz or\n"
             ".h5/.hdf5 (a pair array and an optional mask). A pair is (N, N, D) or\n"
             "(B, N, N, D), float32 or float64; N may differ between files. Each input gives\n"
-            "one output at the same relative path under --output-dir."),
+            "one output at the same relative path under --output-dir. Other files in a\n"
+            "folder, and special files (FIFOs, sockets, devices), are skipped and listed in\n"
+            "the summary. An HDF5 input must hold its data itself (no external links,\n"
+            "external storage or virtual datasets)."),
         epilog=(
             "outputs are written to a temporary file and renamed into place when complete:\n"
             "an interrupted run never leaves a half-written output, and running the same\n"
@@ -65,8 +68,10 @@ def build_parser(prog: str = "triattn-infer") -> argparse.ArgumentParser:
     add("--pair-key", default="pair", metavar="NAME",
         help="name of the pair array in .npz and .h5 inputs (default: %(default)s)")
     add("--mask-key", default=None, metavar="NAME",
-        help="name of the optional mask (B, N, N) or (N, N) in .npz and .h5 inputs, "
-             "0 = masked; a file without it is computed unmasked (default: mask)")
+        help="name of the mask (B, N, N) or (N, N) in .npz and .h5 inputs, 0 = masked. "
+             "Without this flag the mask 'mask' is optional (a file without it is "
+             "computed unmasked); a NAME given here must be in every input, and a file "
+             "without it (or a .npy) fails")
     add("--weights", metavar="PATH",
         help="HDF5 weights file (default: the shipped default weights, pair_dim 128, "
              "4 heads); its D must match the inputs'")

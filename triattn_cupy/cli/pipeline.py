@@ -28,8 +28,8 @@ import time
 
 from .._version import __version__
 from .io import (InputError, existing_output_state, input_kind, is_infer_output,
-                 output_path, read_input, remove_quietly, sha256_file, walk_inputs,
-                 write_output)
+                 output_path, read_input, remove_quietly, sha256_file, special_file_kind,
+                 walk_inputs, write_output)
 from .backends import (ComputeError, CpuBackend, GpuBackend, SetupError, gpu_probe,
                        precision_support)
 from .report import Progress, report
@@ -59,6 +59,7 @@ class Outcome:
     reason: str = ""
     positions: int = 0
     device: str = ""
+    not_input: bool = False  # a file found in a folder that is not an input (skipped)
 
 
 @dataclasses.dataclass
@@ -90,9 +91,12 @@ def run(args, *, summary: bool = True) -> RunResult:
         if os.path.exists(output_dir) and not os.path.isdir(output_dir):
             raise SetupError(f"--output-dir {output_dir} exists and is not a folder")
         tasks, outcomes = plan(args, output_dir, weights_sha)
-        if not tasks and not outcomes:
+        if not tasks and all(o.not_input for o in outcomes):
             logger.error("no input files found in %s", ", ".join(args.inputs))
-            return RunResult(EXIT_FAILED, [])
+            result = RunResult(EXIT_FAILED, outcomes)
+            if summary and outcomes:
+                report(result, output_dir, args.output_format)
+            return result
         if not tasks:
             result = RunResult(_exit_code(outcomes, False), outcomes)
             if summary:
@@ -208,7 +212,10 @@ def plan(args, output_dir: str, weights_sha: str):
     seen = set()
     for given in args.inputs:
         if os.path.isdir(given):
-            files = walk_inputs(given, args.recursive, exclude=output_dir)
+            files, passed_over = walk_inputs(given, args.recursive, exclude=output_dir)
+            for path, reason in passed_over:
+                logger.debug("%s: skipped: %s", path, reason)
+                outcomes.append(Outcome(path, "skipped", reason, not_input=True))
             if not files:
                 hint = ""
                 if not args.recursive and any(e.is_dir() for e in os.scandir(given)):
@@ -218,6 +225,11 @@ def plan(args, output_dir: str, weights_sha: str):
             entries = [(f, os.path.relpath(f, given), True) for f in files]
         elif os.path.isfile(given):
             entries = [(given, os.path.basename(given), False)]
+        elif os.path.exists(given):  # a FIFO, socket or device: never opened
+            reason = f"{special_file_kind(given)}, not a regular file; not opened"
+            logger.warning("%s: skipped: %s", given, reason)
+            outcomes.append(Outcome(given, "skipped", reason, not_input=True))
+            continue
         else:
             outcomes.append(_fail(given, "no such file or folder"))
             continue
@@ -235,8 +247,8 @@ def plan(args, output_dir: str, weights_sha: str):
                 outcomes.append(Outcome(path, "skipped", "an output of triattn-infer"))
             else:
                 found.append(Task(os.path.abspath(path), kind, rel))
-    if not found and not outcomes:
-        return [], []
+    if not found and all(o.not_input for o in outcomes):
+        return [], outcomes
 
     inputs_real = {os.path.realpath(t.input): t.input for t in found}
     inputs_inode = {}
@@ -412,7 +424,7 @@ class _Pipeline:
                 try:
                     loaded = read_input(task.input, task.kind, pair_dim=self.pair_dim,
                                         pair_key=self.pair_key, mask_key=self.mask_key,
-                                        alloc=alloc)
+                                        mask_required=self.mask_key_given, alloc=alloc)
                 except InputError as exc:
                     self._fail(task, str(exc))
                     continue
@@ -425,9 +437,6 @@ class _Pipeline:
                                      f"{type(exc).__name__}: {exc}")
                     continue
                 loaded.read_seconds = time.perf_counter() - t0
-                if loaded.mask is None and self.mask_key_given and task.kind != "npy":
-                    logger.warning("%s: no mask %r; computed without a mask", task.input,
-                                   self.mask_key)
                 if not self._put(self.ready, (task, loaded)):
                     break
         finally:

@@ -89,6 +89,14 @@ def report(result, output_dir: str, output_format: str):
         logger.error("interrupted: %d file%s not processed; run the same command again to "
                      "resume", result.not_processed, "s were" if result.not_processed != 1
                      else " was")
+    others = [o for o in result.outcomes if o.not_input]
+    if others:
+        lines = [f"  {o.input}: {o.reason}" for o in others[:20]]
+        if len(others) > 20:
+            lines.append(f"  ... and {len(others) - 20} more")
+        logger.warning("%d file%s skipped, not taken as input%s:\n%s", len(others),
+                       "s" if len(others) > 1 else "", "s" if len(others) > 1 else "",
+                       "\n".join(lines))
     if failed:
         bad = [o for o in result.outcomes if o.status == "failed"]
         lines = [f"  {o.input}: {o.reason}" for o in bad[:20]]
