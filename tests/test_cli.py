@@ -127,10 +127,22 @@ def test_unusable_weights_is_a_setup_error(dataset, tmp_path, capsys):
     assert not (tmp_path / "out").exists()
 
 
-def test_wrong_d_for_the_default_weights(dataset, tmp_path, capsys):
+def test_weights_are_required_except_for_the_demo(dataset, tmp_path, capsys):
+    """The shipped weights are random: a real run without --weights is a usage error,
+    not a silent run of the demo weights on real data."""
+    src, _ = dataset
+    assert cli_main.main([str(src / "a.npy"), "-o", str(tmp_path / "out"), "--device",
+                          "cpu"]) == 2
+    assert "--weights is required" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+def test_wrong_d_for_the_weights(dataset, tmp_path, capsys):
+    from triattn_cupy.hdf5 import default_weights_path
+
     src, _ = dataset  # D=16 inputs; the default weights have D=128
     assert cli_main.main([str(src / "a.npy"), "-o", str(tmp_path / "out"), "--device",
-                       "cpu"]) == 1
+                          "cpu", "--weights", str(default_weights_path())]) == 1
     assert "pair_dim 128; got 16" in capsys.readouterr().err
 
 

@@ -408,3 +408,9 @@ def test_too_many_heads_is_refused(saved):
         f.attrs["num_heads"] = D * 2
     with pytest.raises(WeightsFormatError, match=f"num_heads {2 * D} is more than pair_dim"):
         load_weights(saved)
+
+
+def test_fifo_is_refused_without_opening(tmp_path):
+    os.mkfifo(tmp_path / "w.h5")
+    with pytest.raises(WeightsFormatError, match="not a regular file"):
+        load_weights(tmp_path / "w.h5")

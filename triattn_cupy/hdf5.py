@@ -149,6 +149,8 @@ def load_weights(path) -> Weights:
         raise WeightsFormatError(f"{path}: no such file")
     if os.path.isdir(path):
         raise WeightsFormatError(f"{path}: is a folder, expected an HDF5 weights file")
+    if not os.path.isfile(path):  # a FIFO or device: opening it could block
+        raise WeightsFormatError(f"{path}: not a regular file, expected an HDF5 weights file")
     if not h5py.is_hdf5(path):
         raise WeightsFormatError(f"{path}: not an HDF5 file (no HDF5 signature found)")
     try:

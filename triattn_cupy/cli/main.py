@@ -73,8 +73,9 @@ def build_parser(prog: str = "triattn-infer") -> argparse.ArgumentParser:
              "computed unmasked); a NAME given here must be in every input, and a file "
              "without it (or a .npy) fails")
     add("--weights", metavar="PATH",
-        help="HDF5 weights file (default: the shipped default weights, pair_dim 128, "
-             "4 heads); its D must match the inputs'")
+        help="HDF5 weights file (triattn-export writes one from PyTorch); its pair_dim "
+             "must match the inputs' D. Required, except with --demo, which uses the "
+             "shipped randomly initialised weights (pair_dim 128, 4 heads)")
     add("--fully-masked", choices=("zero", "nan"), default="zero",
         help="output of a query whose keys are all masked: 'zero' attention (the output "
              "is out_proj.bias) or 'nan' as the PyTorch reference (default: %(default)s)")
@@ -127,6 +128,11 @@ def main(argv=None, *, prog: str = "triattn-infer") -> int:
             if not args.output_dir:
                 parser.print_usage(sys.stderr)
                 logger.error("--output-dir is required")
+                return EXIT_USAGE
+            if not args.weights:
+                parser.print_usage(sys.stderr)
+                logger.error("--weights is required: the shipped default weights are a "
+                             "randomly initialised module, for --demo only")
                 return EXIT_USAGE
             return run(args).exit_code
         except SetupError as exc:
