@@ -6,6 +6,10 @@ from __future__ import annotations
 import hashlib
 import os
 import pathlib
+import signal
+import subprocess
+import sys
+import time
 
 import h5py
 import numpy as np
@@ -117,3 +121,37 @@ def dataset(tmp_path):
     return src, items
 
 
+SLOW_RUN = """
+import sys, time
+from triattn_cupy.cli import main, outputs
+real = outputs._write_hdf5
+def slow(tmp, out, attrs):
+    real(tmp, out, attrs)
+    time.sleep({sleep})  # the temporary file exists, complete but not yet renamed
+outputs._write_hdf5 = slow
+sys.exit(main.main({argv!r}))
+"""
+
+
+def start_slow_run(src, out, weights_file, *, sleep: float, extra=()):
+    """A `triattn-infer` child process (CPU backend) that holds each finished output as a
+    temporary file for `sleep` seconds before renaming it."""
+    argv = [str(src), "-o", str(out), "--weights", str(weights_file), "--device", "cpu",
+            *map(str, extra)]
+    # A shell without job control starts background jobs with SIGINT ignored, and Python
+    # then installs no KeyboardInterrupt handler: give the child the default disposition a
+    # user's terminal would, whatever this test process inherited.
+    return subprocess.Popen([sys.executable, "-c", SLOW_RUN.format(sleep=sleep, argv=argv)],
+                            env=child_env(), stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+
+
+def wait_for_temp(out, proc, timeout: float = 60):
+    """Wait until a temporary output exists under `out` (the child is mid-write)."""
+    out = pathlib.Path(out)
+    deadline = time.time() + timeout
+    while time.time() < deadline and not (out.exists() and any(
+            p.name.endswith(".tmp") for p in out.iterdir())):
+        assert proc.poll() is None, proc.communicate()[1]
+        time.sleep(0.02)
+    assert proc.poll() is None, proc.communicate()[1]

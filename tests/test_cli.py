@@ -60,7 +60,14 @@ def test_npy_output_format_and_fully_masked_nan(dataset, weights, weights_file, 
     out = tmp_path / "out"
     assert cli(weights_file, out, src / "c.npz", src / "a.npy", "--output-format", "npy",
                "--fully-masked", "nan") == 0
-    assert all_files(out) == ["a.npy", "c.npy"]  # files named directly: their basename
+    # Files named directly: their basename; each .npy with its provenance record.
+    assert all_files(out) == ["a.npy", "a.npy.json", "c.npy", "c.npy.json"]
+    record = json.loads((out / "c.npy.json").read_text())
+    assert record["format"] == "triattn-cupy/infer-output" and record["array"] == "c.npy"
+    assert record["sha256"] == sha(out / "c.npy")
+    assert record["bytes"] == os.path.getsize(out / "c.npy")
+    assert record["input_file"] == str(src / "c.npz") and record["mask_used"] is True
+    assert record["fully_masked"] == "nan" and record["weights_sha256"] == sha(weights_file)
     pair, mask = items["c.npz"]
     got, _ = read_output(out / "c.npy")
     want = expected_output(weights, pair, mask, fully_masked="nan")
@@ -277,8 +284,12 @@ def test_python_m_help():
     assert "usage: python -m triattn_cupy" in proc.stdout
     for flag in ("--output-dir", "--recursive", "--pair-key", "--mask-key", "--weights",
                  "--fully-masked", "--output-format", "--overwrite", "--device",
-                 "--devices", "--quiet", "--demo"):
+                 "--devices", "--quiet", "--demo", "--claim-timeout"):
         assert flag in proc.stdout
+    text = " ".join(proc.stdout.split())
+    for status in ("exit status: 0 every file computed or skipped", "; 1 some file failed",
+                   "; 2 usage or setup error", "; 130 interrupted (Ctrl-C or SIGTERM)"):
+        assert status in text
 
 
 def test_demo_on_cpu(capsys, tmp_path):

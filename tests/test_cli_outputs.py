@@ -10,14 +10,15 @@ import sys
 import time
 
 import numpy as np
+import pytest
 
 from triattn_cupy import random_weights
-from triattn_cupy.cli import io as cli_io
+from triattn_cupy.cli import outputs as cli_outputs
 from triattn_cupy.cli import pipeline
 from triattn_cupy.hdf5 import save_weights
-from cli_support import (D, H, all_files, assert_same, child_env, cli,  # noqa: F401
-                         dataset, expected_output, make_pair, read_output, sha, weights,
-                         weights_file, write_h5)
+from cli_support import (D, H, all_files, assert_same, cli, dataset,  # noqa: F401
+                         expected_output, make_pair, read_output, sha, start_slow_run,
+                         wait_for_temp, weights, weights_file, write_h5)
 
 
 # --- resume, overwrite, atomic writes -------------------------------------------------------
@@ -75,9 +76,9 @@ def test_resume_warns_about_outputs_of_other_weights(dataset, weights_file, tmp_
 
 
 def crash_on(name, exc):
-    """A stand-in for cli_io._write_hdf5 that writes part of the file for `name`, then
+    """A stand-in for cli_outputs._write_hdf5 that writes part of the file for `name`, then
     raises `exc` (as a crash mid-write would); other files are written normally."""
-    real = cli_io._write_hdf5
+    real = cli_outputs._write_hdf5
 
     def writer(tmp, out, attrs):
         if os.path.basename(tmp).startswith(f".{name}."):
@@ -93,7 +94,7 @@ def test_crash_mid_write_leaves_no_output_and_no_temp(dataset, weights, weights_
                                                       tmp_path, monkeypatch, capsys):
     src, items = dataset
     out = tmp_path / "out"
-    monkeypatch.setattr(cli_io, "_write_hdf5", crash_on("b.h5", OSError("simulated crash")))
+    monkeypatch.setattr(cli_outputs, "_write_hdf5", crash_on("b.h5", OSError("simulated crash")))
     assert cli(weights_file, out, src) == 1
     assert all_files(out) == ["a.h5", "c.h5", "d.h5"]  # no b.h5, no .b.h5.*.tmp
     assert_same(read_output(out / "a.h5")[0], expected_output(weights, *items["a.npy"]))
@@ -111,7 +112,7 @@ def test_crash_while_overwriting_keeps_the_earlier_output(dataset, weights_file,
     out = tmp_path / "out"
     assert cli(weights_file, out, src) == 0
     before = sha(out / "b.h5")
-    monkeypatch.setattr(cli_io, "_write_hdf5", crash_on("b.h5", OSError("disk gone")))
+    monkeypatch.setattr(cli_outputs, "_write_hdf5", crash_on("b.h5", OSError("disk gone")))
     assert cli(weights_file, out, src, "--overwrite") == 1
     assert sha(out / "b.h5") == before  # intact: the new one was never renamed over it
     assert all_files(out) == ["a.h5", "b.h5", "c.h5", "d.h5"]
@@ -121,7 +122,7 @@ def test_interrupt_mid_write_stops_cleanly_and_resumes(dataset, weights_file, tm
                                                        monkeypatch, capsys):
     src, _ = dataset
     out = tmp_path / "out"
-    monkeypatch.setattr(cli_io, "_write_hdf5", crash_on("b.h5", KeyboardInterrupt()))
+    monkeypatch.setattr(cli_outputs, "_write_hdf5", crash_on("b.h5", KeyboardInterrupt()))
     assert cli(weights_file, out, src) == pipeline.EXIT_INTERRUPTED
     files = all_files(out)
     assert "b.h5" not in files and not any(f.endswith(".tmp") for f in files)
@@ -131,44 +132,25 @@ def test_interrupt_mid_write_stops_cleanly_and_resumes(dataset, weights_file, tm
     assert all_files(out) == ["a.h5", "b.h5", "c.h5", "d.h5"]
 
 
-def test_ctrl_c_signal_finishes_the_file_in_hand(tmp_path, weights_file):
-    """A real SIGINT while an output is being written: that file is completed, the rest
-    is not started, no temporary file is left, exit status 130."""
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_finishes_the_file_in_hand(tmp_path, weights_file, signum):
+    """A real SIGINT (Ctrl-C) or SIGTERM (a scheduler's stop) while an output is being
+    written: that file is completed, the rest is not started, no temporary file or claim
+    is left, exit status 130."""
     src = tmp_path / "in"
     src.mkdir()
     rng = np.random.default_rng(3)
     for i in range(4):
         np.save(src / f"x{i}.npy", make_pair(rng, 4, 4))
     out = tmp_path / "out"
-    script = f"""
-import sys, time
-from triattn_cupy.cli import io as cli_io, main as cli_main
-real = cli_io._write_hdf5
-def slow(tmp, out, attrs):
-    real(tmp, out, attrs)
-    time.sleep(1.5)  # the temporary file exists, complete but not yet renamed
-cli_io._write_hdf5 = slow
-sys.exit(cli_main.main([{str(src)!r}, "-o", {str(out)!r}, "--weights", {str(weights_file)!r},
-                     "--device", "cpu", "-q"]))
-"""
-    env = child_env()
-    # A shell without job control starts background jobs with SIGINT ignored, and Python
-    # then installs no KeyboardInterrupt handler: give the child the default disposition a
-    # user's terminal would, whatever this test process inherited.
-    proc = subprocess.Popen([sys.executable, "-c", script], env=env,
-                            stderr=subprocess.PIPE, text=True,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
-    deadline = time.time() + 30
-    while time.time() < deadline and not (out.exists() and any(
-            p.name.endswith(".tmp") for p in out.iterdir())):
-        time.sleep(0.02)
-    assert proc.poll() is None, proc.communicate()[1]
-    proc.send_signal(signal.SIGINT)
+    proc = start_slow_run(src, out, weights_file, sleep=1.5)
+    wait_for_temp(out, proc)
+    proc.send_signal(signum)
     _, err = proc.communicate(timeout=30)
     assert proc.returncode == pipeline.EXIT_INTERRUPTED, err
     files = all_files(out)
     assert files == ["x0.h5"], (files, err)  # finished, then stopped; nothing half-written
-    assert "interrupted" in err
+    assert ("interrupted" if signum == signal.SIGINT else "terminated (SIGTERM)") in err
 
 
 # --- refusals -------------------------------------------------------------------------------

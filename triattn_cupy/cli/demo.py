@@ -16,7 +16,7 @@ import numpy as np
 
 from .. import reference
 from . import pipeline
-from .io import OUTPUT_DATASET
+from .outputs import OUTPUT_DATASET
 from .report import si
 
 # Relative L2 error against float64 allowed per precision mode (the GPU pipeline's

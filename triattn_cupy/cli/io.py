@@ -1,4 +1,4 @@
-"""Files of `triattn-infer`: finding inputs, reading and checking them, writing outputs.
+"""Inputs of `triattn-infer`: finding them, reading and checking them.
 
 Inputs hold a pair representation (N, N, D) or (B, N, N, D), float32 or float64, and
 optionally a mask (N, N) / (B, N, N):
@@ -8,21 +8,17 @@ optionally a mask (N, N) / (B, N, N):
     .h5 / .hdf5   datasets at pair_key / mask_key (paths such as "group/pair" work)
 
 Every problem with an input raises `InputError` with a sentence that says what is wrong;
-the caller adds the path. Inputs are only ever opened read-only.
-
-Outputs are written by `write_output` under a temporary name in their final folder and
-renamed into place (`os.replace`, atomic on POSIX and Windows) only when complete and
-flushed to disk, so an output file that exists is always complete. HDF5 outputs carry the
-root attribute ``format = OUTPUT_FORMAT``, which tells them apart from inputs.
+the caller adds the path. Inputs are only ever opened read-only, and only regular files
+are opened. Shapes and dtypes are checked from headers and metadata before any data are
+read, and HDF5 inputs must hold their data themselves (see `triattn_cupy.hdf5`).
+Outputs are written by `triattn_cupy.cli.outputs`.
 """
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import math
 import os
 import stat
-import uuid
 import zipfile
 
 import numpy as np
@@ -30,13 +26,9 @@ import numpy as np
 from .._checks import check_mask_dtype, check_mask_shape, pair_geometry
 from ..hdf5 import (ExternalDataError, check_local_storage, local_datasets, local_object,
                     missing_storage)
+from .outputs import OUTPUT_FORMAT, attr_str
 
 INPUT_SUFFIXES = {".npy": "npy", ".npz": "npz", ".h5": "hdf5", ".hdf5": "hdf5"}
-OUTPUT_SUFFIXES = {"hdf5": ".h5", "npy": ".npy"}
-OUTPUT_FORMAT = "triattn-cupy/infer-output"
-OUTPUT_FORMAT_VERSION = 1
-OUTPUT_DATASET = "out"
-TEMP_SUFFIX = ".tmp"
 
 # Reads, writes and finiteness checks go in slabs of about this many bytes: bounds the
 # temporary arrays, and lets h5py's global lock go between slabs, so the reader thread and
@@ -129,54 +121,6 @@ def walk_inputs(folder: str, recursive: bool, exclude: str | None = None,
             else:
                 found.append(path)
     return found, skipped
-
-
-def output_path(output_dir: str, rel: str, output_format: str) -> str:
-    """`output_dir/rel` with the suffix of `output_format` in place of the input's."""
-    stem = os.path.splitext(rel)[0]
-    return os.path.join(output_dir, stem + OUTPUT_SUFFIXES[output_format])
-
-
-def is_infer_output(path) -> bool:
-    """True for an HDF5 file written by `write_output` (never raises)."""
-    if input_kind(path) != "hdf5":
-        return False
-    try:
-        import h5py
-        with h5py.File(path, "r") as f:
-            return _attr_str(f.attrs.get("format")) == OUTPUT_FORMAT
-    except Exception:
-        return False
-
-
-def existing_output_state(path, output_format: str) -> tuple[str, dict]:
-    """What lies at an output path: ("missing" | "complete" | "foreign" | "broken", attrs).
-
-    "complete": an output of ours that reads back (its HDF5 attributes are returned);
-    "foreign": a readable file that is not ours (an HDF5 file without our format
-    attribute), never to be replaced; "broken": unreadable, so not a complete output.
-    """
-    if not os.path.lexists(path):
-        return "missing", {}
-    if not os.path.isfile(path):
-        return "foreign", {}
-    if output_format == "npy":
-        try:
-            np.load(path, mmap_mode="r", allow_pickle=False)  # header + size check
-            return "complete", {}
-        except Exception:
-            return "broken", {}
-    import h5py
-    try:
-        with h5py.File(path, "r") as f:
-            if _attr_str(f.attrs.get("format")) != OUTPUT_FORMAT:
-                return "foreign", {}
-            if not isinstance(f.get(OUTPUT_DATASET), h5py.Dataset):
-                return "broken", {}
-            return "complete", {k: _attr_str(v) if isinstance(v, (bytes, str)) else v
-                                for k, v in f.attrs.items()}
-    except Exception:
-        return "broken", {}
 
 
 # --- reading ------------------------------------------------------------------------------
@@ -399,7 +343,7 @@ def _read_hdf5(path, keys: _Keys, alloc):
     if not h5py.is_hdf5(path):  # (read_input has checked that it is a regular file)
         raise InputError("not an HDF5 file (no HDF5 signature found)")
     with h5py.File(path, "r") as f:
-        if _attr_str(f.attrs.get("format")) == OUTPUT_FORMAT:
+        if attr_str(f.attrs.get("format")) == OUTPUT_FORMAT:
             raise InputError("this is an output of triattn-infer, not an input")
         ds = local_object(f, keys.pair_key)
         if not isinstance(ds, h5py.Dataset):
@@ -464,102 +408,3 @@ def _check_finite(arr: np.ndarray, what: str):
         raise InputError(f"{what} contains {count} non-finite value"
                          f"{'s' if count > 1 else ''} (NaN or Inf), the first at index "
                          f"{index} (after conversion to float32)")
-
-
-# --- writing ------------------------------------------------------------------------------
-
-def temp_path_for(path: str) -> str:
-    """A fresh temporary name beside `path`: hidden, unique, ending in TEMP_SUFFIX."""
-    folder, name = os.path.split(path)
-    return os.path.join(folder, f".{name}.{uuid.uuid4().hex[:12]}{TEMP_SUFFIX}")
-
-
-def write_output(path: str, out: np.ndarray, output_format: str, attrs: dict,
-                 live_temps: set | None = None) -> None:
-    """Write `out` to `path` atomically: into a temporary file in the same folder, flushed
-    to disk, then renamed over `path`. On any exception (Ctrl-C included) the temporary
-    file is removed and `path` is left as it was. `live_temps`, when given, holds the
-    temporary name while it exists, for a last clean-up if the process is torn down."""
-    folder = os.path.dirname(path) or "."
-    os.makedirs(folder, exist_ok=True)
-    tmp = temp_path_for(path)
-    if live_temps is not None:
-        live_temps.add(tmp)
-    try:
-        if output_format == "npy":
-            _write_npy(tmp, out)
-        else:
-            _write_hdf5(tmp, out, attrs)
-        _fsync_path(tmp)
-        os.replace(tmp, path)
-        _fsync_dir(folder)
-    except BaseException:
-        remove_quietly(tmp)
-        raise
-    finally:
-        if live_temps is not None:
-            live_temps.discard(tmp)
-
-
-def _write_npy(tmp: str, out: np.ndarray) -> None:
-    with open(tmp, "xb") as f:  # "x": never write through an existing name
-        np.lib.format.write_array(f, np.ascontiguousarray(out), allow_pickle=False)
-
-
-def _write_hdf5(tmp: str, out: np.ndarray, attrs: dict) -> None:
-    import h5py
-
-    with h5py.File(tmp, "x") as f:
-        f.attrs["format"] = OUTPUT_FORMAT
-        f.attrs["format_version"] = np.int64(OUTPUT_FORMAT_VERSION)
-        for key, value in attrs.items():
-            f.attrs[key] = value
-        ds = f.create_dataset(OUTPUT_DATASET, shape=out.shape, dtype=np.float32)
-        step = _slab_rows(out)
-        for i in range(0, out.shape[0], step):
-            ds[i:i + step] = out[i:i + step]
-
-
-def _fsync_path(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_dir(folder: str) -> None:
-    """Make the rename durable; not possible (nor needed) on every platform."""
-    try:
-        fd = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def remove_quietly(path: str) -> None:
-    try:
-        os.remove(path)
-    except FileNotFoundError:
-        pass
-    except OSError:
-        pass
-
-
-def sha256_file(path, chunk: int = 1 << 20) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(chunk), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def _attr_str(value):
-    if isinstance(value, (bytes, np.bytes_)):
-        return value.decode("utf-8", "replace")
-    return value

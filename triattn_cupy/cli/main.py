@@ -9,8 +9,9 @@ with the dataset ``out`` and attributes that record how it was made, or a plain 
 This module holds the command line; `pipeline` the batch job, `io` the files, `backends`
 the devices, `demo` the quick start.
 
-Exit status: 0 all files done or skipped, 1 some file failed, 2 usage or setup error
-(bad flags, no device, unusable weights), 130 interrupted (Ctrl-C).
+Exit status (also in `--help`): 0 every file computed or skipped, 1 some file failed or
+was a conflict, or no input was found, 2 usage or setup error, 130 interrupted (Ctrl-C or
+SIGTERM).
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ import sys
 
 from .._version import __version__
 from .backends import SetupError, parse_devices, precision_support
+from .claims import DEFAULT_TIMEOUT
 from .pipeline import EXIT_INTERRUPTED, EXIT_USAGE, logger, run
 from .report import tqdm_or_none
 
@@ -32,6 +34,16 @@ def _devices_arg(text: str):
         return parse_devices(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text!r}")
+    return value
 
 
 def build_parser(prog: str = "triattn-infer") -> argparse.ArgumentParser:
@@ -51,11 +63,20 @@ def build_parser(prog: str = "triattn-infer") -> argparse.ArgumentParser:
             "external storage or virtual datasets)."),
         epilog=(
             "outputs are written to a temporary file and renamed into place when complete:\n"
-            "an interrupted run never leaves a half-written output, and running the same\n"
-            "command again skips the finished ones (resume). A file that cannot be used is\n"
-            "reported and skipped, and the run goes on.\n\n"
-            "exit status: 0 all files done or skipped, 1 some file failed, 2 usage or setup\n"
-            "error, 130 interrupted.\n\n"
+            "an interrupted or killed run never leaves a half-written output, and running\n"
+            "the same command again skips the finished ones (resume) and removes temporary\n"
+            "files whose writer has ended. Ctrl-C or SIGTERM finishes the file in hand and\n"
+            "stops; a second one stops at once. A file that cannot be used is reported and\n"
+            "the run goes on. A file at an output path that this tool did not write (for\n"
+            ".npy: one without its <name>.npy.json record, or changed since) is a conflict:\n"
+            "reported, left untouched, and the exit status is 1.\n\n"
+            "several runs (processes, or hosts sharing the filesystem) may work on the same\n"
+            "inputs and output folder at once: each output is claimed before it is computed,\n"
+            "so every file is computed by one of them (see --claim-timeout).\n\n"
+            "exit status: 0 every file computed or skipped (done already, claimed by another\n"
+            "run, or not an input); 1 some file failed or was a conflict, or no input was\n"
+            "found; 2 usage or setup error (bad flags, no --weights, unusable weights, no\n"
+            "device); 130 interrupted (Ctrl-C or SIGTERM).\n\n"
             "quick check of the installation:  triattn-infer --demo"))
     add = parser.add_argument
     add("inputs", nargs="*", metavar="INPUT",
@@ -86,10 +107,17 @@ def build_parser(prog: str = "triattn-infer") -> argparse.ArgumentParser:
     add("--output-format", choices=("hdf5", "npy"), default="hdf5",
         help="hdf5: <name>.h5 with dataset 'out' and attributes recording the input, the "
              "weights and their SHA-256, the version and the options; npy: <name>.npy, the "
-             "plain float32 array (default: %(default)s)")
+             "plain float32 array, with the same record and the array's SHA-256 in "
+             "<name>.npy.json (default: %(default)s)")
     add("--overwrite", action="store_true",
         help="recompute outputs that exist already (default: skip them, so a run that was "
              "interrupted resumes where it stopped)")
+    add("--claim-timeout", type=_positive_seconds, default=DEFAULT_TIMEOUT, metavar="S",
+        help="runs sharing an output folder split the files: each output is claimed "
+             "(a hidden .<name>.claim file) before it is computed. A claim of a process "
+             "that has ended on this host is taken over at once; one from another host "
+             "when it has not been refreshed for S seconds (refreshed every S/10 while "
+             "its run lives; default: %(default)g)")
     add("--device", choices=("auto", "gpu", "cpu"), default="auto",
         help="auto: the GPU when one is usable, else the CPU (said in one log line); "
              "gpu: fail if there is none; cpu: the NumPy backend (default: %(default)s)")

@@ -27,11 +27,12 @@ import threading
 import time
 
 from .._version import __version__
-from .io import (InputError, existing_output_state, input_kind, is_infer_output,
-                 output_path, read_input, remove_quietly, sha256_file, special_file_kind,
-                 walk_inputs, write_output)
 from .backends import (ComputeError, CpuBackend, GpuBackend, SetupError, gpu_probe,
                        precision_support)
+from .claims import DEFAULT_TIMEOUT, Claims
+from .io import InputError, read_input
+from .outputs import remove_quietly, sha256_file, write_output
+from .plan import Outcome, plan
 from .report import Progress, report
 
 logger = logging.getLogger("triattn_cupy.cli")
@@ -39,27 +40,6 @@ logger = logging.getLogger("triattn_cupy.cli")
 # Exit status of a run (documented in `triattn-infer --help`).
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 _END = object()  # end of a queue's stream
-
-
-@dataclasses.dataclass
-class Task:
-    """One input to compute: `rel` names it in messages and mirrors it under the output
-    folder."""
-
-    input: str
-    kind: str
-    rel: str
-    output: str = ""
-
-
-@dataclasses.dataclass
-class Outcome:
-    input: str
-    status: str  # "done" | "skipped" | "failed"
-    reason: str = ""
-    positions: int = 0
-    device: str = ""
-    not_input: bool = False  # a file found in a folder that is not an input (skipped)
 
 
 @dataclasses.dataclass
@@ -78,6 +58,7 @@ class RunResult:
     def positions(self) -> int:
         return sum(o.positions for o in self.outcomes if o.status == "done")
 
+
 # --- the run --------------------------------------------------------------------------------
 
 def run(args, *, summary: bool = True) -> RunResult:
@@ -90,7 +71,8 @@ def run(args, *, summary: bool = True) -> RunResult:
         output_dir = os.path.abspath(args.output_dir)
         if os.path.exists(output_dir) and not os.path.isdir(output_dir):
             raise SetupError(f"--output-dir {output_dir} exists and is not a folder")
-        tasks, outcomes = plan(args, output_dir, weights_sha)
+        claim_timeout = getattr(args, "claim_timeout", None) or DEFAULT_TIMEOUT
+        tasks, outcomes = plan(args, output_dir, weights_sha, claim_timeout)
         if not tasks and all(o.not_input for o in outcomes):
             logger.error("no input files found in %s", ", ".join(args.inputs))
             result = RunResult(EXIT_FAILED, outcomes)
@@ -111,7 +93,8 @@ def run(args, *, summary: bool = True) -> RunResult:
             "triattn_cupy_version": __version__, "fully_masked": args.fully_masked,
             "precision": options["precision"],
             "options": json.dumps(options, sort_keys=True)}
-        pipeline = _Pipeline(backends, weights.pair_dim, args, common_attrs)
+        claims = stack.enter_context(Claims(claim_timeout))
+        pipeline = _Pipeline(backends, weights.pair_dim, args, common_attrs, claims)
         progress = Progress(len(tasks), quiet=args.quiet)
         start = time.perf_counter()
         try:
@@ -203,119 +186,15 @@ def make_backends(kind, devices, weights, fully_masked, precision):
     return backends
 
 
-# --- planning -------------------------------------------------------------------------------
-
-def plan(args, output_dir: str, weights_sha: str):
-    """(tasks to compute, outcomes decided without computing: failed or skipped)."""
-    outcomes = []
-    found = []  # (path, kind, rel, from_folder)
-    seen = set()
-    for given in args.inputs:
-        if os.path.isdir(given):
-            files, passed_over = walk_inputs(given, args.recursive, exclude=output_dir)
-            for path, reason in passed_over:
-                logger.debug("%s: skipped: %s", path, reason)
-                outcomes.append(Outcome(path, "skipped", reason, not_input=True))
-            if not files:
-                hint = ""
-                if not args.recursive and any(e.is_dir() for e in os.scandir(given)):
-                    hint = " (it has sub-folders: add --recursive)"
-                logger.warning("%s: no input files (.npy, .npz, .h5, .hdf5) in this "
-                               "folder%s", given, hint)
-            entries = [(f, os.path.relpath(f, given), True) for f in files]
-        elif os.path.isfile(given):
-            entries = [(given, os.path.basename(given), False)]
-        elif os.path.exists(given):  # a FIFO, socket or device: never opened
-            reason = f"{special_file_kind(given)}, not a regular file; not opened"
-            logger.warning("%s: skipped: %s", given, reason)
-            outcomes.append(Outcome(given, "skipped", reason, not_input=True))
-            continue
-        else:
-            outcomes.append(_fail(given, "no such file or folder"))
-            continue
-        for path, rel, from_folder in entries:
-            real = os.path.realpath(path)
-            if real in seen:
-                continue  # named twice (a file and its folder): computed once
-            seen.add(real)
-            kind = input_kind(path)
-            if kind is None:
-                outcomes.append(_fail(path, "unsupported file type (expected .npy, .npz, "
-                                            ".h5 or .hdf5)"))
-            elif from_folder and is_infer_output(path):
-                logger.debug("%s: an output of triattn-infer, not an input; ignored", path)
-                outcomes.append(Outcome(path, "skipped", "an output of triattn-infer"))
-            else:
-                found.append(Task(os.path.abspath(path), kind, rel))
-    if not found and all(o.not_input for o in outcomes):
-        return [], outcomes
-
-    inputs_real = {os.path.realpath(t.input): t.input for t in found}
-    inputs_inode = {}
-    for t in found:
-        with contextlib.suppress(OSError):
-            st = os.stat(t.input)
-            inputs_inode[(st.st_dev, st.st_ino)] = t.input
-    claimed = {}
-    tasks, resumed, stale = [], [], []
-    for task in found:
-        task.output = output_path(output_dir, task.rel, args.output_format)
-        real_out = os.path.realpath(task.output)
-        victim = inputs_real.get(real_out)
-        if victim is None and os.path.exists(task.output):
-            st = os.stat(task.output)
-            victim = inputs_inode.get((st.st_dev, st.st_ino))
-        if victim is not None:
-            outcomes.append(_fail(task.input, f"its output {task.output} would overwrite the "
-                                              f"input {victim}; choose another --output-dir"))
-            continue
-        if real_out in claimed:
-            outcomes.append(_fail(task.input, f"its output {task.output} is also the output "
-                                              f"of {claimed[real_out]}; rename one of them"))
-            continue
-        claimed[real_out] = task.input
-        state, attrs = existing_output_state(task.output, args.output_format)
-        if state == "foreign":
-            outcomes.append(_fail(task.input, f"{task.output} exists and is not an output of "
-                                              f"triattn-infer; refusing to replace it"))
-            continue
-        if state == "broken":
-            logger.warning("%s exists but cannot be read (not a complete output); it will be "
-                           "recomputed", task.output)
-        elif state == "complete" and not args.overwrite:
-            resumed.append(task)
-            outcomes.append(Outcome(task.input, "skipped", "output exists"))
-            made = (attrs.get("weights_sha256"), attrs.get("fully_masked"),
-                    attrs.get("precision"))
-            if attrs and made != (weights_sha, args.fully_masked,
-                                  getattr(args, "precision", None) or "fp32"):
-                stale.append(task.output)
-            continue
-        tasks.append(task)
-    if resumed:
-        logger.info("resuming: %d of %d output%s exist already and are skipped "
-                    "(--overwrite recomputes them)", len(resumed), len(found),
-                    "s" if len(found) > 1 else "")
-    if stale:
-        shown = ", ".join(stale[:5]) + (f" and {len(stale) - 5} more" if len(stale) > 5 else "")
-        logger.warning("%d existing output%s were made with other weights or options and "
-                       "were kept (--overwrite recomputes them): %s", len(stale),
-                       "s" if len(stale) > 1 else "", shown)
-    return tasks, outcomes
-
-
-def _fail(path, reason) -> Outcome:
-    logger.error("%s: %s", path, reason)
-    return Outcome(path, "failed", reason)
-
-
 # --- the pipeline ---------------------------------------------------------------------------
 
 class _Pipeline:
     """Readers -> workers (one per backend) -> one writer, joined by short queues."""
 
-    def __init__(self, backends, pair_dim: int, args, common_attrs: dict):
+    def __init__(self, backends, pair_dim: int, args, common_attrs: dict, claims: Claims):
         self.backends = backends
+        self.claims = claims
+        self.overwrite = bool(args.overwrite)
         self.pair_dim = pair_dim
         self.pair_key = args.pair_key
         self.mask_key = args.mask_key or "mask"
@@ -372,34 +251,58 @@ class _Pipeline:
 
     @contextlib.contextmanager
     def _first_ctrl_c_stops(self):
-        """While the pipeline runs, the first Ctrl-C (SIGINT) sets `stop` instead of
-        raising KeyboardInterrupt; a second raises it. Caught where it landed instead, a
-        KeyboardInterrupt could land in any step of this thread (a thread's start, an
-        except clause) and escape the handler: the run then quit with the file in hand
-        still a temporary, or hung at exit (1 in 5 runs of
-        test_ctrl_c_signal_finishes_the_file_in_hand on a loaded machine). Where SIGINT
-        is ignored, or this is not the main thread (signal handlers belong to it), nothing
-        changes."""
-        if (threading.current_thread() is not threading.main_thread()
-                or signal.getsignal(signal.SIGINT) is signal.SIG_IGN):
+        """While the pipeline runs, the first Ctrl-C (SIGINT) or SIGTERM sets `stop`
+        instead of ending the process; a second raises KeyboardInterrupt. The file in hand
+        is finished, no other is started, temporary files are removed and claims
+        released. Raised where it landed instead, a KeyboardInterrupt could hit any step
+        of this thread (a thread's start, an except clause) and escape the handler,
+        leaving the file in hand a temporary or hanging at exit. A signal that is
+        ignored keeps being ignored; outside the main thread (signal handlers belong to
+        it) nothing changes."""
+        if threading.current_thread() is not threading.main_thread():
             yield
             return
 
-        def on_ctrl_c(signum, frame):
-            if self.stop.is_set():  # second Ctrl-C (or already stopping): leave now
+        def on_signal(signum, frame):
+            if self.stop.is_set():  # the second signal (or already stopping): leave now
                 raise KeyboardInterrupt
             self.stop.set()
-            logger.error("interrupted: finishing the file in hand, then stopping "
-                         "(Ctrl-C again to quit at once)")
+            name = "interrupted" if signum == signal.SIGINT else "terminated (SIGTERM)"
+            logger.error("%s: finishing the file in hand, then stopping (Ctrl-C or "
+                         "SIGTERM again to quit at once)", name)
 
-        previous = signal.signal(signal.SIGINT, on_ctrl_c)
+        previous = {}
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            if signal.getsignal(signum) is not signal.SIG_IGN:
+                previous[signum] = signal.signal(signum, on_signal)
         try:
             yield
         finally:
-            signal.signal(signal.SIGINT, previous)
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
 
     def _report(self, task, status, reason="", positions=0, device=""):
+        self.claims.release(task.output)
         self.results.put(Outcome(task.input, status, reason, positions, device))
+
+    def _claim(self, task) -> bool:
+        """Claim the output of `task` for this run; False (with the outcome reported)
+        when another run holds it or has written it since this run planned."""
+        holder = self.claims.acquire(task.output)
+        if holder is not None:
+            logger.info("%s: skipped: its output is %s", task.input, holder)
+            self.results.put(Outcome(task.input, "skipped", f"output {holder}"))
+            return False
+        try:
+            now = os.stat(task.output).st_mtime_ns
+        except OSError:
+            now = None
+        if now != task.output_mtime:  # by another run that held the claim until now
+            logger.info("%s: skipped: its output was written by another run meanwhile",
+                        task.input)
+            self._report(task, "skipped", "output written by another run meanwhile")
+            return False
+        return True
 
     def _put(self, q, item) -> bool:
         while not self.stop.is_set():
@@ -420,6 +323,8 @@ class _Pipeline:
                     task = self.tasks.get_nowait()
                 except queue.Empty:
                     break
+                if not self._claim(task):
+                    continue
                 t0 = time.perf_counter()
                 try:
                     loaded = read_input(task.input, task.kind, pair_dim=self.pair_dim,

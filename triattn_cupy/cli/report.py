@@ -6,7 +6,7 @@ import logging
 import sys
 import time
 
-from .io import OUTPUT_DATASET
+from .outputs import OUTPUT_DATASET
 
 logger = logging.getLogger("triattn_cupy.cli")
 
