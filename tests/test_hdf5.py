@@ -414,3 +414,25 @@ def test_fifo_is_refused_without_opening(tmp_path):
     os.mkfifo(tmp_path / "w.h5")
     with pytest.raises(WeightsFormatError, match="not a regular file"):
         load_weights(tmp_path / "w.h5")
+
+
+def test_group_in_place_of_an_optional_bias_is_refused(saved):
+    """Not read as an absent bias (zeros): a group where a dataset belongs is an error."""
+    with edit(saved) as f:
+        del f["query/bias"]
+        f.create_group("query/bias")
+    with pytest.raises(WeightsFormatError, match="'query/bias': is a group, expected a "
+                                                 "dataset"):
+        load_weights(saved)
+
+
+def test_link_name_that_is_not_utf8_is_reported(saved):
+    """h5py's own link visit fails on such a name and leaves its lock broken; the
+    loader reports the name instead (and later calls still work)."""
+    with edit(saved) as f:
+        f.id.links.create_hard(b"\xec\xff", f.id, b"query/bias")
+    with pytest.raises(WeightsFormatError, match=r"link b'\\xec\\xff': its name is not UTF-8"):
+        load_weights(saved)
+    with edit(saved) as f:
+        f.id.unlink(b"\xec\xff")
+    load_weights(saved)

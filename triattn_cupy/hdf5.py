@@ -111,22 +111,29 @@ def local_datasets(f: h5py.File, problems: list) -> dict:
     to `problems` and not followed."""
     datasets = {}
 
-    def visit(name, link):  # returns None: a value would stop the visit
-        name = name if isinstance(name, str) else repr(name)  # h5py: bytes if not UTF-8
+    def visit(raw_name):  # returns None: a value would stop the visit
+        # Nothing may escape: an exception raised inside HDF5's visit leaves h5py's lock
+        # in a broken state (SystemError on every later call). The low-level visit gives
+        # the names as bytes: h5py's own visititems_links fails on one that is not UTF-8.
         try:
+            name = raw_name.decode("utf-8")
+        except UnicodeDecodeError:
+            problems.append(f"link {raw_name!r}: its name is not UTF-8")
+            return None
+        try:
+            link = f.get(name, getlink=True)
             obj = local_object(f, name)
+            if isinstance(obj, h5py.Dataset):
+                datasets[name] = obj
         except ExternalDataError as err:
             if isinstance(link, h5py.ExternalLink):
                 problems.append(str(err))
-            return None
-        if isinstance(obj, h5py.Dataset):
-            datasets[name] = obj
+        except Exception as err:  # a damaged link or name
+            problems.append(f"link '{name}': cannot be followed ({type(err).__name__}: "
+                            f"{err})")
         return None
 
-    if hasattr(f, "visititems_links"):  # h5py >= 3.11: every link, hard links included
-        f.visititems_links(visit)
-    else:
-        f.visititems(lambda name, obj: visit(name, None))
+    f.id.links.visit(visit)
     return datasets
 
 
@@ -158,7 +165,8 @@ def load_weights(path) -> Weights:
             return _read(f, path)
     except WeightsFormatError:
         raise
-    except (OSError, RuntimeError, KeyError, TypeError, ValueError) as err:  # corrupt file
+    except (OSError, RuntimeError, KeyError, TypeError, ValueError,
+            SystemError) as err:  # a corrupt file (h5py may raise any of them)
         raise WeightsFormatError(
             f"{path}: cannot read the HDF5 file (truncated or corrupt?): {err}") from err
 
@@ -203,7 +211,10 @@ def _read(f: h5py.File, path: str) -> Weights:
         name = dataset_name(param)
         expected = shapes[param] if shapes else None
         if name not in datasets:
-            if param not in OPTIONAL_BIASES:
+            if isinstance(f.get(name, getlink=True), h5py.HardLink) and isinstance(
+                    f.get(name), h5py.Group):
+                problems.append(f"dataset '{name}': is a group, expected a dataset")
+            elif param not in OPTIONAL_BIASES:
                 detail = f"float32 of shape {expected}" if expected else "float32"
                 problems.append(f"dataset '{name}': missing (required; expected {detail})")
             continue
