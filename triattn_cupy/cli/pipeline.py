@@ -194,7 +194,6 @@ class _Pipeline:
     def __init__(self, backends, pair_dim: int, args, common_attrs: dict, claims: Claims):
         self.backends = backends
         self.claims = claims
-        self.overwrite = bool(args.overwrite)
         self.pair_dim = pair_dim
         self.pair_key = args.pair_key
         self.mask_key = args.mask_key or "mask"
@@ -215,8 +214,8 @@ class _Pipeline:
 
     def run(self, tasks, on_outcome) -> bool:
         """Compute `tasks`, calling `on_outcome` (in this thread) for each; True when
-        interrupted by Ctrl-C (the first finishes the file in hand and starts no other;
-        a second quits at once)."""
+        interrupted by Ctrl-C or SIGTERM (the first finishes the file in hand and starts
+        no other; a second quits at once)."""
         for task in tasks:
             self.tasks.put(task)
         threads = [threading.Thread(target=self._reader, args=(i,), daemon=True,
