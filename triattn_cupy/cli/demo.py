@@ -156,8 +156,9 @@ def run_demo(args) -> int:
         if not ok:
             print("\nDemo FAILED: the output does not match the reference.", file=out)
             return pipeline.EXIT_FAILED
-        print("\nDemo passed. Run it on your own files with:\n"
-              "  triattn-infer INPUT_FOLDER --output-dir OUTPUT_FOLDER\n"
+        print("\nDemo passed. Run it on your own files and weights (triattn-export writes "
+              "them from PyTorch) with:\n"
+              "  triattn-infer INPUT_FOLDER --output-dir OUTPUT_FOLDER --weights WEIGHTS.h5\n"
               "(triattn-infer --help lists the options)", file=out)
         return pipeline.EXIT_OK
 
