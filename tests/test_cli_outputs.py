@@ -94,7 +94,8 @@ def test_crash_mid_write_leaves_no_output_and_no_temp(dataset, weights, weights_
                                                       tmp_path, monkeypatch, capsys):
     src, items = dataset
     out = tmp_path / "out"
-    monkeypatch.setattr(cli_outputs, "_write_hdf5", crash_on("b.h5", OSError("simulated crash")))
+    monkeypatch.setattr(cli_outputs, "_write_hdf5",
+                        crash_on("b.h5", OSError("simulated crash")))
     assert cli(weights_file, out, src) == 1
     assert all_files(out) == ["a.h5", "c.h5", "d.h5"]  # no b.h5, no .b.h5.*.tmp
     assert_same(read_output(out / "a.h5")[0], expected_output(weights, *items["a.npy"]))

@@ -22,7 +22,8 @@ def fake_cupy(devices=1, nvrtc_error=None, device_error=None):
             raise nvrtc_error
         return (13, 0)
 
-    cuda = types.SimpleNamespace(runtime=types.SimpleNamespace(getDeviceCount=get_device_count),
+    runtime = types.SimpleNamespace(getDeviceCount=get_device_count)
+    cuda = types.SimpleNamespace(runtime=runtime,
                                  nvrtc=types.SimpleNamespace(getVersion=get_version))
     return types.SimpleNamespace(cuda=cuda)
 
@@ -30,7 +31,8 @@ def fake_cupy(devices=1, nvrtc_error=None, device_error=None):
 def test_no_gpu_names_the_numpy_backend():
     with pytest.raises(cuda_setup.GpuUnavailableError,
                        match=r"no CUDA GPU is usable on this machine \(RuntimeError: no "
-                             r"driver\)\. Instead, triattn_cupy.reference.triangle_attention computes"):
+                             r"driver\)\. Instead, triattn_cupy.reference.triangle_attention "
+                             r"computes"):
         cuda_setup.check_cuda(fake_cupy(device_error=RuntimeError("no driver")))
     with pytest.raises(cuda_setup.GpuUnavailableError, match="reports no device"):
         cuda_setup.check_cuda(fake_cupy(devices=0))

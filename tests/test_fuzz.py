@@ -409,8 +409,8 @@ def _write_input(draw, path, fmt, pair, mask, tmp):
             else:
                 f[key] = pair
             if kind == "compressed_mask":
-                f.create_dataset("mask", data=np.zeros((8000, 8000), bool), chunks=(1000, 1000),
-                                 compression="gzip")
+                f.create_dataset("mask", data=np.zeros((8000, 8000), bool),
+                                 chunks=(1000, 1000), compression="gzip")
             elif mask is not None:
                 f["mask"] = mask
     return kind, expect, required

@@ -42,7 +42,8 @@ def _positive_seconds(text: str) -> float:
     except ValueError:
         value = float("nan")
     if not value > 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text!r}")
+        raise argparse.ArgumentTypeError(
+            f"expected a positive number of seconds, got {text!r}")
     return value
 
 

@@ -41,7 +41,7 @@ class Outcome:
 def plan(args, output_dir: str, weights_sha: str, claim_timeout: float):
     """(tasks to compute, outcomes decided without computing: failed or skipped)."""
     outcomes = []
-    found = []  # (path, kind, rel, from_folder)
+    found = []  # Task per input
     seen = set()
     for given in args.inputs:
         if os.path.isdir(given):
@@ -90,7 +90,7 @@ def plan(args, output_dir: str, weights_sha: str, claim_timeout: float):
         with contextlib.suppress(OSError):
             st = os.stat(t.input)
             inputs_inode[(st.st_dev, st.st_ino)] = t.input
-    claimed = {}
+    destinations = {}  # real output path -> the input it comes from
     tasks, resumed, stale = [], [], []
     for task in found:
         task.output = output_path(output_dir, task.rel, args.output_format)
@@ -103,11 +103,12 @@ def plan(args, output_dir: str, weights_sha: str, claim_timeout: float):
             outcomes.append(_fail(task.input, f"its output {task.output} would overwrite the "
                                               f"input {victim}; choose another --output-dir"))
             continue
-        if real_out in claimed:
+        if real_out in destinations:
+            first = destinations[real_out]
             outcomes.append(_fail(task.input, f"its output {task.output} is also the output "
-                                              f"of {claimed[real_out]}; rename one of them"))
+                                              f"of {first}; rename one of them"))
             continue
-        claimed[real_out] = task.input
+        destinations[real_out] = task.input
         # With --overwrite a .npy is about to be replaced: its checksum must still be ours.
         state, attrs = existing_output_state(task.output, args.output_format,
                                              verify=args.overwrite)
