@@ -85,6 +85,7 @@ def test_special_files_are_skipped_without_opening(weights, weights_file, tmp_pa
     os.mkfifo(src / "fifo.h5")
     os.mkfifo(tmp_path / "named.npz")
     (src / "model.pt").write_bytes(b"not an input")
+    os.symlink(tmp_path / "gone.npy", src / "dangling.npy")
     out = tmp_path / "out"
     script = (f"import sys\nfrom triattn_cupy.cli import main\n"
               f"sys.exit(main.main([{str(src)!r}, {str(tmp_path / 'named.npz')!r}, '-o', "
@@ -94,8 +95,9 @@ def test_special_files_are_skipped_without_opening(weights, weights_file, tmp_pa
     assert proc.returncode == 0, proc.stderr
     assert all_files(out) == ["good.h5"]
     err = proc.stderr
-    assert "5 files: 1 computed, 4 skipped, 0 failed" in err
-    assert "4 files skipped, not taken as inputs" in err
+    assert "6 files: 1 computed, 5 skipped, 0 failed" in err
+    assert "5 files skipped, not taken as inputs" in err
+    assert f"{src / 'dangling.npy'}: a broken link, not a regular file; not opened" in err
     for name in ("fifo.npy", "fifo.h5"):
         assert f"{src / name}: a FIFO, not a regular file; not opened" in err
     assert f"{tmp_path / 'named.npz'}: a FIFO, not a regular file; not opened" in err

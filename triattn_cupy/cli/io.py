@@ -69,12 +69,12 @@ def input_kind(path) -> str | None:
 
 def special_file_kind(path) -> str | None:
     """None for a regular file (or a link to one); else what it is ("a FIFO", "a
-    socket", "a device", "missing"). Looks at the inode only: opening a FIFO would block
-    until a writer comes."""
+    socket", "a device", "a broken link", "missing"). Looks at the inode only: opening a
+    FIFO would block until a writer comes."""
     try:
         mode = os.stat(path).st_mode
     except OSError:
-        return "missing"
+        return "a broken link" if os.path.islink(path) else "missing"
     if stat.S_ISREG(mode):
         return None
     if stat.S_ISFIFO(mode):
