@@ -247,3 +247,46 @@ def test_npy_record_written_before_the_array(tmp_path, monkeypatch):
     assert calls == ["o.npy.json", "o.npy"]
     assert cli_outputs.existing_output_state(path, "npy")[0] == "broken"
     assert sorted(os.listdir(tmp_path)) == ["o.npy", "o.npy.json"]  # no temporary left
+
+
+def test_a_claim_that_cannot_be_made_fails_its_file(dataset, weights_file, tmp_path,
+                                                    monkeypatch, capsys):
+    """A claim that cannot be made (a folder that cannot be written) fails its file with
+    the reason; the other files go on, and none is lost."""
+    src, _ = dataset
+    real = cli_claims.Claims.acquire
+
+    def acquire(self, output):
+        if output.endswith("b.h5"):
+            raise PermissionError(13, "Permission denied", output)
+        return real(self, output)
+
+    monkeypatch.setattr(cli_claims.Claims, "acquire", acquire)
+    out = tmp_path / "out"
+    assert cli(weights_file, out, src) == 1
+    err = capsys.readouterr().err
+    assert "4 files: 3 computed, 0 skipped, 1 failed" in err
+    assert "b.npy: cannot claim the output" in err and "Permission denied" in err
+    assert all_files(out) == ["a.h5", "c.h5", "d.h5"]
+
+
+def test_no_file_vanishes_when_a_thread_stops(dataset, weights_file, tmp_path, monkeypatch,
+                                              capsys):
+    """An internal error that stops the reader thread: the files it never reached are
+    reported failed, not left out of the summary (exit status 1, not 0)."""
+    from triattn_cupy.cli import pipeline
+
+    src, _ = dataset
+    real = pipeline._Pipeline._claim
+
+    def claim(self, task):
+        if task.input.endswith("b.npy"):
+            raise RuntimeError("simulated bug")
+        return real(self, task)
+
+    monkeypatch.setattr(pipeline._Pipeline, "_claim", claim)
+    assert cli(weights_file, tmp_path / "out", src) == 1
+    err = capsys.readouterr().err
+    assert "reader thread 0 stopped by an internal error" in err and "simulated bug" in err
+    assert "4 files: 1 computed, 0 skipped, 3 failed" in err
+    assert err.count("not processed: an internal error stopped a pipeline thread") >= 3

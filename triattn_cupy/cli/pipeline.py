@@ -102,6 +102,11 @@ def run(args, *, summary: bool = True) -> RunResult:
         finally:
             progress.close()
         seconds = time.perf_counter() - start
+    if not interrupted:  # every task reaches an outcome: none may vanish unreported
+        for task in tasks:
+            if task.input not in pipeline.seen:
+                outcomes.append(Outcome(task.input, "failed", "not processed: an internal "
+                                        "error stopped a pipeline thread (see the log)"))
     result = RunResult(_exit_code(outcomes, interrupted), outcomes, seconds,
                        tuple(b.label for b in backends), interrupted)
     if interrupted:
@@ -287,7 +292,12 @@ class _Pipeline:
     def _claim(self, task) -> bool:
         """Claim the output of `task` for this run; False (with the outcome reported)
         when another run holds it or has written it since this run planned."""
-        holder = self.claims.acquire(task.output)
+        try:
+            holder = self.claims.acquire(task.output)
+        except OSError as exc:  # a folder that cannot be created or written
+            self._fail(task, f"cannot claim the output {task.output}: "
+                             f"{type(exc).__name__}: {exc}")
+            return False
         if holder is not None:
             logger.info("%s: skipped: its output is %s", task.input, holder)
             self.results.put(Outcome(task.input, "skipped", f"output {holder}"))
@@ -316,33 +326,9 @@ class _Pipeline:
         backend = self.backends[index]
         alloc = backend.alloc  # pinned memory is "portable": usable by every device
         try:
-            backend.thread_init()
-            while not self.stop.is_set():
-                try:
-                    task = self.tasks.get_nowait()
-                except queue.Empty:
-                    break
-                if not self._claim(task):
-                    continue
-                t0 = time.perf_counter()
-                try:
-                    loaded = read_input(task.input, task.kind, pair_dim=self.pair_dim,
-                                        pair_key=self.pair_key, mask_key=self.mask_key,
-                                        mask_required=self.mask_key_given, alloc=alloc)
-                except InputError as exc:
-                    self._fail(task, str(exc))
-                    continue
-                except MemoryError:
-                    self._fail(task, "too large to read into host memory")
-                    continue
-                except Exception as exc:  # a bug, not the file: keep the traceback
-                    logger.debug("reading %s", task.input, exc_info=True)
-                    self._fail(task, f"internal error while reading: "
-                                     f"{type(exc).__name__}: {exc}")
-                    continue
-                loaded.read_seconds = time.perf_counter() - t0
-                if not self._put(self.ready, (task, loaded)):
-                    break
+            self._read_tasks(backend, alloc)
+        except Exception:
+            logger.exception("reader thread %d stopped by an internal error", index)
         finally:
             with self.lock:
                 self.readers_left -= 1
@@ -350,6 +336,35 @@ class _Pipeline:
             if last:
                 for _ in self.backends:
                     self.ready.put(_END)
+
+    def _read_tasks(self, backend, alloc):
+        backend.thread_init()
+        while not self.stop.is_set():
+            try:
+                task = self.tasks.get_nowait()
+            except queue.Empty:
+                break
+            if not self._claim(task):
+                continue
+            t0 = time.perf_counter()
+            try:
+                loaded = read_input(task.input, task.kind, pair_dim=self.pair_dim,
+                                    pair_key=self.pair_key, mask_key=self.mask_key,
+                                    mask_required=self.mask_key_given, alloc=alloc)
+            except InputError as exc:
+                self._fail(task, str(exc))
+                continue
+            except MemoryError:
+                self._fail(task, "too large to read into host memory")
+                continue
+            except Exception as exc:  # a bug, not the file: keep the traceback
+                logger.debug("reading %s", task.input, exc_info=True)
+                self._fail(task, f"internal error while reading: "
+                                 f"{type(exc).__name__}: {exc}")
+                continue
+            loaded.read_seconds = time.perf_counter() - t0
+            if not self._put(self.ready, (task, loaded)):
+                break
 
     def _worker(self, backend):
         try:
