@@ -317,3 +317,122 @@ def test_invalid_dimensions_still_report_datasets(saved):
                                                  r":\n.*'num_heads'.*\n.*'out_proj/bias': "
                                                  r"expected finite"):
         load_weights(saved)
+
+
+# --- data from outside the file, links, declared sizes ------------------------------------
+
+def test_external_storage_is_refused(saved, tmp_path):
+    """The raw data of a dataset in another file (here a file of secrets) must not load."""
+    secret = tmp_path / "secret.bin"
+    secret.write_bytes(np.ones(D * D, np.float32).tobytes())
+    with edit(saved) as f:
+        del f["query/weight"]
+        f.create_dataset("query/weight", shape=(D, D), dtype=np.float32,
+                         external=[(str(secret), 0, D * D * 4)])
+    with pytest.raises(WeightsFormatError, match=r"'query/weight' keeps its raw data in "
+                                                 r"external files \(.*secret.bin\); refused"):
+        load_weights(saved)
+
+
+def test_virtual_dataset_is_refused(saved, tmp_path):
+    layout = h5py.VirtualLayout(shape=(D, D), dtype=np.float32)
+    layout[:] = h5py.VirtualSource(str(tmp_path / "gone.h5"), "x", shape=(D, D))
+    with edit(saved) as f:
+        del f["key/weight"]
+        f.create_virtual_dataset("key/weight", layout, fillvalue=0)
+    with pytest.raises(WeightsFormatError, match="'key/weight' is a virtual dataset"):
+        load_weights(saved)
+
+
+def test_external_link_is_refused(saved, tmp_path, weights):
+    other = tmp_path / "other.h5"
+    save_weights(weights, other)
+    with edit(saved) as f:
+        del f["value/weight"]
+        f["value/weight"] = h5py.ExternalLink(str(other), "/value/weight")
+    with pytest.raises(WeightsFormatError, match=r"'value/weight' is an external link to "
+                                                 r".*other.h5:/value/weight; refused"):
+        load_weights(saved)
+
+
+def test_hard_and_soft_links_inside_the_file_are_accepted(saved, weights):
+    """One bias stored once and hard-linked under a second name; one soft link."""
+    with edit(saved) as f:
+        del f["key/bias"]
+        f["key/bias"] = f["query/bias"]          # a hard link: the same dataset
+        del f["gate/bias"]
+        f["gate/bias"] = h5py.SoftLink("/query/bias")
+    loaded = load_weights(saved)
+    assert np.array_equal(loaded["key.bias"], weights["query.bias"])
+    assert np.array_equal(loaded["gate.bias"], weights["query.bias"])
+
+
+def test_dangling_soft_link_is_missing(saved):
+    with edit(saved) as f:
+        del f["query/weight"]
+        f["query/weight"] = h5py.SoftLink("/nowhere")
+    with pytest.raises(WeightsFormatError, match="'query/weight': missing"):
+        load_weights(saved)
+
+
+def test_huge_declared_pair_dim_is_refused_before_reading(tmp_path):
+    """A few KB declaring pair_dim 10**6: refused from the attributes, no MemoryError."""
+    path = tmp_path / "huge.h5"
+    with h5py.File(path, "w") as f:
+        f.attrs.update(format="triattn-cupy/weights", format_version=1, pair_dim=10**6,
+                       num_heads=4, layer_norm_eps=1e-5)
+        f.create_dataset("query/weight", shape=(10**6, 10**6), dtype=np.float32)
+    with pytest.raises(WeightsFormatError, match=r"pair_dim': 1000000 is beyond the largest "
+                                                 r"this package reads, 4096"):
+        load_weights(path)
+
+
+def test_unwritten_datasets_are_refused(tmp_path):
+    """Shapes that agree with the attributes but no data stored (they would read as
+    zeros): refused from the metadata, nothing read."""
+    path = tmp_path / "empty.h5"
+    with h5py.File(path, "w") as f:
+        f.attrs.update(format="triattn-cupy/weights", format_version=1, pair_dim=2048,
+                       num_heads=16, layer_norm_eps=1e-5)
+        for name, shape in parameter_shapes(2048, 16).items():
+            f.create_dataset(name.replace(".", "/"), shape=shape, dtype=np.float32)
+    assert os.path.getsize(path) < 100_000
+    with pytest.raises(WeightsFormatError, match=r"'query/weight' declares 16777216 bytes "
+                                                 r"\(float32 \(2048, 2048\)\) but the file "
+                                                 r"stores 0 bytes"):
+        load_weights(path)
+
+
+def test_too_many_heads_is_refused(saved):
+    with edit(saved) as f:
+        f.attrs["num_heads"] = D * 2
+    with pytest.raises(WeightsFormatError, match=f"num_heads {2 * D} is more than pair_dim"):
+        load_weights(saved)
+
+
+def test_fifo_is_refused_without_opening(tmp_path):
+    os.mkfifo(tmp_path / "w.h5")
+    with pytest.raises(WeightsFormatError, match="not a regular file"):
+        load_weights(tmp_path / "w.h5")
+
+
+def test_group_in_place_of_an_optional_bias_is_refused(saved):
+    """Not read as an absent bias (zeros): a group where a dataset belongs is an error."""
+    with edit(saved) as f:
+        del f["query/bias"]
+        f.create_group("query/bias")
+    with pytest.raises(WeightsFormatError, match="'query/bias': is a group, expected a "
+                                                 "dataset"):
+        load_weights(saved)
+
+
+def test_link_name_that_is_not_utf8_is_reported(saved):
+    """h5py's own link visit fails on such a name and leaves its lock broken; the
+    loader reports the name instead (and later calls still work)."""
+    with edit(saved) as f:
+        f.id.links.create_hard(b"\xec\xff", f.id, b"query/bias")
+    with pytest.raises(WeightsFormatError, match=r"link b'\\xec\\xff': its name is not UTF-8"):
+        load_weights(saved)
+    with edit(saved) as f:
+        f.id.unlink(b"\xec\xff")
+    load_weights(saved)

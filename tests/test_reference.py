@@ -331,3 +331,32 @@ def test_saturated_gates_match_spec(rng, gate_bias):
     out = triangle_attention(pair, keep, weights, fully_masked="nan")
     assert np.nanmax(np.abs(out)) > 0  # not flushed
     check_against_spec(out, expected, keep, weights, "nan", TOL64)
+
+
+@pytest.mark.parametrize("magnitude", [1e12, 1e20, 1e30, 3e38])
+def test_layer_norm_of_huge_float32_inputs(rng, magnitude):
+    """Finite float32 inputs up to float32's range: the variance is formed after scaling,
+    so the result matches float64 instead of overflowing (relative error 0.81 at 1e20
+    without it). A row of small values beside the huge ones keeps the plain formula."""
+    weights = random_weights(32, 4, seed=3)
+    pair = rng.uniform(-1, 1, (2, 5, 5, 32)) * magnitude
+    pair[0, 0, 0] = rng.standard_normal(32)  # an ordinary row in the same input
+    pair32 = pair.astype(np.float32)
+    assert np.isfinite(pair32).all()
+    got = triangle_attention(pair32, None, weights, dtype=np.float32)
+    want = triangle_attention(pair32.astype(np.float64), None, weights, dtype=np.float64)
+    assert np.isfinite(got).all()
+    assert rel_l2(got, want) < TOL32
+
+
+def test_layer_norm_of_ordinary_inputs_is_unchanged(rng):
+    """Rows below the rescaling threshold take the textbook formula bit for bit."""
+    from triattn_cupy.reference import layer_norm
+
+    x = rng.standard_normal((3, 7, 16)).astype(np.float32) * 1e6
+    w = rng.standard_normal(16).astype(np.float32)
+    b = rng.standard_normal(16).astype(np.float32)
+    mean = x.mean(axis=-1, keepdims=True)
+    var = ((x - mean) ** 2).mean(axis=-1, keepdims=True)
+    plain = (x - mean) / np.sqrt(var + 1e-5) * w + b
+    assert np.array_equal(layer_norm(x, w, b, 1e-5), plain)

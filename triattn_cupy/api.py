@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import weakref
 
-from ._gpu import DeviceWeights, Forward, _cupy, gpu_available
+from ._gpu import DeviceWeights, Forward, gpu_available
+from .cuda_setup import require_cuda
 from .weights import Weights
 
 __all__ = ["triangle_attention", "TriangleAttention", "gpu_available"]
@@ -26,7 +27,7 @@ class TriangleAttention:
     """
 
     def __init__(self, weights: Weights, *, device=None):
-        cupy = _cupy()
+        cupy = require_cuda()  # a clear error without a GPU or NVRTC
         if not isinstance(weights, Weights):
             raise TypeError(f"weights must be a triattn_cupy.Weights (see load_weights); got "
                             f"{type(weights).__name__}")
@@ -73,7 +74,7 @@ def triangle_attention(pair, mask, weights, *, fully_masked: str = "zero", out=N
     if not isinstance(weights, Weights):
         raise TypeError(f"weights must be a triattn_cupy.Weights or TriangleAttention; got "
                         f"{type(weights).__name__}")
-    cupy = _cupy()
+    cupy = require_cuda()
     device_id = pair.device.id if isinstance(pair, cupy.ndarray) else cupy.cuda.Device().id
     per_device = _modules.setdefault(weights, {})
     if device_id not in per_device:

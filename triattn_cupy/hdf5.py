@@ -8,7 +8,11 @@ replaced by ``/`` (``query.weight`` -> ``query/weight``), in PyTorch's
 before they existed, is read as "pair" and "starting").
 
 `load_weights` checks the whole file against `parameter_shapes` before returning and
-raises one `WeightsFormatError` that lists every problem it found.
+raises one `WeightsFormatError` that lists every problem it found. Shapes, dtypes and
+storage come from the file's metadata and are checked before any data is read. A file
+must hold its data itself: external links, external raw storage and virtual datasets are
+refused (`ExternalDataError`), so a file can never read another file's bytes; hard links
+and soft links that stay inside the file are followed.
 """
 from __future__ import annotations
 
@@ -27,10 +31,113 @@ from .weights import OPTIONAL_BIASES, Weights, parameter_shapes
 FORMAT = "triattn-cupy/weights"
 FORMAT_VERSION = 1
 _PARAM_NAMES = tuple(parameter_shapes(1, 1))  # the names; shapes depend on the attributes
+# The largest pair_dim a file may declare: five (D, D) float32 matrices of 64 MiB each.
+# Real models are far below it (AlphaFold: 128; the GPU kernels take at most 768); a file
+# beyond it is refused before anything is read.
+MAX_PAIR_DIM = 4096
+_SOFT_LINK_DEPTH = 8
 
 
 class WeightsFormatError(ValueError):
     """A weights file that is missing, unreadable, or not valid format version 1."""
+
+
+class ExternalDataError(ValueError):
+    """An HDF5 object whose data would come from outside its file (an external link,
+    external raw storage or a virtual dataset)."""
+
+
+# --- reading HDF5 safely (weights and inputs) ---------------------------------------------
+
+def local_object(f: h5py.File, path: str, _depth: int = 0):
+    """The object at `path` in `f`, reached only through hard links and soft links that
+    stay inside the file; None when nothing is there. Raises `ExternalDataError` when
+    the path goes through an external link (which would open another file)."""
+    node = f["/"]
+    parts = [p for p in str(path).split("/") if p]
+    for i, part in enumerate(parts):
+        if not isinstance(node, h5py.Group) or part not in node:
+            return None
+        link = node.get(part, getlink=True)
+        where = "/".join(parts[:i + 1])
+        if isinstance(link, h5py.ExternalLink):
+            raise ExternalDataError(
+                f"'{where}' is an external link to {link.filename}:{link.path}; refused: "
+                f"the file must hold its data itself")
+        if isinstance(link, h5py.SoftLink):
+            if _depth >= _SOFT_LINK_DEPTH:
+                raise ExternalDataError(f"'{where}': soft links nested too deeply")
+            target = link.path if link.path.startswith("/") else (
+                "/".join(parts[:i] + [link.path]))
+            node = local_object(f, target, _depth + 1)
+            if node is None:
+                return None  # a dangling soft link: nothing there
+        else:
+            node = node.get(part)
+    return node
+
+
+def check_local_storage(ds: h5py.Dataset, name: str) -> None:
+    """ExternalDataError when the raw data of `ds` lives in other files."""
+    if ds.is_virtual:
+        raise ExternalDataError(
+            f"'{name}' is a virtual dataset (its data are mapped from other files); "
+            f"refused: the file must hold its data itself")
+    if ds.external:
+        files = ", ".join(sorted({str(entry[0]) for entry in ds.external}))
+        raise ExternalDataError(
+            f"'{name}' keeps its raw data in external files ({files}); refused: the file "
+            f"must hold its data itself")
+
+
+def missing_storage(ds: h5py.Dataset, name: str):
+    """A sentence when `ds` cannot hold the data its shape declares, else None.
+
+    Unwritten storage reads back as the fill value (zeros), so a dataset whose shape
+    promises more bytes than the file stores for it is not data. Without filters the
+    stored size is at least the logical size; with compression it is smaller but not 0.
+    """
+    logical = int(np.prod(ds.shape or (), dtype=np.int64)) * ds.dtype.itemsize
+    if logical == 0:
+        return None
+    stored = ds.id.get_storage_size()
+    filtered = ds.id.get_create_plist().get_nfilters() > 0
+    if stored == 0 or (not filtered and stored < logical):
+        return (f"'{name}' declares {logical} bytes ({ds.dtype} {ds.shape}) but the file "
+                f"stores {stored} bytes for it (unwritten data would read as zeros)")
+    return None
+
+
+def local_datasets(f: h5py.File, problems: list) -> dict:
+    """{path: Dataset} of every dataset reachable inside `f`, each of its names included
+    (a dataset hard-linked under two names appears twice). External links are appended
+    to `problems` and not followed."""
+    datasets = {}
+
+    def visit(raw_name):  # returns None: a value would stop the visit
+        # Nothing may escape: an exception raised inside HDF5's visit leaves h5py's lock
+        # in a broken state (SystemError on every later call). The low-level visit gives
+        # the names as bytes: h5py's own visititems_links fails on one that is not UTF-8.
+        try:
+            name = raw_name.decode("utf-8")
+        except UnicodeDecodeError:
+            problems.append(f"link {raw_name!r}: its name is not UTF-8")
+            return None
+        try:
+            link = f.get(name, getlink=True)
+            obj = local_object(f, name)
+            if isinstance(obj, h5py.Dataset):
+                datasets[name] = obj
+        except ExternalDataError as err:
+            if isinstance(link, h5py.ExternalLink):
+                problems.append(str(err))
+        except Exception as err:  # a damaged link or name
+            problems.append(f"link '{name}': cannot be followed ({type(err).__name__}: "
+                            f"{err})")
+        return None
+
+    f.id.links.visit(visit)
+    return datasets
 
 
 def dataset_name(param: str) -> str:
@@ -52,6 +159,8 @@ def load_weights(path) -> Weights:
         raise WeightsFormatError(f"{path}: no such file")
     if os.path.isdir(path):
         raise WeightsFormatError(f"{path}: is a folder, expected an HDF5 weights file")
+    if not os.path.isfile(path):  # a FIFO or device: opening it could block
+        raise WeightsFormatError(f"{path}: not a regular file, expected an HDF5 weights file")
     if not h5py.is_hdf5(path):
         raise WeightsFormatError(f"{path}: not an HDF5 file (no HDF5 signature found)")
     try:
@@ -59,7 +168,8 @@ def load_weights(path) -> Weights:
             return _read(f, path)
     except WeightsFormatError:
         raise
-    except (OSError, RuntimeError, KeyError, TypeError, ValueError) as err:  # corrupt file
+    except (OSError, RuntimeError, KeyError, TypeError, ValueError,
+            SystemError) as err:  # a corrupt file (h5py may raise any of them)
         raise WeightsFormatError(
             f"{path}: cannot read the HDF5 file (truncated or corrupt?): {err}") from err
 
@@ -86,25 +196,30 @@ def _read(f: h5py.File, path: str) -> Weights:
                         f"number, got {_describe_attr(f, 'layer_norm_eps')}")
     mask_layout = _convention_attr(f, "mask_layout", MASK_LAYOUTS, problems)
     node = _convention_attr(f, "node", NODES, problems)
+    if pair_dim and pair_dim > MAX_PAIR_DIM:
+        problems.append(f"root attribute 'pair_dim': {pair_dim} is beyond the largest this "
+                        f"package reads, {MAX_PAIR_DIM}")
+        pair_dim = None
+    if pair_dim and num_heads and num_heads > pair_dim:
+        problems.append(f"root attributes: num_heads {num_heads} is more than pair_dim "
+                        f"{pair_dim}")
+        num_heads = None
     if pair_dim and num_heads and pair_dim % num_heads:
         problems.append(f"root attributes: pair_dim {pair_dim} must be a multiple of "
                         f"num_heads {num_heads}")
         pair_dim = None
     shapes = parameter_shapes(pair_dim, num_heads) if pair_dim and num_heads else None
 
-    datasets = {}
-
-    def collect(name, obj):  # returns None: a value would stop visititems
-        if isinstance(obj, h5py.Dataset):  # h5py gives bytes for a name that is not UTF-8
-            datasets[name if isinstance(name, str) else repr(name)] = obj
-
-    f.visititems(collect)
+    datasets = local_datasets(f, problems)
     params = {}
     for param in _PARAM_NAMES:
         name = dataset_name(param)
         expected = shapes[param] if shapes else None
         if name not in datasets:
-            if param not in OPTIONAL_BIASES:
+            if isinstance(f.get(name, getlink=True), h5py.HardLink) and isinstance(
+                    f.get(name), h5py.Group):
+                problems.append(f"dataset '{name}': is a group, expected a dataset")
+            elif param not in OPTIONAL_BIASES:
                 detail = f"float32 of shape {expected}" if expected else "float32"
                 problems.append(f"dataset '{name}': missing (required; expected {detail})")
             continue
@@ -137,6 +252,22 @@ def _read_dataset(ds: h5py.Dataset, name: str, expected, problems: list):
     if ds.shape is None or (expected is not None and ds.shape != expected):
         got = "an empty dataspace" if ds.shape is None else ds.shape
         problems.append(f"dataset '{name}': expected shape {expected or '(any)'}, got {got}")
+        return None
+    if expected is None and (len(ds.shape) not in (1, 2)
+                             or max(ds.shape, default=0) > MAX_PAIR_DIM):
+        # The attributes are broken, so the exact shapes are unknown; read no more than
+        # the largest valid parameter could hold.
+        problems.append(f"dataset '{name}': shape {ds.shape} fits no parameter (1 or 2 "
+                        f"axes of at most {MAX_PAIR_DIM})")
+        return None
+    try:
+        check_local_storage(ds, name)
+    except ExternalDataError as err:
+        problems.append(f"dataset {err}")
+        return None
+    short = missing_storage(ds, name)
+    if short:
+        problems.append(f"dataset {short}")
         return None
     raw = np.asarray(ds[()])
     bad = ~np.isfinite(raw)

@@ -33,7 +33,21 @@ from .weights import Weights
 _SCORE_BUDGET_ELEMENTS = 1 << 25
 
 
+# Rows whose largest magnitude passes this are scaled down before LayerNorm squares them.
+_LAYER_NORM_RESCALE_ABOVE = 2.0 ** 40
+
+
 def layer_norm(x: np.ndarray, weight, bias, eps: float) -> np.ndarray:
+    # In float32 the sum of squares overflows from |x| ~ 1e18 (D = 128). LayerNorm is
+    # unchanged by x -> x / s when eps becomes eps / s**2, so rows past 2**40 are first
+    # divided by a power of two s near their largest magnitude (exact); other rows, and
+    # every row of an input without such values, take the plain formula bit for bit.
+    amax = np.max(np.abs(x), axis=-1, keepdims=True)
+    big = np.isfinite(amax) & (amax > _LAYER_NORM_RESCALE_ABOVE)
+    if big.any():
+        s = np.where(big, np.ldexp(1.0, np.frexp(amax)[1] - 1), 1.0)   # float64, <= amax
+        x = x / s.astype(x.dtype)
+        eps = (eps / np.square(s)).astype(x.dtype)
     mean = x.mean(axis=-1, keepdims=True)
     var = ((x - mean) ** 2).mean(axis=-1, keepdims=True)  # biased, as torch.nn.LayerNorm
     return (x - mean) / np.sqrt(var + eps) * weight + bias

@@ -14,8 +14,10 @@ import tempfile
 
 import numpy as np
 
-from . import reference
-from ._io import OUTPUT_DATASET
+from .. import reference
+from . import pipeline
+from .outputs import OUTPUT_DATASET
+from .report import si
 
 # Relative L2 error against float64 allowed per precision mode (the GPU pipeline's
 # contract); the CPU backend computes in float32 and meets the fp32 bound.
@@ -84,16 +86,14 @@ def rel_l2_error(actual, expected) -> float:
 
 
 def run_demo(args) -> int:
-    from . import infer
-
     if args.inputs:
-        infer.logger.error("--demo makes its own inputs; drop the INPUT arguments")
-        return infer.EXIT_USAGE
+        pipeline.logger.error("--demo makes its own inputs; drop the INPUT arguments")
+        return pipeline.EXIT_USAGE
     out = sys.stdout
     precision = getattr(args, "precision", None) or "fp32"
     tolerance = TOLERANCES.get(precision, 1e-5)
     with contextlib.ExitStack() as stack:
-        weights, weights_path, sha = infer.load_weights(args.weights, stack)
+        weights, weights_path, sha = pipeline.load_weights(args.weights, stack)
         tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="triattn-demo-"))
         in_dir = os.path.join(tmp, "inputs")
         os.makedirs(in_dir)
@@ -118,7 +118,7 @@ def run_demo(args) -> int:
             print(f"           {name:<{width}}  {what}", file=out)
         out.flush()
 
-        result = infer.run(run_args, summary=False)
+        result = pipeline.run(run_args, summary=False)
         done = result.count("done")
         devices = ", ".join(result.devices) or "(none)"
         print(f"  device   {devices}" + (f", precision {precision}"
@@ -131,14 +131,14 @@ def run_demo(args) -> int:
         if done:
             rate = result.positions / max(result.seconds, 1e-9)
             print(f"  ran      {done} of {len(files)} files, {result.positions:,} pair "
-                  f"positions in {result.seconds:.3f} s: {infer._si(rate)} pair "
+                  f"positions in {result.seconds:.3f} s: {si(rate)} pair "
                   f"positions/s", file=out)
             print("           (tiny inputs, so per-file overhead dominates; the "
                   "benchmarks measure speed)", file=out)
         if result.count("failed") or done < len(files):
             print(f"\nDemo FAILED: {len(files) - done} of {len(files)} files were not "
                   f"computed (the errors are above).", file=out)
-            return infer.EXIT_FAILED
+            return pipeline.EXIT_FAILED
 
         # The check: the output file read back, against float64 NumPy on the same input.
         with np.load(os.path.join(in_dir, f"{CHECKED}.npz")) as z:
@@ -155,11 +155,12 @@ def run_demo(args) -> int:
               f"{precision}): {'OK' if ok else 'TOO LARGE'}", file=out)
         if not ok:
             print("\nDemo FAILED: the output does not match the reference.", file=out)
-            return infer.EXIT_FAILED
-        print("\nDemo passed. Run it on your own files with:\n"
-              "  triattn-infer INPUT_FOLDER --output-dir OUTPUT_FOLDER\n"
+            return pipeline.EXIT_FAILED
+        print("\nDemo passed. Run it on your own files and weights (triattn-export writes "
+              "them from PyTorch) with:\n"
+              "  triattn-infer INPUT_FOLDER --output-dir OUTPUT_FOLDER --weights WEIGHTS.h5\n"
               "(triattn-infer --help lists the options)", file=out)
-        return infer.EXIT_OK
+        return pipeline.EXIT_OK
 
 
 def _read_output(path):

@@ -16,7 +16,7 @@ import inspect
 
 import numpy as np
 
-from . import reference
+from .. import reference
 
 GIB = float(1 << 30)
 DEFAULT_PRECISIONS = ("fp32", "tf32", "bf16")
@@ -170,6 +170,9 @@ class GpuBackend:
                 self.module = gpu_api().TriangleAttention(weights, **init_kwargs)
             except (ValueError, TypeError) as exc:
                 raise SetupError(f"{self.label} cannot use these weights: {exc}") from None
+            except RuntimeError as exc:  # no NVRTC (GpuUnavailableError), a CUDA error
+                raise SetupError(f"{self.label} cannot run: {exc} (--device cpu runs the "
+                                 f"NumPy backend)") from None
         self._pinned_ok = True
 
     def thread_init(self) -> None:

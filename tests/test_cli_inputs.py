@@ -1,0 +1,223 @@
+"""`triattn-infer`'s inputs: bad, hostile and special files are refused with a clear
+reason before their data are read, and the run goes on (CPU backend, D=16)."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import zipfile
+
+import h5py
+import numpy as np
+import pytest
+
+from triattn_cupy.cli import io as cli_io
+from cli_support import (D, all_files, assert_same, child_env, cli,  # noqa: F401
+                         expected_output, make_pair, padding_mask, read_output, weights,
+                         weights_file, write_h5)
+
+
+def test_bad_inputs_are_reported_and_skipped(weights, weights_file, tmp_path, capsys):
+    rng = np.random.default_rng(4)
+    src = tmp_path / "in"
+    src.mkdir()
+    good = make_pair(rng, 5, 5)
+    np.save(src / "good.npy", good)
+    (src / "corrupt_a.npy").write_bytes(rng.bytes(500))
+    (src / "corrupt_b.npz").write_bytes(rng.bytes(500))
+    (src / "corrupt_c.h5").write_bytes(rng.bytes(500))
+    np.save(src / "truncated_a.npy", make_pair(rng, 6, 6))
+    data = (src / "truncated_a.npy").read_bytes()
+    (src / "truncated_a.npy").write_bytes(data[:len(data) // 2])
+    write_h5(src / "truncated_b.h5", pair=make_pair(rng, 6, 6))
+    data = (src / "truncated_b.h5").read_bytes()
+    (src / "truncated_b.h5").write_bytes(data[:len(data) // 2])
+    np.save(src / "wrong_d.npy", rng.standard_normal((5, 5, D + 8)).astype(np.float32))
+    nan = make_pair(rng, 5, 5)
+    nan[1, 2, 3] = np.nan
+    np.save(src / "nan.npy", nan)
+    overflow = make_pair(rng, 5, 5, dtype=np.float64)
+    overflow[0, 0, 0] = 1e300  # finite in float64, Inf in float32
+    np.save(src / "overflow.npy", overflow)
+    np.savez(src / "bad_mask.npz", pair=make_pair(rng, 5, 5), mask=np.ones((4, 4), bool))
+    inf_mask = np.ones((5, 5))
+    inf_mask[2, 2] = np.inf
+    np.savez(src / "inf_mask.npz", pair=make_pair(rng, 5, 5), mask=inf_mask)
+    np.savez(src / "no_key.npz", other=make_pair(rng, 5, 5))
+    np.save(src / "int.npy", np.ones((5, 5, D), np.int64))
+    np.save(src / "not_square.npy", rng.standard_normal((5, 6, D)))
+    out = tmp_path / "out"
+    assert cli(weights_file, out, src, tmp_path / "missing.npy") == 1
+    assert all_files(out) == ["good.h5"]
+    assert_same(read_output(out / "good.h5")[0], expected_output(weights, good))
+    err = capsys.readouterr().err
+    reasons = {
+        "corrupt_a.npy": "cannot read the npy file",
+        "corrupt_b.npz": "not a .npz file",
+        "corrupt_c.h5": "not an HDF5 file",
+        "truncated_a.npy": "file is truncated",
+        "truncated_b.h5": "cannot read the hdf5 file (corrupt or truncated?)",
+        "wrong_d.npy": f"pair's last axis must equal the weights' pair_dim {D}; got {D + 8}",
+        "nan.npy": "pair contains 1 non-finite value (NaN or Inf), the first at index "
+                   "(1, 2, 3)",
+        "overflow.npy": "pair contains 1 non-finite value",
+        "bad_mask.npz": "mask must have shape (5, 5) to match pair; got (4, 4)",
+        "inf_mask.npz": "mask contains 1 non-finite value",
+        "no_key.npz": "no array 'pair' in the archive (it holds 'other')",
+        "int.npy": "pair has dtype int64; expected float32 or float64",
+        "not_square.npy": "pair must be square in its two middle axes (N, N); got (5, 6, 16)",
+    }
+    for name, reason in reasons.items():
+        assert f"{src / name}: {reason}" in err, (name, err)
+    assert f"{tmp_path / 'missing.npy'}: no such file or folder" in err
+    assert "15 files: 1 computed, 0 skipped, 14 failed" in err
+
+
+def test_special_files_are_skipped_without_opening(weights, weights_file, tmp_path):
+    """FIFOs named like inputs (one .npy, one .h5) in a folder and one named directly: each
+    is reported and skipped, never opened (opening a FIFO blocks), and the run ends.
+    Run in a child process so that a hang fails the test instead of stalling it."""
+    rng = np.random.default_rng(11)
+    src = tmp_path / "in"
+    src.mkdir()
+    np.save(src / "good.npy", make_pair(rng, 4, 4))
+    os.mkfifo(src / "fifo.npy")
+    os.mkfifo(src / "fifo.h5")
+    os.mkfifo(tmp_path / "named.npz")
+    (src / "model.pt").write_bytes(b"not an input")
+    os.symlink(tmp_path / "gone.npy", src / "dangling.npy")
+    out = tmp_path / "out"
+    script = (f"import sys\nfrom triattn_cupy.cli import main\n"
+              f"sys.exit(main.main([{str(src)!r}, {str(tmp_path / 'named.npz')!r}, '-o', "
+              f"{str(out)!r}, '--weights', {str(weights_file)!r}, '--device', 'cpu']))")
+    proc = subprocess.run([sys.executable, "-c", script], env=child_env(), capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert all_files(out) == ["good.h5"]
+    err = proc.stderr
+    assert "6 files: 1 computed, 5 skipped, 0 failed" in err
+    assert "5 files skipped, not taken as inputs" in err
+    assert f"{src / 'dangling.npy'}: a broken link, not a regular file; not opened" in err
+    for name in ("fifo.npy", "fifo.h5"):
+        assert f"{src / name}: a FIFO, not a regular file; not opened" in err
+    assert f"{tmp_path / 'named.npz'}: a FIFO, not a regular file; not opened" in err
+    assert f"{src / 'model.pt'}: not an input type (.npy, .npz, .h5, .hdf5)" in err
+
+
+def test_only_other_files_is_an_error(weights_file, tmp_path, capsys):
+    src = tmp_path / "in"
+    src.mkdir()
+    (src / "model.pt").write_bytes(b"x")
+    assert cli(weights_file, tmp_path / "out", src) == 1
+    err = capsys.readouterr().err
+    assert "no input files found" in err and "model.pt: not an input type" in err
+
+
+def test_npy_format_3_and_fortran_order_are_read(weights, weights_file, tmp_path):
+    """.npy format 3.0 (written when a dtype has UTF-8 field names; here forced) through
+    NumPy's public header API, and Fortran-ordered arrays in .npy and .npz."""
+    rng = np.random.default_rng(12)
+    pair = make_pair(rng, 6, 6)
+    header = repr({"descr": "<f4", "fortran_order": False, "shape": pair.shape})
+    header += " " * (63 - (12 + len(header)) % 64) + "\n"  # 64-byte aligned, as NumPy
+    with open(tmp_path / "v3.npy", "wb") as f:
+        f.write(b"\x93NUMPY\x03\x00" + len(header).to_bytes(4, "little")
+                + header.encode("utf-8") + pair.tobytes())
+    assert np.array_equal(np.load(tmp_path / "v3.npy"), pair)
+    assert (tmp_path / "v3.npy").read_bytes()[6:8] == b"\x03\x00"
+    fpair = np.asfortranarray(make_pair(rng, 2, 5, 5, dtype=np.float64))
+    np.save(tmp_path / "f.npy", fpair)
+    np.savez(tmp_path / "fz.npz", pair=fpair, mask=np.asfortranarray(padding_mask(2, 5, 3)))
+    out = tmp_path / "out"
+    assert cli(weights_file, out, tmp_path / "v3.npy", tmp_path / "f.npy",
+               tmp_path / "fz.npz") == 0
+    assert_same(read_output(out / "v3.h5")[0], expected_output(weights, pair))
+    assert_same(read_output(out / "f.h5")[0], expected_output(weights, fpair))
+    assert_same(read_output(out / "fz.h5")[0],
+                expected_output(weights, fpair, padding_mask(2, 5, 3)))
+
+
+def _peak_bytes_of(func):
+    import tracemalloc
+
+    tracemalloc.start()
+    try:
+        func()
+    finally:
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+    return peak
+
+
+def test_shapes_are_checked_before_data_are_read(tmp_path):
+    """Masks of the wrong shape that decompress to 64 MB (npz, and HDF5 with gzip) and a
+    pair whose archive entry is shorter than its header says: refused from the headers,
+    reading a few MB at most."""
+    rng = np.random.default_rng(13)
+    pair = make_pair(rng, 5, 5)
+    big = np.zeros((8000, 8000), bool)
+    np.savez_compressed(tmp_path / "m.npz", pair=pair, mask=big)
+    with h5py.File(tmp_path / "m.h5", "w") as f:
+        f["pair"] = pair
+        f.create_dataset("mask", data=big, compression="gzip", chunks=(1000, 1000))
+
+    for name in ("m.npz", "m.h5"):
+        def read(name=name):
+            with pytest.raises(cli_io.InputError,
+                               match=r"mask must have shape \(5, 5\) to match pair; got "
+                                     r"\(8000, 8000\)"):
+                cli_io.read_input(str(tmp_path / name), cli_io.input_kind(name),
+                                  pair_dim=D)
+        assert _peak_bytes_of(read) < 8 << 20, name
+
+    # An archive entry whose header announces more data than the archive holds.
+    with zipfile.ZipFile(tmp_path / "lie.npz", "w") as z:
+        with z.open("pair.npy", "w") as member:
+            np.lib.format.write_array_header_1_0(member, {
+                "descr": "<f4", "fortran_order": False, "shape": (4000, 4000, D)})
+            member.write(b"\0" * 64)
+    with pytest.raises(cli_io.InputError, match="but the archive holds"):
+        cli_io.read_input(str(tmp_path / "lie.npz"), "npz", pair_dim=D)
+
+
+def test_a_pair_larger_than_memory_is_refused(tmp_path, monkeypatch):
+    np.save(tmp_path / "x.npy", np.zeros((3, 3, D), np.float32))
+    monkeypatch.setattr(cli_io, "_host_memory_bytes", lambda: 100)
+    with pytest.raises(cli_io.InputError, match=r"pair \(3, 3, 16\) takes 0.0 GiB as "
+                                                r"float32, more than this machine's"):
+        cli_io.read_input(str(tmp_path / "x.npy"), "npy", pair_dim=D)
+
+
+def test_hdf5_inputs_must_hold_their_data(weights_file, tmp_path, capsys):
+    """Inputs, like weights, never read data from outside their file."""
+    rng = np.random.default_rng(14)
+    pair = make_pair(rng, 4, 4)
+    raw = tmp_path / "raw.bin"
+    raw.write_bytes(pair.tobytes())
+    src = tmp_path / "in"
+    src.mkdir()
+    with h5py.File(src / "external.h5", "w") as f:
+        f.create_dataset("pair", shape=pair.shape, dtype=np.float32,
+                         external=[(str(raw), 0, pair.nbytes)])
+    layout = h5py.VirtualLayout(shape=pair.shape, dtype=np.float32)
+    layout[:] = h5py.VirtualSource(str(tmp_path / "gone.h5"), "pair", shape=pair.shape)
+    with h5py.File(src / "virtual.h5", "w") as f:
+        f.create_virtual_dataset("pair", layout, fillvalue=0)
+    write_h5(tmp_path / "real.h5", pair=pair)
+    with h5py.File(src / "link.h5", "w") as f:
+        f["pair"] = h5py.ExternalLink(str(tmp_path / "real.h5"), "/pair")
+    with h5py.File(src / "unwritten.h5", "w") as f:
+        f.create_dataset("pair", shape=(300, 300, D), dtype=np.float32)
+    with h5py.File(src / "hardlink.h5", "w") as f:
+        f["data/pair"] = pair
+        f["pair"] = f["data/pair"]
+    out = tmp_path / "out"
+    assert cli(weights_file, out, src) == 1
+    err = capsys.readouterr().err
+    assert "external.h5: 'pair' keeps its raw data in external files" in err
+    assert "virtual.h5: 'pair' is a virtual dataset" in err
+    assert "link.h5: 'pair' is an external link to" in err
+    assert "unwritten.h5: 'pair' declares" in err and "stores 0 bytes" in err
+    assert all_files(out) == ["hardlink.h5"]
+
+

@@ -1,0 +1,410 @@
+"""Inputs of `triattn-infer`: finding them, reading and checking them.
+
+Inputs hold a pair representation (N, N, D) or (B, N, N, D), float32 or float64, and
+optionally a mask (N, N) / (B, N, N):
+
+    .npy          the pair array alone
+    .npz          arrays named by pair_key / mask_key (defaults "pair", "mask")
+    .h5 / .hdf5   datasets at pair_key / mask_key (paths such as "group/pair" work)
+
+Every problem with an input raises `InputError` with a sentence that says what is wrong;
+the caller adds the path. Inputs are only ever opened read-only, and only regular files
+are opened. Shapes and dtypes are checked from headers and metadata before any data are
+read, and HDF5 inputs must hold their data themselves (see `triattn_cupy.hdf5`).
+Outputs are written by `triattn_cupy.cli.outputs`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import stat
+import zipfile
+
+import numpy as np
+
+from .._checks import check_mask_dtype, check_mask_shape, pair_geometry
+from ..hdf5 import (ExternalDataError, check_local_storage, local_datasets, local_object,
+                    missing_storage)
+from .outputs import OUTPUT_FORMAT, attr_str
+
+INPUT_SUFFIXES = {".npy": "npy", ".npz": "npz", ".h5": "hdf5", ".hdf5": "hdf5"}
+
+# Reads, writes and finiteness checks go in slabs of about this many bytes: bounds the
+# temporary arrays, and lets h5py's global lock go between slabs, so the reader thread and
+# the writer thread take turns instead of one waiting for a whole file.
+_SLAB_BYTES = 64 << 20
+GIB = float(1 << 30)
+
+
+class InputError(Exception):
+    """An input file that cannot be used; the message says why (without the path)."""
+
+
+@dataclasses.dataclass
+class LoadedInput:
+    """One input, read and checked. `pair` is float32 and C-contiguous (possibly in pinned
+    host memory); `mask` is bool or None; B, N as in `pair_geometry`."""
+
+    pair: np.ndarray
+    mask: np.ndarray | None
+    B: int
+    N: int
+    batched: bool
+    source_dtype: str
+    read_seconds: float = 0.0
+
+    @property
+    def positions(self) -> int:
+        """Pair positions B*N*N: the unit of throughput."""
+        return self.B * self.N * self.N
+
+
+# --- finding inputs -----------------------------------------------------------------------
+
+def input_kind(path) -> str | None:
+    """'npy', 'npz', 'hdf5', or None for a file name with another suffix."""
+    return INPUT_SUFFIXES.get(os.path.splitext(os.fspath(path))[1].lower())
+
+
+def special_file_kind(path) -> str | None:
+    """None for a regular file (or a link to one); else what it is ("a FIFO", "a
+    socket", "a device", "a broken link", "missing"). Looks at the inode only: opening a
+    FIFO would block until a writer comes."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return "a broken link" if os.path.islink(path) else "missing"
+    if stat.S_ISREG(mode):
+        return None
+    if stat.S_ISFIFO(mode):
+        return "a FIFO"
+    if stat.S_ISSOCK(mode):
+        return "a socket"
+    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
+        return "a device"
+    if stat.S_ISDIR(mode):
+        return "a folder"
+    return "not a regular file"
+
+
+def walk_inputs(folder: str, recursive: bool, exclude: str | None = None,
+                ignore=None):
+    """(input files, skipped) under `folder`, sorted; only one level unless `recursive`.
+
+    Input files are regular files with an input suffix; `skipped` lists (path, reason)
+    for every other visible file: another suffix, or a special file (FIFO, socket,
+    device), which is never opened. Hidden files (temporary outputs, claims) are passed
+    over silently, as are paths for which `ignore(path)` is true (the npy outputs'
+    provenance records). `exclude`: a folder whose subtree is skipped (the output folder,
+    when it lies inside an input folder, so outputs of an earlier run are not read).
+    """
+    found, skipped = [], []
+    exclude = os.path.realpath(exclude) if exclude else None
+    for root, dirs, files in os.walk(folder):
+        if recursive:
+            dirs[:] = sorted(d for d in dirs
+                             if os.path.realpath(os.path.join(root, d)) != exclude)
+        else:
+            dirs[:] = []
+        for name in sorted(files):
+            if name.startswith("."):  # ".x.h5.<id>.tmp", claims, editors' files
+                continue
+            path = os.path.join(root, name)
+            if ignore is not None and ignore(path):
+                continue
+            special = special_file_kind(path)
+            if special is not None:
+                skipped.append((path, f"{special}, not a regular file; not opened"))
+            elif input_kind(name) is None:
+                skipped.append((path, "not an input type (.npy, .npz, .h5, .hdf5)"))
+            else:
+                found.append(path)
+    return found, skipped
+
+
+# --- reading ------------------------------------------------------------------------------
+
+def read_input(path: str, kind: str, *, pair_dim: int, pair_key: str = "pair",
+               mask_key: str = "mask", mask_required: bool = False,
+               alloc=None) -> LoadedInput:
+    """Read one input file, check it against `pair_dim`, convert the pair to float32 once.
+
+    Every shape and dtype is checked from the file's header or metadata before its data
+    are read, and `alloc(shape)` (the float32 destination; pinned host memory for the
+    GPU path) is called only then. `mask_required`: a file without `mask_key` is an
+    error rather than unmasked. Raises `InputError`.
+    """
+    alloc = alloc or (lambda shape: np.empty(shape, np.float32))
+    readers = {"npy": _read_npy, "npz": _read_npz, "hdf5": _read_hdf5}
+    if kind not in readers:
+        raise InputError(f"unsupported file type (expected one of "
+                         f"{', '.join(INPUT_SUFFIXES)})")
+    special = special_file_kind(path)
+    if special is not None:
+        raise InputError(f"{special}, not a regular file; not opened")
+    keys = _Keys(pair_dim, pair_key, mask_key, mask_required)
+    try:
+        pair, source_dtype, mask = readers[kind](path, keys, alloc)
+    except (InputError, MemoryError):
+        raise
+    except ExternalDataError as exc:
+        raise InputError(str(exc)) from None
+    except Exception as exc:  # zipfile, h5py, numpy header errors, OSError, ...
+        raise InputError(f"cannot read the {kind} file (corrupt or truncated?): "
+                         f"{type(exc).__name__}: {exc}") from exc
+    B, N, batched = pair_geometry(pair.shape, pair_dim)
+    _check_finite(pair, "pair")
+    if mask is not None:
+        mask = _checked_mask(mask, B, N, batched)
+    return LoadedInput(pair, mask, B, N, batched, source_dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Keys:
+    pair_dim: int
+    pair_key: str
+    mask_key: str
+    mask_required: bool
+
+
+def _check_header(shape, dtype, pair_dim: int, what: str = "pair"):
+    """(B, N, batched) of a pair header, after its dtype, shape and size are checked."""
+    dtype = np.dtype(dtype)
+    if dtype.kind != "f" or dtype.itemsize not in (4, 8):  # either byte order
+        raise InputError(f"{what} has dtype {dtype}; expected float32 or float64")
+    try:
+        geometry = pair_geometry(shape, pair_dim, arg=what)
+    except ValueError as exc:
+        raise InputError(str(exc)) from None
+    need = _count(shape) * 4
+    memory = _host_memory_bytes()
+    if memory and need > memory:
+        raise InputError(f"{what} {tuple(shape)} takes {need / GIB:.1f} GiB as float32, more "
+                         f"than this machine's {memory / GIB:.1f} GiB of memory")
+    return geometry
+
+
+def _check_mask_header(shape, dtype, geometry):
+    B, N, batched = geometry
+    try:
+        check_mask_dtype(np.dtype(dtype))
+        check_mask_shape(shape, B, N, batched)
+    except (TypeError, ValueError) as exc:
+        raise InputError(str(exc)) from None
+
+
+def _count(shape) -> int:
+    return math.prod(int(n) for n in shape)
+
+
+def _host_memory_bytes() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        return 0
+
+
+def _convert_into(dest: np.ndarray, src: np.ndarray):
+    """dest[...] = src in slabs along the first axis (float64 -> float32 conversion here:
+    the one conversion an input goes through)."""
+    step = _slab_rows(src)
+    with np.errstate(over="ignore"):  # float64 beyond float32's range -> inf, reported
+        for i in range(0, src.shape[0], step):
+            np.copyto(dest[i:i + step], src[i:i + step], casting="unsafe")
+
+
+def _slab_rows(arr) -> int:
+    row_bytes = max(1, _count(arr.shape[1:]) * 8)
+    return max(1, _SLAB_BYTES // row_bytes)
+
+
+def _npy_header(f):
+    """(shape, fortran_order, dtype, header bytes) of the .npy stream `f`, through NumPy's
+    public header readers. Format 3.0 differs from 2.0 only in allowing UTF-8 field names;
+    its header is read as 2.0's (field names would read as Latin-1, and no dtype with
+    fields is accepted anyway)."""
+    fmt = np.lib.format
+    version = fmt.read_magic(f)
+    if version == (1, 0):
+        shape, fortran, dtype = fmt.read_array_header_1_0(f)
+    elif version in ((2, 0), (3, 0)):
+        shape, fortran, dtype = fmt.read_array_header_2_0(f)
+    else:
+        raise InputError(f"unsupported .npy format version {version[0]}.{version[1]}")
+    return shape, fortran, dtype, f.tell()
+
+
+def _open_regular(path):
+    """`path` opened for reading, refusing anything but a regular file without blocking
+    (a FIFO swapped in after planning would otherwise block the reader)."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise InputError("not a regular file; not read")
+        if hasattr(os, "set_blocking"):
+            os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _read_npy(path, keys: _Keys, alloc):
+    if keys.mask_required:
+        raise InputError(f"a .npy file holds the pair alone, without the mask "
+                         f"{keys.mask_key!r} that --mask-key names")
+    with _open_regular(path) as f:
+        shape, fortran, dtype, offset = _npy_header(f)
+        size = os.fstat(f.fileno()).st_size
+        _check_header(shape, dtype, keys.pair_dim)
+        need = _count(shape) * dtype.itemsize
+        if size - offset < need:
+            raise InputError(f"file is truncated: its header announces {need} bytes of "
+                             f"{dtype} {tuple(shape)} data, the file holds {size - offset}")
+        # The file is mapped, not read: the one copy is the conversion into `dest`.
+        src = np.memmap(f, dtype=dtype, mode="r", offset=offset, shape=tuple(shape),
+                        order="F" if fortran else "C")
+        dest = alloc(tuple(shape))
+        _convert_into(dest, src)
+        del src
+    return dest, str(dtype), None
+
+
+def _read_npz(path, keys: _Keys, alloc):
+    with _open_regular(path) as f:
+        if not zipfile.is_zipfile(f):
+            raise InputError("not a .npz file (no zip archive found; truncated or corrupt?)")
+        with zipfile.ZipFile(f) as z:
+            members = {name[:-4]: name for name in z.namelist() if name.endswith(".npy")}
+            if keys.pair_key not in members:
+                raise InputError(f"no array {keys.pair_key!r} in the archive (it holds "
+                                 f"{', '.join(map(repr, members)) or 'nothing'}); "
+                                 f"choose one with --pair-key")
+            pair_info = z.getinfo(members[keys.pair_key])
+            mask_info = z.getinfo(members[keys.mask_key]) if keys.mask_key in members else None
+            if mask_info is None and keys.mask_required:
+                raise InputError(f"no mask {keys.mask_key!r} (--mask-key) in the archive (it "
+                                 f"holds {', '.join(map(repr, members))})")
+            # Both headers first: nothing is decompressed before the shapes agree.
+            shape, fortran, dtype = _npz_member_header(z, pair_info, "pair")
+            geometry = _check_header(shape, dtype, keys.pair_dim)
+            if mask_info is not None:
+                mshape, _, mdtype = _npz_member_header(z, mask_info, "mask")
+                _check_mask_header(mshape, mdtype, geometry)
+            dest = alloc(tuple(shape))
+            with z.open(pair_info) as member:
+                _npy_header(member)
+                _stream_into(dest, member, dtype, fortran)
+            mask = None
+            if mask_info is not None:
+                with z.open(mask_info) as member:
+                    mask = np.lib.format.read_array(member, allow_pickle=False)
+    return dest, str(dtype), mask
+
+
+def _npz_member_header(z, info, what):
+    """(shape, fortran_order, dtype) of one array of an .npz archive, read from its
+    header alone; its size must be the one the archive's directory records."""
+    with z.open(info) as member:
+        shape, fortran, dtype, header = _npy_header(member)
+    if dtype.hasobject:
+        raise InputError(f"{what} has dtype {dtype}; object arrays are not read")
+    need = header + _count(shape) * dtype.itemsize
+    if info.file_size != need:
+        raise InputError(f"{what}: its header announces {dtype} {tuple(shape)} "
+                         f"({need} bytes with the header) but the archive holds "
+                         f"{info.file_size} bytes for it (corrupt?)")
+    return shape, fortran, dtype
+
+
+def _stream_into(dest: np.ndarray, stream, dtype: np.dtype, fortran: bool):
+    """Fill `dest` from the raw array bytes of `stream` in slabs (a slab of the first axis,
+    or of the last for Fortran order, whose bytes are those of the transpose)."""
+    shape = dest.shape
+    view = dest.T if fortran else dest  # C-order view of the bytes in the file
+    rows = view.shape[0]
+    row_items = _count(view.shape[1:])
+    step = max(1, _SLAB_BYTES // max(1, row_items * dtype.itemsize))
+    with np.errstate(over="ignore"):
+        for i in range(0, rows, step):
+            n = min(step, rows - i)
+            want = n * row_items * dtype.itemsize
+            data = stream.read(want)
+            if len(data) != want:
+                raise InputError(f"the archive's data for {dtype} {tuple(shape)} end early")
+            chunk = np.frombuffer(data, dtype).reshape((n,) + view.shape[1:])
+            np.copyto(view[i:i + n], chunk, casting="unsafe")
+
+
+def _read_hdf5(path, keys: _Keys, alloc):
+    import h5py
+
+    if not h5py.is_hdf5(path):  # (read_input has checked that it is a regular file)
+        raise InputError("not an HDF5 file (no HDF5 signature found)")
+    with h5py.File(path, "r") as f:
+        if attr_str(f.attrs.get("format")) == OUTPUT_FORMAT:
+            raise InputError("this is an output of triattn-infer, not an input")
+        ds = local_object(f, keys.pair_key)
+        if not isinstance(ds, h5py.Dataset):
+            names = local_datasets(f, [])
+            raise InputError(f"no dataset {keys.pair_key!r} in the file (it holds "
+                             f"{', '.join(map(repr, names)) or 'no datasets'}); "
+                             f"choose one with --pair-key")
+        mds = local_object(f, keys.mask_key)
+        if mds is not None and not isinstance(mds, h5py.Dataset):
+            raise InputError(f"{keys.mask_key!r} is a group, expected the mask dataset")
+        if mds is None and keys.mask_required:
+            raise InputError(f"no mask {keys.mask_key!r} (--mask-key) in the file")
+        # Metadata first: shapes, dtypes, where the data live, how much the file stores.
+        if ds.shape is None:
+            raise InputError(f"{keys.pair_key!r} has an empty dataspace, no array")
+        geometry = _check_header(ds.shape, ds.dtype, keys.pair_dim)
+        for dset, name in ((ds, keys.pair_key), (mds, keys.mask_key)):
+            if dset is not None:
+                check_local_storage(dset, name)
+                short = missing_storage(dset, name)
+                if short:
+                    raise InputError(short)
+        if mds is not None:
+            if mds.shape is None:
+                raise InputError(f"mask {keys.mask_key!r} has an empty dataspace, no array")
+            _check_mask_header(mds.shape, mds.dtype, geometry)
+        dest = alloc(ds.shape)
+        step = _slab_rows(ds)
+        for i in range(0, ds.shape[0], step):  # HDF5 converts float64 -> float32 here
+            sel = np.s_[i:i + step]
+            ds.read_direct(dest, source_sel=sel, dest_sel=sel)
+        mask = mds[()] if mds is not None else None
+        return dest, str(ds.dtype), mask
+
+
+def _checked_mask(mask, B, N, batched) -> np.ndarray:
+    mask = np.asarray(mask)
+    try:
+        check_mask_dtype(mask.dtype)
+        check_mask_shape(mask.shape, B, N, batched)
+    except (TypeError, ValueError) as exc:
+        raise InputError(str(exc)) from None
+    if mask.dtype.kind == "f":
+        _check_finite(mask, "mask")
+    return mask != 0  # the semantics of every backend: 0 = masked
+
+
+def _check_finite(arr: np.ndarray, what: str):
+    """InputError naming the count and the first index of NaN/Inf values in `arr`."""
+    flat = arr.reshape(-1)
+    step = max(1, _SLAB_BYTES // arr.itemsize)
+    first, count = None, 0
+    for i in range(0, flat.size, step):
+        bad = ~np.isfinite(flat[i:i + step])
+        n = int(np.count_nonzero(bad))
+        if n:
+            count += n
+            if first is None:
+                first = i + int(np.argmax(bad))
+    if count:
+        index = tuple(int(j) for j in np.unravel_index(first, arr.shape))
+        raise InputError(f"{what} contains {count} non-finite value"
+                         f"{'s' if count > 1 else ''} (NaN or Inf), the first at index "
+                         f"{index} (after conversion to float32)")
