@@ -163,7 +163,7 @@ def test_usage_errors(ckpt, argv, message, capsys):
 
 def test_checkpoint_to_triattn_infer_on_the_cpu(tmp_path, ckpt, model, rng):
     """The worked example: --list, --prefix, then triattn-infer with no convention flag."""
-    from triattn_cupy.infer import main as infer_main
+    from triattn_cupy.cli.main import main as infer_main
 
     weights_path = tmp_path / "tri_att_end.h5"
     assert main([str(ckpt), str(weights_path), "--prefix",
