@@ -1,0 +1,546 @@
+"""Triangle attention on a Dask cluster: the batch job over files, and Dask arrays.
+
+    infer_files(client, inputs, output_dir, weights, ...)   the `triattn-infer` batch on
+                                                            the workers of `client`
+    triangle_attention(pair, mask, weights, ...)            over a Dask array chunked along B
+
+Needs ``dask[distributed]`` (the extra ``triattn-cupy[distributed]``); one worker per GPU
+comes from dask-cuda (``dask cuda worker``, ``LocalCUDACluster``). Importing
+`triattn_cupy` never imports this module, nor Dask.
+
+The batch: the client plans the run as a local run does (the same inputs found, the same
+outputs skipped or refused), then submits one task per file, largest first. A task reads,
+computes and writes its file on a worker through the same functions as the local pipeline
+(`triattn_cupy.cli.filejob`), so the outputs of a cluster run and of a local run are the
+same and either resumes the other. Workers must see the inputs and the output folder at
+the same paths as the client (a shared filesystem) and run the same version of the package.
+
+The weights travel once, as the result of one task that every file's task depends on
+(a worker fetches it once; if every copy is lost with its workers it is computed again).
+Each worker builds its backend (weights on its GPU, kernels compiled) on its first file and
+keeps it for every later file with the same weights, keyed by the weights' SHA-256. A
+worker claims each output before computing it, as a local run does (`cli/claims.py`), so a
+cluster run and local runs over the same folders split the files.
+
+A worker that dies mid-file loses nothing: the scheduler gives its files to another worker,
+which takes over the dead worker's claim (each attempt records its host and process on
+the scheduler under this run before claiming, so the claim is known to be this run's own;
+another host's claim would otherwise only expire after the claim timeout). An output is only ever renamed into place when
+complete, and the client removes the temporary files of writers that died: each is
+recorded on the scheduler before it is created.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import os
+import signal
+import threading
+import time
+import uuid
+
+import numpy as np
+
+from ._version import __version__
+from .cli import pipeline
+from .cli.backends import CpuBackend, GpuBackend, SetupError, gpu_probe, precision_support
+from .cli.claims import DEFAULT_TIMEOUT, Claims, claim_path
+from .cli.claims import _read_record as read_claim
+from .cli.filejob import FileFailed, compute_file, job_settings, read_file, write_file
+from .cli.outputs import remove_quietly
+from .cli.plan import Outcome, plan
+from .cli.report import Progress, report
+
+try:
+    import dask
+    import dask.array as _da
+    import distributed as _distributed
+except ImportError as _exc:  # the optional extra is missing: say so when used
+    dask = _da = _distributed = None
+    _IMPORT_ERROR = _exc
+else:
+    _IMPORT_ERROR = None
+
+logger = logging.getLogger("triattn_cupy.cli")
+
+__all__ = ["infer_files", "triangle_attention", "run_batch", "check_worker_versions",
+           "resolve_cluster_device"]
+
+# Scheduler metadata of a run: [_RUN_KEY, run key, "temps", temporary output] = alive,
+# [_RUN_KEY, run key, "claims", output] = the token of the claim this run's task took.
+_RUN_KEY = "triattn-cupy-run"
+
+
+def _require_dask():
+    if _IMPORT_ERROR is not None:
+        raise ImportError(f"triattn_cupy.distributed needs Dask: pip install "
+                          f"'triattn-cupy[distributed]' ({_IMPORT_ERROR})") from _IMPORT_ERROR
+
+
+# --- the batch job on a cluster ---------------------------------------------------------------
+
+def infer_files(client, inputs, output_dir, weights, *, recursive: bool = False,
+                pair_key: str = "pair", mask_key: str | None = None,
+                fully_masked: str = "zero", precision: str | None = None,
+                output_format: str = "hdf5", overwrite: bool = False,
+                device: str = "auto", claim_timeout: float = DEFAULT_TIMEOUT,
+                progress: bool = False):
+    """Run the `triattn-infer` batch on the workers of `client` (a `distributed.Client`).
+
+    inputs:      paths of input files and/or folders (.npy, .npz, .h5, .hdf5), as for
+                 `triattn-infer INPUT...`; workers must see them at the same paths.
+    output_dir:  the output folder (created if needed), on a filesystem the workers share.
+    weights:     path of the HDF5 weights file.
+    device:      "auto" (GPU when every worker has one, CPU when none has), "gpu" or "cpu".
+    progress:    show the progress bar and log the summary, as `triattn-infer` does.
+    The other options mean what the flags of the same names mean. Returns the run's
+    `RunResult` (``exit_code``, ``outcomes``: one per file, ``seconds``, ``devices``).
+    Raises `SetupError` when the run cannot start.
+    """
+    _require_dask()
+    if not isinstance(weights, (str, os.PathLike)):
+        raise TypeError(f"weights must be the path of an HDF5 weights file; got "
+                        f"{type(weights).__name__}")
+    if isinstance(inputs, (str, os.PathLike)):
+        inputs = [inputs]
+    args = argparse.Namespace(
+        inputs=[os.fspath(p) for p in inputs], output_dir=os.fspath(output_dir),
+        weights=os.fspath(weights), recursive=recursive, pair_key=pair_key,
+        mask_key=mask_key, fully_masked=fully_masked, precision=precision,
+        output_format=output_format, overwrite=overwrite, device=device, devices=None,
+        claim_timeout=claim_timeout, quiet=not progress)
+    return run_batch(client, args, summary=progress)
+
+
+def run_batch(client, args, *, summary: bool = True):
+    """Plan, compute on the cluster and report one run described by parsed `args` (the
+    options of `triattn-infer`). Raises SetupError when the run cannot start."""
+    _require_dask()
+    check_worker_versions(client)
+    kind = resolve_cluster_device(client, args)
+    precision = getattr(args, "precision", None)
+    with contextlib.ExitStack() as stack:
+        weights, weights_path, weights_sha = pipeline.load_weights(args.weights, stack)
+    output_dir = os.path.abspath(args.output_dir)
+    if os.path.exists(output_dir) and not os.path.isdir(output_dir):
+        raise SetupError(f"--output-dir {output_dir} exists and is not a folder")
+    claim_timeout = getattr(args, "claim_timeout", None) or DEFAULT_TIMEOUT
+    tasks, outcomes = plan(args, output_dir, weights_sha, claim_timeout)
+    if not tasks:
+        if all(o.not_input for o in outcomes):
+            logger.error("no input files found in %s", ", ".join(args.inputs))
+            result = pipeline.RunResult(pipeline.EXIT_FAILED, outcomes)
+        else:
+            result = pipeline.RunResult(pipeline._exit_code(outcomes, False), outcomes)
+        if summary and outcomes:
+            report(result, output_dir, args.output_format)
+        return result
+
+    settings = job_settings(args, weights.pair_dim, weights_path, weights_sha)
+    backend_spec = (weights_sha, kind, args.fully_masked, precision)
+    run_key = uuid.uuid4().hex
+    tasks.sort(key=_input_bytes, reverse=True)  # largest first: no long file last
+    progress = Progress(len(tasks), quiet=args.quiet)
+    start = time.perf_counter()
+    interrupted = False
+    futures, finished = [], 0
+    try:
+        with _sigterm_interrupts():
+            # The weights as a task's result, not scattered data: a result lost with its
+            # worker is computed again, scattered data would be gone for good.
+            weights_on_workers = client.submit(
+                _weights_as_result, weights, key=f"triattn-weights-{run_key}",
+                priority=len(tasks) + 1, pure=False)
+            for rank, task in enumerate(tasks):
+                futures.append(client.submit(
+                    _file_task, task, weights_on_workers, backend_spec, settings, run_key,
+                    claim_timeout, key=f"triattn-file-{rank}-{run_key}",
+                    priority=len(tasks) - rank, pure=False))
+            by_key = {f.key: t for f, t in zip(futures, tasks)}
+            for future in _distributed.as_completed(futures):
+                outcome = _outcome_of(future, by_key[future.key])
+                outcomes.append(outcome)
+                finished += 1
+                progress.add(outcome)
+    except KeyboardInterrupt:
+        interrupted = True
+        logger.error("interrupted: files in hand on the workers are finished, no other "
+                     "is started")
+        client.cancel(futures)
+    finally:
+        progress.close()
+    seconds = time.perf_counter() - start
+    if not interrupted:
+        _remove_dead_temps(client, run_key)
+    _forget_run(client, run_key)
+    done_on = [o.device for o in outcomes if o.status == "done" and o.device]
+    result = pipeline.RunResult(pipeline._exit_code(outcomes, interrupted), outcomes,
+                                seconds, tuple(sorted(set(done_on))), interrupted)
+    if interrupted:
+        result.not_processed = len(tasks) - finished
+    if summary:
+        report(result, output_dir, args.output_format)
+    return result
+
+
+@contextlib.contextmanager
+def _sigterm_interrupts():
+    """SIGTERM ends the run as Ctrl-C does (as in a local run): the files the workers have
+    in hand are finished, nothing else starts. Only the main thread owns signals."""
+    if (threading.current_thread() is not threading.main_thread()
+            or signal.getsignal(signal.SIGTERM) is signal.SIG_IGN):
+        yield
+        return
+
+    def on_sigterm(signum, frame):
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, on_sigterm)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _weights_as_result(weights):
+    return weights
+
+
+def _input_bytes(task) -> int:
+    try:
+        return os.stat(task.input).st_size
+    except OSError:
+        return 0
+
+
+def _outcome_of(future, task):
+    if future.status == "finished":
+        return future.result()
+    try:
+        exc = future.exception() if future.status == "error" else None
+    except Exception as err:
+        exc = err
+    why = f"{type(exc).__name__}: {exc}" if exc is not None else f"task {future.status}"
+    reason = f"the cluster could not compute it ({why})"
+    logger.error("%s: %s", task.input, reason)
+    return Outcome(task.input, "failed", reason)
+
+
+def check_worker_versions(client) -> None:
+    """SetupError unless every worker runs this client's version of triattn-cupy (the
+    outputs, and what they record, are those of one version)."""
+    versions = client.run(_package_version)
+    if not versions:
+        raise SetupError("the Dask cluster has no workers")
+    other = {w: v for w, v in sorted(versions.items()) if v != __version__}
+    if other:
+        shown = ", ".join(f"{w}: {v}" for w, v in list(other.items())[:3])
+        raise SetupError(f"{len(other)} of {len(versions)} workers run another version of "
+                         f"triattn-cupy than this client ({__version__}): {shown}; install "
+                         f"the same version everywhere")
+
+
+def _package_version() -> str:
+    from ._version import __version__ as version
+
+    return version
+
+
+def resolve_cluster_device(client, args) -> str:
+    """"cpu" or "gpu" for the workers of `client`, from --device (auto: GPU when every
+    worker has one, CPU when none has; a mix is an error, as its files would differ)."""
+    _require_dask()
+    if getattr(args, "devices", None) is not None:
+        raise SetupError("--devices selects GPUs of this host; on a cluster each worker "
+                         "uses its own GPU (start one per GPU with `dask cuda worker`)")
+    precision = getattr(args, "precision", None)
+    if args.device == "cpu":
+        kind = "cpu"
+    else:
+        probes = client.run(gpu_probe)
+        if not probes:
+            raise SetupError("the Dask cluster has no workers")
+        without = {w: why for w, (count, why) in probes.items() if count == 0}
+        if without:
+            worker, why = sorted(without.items())[0]
+            example = f"worker {worker}: {why}"
+        if not without:
+            kind = "gpu"
+        elif args.device == "gpu":
+            raise SetupError(
+                f"--device gpu needs a CUDA GPU on every worker, but {len(without)} of "
+                f"{len(probes)} have none ({example}); use GPU workers only, or --device cpu")
+        elif len(without) < len(probes):
+            raise SetupError(
+                f"{len(probes) - len(without)} of {len(probes)} workers have a CUDA GPU and "
+                f"{len(without)} have none ({example}); their outputs would differ: choose "
+                f"--device gpu with GPU workers only, or --device cpu")
+        else:
+            logger.warning("no worker has a usable CUDA GPU: running on their CPUs with "
+                           "the NumPy backend, which is much slower (--device cpu "
+                           "silences this)")
+            kind = "cpu"
+    if kind == "cpu" and precision not in (None, "fp32"):
+        raise SetupError(f"--precision {precision} needs the GPU backend; the CPU backend "
+                         f"computes in float32 (fp32)")
+    return kind
+
+
+# --- on the workers ---------------------------------------------------------------------------
+
+_backends = {}  # (weights sha, kind, fully_masked, precision) -> _WorkerBackend
+_backends_lock = threading.Lock()
+_BACKENDS_KEPT = 4  # a long-lived worker serving runs with other weights drops the oldest
+
+
+class _WorkerBackend:
+    """A backend kept by a worker process for every file with the same weights. A GPU
+    computes one file at a time (the worker's other threads read and write meanwhile)."""
+
+    def __init__(self, backend):
+        self.backend = backend
+        self.label = backend.label
+        self.alloc = backend.alloc
+        self._lock = threading.Lock() if backend.kind == "gpu" else contextlib.nullcontext()
+
+    def compute(self, loaded):
+        with self._lock:
+            self.backend.thread_init()
+            return self.backend.compute(loaded)
+
+
+def _worker_backend(weights, spec) -> _WorkerBackend:
+    with _backends_lock:
+        backend = _backends.get(spec)
+        if backend is None:
+            _, kind, fully_masked, precision = spec
+            if kind == "cpu":
+                made = CpuBackend(weights, fully_masked)
+            else:
+                # One GPU per worker: the first visible one (dask-cuda sets
+                # CUDA_VISIBLE_DEVICES so that it is the worker's own).
+                _, where = precision_support()
+                made = GpuBackend(weights, 0, fully_masked, precision, where)
+                made.warm_up()
+            backend = _backends[spec] = _WorkerBackend(made)
+            while len(_backends) > _BACKENDS_KEPT:
+                del _backends[next(iter(_backends))]
+        return backend
+
+
+class _RecordedTemps:
+    """The `live_temps` of `write_output` on a worker: each temporary name is recorded on
+    the scheduler before the file is created and marked gone after, so the client can
+    remove the temporary file of a worker killed while writing it."""
+
+    def __init__(self, client, run_key: str):
+        self.client = client
+        self.run_key = run_key
+
+    def _mark(self, tmp: str, alive: bool):
+        self.client.set_metadata([_RUN_KEY, self.run_key, "temps", tmp], alive)
+
+    def add(self, tmp: str):
+        self._mark(tmp, True)
+
+    def discard(self, tmp: str):
+        self._mark(tmp, False)
+
+    def update(self, temps):
+        for tmp in temps:
+            self._mark(tmp, True)
+
+    def difference_update(self, temps):
+        for tmp in temps:
+            self._mark(tmp, False)
+
+
+def _remove_dead_temps(client, run_key: str) -> None:
+    """Remove the temporary outputs still recorded as live once every task of the run has
+    ended: their writers died mid-write."""
+    try:
+        temps = client.get_metadata([_RUN_KEY, run_key, "temps"], default={}) or {}
+    except Exception as exc:  # the scheduler went away: a later run cleans up
+        logger.warning("could not look up temporary outputs of lost workers: %s", exc)
+        return
+    for tmp, alive in temps.items():
+        if alive:
+            logger.debug("removing %s, left by a worker that died writing it", tmp)
+            remove_quietly(tmp)
+
+
+def _forget_run(client, run_key: str) -> None:
+    with contextlib.suppress(Exception):
+        client.set_metadata([_RUN_KEY, run_key], None)
+
+
+_claims = {}  # claim timeout -> the Claims of this worker process, refreshed while it lives
+
+
+def _worker_claims(timeout: float) -> Claims:
+    with _backends_lock:
+        claims = _claims.get(timeout)
+        if claims is None:
+            claims = _claims[timeout] = Claims(timeout).__enter__()
+        return claims
+
+
+def _claim(claims: Claims, client, run_key: str, task) -> str | None:
+    """Claim the task's output as the local pipeline does; None when claimed, else why the
+    file is skipped.
+
+    Each attempt records its worker (host, process) under this run before claiming. A
+    claim held by an earlier attempt of this run is taken over: the scheduler starts a task
+    again only once it has lost the worker of the earlier attempt, and a claim from another
+    host would otherwise hold the file until the claim timeout."""
+    recorded = [_RUN_KEY, run_key, "claims", task.output]
+    earlier = client.get_metadata(recorded, default=None) or {}
+    client.set_metadata(recorded + [f"{claims.host}:{claims.pid}"], True)
+    holder = claims.acquire(task.output)
+    if holder is not None and earlier:
+        path = claim_path(task.output)
+        record = read_claim(path)
+        # An unreadable claim is one whose writer stopped between creating and filling
+        # it: the earlier attempt, killed there (anyone else's fills it within
+        # microseconds; were it theirs, both would write the same file atomically).
+        if record is None or f"{record.get('host')}:{record.get('pid')}" in earlier:
+            logger.info("%s: taking over the claim of a lost worker of this run", path)
+            remove_quietly(path)
+            holder = claims.acquire(task.output)
+    if holder is not None:
+        return f"output {holder}"
+    if not earlier and _mtime_ns(task.output) != task.output_mtime:
+        claims.release(task.output)  # another run wrote it since this run planned
+        return "output written by another run meanwhile"
+    return None
+
+
+def _mtime_ns(path: str):
+    try:
+        return os.stat(path).st_mtime_ns
+    except OSError:
+        return None
+
+
+def _file_task(task, weights, spec, settings, run_key, claim_timeout):
+    """One file on a worker: claim, read, compute, write (the local pipeline's steps).
+    Returns its `Outcome`; the device names the worker."""
+    worker = _distributed.get_worker()
+    try:
+        backend = _worker_backend(weights, spec)
+    except SetupError as exc:
+        return _failed(task, str(exc), worker.address)
+    where = f"{worker.address} ({backend.label})"
+    client = _distributed.get_client()
+    claims = _worker_claims(claim_timeout)
+    skipped = _claim(claims, client, run_key, task)
+    if skipped is not None:
+        logger.info("%s: skipped: %s", task.input, skipped)
+        return Outcome(task.input, "skipped", skipped)
+    try:
+        loaded = read_file(task, settings, backend.alloc)
+        positions = loaded.positions
+        out, meta = compute_file(task, loaded, backend)
+        del loaded
+        write_file(task, out, meta, settings, _RecordedTemps(client, run_key))
+    except FileFailed as exc:
+        return _failed(task, str(exc), where)
+    except OSError as exc:
+        return _failed(task, f"cannot write the output {task.output}: "
+                             f"{type(exc).__name__}: {exc}", where)
+    finally:
+        claims.release(task.output)
+    return Outcome(task.input, "done", positions=positions, device=where)
+
+
+def _failed(task, reason, where):
+    logger.error("%s: %s", task.input, reason)
+    return Outcome(task.input, "failed", reason, device=where)
+
+
+# --- Dask arrays ------------------------------------------------------------------------------
+
+def triangle_attention(pair, mask, weights, *, fully_masked: str = "zero",
+                       precision: str = "fp32"):
+    """Triangle self-attention over a Dask array, one task per chunk along B.
+
+    pair:    Dask array (B, N, N, D) (or (N, N, D), one chunk), float32 or float64, with
+             CuPy-backed chunks (computed by the GPU kernels, float32 result) or NumPy-backed
+             chunks (the NumPy backend, in the pair's dtype). Chunks may split B only; the
+             other axes are joined into one chunk.
+    mask:    None, or (B, N, N) / (N, N), 0 = masked: a Dask array (rechunked to the pair's
+             chunks along B) or an array of the pair's kind.
+    weights: a `triattn_cupy.Weights` (one copy per worker, uploaded to each GPU once).
+    fully_masked, precision: as `triattn_cupy.triangle_attention` (precision: GPU only).
+    Returns a lazy Dask array shaped like `pair`.
+    """
+    _require_dask()
+    from ._checks import check_fully_masked, pair_geometry
+    from .weights import Weights
+
+    if not isinstance(pair, _da.Array):
+        raise TypeError(f"pair must be a dask.array.Array; got {type(pair).__name__} "
+                        f"(use triattn_cupy.triangle_attention for a CuPy array, "
+                        f"triattn_cupy.reference for NumPy)")
+    if not isinstance(weights, Weights):
+        raise TypeError(f"weights must be a triattn_cupy.Weights; got "
+                        f"{type(weights).__name__}")
+    check_fully_masked(fully_masked)
+    if np.dtype(pair.dtype) not in (np.float32, np.float64):
+        raise TypeError(f"pair must be float32 or float64; got dtype {pair.dtype}")
+    B, N, batched = pair_geometry(pair.shape, weights.pair_dim)
+    on_gpu = _is_cupy(pair._meta)
+    if not on_gpu and precision != "fp32":
+        raise ValueError(f"precision={precision!r} needs CuPy-backed chunks (the GPU); "
+                         f"NumPy-backed chunks are computed in the pair's dtype")
+    if not batched:
+        pair = pair[None]
+    pair = pair.rechunk({1: -1, 2: -1, 3: -1})
+    out_dtype = np.float32 if on_gpu else np.dtype(pair.dtype)
+    args = [pair]
+    if mask is not None:
+        if not batched and getattr(mask, "ndim", None) != 2:
+            raise ValueError(f"mask must be (N, N) = ({N}, {N}) for an unbatched pair; got "
+                             f"shape {tuple(mask.shape)}")
+        if batched and getattr(mask, "ndim", None) != 3:
+            raise ValueError(f"mask must be (B, N, N) = ({B}, {N}, {N}); got shape "
+                             f"{tuple(getattr(mask, 'shape', ()))}")
+        if not isinstance(mask, _da.Array):
+            mask = _da.from_array(mask, chunks=-1, asarray=False)
+        if not batched:
+            mask = mask[None]
+        if tuple(mask.shape) != (pair.shape[0], N, N):
+            raise ValueError(f"mask must be shaped like the pair without D, "
+                             f"({pair.shape[0]}, {N}, {N}); got {tuple(mask.shape)}")
+        # [B, N, N, 1]: map_blocks lines arguments up from the last axis
+        args.append(mask.rechunk((pair.chunks[0], -1, -1))[..., None])
+    weights_key = dask.delayed(weights, pure=True)  # one key in the graph, not one per chunk
+    out = _da.map_blocks(
+        _attend_block, *args, weights=weights_key, fully_masked=fully_masked,
+        precision=precision, dtype=out_dtype, meta=pair._meta.astype(out_dtype),
+        chunks=pair.chunks)
+    return out if batched else out[0]
+
+
+def _is_cupy(array) -> bool:
+    return type(array).__module__.split(".")[0] == "cupy"
+
+
+def _attend_block(pair, mask=None, *, weights, fully_masked, precision):
+    """One chunk (b, N, N, D) -> its output, on the chunk's device or the host."""
+    if mask is not None:
+        mask = mask[..., 0]
+    if pair.size == 0:
+        return pair.astype(np.float32 if _is_cupy(pair) else pair.dtype)
+    if _is_cupy(pair):
+        from .api import triangle_attention as gpu_attention
+
+        if pair.dtype != np.float32:
+            pair = pair.astype(np.float32)
+        return gpu_attention(pair, mask, weights, fully_masked=fully_masked,
+                             precision=precision)
+    from . import reference
+
+    return reference.triangle_attention(pair, mask, weights, fully_masked=fully_masked,
+                                        dtype=pair.dtype)
