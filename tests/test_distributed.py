@@ -30,7 +30,7 @@ from distributed import Client, LocalCluster, get_client  # noqa: E402
 from triattn_cupy import distributed as tdist, random_weights, reference  # noqa: E402
 from triattn_cupy.cli import cluster as cli_cluster  # noqa: E402
 from triattn_cupy.cli.backends import SetupError, gpu_probe  # noqa: E402
-from triattn_cupy.cli.claims import claim_path  # noqa: E402
+from triattn_cupy.cli.claims import Claims, claim_path  # noqa: E402
 from triattn_cupy.cli.filejob import job_settings  # noqa: E402
 from triattn_cupy.cli.plan import Task  # noqa: E402
 from triattn_cupy.hdf5 import save_weights  # noqa: E402
@@ -303,6 +303,27 @@ def test_claim_of_a_lost_worker_of_this_run_is_taken_over(
         assert outcome.status == "skipped"
         assert "being computed by another run (host elsewhere, process 4321" in outcome.reason
         assert claim_file.exists() and not (out / "a.h5").exists()
+
+
+def test_a_claim_that_cannot_be_made_fails_its_file(inputs, weights_file, tmp_path,
+                                                    monkeypatch):
+    real = Claims.acquire
+
+    def acquire(self, output):
+        if output.endswith("a.h5"):
+            raise PermissionError(13, "Permission denied", output)
+        return real(self, output)
+
+    monkeypatch.setattr(Claims, "acquire", acquire)
+    with LocalCluster(n_workers=1, threads_per_worker=1, processes=False,
+                      dashboard_address=":0") as lc, Client(lc) as client:
+        result = tdist.infer_files(client, [inputs / "a.npy", inputs / "c.npz"],
+                                   tmp_path / "out", weights_file, device="cpu")
+    assert result.exit_code == 1 and result.count("done") == 1
+    [failed] = [o for o in result.outcomes if o.status == "failed"]
+    assert failed.input.endswith("a.npy")
+    assert "cannot claim the output" in failed.reason and "Permission denied" in failed.reason
+    assert all_files(tmp_path / "out") == ["c.h5"]
 
 
 def test_infer_files_python_api(loopback, inputs, local_run, weights_file, tmp_path):

@@ -434,7 +434,11 @@ def _file_task(task, weights, spec, settings, run_key, claim_timeout):
     where = f"{worker.address} ({backend.label})"
     client = _distributed.get_client()
     claims = _worker_claims(claim_timeout)
-    skipped = _claim(claims, client, run_key, task)
+    try:
+        skipped = _claim(claims, client, run_key, task)
+    except OSError as exc:  # a folder that cannot be created or written
+        return _failed(task, f"cannot claim the output {task.output}: "
+                             f"{type(exc).__name__}: {exc}", where)
     if skipped is not None:
         logger.info("%s: skipped: %s", task.input, skipped)
         return Outcome(task.input, "skipped", skipped)
