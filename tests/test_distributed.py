@@ -12,6 +12,7 @@ import argparse
 import json
 import os
 import pathlib
+import re
 import signal
 import subprocess
 import sys
@@ -34,8 +35,9 @@ from triattn_cupy.cli.claims import Claims, claim_path  # noqa: E402
 from triattn_cupy.cli.filejob import job_settings  # noqa: E402
 from triattn_cupy.cli.plan import Task  # noqa: E402
 from triattn_cupy.hdf5 import save_weights  # noqa: E402
-from cli_support import (D, H, all_files, child_env, cli, make_pair,  # noqa: E402
-                         padding_mask, read_output, sha, write_h5)
+from cli_support import (D, H, all_files, assert_same, child_env, cli,  # noqa: E402
+                         expected_output, make_pair, padding_mask, read_output, sha,
+                         write_h5)
 
 # Provenance that differs between any two runs: when the file was made, how long it took.
 PER_RUN_ATTRS = {"created_utc", "compute_seconds"}
@@ -244,6 +246,48 @@ def _open_files_under(pid: int, folder: pathlib.Path) -> list:
         if target.startswith(prefix):
             found.append(target)
     return found
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_an_interrupted_cluster_run_resumes(signum, loopback, weights, weights_file,
+                                            tmp_path):
+    """Ctrl-C or SIGTERM: the files in hand on the workers are finished and reported, no
+    other is started, the client stops with 130 (nothing half-written), and the same
+    command completes the batch."""
+    rng = np.random.default_rng(8)
+    src, out = tmp_path / "in", tmp_path / "out"
+    src.mkdir()
+    pairs = {f"p{i:02d}": make_pair(rng, 2, 96, 96) for i in range(16)}
+    for name, pair in pairs.items():
+        np.save(src / f"{name}.npy", pair)
+    argv = [src, "-o", out, "--weights", weights_file, "--device", "cpu", "--scheduler",
+            loopback.scheduler_file]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "triattn_cupy", *map(str, argv)], env=child_env(),
+        stderr=subprocess.PIPE, text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while not (out.exists() and any(p.suffix == ".h5" for p in out.iterdir())):
+        assert proc.poll() is None, proc.communicate()[1]
+        assert time.monotonic() < deadline, "no output appeared"
+        time.sleep(0.01)
+    proc.send_signal(signum)
+    err = proc.communicate(timeout=60)[1]
+    assert proc.returncode == 130, err
+    assert re.search(r"interrupted: \d+ files? (was|were) not processed; run the same "
+                     r"command again to resume", err), err
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while any(p.name.startswith(".") for p in out.iterdir()):  # files in hand: claims, temps
+        assert time.monotonic() < deadline, sorted(p.name for p in out.iterdir())
+        time.sleep(0.05)
+    done = sorted(p.stem for p in out.iterdir())
+    assert 0 < len(done) < len(pairs), done
+    for name in done:
+        assert_same(read_output(out / f"{name}.h5")[0], expected_output(weights, pairs[name]))
+    assert cli(weights_file, out, src, "--scheduler", loopback.scheduler_file) == 0
+    assert all_files(out) == sorted(f"{name}.h5" for name in pairs)
+    for name, pair in pairs.items():
+        assert_same(read_output(out / f"{name}.h5")[0], expected_output(weights, pair))
 
 
 def test_temporary_outputs_of_dead_writers_are_removed(tmp_path):

@@ -144,7 +144,14 @@ def run_batch(client, args, *, summary: bool = True):
     progress = Progress(len(tasks), quiet=args.quiet)
     start = time.perf_counter()
     interrupted = False
-    futures, finished = [], 0
+    futures, handled = [], set()
+
+    def take(future):
+        handled.add(future.key)
+        outcome = _outcome_of(future, by_key[future.key])
+        outcomes.append(outcome)
+        progress.add(outcome)
+
     try:
         with _sigterm_interrupts():
             # The weights as a task's result, not scattered data: a result lost with its
@@ -159,15 +166,16 @@ def run_batch(client, args, *, summary: bool = True):
                     priority=len(tasks) - rank, pure=False))
             by_key = {f.key: t for f, t in zip(futures, tasks)}
             for future in _distributed.as_completed(futures):
-                outcome = _outcome_of(future, by_key[future.key])
-                outcomes.append(outcome)
-                finished += 1
-                progress.add(outcome)
+                take(future)
     except KeyboardInterrupt:
         interrupted = True
-        logger.error("interrupted: files in hand on the workers are finished, no other "
-                     "is started")
-        client.cancel(futures)
+        logger.error("interrupted: finishing the files in hand on the workers, then "
+                     "stopping (Ctrl-C or SIGTERM again to quit at once)")
+        try:
+            with _sigterm_interrupts():
+                _finish_in_hand(client, futures, handled, take)
+        except KeyboardInterrupt:
+            client.cancel(futures)
     finally:
         progress.close()
     seconds = time.perf_counter() - start
@@ -178,7 +186,7 @@ def run_batch(client, args, *, summary: bool = True):
     result = pipeline.RunResult(pipeline._exit_code(outcomes, interrupted), outcomes,
                                 seconds, tuple(sorted(set(done_on))), interrupted)
     if interrupted:
-        result.not_processed = len(tasks) - finished
+        result.not_processed = len(tasks) - len(handled)
     if summary:
         report(result, output_dir, args.output_format)
     return result
@@ -201,6 +209,18 @@ def _sigterm_interrupts():
         yield
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def _finish_in_hand(client, futures, handled, take) -> None:
+    """After a first interrupt: cancel the files no worker has started, wait for those
+    in hand (a worker's running and next file) and take their outcomes."""
+    in_hand = {key for keys in client.processing().values() for key in keys}
+    rest = [f for f in futures if f.key not in handled]
+    client.cancel([f for f in rest if not f.done() and f.key not in in_hand])
+    for future in _distributed.as_completed([f for f in rest
+                                             if f.done() or f.key in in_hand]):
+        if future.status != "cancelled":
+            take(future)
 
 
 def _weights_as_result(weights):
