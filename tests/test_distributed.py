@@ -375,6 +375,15 @@ def test_infer_files_python_api(loopback, inputs, local_run, weights_file, tmp_p
         result = tdist.infer_files(client, [inputs], tmp_path / "out", weights_file,
                                    recursive=True, device="cpu")
     assert result.exit_code == 0 and result.count("done") == 12
+    for name, value, message in (("fully_masked", "one", "fully_masked must be one of "
+                                  "'zero', 'nan'; got 'one'"),
+                                 ("output_format", "npz", "output_format must be one of"),
+                                 ("device", "tpu", "device must be one of"),
+                                 ("precision", "fp8", "precision must be one of")):
+        with pytest.raises(ValueError, match=message):
+            tdist.infer_files(None, inputs, tmp_path / "o2", weights_file, **{name: value})
+    with pytest.raises(TypeError, match="weights must be the path of an HDF5 weights file"):
+        tdist.infer_files(None, inputs, tmp_path / "o2", None)
     assert all(o.device.endswith("(CPU (NumPy backend, float32))") for o in result.outcomes)
     assert result.positions == sum(o.positions for o in result.outcomes)
     assert_same_outputs(tmp_path / "out", local_run)

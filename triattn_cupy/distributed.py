@@ -25,9 +25,12 @@ cluster run and local runs over the same folders split the files.
 A worker that dies mid-file loses nothing: the scheduler gives its files to another worker,
 which takes over the dead worker's claim (each attempt records its host and process on
 the scheduler under this run before claiming, so the claim is known to be this run's own;
-another host's claim would otherwise only expire after the claim timeout). An output is only ever renamed into place when
-complete, and the client removes the temporary files of writers that died: each is
-recorded on the scheduler before it is created.
+another host's claim would otherwise only expire after the claim timeout). An output is
+only ever renamed into place when complete, and the client removes the temporary files
+of writers that died: each is recorded on the scheduler before it is created.
+
+Interrupted (Ctrl-C, SIGTERM), the client cancels the files no worker has started, waits
+for those in hand and reports them, as a local run finishes its file in hand.
 """
 from __future__ import annotations
 
@@ -104,6 +107,11 @@ def infer_files(client, inputs, output_dir, weights, *, recursive: bool = False,
                         f"{type(weights).__name__}")
     if isinstance(inputs, (str, os.PathLike)):
         inputs = [inputs]
+    _check_choice("fully_masked", fully_masked, ("zero", "nan"))
+    _check_choice("output_format", output_format, ("hdf5", "npy"))
+    _check_choice("device", device, ("auto", "gpu", "cpu"))
+    if precision is not None:
+        _check_choice("precision", precision, precision_support()[0] or ("fp32",))
     args = argparse.Namespace(
         inputs=[os.fspath(p) for p in inputs], output_dir=os.fspath(output_dir),
         weights=os.fspath(weights), recursive=recursive, pair_key=pair_key,
@@ -111,6 +119,12 @@ def infer_files(client, inputs, output_dir, weights, *, recursive: bool = False,
         output_format=output_format, overwrite=overwrite, device=device, devices=None,
         claim_timeout=claim_timeout, quiet=not progress)
     return run_batch(client, args, summary=progress)
+
+
+def _check_choice(name, value, choices):
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(map(repr, choices))}; got "
+                         f"{value!r}")
 
 
 def run_batch(client, args, *, summary: bool = True):
@@ -144,7 +158,7 @@ def run_batch(client, args, *, summary: bool = True):
     progress = Progress(len(tasks), quiet=args.quiet)
     start = time.perf_counter()
     interrupted = False
-    futures, handled = [], set()
+    futures, handled, by_key = [], set(), {}
 
     def take(future):
         handled.add(future.key)
@@ -160,11 +174,12 @@ def run_batch(client, args, *, summary: bool = True):
                 _weights_as_result, weights, key=f"triattn-weights-{run_key}",
                 priority=len(tasks) + 1, pure=False)
             for rank, task in enumerate(tasks):
-                futures.append(client.submit(
+                future = client.submit(
                     _file_task, task, weights_on_workers, backend_spec, settings, run_key,
                     claim_timeout, key=f"triattn-file-{rank}-{run_key}",
-                    priority=len(tasks) - rank, pure=False))
-            by_key = {f.key: t for f, t in zip(futures, tasks)}
+                    priority=len(tasks) - rank, pure=False)
+                futures.append(future)
+                by_key[future.key] = task
             for future in _distributed.as_completed(futures):
                 take(future)
     except KeyboardInterrupt:
