@@ -29,7 +29,7 @@ import dask.array as da  # noqa: E402
 from distributed import Client, LocalCluster, get_client  # noqa: E402
 
 from triattn_cupy import distributed as tdist, random_weights, reference  # noqa: E402
-from triattn_cupy.cli import cluster as cli_cluster, pipeline  # noqa: E402
+from triattn_cupy.cli import cluster as cli_cluster, cluster_tasks, pipeline  # noqa: E402
 from triattn_cupy.cli.backends import SetupError, gpu_probe  # noqa: E402
 from triattn_cupy.cli.claims import Claims, claim_path  # noqa: E402
 from triattn_cupy.cli.filejob import job_settings  # noqa: E402
@@ -297,7 +297,7 @@ def test_temporary_outputs_of_dead_writers_are_removed(tmp_path):
     dead, finished = tmp_path / ".x.h5.dead.tmp", tmp_path / ".y.h5.done.tmp"
 
     def write_and_die(run_key):
-        record = tdist._RecordedTemps(get_client(), run_key)
+        record = cluster_tasks.RecordedTemps(get_client(), run_key)
         record.update([str(dead)])
         dead.write_bytes(b"half")  # no discard: the writer "died" here
         record.update([str(finished)])
@@ -308,10 +308,10 @@ def test_temporary_outputs_of_dead_writers_are_removed(tmp_path):
                       dashboard_address=":0") as lc, Client(lc) as client:
         assert client.submit(write_and_die, "run-1", pure=False).result()
         finished.write_bytes(b"someone else's file of that name")
-        tdist._remove_dead_temps(client, "run-1")
+        cluster_tasks.remove_dead_temps(client, "run-1")
         assert not dead.exists() and finished.exists()
-        tdist._forget_run(client, "run-1")
-        assert not client.get_metadata([tdist._RUN_KEY, "run-1"], default=None)
+        cluster_tasks.forget_run(client, "run-1")
+        assert not client.get_metadata([cluster_tasks.RUN_KEY, "run-1"], default=None)
 
 
 @pytest.mark.parametrize("claim", ["this run's", "this run's, empty", "another run's"])
@@ -336,9 +336,9 @@ def test_claim_of_a_lost_worker_of_this_run_is_taken_over(
     with LocalCluster(n_workers=1, threads_per_worker=1, processes=False,
                       dashboard_address=":0") as lc, Client(lc) as client:
         if earlier_attempt_recorded:
-            client.set_metadata([tdist._RUN_KEY, "run-2", "claims", task.output,
+            client.set_metadata([cluster_tasks.RUN_KEY, "run-2", "claims", task.output,
                                  "elsewhere:4321"], True)
-        outcome = client.submit(tdist._file_task, task, weights, spec, settings, "run-2",
+        outcome = client.submit(cluster_tasks.file_task, task, weights, spec, settings, "run-2",
                                 600.0, pure=False).result()
     if earlier_attempt_recorded:
         assert outcome.status == "done", outcome

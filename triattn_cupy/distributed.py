@@ -9,11 +9,12 @@ comes from dask-cuda (``dask cuda worker``, ``LocalCUDACluster``). Importing
 `triattn_cupy` never imports this module, nor Dask.
 
 The batch: the client plans the run as a local run does (the same inputs found, the same
-outputs skipped or refused), then submits one task per file, largest first. A task reads,
-computes and writes its file on a worker through the same functions as the local pipeline
-(`triattn_cupy.cli.filejob`), so the outputs of a cluster run and of a local run are the
-same and either resumes the other. Workers must see the inputs and the output folder at
-the same paths as the client (a shared filesystem) and run the same version of the package.
+outputs skipped or refused), then submits one task per file, largest first. A task
+(`cli/cluster_tasks.py`) reads, computes and writes its file on a worker through the same
+functions as the local pipeline (`cli/filejob.py`), so the outputs of a cluster run and of
+a local run are the same and either resumes the other. Workers must see the inputs and the
+output folder at the same paths as the client (a shared filesystem) and run the same
+version of the package.
 
 The weights travel once, as the result of one task that every file's task depends on
 (a worker fetches it once; if every copy is lost with its workers it is computed again).
@@ -47,11 +48,9 @@ import numpy as np
 
 from ._version import __version__
 from .cli import pipeline
-from .cli.backends import CpuBackend, GpuBackend, SetupError, gpu_probe, precision_support
-from .cli.claims import DEFAULT_TIMEOUT, Claims, claim_path
-from .cli.claims import _read_record as read_claim
-from .cli.filejob import FileFailed, compute_file, job_settings, read_file, write_file
-from .cli.outputs import remove_quietly
+from .cli.backends import SetupError, gpu_probe, precision_support
+from .cli.claims import DEFAULT_TIMEOUT
+from .cli.filejob import job_settings
 from .cli.plan import Outcome, plan
 from .cli.report import Progress, report
 
@@ -59,8 +58,10 @@ try:
     import dask
     import dask.array as _da
     import distributed as _distributed
+
+    from .cli import cluster_tasks
 except ImportError as _exc:  # the optional extra is missing: say so when used
-    dask = _da = _distributed = None
+    dask = _da = _distributed = cluster_tasks = None
     _IMPORT_ERROR = _exc
 else:
     _IMPORT_ERROR = None
@@ -69,10 +70,6 @@ logger = logging.getLogger("triattn_cupy.cli")
 
 __all__ = ["infer_files", "triangle_attention", "run_batch", "check_worker_versions",
            "resolve_cluster_device"]
-
-# Scheduler metadata of a run: [_RUN_KEY, run key, "temps", temporary output] = alive,
-# [_RUN_KEY, run key, "claims", output] = the token of the claim this run's task took.
-_RUN_KEY = "triattn-cupy-run"
 
 
 def _require_dask():
@@ -168,15 +165,13 @@ def run_batch(client, args, *, summary: bool = True):
 
     try:
         with _sigterm_interrupts():
-            # The weights as a task's result, not scattered data: a result lost with its
-            # worker is computed again, scattered data would be gone for good.
             weights_on_workers = client.submit(
-                _weights_as_result, weights, key=f"triattn-weights-{run_key}",
+                cluster_tasks.weights_as_result, weights, key=f"triattn-weights-{run_key}",
                 priority=len(tasks) + 1, pure=False)
             for rank, task in enumerate(tasks):
                 future = client.submit(
-                    _file_task, task, weights_on_workers, backend_spec, settings, run_key,
-                    claim_timeout, key=f"triattn-file-{rank}-{run_key}",
+                    cluster_tasks.file_task, task, weights_on_workers, backend_spec,
+                    settings, run_key, claim_timeout, key=f"triattn-file-{rank}-{run_key}",
                     priority=len(tasks) - rank, pure=False)
                 futures.append(future)
                 by_key[future.key] = task
@@ -195,8 +190,8 @@ def run_batch(client, args, *, summary: bool = True):
         progress.close()
     seconds = time.perf_counter() - start
     if not interrupted:
-        _remove_dead_temps(client, run_key)
-    _forget_run(client, run_key)
+        cluster_tasks.remove_dead_temps(client, run_key)
+    cluster_tasks.forget_run(client, run_key)
     done_on = [o.device for o in outcomes if o.status == "done" and o.device]
     result = pipeline.RunResult(pipeline._exit_code(outcomes, interrupted), outcomes,
                                 seconds, tuple(sorted(set(done_on))), interrupted)
@@ -236,10 +231,6 @@ def _finish_in_hand(client, futures, handled, take) -> None:
                                              if f.done() or f.key in in_hand]):
         if future.status != "cancelled":
             take(future)
-
-
-def _weights_as_result(weights):
-    return weights
 
 
 def _input_bytes(task) -> int:
@@ -320,182 +311,6 @@ def resolve_cluster_device(client, args) -> str:
         raise SetupError(f"--precision {precision} needs the GPU backend; the CPU backend "
                          f"computes in float32 (fp32)")
     return kind
-
-
-# --- on the workers ---------------------------------------------------------------------------
-
-_backends = {}  # (weights sha, kind, fully_masked, precision) -> _WorkerBackend
-_backends_lock = threading.Lock()
-_BACKENDS_KEPT = 4  # a long-lived worker serving runs with other weights drops the oldest
-
-
-class _WorkerBackend:
-    """A backend kept by a worker process for every file with the same weights. A GPU
-    computes one file at a time (the worker's other threads read and write meanwhile)."""
-
-    def __init__(self, backend):
-        self.backend = backend
-        self.label = backend.label
-        self.alloc = backend.alloc
-        self._lock = threading.Lock() if backend.kind == "gpu" else contextlib.nullcontext()
-
-    def compute(self, loaded):
-        with self._lock:
-            self.backend.thread_init()
-            return self.backend.compute(loaded)
-
-
-def _worker_backend(weights, spec) -> _WorkerBackend:
-    with _backends_lock:
-        backend = _backends.get(spec)
-        if backend is None:
-            _, kind, fully_masked, precision = spec
-            if kind == "cpu":
-                made = CpuBackend(weights, fully_masked)
-            else:
-                # One GPU per worker: the first visible one (dask-cuda sets
-                # CUDA_VISIBLE_DEVICES so that it is the worker's own).
-                _, where = precision_support()
-                made = GpuBackend(weights, 0, fully_masked, precision, where)
-                made.warm_up()
-            backend = _backends[spec] = _WorkerBackend(made)
-            while len(_backends) > _BACKENDS_KEPT:
-                del _backends[next(iter(_backends))]
-        return backend
-
-
-class _RecordedTemps:
-    """The `live_temps` of `write_output` on a worker: each temporary name is recorded on
-    the scheduler before the file is created and marked gone after, so the client can
-    remove the temporary file of a worker killed while writing it."""
-
-    def __init__(self, client, run_key: str):
-        self.client = client
-        self.run_key = run_key
-
-    def _mark(self, tmp: str, alive: bool):
-        self.client.set_metadata([_RUN_KEY, self.run_key, "temps", tmp], alive)
-
-    def add(self, tmp: str):
-        self._mark(tmp, True)
-
-    def discard(self, tmp: str):
-        self._mark(tmp, False)
-
-    def update(self, temps):
-        for tmp in temps:
-            self._mark(tmp, True)
-
-    def difference_update(self, temps):
-        for tmp in temps:
-            self._mark(tmp, False)
-
-
-def _remove_dead_temps(client, run_key: str) -> None:
-    """Remove the temporary outputs still recorded as live once every task of the run has
-    ended: their writers died mid-write."""
-    try:
-        temps = client.get_metadata([_RUN_KEY, run_key, "temps"], default={}) or {}
-    except Exception as exc:  # the scheduler went away: a later run cleans up
-        logger.warning("could not look up temporary outputs of lost workers: %s", exc)
-        return
-    for tmp, alive in temps.items():
-        if alive:
-            logger.debug("removing %s, left by a worker that died writing it", tmp)
-            remove_quietly(tmp)
-
-
-def _forget_run(client, run_key: str) -> None:
-    with contextlib.suppress(Exception):
-        client.set_metadata([_RUN_KEY, run_key], None)
-
-
-_claims = {}  # claim timeout -> the Claims of this worker process, refreshed while it lives
-
-
-def _worker_claims(timeout: float) -> Claims:
-    with _backends_lock:
-        claims = _claims.get(timeout)
-        if claims is None:
-            claims = _claims[timeout] = Claims(timeout).__enter__()
-        return claims
-
-
-def _claim(claims: Claims, client, run_key: str, task) -> str | None:
-    """Claim the task's output as the local pipeline does; None when claimed, else why the
-    file is skipped.
-
-    Each attempt records its worker (host, process) under this run before claiming. A
-    claim held by an earlier attempt of this run is taken over: the scheduler starts a task
-    again only once it has lost the worker of the earlier attempt, and a claim from another
-    host would otherwise hold the file until the claim timeout."""
-    recorded = [_RUN_KEY, run_key, "claims", task.output]
-    earlier = client.get_metadata(recorded, default=None) or {}
-    client.set_metadata(recorded + [f"{claims.host}:{claims.pid}"], True)
-    holder = claims.acquire(task.output)
-    if holder is not None and earlier:
-        path = claim_path(task.output)
-        record = read_claim(path)
-        # An unreadable claim is one whose writer stopped between creating and filling
-        # it: the earlier attempt, killed there (anyone else's fills it within
-        # microseconds; were it theirs, both would write the same file atomically).
-        if record is None or f"{record.get('host')}:{record.get('pid')}" in earlier:
-            logger.info("%s: taking over the claim of a lost worker of this run", path)
-            remove_quietly(path)
-            holder = claims.acquire(task.output)
-    if holder is not None:
-        return f"output {holder}"
-    if not earlier and _mtime_ns(task.output) != task.output_mtime:
-        claims.release(task.output)  # another run wrote it since this run planned
-        return "output written by another run meanwhile"
-    return None
-
-
-def _mtime_ns(path: str):
-    try:
-        return os.stat(path).st_mtime_ns
-    except OSError:
-        return None
-
-
-def _file_task(task, weights, spec, settings, run_key, claim_timeout):
-    """One file on a worker: claim, read, compute, write (the local pipeline's steps).
-    Returns its `Outcome`; the device names the worker."""
-    worker = _distributed.get_worker()
-    try:
-        backend = _worker_backend(weights, spec)
-    except SetupError as exc:
-        return _failed(task, str(exc), worker.address)
-    where = f"{worker.address} ({backend.label})"
-    client = _distributed.get_client()
-    claims = _worker_claims(claim_timeout)
-    try:
-        skipped = _claim(claims, client, run_key, task)
-    except OSError as exc:  # a folder that cannot be created or written
-        return _failed(task, f"cannot claim the output {task.output}: "
-                             f"{type(exc).__name__}: {exc}", where)
-    if skipped is not None:
-        logger.info("%s: skipped: %s", task.input, skipped)
-        return Outcome(task.input, "skipped", skipped)
-    try:
-        loaded = read_file(task, settings, backend.alloc)
-        positions = loaded.positions
-        out, meta = compute_file(task, loaded, backend)
-        del loaded
-        write_file(task, out, meta, settings, _RecordedTemps(client, run_key))
-    except FileFailed as exc:
-        return _failed(task, str(exc), where)
-    except OSError as exc:
-        return _failed(task, f"cannot write the output {task.output}: "
-                             f"{type(exc).__name__}: {exc}", where)
-    finally:
-        claims.release(task.output)
-    return Outcome(task.input, "done", positions=positions, device=where)
-
-
-def _failed(task, reason, where):
-    logger.error("%s: %s", task.input, reason)
-    return Outcome(task.input, "failed", reason, device=where)
 
 
 # --- Dask arrays ------------------------------------------------------------------------------
