@@ -176,7 +176,8 @@ def test_cluster_and_local_runs_resume_each_other(loopback, inputs, local_run, w
         os.remove(out / rel)
     kept = {rel: os.stat(out / rel).st_mtime_ns for rel in all_files(out)}
     capsys.readouterr()
-    assert cli(weights_file, out, inputs, "-r", "--scheduler", loopback.scheduler_file) == 0
+    address = json.loads(loopback.scheduler_file.read_text())["address"]  # tcp://...
+    assert cli(weights_file, out, inputs, "-r", "--scheduler", address) == 0
     err = capsys.readouterr().err
     assert "resuming: 9 of 12 outputs exist already" in err
     assert "12 files: 3 computed, 9 skipped, 0 failed" in err
