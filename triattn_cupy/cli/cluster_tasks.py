@@ -74,7 +74,8 @@ def _worker_backend(weights, spec) -> _WorkerBackend:
                 made = CpuBackend(weights, fully_masked)
             else:
                 # One GPU per worker: the first visible one (dask-cuda sets
-                # CUDA_VISIBLE_DEVICES so that it is the worker's own).
+                # CUDA_VISIBLE_DEVICES so that it is the worker's own). Outputs name it
+                # "GPU 0", as the worker's process sees it; the summary names the worker.
                 _, where = precision_support()
                 made = GpuBackend(weights, 0, fully_masked, precision, where)
                 made.warm_up()
