@@ -2,6 +2,8 @@
 
     main      the command line (argparse) and the entry point
     pipeline  the batch job: reader / worker / writer threads, signals
+    filejob   one file's steps (read, compute, write with provenance), run by the
+              pipeline's threads and by the workers of a Dask cluster
     plan      which files are inputs, where their outputs go, what is skipped or refused
     backends  the compute backends: GPU (TriangleAttention) and CPU (NumPy)
     io        finding, reading and checking inputs (headers before data)
@@ -9,7 +11,9 @@
     claims    per-output claims, so that several runs split one batch
     report    progress and the closing summary
     demo      `triattn-infer --demo`, the quick start
+    cluster   --scheduler / --cluster: the batch on a Dask cluster (triattn_cupy.distributed)
+    cluster_tasks  what a Dask worker runs for it (imports Dask; only distributed imports it)
 
 The entry point is `triattn_cupy.cli.main.main`. Importing this package touches neither
-CuPy nor the GPU.
+CuPy nor the GPU, nor Dask.
 """

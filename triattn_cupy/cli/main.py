@@ -23,6 +23,7 @@ import sys
 from .._version import __version__
 from .backends import SetupError, parse_devices, precision_support
 from .claims import DEFAULT_TIMEOUT
+from .cluster import add_cluster_arguments, run_on_cluster, wants_cluster
 from .pipeline import EXIT_INTERRUPTED, EXIT_USAGE, logger, run
 from .report import tqdm_or_none
 
@@ -133,6 +134,7 @@ def build_parser(prog: str = "triattn-infer") -> argparse.ArgumentParser:
              "weights, check one against the float64 NumPy reference and print the error "
              "and the throughput")
     add("--version", action="version", version=f"%(prog)s (triattn-cupy) {__version__}")
+    add_cluster_arguments(parser)
     return parser
 
 
@@ -163,6 +165,8 @@ def main(argv=None, *, prog: str = "triattn-infer") -> int:
                 logger.error("--weights is required: the shipped default weights are a "
                              "randomly initialised module, for --demo only")
                 return EXIT_USAGE
+            if wants_cluster(args):
+                return run_on_cluster(args).exit_code
             return run(args).exit_code
         except SetupError as exc:
             logger.error("%s", exc)

@@ -10,15 +10,15 @@ How a run is organised (one process, threads):
 The queues are short, so reading the next file overlaps the computation of the current
 one, and writing overlaps both, while host memory stays bounded. The main thread only
 plans, shows progress and reports. A problem with one file fails that file alone; the run
-goes on, and the exit status says whether anything failed.
+goes on, and the exit status says whether anything failed. The steps themselves (read,
+compute, write with provenance) are the functions of `filejob`, which the workers of a Dask
+cluster run too (`triattn_cupy.distributed`).
 """
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import datetime
 import importlib.resources
-import json
 import logging
 import os
 import queue
@@ -26,12 +26,11 @@ import signal
 import threading
 import time
 
-from .._version import __version__
-from .backends import (ComputeError, CpuBackend, GpuBackend, SetupError, gpu_probe,
+from .backends import (CpuBackend, GpuBackend, SetupError, gpu_probe,
                        precision_support)
 from .claims import DEFAULT_TIMEOUT, Claims
-from .io import InputError, read_input
-from .outputs import remove_quietly, sha256_file, write_output
+from .filejob import FileFailed, JobSettings, compute_file, job_settings, read_file, write_file
+from .outputs import remove_quietly, sha256_file
 from .plan import Outcome, plan
 from .report import Progress, report
 
@@ -85,16 +84,9 @@ def run(args, *, summary: bool = True) -> RunResult:
                 report(result, output_dir, args.output_format)
             return result
         backends = make_backends(kind, devices, weights, args.fully_masked, precision)
-        options = {"fully_masked": args.fully_masked, "precision": precision or "fp32",
-                   "pair_key": args.pair_key, "mask_key": args.mask_key or "mask",
-                   "output_format": args.output_format}
-        common_attrs = {
-            "weights_file": weights_path, "weights_sha256": weights_sha,
-            "triattn_cupy_version": __version__, "fully_masked": args.fully_masked,
-            "precision": options["precision"],
-            "options": json.dumps(options, sort_keys=True)}
+        settings = job_settings(args, weights.pair_dim, weights_path, weights_sha)
         claims = stack.enter_context(Claims(claim_timeout))
-        pipeline = _Pipeline(backends, weights.pair_dim, args, common_attrs, claims)
+        pipeline = _Pipeline(backends, settings, claims)
         progress = Progress(len(tasks), quiet=args.quiet)
         start = time.perf_counter()
         try:
@@ -196,15 +188,10 @@ def make_backends(kind, devices, weights, fully_masked, precision):
 class _Pipeline:
     """Readers -> workers (one per backend) -> one writer, joined by short queues."""
 
-    def __init__(self, backends, pair_dim: int, args, common_attrs: dict, claims: Claims):
+    def __init__(self, backends, settings: JobSettings, claims: Claims):
         self.backends = backends
         self.claims = claims
-        self.pair_dim = pair_dim
-        self.pair_key = args.pair_key
-        self.mask_key = args.mask_key or "mask"
-        self.mask_key_given = args.mask_key is not None
-        self.output_format = args.output_format
-        self.common_attrs = common_attrs
+        self.settings = settings
         self.stop = threading.Event()
         self.live_temps = set()  # temporary outputs being written, for a last clean-up
         self.seen = set()  # inputs that reached an outcome
@@ -346,23 +333,11 @@ class _Pipeline:
                 break
             if not self._claim(task):
                 continue
-            t0 = time.perf_counter()
             try:
-                loaded = read_input(task.input, task.kind, pair_dim=self.pair_dim,
-                                    pair_key=self.pair_key, mask_key=self.mask_key,
-                                    mask_required=self.mask_key_given, alloc=alloc)
-            except InputError as exc:
+                loaded = read_file(task, self.settings, alloc)
+            except FileFailed as exc:
                 self._fail(task, str(exc))
                 continue
-            except MemoryError:
-                self._fail(task, "too large to read into host memory")
-                continue
-            except Exception as exc:  # a bug, not the file: keep the traceback
-                logger.debug("reading %s", task.input, exc_info=True)
-                self._fail(task, f"internal error while reading: "
-                                 f"{type(exc).__name__}: {exc}")
-                continue
-            loaded.read_seconds = time.perf_counter() - t0
             if not self._put(self.ready, (task, loaded)):
                 break
 
@@ -377,24 +352,14 @@ class _Pipeline:
                     continue  # interrupted: drop what was read
                 task, loaded = item
                 item = None
-                meta = {"input_file": task.input, "input_dtype": loaded.source_dtype,
-                        "input_shape": list(loaded.pair.shape),
-                        "mask_used": loaded.mask is not None, "device": backend.label}
                 positions = loaded.positions
-                t0 = time.perf_counter()
                 try:
-                    out = backend.compute(loaded)
-                except ComputeError as exc:
+                    out, meta = compute_file(task, loaded, backend)
+                except FileFailed as exc:
                     self._fail(task, str(exc))
-                    continue
-                except Exception as exc:
-                    logger.debug("computing %s on %s", task.input, backend.label,
-                                 exc_info=True)
-                    self._fail(task, f"{backend.label} failed: {type(exc).__name__}: {exc}")
                     continue
                 finally:
                     loaded = None  # give the (pinned) input buffer back
-                meta["compute_seconds"] = time.perf_counter() - t0
                 if not self._put(self.written, (task, meta, out, positions)):
                     break
         finally:
@@ -414,13 +379,8 @@ class _Pipeline:
                     continue
                 task, meta, out, positions = item
                 item = None
-                attrs = dict(self.common_attrs)
-                attrs.update(meta)
-                attrs["input_shape"] = json.dumps(attrs["input_shape"])
-                attrs["created_utc"] = datetime.datetime.now(
-                    datetime.timezone.utc).isoformat(timespec="seconds")
                 try:
-                    write_output(task.output, out, self.output_format, attrs, self.live_temps)
+                    write_file(task, out, meta, self.settings, self.live_temps)
                 except BaseException as exc:  # Ctrl-C included: the temp file is gone
                     if isinstance(exc, (KeyboardInterrupt, SystemExit)):
                         self.stop.set()
@@ -432,8 +392,6 @@ class _Pipeline:
                     continue
                 finally:
                     out = None
-                logger.debug("%s -> %s (%s, %.3f s)", task.input, task.output,
-                             meta["device"], meta["compute_seconds"])
                 self._report(task, "done", positions=positions, device=meta["device"])
         finally:
             self.results.put(_END)
