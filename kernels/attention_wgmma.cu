@@ -1,5 +1,5 @@
 // The TF32, the fp32-accurate (3xTF32) and the bf16 attention of attention_mma.cu
-// (attention_tf32, attention_tf32x3, attention_bf16) on Hopper's warpgroup products (wgmma, sm_90a; wgmma.cuh): the same
+// (attention_mma_tf32, attention_mma_tf32x3, attention_mma_bf16) on Hopper's warpgroup products (wgmma, sm_90a; wgmma.cuh): the same
 // computation, outputs and edge cases. For every row (b, i), head h and query j (q and
 // bias pre-scaled by log2 e):
 //
@@ -23,21 +23,21 @@
 //                                shared memory with a column of ones appended, so the row
 //                                sums l come out of the same product, from the same
 //                                truncated P, as O's numerator (column d of the result).
-// SPLIT (attention_tf32x3_wgmma, the fp32 mode): every operand a = hi + lo, hi =
+// SPLIT (attention_wgmma_tf32x3, the fp32 mode): every operand a = hi + lo, hi =
 // rna_tf32(a), lo = rna_tf32(a - hi) (lo.lo' ~ 2^-22 |a.b| dropped), as attention_mma.cu's
 // PREC 0: Q's split once in registers; K's and V's where each thread's own copies land
 // (split_own: no extra barrier); P's as it is exponentiated. S = Q_hi K_lo + Q_lo K_hi +
 // Q_hi K_hi (12 wgmma, small terms first) from zero, the fp32 bias added after; P V
 // likewise (24 wgmma) into PV_GROUPS fresh accumulators per tile, each added to O in
 // fp32: the tensor cores' accumulation truncates, so its chains are kept short
-// (benchmarks/NOTES.md, session 9).
-// BF16 (attention_bf16_wgmma, BULK only): Q packed bf16 (the projection stores q so), written
+// (benchmarks/NOTES.md).
+// BF16 (attention_wgmma_bf16, BULK only): Q packed bf16 (the projection stores q so), written
 // once to a shared-memory tile that S's products read by descriptor (Q_SHARED), 2 wgmma
 // m64n64k16 for S and 4 m64n40k16 for P V, P rounded to bf16 as it is
 // exponentiated; the projection writes K tiles [64 keys][32 dims] bf16 in the 64-byte
 // swizzle and V^T tiles [32 dims][64 keys] bf16, one 128-byte row per dim, keys in their own
-// order (a bf16 A fragment takes S's columns in order: KV_FORMAT 6); fp32 softmax and O.
-// F16X3 (attention_f16x3_wgmma, the fp32 mode on wgmma; BULK only): every operand a = hi +
+// order (a bf16 A fragment takes S's columns in order: tiles_bf16); fp32 softmax and O.
+// F16X3 (attention_wgmma_f16x3, the fp32 mode on wgmma; BULK only): every operand a = hi +
 // lo in fp16, hi = rn(a), lo = rn(a - hi): 22 bits where lo is normal, as 3xTF32's, at
 // twice the rate of TF32 products (fp16 wgmma runs at bf16's rate). fp16's range is
 // narrow, so the projection scales q, k and v by powers of two that keep every value
@@ -47,11 +47,11 @@
 // (at most 2^(8 + 6): P's lo parts stay normal down to P ~ 2^-9) split as exponentiated,
 // and [O | l] += P_hi V_lo + P_lo V_hi + P_hi V_hi into fresh accumulators (PV_GROUPS) added
 // to O in fp32; o = O v_unscale / l (P_SHIFT cancels). The projection writes per (b, i,
-// head, 64 keys) 16 KiB: the K hi and lo tiles as format 6's K tile, then the V^T hi and
-// lo tiles as its V^T tile (KV_FORMAT 7); qkvg rows of 2D words, q's 16 hi then 16 lo
+// head, 64 keys) 16 KiB: the K hi and lo tiles as tiles_bf16's K tile, then the V^T hi and
+// lo tiles as its V^T tile (tiles_f16_hilo); qkvg rows of 2D words, q's 16 hi then 16 lo
 // words of packed fp16 per head where its o goes, the gate after; the bias as fp16 hi and
 // lo tiles, 32 KiB per tile.
-// F16X1 (attention_f16_wgmma, the tf32 mode on wgmma; BULK only): F16X3 with the hi parts
+// F16X1 (attention_wgmma_f16, the tf32 mode on wgmma; BULK only): F16X3 with the hi parts
 // alone, one product each: fp16 keeps TF32's 11 significant bits, so q, k, v and P scaled
 // into its range lose no more than TF32's roundings (P is rounded to nearest here, where
 // the TF32 kernels' tensor cores truncate it), at bf16's rate and bytes. As BF16's: S =
@@ -59,20 +59,20 @@
 // units of c = s_q s_k (the projection stores the bias times c: DeviceWeights.qkv_scales),
 // which the exponent's FFMA takes back out (qk_unscale = 1 / c): P = 2^((S - m) / c +
 // P_SHIFT); [O | l] += P V in 4 wgmma m64n40k16 straight into O; the projection writes
-// format 6's tiles in fp16, q's 16 fp16 words per head where its o goes (KV_FORMAT 8).
-// S16 (attention_f16s_wgmma, an option of F16X1 for the bf16 mode): the same inputs (KV_FORMAT
-// 8, scaled by _gpu.f16s_scales so that |bias| + |q . k| <= 2^15 in S's units c = s_q s_k,
+// tiles_bf16's tiles in fp16, q's 16 fp16 words per head where its o goes (tiles_f16).
+// S16 (attention_wgmma_f16s, an option of F16X1 for the bf16 mode): the same inputs (tiles_f16,
+// scaled by gpu/scales.py f16s_scales so that |bias| + |q . k| <= 2^15 in S's units c = s_q s_k,
 // c >= 1), S = bias + Q K^T in fp16 accumulators (wgmma .f16.f16.f16): the bias tile's
 // fp16 pairs are the accumulator's start as loaded, the row maxima and the exponent run on
 // fp16 pairs (P = 2^x, x = S / c + P16_SHIFT - m / c in one fma.rn.f16x2, ex2.approx.f16x2),
 // and P comes out packed as P V's A fragment; [O | l] += P V stays fp32. S keeps fp16's 11
 // bits (PyTorch's bf16 S keeps 8); x rounds to fp16 (half an ulp 2^-11..2^-10 where P is
 // largest), ex2.approx.f16's own error is ~2^-10 relative. ~154 instructions per warp and
-// 64-key tile against F16X1's ~227 (scripts/sass_loop_count.py).
+// 64-key tile against F16X1's ~227.
 // tf32 operands must be K-major: K [key][dim] already is (the projection's layout); V
 // must be read as V^T [dim][key]. TF32: the projection writes V^T for this kernel, tile by
-// tile, exactly as shared memory holds it (project_epilogue.cuh KV_FORMAT 3): copying it
-// is a straight copy. SPLIT: V is copied as the projection wrote it (fp32, KV_FORMAT 0)
+// tile, exactly as shared memory holds it (project_epilogue.cuh the fp32 V^T tiles (no longer written)): copying it
+// is a straight copy. SPLIT: V is copied as the projection wrote it (fp32, rows_fp32)
 // and transposed by the split (a V^T writer in the 3xTF32 projection spilled 152 bytes
 // and cost it 0.6 ms at 1x1024). P's register layout (its A fragment takes S's columns
 // 2t, 2t+1 as A's t, t+4) fixes which key each V^T position holds: within each 8 keys,
@@ -86,7 +86,7 @@
 //     row d is ones, d + 1 .. d + 7 zeros: written once, never copied over; BF16: one
 //     column of 64 keys in bf16 (F16X1: fp16); F16X3: the hi column then the lo column (its ones row
 //     zero), 64 keys in fp16 each)
-//   the bias tile [BQ][BK + 8] fp16 (KV_FORMAT 3 holds the bias in fp16: TF32's mantissa,
+//   the bias tile [BQ][BK + 8] fp16 (the fp32 V^T tiles (no longer written) holds the bias in fp16: TF32's mantissa,
 //     half the bytes of the largest copy), or fp32 (SPLIT), or (BULK) [BQ][BK] fp16 with
 //     rows in the 128-byte swizzle, as the projection writes it (conflict-free unpadded;
 //     F16X3: the hi tile then the lo tile)
@@ -97,12 +97,11 @@
 // the mbarriers full[STAGES] and empty[STAGES] after the stages (no barrier in the loop).
 //
 // Launch: grid ceil(N/BQ) * ceil(N/ROWS) * H * B, flattened (attention_block); block
-// THREADS = 256 ROWS; dynamic shared memory SMEM_BYTES (triattn_cupy/_configs.py mirrors
-// it). Pointers: qkvg [B*N*N, 4D] with q fp32 and k rounded to TF32 (KV_FORMAT 3; SPLIT:
-// q, k, v fp32 as attention_tf32x3 reads them, KV_FORMAT 0; BULK: q only, KV_FORMAT 5;
-// BF16: rows of D words, q's packed bf16 words per head at [32 h, 32 h + 16), KV_FORMAT
-// 6; F16X1: rows of 2D words, q's fp16 words per head at [32 h, 32 h + 16), KV_FORMAT 8;
-// F16X3: rows of 2D words, q's hi and lo per head at [32 h, 32 h + 32), KV_FORMAT 7), o
+// THREADS = 256 ROWS; dynamic shared memory SMEM_BYTES (triattn_cupy/gpu/tiles.py mirrors
+// it). Pointers: qkvg [B*N*N, ...] (BULK: q only;
+// BF16: rows of D words, q's packed bf16 words per head at [32 h, 32 h + 16), tiles_bf16;
+// F16X1: rows of 2D words, q's fp16 words per head at [32 h, 32 h + 16), tiles_f16;
+// F16X3: rows of 2D words, q's hi and lo per head at [32 h, 32 h + 32), tiles_f16_hilo), o
 // written over [0, D) of each row (O16: packed bf16 or fp16 over [32 h, 32 h + 16) per
 // head, where BF16's and F16X1's q was);
 // bias [B, H, N, NPK] fp16 (fp32 for SPLIT; BULK: the tiles of project_epilogue.cuh
@@ -132,28 +131,28 @@
 #define PINGPONG 0      // 1: a row's second warpgroup starts its Q K^T when the first's is done
 #endif
 #ifndef SPLIT
-#define SPLIT 0         // 1: 3xTF32 (attention_tf32x3_wgmma), 0: TF32 (attention_tf32_wgmma)
+#define SPLIT 0         // 1: 3xTF32 (attention_wgmma_tf32x3), 0: TF32 (attention_wgmma_tf32)
 #endif
 #ifndef PV_GROUPS
 #define PV_GROUPS 2     // SPLIT, F16X3: fresh P V accumulators per key tile (1, 2 or 4)
 #endif
 #ifndef BULK
-#define BULK 0          // 1: tiles by bulk copies from K and V^T tiles (KV_FORMAT 5, 6, 7), mbarriers
+#define BULK 0          // 1: tiles by bulk copies from K and V^T tiles (the fp32 K and V^T tiles (no longer written), tiles_bf16 and tiles_f16_hilo), mbarriers
 #endif
 #ifndef BF16
-#define BF16 0          // 1: bf16 operands (attention_bf16_wgmma; BULK, KV_FORMAT 6)
+#define BF16 0          // 1: bf16 operands (attention_wgmma_bf16; BULK, tiles_bf16)
 #endif
 #ifndef F16X3
-#define F16X3 0         // 1: fp16 hi + lo operands (attention_f16x3_wgmma; BULK, KV_FORMAT 7)
+#define F16X3 0         // 1: fp16 hi + lo operands (attention_wgmma_f16x3; BULK, tiles_f16_hilo)
 #endif
 #ifndef F16X1
-#define F16X1 0         // 1: fp16 operands, one product (attention_f16_wgmma; BULK, KV_FORMAT 8)
+#define F16X1 0         // 1: fp16 operands, one product (attention_wgmma_f16; BULK, tiles_f16)
 #endif
 #ifndef S16
-#define S16 0           // F16X1 with S in fp16 accumulators (attention_f16s_wgmma; the bf16 mode's option)
+#define S16 0           // F16X1 with S in fp16 accumulators (attention_wgmma_f16s; the bf16 mode's option)
 #endif
 #ifndef SLOT_ROWS
-#define SLOT_ROWS 0     // F16X1: qkvg rows of D words, q and the gate in each head's slot (KV_FORMAT 9), not 2D
+#define SLOT_ROWS 0     // F16X1: qkvg rows of D words, q and the gate in each head's slot (tiles_f16_slots), not 2D
 #endif
 #ifndef P16_SHIFT
 #define P16_SHIFT 2.f   // S16: P = 2^((S - m) / c + P16_SHIFT), at most 2^(RESCALE_SLACK + 2)
@@ -210,22 +209,22 @@ static_assert(HEAD_DIM == 32, "O16: a lane's o values of a row are one 16-byte s
 #define VT_COPIED (VT_COLUMNS * HEAD_DIM * 128)  // bytes of a V^T tile the projection wrote
 #if SPLIT
 typedef float bias_elem;
-#define ENTRY attention_tf32x3_wgmma
+#define ENTRY attention_wgmma_tf32x3
 #elif BF16
 typedef unsigned short bias_elem;  // fp16 bits
-#define ENTRY attention_bf16_wgmma
+#define ENTRY attention_wgmma_bf16
 #elif F16X3
 typedef unsigned short bias_elem;  // fp16 bits: the hi tile, then the lo
-#define ENTRY attention_f16x3_wgmma
+#define ENTRY attention_wgmma_f16x3
 #elif F16X1 && S16
 typedef unsigned short bias_elem;  // fp16 bits
-#define ENTRY attention_f16s_wgmma
+#define ENTRY attention_wgmma_f16s
 #elif F16X1
 typedef unsigned short bias_elem;  // fp16 bits
-#define ENTRY attention_f16_wgmma
+#define ENTRY attention_wgmma_f16
 #else
 typedef unsigned short bias_elem;  // fp16 bits
-#define ENTRY attention_tf32_wgmma
+#define ENTRY attention_wgmma_tf32
 #endif
 #define BIAS_BYTES (SPLIT ? 4 : 2)       // sizeof(bias_elem), for the preprocessor
 #define BIAS_CHUNK (16 / BIAS_BYTES)      // bias elements per 16-byte copy
@@ -579,7 +578,7 @@ ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int 
     };
 #else
     // S = bias + Q K^T of the tile in ring stage `stage`, issued (not waited for): S starts
-    // as the bias tile and the products accumulate onto it (as attention_tf32).
+    // as the bias tile and the products accumulate onto it (as attention_mma_tf32).
     // This lane's bias pairs (rows g, g + 8; keys 8n + 2t, + 1) as fp16 pairs:
     // bias_pairs(r, stage, j, part) sets r[0], r[1] to pairs 2j, 2j + 1 of row g and r[2],
     // r[3] to those of row g + 8, of the tile in `stage` (F16X3: part 1 its lo tile).
@@ -612,7 +611,7 @@ ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int 
     // 1), chunk L >> 4), so that it writes s[4j .. 4j + 3] directly (in bias_pairs' order
     // ptxas moved all 16 registers into place: 16 more instructions per tile). Every
     // partial sum stays inside fp16: |bias| + |q . k| <= S16_TOP in S's units by the scales'
-    // bound (_gpu.f16s_scales), and a partial dot product is bounded as the whole one.
+    // bound (gpu/scales.py f16s_scales), and a partial dot product is bounded as the whole one.
     const u32 bias_acc_rows = smem_s + BIAS_OFFSET
         + (q_in_tile + (lane & 7) + 8 * ((lane >> 3) & 1)) * 128 + 16 * ((lane >> 4) ^ (lane & 7));
     auto issue_s = [&](u32 (&s)[2 * NT], int stage) {
@@ -728,7 +727,7 @@ ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int 
     // below the row's largest: negligible in the sum). Masked keys: S = -inf, x = -inf,
     // P = 0; rows with every key so far masked keep m_sub 0, ms P16_SHIFT (finite: no
     // -inf - (-inf)). ms cannot overflow: |m_sub / c| <= the scores' bound <= 2^15 (c >= 1,
-    // _gpu.f16s_scales).
+    // gpu/scales.py f16s_scales).
     const u32 inv_c2 = pack_f16(qk_unscale, qk_unscale);  // 1 / c (a power of two: exact)
     float msf[2] = {P16_SHIFT, P16_SHIFT};                 // ms as fp32 (exact)
     u32 ms2[2] = {pack_f16(P16_SHIFT, P16_SHIFT), pack_f16(P16_SHIFT, P16_SHIFT)};
@@ -966,7 +965,7 @@ ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int 
     // arrives on its `empty` mbarrier when its products of the stage are done, and warp 0
     // refills a stage once all have. No block barrier in the loop: the warpgroups (four
     // with ROWS 2, sharing each bias tile) drift apart by up to STAGES - 2 tiles. The
-    // projection writes K as tiles too (KV_FORMAT 5: per (b, i, head, 64 keys) the K tile
+    // projection writes K as tiles too (the fp32 K and V^T tiles (no longer written): per (b, i, head, 64 keys) the K tile
     // then the V^T tile, as shared memory holds them); keys past N are left unwritten in
     // K (S is masked to -inf there) and zero in V^T.
     const u32 full_bar = smem_s + STAGES * STAGE_BYTES, empty_bar = full_bar + 8 * STAGES;

@@ -60,7 +60,7 @@ __device__ __forceinline__ void allow_next_kernel() {
 #endif
 }
 
-// The share of an attention block (attention.cu, attention_mma.cu, attention_wgmma.cu):
+// The share of an attention block (attention_ffma.cu, attention_mma.cu, attention_wgmma.cu):
 // query tile `qtile` (bq queries), pair rows i0 .. i0 + rows - 1 of batch b, head `head`.
 // The grid is ceil(N / bq) * ceil(N / rows) * H * B blocks, flattened: query tile fastest,
 // then the rows, then the head. So the blocks running at one time share one head's pair

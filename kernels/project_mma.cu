@@ -1,20 +1,20 @@
 // The two projection GEMMs on tensor cores (every precision mode on sm_80 and newer; the
-// FFMA projections of older GPUs are project.cu, which computes the same). Each block owns BM
+// FFMA projections of older GPUs are project_ffma.cu, which computes the same). Each block owns BM
 // rows (pair positions), holds their whole D-wide row tile in shared memory, and computes
 // every output column of those rows, so the pair representation is read once.
 //
 //   ln_qkvg_project:   xn = LayerNorm(x)                              # [M, D]
 //                      qkvg = xn [Wq; Wk; Wv; Wg]^T + [bq; bk; bv; bg] # [M, 4D]
 //                        q columns scaled by log2(e)/sqrt(d), gate columns through sigmoid,
-//                        k and v stored as KV_FORMAT says (project_epilogue.cuh)
+//                        k and v stored as the layout says (project_epilogue.cuh)
 //                      bias[b, head, i, j] = log2(e) * xn[m] . Wb[head]  # m = (b, i, j)
 //                        -inf where mask[b, i, j] == 0, and on the padded keys j in [N, NPK)
 //   gated_out_project: out = (g * o) Wo^T + bo                        # [M, D]
-//                        o = qkvg[:, 0:D] (attention output, written over q; formats 6
+//                        o = qkvg[:, 0:D] (attention output, written over q; tiles_bf16
 //                          and 8: 16-bit, each head's first 16 words, load_o4)
-//                        g = the sigmoid gate (fp32 at qkvg[:, 3D:4D] or, formats 7
+//                        g = the sigmoid gate (fp32 at qkvg[:, 3D:4D] or, tiles_f16_hilo
 //                          and 8, [D:2D] of rows of 2D words; or packed
-//                          bf16: KV_FORMAT, project_epilogue.cuh)
+//                          bf16: the layout's features, project_epilogue.cuh)
 //
 // Products: mma.sync m16n8k8, fp32 accumulation, on
 //   SPLIT = 0 ("tf32", "bf16"): TF32 operands. The row tile is rounded to TF32 once, where
@@ -24,27 +24,27 @@
 //     a = hi + lo (both TF32; lo carries the bits hi drops), and a b taken as
 //     hi*lo + lo*hi + hi*hi: the lo*lo term is below fp32 rounding (3xTF32); each k-step's
 //     terms are summed apart and added to the accumulator in fp32 (split_terms). Launched
-//     only with TRIATTN_PROJECT_F16_SPLIT=0 since session 18 (_configs.project_f16_terms).
-//   F16_TERMS = 3 (with SPLIT; the fp32 mode's projections in every KV_FORMAT: 7 for
-//     attention_f16x3_wgmma, 0 for attention_tf32x3 and the FFMA attention, which read q,
+//     by no route (F16_TERMS 3 is as accurate at half the instructions).
+//   F16_TERMS = 3 (with SPLIT; the fp32 mode's projections in every layout: tiles_f16_hilo for
+//     attention_wgmma_f16x3, 0 for attention_mma_tf32x3 and the FFMA attention, which read q,
 //     k, v unscaled): the products in fp16 hi + lo instead, the same three
 //     terms at half the products (m16n8k16) and no split in the loop: LayerNorm writes each
 //     16-wide chunk of the row tile as 16 fp16 hi then 16 lo (64 bytes, in place of its 16
 //     fp32), scaled by a_scale (a power of two keeping |xn| below 2^14); the host lays W
 //     (and the pair-bias weights, split here) out the same way, scaled by a power of two;
 //     the accumulators are multiplied by `unscale` = 1 / (both scales) before the epilogue,
-//     which then stores what 3xTF32's would (format 7: q, k, v times the attention's
-//     scales, which the host folds into W; format 0: as computed).
+//     which then stores what 3xTF32's would (tiles_f16_hilo: q, k, v times the attention's
+//     scales, which the host folds into W; rows_fp32: as computed).
 //     gated_out_project likewise: g * o scaled by the block's own power of two (from its
 //     largest |g o|), split after it is loaded (load_gated_tile_f16); `w_unscale` undoes
 //     Wo's scale.
-//   F16_TERMS = 1 (without SPLIT; "tf32" and "bf16" with the wgmma attention, KV_FORMAT 8
+//   F16_TERMS = 1 (without SPLIT; "tf32" and "bf16" with the wgmma attention, tiles_f16
 //     and 6, and the TF32 wgmma attention's 5): the same row tile and scales, one product
 //     of the hi parts: fp16 keeps 11 significant bits as TF32 does, so the scaled products
 //     are as accurate as TF32's, at half the instructions (m16n8k16 against two m16n8k8).
 //     The ring then holds W's hi parts alone, 32 per chunk row (RING_K): a chunk is two
 //     k-steps, so one barrier and one 8 KiB copy per 32 k values instead of per 16 (the
-//     loop was latency bound: 12% of its stalls at the barriers, session 12). The host
+//     loop was latency bound: 12% of its stalls at the barriers). The host
 //     lays W out so only for D % 32 == 0 (head dim 32, where these modes run), and
 //     ring_chunks stops the kernel where the row tile's width is no multiple of 32. The
 //     row tile's lo halves are neither computed nor written (nothing reads them).
@@ -67,14 +67,13 @@
 //         unless SPLIT: [NO / BN][DPAD / BK][BN][BK], zero past NO and D (DeviceWeights
 //         projection_weight), so that each chunk is one contiguous 8 KiB; F16_TERMS 3: the
 //         same chunks with each row's 16 values as fp16 hi then lo, scaled
-//         (_gpu.f16_split_chunks); F16_TERMS 1: [NO / BN][D / 32][BN][32] fp16 hi, scaled
-//         (_gpu.f16_hi_chunks), 8 KiB chunks too
+//         (gpu/device_weights.py f16_split_chunks); F16_TERMS 1: [NO / BN][D / 32][BN][32] fp16 hi, scaled
+//         (gpu/device_weights.py f16_hi_chunks), 8 KiB chunks too
 //   mask  [B, N, N] at b*mb + i*mi + j*mj elements, of the type named by mask_kind
 //         (MASK_* in project_epilogue.cuh), or null
-//   qkvg  [M, 4D] ([M, 2D]: KV_FORMAT 7, 8); bias [B, H, N, NPK] (fp16 where KV_FORMAT is
-//         2 or 3; fp16 tiles where it is 5 to 8); out [M, D] contiguous; vt: V^T tiles where
-//         KV_FORMAT is 3 (project_epilogue.cuh; [B, N, H, NPK / 64] x 8 KiB), K and V^T
-//         tiles where it is 5 to 8, else unused.
+//   qkvg  [M, 4D] ([M, 2D]: tiles_f16_hilo and tiles_f16; [M, D]: tiles_bf16); bias [B, H, N,
+//         NPK] (fp16 for rows_bf16; fp16 tiles for the tiled layouts); out [M, D] contiguous;
+//         vt: K and V^T tiles for the tiled layouts (project_epilogue.cuh), else unused.
 #include "common.cuh"
 #include "mma.cuh"
 
@@ -92,7 +91,7 @@
 #define PROJECT_MIN_BLOCKS 2  // 2: at most 128 registers; 3 (64-row blocks): at most 80
 #endif
 #ifndef OUT_MIN_BLOCKS  // the same for gated_out_project alone: PROJECT_MIN_BLOCKS, or 3 by
-#define OUT_MIN_BLOCKS PROJECT_MIN_BLOCKS  // scripts/ablate_projection.py out_blocks3 (64-row
+#define OUT_MIN_BLOCKS PROJECT_MIN_BLOCKS  // (64-row
 #endif                  // F16_TERMS 3 fits 80 registers there unspilled; ln_qkvg_project not)
 #define MT (BM / 32)    // 16-row m-tiles per warp; the 8 warps are 2 (rows) x 4 (columns)
 #define TROWS (BM / 16) // row slots per thread (thread_row)
@@ -145,11 +144,10 @@ __device__ __forceinline__ float* pair_at(Tile& acc, int s, int j) {
 #define EXACT_FP32 SPLIT  // the fp32 mode: exact gate and LayerNorm (project_epilogue.cuh)
 
 // LayerNorm on every thread of a 128-row block, 2 consecutive threads per row, instead of
-// one thread per row on half the threads (ln_qkvg_project step 3). Written in session 15
-// without device time, off until measured: the ablation without LayerNorm
+// one thread per row on half the threads (ln_qkvg_project step 3). Off until measured: the ablation without LayerNorm
 // (no_layernorm_mma) took 0.25 ms of 1.38 off the tf32 projection at 1x1024, and its
 // barrier held the other half of the threads (ncu: 13% of the stall samples).
-// scripts/ablate_projection.py ln_split turns it on. 64-row blocks keep a thread per row
+// LN_SPLIT=1 turns it on. 64-row blocks keep a thread per row
 // (at 4 per row their 80-register kernels spilled 4 bytes).
 #ifndef LN_SPLIT
 #define LN_SPLIT 0
@@ -220,7 +218,7 @@ __device__ __forceinline__ void mma_product(float (&acc)[4], const u32 (&a)[4], 
 __device__ __forceinline__ u32 w_piece(int r, int c) { return r * 64 + (((c ^ (r >> 1)) & 3) << 4); }
 
 // Chunks of W per pass over BN columns: dpad / RING_K. F16_TERMS 1 takes D % 32 == 0 (head
-// dim 32 only; _gpu.f16_hi_chunks checks it on the host): with dpad an odd multiple of 16
+// dim 32 only; gpu/device_weights.py f16_hi_chunks checks it on the host): with dpad an odd multiple of 16
 // the last 16 columns would be dropped, so the kernel stops with an error instead.
 __device__ __forceinline__ int ring_chunks(int dpad) {
 #if F16_TERMS == 1
@@ -469,7 +467,7 @@ __device__ __noinline__ void pair_bias(const float* As, int astr, const float* _
             ok[h] = m < M;
             const i64 mc = ok[h] ? m : M - 1, b = mc / NN, r = mc - b * NN, i = r / N;
             j[h] = (int)(r - i * N);
-#if K_TILED  // tiles: where they start is worked out per value (store_pair_bias_tiled)
+#if KV_TILED  // tiles: where they start is worked out per value (store_pair_bias_tiled)
             brow[h] = bias + b * H;  // only to carry b H: brow[h] - bias + head = b H + head
             rows[h] = (int)i;
 #else
@@ -522,7 +520,7 @@ __device__ __noinline__ void pair_bias(const float* As, int astr, const float* _
 #pragma unroll
             for (int e = 0; e < 4; ++e) {  // c0 (g, 2t) c1 (g, 2t+1) c2 (g+8, 2t) c3 (g+8, 2t+1)
                 const int h = e / 2, head = h0 + 2 * t + e % 2;
-#if K_TILED
+#if KV_TILED
                 if (ok[h] && head < H)
                     store_pair_bias_tiled(bias, brow[h] - bias + head, rows[h], j[h], N, npk,
                                           keep[h], c[e]);
@@ -542,7 +540,7 @@ __device__ __noinline__ void pair_bias(const float* As, int astr, const float* _
 template <int BATCH, class Op>
 __device__ __forceinline__ void load_gated_pieces(const float* __restrict__ qkvg, i64 M, int D,
                                                   int dpad, int astr, i64 m0, float* As, Op op) {
-    const i64 ld = (F16_QKV ? 2LL : BF16_SLOTS ? 1LL : 4LL) * D;  // QKVG_LD
+    const i64 ld = (F16_QKV ? 2LL : SLOT_ROWS ? 1LL : 4LL) * D;  // QKVG_LD
     const int per_row = dpad / 4, total = BM * per_row;
     for (int base = threadIdx.x; base < total; base += BATCH * THREADS) {
         float4 v[BATCH];
@@ -575,7 +573,7 @@ __device__ __noinline__ void load_gated_tile(const float* __restrict__ qkvg, i64
 // load_gated_tile for F16_TERMS: each 16-wide chunk's 64 bytes of As as 16 fp16 hi then 16
 // lo of a * g * o; returns 1 / a. a is the block's own power of two, putting its largest
 // |g o| in [2^13, 2^14): a scale fixed from the weights (|g o| <= max |v|) left g o among
-// fp16's subnormals where every gate is near 0 (session 12's review: relative error 2.7e-2
+// fp16's subnormals where every gate is near 0 (relative error 2.7e-2
 // in fp32 mode with every gate bias at -20). Two passes: g o in fp32 into As with each
 // thread's largest magnitude (batches of 4: 8 took the 64-row blocks past 80 registers),
 // the block's maximum (`red`: a word per warp), then the split in place, piece by piece as
