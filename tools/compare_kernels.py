@@ -45,8 +45,9 @@ ENTRY_RENAMES = {
     "gated_out_project_tiles": "gated_out_project_wgmma"}
 OLD_LAYOUTS = {0: "rows_fp32", 1: "rows_tf32", 2: "rows_bf16", 6: "tiles_bf16",
                7: "tiles_f16_hilo", 8: "tiles_f16", 9: "tiles_f16_slots"}
-# Defines whose value is the kernel's own default (dropped from either side's key)
-DEFAULTS = {("PINGPONG", 0)}
+# Defines whose value is the kernel's own default, or which it no longer reads (dropped from
+# either side's key)
+DEFAULTS = {("PINGPONG", 0), ("BULK", 1)}
 ARCHS = ("sm_80", "sm_90")
 OPTIONS = ("-std=c++17", "-ftz=true")  # what the run-time loader passes (gpu/compile.py)
 
@@ -141,6 +142,7 @@ def main(argv=None):
     side.add_argument("--old", type=pathlib.Path, help="the older tree's folder")
     side.add_argument("--rev", help="a git revision of this repository (archived to a temporary folder)")
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--files", nargs="*", help="compare only these kernel files (this tree's names)")
     ap.add_argument("--list", type=pathlib.Path, help=argparse.SUPPRESS)  # internal
     args = ap.parse_args(argv)
     if args.list:
@@ -160,7 +162,8 @@ def main(argv=None):
         sides = {"old": tree_configs(old_root.resolve()), "new": tree_configs(REPO)}
     keyed = {side: {normalized_key(e, side == "old"): e for e in entries}
              for side, entries in sides.items()}
-    common = sorted(set(keyed["old"]) & set(keyed["new"]))
+    common = sorted(k for k in set(keyed["old"]) & set(keyed["new"])
+                    if not args.files or keyed["new"][k]["file"] in args.files)
     pairs = [(keyed["old"][k], keyed["new"][k]) for k in common]
     with ProcessPoolExecutor(max(1, args.jobs)) as pool:
         compiled = list(pool.map(compile_entry, [e for pair in pairs for e in pair],

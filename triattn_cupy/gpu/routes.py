@@ -221,9 +221,9 @@ def attention_wgmma_launch(head_dim: int = 32, tiles: WgmmaTiles | None = None,
     t = tiles or attention_wgmma_tiles(variant)
     if not t.bulk:
         raise ValueError(f"the {variant} wgmma attention copies its tiles in bulk only (bulk=1)")
-    extra = (("BULK", 1),) + _WGMMA_DEFINES[variant]
+    extra = _WGMMA_DEFINES[variant]
     if variant == "f16x3":
-        extra = (("BULK", 1), ("F16X3", 1), ("PV_GROUPS", t.pv_groups))
+        extra = (("F16X3", 1), ("PV_GROUPS", t.pv_groups))
     layout = _WGMMA_LAYOUT[variant]
     if slot_rows:
         extra += (("SLOT_ROWS", 1),)
