@@ -16,30 +16,28 @@
 //                          and 8, [D:2D] of rows of 2D words; or packed
 //                          bf16: the layout's features, project_epilogue.cuh)
 //
-// Products: mma.sync m16n8k8, fp32 accumulation, on
-//   SPLIT = 0 ("tf32", "bf16"): TF32 operands. The row tile is rounded to TF32 once, where
-//     it is normalised (so the pair bias, computed from it, is a TF32 product too, as in
-//     PyTorch's TF32 mode); W comes rounded already (DeviceWeights).
-//   SPLIT = 1 ("fp32"): fp32 operands, each split where its fragment is loaded into
-//     a = hi + lo (both TF32; lo carries the bits hi drops), and a b taken as
-//     hi*lo + lo*hi + hi*hi: the lo*lo term is below fp32 rounding (3xTF32); each k-step's
-//     terms are summed apart and added to the accumulator in fp32 (split_terms). Launched
-//     by no route (F16_TERMS 3 is as accurate at half the instructions).
-//   F16_TERMS = 3 (with SPLIT; the fp32 mode's projections in every layout: tiles_f16_hilo for
-//     attention_wgmma_f16x3, 0 for attention_mma_tf32x3 and the FFMA attention, which read q,
-//     k, v unscaled): the products in fp16 hi + lo instead, the same three
-//     terms at half the products (m16n8k16) and no split in the loop: LayerNorm writes each
+// Products: mma.sync, fp32 accumulation, on
+//   F16_TERMS = 0 ("tf32", "bf16" with the mma.sync or FFMA attention): TF32 operands
+//     (m16n8k8). The row tile is rounded to TF32 once, where it is normalised (so the pair
+//     bias, computed from it, is a TF32 product too, as in PyTorch's TF32 mode); W comes
+//     rounded already (DeviceWeights).
+//   F16_TERMS = 3 (with SPLIT, "fp32": the fp32 mode's projections in every layout:
+//     tiles_f16_hilo for attention_wgmma_f16x3, rows_fp32 for attention_mma_f16x3, the
+//     3xTF32 oracle and the FFMA attention, which read q, k, v unscaled): fp32-accurate
+//     products of fp16 hi + lo parts, a b taken as hi*lo + lo*hi + hi*hi (the lo*lo term is
+//     below fp32 rounding; each k-step's terms summed apart and added to the accumulator
+//     in fp32: split_terms), m16n8k16, no split in the loop: LayerNorm writes each
 //     16-wide chunk of the row tile as 16 fp16 hi then 16 lo (64 bytes, in place of its 16
 //     fp32), scaled by a_scale (a power of two keeping |xn| below 2^14); the host lays W
 //     (and the pair-bias weights, split here) out the same way, scaled by a power of two;
 //     the accumulators are multiplied by `unscale` = 1 / (both scales) before the epilogue,
-//     which then stores what 3xTF32's would (tiles_f16_hilo: q, k, v times the attention's
+//     which then stores fp32-accurate values (tiles_f16_hilo: q, k, v times the attention's
 //     scales, which the host folds into W; rows_fp32: as computed).
 //     gated_out_project likewise: g * o scaled by the block's own power of two (from its
 //     largest |g o|), split after it is loaded (load_gated_tile_f16); `w_unscale` undoes
 //     Wo's scale.
 //   F16_TERMS = 1 (without SPLIT; "tf32" and "bf16" with the wgmma attention, tiles_f16
-//     and 6, and the TF32 wgmma attention's 5): the same row tile and scales, one product
+//     and tiles_bf16): the same row tile and scales, one product
 //     of the hi parts: fp16 keeps 11 significant bits as TF32 does, so the scaled products
 //     are as accurate as TF32's, at half the instructions (m16n8k16 against two m16n8k8).
 //     The ring then holds W's hi parts alone, 32 per chunk row (RING_K): a chunk is two
@@ -97,13 +95,13 @@
 #define TROWS (BM / 16) // row slots per thread (thread_row)
 #define WSTR BK         // words per row of a weight chunk in the ring (swizzled: w_piece)
 #ifndef SPLIT
-#define SPLIT 0         // 1: 3xTF32 products (the fp32 mode), 0: TF32
+#define SPLIT 0         // 1: fp32-accurate split products (the fp32 mode: F16_TERMS 3)
 #endif
 #ifndef F16_TERMS
 #define F16_TERMS 0     // 3 (with SPLIT) or 1 (without): products on fp16 operands, below
 #endif
-#if F16_TERMS != 0 && F16_TERMS != (SPLIT ? 3 : 1)
-#error "project_mma.cu: F16_TERMS is 3 with SPLIT, 1 without, or 0"
+#if (SPLIT && F16_TERMS != 3) || (!SPLIT && F16_TERMS != 0 && F16_TERMS != 1)
+#error "project_mma.cu: F16_TERMS is 3 with SPLIT, 1 or 0 without"
 #endif
 // k values per ring chunk: the WSTR words of a chunk row hold BK fp32 values, or BK fp16 hi
 // then BK lo (F16_TERMS 3), or 2 BK fp16 hi (F16_TERMS 1, whose products never read a lo
@@ -159,20 +157,8 @@ __device__ __forceinline__ float* pair_at(Tile& acc, int s, int j) {
 // A value of the row tile as the products take it: fp32 to be split (SPLIT), else
 // rounded to TF32 here, once.
 __device__ __forceinline__ float4 operand4(float4 v) {
-#if SPLIT
-    return v;
-#else
     return make_float4(__uint_as_float(to_tf32(v.x)), __uint_as_float(to_tf32(v.y)),
                        __uint_as_float(to_tf32(v.z)), __uint_as_float(to_tf32(v.w)));
-#endif
-}
-
-// The fp32 bits x as TF32 hi + lo (SPLIT): hi rounded to nearest, lo = x - hi (exact)
-// rounded again.
-__device__ __forceinline__ void split_tf32(u32 x, u32& hi, u32& lo) {
-    const float f = __uint_as_float(x);
-    hi = to_tf32(f);
-    lo = to_tf32(f - __uint_as_float(hi));
 }
 
 // acc += (ah + al)(bh + bl) for one fragment pair split into hi and lo: the three terms,
@@ -197,16 +183,7 @@ __device__ __forceinline__ void split_terms(float (&acc)[4], const u32 (&ah)[4],
 // acc += a b for one m16n8k8 fragment pair as loaded: TF32 values as they are, or (SPLIT)
 // fp32 values split here into three TF32 products.
 __device__ __forceinline__ void mma_product(float (&acc)[4], const u32 (&a)[4], const u32 (&b)[2]) {
-#if SPLIT
-    u32 ah[4], al[4], bh[2], bl[2];
-#pragma unroll
-    for (int e = 0; e < 4; ++e) split_tf32(a[e], ah[e], al[e]);
-    split_tf32(b[0], bh[0], bl[0]);
-    split_tf32(b[1], bh[1], bl[1]);
-    split_terms<mma_tf32>(acc, ah, al, bh, bl);
-#else
     mma_tf32(acc, a[0], a[1], a[2], a[3], b[0], b[1]);
-#endif
 }
 
 // Byte offset, in a ring stage, of 16-byte piece c (< 4) of chunk row r: rows of 64 bytes,
@@ -363,26 +340,6 @@ __device__ __forceinline__ void multiply_chunk(u32 a_lane, int astr, u32 w_stage
             b[2 * jp + 1][0] = r[2];
             b[2 * jp + 1][1] = r[3];
         }
-#if SPLIT
-        u32 bl[4][2];
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-            split_tf32(b[j][0], b[j][0], bl[j][0]);
-            split_tf32(b[j][1], b[j][1], bl[j][1]);
-        }
-#pragma unroll
-        for (int i = 0; i < MT; ++i) {
-            u32 a[4], al[4];
-            ldsm_x4(a, a_lane + 4 * (i * 16 * astr + kk));
-#pragma unroll
-            for (int e = 0; e < 4; ++e) split_tf32(a[e], a[e], al[e]);
-#pragma unroll
-            for (int j = 0; j < 4; ++j) {
-                const u32 bh[2] = {b[j][0], b[j][1]}, bj[2] = {bl[j][0], bl[j][1]};
-                split_terms<mma_tf32>(acc.c[i][j], a, al, bh, bj);
-            }
-        }
-#else
         u32 a[MT][4];
 #pragma unroll
         for (int i = 0; i < MT; ++i) ldsm_x4(a[i], a_lane + 4 * (i * 16 * astr + kk));
@@ -391,7 +348,6 @@ __device__ __forceinline__ void multiply_chunk(u32 a_lane, int astr, u32 w_stage
 #pragma unroll
             for (int j = 0; j < 4; ++j)
                 mma_tf32(acc.c[i][j], a[i][0], a[i][1], a[i][2], a[i][3], b[j][0], b[j][1]);
-#endif
     }
 }
 
@@ -509,11 +465,7 @@ __device__ __noinline__ void pair_bias(const float* As, int astr, const float* _
                 ldsm_x4(a, a_row + 4 * k0);
                 const float w0 = head_ok && k0 < D ? __ldg(w + k0) : 0.f;
                 const float w1 = head_ok && k0 + 4 < D ? __ldg(w + k0 + 4) : 0.f;
-#if SPLIT
-                const u32 b[2] = {__float_as_uint(w0), __float_as_uint(w1)};
-#else
                 const u32 b[2] = {to_tf32(w0), to_tf32(w1)};
-#endif
                 mma_product(c, a, b);
             }
 #endif
@@ -787,7 +739,7 @@ ln_qkvg_project(const float* __restrict__ x, i64 sb, i64 si, i64 sj, i64 sc, int
 
     // 4. The pair bias on tensor cores, with the mask folded in: xn [16 rows] x Wb^T
     //    [8 heads] per warp and m-tile, a product like the others (TF32 as PyTorch's TF32
-    //    mode has it, or 3xTF32).
+    //    mode has it, or fp16 products).
     //    Wb's B fragments (b0 = Wb[h0 + g][k + t], b1 = ...[k + t + 4]; F16_TERMS: pairs at
     //    k + 2t and k + 2t + 8, rounded or split to fp16 here) come straight from
     //    global memory, a small array every block reads (L1), rounded here. As per-thread
