@@ -661,8 +661,8 @@ ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int 
     // arrives on its `empty` mbarrier when its products of the stage are done, and warp 0
     // refills a stage once all have. No block barrier in the loop: the warpgroups (four
     // with ROWS 2, sharing each bias tile) drift apart by up to STAGES - 2 tiles. The
-    // projection writes K as tiles too (the fp32 K and V^T tiles (no longer written): per (b, i, head, 64 keys) the K tile
-    // then the V^T tile, as shared memory holds them); keys past N are left unwritten in
+    // projection writes K as tiles too (per (b, i, head, 64 keys) the K tile then the V^T
+    // tile, as shared memory holds them); keys past N are left unwritten in
     // K (S is masked to -inf there) and zero in V^T.
     const u32 full_bar = smem_s + STAGES * STAGE_BYTES, empty_bar = full_bar + 8 * STAGES;
     const int tiles = (keys + BK - 1) / BK;

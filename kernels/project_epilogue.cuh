@@ -40,52 +40,45 @@ __device__ __forceinline__ void map_column(Tile& acc, int j, float2 cb, F f) {
     }
 }
 
-// How ln_qkvg_project stores q, k, v and the gate, for the kernels that read them (a
-// qkvg row is 4D words in every format but 6, 7 and 8, whose rows are D, 2D and 2D words
-// (QKVG_LD); the attention writes o over [0, D), in 16 bits over each head's first 16
-// words in tiles_bf16 and tiles_f16 (O16)):
-// 0 as computed (fp32): q, k, v, gate at words [0, D), [D, 2D), [2D, 3D), [3D, 4D);
-// 1 the same, k and v rounded to TF32 (attention_mma_tf32 copies them as they are);
-// 2 packed bf16 (attention_mma_bf16; half the bytes): bf16 index c from word D holds k column
-//   c for c < D and v column c - D after it; q from word 2D (Q_WORD), the gate from word
-//   5D/2 (GATE_WORD); [3D, 4D) unused. The attention rounds q to bf16 anyway; the gate in
-//   bf16 adds ~1e-3 to the mode's error (benchmarks/NOTES.md). The pair bias in fp16.
-// 3 as 1, but v not in qkvg ([2D, 3D) unused): transposed, into vt (attention_wgmma_tf32,
-//   whose tensor cores read V only as V^T; head dim 32), laid out as that kernel's shared
-//   memory holds it, so that it copies V^T tiles straight (store_vt below); and the pair
-//   bias in fp16 (bias_t).
-// 5 as 3, and k not in qkvg either ([D, 2D) unused): as K tiles beside the V^T tiles, each
-//   (b, i, head, 64 keys) 16 KiB, the K tile [64 keys][32 dims] tf32 in the 128-byte
-//   swizzle then the V^T tile (store_kt, store_vt), and the pair bias in tiles too
-//   (bias_element), for the bulk copies of attention_wgmma.cu's BULK variant. Keys past N
-//   are zero in V^T, left unwritten in K.
-// 6 as 5 in bf16 (attention_wgmma_bf16): per (b, i, head, 64 keys) 8 KiB, the K tile [64
-//   keys][32 dims] bf16 in the 64-byte swizzle (sw64), then the V^T tile [32 dims][64 keys]
-//   bf16 in the 128-byte swizzle, keys in their own order; the pair bias in fp16 tiles as
-//   in the fp32 K and V^T tiles (no longer written). qkvg rows of D words, a 32-word slot per head (HEAD_SLOTS): q packed
-//   bf16 at [32 h, 32 h + 16) (dims 2w, 2w + 1 in word w), where the attention writes the
-//   head's o in bf16 (O16, load_o4), and the gate packed bf16 at [32 h + 16, 32 h + 32)
-//   (rows_bf16's 4D-word rows, with k and v in tiles, left 2D of every row unused: 3.0
-//   GiB of scratch at 1x1024 against 1.5 now).
-// 7 as 6 in fp16 hi + lo pairs (split_f16; attention_wgmma_f16x3, the fp32 mode; head dim
-//   32): per (b, i, head, 64 keys) 16 KiB, the K hi tile, the K lo tile, the V^T hi tile,
-//   the V^T lo tile, each as tiles_bf16's; the pair bias as fp16 hi and lo tiles (32 KiB per
-//   tile: hi, then lo). A qkvg row is 2D words here (QKVG_LD), k and v being in tiles
-//   only: per head 16 words of q's hi pairs then 16 of its lo pairs, at [32 h, 32 h + 32),
-//   where the attention writes that head's o; the gate fp32 at [D, 2D). So the scratch
-//   stays ~4x the input with the tiles (4D words a row would make it 6x). q, k and v
-//   arrive scaled by powers of two that keep them inside fp16's range (the weights are:
-//   DeviceWeights.f16x3_scales).
-// 8 as 7 with the hi parts only (attention_wgmma_f16, the tf32 mode; head dim 32): fp16
-//   keeps TF32's 11 significant bits, so q, k and v scaled into its range lose no more
-//   than TF32 rounding would. Per (b, i, head, 64 keys) 8 KiB, the K tile then the V^T tile
-//   (tiles_bf16's layout in fp16); qkvg rows of 2D words, q's 16 fp16 words per head at
-//   [32 h, 32 h + 16), the gate fp32 at [D, 2D) (in fp16, gates below fp16's
-//   normal range lost their bits and below ~6e-8 became 0); the pair bias in
-//   the fp32 K and V^T tiles (no longer written)'s fp16 tiles, stored times s_b = s_q s_k (the units the attention accumulates
-//   S in). The scales are DeviceWeights.qkv_scales' (f16_biased_scales: f16x3's, with s_q
-//   and s_k lowered where the scaled bias would leave fp16). The attention writes o in
-//   fp16, in v's units, over q (O16, load_o4).
+// How ln_qkvg_project stores q, k, v and the gate, for the kernels that read them: the
+// layouts of triattn_cupy/gpu/layouts.py, told apart by their features below (a qkvg row
+// is 4D words, D with SLOT_ROWS, 2D with F16_QKV: QKVG_LD; the attention writes o over
+// [0, D), in 16 bits over each head's first 16 words with O16):
+// rows_fp32 as computed (fp32): q, k, v, gate at words [0, D), [D, 2D), [2D, 3D), [3D, 4D).
+// rows_tf32 the same, k and v rounded to TF32 (KV_TF32; attention_mma_tf32 copies them as
+//   they are).
+// rows_bf16 packed bf16 (QG_PACKED, KV_BF16_ROWS; attention_mma_bf16; half the bytes):
+//   bf16 index c from word D holds k column c for c < D and v column c - D after it; q from
+//   word 2D (Q_WORD), the gate from word 5D/2 (GATE_WORD); [3D, 4D) unused. The attention
+//   rounds q to bf16 anyway; the gate in bf16 adds ~1e-3 to the mode's error. The pair bias
+//   in fp16 (BIAS_F16).
+// tiles_bf16 (KV_TILED: attention_wgmma_bf16; head dim 32): k and v in tiles only, per (b,
+//   i, head, 64 keys) 8 KiB, the K tile [64 keys][32 dims] bf16 in the 64-byte swizzle
+//   (sw64, store_kt), then the V^T tile [32 dims][64 keys] bf16 in the 128-byte swizzle,
+//   keys in their own order (store_vt); the pair bias in fp16 tiles of [128 queries][64
+//   keys] (bias_element). Keys past N are zero in V^T, left unwritten in K. qkvg rows of D
+//   words, a 32-word slot per head (SLOT_ROWS): q packed bf16 at [32 h, 32 h + 16) (dims
+//   2w, 2w + 1 in word w), where the attention writes the head's o in bf16 (O16, load_o4),
+//   and the gate packed bf16 at [32 h + 16, 32 h + 32) (rows of 4D words with k and v in
+//   tiles would leave 2D of every row unused: 3.0 GiB of scratch at 1x1024 against 1.5).
+// tiles_f16_hilo (HI_LO: attention_wgmma_f16x3, the fp32 mode): tiles_bf16's tiles in fp16
+//   hi + lo pairs (split_f16): per (b, i, head, 64 keys) 16 KiB, the K hi tile, the K lo
+//   tile, the V^T hi tile, the V^T lo tile; the pair bias as fp16 hi and lo tiles (32 KiB
+//   per tile: hi, then lo). A qkvg row is 2D words (F16_QKV): per head 16 words of q's hi
+//   pairs then 16 of its lo pairs, at [32 h, 32 h + 32), where the attention writes that
+//   head's o; the gate fp32 at [D, 2D). So the scratch stays ~4x the input with the tiles
+//   (4D words a row would make it 6x). q, k and v arrive scaled by powers of two that keep
+//   them inside fp16's range (the weights are: DeviceWeights.f16x3_scales).
+// tiles_f16 (attention_wgmma_f16, the tf32 mode; f16s, the bf16 mode): the hi parts only:
+//   fp16 keeps TF32's 11 significant bits, so q, k and v scaled into its range lose no
+//   more than TF32 rounding would. Per (b, i, head, 64 keys) 8 KiB, tiles_bf16's tiles in
+//   fp16; qkvg rows of 2D words, q's 16 fp16 words per head at [32 h, 32 h + 16), the gate
+//   fp32 at [D, 2D) (in fp16, gates below fp16's normal range lost their bits and below
+//   ~6e-8 became 0); the pair bias in fp16 tiles, stored times s_b = s_q s_k (the units
+//   the attention accumulates S in). The scales are DeviceWeights.qkv_scales'. The
+//   attention writes o in fp16, in v's units, over q (O16, load_o4).
+// (tiles_f16_slots, tiles_f16's tiles in tiles_bf16's rows with the gate in bf16, is
+// written by project_wgmma.cu only.)
 // The layout's features (triattn_cupy/gpu/layouts.py defines them per layout; all 0: the
 // fp32 rows, rows_fp32):
 #ifndef KV_TILED
@@ -126,14 +119,14 @@ __device__ __forceinline__ void map_column(Tile& acc, int j, float2 cb, F f) {
 #define HALF_PART 4096  // HI_LO: bytes from a hi K or V^T tile to its lo tile
 #define BIAS_TILE_BYTES (HI_LO ? 32768 : 16384)  // KV_TILED: per (b, head, 128 i, 64 j)
 
-// Where the fp32 V^T tiles (no longer written) writes V^T, and the block's first row (the unused fields of other formats).
+// Where the tiles go (vt), and the block's first row (the unused fields of the row layouts).
 struct VtTarget {
     float* vt;
     i64 m0;
     int N, H, npk;
 };
-// The pair bias's element type: fp32, or fp16 for rows_bf16 and the fp32 V^T tiles (no longer written) (the bf16 and the
-// wgmma TF32 attention): fp16 has TF32's 10-bit mantissa (the TF32 mode's products round
+// The pair bias's element type: fp32, or fp16 (BIAS_F16: rows_bf16 and the tiled layouts):
+// fp16 has TF32's 10-bit mantissa (the TF32 mode's products round
 // to it anyway; bf16's have 7), at half the bytes of a bias tile, the largest part of what
 // those kernels copy. Finite values beyond fp16's range saturate to +-65504 (2^-65504 is 0
 // in any softmax), -inf and NaN stay.
@@ -178,7 +171,7 @@ __device__ __forceinline__ void store_pair_bias(bias_t* __restrict__ brow, i64 j
 }
 
 #if KV_TILED
-// The pair bias in tiles (the fp32 K and V^T tiles (no longer written), tiles_bf16 and tiles_f16_hilo): per (b, head, 128 queries i, 64 keys j) 16 KiB
+// The pair bias in tiles (the tiled layouts): per (b, head, 128 queries i, 64 keys j) 16 KiB
 // (tiles_f16_hilo: 32 KiB, this tile and its lo parts after it: put_bias),
 // [128 rows i][64 keys j] fp16 in the 128-byte swizzle (wgmma.cuh sw128: rows of 128
 // bytes, read conflict-free by the attention's fragments without padding), so that one
@@ -240,10 +233,9 @@ __device__ __forceinline__ float4 load_o4(const float* row, int k) {
 }
 
 #if KV_TILED
-// V^T (the fp32 V^T tiles (no longer written) and the fp32 K and V^T tiles (no longer written); head dim 32): per (b, i, head), npk / 64 tiles of 8 KiB; a tile is 2
-// columns of 32 keys, each [32 dims][32 key positions] tf32 in rows of 128 bytes in the
-// 128-byte swizzle (sw128); key k of a tile at position vt_position(k % 64) (column
-// position / 32). Keys [N, npk) are zero: the attention multiplies them by P = 0, and
+// V^T (the tiled layouts; head dim 32): per (b, i, head, 64 keys) after the K tile, [32
+// dims][64 keys] 16-bit in rows of 128 bytes in the 128-byte swizzle (sw128), keys in
+// order (below). Keys [N, npk) are zero: the attention multiplies them by P = 0, and
 // the scratch memory is not cleared (it may hold NaN). Here: this thread's value pairs,
 // rows below rows_here, where vcol0 >= 0 is the v column (from 0) of its first pair: its
 // pairs j are 8j further, all of one head, dims c + 8j and c + 8j + 1 (c = vcol0 % 32 <
@@ -384,10 +376,9 @@ __device__ __forceinline__ void store_vt(Tile& acc, int vcol0, const VtTarget& t
 #endif
 
 #if KV_TILED
-// K tiles (the fp32 K and V^T tiles (no longer written), tiles_bf16 and tiles_f16_hilo): key k of pair (b, i) = bi, dims c + 8j, c + 8j + 1 of head h
-// (kcol0 = 32 h + c, as store_vt) at row k % 64 of its tile: the fp32 K and V^T tiles (no longer written) at byte 4 (c + 8j)
-// in the 128-byte swizzle, 8 bytes within one 16-byte chunk (c even); tiles_bf16 packed bf16
-// at byte 2 (c + 8j) in the 64-byte swizzle.
+// K tiles (the tiled layouts): key k of pair (b, i) = bi, dims c + 8j, c + 8j + 1 of head h
+// (kcol0 = 32 h + c, as store_vt) at row k % 64 of its tile, packed 16-bit at byte 2 (c +
+// 8j) in the 64-byte swizzle (tiles_f16_hilo: the hi tile, then the lo one).
 __device__ __forceinline__ void store_kt(Tile& acc, int kcol0, const VtTarget& to, int rows_here) {
     if (kcol0 < 0) return;
     const int h = kcol0 / 32, c = kcol0 % 32, ntiles = to.npk / 64;
@@ -422,8 +413,8 @@ __device__ __forceinline__ void st2(float* p, float2 v) { *reinterpret_cast<floa
 // Only in ln_qkvg_project's stores of tiles_bf16 and tiles_f16 (bf16 and tf32 past N = 128), where
 // it was measured faster (1x1024 tf32 1.38 -> 1.35 ms, bf16 1.238 -> 1.227; 1x384 tf32
 // 0.228 -> 0.219). It was slower in tiles_f16_hilo's (fp32: 2.38 -> 2.40) and in the out
-// projection's store_out (+0.005 to +0.026 ms in every mode), and in rows_fp32, rows_tf32 and the fp32 V^T tiles (no longer written) and
-// 5 it pushed the 128-row kernels into spills (rows_fp32 with 3xTF32 to 104 bytes).
+// projection's store_out (+0.005 to +0.026 ms in every mode), and in the row layouts it
+// pushed the 128-row kernels into spills (to 104 bytes).
 // benchmarks/NOTES.md.
 #define STORE_RUNS (KV_TILED && !HI_LO)
 template <int STRIDE, bool PACKED>

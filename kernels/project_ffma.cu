@@ -27,8 +27,8 @@
 //   WT    [D, NO] row-major: the PyTorch weight transposed (NO = 4D, or D for out_proj)
 //   mask  [B, N, N] at b*mb + i*mi + j*mj elements, of the type named by mask_kind
 //         (MASK_* in project_epilogue.cuh; read as is, so the caller converts nothing), or null
-//   qkvg  [M, 4D]; bias [B, H, N, NPK] (fp16 for rows_bf16); out [M, D] contiguous; vt unused (the fp32 V^T tiles (no longer written),
-//         project_epilogue.cuh, is written by the tensor-core projection only).
+//   qkvg  [M, 4D]; bias [B, H, N, NPK] (fp16 for rows_bf16); out [M, D] contiguous; vt unused (the tiled layouts
+//         are written by the tensor-core projections only).
 #include "common.cuh"
 #include "mma.cuh"
 

@@ -54,8 +54,7 @@ def check_projection_fits(pair_dim: int, smem_limit: int, gpu: str = "this GPU")
                          f"(pair_dim up to {fits} fits)")
 
 
-# precision -> the attention kernel variant (mma.sync): the fp32 mode's split products in
-# fp16, f16x3 (twice TF32's rate; 3xTF32, "tf32x3", stays for tests and sweeps)
+# The precision modes (the routes of each: routes.py)
 PRECISIONS = ("fp32", "tf32", "bf16")
 
 

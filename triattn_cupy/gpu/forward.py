@@ -116,15 +116,14 @@ class Forward:
 
     @property
     def qkvg(self):
-        """The scratch [M, 4D] float32 the stages share (q, k, v, gate; o over q), or [M,
-        2D] for KV_F16_FORMATS (q's fp16 words per head, hi and lo for f16x3, o over them;
-        the gate)."""
+        """The scratch [M, row words] float32 the stages share: q, k, v, gate (o over q) in
+        the layout's rows (layouts.Layout.row_words)."""
         return _cupy().ndarray(self.plan.qkvg_shape, np.float32, memptr=self._scratch)
 
     def attention_output(self):
         """o [M, D] float32 as the attention stage left it in qkvg: fp32 over [0, D), or
-        for KV_O16_FORMATS 16 bits over each head's first 16 words (bf16; fp16 in v's
-        units for KV_F16_TILES, undone here). For tests and tools: the out projection
+        for the layouts with o16 16 bits over each head's first 16 words (bf16; fp16 in v's
+        units, undone here). For tests and tools: the out projection
         reads it in place."""
         cupy = _cupy()
         o = self.qkvg[:, :self.D]

@@ -13,16 +13,16 @@ Tests and tools force a route by name (ROUTES) through `route=` of the public AP
     mma_f16x3_ffma      fp32       8.0+, other head dims                         project_mma f16x3 + attention_ffma
     mma_tf32_ffma       tf32, bf16 8.0+, other head dims                         project_mma tf32 + attention_ffma
     wgmma_f16x3         fp32       9.0, d = 32, N > 128, D != 128                project_mma f16x3 + attention_wgmma f16x3
-    wgmma_f16x3_tiles   fp32       9.0, d = 32, N > 128, D = 128                 project_tiles_split + attention_wgmma f16x3
+    wgmma_f16x3_tiles   fp32       9.0, d = 32, N > 128, D = 128                 project_wgmma_split + attention_wgmma f16x3
     wgmma_f16           tf32       9.0, d = 32, N > 128, D != 128                project_mma f16 + attention_wgmma f16
-    wgmma_f16_tiles     tf32       9.0, d = 32, N > 128, D = 128                 project_tiles + attention_wgmma f16
+    wgmma_f16_tiles     tf32       9.0, d = 32, N > 128, D = 128                 project_wgmma + attention_wgmma f16
     wgmma_bf16          bf16       9.0, d = 32, 128 < N < 768, D != 128          project_mma f16 + attention_wgmma bf16
-    wgmma_bf16_tiles    bf16       9.0, d = 32, 128 < N < 384, D = 128           project_tiles + attention_wgmma bf16
+    wgmma_bf16_tiles    bf16       9.0, d = 32, 128 < N < 384, D = 128           project_wgmma + attention_wgmma bf16
     wgmma_f16s          bf16       9.0, d = 32, N >= 768, D != 128               project_mma f16 + attention_wgmma f16s
-    wgmma_f16s_tiles    bf16       9.0, d = 32, N >= 768, D = 128, rows unaligned  project_mma f16 + attention_wgmma f16s + out tiles
-    wgmma_f16s_slots    bf16       9.0, d = 32, N >= 384, D = 128                project_tiles + attention_wgmma f16s (slot rows)
+    wgmma_f16s_tiles    bf16       9.0, d = 32, N >= 768, D = 128, rows unaligned  project_mma f16 + attention_wgmma f16s + out project_wgmma
+    wgmma_f16s_slots    bf16       9.0, d = 32, N >= 384, D = 128                project_wgmma + attention_wgmma f16s (slot rows)
 
-The "_tiles" routes run the persistent projections (project_tiles*.cu) for the out
+The "_tiles" routes run the persistent projections (project_wgmma*.cu) for the out
 projection, and for the LayerNorm projection where the pair's rows are 16-byte aligned
 (it copies whole rows); project_mma.cu otherwise. Where the weights' scores could leave
 fp16's range (scales.f16s_scales is None), the f16s routes give way to the bf16 ones.
