@@ -89,7 +89,7 @@ def cases():
 
 
 def _inputs(case):
-    """(pair, mask, weights' params) of a case, the same for both trees (seeded by case)."""
+    """(pair, mask) of a case on the host, the same for both trees (seeded by case)."""
     rng = np.random.default_rng(1000 + case["id"])
     B, N, D = case["B"], case["N"], case["D"]
     pair = (rng.standard_normal((B, N, N, D + (0 if case["aligned"] else 1)), np.float32)
