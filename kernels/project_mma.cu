@@ -139,6 +139,17 @@ __device__ __forceinline__ float* pair_at(Tile& acc, int s, int j) {
     return &acc.c[s / 2][j][2 * (s % 2)];
 }
 
+// Entry points by arithmetic: fp16 hi + lo (F16_TERMS 3), one fp16 product (1), TF32 (0)
+#if F16_TERMS == 3
+#define LN_QKVG_ENTRY ln_qkvg_project_mma_f16x3
+#define GATED_OUT_ENTRY gated_out_project_mma_f16x3
+#elif F16_TERMS == 1
+#define LN_QKVG_ENTRY ln_qkvg_project_mma_f16
+#define GATED_OUT_ENTRY gated_out_project_mma_f16
+#else
+#define LN_QKVG_ENTRY ln_qkvg_project_mma_tf32
+#define GATED_OUT_ENTRY gated_out_project_mma_tf32
+#endif
 #define EXACT_FP32 SPLIT  // the fp32 mode: exact gate and LayerNorm (project_epilogue.cuh)
 
 // LayerNorm on every thread of a 128-row block, 2 consecutive threads per row, instead of
@@ -589,7 +600,7 @@ __device__ __forceinline__ SmemLayout smem_layout(int dpad) {
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS, PROJECT_MIN_BLOCKS)
-ln_qkvg_project(const float* __restrict__ x, i64 sb, i64 si, i64 sj, i64 sc, int x_vec,
+LN_QKVG_ENTRY(const float* __restrict__ x, i64 sb, i64 si, i64 sj, i64 sc, int x_vec,
                 int B, int N, int D, int H, float eps, float q_scale,
                 const float* __restrict__ gamma, const float* __restrict__ beta,
                 const float* __restrict__ W, const float* __restrict__ b_qkvg,
@@ -766,7 +777,7 @@ ln_qkvg_project(const float* __restrict__ x, i64 sb, i64 si, i64 sj, i64 sc, int
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS, OUT_MIN_BLOCKS)
-gated_out_project(const float* __restrict__ qkvg, i64 M, int D,
+GATED_OUT_ENTRY(const float* __restrict__ qkvg, i64 M, int D,
                   const float* __restrict__ W, const float* __restrict__ b_out,
                   float* __restrict__ out
 #if F16_TERMS

@@ -203,7 +203,7 @@ __device__ __forceinline__ void layernorm_split_tile(char* smem, const float* ra
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
-ln_qkvg_project_wgmma(const float* __restrict__ x, i64 sb, i64 si, i64 sj, int B, int N, int H,
+ln_qkvg_project_wgmma_f16x3(const float* __restrict__ x, i64 sb, i64 si, i64 sj, int B, int N, int H,
                       float eps, const float* __restrict__ gamma_beta,  // [2][D], times a_scale
                       const uint4* __restrict__ w_image,  // 2 halves x 4 W_PART
                       const float* __restrict__ col_bias,  // [4 D]: bq, bk, bv (times s_q, s_k, s_v), bg
@@ -388,7 +388,7 @@ ln_qkvg_project_wgmma(const float* __restrict__ x, i64 sb, i64 si, i64 sj, int B
 #define OUT_TILES_SMEM (OFF_OBAR + 64 + 1024)
 
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
-gated_out_project_wgmma(const float* __restrict__ qkvg, i64 M,
+gated_out_project_wgmma_f16x3(const float* __restrict__ qkvg, i64 M,
                         const uint4* __restrict__ wo_image,  // 2 W_PART
                         const float* __restrict__ b_out, float* __restrict__ out,
                         float w_unscale) {

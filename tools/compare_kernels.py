@@ -41,8 +41,23 @@ ENTRY_RENAMES = {
     "attention_fp32": "attention_ffma_fp32",
     **{f"attention_{v}": f"attention_mma_{v}" for v in ("tf32x3", "tf32", "bf16", "f16x3")},
     **{f"attention_{v}_wgmma": f"attention_wgmma_{v}" for v in ("bf16", "f16x3", "f16", "f16s")},
-    "ln_qkvg_project_tiles": "ln_qkvg_project_wgmma",
-    "gated_out_project_tiles": "gated_out_project_wgmma"}
+}
+
+
+def entry_rename(name: str, key: str) -> str:
+    """The entry point an older tree's kernel `name` has here, in the configuration `key`
+    (normalized_key: the projections' names carry their engine and arithmetic)."""
+    if name.startswith(("ln_qkvg_project", "gated_out_project")):
+        stage = "ln_qkvg_project" if name.startswith("ln") else "gated_out_project"
+        if "project_ffma.cu" in key:
+            return f"{stage}_ffma_fp32"
+        if "project_wgmma_split.cu" in key:
+            return f"{stage}_wgmma_f16x3"
+        if "project_wgmma.cu" in key:
+            return f"{stage}_wgmma_f16"
+        terms = {'["F16_TERMS", 3]': "f16x3", '["F16_TERMS", 1]': "f16"}
+        return f"{stage}_mma_" + next((v for k, v in terms.items() if k in key), "tf32")
+    return ENTRY_RENAMES.get(name, name)
 OLD_LAYOUTS = {0: "rows_fp32", 1: "rows_tf32", 2: "rows_bf16", 6: "tiles_bf16",
                7: "tiles_f16_hilo", 8: "tiles_f16", 9: "tiles_f16_slots"}
 # Defines whose value is the kernel's own default, or which it no longer reads (dropped from
@@ -171,7 +186,7 @@ def main(argv=None):
     identical, differ = 0, []
     for index, key in enumerate(common):
         old, new = compiled[2 * index], compiled[2 * index + 1]
-        old = {ENTRY_RENAMES.get(name, name): digest for name, digest in old.items()}
+        old = {entry_rename(name, key): digest for name, digest in old.items()}
         if old == new and "<compile error>" not in new:
             identical += 1
         else:

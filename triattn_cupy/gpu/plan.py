@@ -124,7 +124,8 @@ class Plan:
             signature = LN_QKVG_PROJECT + (F16_TERMS_ARGS if self.project_f16 else Signature())
             self.project = Launch(
                 routes.project_config(rows, r.project, D, layout, r.products),
-                "ln_qkvg_project", -(-M // rows), tiles.PROJECT_THREADS,
+                f"ln_qkvg_project_{r.project}_{r.products}", -(-M // rows),
+                tiles.PROJECT_THREADS,
                 tiles.project_smem_bytes(D, rows, self.project_mma),
                 signature.bind(
                     x=Call("pair"), sb=sb, si=si, sj=sj, sc=sc, x_vec=x_vec, B=B, N=N, D=D, H=H,
@@ -144,7 +145,8 @@ class Plan:
                                              else Signature())
             self.out_project = Launch(
                 routes.project_config(out_rows, r.out_project, D, layout, r.products),
-                "gated_out_project", -(-M // out_rows), tiles.PROJECT_THREADS,
+                f"gated_out_project_{r.out_project}_{r.products}", -(-M // out_rows),
+                tiles.PROJECT_THREADS,
                 tiles.project_smem_bytes(D, out_rows, self.project_mma),
                 signature.bind(
                     qkvg=Call("qkvg"), M=M, D=D,
@@ -167,7 +169,8 @@ class Plan:
         extra = (dict(wb=dw.bias_weight(False, self.scales).data.ptr, a_unscale=1.0 / s.a)
                  if split else {})
         return Launch(
-            routes.project_tiles_config(self.layout), "ln_qkvg_project_wgmma",
+            routes.project_tiles_config(self.layout),
+            "ln_qkvg_project_wgmma_" + ("f16x3" if split else "f16"),
             min(n_tiles, dw.sm_count), tiles.TILES_THREADS, smem,
             signature.bind(
                 x=Call("pair"), sb=sb, si=si, sj=sj, B=B, N=N, H=H, eps=dw.eps,
@@ -183,7 +186,8 @@ class Plan:
         n_tiles = -(-self.M // tiles.TILES_ROWS)
         split = tiles.project_tiles_split(self.layout)
         return Launch(
-            routes.project_tiles_config(self.layout), "gated_out_project_wgmma",
+            routes.project_tiles_config(self.layout),
+            "gated_out_project_wgmma_" + ("f16x3" if split else "f16"),
             min(n_tiles, dw.sm_count), tiles.TILES_THREADS,
             tiles.project_tiles_smem_bytes(self.layout, out=True),
             GATED_OUT_PROJECT_TILES.bind(
