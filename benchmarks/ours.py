@@ -28,23 +28,29 @@ from .common import (ACCURACY_SEED, TIMING_SEED, TOLERANCE, host_inputs, is_fata
 from .roofline import precision_classes
 
 
-def system_name(precision) -> str:
-    return "ours_" + (str(precision) if precision else "fp32")
+# The route an A100 takes in each mode (mma.sync with the sm_80 tile tables), timed on this
+# GPU as its stand-in where the package can force routes (system ours_<precision>_sm80)
+SM80_ROUTES = {"fp32": "mma_f16x3@sm_80", "tf32": "mma_tf32@sm_80", "bf16": "mma_bf16@sm_80"}
 
 
-def label(precision) -> str:
-    return f"ours ({precision or 'fp32'})"
+def system_name(precision, route=None) -> str:
+    return "ours_" + (str(precision) if precision else "fp32") + ("_sm80" if route else "")
 
 
-def build(tc, weights, precision):
+def label(precision, route=None) -> str:
+    return f"ours ({precision or 'fp32'}{', sm_80 route' if route else ''})"
+
+
+def build(tc, weights, precision, route=None):
     """(module, call kwargs). precision=None: the package has a single (fp32) mode. The mode
-    goes to the constructor if it takes it, else to each call."""
+    goes to the constructor if it takes it, else to each call; a forced route to each call."""
+    forced = {"route": route} if route else {}
     if precision is None:
-        return tc.TriangleAttention(weights), {}
+        return tc.TriangleAttention(weights), forced
     try:
-        return tc.TriangleAttention(weights, precision=precision), {}
+        return tc.TriangleAttention(weights, precision=precision), forced
     except TypeError:
-        return tc.TriangleAttention(weights), {"precision": precision}
+        return tc.TriangleAttention(weights), {"precision": precision, **forced}
 
 
 class PoolPeak:
@@ -97,8 +103,11 @@ def run_ours(args, rec, deadline: float):
                    why_absent=f"not importable ({short_error(exc, 300)})")
         return
     precisions = tuple(getattr(tc, "PRECISIONS", None) or (None,))
-    names = [(system_name(p), p) for p in precisions]
-    names = [(n, p) for n, p in names if selected(n, args.systems)]
+    names = [(system_name(p), p, None) for p in precisions]
+    if hasattr(tc, "gpu") and hasattr(getattr(tc.gpu, "routes", None), "ROUTES"):
+        names += [(system_name(p, SM80_ROUTES[p]), p, SM80_ROUTES[p]) for p in precisions
+                  if p in SM80_ROUTES]
+    names = [(n, p, r) for n, p, r in names if selected(n, args.systems)]
     if not names:
         return
     why = None
@@ -110,8 +119,8 @@ def run_ours(args, rec, deadline: float):
                 why = "no CUDA device visible to CuPy"
         except Exception as exc:  # noqa: BLE001
             why = f"CUDA unusable ({short_error(exc, 200)})"
-    for n, p in names:
-        rec.system(n, label=label(p), kind="ours", precision=p or "fp32",
+    for n, p, r in names:
+        rec.system(n, label=label(p, r), kind="ours", precision=p or "fp32",
                    available=why is None, why_absent=why,
                    classes=list(precision_classes(n, p)))
     if why:
@@ -132,7 +141,7 @@ def run_ours(args, rec, deadline: float):
         pair, mask = host_inputs(size, ACCURACY_SEED)
         ref = reference_output(pair, mask, size.D, size.h)
         _, _, weights = make_weights(size.D, size.h)
-        for n, p in names:
+        for n, p, r in names:
             row = {"system": n, "size": str(size), "tolerance": _tolerance(n, p)}
             if ref is None or weights is None:
                 row["error"] = "no float64 reference (triattn_cupy.reference unavailable)"
@@ -140,7 +149,7 @@ def run_ours(args, rec, deadline: float):
                 row["error"] = state["dead"]
             else:
                 try:
-                    module, kw = build(tc, weights, p)
+                    module, kw = build(tc, weights, p, r)
                     d_pair, d_mask = cupy.asarray(pair), cupy.asarray(mask)
                     out = cupy.full(pair.shape, cupy.nan, dtype=cupy.float32)  # poisoned
                     try:
@@ -170,16 +179,16 @@ def run_ours(args, rec, deadline: float):
                 from .common import padding_mask
                 mask = cupy.asarray(padding_mask(size.B, size.N))
         except Exception as exc:  # noqa: BLE001
-            for n, _ in names:
+            for n, _, _ in names:
                 rec.add("runs", _row(n, size, "oom" if is_oom(exc) else "error",
                                      error=f"inputs: {short_error(exc)}"))
             xs = None
             _free(cupy)
             continue
         _, _, weights = make_weights(size.D, size.h)
-        for n, p in names:
+        for n, p, r in names:
             row = _time_one(cupy, tc, timer, args, n, p, size, xs, mask, weights, predictor,
-                            deadline, state)
+                            deadline, state, r)
             rec.add("runs", row["run"])
             if row.get("stages"):
                 rec.add("stages", row["stages"])
@@ -219,7 +228,7 @@ def _log_row(row):
 
 
 def _time_one(cupy, tc, timer, args, name, precision, size, xs, mask, weights, predictor,
-              deadline, state):
+              deadline, state, route=None):
     if state["dead"]:
         return {"run": _row(name, size, "skipped", note=state["dead"])}
     if xs is None or time.time() > deadline:
@@ -242,7 +251,7 @@ def _time_one(cupy, tc, timer, args, name, precision, size, xs, mask, weights, p
     try:
         tracker.start()
         try:
-            module, kw = build(tc, weights, precision)
+            module, kw = build(tc, weights, precision, route)
         except Exception:
             tracker.stop()
             raise

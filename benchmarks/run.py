@@ -41,6 +41,7 @@ from benchmarks.common import (ACCURACY_SEED, DEFAULT_ACC_SIZES, DEFAULT_SIZES, 
 from benchmarks.roofline import precision_classes  # noqa: E402
 
 SYSTEM_NAMES = ("ours_<precision> (one per triattn_cupy.PRECISIONS; ours_fp32 without it)",
+                "ours_<precision>_sm80 (the route an A100 takes, forced on this GPU)",
                 "ref_eager", "ref_eager_tf32", "sdpa", "cueq_fp32", "cueq_bf16",
                 "trifast_fp32", "trifast_bf16", "ref_compile")
 

@@ -1,6 +1,6 @@
 // Masked, biased softmax attention along the last pair axis, flash-style, on tensor cores
 // (mma.sync and ldmatrix through inline PTX: NVRTC cannot include <mma.h>). Same
-// computation, layouts and edge cases as attention.cu (FFMA); for every row (b, i), head h
+// computation, layouts and edge cases as attention_ffma.cu (FFMA); for every row (b, i), head h
 // and query j (q and bias pre-scaled by log2 e, so softmax is in base 2 and 2^x is one
 // instruction, fast_exp2):
 //
@@ -9,21 +9,21 @@
 //
 // Both products run on mma.sync; the online softmax (running max m, running sum l per
 // query) runs on the accumulators in registers, in fp32. Four precisions, one source:
-//   PREC 0  attention_tf32x3  fp32-accurate: every operand a = hi + lo with
+//   PREC 0  attention_mma_tf32x3  fp32-accurate: every operand a = hi + lo with
 //           hi = rna_tf32(a), lo = rna_tf32(a - hi), and a.b ~= lo.hi' + hi.lo' + hi.hi'
 //           (lo.lo' ~ 2^-22 |a.b| is dropped): three m16n8k8 tf32 mma per product,
 //           accumulated where the tensor cores' truncating accumulation cannot build up:
 //           Q K^T from zero with the bias added in fp32, each k-step of P V in a fresh
 //           fragment added to O in fp32
-//   PREC 1  attention_tf32    one m16n8k8 tf32 mma: q, k, v rounded to nearest TF32, P
+//   PREC 1  attention_mma_tf32    one m16n8k8 tf32 mma: q, k, v rounded to nearest TF32, P
 //           as is (truncated by the tensor cores; its row sums come from the same P)
-//   PREC 2  attention_bf16    m16n8k16 bf16 mma, fp32 accumulation
-//   PREC 3  attention_f16x3   fp32-accurate as PREC 0, in fp16 at twice TF32's rate: every
+//   PREC 2  attention_mma_bf16    m16n8k16 bf16 mma, fp32 accumulation
+//   PREC 3  attention_mma_f16x3   fp32-accurate as PREC 0, in fp16 at twice TF32's rate: every
 //           operand a = hi + lo with hi = rn_f16(a), lo = rn_f16(a - hi) (22 bits where
 //           lo is a normal fp16), three m16n8k16 fp16 mma per product, accumulated as
 //           PREC 0's. fp16's range is narrow: q, k and v are multiplied by powers of two
 //           s_q, s_k, s_v (kernel arguments, from a bound on the weights:
-//           _gpu.f16x3_scales) as they are split, which keep every value below 2^14, and
+//           gpu/scales.py f16x3_scales) as they are split, which keep every value below 2^14, and
 //           undone exactly: S = (Q K^T) / (s_q s_k) + bias, o = O / (s_v l). P is split
 //           as 2^(s - m + P_SHIFT) (at most 2^(RESCALE_SLACK + P_SHIFT) = 2^14, its lo
 //           parts normal down to 2^(s - m) ~ 2^-8; P_SHIFT cancels in O / l), its row
@@ -39,7 +39,7 @@
 // Key/value tiles (BK keys) reach shared memory in the form the tensor cores take, once
 // per block instead of once per warp, in one of two ways:
 //   DIRECT (TF32 and bf16): the projection already wrote k and v in that form (rounded to
-//     TF32, or packed bf16 at half the bytes; project.cu KV_FORMAT), so cp.async copies
+//     TF32, or packed bf16 at half the bytes: rows_tf32, rows_bf16), so cp.async copies
 //     them as they are into a ring of STAGES tiles (K, V and the bias tile), issued
 //     STAGES - 1 tiles ahead: one barrier per tile, no register staging.
 //   staged (3xTF32, f16x3): each tile is loaded into registers one tile ahead (in flight
@@ -70,15 +70,15 @@
 //   C (both):      c0 (g, 2t) c1 (g, 2t+1) c2 (g+8, 2t) c3 (g+8, 2t+1)
 //
 // Launch: grid ceil(N/BQ) * ceil(N/ROWS) * H * B, flattened (attention_block); block
-// THREADS; dynamic shared memory SMEM_BYTES (triattn_cupy/_configs.py mirrors it).
+// THREADS; dynamic shared memory SMEM_BYTES (triattn_cupy/gpu/tiles.py mirrors it).
 // Pointers: qkvg [B*N*N, 4D] float32 with q at column h*d, k at D + h*d, v at 2D + h*d
 // (o overwrites q: only this block reads those q values, and each warp reads its own
 // queries into registers before it writes them); k and v already rounded to TF32 for
-// attention_tf32; for attention_bf16 the columns [D, 2D) hold them packed as 2D bf16
+// attention_mma_tf32; for attention_mma_bf16 the columns [D, 2D) hold them packed as 2D bf16
 // values, k at bf16 index h*d and v at D + h*d from column D, and q packed from column 2D
-// (bf16 index h*d; project_epilogue.cuh KV_FORMAT 2), o still fp32 over [0, D).
-// bias [B, H, N, NPK] (fp16 for attention_bf16), NPK a multiple of BK (whole tiles are copied), -inf on the padded
-// keys [N, NPK). attention_f16x3 takes s_q, s_k, s_v (powers of two) after
+// (bf16 index h*d; project_epilogue.cuh rows_bf16), o still fp32 over [0, D).
+// bias [B, H, N, NPK] (fp16 for attention_mma_bf16), NPK a multiple of BK (whole tiles are copied), -inf on the padded
+// keys [N, NPK). attention_mma_f16x3 takes s_q, s_k, s_v (powers of two) after
 // nan_fully_masked. key_extent [B] (key_extent.cu) or null, last: not read here (every key
 // is visited; see the kernel).
 #include "common.cuh"
@@ -181,7 +181,7 @@ typedef u32 elem_t;  // tf32 bits
 #define PARTS (SPLIT ? 2 : 1)
 #define ROW_ELEMS (PARTS * (K_ELEMS + V_ELEMS))
 // Bias tiles [BQ][BSTR] fp32, or fp16 in bf16 mode (the projection holds the bias in fp16
-// there, KV_FORMAT 2: half the bytes of the largest copy, at 11 bits of precision where
+// there, rows_bf16: half the bytes of the largest copy, at 11 bits of precision where
 // the bf16 products have 8), after the rows' K/V.
 #if BF16
 typedef unsigned short bias_elem;  // fp16 bits
@@ -220,13 +220,13 @@ typedef float bias_elem;
 #define TF32_ONE 0x3f800000u   // 1.0f
 
 #if BF16
-#define ENTRY attention_bf16
+#define ENTRY attention_mma_bf16
 #elif F16X3
-#define ENTRY attention_f16x3
+#define ENTRY attention_mma_f16x3
 #elif TF32X3
-#define ENTRY attention_tf32x3
+#define ENTRY attention_mma_tf32x3
 #else
-#define ENTRY attention_tf32
+#define ENTRY attention_mma_tf32
 #endif
 
 extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
@@ -247,12 +247,12 @@ ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int 
     const AttentionBlock blk = attention_block(N, H, BQ, ROWS);
     const int qtile = blk.qtile, i0 = blk.i0, head = blk.head, b = blk.b;  // i0: first row
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    // Every key is visited here (key_extent, for attention_wgmma.cu and attention.cu, is
+    // Every key is visited here (key_extent, for attention_wgmma.cu and attention_ffma.cu, is
     // not read): a key loop ending at a loaded value is no longer uniform, and ptxas moved
     // the loop's address arithmetic from uniform to per-thread registers (tf32 at d = 16,
     // 2x128x64x4: 21 -> 30 µs; in shared memory, the value's barrier and static shared
     // memory pushed the 3xTF32 spills up and the 48 KiB bf16 tiles past the default limit:
-    // benchmarks/NOTES.md, session 18).
+    // benchmarks/NOTES.md).
     (void)key_extent;
     const int g = lane >> 2, t = lane & 3;  // fragment row group, thread in group
 

@@ -1,117 +1,87 @@
-// The TF32, the fp32-accurate (3xTF32) and the bf16 attention of attention_mma.cu
-// (attention_tf32, attention_tf32x3, attention_bf16) on Hopper's warpgroup products (wgmma, sm_90a; wgmma.cuh): the same
-// computation, outputs and edge cases. For every row (b, i), head h and query j (q and
-// bias pre-scaled by log2 e):
+// The attention of attention_mma.cu on Hopper's warpgroup products (wgmma, sm_90a;
+// wgmma.cuh), head dim 32, reading the tiled layouts: the same computation, outputs and
+// edge cases. For every row (b, i), head h and query j (q and bias pre-scaled by log2 e):
 //
 //   s[k]         = q[b,i,j,h] . k[b,i,k,h] + bias[b,h,j,k]    # bias = -inf where masked
 //   o[b,i,j,h]   = sum_k 2^(s[k] - max s) v[b,i,k,h] / sum_k 2^(s[k] - max s)
 //
 // Why: mma.sync keeps each warp issuing its own small products and waiting on them (at
-// N = 1024 the TF32 kernel reaches ~27% of the TF32 ceiling, its warps stalled on shared
+// N = 1024 its TF32 kernel reaches ~27% of the TF32 ceiling, its warps stalled on shared
 // memory and on the tensor cores' latency). A wgmma multiplies a 64-query tile by a whole
 // key tile in one instruction, reads K and V from shared memory itself, and runs while
 // the warps go on.
 //
 // Work split: a block owns ROWS pair rows i (of one batch b) and BQ = 128 queries of one
 // head; each row has 2 warpgroups of 64 queries. Per key tile of BK = 64 keys and
-// warpgroup:
-//   S (64 x 64) = bias + Q K^T   4 wgmma m64n64k8: Q (TF32, rounded to nearest) in
-//                                registers for the whole key loop, K from shared memory
-//   online softmax of S in registers, fp32 (as attention_mma.cu, lazy rescaling)
-//   [O | l] (64 x 40) += P [V | 1 | 0]   8 wgmma m64n40k8: P straight from S's registers
-//                                (as is: the tensor cores truncate it to TF32), V from
-//                                shared memory with a column of ones appended, so the row
-//                                sums l come out of the same product, from the same
-//                                truncated P, as O's numerator (column d of the result).
-// SPLIT (attention_tf32x3_wgmma, the fp32 mode): every operand a = hi + lo, hi =
-// rna_tf32(a), lo = rna_tf32(a - hi) (lo.lo' ~ 2^-22 |a.b| dropped), as attention_mma.cu's
-// PREC 0: Q's split once in registers; K's and V's where each thread's own copies land
-// (split_own: no extra barrier); P's as it is exponentiated. S = Q_hi K_lo + Q_lo K_hi +
-// Q_hi K_hi (12 wgmma, small terms first) from zero, the fp32 bias added after; P V
-// likewise (24 wgmma) into PV_GROUPS fresh accumulators per tile, each added to O in
-// fp32: the tensor cores' accumulation truncates, so its chains are kept short
-// (benchmarks/NOTES.md, session 9).
-// BF16 (attention_bf16_wgmma, BULK only): Q packed bf16 (the projection stores q so), written
+// warpgroup: S (64 x 64) = bias + Q K^T, the online softmax of S in registers (as
+// attention_mma.cu, lazy rescaling), and [O | l] (64 x 40) += P [V | 1 | 0] with P
+// straight from S's registers and a column of ones appended to V, so that the row sums l
+// come out of the same product, from the same rounded P, as O's numerator.
+// BF16 (attention_wgmma_bf16): Q packed bf16 (the projection stores q so), written
 // once to a shared-memory tile that S's products read by descriptor (Q_SHARED), 2 wgmma
 // m64n64k16 for S and 4 m64n40k16 for P V, P rounded to bf16 as it is
 // exponentiated; the projection writes K tiles [64 keys][32 dims] bf16 in the 64-byte
 // swizzle and V^T tiles [32 dims][64 keys] bf16, one 128-byte row per dim, keys in their own
-// order (a bf16 A fragment takes S's columns in order: KV_FORMAT 6); fp32 softmax and O.
-// F16X3 (attention_f16x3_wgmma, the fp32 mode on wgmma; BULK only): every operand a = hi +
-// lo in fp16, hi = rn(a), lo = rn(a - hi): 22 bits where lo is normal, as 3xTF32's, at
-// twice the rate of TF32 products (fp16 wgmma runs at bf16's rate). fp16's range is
-// narrow, so the projection scales q, k and v by powers of two that keep every value
-// below 2^14 (a bound from the weights: DeviceWeights.f16x3_scales) and the kernel undoes
-// them: S = (Q_hi K_lo + Q_lo K_hi + Q_hi K_hi) qk_unscale + bias, from zero as SPLIT's,
-// the bias held as fp16 hi and lo tiles (hi + lo, exact in fp32); P = 2^(S - m + P_SHIFT)
-// (at most 2^(8 + 6): P's lo parts stay normal down to P ~ 2^-9) split as exponentiated,
-// and [O | l] += P_hi V_lo + P_lo V_hi + P_hi V_hi into fresh accumulators (PV_GROUPS) added
-// to O in fp32; o = O v_unscale / l (P_SHIFT cancels). The projection writes per (b, i,
-// head, 64 keys) 16 KiB: the K hi and lo tiles as format 6's K tile, then the V^T hi and
-// lo tiles as its V^T tile (KV_FORMAT 7); qkvg rows of 2D words, q's 16 hi then 16 lo
-// words of packed fp16 per head where its o goes, the gate after; the bias as fp16 hi and
-// lo tiles, 32 KiB per tile.
-// F16X1 (attention_f16_wgmma, the tf32 mode on wgmma; BULK only): F16X3 with the hi parts
-// alone, one product each: fp16 keeps TF32's 11 significant bits, so q, k, v and P scaled
-// into its range lose no more than TF32's roundings (P is rounded to nearest here, where
-// the TF32 kernels' tensor cores truncate it), at bf16's rate and bytes. As BF16's: S =
-// bias + Q K^T (2 wgmma m64n64k16 onto the fp16 bias tile, Q from shared memory), but in
-// units of c = s_q s_k (the projection stores the bias times c: DeviceWeights.qkv_scales),
-// which the exponent's FFMA takes back out (qk_unscale = 1 / c): P = 2^((S - m) / c +
-// P_SHIFT); [O | l] += P V in 4 wgmma m64n40k16 straight into O; the projection writes
-// format 6's tiles in fp16, q's 16 fp16 words per head where its o goes (KV_FORMAT 8).
-// S16 (attention_f16s_wgmma, an option of F16X1 for the bf16 mode): the same inputs (KV_FORMAT
-// 8, scaled by _gpu.f16s_scales so that |bias| + |q . k| <= 2^15 in S's units c = s_q s_k,
-// c >= 1), S = bias + Q K^T in fp16 accumulators (wgmma .f16.f16.f16): the bias tile's
-// fp16 pairs are the accumulator's start as loaded, the row maxima and the exponent run on
-// fp16 pairs (P = 2^x, x = S / c + P16_SHIFT - m / c in one fma.rn.f16x2, ex2.approx.f16x2),
-// and P comes out packed as P V's A fragment; [O | l] += P V stays fp32. S keeps fp16's 11
-// bits (PyTorch's bf16 S keeps 8); x rounds to fp16 (half an ulp 2^-11..2^-10 where P is
-// largest), ex2.approx.f16's own error is ~2^-10 relative. ~154 instructions per warp and
-// 64-key tile against F16X1's ~227 (scripts/sass_loop_count.py).
-// tf32 operands must be K-major: K [key][dim] already is (the projection's layout); V
-// must be read as V^T [dim][key]. TF32: the projection writes V^T for this kernel, tile by
-// tile, exactly as shared memory holds it (project_epilogue.cuh KV_FORMAT 3): copying it
-// is a straight copy. SPLIT: V is copied as the projection wrote it (fp32, KV_FORMAT 0)
-// and transposed by the split (a V^T writer in the 3xTF32 projection spilled 152 bytes
-// and cost it 0.6 ms at 1x1024). P's register layout (its A fragment takes S's columns
-// 2t, 2t+1 as A's t, t+4) fixes which key each V^T position holds: within each 8 keys,
-// position p holds key 2p (p < 4) or 2(p - 4) + 1 (p >= 4), the inverse of vt_position
-// (mma.cuh).
+// order (a bf16 A fragment takes S's columns in order: tiles_bf16); fp32 softmax and O.
+// F16X3 (attention_wgmma_f16x3, the fp32 mode): every operand a = hi + lo in fp16, hi =
+// rn(a), lo = rn(a - hi): 22 bits where lo is normal, as 3xTF32's, at twice the rate of
+// TF32 products (fp16 wgmma runs at bf16's rate). fp16's range is narrow, so the
+// projection scales q, k and v by powers of two that keep every value below 2^14 (a bound
+// from the weights: DeviceWeights.f16x3_scales) and the kernel undoes them: S = (Q_hi K_lo
+// + Q_lo K_hi + Q_hi K_hi) qk_unscale + bias (12 wgmma, small terms first) from zero, the
+// bias held as fp16 hi and lo tiles (hi + lo, exact in fp32) and added in fp32 after; P =
+// 2^(S - m + P_SHIFT) (at most 2^(8 + 6): P's lo parts stay normal down to P ~ 2^-9)
+// split as exponentiated, and [O | l] += P_hi V_lo + P_lo V_hi + P_hi V_hi into
+// PV_GROUPS fresh accumulators per tile, each added to O in fp32 (the tensor cores'
+// accumulation truncates, so its chains are kept short); o = O v_unscale / l (P_SHIFT
+// cancels). The projection writes per (b, i, head, 64 keys) 16 KiB: the K hi and lo tiles
+// as tiles_bf16's K tile, then the V^T hi and lo tiles as its V^T tile (tiles_f16_hilo);
+// qkvg rows of 2D words, q's 16 hi then 16 lo words of packed fp16 per head where its o
+// goes, the gate after; the bias as fp16 hi and lo tiles, 32 KiB per tile.
+// F16X1 (attention_wgmma_f16, the tf32 mode): F16X3 with the hi parts alone, one product
+// each: fp16 keeps TF32's 11 significant bits, so q, k, v and P scaled into its range
+// lose no more than TF32's roundings, at bf16's rate and bytes. As BF16's: S = bias + Q K^T
+// (2 wgmma m64n64k16 onto the fp16 bias tile, Q from shared memory), but in units of c =
+// s_q s_k (the projection stores the bias times c: DeviceWeights.qkv_scales), which the
+// exponent's FFMA takes back out (qk_unscale = 1 / c): P = 2^((S - m) / c + P_SHIFT);
+// [O | l] += P V in 4 wgmma m64n40k16 straight into O; the projection writes tiles_bf16's
+// tiles in fp16, q's 16 fp16 words per head where its o goes (tiles_f16).
+// S16 (attention_wgmma_f16s, F16X1 for the bf16 mode): the same inputs (tiles_f16, or
+// SLOT_ROWS tiles_f16_slots, scaled by gpu/scales.py f16s_scales so that |bias| + |q . k|
+// <= 2^15 in S's units c = s_q s_k, c >= 1), S = bias + Q K^T in fp16 accumulators (wgmma
+// .f16.f16.f16): the bias tile's fp16 pairs are the accumulator's start as loaded, the row
+// maxima and the exponent run on fp16 pairs (P = 2^x, x = S / c + P16_SHIFT - m / c in one
+// fma.rn.f16x2, ex2.approx.f16x2), and P comes out packed as P V's A fragment; [O | l] +=
+// P V stays fp32. S keeps fp16's 11 bits (PyTorch's bf16 S keeps 8); x rounds to fp16
+// (half an ulp 2^-11..2^-10 where P is largest), ex2.approx.f16's own error is ~2^-10
+// relative. ~154 instructions per warp and 64-key tile against F16X1's ~227.
+// P's register layout fixes which key each V^T position holds: within each 8 keys of a
+// 16-bit tile, keys in order (a 16-bit A fragment takes S's columns in order).
 //
-// Shared memory, all parts 1024-byte aligned (128-byte swizzle atoms; wgmma.cuh), STAGES x
-//   ROWS x K tile [BK][32] tf32 (8 KiB; BF16, F16X1: 16-bit, 4 KiB, 64-byte swizzle; F16X3: its
-//     hi then its lo tile [64][32] fp16, 8 KiB)
-//   ROWS x V^T tile: 2 columns of 32 keys, each [d + 8 rows][32 key positions] tf32 (5 KiB;
-//     row d is ones, d + 1 .. d + 7 zeros: written once, never copied over; BF16: one
-//     column of 64 keys in bf16 (F16X1: fp16); F16X3: the hi column then the lo column (its ones row
-//     zero), 64 keys in fp16 each)
-//   the bias tile [BQ][BK + 8] fp16 (KV_FORMAT 3 holds the bias in fp16: TF32's mantissa,
-//     half the bytes of the largest copy), or fp32 (SPLIT), or (BULK) [BQ][BK] fp16 with
-//     rows in the 128-byte swizzle, as the projection writes it (conflict-free unpadded;
-//     F16X3: the hi tile then the lo tile)
-//   SPLIT: LO, the lo parts of the stage's K and V^T tiles (their layout; V^T's ones row
-//     zero there), and V as copied ([key][dim], K's layout), for split_own
-// copied STAGES - 1 tiles ahead (cp.async; one barrier per tile), or (BULK, the default
-// for TF32) by warp 0 with bulk copies, one per K tile, V^T column and bias tile, paced by
+// Shared memory, all parts 1024-byte aligned (wgmma.cuh), STAGES x
+//   ROWS x K tile [BK][32] 16-bit, 4 KiB, 64-byte swizzle (F16X3: its hi then its lo tile)
+//   ROWS x V^T tile: one column of 64 keys, [d + 8 rows][64 keys] 16-bit (row d is ones,
+//     d + 1 .. d + 7 zeros: written once, never copied over; F16X3: the hi column then the
+//     lo column, its ones row zero)
+//   the bias tile [BQ][BK] fp16 with rows in the 128-byte swizzle, as the projection
+//     writes it (conflict-free unpadded; F16X3: the hi tile then the lo tile)
+// filled by warp 0 with bulk copies, one per K tile, V^T column and bias tile, paced by
 // the mbarriers full[STAGES] and empty[STAGES] after the stages (no barrier in the loop).
 //
 // Launch: grid ceil(N/BQ) * ceil(N/ROWS) * H * B, flattened (attention_block); block
-// THREADS = 256 ROWS; dynamic shared memory SMEM_BYTES (triattn_cupy/_configs.py mirrors
-// it). Pointers: qkvg [B*N*N, 4D] with q fp32 and k rounded to TF32 (KV_FORMAT 3; SPLIT:
-// q, k, v fp32 as attention_tf32x3 reads them, KV_FORMAT 0; BULK: q only, KV_FORMAT 5;
-// BF16: rows of D words, q's packed bf16 words per head at [32 h, 32 h + 16), KV_FORMAT
-// 6; F16X1: rows of 2D words, q's fp16 words per head at [32 h, 32 h + 16), KV_FORMAT 8;
-// F16X3: rows of 2D words, q's hi and lo per head at [32 h, 32 h + 32), KV_FORMAT 7), o
+// THREADS = 256 ROWS; dynamic shared memory SMEM_BYTES (triattn_cupy/gpu/tiles.py mirrors
+// it). Pointers: qkvg [B*N*N, ...] (q only;
+// BF16: rows of D words, q's packed bf16 words per head at [32 h, 32 h + 16), tiles_bf16;
+// F16X1: rows of 2D words, q's fp16 words per head at [32 h, 32 h + 16), tiles_f16;
+// F16X3: rows of 2D words, q's hi and lo per head at [32 h, 32 h + 32), tiles_f16_hilo), o
 // written over [0, D) of each row (O16: packed bf16 or fp16 over [32 h, 32 h + 16) per
 // head, where BF16's and F16X1's q was);
-// bias [B, H, N, NPK] fp16 (fp32 for SPLIT; BULK: the tiles of project_epilogue.cuh
-// bias_element), NPK a multiple of BK, -inf on the padded keys; vt
-// (not SPLIT) the V^T tiles ([B, N, H, NPK / 64] tiles of 8 KiB, zero past key N; BULK:
-// 16 KiB, the K tile then the V^T tile; BF16, F16X1: 8 KiB; F16X3: 16 KiB, K hi, K lo, V^T hi,
-// V^T lo); F16X3, F16X1: qk_unscale = 1 / (s_q s_k) and v_unscale = 1 / s_v, the projection's
-// scales undone (F16X1's o stays in v's units: the out projection undoes s_v); key_extent
-// [B] (key_extent.cu) or null: the key loop stops at the tile holding key key_extent[b] - 1
+// bias: the tiles of project_epilogue.cuh bias_element, NPK a multiple of BK, -inf on the
+// padded keys; vt: per (b, i, head, 64 keys) the K tile then the V^T tile (BF16, F16X1:
+// 8 KiB; F16X3: 16 KiB, K hi, K lo, V^T hi, V^T lo), zero past key N in V^T; F16X3, F16X1:
+// qk_unscale = 1 / (s_q s_k) and v_unscale = 1 / s_v, the projection's scales undone
+// (F16X1's o stays in v's units: the out projection undoes s_v); key_extent [B]
+// (key_extent.cu) or null: the key loop stops at the tile holding key key_extent[b] - 1
 // (visited_keys).
 #include "common.cuh"
 #include "wgmma.cuh"
@@ -128,32 +98,23 @@
 #ifndef MIN_BLOCKS
 #define MIN_BLOCKS 2    // __launch_bounds__ occupancy hint
 #endif
-#ifndef PINGPONG
-#define PINGPONG 0      // 1: a row's second warpgroup starts its Q K^T when the first's is done
-#endif
-#ifndef SPLIT
-#define SPLIT 0         // 1: 3xTF32 (attention_tf32x3_wgmma), 0: TF32 (attention_tf32_wgmma)
-#endif
 #ifndef PV_GROUPS
-#define PV_GROUPS 2     // SPLIT, F16X3: fresh P V accumulators per key tile (1, 2 or 4)
-#endif
-#ifndef BULK
-#define BULK 0          // 1: tiles by bulk copies from K and V^T tiles (KV_FORMAT 5, 6, 7), mbarriers
+#define PV_GROUPS 2     // F16X3: fresh P V accumulators per key tile (1, 2 or 4)
 #endif
 #ifndef BF16
-#define BF16 0          // 1: bf16 operands (attention_bf16_wgmma; BULK, KV_FORMAT 6)
+#define BF16 0          // 1: bf16 operands (attention_wgmma_bf16; tiles_bf16)
 #endif
 #ifndef F16X3
-#define F16X3 0         // 1: fp16 hi + lo operands (attention_f16x3_wgmma; BULK, KV_FORMAT 7)
+#define F16X3 0         // 1: fp16 hi + lo operands (attention_wgmma_f16x3; tiles_f16_hilo)
 #endif
 #ifndef F16X1
-#define F16X1 0         // 1: fp16 operands, one product (attention_f16_wgmma; BULK, KV_FORMAT 8)
+#define F16X1 0         // 1: fp16 operands, one product (attention_wgmma_f16; tiles_f16)
 #endif
 #ifndef S16
-#define S16 0           // F16X1 with S in fp16 accumulators (attention_f16s_wgmma; the bf16 mode's option)
+#define S16 0           // F16X1 with S in fp16 accumulators (attention_wgmma_f16s; the bf16 mode's option)
 #endif
 #ifndef SLOT_ROWS
-#define SLOT_ROWS 0     // F16X1: qkvg rows of D words, q and the gate in each head's slot (KV_FORMAT 9), not 2D
+#define SLOT_ROWS 0     // F16X1: qkvg rows of D words, q and the gate in each head's slot (tiles_f16_slots), not 2D
 #endif
 #ifndef P16_SHIFT
 #define P16_SHIFT 2.f   // S16: P = 2^((S - m) / c + P16_SHIFT), at most 2^(RESCALE_SLACK + 2)
@@ -185,11 +146,8 @@ static_assert(HEAD_DIM == 32, "O16: a lane's o values of a row are one 16-byte s
 #if HEAD_DIM != 32
 #error "attention_wgmma.cu: HEAD_DIM must be 32 (one swizzle row of K per key)"
 #endif
-#if BF16 && (!BULK || SPLIT)
-#error "attention_wgmma.cu: BF16 is a BULK variant, without SPLIT"
-#endif
-#if F16 && (!BULK || SPLIT || BF16 || (F16X3 && F16X1))
-#error "attention_wgmma.cu: F16X3 and F16X1 are BULK variants, without SPLIT, BF16 or each other"
+#if BF16 + F16X3 + F16X1 != 1
+#error "attention_wgmma.cu: exactly one of BF16, F16X3 and F16X1"
 #endif
 #define P_SHIFT 6.f  // F16: P scaled by 2^6 (at most 2^(RESCALE_SLACK + 6), inside fp16)
 #if S16 && !F16X1
@@ -205,54 +163,40 @@ static_assert(HEAD_DIM == 32, "O16: a lane's o values of a row are one 16-byte s
 #define K_TILE ((1 + F16X3) * K_PART)     // bytes
 // V^T columns per tile: rows of 128 bytes of keys (F16X3: the hi column, then the lo)
 #define VT_COLUMNS (BF16 || F16X1 ? 1 : F16X3 ? 2 : BK / 32)
-#define VT_COLUMN (ON * 128)              // one column of V^T: 32 tf32 keys or 64 16-bit
+#define VT_COLUMN (ON * 128)              // one column of V^T: 64 16-bit keys
 #define VT_TILE (VT_COLUMNS * VT_COLUMN)
 #define VT_COPIED (VT_COLUMNS * HEAD_DIM * 128)  // bytes of a V^T tile the projection wrote
-#if SPLIT
-typedef float bias_elem;
-#define ENTRY attention_tf32x3_wgmma
-#elif BF16
+#if BF16
 typedef unsigned short bias_elem;  // fp16 bits
-#define ENTRY attention_bf16_wgmma
+#define ENTRY attention_wgmma_bf16
 #elif F16X3
 typedef unsigned short bias_elem;  // fp16 bits: the hi tile, then the lo
-#define ENTRY attention_f16x3_wgmma
+#define ENTRY attention_wgmma_f16x3
 #elif F16X1 && S16
 typedef unsigned short bias_elem;  // fp16 bits
-#define ENTRY attention_f16s_wgmma
-#elif F16X1
-typedef unsigned short bias_elem;  // fp16 bits
-#define ENTRY attention_f16_wgmma
+#define ENTRY attention_wgmma_f16s
 #else
 typedef unsigned short bias_elem;  // fp16 bits
-#define ENTRY attention_tf32_wgmma
+#define ENTRY attention_wgmma_f16
 #endif
-#define BIAS_BYTES (SPLIT ? 4 : 2)       // sizeof(bias_elem), for the preprocessor
+#define BIAS_BYTES 2                     // sizeof(bias_elem), for the preprocessor
 #define BIAS_CHUNK (16 / BIAS_BYTES)      // bias elements per 16-byte copy
 // Elements per bias row: the 8 rows g of a fragment read (8 g + 2t) words apart for fp32
 // pairs, (4 g + t) for fp16 pairs: on distinct banks either way.
 #define BSTR (BK + 8)
-#if BULK  // the projection's bias tile as is: [BQ][BK] fp16, rows swizzled (no padding)
 #define BIAS_PART (BQ * BK * 2)
 #define BIAS_TILE ((1 + F16X3) * BIAS_PART)  // F16X3: the hi part, then the lo
-#else
-#define BIAS_TILE (BQ * BSTR * BIAS_BYTES)  // bytes
-#endif
 #define VT_OFFSET (ROWS * K_TILE)         // in a stage
 #define BIAS_OFFSET (ROWS * (K_TILE + VT_TILE))
-// SPLIT: the lo parts of the stage's K and V^T tiles, laid out as the hi parts from 0;
-// then V as copied ([key][dim], K's layout), before the split transposes it
-#define LO_OFFSET (BIAS_OFFSET + BIAS_TILE)
-#define V_OFFSET (LO_OFFSET + BIAS_OFFSET)
-#define STAGE_BYTES (LO_OFFSET + SPLIT * (BIAS_OFFSET + ROWS * K_TILE))
-// BULK: then the mbarriers full[STAGES], empty[STAGES]; + 1024: the dynamic shared memory
+#define STAGE_BYTES (BIAS_OFFSET + BIAS_TILE)
+// Then the mbarriers full[STAGES], empty[STAGES]; + 1024: the dynamic shared memory
 // is aligned up to 1024 bytes at run time
 // Q_SHARED: then (from the next 1024 bytes) each warpgroup's Q tile [64 queries][32 dims],
 // 16-bit, in the 64-byte swizzle (K's layout), 4 KiB.
 #define Q_OFFSET (STAGES * STAGE_BYTES + 1024)
 #define Q_TILE (64 * HEAD_DIM * 2)  // bytes
 #define SMEM_BYTES (Q_SHARED ? Q_OFFSET + 2 * ROWS * Q_TILE + 1024 \
-                             : STAGES * STAGE_BYTES + BULK * 16 * STAGES + 1024)
+                             : STAGES * STAGE_BYTES + 16 * STAGES + 1024)
 
 // Per row and tile, 512 16-byte chunks each of K (8 per key: 4 dims each) and of V^T.
 #define COPIES (ROWS * BK * 8)
@@ -263,13 +207,10 @@ typedef unsigned short bias_elem;  // fp16 bits
 #if PV_GROUPS != 1 && PV_GROUPS != 2 && PV_GROUPS != 4
 #error "attention_wgmma.cu: PV_GROUPS must be 1, 2 or 4"
 #endif
-#if BULK && (SPLIT || PINGPONG)
-#error "attention_wgmma.cu: BULK is for the TF32, BF16, F16X3 and F16X1 kernels, without ping-pong"
-#endif
-#define KV_TILES (K_TILE + VT_COPIED)  // BULK: bytes per (b, i, head, 64 keys): K's tile, then V^T's
+#define KV_TILES (K_TILE + VT_COPIED)  // bytes per (b, i, head, 64 keys): K's tile, then V^T's
 
 // d += a_hi b_lo + a_lo b_hi + a_hi b_hi over the k-steps kk in [k0, k1), small terms
-// first (SPLIT, F16X3): product(d, a, kk, lo, first) issues k-step kk's wgmma of A
+// first (F16X3): product(d, a, kk, lo, first) issues k-step kk's wgmma of A
 // fragment a against B's lo (or hi) part; `first` for the first of the chain (which may
 // overwrite d instead of adding to it). (A function, not a generic lambda: the NVRTC of
 // CUDA 13.0 takes a lambda with auto parameters for a host function.)
@@ -291,9 +232,7 @@ __device__ __forceinline__ void three_terms(Acc& d, const Frags& ah, const Frags
 extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
 ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int npk,
       int nan_fully_masked
-#if !SPLIT
       , const float* __restrict__ vt
-#endif
 #if F16
       , float qk_unscale, float v_unscale
 #endif
@@ -328,28 +267,9 @@ ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int 
     const int q0 = qtile * BQ + q_in_tile;
 
     // ---- the bias tile of the block's BQ queries, shared by its rows (attention_mma.cu) ----
-#if !BULK  // (BULK: produce(), below)
-    const char* const bias_bh = reinterpret_cast<const char*>(bias + ((i64)b * H + head) * N * npk);
-#define RSTEP (THREADS / (BK / BIAS_CHUNK))  // rows between a thread's 16-byte copies
-    const int copy_col = BIAS_CHUNK * (tid % (BK / BIAS_CHUNK)), copy_row = tid / (BK / BIAS_CHUNK);
-    const int copy_q = qtile * BQ + copy_row;
-    // Byte offsets within bias[b, head] (N * npk elements: below 2^32 bytes up to N ~ 32000).
-    const u32 bias_src = BIAS_BYTES * ((u32)copy_q * npk + copy_col);
-    const u32 bias_rstep = BIAS_BYTES * RSTEP * npk;
-    const u32 bias_dst = BIAS_BYTES * (copy_row * BSTR + copy_col);
-    auto copy_bias = [&](int k0, u32 tile) {
-        const char* const src = opaque(bias_bh + bias_src + BIAS_BYTES * k0);
-#pragma unroll
-        for (int it = 0; it < BQ / RSTEP; ++it)
-            cp_async16_or_zero(tile + bias_dst + BIAS_BYTES * it * RSTEP * BSTR,
-                               src + it * bias_rstep, copy_q + it * RSTEP < N);
-    };
-#endif
 
-    // ---- Q: A fragments per 8-dim k-step, rounded to TF32 (zero past N); SPLIT: qa the
-    // hi parts, qa_lo the lo; BF16: per 16-dim k-step, packed bf16 pairs as the projection
+    // ---- Q: A fragments (zero past N); BF16: per 16-dim k-step, packed bf16 pairs as the projection
     // stored them (in the head's slot: project_epilogue.cuh BF16_SLOTS) ----
-#if HALF16
     u32 qa[HEAD_DIM / 16][4];
 #if F16X3
     u32 ql[HEAD_DIM / 16][4];  // the lo parts, HEAD_DIM / 2 words after the hi
@@ -388,30 +308,6 @@ ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int 
                                     + sw64(16 * (warp % 4) + g + 8 * (e & 1),
                                            32 * kk + 4 * t + 16 * (e >> 1))) = qa[kk][e];
 #endif
-#else
-    u32 qa[DT][4];
-#if SPLIT
-    u32 qa_lo[DT][4];
-#endif
-    {
-        const int j0 = q0 + g, j1 = j0 + 8;
-        const bool ok0 = row_ok && j0 < N, ok1 = row_ok && j1 < N;
-#pragma unroll
-        for (int kk = 0; kk < DT; ++kk) {
-            const int c = 8 * kk + t;
-            qa[kk][0] = to_tf32(ok0 ? row[(i64)j0 * ld + c] : 0.f);
-            qa[kk][1] = to_tf32(ok1 ? row[(i64)j1 * ld + c] : 0.f);
-            qa[kk][2] = to_tf32(ok0 ? row[(i64)j0 * ld + c + 4] : 0.f);
-            qa[kk][3] = to_tf32(ok1 ? row[(i64)j1 * ld + c + 4] : 0.f);
-#if SPLIT  // the lo parts from the same loads
-            qa_lo[kk][0] = to_tf32((ok0 ? row[(i64)j0 * ld + c] : 0.f) - __uint_as_float(qa[kk][0]));
-            qa_lo[kk][1] = to_tf32((ok1 ? row[(i64)j1 * ld + c] : 0.f) - __uint_as_float(qa[kk][1]));
-            qa_lo[kk][2] = to_tf32((ok0 ? row[(i64)j0 * ld + c + 4] : 0.f) - __uint_as_float(qa[kk][2]));
-            qa_lo[kk][3] = to_tf32((ok1 ? row[(i64)j1 * ld + c + 4] : 0.f) - __uint_as_float(qa[kk][3]));
-#endif
-        }
-    }
-#endif
 
     // ---- this thread's copies of a tile: K chunk c (4 dims) of key `key` of row r0, and
     // V^T chunk `vq` (16 bytes of the tile's 8 KiB as the projection wrote it) of row r0;
@@ -423,111 +319,11 @@ ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int 
 #if KEY_STEP % 32 != 0 || COPIES_PER_THREAD * KEY_STEP > BK
 #error "attention_wgmma.cu: a thread's copies must keep its key position in a 32-key column"
 #endif
-#if !SPLIT
-    const int ntiles = npk / BK;  // key tiles per row of V^T (and BULK: of K and the bias)
-#endif
-#if !BULK
-    const int cc = tid % 8, key = (tid / 8) % BK, r0 = tid / (8 * BK);
-    // K sources as 32-bit byte offsets from k of row i0 at key 0 (attention_mma.cu: fine
-    // unless N > 43000).
-    const char* const k_base = reinterpret_cast<const char*>(row_base(0) + D);
-    const u32 copy_src = (u32)(((i64)r0 * N + key) * ld * 4) + 16 * cc;
-    const u32 src_step = (u32)((i64)(ROW_STEP * N + KEY_STEP) * ld * 4);
-    const u32 k_dst = r0 * K_TILE + sw128(key, 16 * cc);
-#define K_DST_STEP (ROW_STEP * K_TILE + KEY_STEP * 128)
-#if !SPLIT
-    // V^T: the tiles of (b, i0 + r, head) are npk / 64 x 8 KiB from vt_row0 + r * vt_rstride;
-    // chunk q of a tile lands in column q / 256 (the copied 4 KiB of each 5 KiB column).
-    // This thread copies chunk tid % 512 of row tid / 512 (= 0), then VT_STEP_CHUNKS
-    // chunks (ROWS 1: the second column) or VT_STEP_ROWS rows (ROWS 2) further.
-#define VT_STEP_ROWS (THREADS / (VT_COPIED / 16))
-#define VT_STEP_CHUNKS (THREADS % (VT_COPIED / 16))
-    const i64 vt_rstride = (i64)H * ntiles * VT_COPIED;
-    const char* const vt_row0 = reinterpret_cast<const char*>(vt)
-                                + (((i64)b * N + i0) * H + head) * ntiles * VT_COPIED;
-    const int vq = tid % (VT_COPIED / 16);
-    const u32 vt_dst = (vq / 256) * VT_COLUMN + 16 * (vq % 256);
-#define VT_DST_STEP (VT_STEP_ROWS * VT_TILE + VT_STEP_CHUNKS / 256 * VT_COLUMN)
-#endif
-    // Whether copy `it` of the tile at k0 holds data (else zeros): K's (and SPLIT: V's) row
-    // and key below N; V^T's row below N (its keys past N are zeros already).
-    auto holds = [&](int it, int k0) {
-        return k0 + key + it * KEY_STEP < N && (ROW_STEP == 0 || i0 + r0 + it * ROW_STEP < N);
-    };
-#endif
+    const int ntiles = npk / BK;  // key tiles per row of V^T (and of K and the bias)
 
-#if !BULK  // (BULK: produce(), below)
-    auto issue = [&](int k0, int stage) {  // K, V^T and bias of the tile at k0, then commit
-        if (k0 < keys) {
-            const u32 st = smem_s + stage * STAGE_BYTES;
-            const char* const tile_base = k_base + (i64)k0 * ld * 4 + copy_src;
-#pragma unroll
-            for (int it = 0; it < COPIES_PER_THREAD; ++it) {
-                const bool ok = holds(it, k0);
-                cp_async16_or_zero(st + k_dst + it * K_DST_STEP,
-                                   ok ? tile_base + it * src_step : k_base, ok);
-#if SPLIT  // V's chunk of the same key and dims, 4D bytes further along the qkvg row
-                cp_async16_or_zero(st + V_OFFSET + k_dst + it * K_DST_STEP,
-                                   ok ? tile_base + 4 * D + it * src_step : k_base, ok);
-#endif
-            }
-#if !SPLIT
-            const char* const vt_tile = vt_row0 + (i64)(k0 / BK) * VT_COPIED + 16 * vq;
-#pragma unroll
-            for (int it = 0; it < COPIES_PER_THREAD; ++it) {
-                const bool ok = VT_STEP_ROWS == 0 || i0 + it * VT_STEP_ROWS < N;
-                cp_async16_or_zero(st + VT_OFFSET + vt_dst + it * VT_DST_STEP,
-                                   ok ? vt_tile + it * (VT_STEP_ROWS * vt_rstride
-                                                        + 16 * VT_STEP_CHUNKS) : vt_row0, ok);
-            }
-#endif
-            copy_bias(k0, st + BIAS_OFFSET);
-        }
-        cp_async_commit();
-    };
-#endif
 
-#if SPLIT
-    // SPLIT: this thread's own K and V chunks of the tile in `stage` (landed: its cp.async
-    // wait covers them; no barrier needed) split into TF32 hi and lo: K's hi in place, its
-    // lo at the same offset from the stage's LO; V's 4 dims of one key transposed into the
-    // V^T tile (rows: dims; key at position vt_position) and LO's V^T tile. (LO per stage:
-    // another warpgroup may still read the last tile's.) The V^T stores are scalar, 4-way
-    // bank conflicted (a warp's 8 dims share 2 swizzle rows): 16 per thread and tile.
-    auto split_own = [&](int stage) {
-        char* const st = smem + stage * STAGE_BYTES;
-        auto split = [](float x, float& hi, float& lo) {
-            hi = __uint_as_float(to_tf32(x));
-            lo = __uint_as_float(to_tf32(x - hi));
-        };
-#pragma unroll
-        for (int it = 0; it < COPIES_PER_THREAD; ++it) {
-            float4* const k_at = reinterpret_cast<float4*>(st + k_dst + it * K_DST_STEP);
-            const float4 x = *k_at;
-            float4 hi, lo;
-            split(x.x, hi.x, lo.x), split(x.y, hi.y, lo.y);
-            split(x.z, hi.z, lo.z), split(x.w, hi.w, lo.w);
-            *k_at = hi;
-            *reinterpret_cast<float4*>(st + LO_OFFSET + k_dst + it * K_DST_STEP) = lo;
 
-            const float4 v4 = *reinterpret_cast<const float4*>(st + V_OFFSET + k_dst + it * K_DST_STEP);
-            const float v[4] = {v4.x, v4.y, v4.z, v4.w};
-            const int pos = vt_position(key + it * KEY_STEP);
-            char* const column = st + VT_OFFSET + (r0 + it * ROW_STEP) * VT_TILE
-                                 + (pos / 32) * VT_COLUMN;
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const u32 at = sw128(4 * cc + e, 4 * (pos % 32));
-                float v_hi, v_lo;
-                split(v[e], v_hi, v_lo);
-                *reinterpret_cast<float*>(column + at) = v_hi;
-                *reinterpret_cast<float*>(column + LO_OFFSET + at) = v_lo;
-            }
-        }
-    };
-#endif
-
-    // The ones row (d) and zero rows (d + 1 .. d + 7) of every V^T column, once (SPLIT:
+    // The ones row (d) and zero rows (d + 1 .. d + 7) of every V^T column, once (F16X3:
     // the same rows of the lo columns all zero: the ones are hi parts).
     for (int idx = tid; idx < STAGES * ROWS * VT_COLUMNS * 8 * 32; idx += THREADS) {
         const int k32 = idx % 32, n = HEAD_DIM + (idx / 32) % 8, column = idx / 256;
@@ -537,10 +333,6 @@ ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int 
                         : F16X1 ? F16_ONES : TF32_ONE;
         *reinterpret_cast<u32*>(smem + stage * STAGE_BYTES + VT_OFFSET + in_stage * VT_COLUMN
                                 + sw128(n, 4 * k32)) = n == HEAD_DIM ? one : 0u;
-#if SPLIT
-        *reinterpret_cast<u32*>(smem + stage * STAGE_BYTES + LO_OFFSET + VT_OFFSET
-                                + in_stage * VT_COLUMN + sw128(n, 4 * k32)) = 0u;
-#endif
     }
 
     // [O | l] in wgmma's accumulator layout (wgmma.cuh): o[4v + 0..1] row g, o[4v + 2..3]
@@ -551,39 +343,11 @@ ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int 
     for (int i = 0; i < 4 * ON / 8; ++i) o[i] = 0.f;
     float m_sub[2] = {0.f, 0.f}, m_lim[2] = {neg_inf(), neg_inf()};
 
-#if SPLIT
-    // This lane's bias pairs (rows g, g + 8; keys 8n + 2t, + 1) of the tile in `stage`.
-    const float2* const bias_base = reinterpret_cast<const float2*>(smem + BIAS_OFFSET)
-                                    + ((q_in_tile + g) * BSTR + 2 * t) / 2;
-    auto load_bias = [&](float (&bs)[4 * NT], int stage) {
-        const float2* const bias_tile = bias_base + stage * (STAGE_BYTES / 8);
-#pragma unroll
-        for (int n = 0; n < NT; ++n) {
-            const float2 x0 = bias_tile[4 * n], x1 = bias_tile[4 * n + 4 * BSTR];
-            bs[4 * n] = x0.x, bs[4 * n + 1] = x0.y, bs[4 * n + 2] = x1.x, bs[4 * n + 3] = x1.y;
-        }
-    };
-    // Q K^T of the tile in ring stage `stage` from zero, issued (not waited for): the
-    // small terms first, then Q_hi K_hi (the bias is added in fp32 after: onto the
-    // accumulator it would meet the truncating additions of all 12 products).
-    auto issue_s = [&](float (&s)[4 * NT], int stage) {
-#pragma unroll
-        for (int i = 0; i < 4 * NT; ++i) s[i] = 0.f;
-        const u32 k_tile = smem_s + stage * STAGE_BYTES + rw * K_TILE;
-        const u64 k_desc = sw128_desc(k_tile), k_lo_desc = sw128_desc(k_tile + LO_OFFSET);
-        wgmma_fence();
-        three_terms(s, qa, qa_lo, 0, DT, [&](float (&d)[4 * NT], const u32 (&a)[4], int kk, bool lo, bool) {
-            wgmma_m64n64k8_tf32(d, a, (lo ? k_lo_desc : k_desc) + 2 * kk);
-        });
-        wgmma_commit();
-    };
-#else
     // S = bias + Q K^T of the tile in ring stage `stage`, issued (not waited for): S starts
-    // as the bias tile and the products accumulate onto it (as attention_tf32).
+    // as the bias tile and the products accumulate onto it (as attention_mma_tf32).
     // This lane's bias pairs (rows g, g + 8; keys 8n + 2t, + 1) as fp16 pairs:
     // bias_pairs(r, stage, j, part) sets r[0], r[1] to pairs 2j, 2j + 1 of row g and r[2],
     // r[3] to those of row g + 8, of the tile in `stage` (F16X3: part 1 its lo tile).
-#if BULK
     // One ldmatrix.x4 per two pairs (its 8x8 matrices of 16-bit elements are the pairs'
     // fragment layout: lane l gets row l / 4, elements 2 (l % 4), + 1): lane L names row
     // (L & 7) + 8 (L >> 4) of the warp's 16 and chunk c = (L >> 3) & 1 of two, stored at
@@ -595,14 +359,6 @@ ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int 
     auto bias_pairs = [&](u32 (&r)[4], int stage, int j, int part) {
         ldsm_x4(r, ((bias_rows + stage * STAGE_BYTES) ^ (32 * j)) + part * BIAS_PART);
     };
-#else
-    const u32* const bias_base = reinterpret_cast<const u32*>(smem + BIAS_OFFSET)
-                                 + ((q_in_tile + g) * BSTR + 2 * t) / 2;
-    auto bias_pairs = [&](u32 (&r)[4], int stage, int j, int) {
-        const u32* const pair = bias_base + stage * (STAGE_BYTES / 4) + 8 * j;
-        r[0] = pair[0], r[1] = pair[4], r[2] = pair[4 * BSTR], r[3] = pair[4 * BSTR + 4];
-    };
-#endif
 #if S16
     // S16: S = bias + Q K^T in fp16 accumulators (wgmma_m64n64k16_f16acc_ss), 16 registers
     // of pairs: s[2n] row g, s[2n + 1] row g + 8, columns 8n + 2t, + 1. The bias tile's
@@ -612,7 +368,7 @@ ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int 
     // 1), chunk L >> 4), so that it writes s[4j .. 4j + 3] directly (in bias_pairs' order
     // ptxas moved all 16 registers into place: 16 more instructions per tile). Every
     // partial sum stays inside fp16: |bias| + |q . k| <= S16_TOP in S's units by the scales'
-    // bound (_gpu.f16s_scales), and a partial dot product is bounded as the whole one.
+    // bound (gpu/scales.py f16s_scales), and a partial dot product is bounded as the whole one.
     const u32 bias_acc_rows = smem_s + BIAS_OFFSET
         + (q_in_tile + (lane & 7) + 8 * ((lane >> 3) & 1)) * 128 + 16 * ((lane >> 4) ^ (lane & 7));
     auto issue_s = [&](u32 (&s)[2 * NT], int stage) {
@@ -657,8 +413,7 @@ ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int 
             }
         }
 #endif
-#if F16X3
-#elif BF16 || F16X1  // Q from shared memory (Q_SHARED)
+#if !F16X3  // Q from shared memory (Q_SHARED)
         const u64 k_desc = sw64_desc(smem_s + stage * STAGE_BYTES + rw * K_TILE);
         wgmma_fence();
 #pragma unroll
@@ -669,11 +424,6 @@ ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int 
             wgmma_m64n64k16_bf16_ss(s, sw64_desc(q_tile) + 2 * kk, k_desc + 2 * kk);
 #endif
         }
-#else
-        const u64 k_desc = sw128_desc(smem_s + stage * STAGE_BYTES + rw * K_TILE);
-        wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < DT; ++kk) wgmma_m64n64k8_tf32(s, qa[kk], k_desc + 2 * kk);
 #endif
         wgmma_commit();
     };
@@ -698,13 +448,11 @@ ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int 
         }
     };
 #endif
-#endif
 
     // The online softmax of S (its product done), in two parts. rescale: the reference
     // maximum m of rows g and g + 8 moves (lazily, as attention_mma.cu) and O is rescaled
     // with it. exponentiate: P = 2^(S - m) as the A fragments of the 8 k-steps of P V,
-    // (c0, c2, c1, c3) of S's column group kk (SPLIT: pa the hi parts, pl the lo, left
-    // for the tensor cores to truncate).
+    // (c0, c2, c1, c3) of S's column group kk.
     // F16X1: S is in units of s_q s_k (log2): log2_per_s converts it back (exact, a power of
     // two), folded into the exponent's FFMA (in place of its FADD).
 #if F16X1
@@ -728,7 +476,7 @@ ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int 
     // below the row's largest: negligible in the sum). Masked keys: S = -inf, x = -inf,
     // P = 0; rows with every key so far masked keep m_sub 0, ms P16_SHIFT (finite: no
     // -inf - (-inf)). ms cannot overflow: |m_sub / c| <= the scores' bound <= 2^15 (c >= 1,
-    // _gpu.f16s_scales).
+    // gpu/scales.py f16s_scales).
     const u32 inv_c2 = pack_f16(qk_unscale, qk_unscale);  // 1 / c (a power of two: exact)
     float msf[2] = {P16_SHIFT, P16_SHIFT};                 // ms as fp32 (exact)
     u32 ms2[2] = {pack_f16(P16_SHIFT, P16_SHIFT), pack_f16(P16_SHIFT, P16_SHIFT)};
@@ -811,21 +559,7 @@ ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int 
             }
         }
     };
-#if SPLIT
-    auto exponentiate = [&](const float (&s)[4 * NT], u32 (&pa)[NT][4], u32 (&pl)[NT][4]) {
-        auto split = [](float p, u32& hi, u32& lo) {
-            hi = to_tf32(p);
-            lo = __float_as_uint(p - __uint_as_float(hi));
-        };
-#pragma unroll
-        for (int n = 0; n < NT; ++n) {
-            split(fast_exp2(s[4 * n] - m_sub[0]), pa[n][0], pl[n][0]);
-            split(fast_exp2(s[4 * n + 1] - m_sub[0]), pa[n][2], pl[n][2]);
-            split(fast_exp2(s[4 * n + 2] - m_sub[1]), pa[n][1], pl[n][1]);
-            split(fast_exp2(s[4 * n + 3] - m_sub[1]), pa[n][3], pl[n][3]);
-        }
-    };
-#elif F16X3
+#if F16X3
     // F16X3: as BF16's, each value 2^(S - m + P_SHIFT) split into fp16 hi (pa) and lo (pl).
     auto exponentiate = [&](const float (&s)[4 * NT], u32 (&pa)[NT / 2][4], u32 (&pl)[NT / 2][4]) {
         const float ms[2] = {m_sub[0] - P_SHIFT, m_sub[1] - P_SHIFT};
@@ -840,7 +574,7 @@ ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int 
             p(hi, 0, pa[kk][2], pl[kk][2]), p(hi + 2, 1, pa[kk][3], pl[kk][3]);
         }
     };
-#elif BF16 || F16X1
+#else
     // BF16: the A fragments of the 4 16-key k-steps, packed bf16: k-step kk takes S's
     // column groups 2kk (a0, a1) and 2kk + 1 (a2, a3), keys in the V^T tile's own order.
     // F16X1: the same in fp16, each value 2^(S - m + P_SHIFT) as F16X3's (S in its units).
@@ -865,16 +599,6 @@ ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int 
             pa[kk][2] = p(hi, 0), pa[kk][3] = p(hi + 2, 1);
         }
     };
-#else
-    auto exponentiate = [&](const float (&s)[4 * NT], u32 (&pa)[NT][4]) {
-#pragma unroll
-        for (int n = 0; n < NT; ++n) {
-            pa[n][0] = __float_as_uint(fast_exp2(s[4 * n] - m_sub[0]));
-            pa[n][2] = __float_as_uint(fast_exp2(s[4 * n + 1] - m_sub[0]));
-            pa[n][1] = __float_as_uint(fast_exp2(s[4 * n + 2] - m_sub[1]));
-            pa[n][3] = __float_as_uint(fast_exp2(s[4 * n + 3] - m_sub[1]));
-        }
-    };
 #endif
 #endif  // S16
 
@@ -883,29 +607,9 @@ ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int 
     auto vt_desc = [&](u32 vt_tile, int kk) {
         return sw128_desc(vt_tile + (kk / 4) * VT_COLUMN) + 2 * (kk % 4);
     };
-#if SPLIT
-    // SPLIT: P_hi V_lo + P_lo V_hi + P_hi V_hi into ot[grp], fresh, for the keys of group
-    // grp (NT / PV_GROUPS k-steps each), issued; added to O after the wait (add_pv).
-#define GROUP_STEPS (NT / PV_GROUPS)
-    float ot[PV_GROUPS][4 * ON / 8];
-    auto issue_pv = [&](const u32 (&pa)[NT][4], const u32 (&pl)[NT][4], int stage) {
-        const u32 vt_tile = smem_s + stage * STAGE_BYTES + VT_OFFSET + rw * VT_TILE;
-#pragma unroll
-        for (int grp = 0; grp < PV_GROUPS; ++grp)
-#pragma unroll
-            for (int i = 0; i < 4 * ON / 8; ++i) ot[grp][i] = 0.f;
-        wgmma_fence();
-#pragma unroll
-        for (int grp = 0; grp < PV_GROUPS; ++grp)
-            three_terms(ot[grp], pa, pl, grp * GROUP_STEPS, (grp + 1) * GROUP_STEPS,
-                        [&](float (&d)[4 * ON / 8], const u32 (&a)[4], int kk, bool lo, bool) {
-                wgmma_m64n40k8_tf32(d, a, vt_desc(vt_tile + (lo ? LO_OFFSET : 0), kk));
-            });
-        wgmma_commit();
-    };
-#elif F16X3
+#if F16X3
     // F16X3: P_hi V_lo + P_lo V_hi + P_hi V_hi into ot[grp], fresh, for the keys of group
-    // grp, issued; added to O after the wait (add_pv), as SPLIT's.
+    // grp, issued; added to O after the wait (add_pv).
 #define GROUP_STEPS (NT / 2 / PV_GROUPS)
     float ot[PV_GROUPS][4 * ON / 8];
     auto issue_pv = [&](const u32 (&pa)[NT / 2][4], const u32 (&pl)[NT / 2][4], int stage) {
@@ -923,7 +627,7 @@ ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int 
             });
         wgmma_commit();
     };
-#elif BF16 || F16X1
+#else
     auto issue_pv = [&](const u32 (&pa)[NT / 2][4], int stage) {  // one 64-key column
         const u64 vt_desc = sw128_desc(smem_s + stage * STAGE_BYTES + VT_OFFSET + rw * VT_TILE);
         wgmma_fence();
@@ -937,16 +641,8 @@ ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int 
         }
         wgmma_commit();
     };
-#else
-    auto issue_pv = [&](const u32 (&pa)[NT][4], int stage) {
-        const u32 vt_tile = smem_s + stage * STAGE_BYTES + VT_OFFSET + rw * VT_TILE;
-        wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < NT; ++kk) wgmma_m64n40k8_tf32(o, pa[kk], vt_desc(vt_tile, kk));
-        wgmma_commit();
-    };
 #endif
-#if SPLIT || F16X3
+#if F16X3
     auto add_pv = [&]() {
 #pragma unroll
         for (int grp = 0; grp < PV_GROUPS; ++grp) {
@@ -960,14 +656,13 @@ ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int 
     // ---- the key loop: one tile at a time, each product waited for where it is issued
     // (a loop keeping the next tile's Q K^T running during this tile's softmax needed
     // ~220 registers, so one block of 8 warps per SM, and was slower: benchmarks/NOTES.md) ----
-#if BULK
-    // BULK: warp 0 fills the stages with bulk copies (one instruction per K or V^T column
+    // Warp 0 fills the stages with bulk copies (one instruction per K or V^T column
     // tile, one per bias row) that complete on the stage's `full` mbarrier; each warp
     // arrives on its `empty` mbarrier when its products of the stage are done, and warp 0
     // refills a stage once all have. No block barrier in the loop: the warpgroups (four
     // with ROWS 2, sharing each bias tile) drift apart by up to STAGES - 2 tiles. The
-    // projection writes K as tiles too (KV_FORMAT 5: per (b, i, head, 64 keys) the K tile
-    // then the V^T tile, as shared memory holds them); keys past N are left unwritten in
+    // projection writes K as tiles too (per (b, i, head, 64 keys) the K tile then the V^T
+    // tile, as shared memory holds them); keys past N are left unwritten in
     // K (S is masked to -inf there) and zero in V^T.
     const u32 full_bar = smem_s + STAGES * STAGE_BYTES, empty_bar = full_bar + 8 * STAGES;
     const int tiles = (keys + BK - 1) / BK;
@@ -1006,47 +701,23 @@ ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int 
     if (warp == 0)
         for (int j = 0; j < STAGES - 1 && j < tiles; ++j) produce(j);
     int tile = 0;
-#else
-#pragma unroll
-    for (int st = 0; st < STAGES - 1; ++st) issue(st * BK, st);
-#endif
 #define PA_STEPS (HALF16 ? NT / 2 : NT)  // k-steps of P V
     u32 pa[PA_STEPS][4];
-#if SPLIT || F16X3
+#if F16X3
     u32 pl[PA_STEPS][4];
 #endif
     int stage = 0;
     for (int k0 = 0; k0 < keys; k0 += BK) {
-#if BULK
         if (warp == 0 && tile + STAGES - 1 < tiles) {  // refill the stage the last tile used
             const int j = tile + STAGES - 1;
             if (j >= STAGES) mbar_wait(empty_bar + 8 * (j % STAGES), (j / STAGES - 1) & 1);
             produce(j);
         }
         mbar_wait(full_bar + 8 * stage, (tile / STAGES) & 1);
-#else
-        cp_async_wait<STAGES - 2>();  // this thread's copies of this tile landed
-#if SPLIT
-        split_own(stage);
-#endif
-        fence_async_shared();         // they and the ones rows, before wgmma reads them
-        __syncthreads();              // everyone's; every warpgroup done with the last tile
-        issue(k0 + (STAGES - 1) * BK, stage == 0 ? STAGES - 1 : stage - 1);
-#endif
-        // PINGPONG: the barrier above starts both warpgroups of a row together, and they
-        // would contend for the tensor cores, then for the exponentials, then again; the
-        // second instead waits (named barrier 1 + row) until the first has its S, so that
-        // one's products overlap the other's softmax.
-        const bool second = PINGPONG && wg % ROW_GROUPS == 1;
-        if (second) asm volatile("bar.sync %0, %1;" :: "r"(1 + rw), "n"(128 * ROW_GROUPS));
 #if S16
         u32 s[2 * NT];
 #else
         float s[4 * NT];
-#endif
-#if SPLIT
-        float bs[4 * NT];
-        load_bias(bs, stage);
 #endif
         issue_s(s, stage);
         wgmma_wait<0>();
@@ -1055,12 +726,6 @@ ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int 
 #if F16X3
         add_bias(s, stage);
 #endif
-        if (PINGPONG && !second) asm volatile("bar.arrive %0, %1;" :: "r"(1 + rw), "n"(128 * ROW_GROUPS));
-#if SPLIT
-#pragma unroll
-        for (int i = 0; i < 4 * NT; ++i) s[i] += bs[i];
-#endif
-#if BULK
         if (k0 + BK > N) {  // keys past N: their K rows were never written (may be NaN)
 #pragma unroll
             for (int n = 0; n < NT; ++n)
@@ -1075,9 +740,8 @@ ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int 
 #endif
                     }
         }
-#endif
         rescale(s);
-#if SPLIT || F16X3
+#if F16X3
         exponentiate(s, pa, pl);
         issue_pv(pa, pl, stage);
         wgmma_wait<0>();  // before the barrier that lets this stage be refilled
@@ -1092,11 +756,9 @@ ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int 
         pin(o);
 #pragma unroll
         for (int n = 0; n < PA_STEPS; ++n) pin(pa[n]);
-#if BULK
         __syncwarp();
         if (lane == 0) mbar_arrive(empty_bar + 8 * stage);  // this warp is done with it
         ++tile;
-#endif
         stage = stage == STAGES - 1 ? 0 : stage + 1;
     }
 

@@ -40,12 +40,13 @@ __device__ __forceinline__ float online_max_update(float& m, float tile_max, flo
     return m_ref;
 }
 
-// Programmatic dependent launch (sm_90 and newer; the Plan launches each kernel after a
-// forward's first with CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION): a kernel's
-// blocks may start while the kernel before it drains, so they must wait for it before
-// reading what it wrote (griddepcontrol.wait returns once every block of the previous
-// kernel has exited and its writes are visible; without that launch attribute it returns at
-// once). A kernel lets the next one launch early by allow_next_kernel: the next launches
+// Programmatic dependent launch (sm_90 and newer): launched with
+// CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION, a kernel's blocks may start while
+// the kernel before it drains, so they must wait for it before reading what it wrote
+// (griddepcontrol.wait returns once every block of the previous kernel has exited and its
+// writes are visible; without that launch attribute, as the Plan launches every kernel, it
+// returns at once: measured without a gain, the attribute is not used, and the waits stay
+// so that the kernels' machine code is the one measured). A kernel lets the next one launch early by allow_next_kernel: the next launches
 // once every block of this one has called it or exited, i.e. with the last wave running, so
 // its waiting blocks take only SM room no block of this kernel still needs. Below sm_90
 // both are nothing (the launch attribute is not used there).
@@ -60,7 +61,7 @@ __device__ __forceinline__ void allow_next_kernel() {
 #endif
 }
 
-// The share of an attention block (attention.cu, attention_mma.cu, attention_wgmma.cu):
+// The share of an attention block (attention_ffma.cu, attention_mma.cu, attention_wgmma.cu):
 // query tile `qtile` (bq queries), pair rows i0 .. i0 + rows - 1 of batch b, head `head`.
 // The grid is ceil(N / bq) * ceil(N / rows) * H * B blocks, flattened: query tile fastest,
 // then the rows, then the head. So the blocks running at one time share one head's pair

@@ -1,4 +1,4 @@
-// What the two projection kernels (project.cu: FFMA, project_mma.cu: tensor cores) share:
+// What the two projection kernels (project_ffma.cu: FFMA, project_mma.cu: tensor cores) share:
 // where each row starts in x and the epilogues that turn a block's output tile into q, k,
 // v, gate or the output (the mask reader and the gate's sigmoid: project_math.cuh). Included after the kernel
 // file has defined its tile (and BM, its rows per block):
@@ -40,81 +40,97 @@ __device__ __forceinline__ void map_column(Tile& acc, int j, float2 cb, F f) {
     }
 }
 
-// How ln_qkvg_project stores q, k, v and the gate, for the kernels that read them (a
-// qkvg row is 4D words in every format but 6, 7 and 8, whose rows are D, 2D and 2D words
-// (QKVG_LD); the attention writes o over [0, D), in 16 bits over each head's first 16
-// words in formats 6 and 8 (O16)):
-// 0 as computed (fp32): q, k, v, gate at words [0, D), [D, 2D), [2D, 3D), [3D, 4D);
-// 1 the same, k and v rounded to TF32 (attention_tf32 copies them as they are);
-// 2 packed bf16 (attention_bf16; half the bytes): bf16 index c from word D holds k column
-//   c for c < D and v column c - D after it; q from word 2D (Q_WORD), the gate from word
-//   5D/2 (GATE_WORD); [3D, 4D) unused. The attention rounds q to bf16 anyway; the gate in
-//   bf16 adds ~1e-3 to the mode's error (benchmarks/NOTES.md). The pair bias in fp16.
-// 3 as 1, but v not in qkvg ([2D, 3D) unused): transposed, into vt (attention_tf32_wgmma,
-//   whose tensor cores read V only as V^T; head dim 32), laid out as that kernel's shared
-//   memory holds it, so that it copies V^T tiles straight (store_vt below); and the pair
-//   bias in fp16 (bias_t).
-// 5 as 3, and k not in qkvg either ([D, 2D) unused): as K tiles beside the V^T tiles, each
-//   (b, i, head, 64 keys) 16 KiB, the K tile [64 keys][32 dims] tf32 in the 128-byte
-//   swizzle then the V^T tile (store_kt, store_vt), and the pair bias in tiles too
-//   (bias_element), for the bulk copies of attention_wgmma.cu's BULK variant. Keys past N
-//   are zero in V^T, left unwritten in K.
-// 6 as 5 in bf16 (attention_bf16_wgmma): per (b, i, head, 64 keys) 8 KiB, the K tile [64
-//   keys][32 dims] bf16 in the 64-byte swizzle (sw64), then the V^T tile [32 dims][64 keys]
-//   bf16 in the 128-byte swizzle, keys in their own order; the pair bias in fp16 tiles as
-//   in format 5. qkvg rows of D words, a 32-word slot per head (HEAD_SLOTS): q packed
-//   bf16 at [32 h, 32 h + 16) (dims 2w, 2w + 1 in word w), where the attention writes the
-//   head's o in bf16 (O16, load_o4), and the gate packed bf16 at [32 h + 16, 32 h + 32)
-//   (format 2's 4D-word rows, with k and v in tiles, left 2D of every row unused: 3.0
-//   GiB of scratch at 1x1024 against 1.5 now).
-// 7 as 6 in fp16 hi + lo pairs (split_f16; attention_f16x3_wgmma, the fp32 mode; head dim
-//   32): per (b, i, head, 64 keys) 16 KiB, the K hi tile, the K lo tile, the V^T hi tile,
-//   the V^T lo tile, each as format 6's; the pair bias as fp16 hi and lo tiles (32 KiB per
-//   tile: hi, then lo). A qkvg row is 2D words here (QKVG_LD), k and v being in tiles
-//   only: per head 16 words of q's hi pairs then 16 of its lo pairs, at [32 h, 32 h + 32),
-//   where the attention writes that head's o; the gate fp32 at [D, 2D). So the scratch
-//   stays ~4x the input with the tiles (4D words a row would make it 6x). q, k and v
-//   arrive scaled by powers of two that keep them inside fp16's range (the weights are:
-//   DeviceWeights.f16x3_scales).
-// 8 as 7 with the hi parts only (attention_f16_wgmma, the tf32 mode; head dim 32): fp16
-//   keeps TF32's 11 significant bits, so q, k and v scaled into its range lose no more
-//   than TF32 rounding would. Per (b, i, head, 64 keys) 8 KiB, the K tile then the V^T tile
-//   (format 6's layout in fp16); qkvg rows of 2D words, q's 16 fp16 words per head at
-//   [32 h, 32 h + 16), the gate fp32 at [D, 2D) (in fp16, session 12, gates below fp16's
-//   normal range lost their bits and below ~6e-8 became 0); the pair bias in
-//   format 5's fp16 tiles, stored times s_b = s_q s_k (the units the attention accumulates
-//   S in). The scales are DeviceWeights.qkv_scales' (f16_biased_scales: f16x3's, with s_q
-//   and s_k lowered where the scaled bias would leave fp16). The attention writes o in
-//   fp16, in v's units, over q (O16, load_o4).
-#ifndef KV_FORMAT
-#define KV_FORMAT 0
+// How ln_qkvg_project stores q, k, v and the gate, for the kernels that read them: the
+// layouts of triattn_cupy/gpu/layouts.py, told apart by their features below (a qkvg row
+// is 4D words, D with SLOT_ROWS, 2D with F16_QKV: QKVG_LD; the attention writes o over
+// [0, D), in 16 bits over each head's first 16 words with O16):
+// rows_fp32 as computed (fp32): q, k, v, gate at words [0, D), [D, 2D), [2D, 3D), [3D, 4D).
+// rows_tf32 the same, k and v rounded to TF32 (KV_TF32; attention_mma_tf32 copies them as
+//   they are).
+// rows_bf16 packed bf16 (QG_PACKED, KV_BF16_ROWS; attention_mma_bf16; half the bytes):
+//   bf16 index c from word D holds k column c for c < D and v column c - D after it; q from
+//   word 2D (Q_WORD), the gate from word 5D/2 (GATE_WORD); [3D, 4D) unused. The attention
+//   rounds q to bf16 anyway; the gate in bf16 adds ~1e-3 to the mode's error. The pair bias
+//   in fp16 (BIAS_F16).
+// tiles_bf16 (KV_TILED: attention_wgmma_bf16; head dim 32): k and v in tiles only, per (b,
+//   i, head, 64 keys) 8 KiB, the K tile [64 keys][32 dims] bf16 in the 64-byte swizzle
+//   (sw64, store_kt), then the V^T tile [32 dims][64 keys] bf16 in the 128-byte swizzle,
+//   keys in their own order (store_vt); the pair bias in fp16 tiles of [128 queries][64
+//   keys] (bias_element). Keys past N are zero in V^T, left unwritten in K. qkvg rows of D
+//   words, a 32-word slot per head (SLOT_ROWS): q packed bf16 at [32 h, 32 h + 16) (dims
+//   2w, 2w + 1 in word w), where the attention writes the head's o in bf16 (O16, load_o4),
+//   and the gate packed bf16 at [32 h + 16, 32 h + 32) (rows of 4D words with k and v in
+//   tiles would leave 2D of every row unused: 3.0 GiB of scratch at 1x1024 against 1.5).
+// tiles_f16_hilo (HI_LO: attention_wgmma_f16x3, the fp32 mode): tiles_bf16's tiles in fp16
+//   hi + lo pairs (split_f16): per (b, i, head, 64 keys) 16 KiB, the K hi tile, the K lo
+//   tile, the V^T hi tile, the V^T lo tile; the pair bias as fp16 hi and lo tiles (32 KiB
+//   per tile: hi, then lo). A qkvg row is 2D words (F16_QKV): per head 16 words of q's hi
+//   pairs then 16 of its lo pairs, at [32 h, 32 h + 32), where the attention writes that
+//   head's o; the gate fp32 at [D, 2D). So the scratch stays ~4x the input with the tiles
+//   (4D words a row would make it 6x). q, k and v arrive scaled by powers of two that keep
+//   them inside fp16's range (the weights are: DeviceWeights.f16x3_scales).
+// tiles_f16 (attention_wgmma_f16, the tf32 mode; f16s, the bf16 mode): the hi parts only:
+//   fp16 keeps TF32's 11 significant bits, so q, k and v scaled into its range lose no
+//   more than TF32 rounding would. Per (b, i, head, 64 keys) 8 KiB, tiles_bf16's tiles in
+//   fp16; qkvg rows of 2D words, q's 16 fp16 words per head at [32 h, 32 h + 16), the gate
+//   fp32 at [D, 2D) (in fp16, gates below fp16's normal range lost their bits and below
+//   ~6e-8 became 0); the pair bias in fp16 tiles, stored times s_b = s_q s_k (the units
+//   the attention accumulates S in). The scales are DeviceWeights.qkv_scales'. The
+//   attention writes o in fp16, in v's units, over q (O16, load_o4).
+// (tiles_f16_slots, tiles_f16's tiles in tiles_bf16's rows with the gate in bf16, is
+// written by project_wgmma.cu only.)
+// The layout's features (triattn_cupy/gpu/layouts.py defines them per layout; all 0: the
+// fp32 rows, rows_fp32):
+#ifndef KV_TILED
+#define KV_TILED 0      // k, V^T and the pair bias in 64-key tiles after qkvg
 #endif
-#define KV_TILED (KV_FORMAT == 3 || KV_FORMAT >= 5)  // v into tiles of its own
-#define K_TILED (KV_FORMAT >= 5)  // k and the pair bias in tiles too
-#define QG_PACKED (KV_FORMAT == 2 || KV_FORMAT == 6)  // q and the gate packed bf16
-#define F16_QKV (KV_FORMAT == 7 || KV_FORMAT == 8)  // q, k, v scaled, in fp16; rows of 2D words
-#define BF16_SLOTS (KV_FORMAT == 6)  // q and the gate in each head's 32-word slot; rows of D words
-#define HI_LO (KV_FORMAT == 7)  // q, k, v and the bias as fp16 hi and lo
+#ifndef QG_PACKED
+#define QG_PACKED 0     // q and the gate packed bf16
+#endif
+#ifndef KV_BF16_ROWS
+#define KV_BF16_ROWS 0  // k and v packed bf16 in the rows, from column D
+#endif
+#ifndef KV_TF32
+#define KV_TF32 0       // k and v rounded to TF32 where stored
+#endif
+#ifndef F16_QKV
+#define F16_QKV 0       // q, k, v scaled, in fp16; rows of 2D words
+#endif
+#ifndef SLOT_ROWS
+#define SLOT_ROWS 0     // q and the gate in each head's 32-word slot; rows of D words
+#endif
+#ifndef HI_LO
+#define HI_LO 0         // q, k, v and the bias as fp16 hi and lo
+#endif
+#ifndef BIAS_F16
+#define BIAS_F16 0      // the pair bias in fp16
+#endif
+#ifndef O16
+#define O16 0           // the attention writes o in 16 bits over each head's first 16 words
+#endif
+#ifndef TILES_BF16
+#define TILES_BF16 0    // the tiles (and o) in bf16, else fp16
+#endif
 #if KV_TILED
 #include "wgmma.cuh"
 #endif
-#define KV_TILE_BYTES (KV_FORMAT == 5 || HI_LO ? 16384 : 8192)  // per (b, i, head, 64 keys)
-#define VT_IN_TILE (KV_FORMAT == 5 || HI_LO ? 8192 : KV_TILED && KV_FORMAT != 3 ? 4096 : 0)
+#define KV_TILE_BYTES (HI_LO ? 16384 : 8192)  // per (b, i, head, 64 keys)
+#define VT_IN_TILE (HI_LO ? 8192 : KV_TILED ? 4096 : 0)
 #define HALF_PART 4096  // HI_LO: bytes from a hi K or V^T tile to its lo tile
-#define BIAS_TILE_BYTES (HI_LO ? 32768 : 16384)  // K_TILED: per (b, head, 128 i, 64 j)
+#define BIAS_TILE_BYTES (HI_LO ? 32768 : 16384)  // KV_TILED: per (b, head, 128 i, 64 j)
 
-// Where format 3 writes V^T, and the block's first row (the unused fields of other formats).
+// Where the tiles go (vt), and the block's first row (the unused fields of the row layouts).
 struct VtTarget {
     float* vt;
     i64 m0;
     int N, H, npk;
 };
-// The pair bias's element type: fp32, or fp16 for KV_FORMAT 2 and 3 (the bf16 and the
-// wgmma TF32 attention): fp16 has TF32's 10-bit mantissa (the TF32 mode's products round
+// The pair bias's element type: fp32, or fp16 (BIAS_F16: rows_bf16 and the tiled layouts):
+// fp16 has TF32's 10-bit mantissa (the TF32 mode's products round
 // to it anyway; bf16's have 7), at half the bytes of a bias tile, the largest part of what
 // those kernels copy. Finite values beyond fp16's range saturate to +-65504 (2^-65504 is 0
 // in any softmax), -inf and NaN stay.
-#if KV_FORMAT == 2 || KV_TILED
+#if BIAS_F16
 typedef unsigned short bias_t;  // fp16 bits
 __device__ __forceinline__ bias_t to_bias(float x) { return f16_bias_bits(x); }
 #else
@@ -154,9 +170,9 @@ __device__ __forceinline__ void store_pair_bias(bias_t* __restrict__ brow, i64 j
     store_pair_bias_at([&](i64 jj) { return brow + jj; }, j, N, npk, keep, dot);
 }
 
-#if K_TILED
-// The pair bias in tiles (formats 5, 6, 7): per (b, head, 128 queries i, 64 keys j) 16 KiB
-// (format 7: 32 KiB, this tile and its lo parts after it: put_bias),
+#if KV_TILED
+// The pair bias in tiles (the tiled layouts): per (b, head, 128 queries i, 64 keys j) 16 KiB
+// (tiles_f16_hilo: 32 KiB, this tile and its lo parts after it: put_bias),
 // [128 rows i][64 keys j] fp16 in the 128-byte swizzle (wgmma.cuh sw128: rows of 128
 // bytes, read conflict-free by the attention's fragments without padding), so that one
 // bulk copy moves a tile. bh = b H + head. Query rows past N in the last tile stay unwritten.
@@ -174,18 +190,18 @@ __device__ __forceinline__ void store_pair_bias_tiled(bias_t* __restrict__ bias,
 
 #define Q_WORD(D) (QG_PACKED ? 2 * (D) : 0)
 #define GATE_WORD(D) (QG_PACKED ? 5 * (D) / 2 : F16_QKV ? (D) : 3 * (D))
-#define QKVG_LD(D) (F16_QKV ? 2 * (D) : BF16_SLOTS ? (D) : 4 * (D))  // words per qkvg row
+#define QKVG_LD(D) (F16_QKV ? 2 * (D) : SLOT_ROWS ? (D) : 4 * (D))  // words per qkvg row
 #define Q_LO_WORDS 16  // HI_LO: from a q hi word to its lo word (head dim 32: 16 hi words)
 
-// The word of a head-slot row (BF16_SLOTS) holding gate column c (even) and c + 1.
+// The word of a head-slot row (SLOT_ROWS) holding gate column c (even) and c + 1.
 #define GATE_SLOT_WORD(c) (32 * ((c) / 32) + 16 + (c) % 32 / 2)
 
-// Gate values k .. k + 3 of a qkvg row (k % 4 == 0): fp32, or (KV_FORMAT 2, 6) two packed
+// Gate values k .. k + 3 of a qkvg row (k % 4 == 0): fp32, or (rows_bf16 and tiles_bf16) two packed
 // bf16 words, widened.
 __device__ __forceinline__ float4 load_gate4(const float* row, int D, int k) {
 #if QG_PACKED
     const uint2 w = __ldg(reinterpret_cast<const uint2*>(
-        row + (BF16_SLOTS ? GATE_SLOT_WORD(k) : GATE_WORD(D) + k / 2)));
+        row + (SLOT_ROWS ? GATE_SLOT_WORD(k) : GATE_WORD(D) + k / 2)));
     return make_float4(__uint_as_float(w.x << 16), __uint_as_float(w.x & 0xffff0000u),
                        __uint_as_float(w.y << 16), __uint_as_float(w.y & 0xffff0000u));
 #else
@@ -193,19 +209,18 @@ __device__ __forceinline__ float4 load_gate4(const float* row, int D, int k) {
 #endif
 }
 
-// o in 16 bits (formats 6 and 8; attention_wgmma.cu O16): bf16, or fp16 in v's units
-// (format 8: the out projection's unscale undoes s_v), a head's 32 values in the 16 words
+// o in 16 bits (tiles_bf16 and tiles_f16; attention_wgmma.cu O16): bf16, or fp16 in v's units
+// (tiles_f16: the out projection's unscale undoes s_v), a head's 32 values in the 16 words
 // [32 h, 32 h + 16) of the row (head dim 32), as the attention's lanes hold them: its dim
 // pair p (dims 2p, 2p + 1) in word 4 (p % 4) + p / 4 (one 16-byte store per lane and row;
-// 4-byte stores pushed attention_f16_wgmma into spills). Values k .. k + 3 of a qkvg row
+// 4-byte stores pushed attention_wgmma_f16 into spills). Values k .. k + 3 of a qkvg row
 // (k % 4 == 0: pairs p and p + 1, 4 words apart), widened.
-#define O16 (KV_FORMAT == 6 || KV_FORMAT == 8)
 __device__ __forceinline__ float4 load_o4(const float* row, int k) {
 #if O16
     const int p = (k % 32) / 2;
     const u32* const word = reinterpret_cast<const u32*>(row + 32 * (k / 32) + 4 * (p % 4) + p / 4);
     const uint2 w = make_uint2(__ldg(word), __ldg(word + 4));
-#if KV_FORMAT == 6
+#if TILES_BF16
     return make_float4(__uint_as_float(w.x << 16), __uint_as_float(w.x & 0xffff0000u),
                        __uint_as_float(w.y << 16), __uint_as_float(w.y & 0xffff0000u));
 #else
@@ -218,10 +233,9 @@ __device__ __forceinline__ float4 load_o4(const float* row, int k) {
 }
 
 #if KV_TILED
-// V^T (formats 3, 5; head dim 32): per (b, i, head), npk / 64 tiles of 8 KiB; a tile is 2
-// columns of 32 keys, each [32 dims][32 key positions] tf32 in rows of 128 bytes in the
-// 128-byte swizzle (sw128); key k of a tile at position vt_position(k % 64) (column
-// position / 32). Keys [N, npk) are zero: the attention multiplies them by P = 0, and
+// V^T (the tiled layouts; head dim 32): per (b, i, head, 64 keys) after the K tile, [32
+// dims][64 keys] 16-bit in rows of 128 bytes in the 128-byte swizzle (sw128), keys in
+// order (below). Keys [N, npk) are zero: the attention multiplies them by P = 0, and
 // the scratch memory is not cleared (it may hold NaN). Here: this thread's value pairs,
 // rows below rows_here, where vcol0 >= 0 is the v column (from 0) of its first pair: its
 // pairs j are 8j further, all of one head, dims c + 8j and c + 8j + 1 (c = vcol0 % 32 <
@@ -253,10 +267,10 @@ struct RowPairs {
     }
 };
 
-// Format 6 (bf16): one column of 64 keys, [32 dims][64 keys] bf16, key k at position k;
-// format 8 the same in fp16; format 7 too, hi, then lo HALF_PART bytes further.
+// tiles_bf16 (bf16): one column of 64 keys, [32 dims][64 keys] bf16, key k at position k;
+// tiles_f16 the same in fp16; tiles_f16_hilo too, hi, then lo HALF_PART bytes further.
 // pack_vt: two values as one word of the tile's element type.
-#if KV_FORMAT == 6
+#if TILES_BF16
 typedef unsigned short vt_t;  // bf16 bits
 __device__ __forceinline__ vt_t to_vt(float x) { return bf16_bits(x); }
 __device__ __forceinline__ u32 pack_vt(float x0, float x1) { return pack_bf16(x0, x1); }
@@ -277,30 +291,20 @@ __device__ __forceinline__ void store_vt(Tile& acc, int vcol0, const VtTarget& t
     // Where key `key` of pair (b, i) = bi goes: its dims c + 8j at d0[VT_DIM8 j], c + 8j + 1
     // at d1[VT_DIM8 j].
     auto at = [&](unsigned bi, int key, vt_t*& d0, vt_t*& d1) {
-#if KV_FORMAT >= 6  // 16-bit elements, keys in order
+        // 16-bit elements, keys in order
         const int byte = 2 * (key % 64);
         char* const column = reinterpret_cast<char*>(to.vt) + VT_IN_TILE
                              + (((i64)bi * to.H + h) * ntiles + key / 64) * KV_TILE_BYTES;
-#elif KV_FORMAT == 5
-        const int pos = vt_position(key % 64), byte = 4 * (pos % 32);
-        char* const column = reinterpret_cast<char*>(to.vt) + VT_IN_TILE
-                             + (((i64)bi * to.H + h) * ntiles + key / 64) * KV_TILE_BYTES
-                             + (pos / 32) * 4096;
-#else
-        const int pos = vt_position(key % 64), byte = 4 * (pos % 32);
-        char* const column = reinterpret_cast<char*>(to.vt + ((i64)bi * to.H + h) * ntiles * 2048)
-                             + (key / 64) * 8192 + (pos / 32) * 4096;
-#endif
         d0 = reinterpret_cast<vt_t*>(column + sw128(c, byte));
         d1 = reinterpret_cast<vt_t*>(column + sw128(c + 1, byte));
     };
-#if KV_FORMAT >= 6
+#if KV_TILED
     if (to.N % 2 == 0) {
         // N even: a block row and its key have the same parity (m0 and N are even), so
         // lanes g and g ^ 1 (4 apart) hold keys k, k + 1 of one pair (b, i): the even lane
         // stores both keys of dim c + 8j, the odd lane both of dim c + 8j + 1, in one
         // 32-bit word each (two 16-bit stores each took the projection ~0.1 ms longer at
-        // 1x1024 than format 2's packed k/v words). Rows past rows_here come in pairs too.
+        // 1x1024 than rows_bf16's packed k/v words). Rows past rows_here come in pairs too.
         const bool odd = (threadIdx.x >> 2) & 1;
 #pragma unroll
         for (int s = 0; s < TROWS; ++s) {
@@ -371,11 +375,10 @@ __device__ __forceinline__ void store_vt(Tile& acc, int vcol0, const VtTarget& t
 }
 #endif
 
-#if K_TILED
-// K tiles (formats 5, 6, 7): key k of pair (b, i) = bi, dims c + 8j, c + 8j + 1 of head h
-// (kcol0 = 32 h + c, as store_vt) at row k % 64 of its tile: format 5 at byte 4 (c + 8j)
-// in the 128-byte swizzle, 8 bytes within one 16-byte chunk (c even); format 6 packed bf16
-// at byte 2 (c + 8j) in the 64-byte swizzle.
+#if KV_TILED
+// K tiles (the tiled layouts): key k of pair (b, i) = bi, dims c + 8j, c + 8j + 1 of head h
+// (kcol0 = 32 h + c, as store_vt) at row k % 64 of its tile, packed 16-bit at byte 2 (c +
+// 8j) in the 64-byte swizzle (tiles_f16_hilo: the hi tile, then the lo one).
 __device__ __forceinline__ void store_kt(Tile& acc, int kcol0, const VtTarget& to, int rows_here) {
     if (kcol0 < 0) return;
     const int h = kcol0 / 32, c = kcol0 % 32, ntiles = to.npk / 64;
@@ -385,15 +388,13 @@ __device__ __forceinline__ void store_kt(Tile& acc, int kcol0, const VtTarget& t
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
             const float* const p = pair_at(acc, s, j);
-#if KV_FORMAT == 6 || KV_FORMAT == 8
-            *reinterpret_cast<u32*>(tile + sw64(k % 64, 2 * (c + 8 * j))) = pack_vt(p[0], p[1]);
-#elif HI_LO
+#if HI_LO
             u32 hi, lo;
             split_f16(p[0], p[1], hi, lo);
             *reinterpret_cast<u32*>(tile + sw64(k % 64, 2 * (c + 8 * j))) = hi;
             *reinterpret_cast<u32*>(tile + HALF_PART + sw64(k % 64, 2 * (c + 8 * j))) = lo;
 #else
-            *reinterpret_cast<float2*>(tile + sw128(k % 64, 4 * (c + 8 * j))) = make_float2(p[0], p[1]);
+            *reinterpret_cast<u32*>(tile + sw64(k % 64, 2 * (c + 8 * j))) = pack_vt(p[0], p[1]);
 #endif
         }
     });
@@ -408,14 +409,14 @@ __device__ __forceinline__ void st2(float* p, float2 v) { *reinterpret_cast<floa
 // column as an immediate offset. (Per store, its own address, its column and row tested
 // and the packed choice made in branches of their own took ~1500 instructions per warp
 // and block at 1x1024, a sixth of the projection's; and the one address register all
-// stores shared made each wait for the one before to read it: ncu, session 15.)
-// Only in ln_qkvg_project's stores of formats 6 and 8 (bf16 and tf32 past N = 128), where
+// stores shared made each wait for the one before to read it: ncu.)
+// Only in ln_qkvg_project's stores of tiles_bf16 and tiles_f16 (bf16 and tf32 past N = 128), where
 // it was measured faster (1x1024 tf32 1.38 -> 1.35 ms, bf16 1.238 -> 1.227; 1x384 tf32
-// 0.228 -> 0.219). It was slower in format 7's (fp32: 2.38 -> 2.40) and in the out
-// projection's store_out (+0.005 to +0.026 ms in every mode), and in formats 0, 1, 3 and
-// 5 it pushed the 128-row kernels into spills (format 0 with 3xTF32 to 104 bytes).
-// scripts/ablate_projection.py no_store_runs; benchmarks/NOTES.md, session 15.
-#define STORE_RUNS (KV_FORMAT == 6 || KV_FORMAT == 8)
+// 0.228 -> 0.219). It was slower in tiles_f16_hilo's (fp32: 2.38 -> 2.40) and in the out
+// projection's store_out (+0.005 to +0.026 ms in every mode), and in the row layouts it
+// pushed the 128-row kernels into spills (to 104 bytes).
+// benchmarks/NOTES.md.
+#define STORE_RUNS (KV_TILED && !HI_LO)
 template <int STRIDE, bool PACKED>
 __device__ __forceinline__ void store_pair_run(Tile& acc, float* base, int col0, int ld,
                                                int rows_here) {
@@ -492,7 +493,7 @@ __device__ __forceinline__ void store_pairs(Tile& acc, float* base, const int (&
 
 // The pass at n0 of ln_qkvg_project (acc = xn [Wq; Wk; Wv; Wg]^T at columns n0 + ...,
 // cb their biases) into the block's rows of qkvg (block_out, rows of QKVG_LD(D) floats):
-// q scaled by q_scale, k and v as KV_FORMAT says, the gate through sigmoid.
+// q scaled by q_scale, k and v as the layout says, the gate through sigmoid.
 __device__ __forceinline__ void store_qkvg(Tile& acc, int n0, const float2 (&cb)[4], int D,
                                            float q_scale, float* block_out, int rows_here,
                                            const VtTarget& vt) {
@@ -502,7 +503,7 @@ __device__ __forceinline__ void store_qkvg(Tile& acc, int n0, const float2 (&cb)
 #if KV_TILED
     int vcol0 = -1;  // the v column of this thread's first pair, where this pass holds v
 #endif
-#if K_TILED
+#if KV_TILED
     int kcol0 = -1;  // the same for k
 #endif
 #pragma unroll
@@ -517,9 +518,9 @@ __device__ __forceinline__ void store_qkvg(Tile& acc, int n0, const float2 (&cb)
             map_column(acc, j, cb[j], [&](float2 v) {
                 return make_float2(__uint_as_float(pack_bf16(v.x * q_scale, v.y * q_scale)), 0.f);
             });
-            col[j] = BF16_SLOTS ? n / 32 * 32 + n % 32 / 2 : Q_WORD(D) + n / 2;
+            col[j] = SLOT_ROWS ? n / 32 * 32 + n % 32 / 2 : Q_WORD(D) + n / 2;
             packed[j] = true;
-#elif F16_QKV  // head n / 32's fp16 hi word (format 7: its lo Q_LO_WORDS further, store_pairs)
+#elif F16_QKV  // head n / 32's fp16 hi word (tiles_f16_hilo: its lo Q_LO_WORDS further, store_pairs)
             map_column(acc, j, cb[j], [&](float2 v) {
                 u32 hi, lo = 0u;
 #if HI_LO
@@ -541,7 +542,7 @@ __device__ __forceinline__ void store_qkvg(Tile& acc, int n0, const float2 (&cb)
             map_column(acc, j, cb[j], [](float2 v) {
                 return make_float2(__uint_as_float(pack_bf16(sigmoid(v.x), sigmoid(v.y))), 0.f);
             });
-            col[j] = BF16_SLOTS ? GATE_SLOT_WORD(n - 3 * D) : GATE_WORD(D) + (n - 3 * D) / 2;
+            col[j] = SLOT_ROWS ? GATE_SLOT_WORD(n - 3 * D) : GATE_WORD(D) + (n - 3 * D) / 2;
             packed[j] = true;
 #else
             map_column(acc, j, cb[j], [](float2 v) {
@@ -552,7 +553,7 @@ __device__ __forceinline__ void store_qkvg(Tile& acc, int n0, const float2 (&cb)
 #endif
 #endif
         } else {
-#if KV_FORMAT == 2  // bf16 index n - D from column D (see KV_FORMAT); a row is NO words
+#if KV_BF16_ROWS  // bf16 index n - D from column D; a row is NO words
             map_column(acc, j, cb[j], [](float2 v) {
                 return make_float2(__uint_as_float(pack_bf16(v.x, v.y)), 0.f);
             });
@@ -560,7 +561,7 @@ __device__ __forceinline__ void store_qkvg(Tile& acc, int n0, const float2 (&cb)
             packed[j] = true;
 #else
             map_column(acc, j, cb[j], [](float2 v) {
-#if KV_FORMAT == 1 || KV_FORMAT == 3 || KV_FORMAT == 5  // (6: rounded to bf16 where stored)
+#if KV_TF32  // (tiles_bf16: rounded to bf16 where stored)
                 v = make_float2(__uint_as_float(to_tf32(v.x)), __uint_as_float(to_tf32(v.y)));
 #endif
                 return v;
@@ -571,7 +572,7 @@ __device__ __forceinline__ void store_qkvg(Tile& acc, int n0, const float2 (&cb)
                 col[j] = -1;
             }
 #endif
-#if K_TILED
+#if KV_TILED
             if (n < 2 * D) {  // k: into its tiles (store_kt)
                 if (j == 0) kcol0 = n - D;
                 col[j] = -1;
@@ -581,7 +582,7 @@ __device__ __forceinline__ void store_qkvg(Tile& acc, int n0, const float2 (&cb)
         }
     }
     store_pairs<STORE_RUNS>(acc, block_out, col, packed, QKVG_LD(D), rows_here);
-#if K_TILED
+#if KV_TILED
     store_kt(acc, kcol0, vt, rows_here);
 #endif
 #if KV_TILED

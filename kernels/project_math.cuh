@@ -1,4 +1,4 @@
-// What every projection kernel (project.cu, project_mma.cu, project_tiles.cu) computes
+// What every projection kernel (project_ffma.cu, project_mma.cu, project_wgmma.cu) computes
 // the same way: the mask reader, the gate's sigmoid, LayerNorm's 1/sqrt and the pair bias
 // in fp16. Kernel files set EXACT_FP32 before the include.
 #pragma once

@@ -1,50 +1,48 @@
 // The two projection GEMMs on tensor cores (every precision mode on sm_80 and newer; the
-// FFMA projections of older GPUs are project.cu, which computes the same). Each block owns BM
+// FFMA projections of older GPUs are project_ffma.cu, which computes the same). Each block owns BM
 // rows (pair positions), holds their whole D-wide row tile in shared memory, and computes
 // every output column of those rows, so the pair representation is read once.
 //
 //   ln_qkvg_project:   xn = LayerNorm(x)                              # [M, D]
 //                      qkvg = xn [Wq; Wk; Wv; Wg]^T + [bq; bk; bv; bg] # [M, 4D]
 //                        q columns scaled by log2(e)/sqrt(d), gate columns through sigmoid,
-//                        k and v stored as KV_FORMAT says (project_epilogue.cuh)
+//                        k and v stored as the layout says (project_epilogue.cuh)
 //                      bias[b, head, i, j] = log2(e) * xn[m] . Wb[head]  # m = (b, i, j)
 //                        -inf where mask[b, i, j] == 0, and on the padded keys j in [N, NPK)
 //   gated_out_project: out = (g * o) Wo^T + bo                        # [M, D]
-//                        o = qkvg[:, 0:D] (attention output, written over q; formats 6
+//                        o = qkvg[:, 0:D] (attention output, written over q; tiles_bf16
 //                          and 8: 16-bit, each head's first 16 words, load_o4)
-//                        g = the sigmoid gate (fp32 at qkvg[:, 3D:4D] or, formats 7
+//                        g = the sigmoid gate (fp32 at qkvg[:, 3D:4D] or, tiles_f16_hilo
 //                          and 8, [D:2D] of rows of 2D words; or packed
-//                          bf16: KV_FORMAT, project_epilogue.cuh)
+//                          bf16: the layout's features, project_epilogue.cuh)
 //
-// Products: mma.sync m16n8k8, fp32 accumulation, on
-//   SPLIT = 0 ("tf32", "bf16"): TF32 operands. The row tile is rounded to TF32 once, where
-//     it is normalised (so the pair bias, computed from it, is a TF32 product too, as in
-//     PyTorch's TF32 mode); W comes rounded already (DeviceWeights).
-//   SPLIT = 1 ("fp32"): fp32 operands, each split where its fragment is loaded into
-//     a = hi + lo (both TF32; lo carries the bits hi drops), and a b taken as
-//     hi*lo + lo*hi + hi*hi: the lo*lo term is below fp32 rounding (3xTF32); each k-step's
-//     terms are summed apart and added to the accumulator in fp32 (split_terms). Launched
-//     only with TRIATTN_PROJECT_F16_SPLIT=0 since session 18 (_configs.project_f16_terms).
-//   F16_TERMS = 3 (with SPLIT; the fp32 mode's projections in every KV_FORMAT: 7 for
-//     attention_f16x3_wgmma, 0 for attention_tf32x3 and the FFMA attention, which read q,
-//     k, v unscaled): the products in fp16 hi + lo instead, the same three
-//     terms at half the products (m16n8k16) and no split in the loop: LayerNorm writes each
+// Products: mma.sync, fp32 accumulation, on
+//   F16_TERMS = 0 ("tf32", "bf16" with the mma.sync or FFMA attention): TF32 operands
+//     (m16n8k8). The row tile is rounded to TF32 once, where it is normalised (so the pair
+//     bias, computed from it, is a TF32 product too, as in PyTorch's TF32 mode); W comes
+//     rounded already (DeviceWeights).
+//   F16_TERMS = 3 (with SPLIT, "fp32": the fp32 mode's projections in every layout:
+//     tiles_f16_hilo for attention_wgmma_f16x3, rows_fp32 for attention_mma_f16x3, the
+//     3xTF32 oracle and the FFMA attention, which read q, k, v unscaled): fp32-accurate
+//     products of fp16 hi + lo parts, a b taken as hi*lo + lo*hi + hi*hi (the lo*lo term is
+//     below fp32 rounding; each k-step's terms summed apart and added to the accumulator
+//     in fp32: split_terms), m16n8k16, no split in the loop: LayerNorm writes each
 //     16-wide chunk of the row tile as 16 fp16 hi then 16 lo (64 bytes, in place of its 16
 //     fp32), scaled by a_scale (a power of two keeping |xn| below 2^14); the host lays W
 //     (and the pair-bias weights, split here) out the same way, scaled by a power of two;
 //     the accumulators are multiplied by `unscale` = 1 / (both scales) before the epilogue,
-//     which then stores what 3xTF32's would (format 7: q, k, v times the attention's
-//     scales, which the host folds into W; format 0: as computed).
+//     which then stores fp32-accurate values (tiles_f16_hilo: q, k, v times the attention's
+//     scales, which the host folds into W; rows_fp32: as computed).
 //     gated_out_project likewise: g * o scaled by the block's own power of two (from its
 //     largest |g o|), split after it is loaded (load_gated_tile_f16); `w_unscale` undoes
 //     Wo's scale.
-//   F16_TERMS = 1 (without SPLIT; "tf32" and "bf16" with the wgmma attention, KV_FORMAT 8
-//     and 6, and the TF32 wgmma attention's 5): the same row tile and scales, one product
+//   F16_TERMS = 1 (without SPLIT; "tf32" and "bf16" with the wgmma attention, tiles_f16
+//     and tiles_bf16): the same row tile and scales, one product
 //     of the hi parts: fp16 keeps 11 significant bits as TF32 does, so the scaled products
 //     are as accurate as TF32's, at half the instructions (m16n8k16 against two m16n8k8).
 //     The ring then holds W's hi parts alone, 32 per chunk row (RING_K): a chunk is two
 //     k-steps, so one barrier and one 8 KiB copy per 32 k values instead of per 16 (the
-//     loop was latency bound: 12% of its stalls at the barriers, session 12). The host
+//     loop was latency bound: 12% of its stalls at the barriers). The host
 //     lays W out so only for D % 32 == 0 (head dim 32, where these modes run), and
 //     ring_chunks stops the kernel where the row tile's width is no multiple of 32. The
 //     row tile's lo halves are neither computed nor written (nothing reads them).
@@ -67,14 +65,13 @@
 //         unless SPLIT: [NO / BN][DPAD / BK][BN][BK], zero past NO and D (DeviceWeights
 //         projection_weight), so that each chunk is one contiguous 8 KiB; F16_TERMS 3: the
 //         same chunks with each row's 16 values as fp16 hi then lo, scaled
-//         (_gpu.f16_split_chunks); F16_TERMS 1: [NO / BN][D / 32][BN][32] fp16 hi, scaled
-//         (_gpu.f16_hi_chunks), 8 KiB chunks too
+//         (gpu/device_weights.py f16_split_chunks); F16_TERMS 1: [NO / BN][D / 32][BN][32] fp16 hi, scaled
+//         (gpu/device_weights.py f16_hi_chunks), 8 KiB chunks too
 //   mask  [B, N, N] at b*mb + i*mi + j*mj elements, of the type named by mask_kind
 //         (MASK_* in project_epilogue.cuh), or null
-//   qkvg  [M, 4D] ([M, 2D]: KV_FORMAT 7, 8); bias [B, H, N, NPK] (fp16 where KV_FORMAT is
-//         2 or 3; fp16 tiles where it is 5 to 8); out [M, D] contiguous; vt: V^T tiles where
-//         KV_FORMAT is 3 (project_epilogue.cuh; [B, N, H, NPK / 64] x 8 KiB), K and V^T
-//         tiles where it is 5 to 8, else unused.
+//   qkvg  [M, 4D] ([M, 2D]: tiles_f16_hilo and tiles_f16; [M, D]: tiles_bf16); bias [B, H, N,
+//         NPK] (fp16 for rows_bf16; fp16 tiles for the tiled layouts); out [M, D] contiguous;
+//         vt: K and V^T tiles for the tiled layouts (project_epilogue.cuh), else unused.
 #include "common.cuh"
 #include "mma.cuh"
 
@@ -92,19 +89,19 @@
 #define PROJECT_MIN_BLOCKS 2  // 2: at most 128 registers; 3 (64-row blocks): at most 80
 #endif
 #ifndef OUT_MIN_BLOCKS  // the same for gated_out_project alone: PROJECT_MIN_BLOCKS, or 3 by
-#define OUT_MIN_BLOCKS PROJECT_MIN_BLOCKS  // scripts/ablate_projection.py out_blocks3 (64-row
+#define OUT_MIN_BLOCKS PROJECT_MIN_BLOCKS  // (64-row
 #endif                  // F16_TERMS 3 fits 80 registers there unspilled; ln_qkvg_project not)
 #define MT (BM / 32)    // 16-row m-tiles per warp; the 8 warps are 2 (rows) x 4 (columns)
 #define TROWS (BM / 16) // row slots per thread (thread_row)
 #define WSTR BK         // words per row of a weight chunk in the ring (swizzled: w_piece)
 #ifndef SPLIT
-#define SPLIT 0         // 1: 3xTF32 products (the fp32 mode), 0: TF32
+#define SPLIT 0         // 1: fp32-accurate split products (the fp32 mode: F16_TERMS 3)
 #endif
 #ifndef F16_TERMS
 #define F16_TERMS 0     // 3 (with SPLIT) or 1 (without): products on fp16 operands, below
 #endif
-#if F16_TERMS != 0 && F16_TERMS != (SPLIT ? 3 : 1)
-#error "project_mma.cu: F16_TERMS is 3 with SPLIT, 1 without, or 0"
+#if (SPLIT && F16_TERMS != 3) || (!SPLIT && F16_TERMS != 0 && F16_TERMS != 1)
+#error "project_mma.cu: F16_TERMS is 3 with SPLIT, 1 or 0 without"
 #endif
 // k values per ring chunk: the WSTR words of a chunk row hold BK fp32 values, or BK fp16 hi
 // then BK lo (F16_TERMS 3), or 2 BK fp16 hi (F16_TERMS 1, whose products never read a lo
@@ -142,14 +139,24 @@ __device__ __forceinline__ float* pair_at(Tile& acc, int s, int j) {
     return &acc.c[s / 2][j][2 * (s % 2)];
 }
 
+// Entry points by arithmetic: fp16 hi + lo (F16_TERMS 3), one fp16 product (1), TF32 (0)
+#if F16_TERMS == 3
+#define LN_QKVG_ENTRY ln_qkvg_project_mma_f16x3
+#define GATED_OUT_ENTRY gated_out_project_mma_f16x3
+#elif F16_TERMS == 1
+#define LN_QKVG_ENTRY ln_qkvg_project_mma_f16
+#define GATED_OUT_ENTRY gated_out_project_mma_f16
+#else
+#define LN_QKVG_ENTRY ln_qkvg_project_mma_tf32
+#define GATED_OUT_ENTRY gated_out_project_mma_tf32
+#endif
 #define EXACT_FP32 SPLIT  // the fp32 mode: exact gate and LayerNorm (project_epilogue.cuh)
 
 // LayerNorm on every thread of a 128-row block, 2 consecutive threads per row, instead of
-// one thread per row on half the threads (ln_qkvg_project step 3). Written in session 15
-// without device time, off until measured: the ablation without LayerNorm
+// one thread per row on half the threads (ln_qkvg_project step 3). Off until measured: the ablation without LayerNorm
 // (no_layernorm_mma) took 0.25 ms of 1.38 off the tf32 projection at 1x1024, and its
 // barrier held the other half of the threads (ncu: 13% of the stall samples).
-// scripts/ablate_projection.py ln_split turns it on. 64-row blocks keep a thread per row
+// LN_SPLIT=1 turns it on. 64-row blocks keep a thread per row
 // (at 4 per row their 80-register kernels spilled 4 bytes).
 #ifndef LN_SPLIT
 #define LN_SPLIT 0
@@ -161,20 +168,8 @@ __device__ __forceinline__ float* pair_at(Tile& acc, int s, int j) {
 // A value of the row tile as the products take it: fp32 to be split (SPLIT), else
 // rounded to TF32 here, once.
 __device__ __forceinline__ float4 operand4(float4 v) {
-#if SPLIT
-    return v;
-#else
     return make_float4(__uint_as_float(to_tf32(v.x)), __uint_as_float(to_tf32(v.y)),
                        __uint_as_float(to_tf32(v.z)), __uint_as_float(to_tf32(v.w)));
-#endif
-}
-
-// The fp32 bits x as TF32 hi + lo (SPLIT): hi rounded to nearest, lo = x - hi (exact)
-// rounded again.
-__device__ __forceinline__ void split_tf32(u32 x, u32& hi, u32& lo) {
-    const float f = __uint_as_float(x);
-    hi = to_tf32(f);
-    lo = to_tf32(f - __uint_as_float(hi));
 }
 
 // acc += (ah + al)(bh + bl) for one fragment pair split into hi and lo: the three terms,
@@ -199,16 +194,7 @@ __device__ __forceinline__ void split_terms(float (&acc)[4], const u32 (&ah)[4],
 // acc += a b for one m16n8k8 fragment pair as loaded: TF32 values as they are, or (SPLIT)
 // fp32 values split here into three TF32 products.
 __device__ __forceinline__ void mma_product(float (&acc)[4], const u32 (&a)[4], const u32 (&b)[2]) {
-#if SPLIT
-    u32 ah[4], al[4], bh[2], bl[2];
-#pragma unroll
-    for (int e = 0; e < 4; ++e) split_tf32(a[e], ah[e], al[e]);
-    split_tf32(b[0], bh[0], bl[0]);
-    split_tf32(b[1], bh[1], bl[1]);
-    split_terms<mma_tf32>(acc, ah, al, bh, bl);
-#else
     mma_tf32(acc, a[0], a[1], a[2], a[3], b[0], b[1]);
-#endif
 }
 
 // Byte offset, in a ring stage, of 16-byte piece c (< 4) of chunk row r: rows of 64 bytes,
@@ -220,7 +206,7 @@ __device__ __forceinline__ void mma_product(float (&acc)[4], const u32 (&a)[4], 
 __device__ __forceinline__ u32 w_piece(int r, int c) { return r * 64 + (((c ^ (r >> 1)) & 3) << 4); }
 
 // Chunks of W per pass over BN columns: dpad / RING_K. F16_TERMS 1 takes D % 32 == 0 (head
-// dim 32 only; _gpu.f16_hi_chunks checks it on the host): with dpad an odd multiple of 16
+// dim 32 only; gpu/device_weights.py f16_hi_chunks checks it on the host): with dpad an odd multiple of 16
 // the last 16 columns would be dropped, so the kernel stops with an error instead.
 __device__ __forceinline__ int ring_chunks(int dpad) {
 #if F16_TERMS == 1
@@ -365,26 +351,6 @@ __device__ __forceinline__ void multiply_chunk(u32 a_lane, int astr, u32 w_stage
             b[2 * jp + 1][0] = r[2];
             b[2 * jp + 1][1] = r[3];
         }
-#if SPLIT
-        u32 bl[4][2];
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-            split_tf32(b[j][0], b[j][0], bl[j][0]);
-            split_tf32(b[j][1], b[j][1], bl[j][1]);
-        }
-#pragma unroll
-        for (int i = 0; i < MT; ++i) {
-            u32 a[4], al[4];
-            ldsm_x4(a, a_lane + 4 * (i * 16 * astr + kk));
-#pragma unroll
-            for (int e = 0; e < 4; ++e) split_tf32(a[e], a[e], al[e]);
-#pragma unroll
-            for (int j = 0; j < 4; ++j) {
-                const u32 bh[2] = {b[j][0], b[j][1]}, bj[2] = {bl[j][0], bl[j][1]};
-                split_terms<mma_tf32>(acc.c[i][j], a, al, bh, bj);
-            }
-        }
-#else
         u32 a[MT][4];
 #pragma unroll
         for (int i = 0; i < MT; ++i) ldsm_x4(a[i], a_lane + 4 * (i * 16 * astr + kk));
@@ -393,7 +359,6 @@ __device__ __forceinline__ void multiply_chunk(u32 a_lane, int astr, u32 w_stage
 #pragma unroll
             for (int j = 0; j < 4; ++j)
                 mma_tf32(acc.c[i][j], a[i][0], a[i][1], a[i][2], a[i][3], b[j][0], b[j][1]);
-#endif
     }
 }
 
@@ -469,7 +434,7 @@ __device__ __noinline__ void pair_bias(const float* As, int astr, const float* _
             ok[h] = m < M;
             const i64 mc = ok[h] ? m : M - 1, b = mc / NN, r = mc - b * NN, i = r / N;
             j[h] = (int)(r - i * N);
-#if K_TILED  // tiles: where they start is worked out per value (store_pair_bias_tiled)
+#if KV_TILED  // tiles: where they start is worked out per value (store_pair_bias_tiled)
             brow[h] = bias + b * H;  // only to carry b H: brow[h] - bias + head = b H + head
             rows[h] = (int)i;
 #else
@@ -511,18 +476,14 @@ __device__ __noinline__ void pair_bias(const float* As, int astr, const float* _
                 ldsm_x4(a, a_row + 4 * k0);
                 const float w0 = head_ok && k0 < D ? __ldg(w + k0) : 0.f;
                 const float w1 = head_ok && k0 + 4 < D ? __ldg(w + k0 + 4) : 0.f;
-#if SPLIT
-                const u32 b[2] = {__float_as_uint(w0), __float_as_uint(w1)};
-#else
                 const u32 b[2] = {to_tf32(w0), to_tf32(w1)};
-#endif
                 mma_product(c, a, b);
             }
 #endif
 #pragma unroll
             for (int e = 0; e < 4; ++e) {  // c0 (g, 2t) c1 (g, 2t+1) c2 (g+8, 2t) c3 (g+8, 2t+1)
                 const int h = e / 2, head = h0 + 2 * t + e % 2;
-#if K_TILED
+#if KV_TILED
                 if (ok[h] && head < H)
                     store_pair_bias_tiled(bias, brow[h] - bias + head, rows[h], j[h], N, npk,
                                           keep[h], c[e]);
@@ -542,7 +503,7 @@ __device__ __noinline__ void pair_bias(const float* As, int astr, const float* _
 template <int BATCH, class Op>
 __device__ __forceinline__ void load_gated_pieces(const float* __restrict__ qkvg, i64 M, int D,
                                                   int dpad, int astr, i64 m0, float* As, Op op) {
-    const i64 ld = (F16_QKV ? 2LL : BF16_SLOTS ? 1LL : 4LL) * D;  // QKVG_LD
+    const i64 ld = (F16_QKV ? 2LL : SLOT_ROWS ? 1LL : 4LL) * D;  // QKVG_LD
     const int per_row = dpad / 4, total = BM * per_row;
     for (int base = threadIdx.x; base < total; base += BATCH * THREADS) {
         float4 v[BATCH];
@@ -575,7 +536,7 @@ __device__ __noinline__ void load_gated_tile(const float* __restrict__ qkvg, i64
 // load_gated_tile for F16_TERMS: each 16-wide chunk's 64 bytes of As as 16 fp16 hi then 16
 // lo of a * g * o; returns 1 / a. a is the block's own power of two, putting its largest
 // |g o| in [2^13, 2^14): a scale fixed from the weights (|g o| <= max |v|) left g o among
-// fp16's subnormals where every gate is near 0 (session 12's review: relative error 2.7e-2
+// fp16's subnormals where every gate is near 0 (relative error 2.7e-2
 // in fp32 mode with every gate bias at -20). Two passes: g o in fp32 into As with each
 // thread's largest magnitude (batches of 4: 8 took the 64-row blocks past 80 registers),
 // the block's maximum (`red`: a word per warp), then the split in place, piece by piece as
@@ -639,7 +600,7 @@ __device__ __forceinline__ SmemLayout smem_layout(int dpad) {
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS, PROJECT_MIN_BLOCKS)
-ln_qkvg_project(const float* __restrict__ x, i64 sb, i64 si, i64 sj, i64 sc, int x_vec,
+LN_QKVG_ENTRY(const float* __restrict__ x, i64 sb, i64 si, i64 sj, i64 sc, int x_vec,
                 int B, int N, int D, int H, float eps, float q_scale,
                 const float* __restrict__ gamma, const float* __restrict__ beta,
                 const float* __restrict__ W, const float* __restrict__ b_qkvg,
@@ -789,7 +750,7 @@ ln_qkvg_project(const float* __restrict__ x, i64 sb, i64 si, i64 sj, i64 sc, int
 
     // 4. The pair bias on tensor cores, with the mask folded in: xn [16 rows] x Wb^T
     //    [8 heads] per warp and m-tile, a product like the others (TF32 as PyTorch's TF32
-    //    mode has it, or 3xTF32).
+    //    mode has it, or fp16 products).
     //    Wb's B fragments (b0 = Wb[h0 + g][k + t], b1 = ...[k + t + 4]; F16_TERMS: pairs at
     //    k + 2t and k + 2t + 8, rounded or split to fp16 here) come straight from
     //    global memory, a small array every block reads (L1), rounded here. As per-thread
@@ -816,7 +777,7 @@ ln_qkvg_project(const float* __restrict__ x, i64 sb, i64 si, i64 sj, i64 sc, int
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS, OUT_MIN_BLOCKS)
-gated_out_project(const float* __restrict__ qkvg, i64 M, int D,
+GATED_OUT_ENTRY(const float* __restrict__ qkvg, i64 M, int D,
                   const float* __restrict__ W, const float* __restrict__ b_out,
                   float* __restrict__ out
 #if F16_TERMS

@@ -133,7 +133,7 @@ __device__ __forceinline__ void wgmma_m64n40k16_bf16(float (&d)[20], const u32 (
     WGMMA_N40("wgmma.mma_async.sync.aligned.m64n40k16.f32.bf16.bf16", "1, 1, 1, 0", "+f", d, a, b);
 }
 
-// The same with fp16 operands (the fp32 mode's split products, attention_f16x3_wgmma):
+// The same with fp16 operands (the fp32 mode's split products, attention_wgmma_f16x3):
 // fragments and layouts as bf16's.
 __device__ __forceinline__ void wgmma_m64n64k16_f16(float (&d)[32], const u32 (&a)[4], u64 b) {
     WGMMA_N64("wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16", "1, 1, 1, 0", "+f", d, a, b);
@@ -145,7 +145,7 @@ __device__ __forceinline__ void wgmma_m64n64k16_f16_ss(float (&d)[32], u64 a, u6
     WGMMA_N64_SS("wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16", "1, 1, 1, 0, 0", "+f", d, a, b);
 }
 // D (64 x 64) += A B with fp16 operands by descriptor into fp16 accumulators (the bf16 mode's
-// S in 16 bits, attention_f16s_wgmma): 16 registers of fp16 pairs, register i holding the
+// S in 16 bits, attention_wgmma_f16s): 16 registers of fp16 pairs, register i holding the
 // f32 layout's elements 2i, 2i + 1 above: d[2n] (g, 8n+2t..8n+2t+1), d[2n+1] (g+8, the same
 // columns), the lower column in the low half (mma.sync m16n8k16's f16 C, per 8 columns).
 __device__ __forceinline__ void wgmma_m64n64k16_f16acc_ss(u32 (&d)[16], u64 a, u64 b) {

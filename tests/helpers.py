@@ -94,12 +94,12 @@ def compile_ptx_or_fail(source: str, arch: str = "compute_90a"):
     import pytest
     from cupy_backends.cuda.libs import nvrtc
 
-    from triattn_cupy import _compile
+    from triattn_cupy import gpu
 
     program = nvrtc.createProgram(source, "mirror.cu", [], [])
     try:
         try:
-            nvrtc.compileProgram(program, [f"-arch={arch}", *_compile.NVRTC_OPTIONS])
+            nvrtc.compileProgram(program, [f"-arch={arch}", *gpu.compile.NVRTC_OPTIONS])
         except nvrtc.NVRTCError:
             pytest.fail(nvrtc.getProgramLog(program)[-800:])
     finally:

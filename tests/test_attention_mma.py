@@ -1,5 +1,5 @@
 """The tensor-core attention kernels (kernels/attention_mma.cu) against the FFMA kernel
-(kernels/attention.cu) on the same inputs: the pipeline's projection stage fills qkvg and
+(kernels/attention_ffma.cu) on the same inputs: the pipeline's projection stage fills qkvg and
 bias, then each kernel runs on its own copy and the q slots (where o is written) are
 compared. Skipped with a reason where there is no GPU.
 
@@ -14,14 +14,14 @@ import numpy as np
 import pytest
 
 import triattn_cupy as ta
-from triattn_cupy import _configs
+from triattn_cupy import gpu
 from helpers import rel_l2
 
 pytestmark = pytest.mark.gpu
 
 # f16s (the bf16 mode's option: S in fp16) held to bf16's
 TOL = {"tf32x3": 1e-5, "tf32": 2e-3, "bf16": 1e-2, "f16x3": 1e-5, "f16": 2e-3, "f16s": 1e-2}
-MMA_VARIANTS = list(_configs.ATTENTION_MMA_VARIANTS)  # (f16 and f16s are wgmma only; f16x3 both)
+MMA_VARIANTS = list(gpu.routes.ATTENTION_MMA_VARIANTS)  # (f16 and f16s are wgmma only; f16x3 both)
 HEAD_DIMS = [8, 16, 24, 32, 64, 128]
 SIZES_N = [1, 7, 64, 65, 130]
 
@@ -50,7 +50,8 @@ def _run_both(cp, rng, B, N, head_dim, variant, policy, tiles=None, launch=None)
     slots on the host. Each kernel gets its own forward on the same inputs: the
     projection stores k and v in the form its attention kernel reads (fp32 for FFMA,
     TF32-rounded or packed bf16 for the tensor cores); q and the bias are the same."""
-    from triattn_cupy._gpu import DeviceWeights, Forward
+    from triattn_cupy.gpu.device_weights import DeviceWeights
+    from triattn_cupy.gpu.forward import Forward
 
     h = 2
     weights = ta.random_weights(head_dim * h, h, seed=int(rng.integers(1 << 31)))
@@ -64,9 +65,9 @@ def _run_both(cp, rng, B, N, head_dim, variant, policy, tiles=None, launch=None)
         projected = fwd.qkvg.view(cp.uint32).copy()  # bits: unwritten columns may be NaN
         fwd.attention()  # reads q from the q slots, writes o over it
         # o's words: [0, D), or in 16 bits each head's first 16 (O16 formats, whose head
-        # slots hold the gate after them in format 6)
+        # slots hold the gate after them in tiles_bf16)
         o_words = np.zeros(projected.shape[1], bool)
-        if fwd.kv_format in _configs.KV_O16_FORMATS:
+        if fwd.layout.o16:
             for head in range(fwd.H):
                 o_words[32 * head:32 * head + 16] = True
         else:
@@ -75,8 +76,8 @@ def _run_both(cp, rng, B, N, head_dim, variant, policy, tiles=None, launch=None)
         rest_kept = bool((fwd.qkvg.view(cp.uint32)[:, rest] == projected[:, rest]).all())
         return fwd.attention_output().get(), rest_kept
 
-    ref, ref_kept = run(_configs.attention_ffma_launch(head_dim))
-    got, got_kept = run(launch or _configs.attention_mma_launch(head_dim, variant, tiles))
+    ref, ref_kept = run(gpu.routes.attention_ffma_launch(head_dim))
+    got, got_kept = run(launch or gpu.routes.attention_mma_launch(head_dim, variant, tiles))
     return ref, got, ref_kept, got_kept
 
 
@@ -85,12 +86,12 @@ def _run_both(cp, rng, B, N, head_dim, variant, policy, tiles=None, launch=None)
 @pytest.mark.parametrize("N", SIZES_N)
 @pytest.mark.parametrize("B", [1, 2])
 def test_mma_matches_ffma(cp, rng, B, N, head_dim, variant):
-    if head_dim not in _configs.attention_mma_head_dims(variant):
+    if head_dim not in gpu.tiles.attention_mma_head_dims(variant):
         pytest.skip(f"{variant} takes the FFMA kernel at d={head_dim}")
     _check_against_ffma(cp, rng, B, N, head_dim, variant, None)
 
 
-# The fp32 mode's mma.sync attention (attention_f16x3, fp16 split products) where the
+# The fp32 mode's mma.sync attention (attention_mma_f16x3, fp16 split products) where the
 # shared grid above does not reach: N = 2, 17 (one partial 32-key tile), 128 (whole tiles,
 # the small-N shapes: the benchmark's 2x128x64x4 at d = 16), B = 3, both policies (by N +
 # B), head dims with a half-zero last k-step (d % 16 == 8: 8, 24, 40), and the tiles the
@@ -99,12 +100,12 @@ def test_mma_matches_ffma(cp, rng, B, N, head_dim, variant):
 @pytest.mark.parametrize("head_dim", [8, 16, 24, 32, 40, 64])
 @pytest.mark.parametrize("N", [2, 17, 128])
 def test_f16x3_mma_matches_ffma_at_more_sizes(cp, rng, N, head_dim, cc):
-    tiles = _configs.attention_mma_tiles(head_dim, "f16x3", N, cc)
+    tiles = gpu.tiles.attention_mma_tiles(head_dim, "f16x3", N, cc)
     _check_against_ffma(cp, rng, 3, N, head_dim, "f16x3", tiles)
 
 
 def _attention_float64(qkvg, bias, B, N, H, d):
-    """The attention stage in float64 from what the projection wrote (KV_FP32): qkvg [M, 4D]
+    """The attention stage in float64 from what the projection wrote (rows_fp32): qkvg [M, 4D]
     (q pre-scaled by log2 e / sqrt(d)), bias [B, H, N, NPK] (log2 e units, -inf where
     masked); o [M, D], 0 for fully masked queries."""
     D = H * d
@@ -125,8 +126,9 @@ def test_f16x3_mma_as_accurate_as_tf32x3_against_float64(cp, rng, B, N, head_dim
     """The fp32 mode's two mma.sync attentions on the same projected q, k, v and bias,
     each against the float64 attention of those inputs: f16x3 within the fp32 bound and
     within twice 3xTF32's error (a NumPy emulation of both splits put them at 2.0e-7 and
-    1.9e-7 at d = 16, N = 128: scripts/emulate_f16x3_attention.py)."""
-    from triattn_cupy._gpu import DeviceWeights, Forward
+    1.9e-7 at d = 16, N = 128, emulated)."""
+    from triattn_cupy.gpu.device_weights import DeviceWeights
+    from triattn_cupy.gpu.forward import Forward
 
     h = 4
     weights = ta.random_weights(head_dim * h, h, seed=int(rng.integers(1 << 31)))
@@ -136,7 +138,7 @@ def test_f16x3_mma_as_accurate_as_tf32x3_against_float64(cp, rng, B, N, head_dim
     errors = {}
     for variant in ("tf32x3", "f16x3"):
         fwd = Forward(dw, pair, mask, "zero", None,
-                      attention=_configs.attention_mma_launch(head_dim, variant, n=N))
+                      attention=gpu.routes.attention_mma_launch(head_dim, variant, n=N))
         fwd.project()
         want = _attention_float64(fwd.qkvg.get().astype(np.float64),
                                   fwd.bias.get().astype(np.float64), B, N, h, head_dim)
@@ -150,7 +152,7 @@ def test_f16x3_mma_as_accurate_as_tf32x3_against_float64(cp, rng, B, N, head_dim
 
 def _attention_outputs(dw, pair, mask, launches):
     """Each launch's attention output o on the same inputs (its own projection first)."""
-    from triattn_cupy._gpu import Forward
+    from triattn_cupy.gpu.forward import Forward
 
     outs = []
     for launch in launches:
@@ -164,7 +166,7 @@ def _attention_outputs(dw, pair, mask, launches):
 def _scaled_qkv_inputs(cp, rng, B, N, head_dim, h, magnitude, seed):
     """(DeviceWeights, pair, mask) with random weights whose q, k and v weights and biases
     are scaled by `magnitude`: what the fp16 kernels' scales must absorb."""
-    from triattn_cupy._gpu import DeviceWeights
+    from triattn_cupy.gpu.device_weights import DeviceWeights
 
     base = ta.random_weights(head_dim * h, h, seed=seed)
     params = dict(base.params)
@@ -180,22 +182,22 @@ def _scaled_qkv_inputs(cp, rng, B, N, head_dim, h, magnitude, seed):
 @pytest.mark.parametrize("head_dim", [16, 32])
 @pytest.mark.parametrize("magnitude", [1e-4, 1e3])
 def test_f16x3_mma_keeps_its_accuracy_at_any_weight_scale(cp, magnitude, head_dim):
-    """attention_f16x3 scales the fp32 q, k, v it reads into fp16's range by the powers of
-    two the host derives from the weights (_gpu.f16x3_scales): tiny or huge q/k/v weights
+    """attention_mma_f16x3 scales the fp32 q, k, v it reads into fp16's range by the powers of
+    two the host derives from the weights (gpu.scales.f16x3_scales): tiny or huge q/k/v weights
     must neither underflow nor overflow (inf, NaN) and keep the fp32 bound."""
     rng = np.random.default_rng(11)
     B, N, h = 2, 97, 2
     dw, pair, mask = _scaled_qkv_inputs(cp, rng, B, N, head_dim, h, magnitude, seed=5)
-    outs = _attention_outputs(dw, pair, mask, (_configs.attention_ffma_launch(head_dim),
-                                               _configs.attention_mma_launch(head_dim, "f16x3", n=N)))
+    outs = _attention_outputs(dw, pair, mask, (gpu.routes.attention_ffma_launch(head_dim),
+                                               gpu.routes.attention_mma_launch(head_dim, "f16x3", n=N)))
     assert np.isfinite(outs[1]).all()
     err = rel_l2(outs[1], outs[0])
     print(f"f16x3 mma d={head_dim} weights x{magnitude:g}: rel L2 {err:.3g}")
     assert err <= TOL["f16x3"]
 
 
-# Every tile shape the tuning sweep (scripts/time_ours.py --tiles) may pick.
-TILES = [_configs.MmaTiles(*shape) for shape in
+# Every tile shape a tile sweep may pick.
+TILES = [gpu.tiles.MmaTiles(*shape) for shape in
          [(64, 1, 1, 1, 1), (64, 1, 2, 1, 1), (64, 2, 1, 1, 1), (64, 2, 2, 1, 1),
           (32, 2, 2, 1, 1), (64, 1, 4, 1, 1), (16, 2, 1, 1, 1), (64, 1, 2, 0, 1),
           (16, 1, 1, 0, 1), (64, 1, 1, 1, 2), (32, 1, 1, 1, 2), (16, 1, 1, 1, 2),
@@ -207,8 +209,8 @@ TILES = [_configs.MmaTiles(*shape) for shape in
 @pytest.mark.parametrize("tiles", TILES, ids=str)
 @pytest.mark.parametrize("N", [7, 130])
 def test_mma_tile_shapes(cp, rng, N, tiles, variant):
-    smem = _configs.attention_mma_smem_bytes(16, variant, tiles)
-    if smem > _configs.SMEM_LIMIT:
+    smem = gpu.tiles.attention_mma_smem_bytes(16, variant, tiles)
+    if smem > gpu.tiles.SMEM_LIMIT:
         pytest.skip(f"{variant} {tiles} needs {smem} bytes of shared memory (227 KiB max)")
     _check_against_ffma(cp, rng, 2, N, 16, variant, tiles)
 
@@ -245,34 +247,20 @@ def test_mma_both_policies_on_one_input(cp, rng, variant):
         assert rel_l2(got, ref, where=finite) <= TOL[variant]
 
 
-# ---- the TF32 and 3xTF32 attention on warpgroup products (kernels/attention_wgmma.cu,
-# sm_90a) ----
+# ---- the attention on warpgroup products (kernels/attention_wgmma.cu, sm_90a) ----
 
-WGMMA_TILES = [("tf32", _configs.attention_wgmma_tiles("tf32")),
-               ("tf32", _configs.WgmmaTiles()),
-               ("tf32", _configs.WgmmaTiles(rows=1, stages=2, min_blocks=2, pingpong=1)),
-               ("tf32", _configs.WgmmaTiles(rows=2, stages=2, min_blocks=1, pingpong=1)),
-               ("tf32", _configs.WgmmaTiles(rows=2, stages=3, min_blocks=1)),
-               ("tf32", _configs.WgmmaTiles(rows=1, stages=3, min_blocks=2)),
-               ("tf32x3", _configs.attention_wgmma_tiles("tf32x3")),
-               ("tf32x3", _configs.WgmmaTiles(min_blocks=1, pv_groups=1)),
-               ("tf32x3", _configs.WgmmaTiles(min_blocks=1, pv_groups=4)),
-               ("tf32x3", _configs.WgmmaTiles(min_blocks=1, pingpong=0)),
-               ("tf32", _configs.WgmmaTiles(rows=1, stages=3, min_blocks=2, bulk=1)),
-               ("tf32", _configs.WgmmaTiles(rows=2, stages=3, min_blocks=1, bulk=1)),
-               ("tf32", _configs.WgmmaTiles(rows=2, stages=4, min_blocks=1, bulk=1)),
-               ("bf16", _configs.attention_wgmma_tiles("bf16")),
-               ("bf16", _configs.WgmmaTiles(rows=1, stages=3, min_blocks=2, bulk=1)),
-               ("bf16", _configs.WgmmaTiles(rows=2, stages=3, min_blocks=1, bulk=1)),
-               ("f16x3", _configs.attention_wgmma_tiles("f16x3")),
-               ("f16x3", _configs.WgmmaTiles(min_blocks=1, pv_groups=2, bulk=1)),
-               ("f16x3", _configs.WgmmaTiles(rows=2, stages=2, min_blocks=1, pv_groups=1, bulk=1)),
-               ("f16", _configs.attention_wgmma_tiles("f16")),
-               ("f16", _configs.WgmmaTiles(min_blocks=2, bulk=1)),
-               ("f16", _configs.WgmmaTiles(rows=2, stages=3, min_blocks=1, bulk=1)),
-               ("f16s", _configs.attention_wgmma_tiles("f16s")),
-               ("f16s", _configs.WgmmaTiles(min_blocks=2, bulk=1)),
-               ("f16s", _configs.WgmmaTiles(rows=2, stages=3, min_blocks=1, bulk=1))]
+WGMMA_TILES = [("bf16", gpu.tiles.attention_wgmma_tiles("bf16")),
+               ("bf16", gpu.tiles.WgmmaTiles(rows=1, stages=3, min_blocks=2, bulk=1)),
+               ("bf16", gpu.tiles.WgmmaTiles(rows=2, stages=3, min_blocks=1, bulk=1)),
+               ("f16x3", gpu.tiles.attention_wgmma_tiles("f16x3")),
+               ("f16x3", gpu.tiles.WgmmaTiles(min_blocks=1, pv_groups=2, bulk=1)),
+               ("f16x3", gpu.tiles.WgmmaTiles(rows=2, stages=2, min_blocks=1, pv_groups=1, bulk=1)),
+               ("f16", gpu.tiles.attention_wgmma_tiles("f16")),
+               ("f16", gpu.tiles.WgmmaTiles(min_blocks=2, bulk=1)),
+               ("f16", gpu.tiles.WgmmaTiles(rows=2, stages=3, min_blocks=1, bulk=1)),
+               ("f16s", gpu.tiles.attention_wgmma_tiles("f16s")),
+               ("f16s", gpu.tiles.WgmmaTiles(min_blocks=2, bulk=1)),
+               ("f16s", gpu.tiles.WgmmaTiles(rows=2, stages=3, min_blocks=1, bulk=1))]
 
 
 def _needs_sm_90(cp):
@@ -289,7 +277,7 @@ def test_wgmma_matches_ffma(cp, rng, B, N, variant, tiles):
     block (odd N), fully masked queries under both policies (by N + B)."""
     _needs_sm_90(cp)
     _check_against_ffma(cp, rng, B, N, 32, variant, None,
-                        _configs.attention_wgmma_launch(32, tiles, variant))
+                        gpu.routes.attention_wgmma_launch(32, tiles, variant))
 
 
 @pytest.mark.parametrize("N", [129, 200, 257])
@@ -299,15 +287,15 @@ def test_f16s_matches_ffma_off_the_tiles(cp, rng, B, N):
     the masks of _mask (a fully masked query; a query whose first key tile is all masked)."""
     _needs_sm_90(cp)
     _check_against_ffma(cp, rng, B, N, 32, "f16s", None,
-                        _configs.attention_wgmma_launch(32, variant="f16s"))
+                        gpu.routes.attention_wgmma_launch(32, variant="f16s"))
 
 
-@pytest.mark.parametrize("variant", list(_configs.WGMMA_VARIANTS))
+@pytest.mark.parametrize("variant", list(gpu.tiles.WGMMA_VARIANTS))
 def test_wgmma_both_policies_on_one_input(cp, variant):
     _needs_sm_90(cp)
     for policy in ("zero", "nan"):
         ref, got, _, _ = _run_both(cp, np.random.default_rng(99), 2, 131, 32, variant, policy,
-                                   launch=_configs.attention_wgmma_launch(32, variant=variant))
+                                   launch=gpu.routes.attention_wgmma_launch(32, variant=variant))
         assert np.array_equal(np.isnan(got), np.isnan(ref))
         assert np.isnan(got).any() == (policy == "nan")
         assert rel_l2(got, ref, where=~np.isnan(ref)) <= TOL[variant]
@@ -318,16 +306,16 @@ def test_wgmma_both_policies_on_one_input(cp, variant):
 def test_f16_products_keep_their_accuracy_at_any_weight_scale(cp, magnitude, variant):
     """The fp32 mode's fp16 split products (f16x3) and the tf32 mode's one fp16 product
     (f16) scale q, k and v into fp16's range by powers of two from the weights
-    (_gpu.f16x3_scales, f16_biased_scales): tiny or huge q/k/v weights must neither
+    (gpu.scales.f16x3_scales, f16_biased_scales): tiny or huge q/k/v weights must neither
     underflow nor overflow
-    (inf, NaN). f16x3 keeps the fp32 bound; f16 is held to the TF32 wgmma kernel's error
+    (inf, NaN). f16x3 keeps the fp32 bound; f16 is held to the TF32 mma.sync kernel's error
     on the same inputs (at 1e3 the scores reach ~1e6, where an 11-bit rounding of q and k
     moves them by hundreds: no TF32 product keeps 2e-3 there, PyTorch's neither).
     f16s (S in fp16) at 1e-4 likewise against the bf16 wgmma kernel; at 1e3 its scores
-    could pass fp16's range (_gpu.f16s_scales: no scales), so forcing it fails clearly and
+    could pass fp16's range (gpu.scales.f16s_scales: no scales), so forcing it fails clearly and
     the bf16 mode with it selected takes the bf16 variant."""
     _needs_sm_90(cp)
-    from triattn_cupy._gpu import Forward
+    from triattn_cupy.gpu.forward import Forward
 
     rng = np.random.default_rng(7)
     B, N, h, d = 1, 97, 2, 32
@@ -336,18 +324,18 @@ def test_f16_products_keep_their_accuracy_at_any_weight_scale(cp, magnitude, var
         assert dw.qkv_scales["f16s"] is None
         with pytest.raises(ValueError, match="fp16's range"):
             Forward(dw, pair, mask, "zero", None,
-                    attention=_configs.attention_wgmma_launch(d, variant="f16s"))
-        before = _configs.bf16_variant()
-        try:
-            _configs.set_bf16_variant("f16s")
-            fwd = Forward(dw, pair, mask, "zero", None, precision="bf16")
-            assert "f16s" not in fwd.plan.attention_kernel.name  # (N = 97: mma.sync bf16)
-        finally:
-            _configs.set_bf16_variant(before)
+                    attention=gpu.routes.attention_wgmma_launch(d, variant="f16s"))
+        with pytest.raises(ValueError, match="fp16's range"):
+            Forward(dw, pair, mask, "zero", None, precision="bf16", route="wgmma_f16s")
+        fwd = Forward(dw, pair, mask, "zero", None, precision="bf16")
+        assert "f16s" not in fwd.plan.attention_kernel.name  # (N = 97: mma.sync bf16)
         return
-    launches = [_configs.attention_ffma_launch(d), _configs.attention_wgmma_launch(d, variant=variant)]
+    launches = [gpu.routes.attention_ffma_launch(d), gpu.routes.attention_wgmma_launch(d, variant=variant)]
     if variant in ("f16", "f16s"):
-        launches.append(_configs.attention_wgmma_launch(d, variant="tf32" if variant == "f16" else "bf16"))
+        # the oracle of a TF32 product's error: the mma.sync TF32 attention (f16), and of
+        # bf16's the bf16 wgmma kernel (f16s)
+        launches.append(gpu.routes.attention_mma_launch(d, "tf32", n=N) if variant == "f16"
+                        else gpu.routes.attention_wgmma_launch(d, variant="bf16"))
     outs = _attention_outputs(dw, pair, mask, launches)
     assert np.isfinite(outs[1]).all()
     err = rel_l2(outs[1], outs[0])

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import triattn_cupy as ta
-from triattn_cupy import _configs, _gpu
+from triattn_cupy import gpu
 
 
 class FakeDevice:
@@ -22,33 +22,33 @@ class FakeDevice:
 
 
 @pytest.fixture
-def gpu(monkeypatch):
+def fake_gpu(monkeypatch):
     """gpu(optin bytes, compute capability): make DeviceWeights see such a GPU."""
     def install(optin, capability):
         fake = types.SimpleNamespace(asarray=np.asarray, uint32=np.uint32, float32=np.float32,
                                      cuda=types.SimpleNamespace(
                                          Device=lambda device_id=None: FakeDevice(optin, capability)))
-        monkeypatch.setattr(_gpu, "_cupy", lambda: fake)
+        monkeypatch.setattr(gpu.device_weights, "_cupy", lambda: fake)
     return install
 
 
-def test_h200_limit_is_the_tables_limit(gpu):
-    gpu(227 * 1024, "90")
-    dw = _gpu.DeviceWeights(ta.random_weights(768, 6, seed=0), 0)
-    assert dw.smem_limit == _configs.SMEM_LIMIT and dw.compute_capability == 90
+def test_h200_limit_is_the_tables_limit(fake_gpu):
+    fake_gpu(227 * 1024, "90")
+    dw = gpu.device_weights.DeviceWeights(ta.random_weights(768, 6, seed=0), 0)
+    assert dw.smem_limit == gpu.tiles.SMEM_LIMIT and dw.compute_capability == 90
 
 
-def test_pair_dim_too_wide_for_the_gpu_is_a_clear_error(gpu):
-    gpu(99 * 1024, "86")
+def test_pair_dim_too_wide_for_the_gpu_is_a_clear_error(fake_gpu):
+    fake_gpu(99 * 1024, "86")
     with pytest.raises(ValueError, match=r"pair_dim 256 needs \d+ bytes .* GPU 0 \(compute "
                                          r"capability 86\) allows 101376 \(pair_dim up to 224"):
-        _gpu.DeviceWeights(ta.random_weights(256, 4, seed=0), 0)
+        gpu.device_weights.DeviceWeights(ta.random_weights(256, 4, seed=0), 0)
 
 
-def test_small_gpu_gets_launches_that_fit(gpu):
-    gpu(99 * 1024, "86")
-    dw = _gpu.DeviceWeights(ta.random_weights(128, 4, seed=0), 0)
+def test_small_gpu_gets_launches_that_fit(fake_gpu):
+    fake_gpu(99 * 1024, "86")
+    dw = gpu.device_weights.DeviceWeights(ta.random_weights(128, 4, seed=0), 0)
     assert dw.smem_limit == 99 * 1024
-    assert _configs.project_rows(128, 10**9, dw.sm_count, dw.smem_limit) == 64
-    launch = _configs.attention_kernel(32, "tf32", dw.compute_capability, 4096, dw.smem_limit)
-    assert launch.smem <= dw.smem_limit and launch.name == "attention_fp32"
+    assert gpu.tiles.project_rows(128, 10**9, dw.sm_count, dw.smem_limit) == 64
+    launch = gpu.routes.attention_kernel(32, "tf32", dw.compute_capability, 4096, dw.smem_limit)
+    assert launch.smem <= dw.smem_limit and launch.name == "attention_ffma_fp32"

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import triattn_cupy as ta
-from triattn_cupy import reference
+from triattn_cupy import gpu, reference
 from helpers import rel_l2, spec_forward, spec_model
 
 pytestmark = pytest.mark.gpu
@@ -51,7 +51,7 @@ def make_mask(rng, B, N, kind="bool", fully_masked_rows=True):
 
 
 def check_against_reference(cp, rng, B, N, D, h, *, mask_kind="bool", fully_masked="zero",
-                            batched=True, precision="fp32"):
+                            batched=True, precision="fp32", route=None):
     weights = ta.random_weights(D, h, seed=int(rng.integers(1 << 31)))
     pair = rng.standard_normal((B, N, N, D)).astype(np.float32) * 2 + 0.5
     mask = None if mask_kind is None else make_mask(rng, B, N, mask_kind)
@@ -61,7 +61,7 @@ def check_against_reference(cp, rng, B, N, D, h, *, mask_kind="bool", fully_mask
     out = cp.full(pair.shape, np.nan, np.float32)
     got = ta.triangle_attention(cp.asarray(pair), None if mask is None else cp.asarray(mask),
                                 weights, fully_masked=fully_masked, out=out,
-                                precision=precision)
+                                precision=precision, route=route)
     assert got is out
     got = got.get()
     if mask is not None and fully_masked == "nan":
@@ -89,9 +89,9 @@ def test_sweep_n(cp, rng, N, precision):
 
 
 @pytest.mark.parametrize("precision", ["fp32", "tf32", "bf16"])
-@pytest.mark.parametrize("head_dim", ta._configs.supported_head_dims())
+@pytest.mark.parametrize("head_dim", ta.gpu.checks.supported_head_dims())
 def test_every_head_dim(cp, rng, head_dim, precision):
-    h = 2 if head_dim * 2 <= ta._configs.MAX_PAIR_DIM else 1
+    h = 2 if head_dim * 2 <= ta.gpu.tiles.MAX_PAIR_DIM else 1
     check_against_reference(cp, rng, 2, 37, head_dim * h, h, precision=precision)
 
 
@@ -113,13 +113,38 @@ def test_wide_pair_dim_on_the_wgmma_path(cp, rng, D, h, N, precision):
 
 
 @pytest.mark.parametrize("precision", ["fp32", "tf32", "bf16"])
-def test_ffma_projection_of_older_gpus(cp, rng, monkeypatch, precision):
-    """GPUs before sm_80 take the FFMA projections (project.cu); forced here, since this
-    GPU takes the tensor-core ones. Each precision's attention reads k and v in its own
-    format from them."""
-    monkeypatch.setattr(ta._configs, "project_uses_tensor_cores", lambda *args: False)
-    for B, N, D, h in [(1, 17, 64, 4), (2, 45, 128, 4), (1, 23, 384, 4)]:
-        check_against_reference(cp, rng, B, N, D, h, fully_masked="nan", precision=precision)
+def test_ffma_route_of_older_gpus(cp, rng, precision):
+    """GPUs before sm_80 take the FFMA projections (project_ffma.cu) and attention in fp32 in
+    every mode (the route "ffma"); forced here, since this GPU takes tensor cores."""
+    for B, N, D, h in [(1, 17, 64, 4), (2, 45, 128, 4), (1, 23, 384, 4), (1, 140, 128, 4)]:
+        check_against_reference(cp, rng, B, N, D, h, fully_masked="nan", precision=precision,
+                                route="ffma")
+
+
+# Every route of the table, forced on this GPU where it can run it (the sm_80 routes with
+# the sm_80 tile tables too): the one forward of each against float64, at sizes off the
+# tiles, B = 2, with fully masked queries.
+_ROUTE_CASES = [(name, precision) for name in gpu.routes.ROUTES
+                for precision in gpu.routes.route_parts(name)["precisions"]]
+
+
+@pytest.mark.parametrize("name,precision", _ROUTE_CASES, ids=lambda x: str(x))
+@pytest.mark.parametrize("tables", ["", "@sm_80"])
+def test_every_route_forced(cp, rng, name, precision, tables):
+    attention = gpu.routes.route_parts(name)["attention"]
+    if tables and not attention.startswith("mma"):
+        pytest.skip("the sm_80 tile tables shape the mma.sync attention only")
+    tiles = gpu.routes.route_parts(name)["project"] == "tiles"
+    D = 128 if tiles or attention.startswith("wgmma") else 64
+    h = D // 32 if attention.startswith("wgmma") or tiles else 4
+    cc = int(cp.cuda.Device().compute_capability)
+    if attention.startswith("wgmma") and cc != 90:
+        pytest.skip("wgmma runs on compute capability 9.0 only")
+    if attention != "ffma" and cc < 80:
+        pytest.skip("tensor cores need compute capability 8.0")
+    for B, N in [(2, 45), (1, 200)]:
+        check_against_reference(cp, rng, B, N, D, h, fully_masked="nan", precision=precision,
+                                route=name + tables)
 
 
 def test_shared_memory_limits_of_one_kernel_across_sizes(cp, rng):
@@ -276,8 +301,8 @@ def test_saturated_gates_with_no_out_bias(cp, rng, precision, gate_bias):
     N = 128 at head dim 32: the output is (g o) Wo, tiny, and every mode must still hold
     its bound. The fp16 out projections (F16_TERMS) once scaled g o by a power of two fixed
     from the weights (|g o| <= max |v|), which left it among fp16's subnormals at -20, and
-    the tf32 mode's fp16 gate flushed to 0 (session 12's review: tf32 1.0, fp32 2.7e-2,
-    bf16 2.7e-2): now each block scales its own g o (load_gated_tile_f16) and format 8
+    the tf32 mode's fp16 gate flushed to 0 (tf32 1.0, fp32 2.7e-2,
+    bf16 2.7e-2): now each block scales its own g o (load_gated_tile_f16) and tiles_f16
     keeps the gate in fp32. At -70 the block's scale passes 2^110, and the product of its
     inverse and Wo's unscale fell below fp32's range (relative error 1 in every mode):
     the two are now applied one after the other."""
@@ -296,24 +321,23 @@ def test_saturated_gates_with_no_out_bias(cp, rng, precision, gate_bias):
     assert err <= TOLERANCE[precision], (precision, gate_bias, err)
 
 
-# ---- the fp32 mode's projections on their own (project_mma.cu F16_TERMS 3, KV_FORMAT 0) ----
+# ---- the fp32 mode's projections on their own (project_mma.cu F16_TERMS 3, rows_fp32) ----
 
 PROJECTION_TOL = 3e-7  # rel L2 of each stored part against float64 (emulated: ~1.1e-7)
 # The pair bias is one dot product per (key, head) whose terms cancel (|bias| well below the
 # sum of |xn_d Wb_d|), so its relative error runs higher; at N = 1 it is 2h values (seen:
-# 4.5e-7 at D = 40, h = 2, session 18)
+# 4.5e-7 at D = 40, h = 2)
 BIAS_TOL = 1e-6
 
 
-def _format0_forward(cp, rng, B, N, D, h, f16_split, monkeypatch):
-    """A forward in fp32 mode whose projections write KV_FP32 (the FFMA attention forced:
-    any head dim reads format 0), its scratch and output filled with NaN; the weights,
-    pair (host float32) and keep mask (fully masked queries, and on N > 2 a key masked
-    for every query) with it. `f16_split` False: 3xTF32 (TRIATTN_PROJECT_F16_SPLIT=0)."""
-    from triattn_cupy import _configs
-    from triattn_cupy._gpu import DeviceWeights, Forward
+def _format0_forward(cp, rng, B, N, D, h):
+    """A forward in fp32 mode whose projections write rows_fp32 (the route mma_f16x3_ffma:
+    any head dim), its scratch and output filled with NaN; the weights, pair (host
+    float32) and keep mask (fully masked queries, and on N > 2 a key masked for every
+    query) with it."""
+    from triattn_cupy.gpu.device_weights import DeviceWeights
+    from triattn_cupy.gpu.forward import Forward
 
-    monkeypatch.setattr(_configs, "PROJECT_F16_SPLIT", f16_split)
     weights = ta.random_weights(D, h, seed=int(rng.integers(1 << 31)))
     pair = (rng.standard_normal((B, N, N, D)) * 2 + 0.5).astype(np.float32)
     keep = make_mask(rng, B, N)
@@ -322,19 +346,18 @@ def _format0_forward(cp, rng, B, N, D, h, f16_split, monkeypatch):
     if not keep.any():  # (N = 1: both pairs' one key masked, 1 in 16) something to compare
         keep[0, 0, 0] = True
     dw = DeviceWeights(weights, cp.cuda.runtime.getDevice())
-    fwd = Forward(dw, cp.asarray(pair), cp.asarray(keep), "zero", None, "fp32",
-                  attention=_configs.attention_ffma_launch(D // h))
-    assert fwd.kv_format == _configs.KV_FP32
-    if not fwd.plan.project_mma:
+    if cp.cuda.Device().compute_capability < "80":
         pytest.skip("this GPU takes the FFMA projections (compute capability below 8.0)")
-    assert fwd.plan.project_f16 == f16_split
-    for array in (fwd.qkvg, fwd.bias, fwd.out):  # (the bias is float32 in KV_FP32)
+    fwd = Forward(dw, cp.asarray(pair), cp.asarray(keep), "zero", None, "fp32",
+                  route="mma_f16x3_ffma")
+    assert fwd.layout == gpu.layouts.ROWS_FP32 and fwd.plan.project_f16
+    for array in (fwd.qkvg, fwd.bias, fwd.out):  # (the bias is float32 in rows_fp32)
         array.fill(np.nan)
     return weights, pair, keep, fwd
 
 
 def _projected_float64(weights, pair, keep):
-    """What ln_qkvg_project stores in KV_FP32, in float64 from the float32 pair: q (times
+    """What ln_qkvg_project stores in rows_fp32, in float64 from the float32 pair: q (times
     log2(e)/sqrt(d)), k, v and the gate [M, D] each, and the pair bias [B, h, N, N] in
     log2(e) units, -inf where the mask drops (b, j, k)."""
     p = {k: v.astype(np.float64) for k, v in weights.params.items()}
@@ -356,19 +379,16 @@ def _projected_float64(weights, pair, keep):
 @pytest.mark.parametrize("D,h", [(64, 4), (128, 4), (40, 2)])
 @pytest.mark.parametrize("N", [1, 17, 128])
 def test_fp32_projection_parts_against_float64(cp, rng, monkeypatch, N, D, h):
-    """ln_qkvg_project of the fp32 mode writing KV_FP32 (fp16 hi + lo products,
-    F16_TERMS 3, since session 18; 3xTF32 before): q, k, v, the gate and the pair bias,
+    """ln_qkvg_project of the fp32 mode writing rows_fp32 (fp16 hi + lo products,
+    F16_TERMS 3): q, k, v, the gate and the pair bias,
     each within PROJECTION_TOL of float64, -inf exactly where the mask drops a key and on
     the padded keys [N, npk), nothing left unwritten (NaN-filled scratch). B = 2; N = 1,
     17 and 128 give 2, 578 and 32768 rows (partial and whole 128-row blocks); D = 40 has
-    a partial 16-wide k chunk (dpad 48). The 3xTF32 products' errors on the same inputs
-    are printed beside them."""
+    a partial 16-wide k chunk (dpad 48)."""
     B = 2
-    seed = int(rng.integers(1 << 62))  # the same inputs for both products
     errors = {}
-    for f16_split in (False, True):
-        weights, pair, keep, fwd = _format0_forward(cp, np.random.default_rng(seed), B, N,
-                                                    D, h, f16_split, monkeypatch)
+    for f16_split in (True,):
+        weights, pair, keep, fwd = _format0_forward(cp, rng, B, N, D, h)
         fwd.project()
         qkvg = fwd.qkvg.get()
         bias = fwd.bias.get()                                               # [B, h, N, npk]
@@ -382,8 +402,7 @@ def test_fp32_projection_parts_against_float64(cp, rng, monkeypatch, N, D, h):
             name: rel_l2(got[name], want[name], where=~masked if name == "bias" else None)
             for name in want}
     print(f"{B}x{N}x{D}x{h} fp32 projection rel L2, fp16 hi + lo: "
-          + ", ".join(f"{k} {v:.3g}" for k, v in errors[True].items())
-          + "; 3xTF32: " + ", ".join(f"{k} {v:.3g}" for k, v in errors[False].items()))
+          + ", ".join(f"{k} {v:.3g}" for k, v in errors[True].items()))
     for name, err in errors[True].items():
         assert err <= (BIAS_TOL if name == "bias" else PROJECTION_TOL), (name, err, errors)
 
@@ -391,11 +410,11 @@ def test_fp32_projection_parts_against_float64(cp, rng, monkeypatch, N, D, h):
 @pytest.mark.parametrize("D,h", [(64, 4), (128, 4), (40, 2)])
 @pytest.mark.parametrize("N", [1, 17, 128])
 def test_fp32_out_projection_against_float64(cp, rng, monkeypatch, N, D, h):
-    """gated_out_project of the fp32 mode reading KV_FP32 (o fp32 over q, the gate at
-    [3D, 4D); fp16 hi + lo products since session 18): out = (g o) Wo^T + bo from the g
+    """gated_out_project of the fp32 mode reading rows_fp32 (o fp32 over q, the gate at
+    [3D, 4D); fp16 hi + lo products ): out = (g o) Wo^T + bo from the g
     and o the earlier stages left, within PROJECTION_TOL of float64 (out = bo exactly
     where a query is fully masked: o = 0 there)."""
-    weights, pair, keep, fwd = _format0_forward(cp, rng, 2, N, D, h, True, monkeypatch)
+    weights, pair, keep, fwd = _format0_forward(cp, rng, 2, N, D, h)
     fwd.project()
     fwd.attention()
     o = fwd.attention_output().get().astype(np.float64)
@@ -414,44 +433,34 @@ def test_fp32_out_projection_against_float64(cp, rng, monkeypatch, N, D, h):
 @pytest.mark.parametrize("precision", ["fp32", "tf32", "bf16"])
 def test_sizes_past_the_wgmma_thresholds(cp, rng, precision):
     """Head dim 32 at N = 293 and 321, where every mode takes the wgmma attention on an
-    H100/H200 (from N = 129: _configs.uses_wgmma; elsewhere the mma.sync kernels):
+    H100/H200 (from N = 129: gpu.routes.WGMMA_ABOVE_N; elsewhere the mma.sync kernels):
     tile-straddling N, B > 1, fully masked queries under both policies."""
     poison_pool(cp)
     check_against_reference(cp, rng, 1, 293, 128, 4, fully_masked="nan", precision=precision)
     check_against_reference(cp, rng, 2, 321, 128, 4, mask_kind="int", precision=precision)
 
 
-@pytest.fixture
-def bf16_s16():
-    """The bf16 mode on the f16s attention (S in fp16 accumulators; TRIATTN_BF16_S16=1 does
-    the same for a whole run) for this test, its former variant restored after. Tests
-    using it make their own weights, so no Plan of another variant is cached for them."""
-    before = ta._configs.bf16_variant()
-    ta._configs.set_bf16_variant("f16s")
-    yield
-    ta._configs.set_bf16_variant(before)
-
-
 def _plan_kernels(module):
     return {plan.attention_kernel.name for plan in module._dw.plans.values()}
 
 
-@pytest.fixture(params=[False, True], ids=["rows2D", "slot_rows"])
-def slot_rows(request, monkeypatch):
-    """The f16s attention reading format 8 (rows of 2D words), or format 9 (the gate in
-    bf16 in each head's slot, _configs.BF16_SLOT_ROWS) where project_tiles.cu runs."""
-    monkeypatch.setattr(ta._configs, "BF16_SLOT_ROWS", request.param)
+@pytest.fixture(params=["wgmma_f16s", "wgmma_f16s_slots"], ids=["rows2D", "slot_rows"])
+def f16s_route(request):
+    """The f16s attention reading tiles_f16 (rows of 2D words), or tiles_f16_slots (the
+    gate in bf16 in each head's slot) where project_wgmma.cu runs."""
     return request.param
 
 
 @pytest.mark.parametrize("N", [129, 200, 257])
 @pytest.mark.parametrize("B", [1, 2])
 @pytest.mark.parametrize("policy", ["zero", "nan"])
-def test_bf16_s16_against_float64(cp, rng, bf16_s16, slot_rows, B, N, policy):
-    """The bf16 mode with S in fp16 (attention_f16s_wgmma) against float64 at bf16's
+def test_bf16_s16_against_float64(cp, rng, f16s_route, B, N, policy):
+    """The bf16 mode with S in fp16 (attention_wgmma_f16s) against float64 at bf16's
     threshold: head dim 32 past N = 128 (the wgmma path), N off the 64-key and 128-query
     tiles, B = 2, a fully masked query under both policies, and a query whose first key
     tile is all masked but a later key is not (its running max restarts from -inf)."""
+    if cp.cuda.Device().compute_capability != "90":
+        pytest.skip("the wgmma attention runs on compute capability 9.0 only")
     D, h = 128, 4
     weights = ta.random_weights(D, h, seed=int(rng.integers(1 << 31)))
     pair = rng.standard_normal((B, N, N, D)).astype(np.float32) * 2 + 0.5
@@ -463,10 +472,11 @@ def test_bf16_s16_against_float64(cp, rng, bf16_s16, slot_rows, B, N, policy):
     module = ta.TriangleAttention(weights)
     poison_pool(cp)
     got = module(cp.asarray(pair), cp.asarray(mask), fully_masked=policy,
-                 precision="bf16").get()
-    assert _plan_kernels(module) == {"attention_f16s_wgmma"}
+                 precision="bf16", route=f16s_route).get()
+    assert _plan_kernels(module) == {"attention_wgmma_f16s"}
     plan, = module._dw.plans.values()
-    assert plan.kv_format == (ta._configs.KV_F16S_TILES if slot_rows else ta._configs.KV_F16_TILES)
+    assert plan.layout == (ta.gpu.layouts.TILES_F16_SLOTS if f16s_route.endswith("slots")
+                           else ta.gpu.layouts.TILES_F16)
     fully = np.broadcast_to(~mask.any(axis=-1)[:, None, :, None], got.shape)
     if policy == "nan":
         assert np.array_equal(np.isnan(got), fully), "NaN exactly at fully-masked queries"
@@ -478,24 +488,25 @@ def test_bf16_s16_against_float64(cp, rng, bf16_s16, slot_rows, B, N, policy):
         assert rel_l2(got, expected) <= TOLERANCE["bf16"]
 
 
-def test_bf16_s16_error_within_twice_pytorch_bf16(cp, rng, bf16_s16, slot_rows):
+def test_bf16_s16_error_within_twice_pytorch_bf16(cp, rng, f16s_route):
     """Issue 6's bound for the bf16 mode on f16s: no worse than twice PyTorch's bf16 error
     on the same inputs, at the wgmma path's sizes (head dim 32, N > 128)."""
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():
         pytest.skip("torch has no CUDA here")
+    if cp.cuda.Device().compute_capability != "90":
+        pytest.skip("the wgmma attention runs on compute capability 9.0 only")
     for B, N, D, h in [(1, 160, 128, 4), (1, 300, 128, 4), (2, 200, 64, 2)]:
+        # (slot rows at D = 128 only: elsewhere f16s reads tiles_f16)
+        route = f16s_route if D == 128 else "wgmma_f16s"
         weights = ta.random_weights(D, h, seed=int(rng.integers(1 << 31)))
         pair = (rng.standard_normal((B, N, N, D)) * 2 + 0.5).astype(np.float32)
         mask = make_mask(rng, B, N, fully_masked_rows=False)
         expected = spec_forward(weights, pair, mask)
         module = ta.TriangleAttention(weights)
-        ours = module(cp.asarray(pair), cp.asarray(mask), precision="bf16").get()
-        # (format 9 at D = 128 only: elsewhere the forced f16s reads format 8)
+        ours = module(cp.asarray(pair), cp.asarray(mask), precision="bf16", route=route).get()
         plan, = module._dw.plans.values()
-        assert plan.attention_kernel.name == "attention_f16s_wgmma"
-        assert plan.kv_format == (ta._configs.KV_F16S_TILES if slot_rows and D == 128
-                                  else ta._configs.KV_F16_TILES)
+        assert plan.attention_kernel.name == "attention_wgmma_f16s"
         theirs = _torch_in_precision(torch, weights, pair, mask, "bf16")
         ours_err, torch_err = rel_l2(ours, expected), rel_l2(theirs, expected)
         print(f"bf16 f16s {B}x{N}x{D}x{h}: ours {ours_err:.3g}, PyTorch {torch_err:.3g}, "
@@ -504,19 +515,17 @@ def test_bf16_s16_error_within_twice_pytorch_bf16(cp, rng, bf16_s16, slot_rows):
 
 
 @pytest.mark.parametrize("N,D,aligned,expected", [
-    (ta._configs.BF16_F16S_SLOTS_FROM_N - 1, 128, True, ("attention_bf16_wgmma", "KV_BF16_TILES")),
-    (ta._configs.BF16_F16S_SLOTS_FROM_N, 128, True, ("attention_f16s_wgmma", "KV_F16S_TILES")),
-    (ta._configs.BF16_F16S_SLOTS_FROM_N, 64, True, ("attention_bf16_wgmma", "KV_BF16_TILES")),
-    (ta._configs.BF16_F16S_SLOTS_FROM_N, 128, False, ("attention_bf16_wgmma", "KV_BF16_TILES")),
-    (ta._configs.BF16_F16S_FROM_N, 64, True, ("attention_f16s_wgmma", "KV_F16_TILES")),
-    (ta._configs.BF16_F16S_FROM_N, 128, False, ("attention_f16s_wgmma", "KV_F16_TILES"))])
-def test_bf16_auto_variant_by_n_and_layout(cp, N, D, aligned, expected):
-    """The bf16 mode's default ("auto") kernel and format (head dim 32, the wgmma path):
-    f16s on format 9 from BF16_F16S_SLOTS_FROM_N where project_tiles.cu writes the
-    projections (D = 128, 16-byte aligned rows), on format 8 from BF16_F16S_FROM_N
-    elsewhere (another D, or a pair viewed one channel off), the bf16 variant below."""
-    if ta._configs.bf16_variant() != "auto" or not ta._configs.BF16_SLOT_ROWS:
-        pytest.skip("TRIATTN_BF16_S16 or TRIATTN_BF16_SLOT_ROWS=0 set for this run")
+    (ta.gpu.routes.F16S_SLOTS_FROM_N - 1, 128, True, ("attention_wgmma_bf16", "TILES_BF16")),
+    (ta.gpu.routes.F16S_SLOTS_FROM_N, 128, True, ("attention_wgmma_f16s", "TILES_F16_SLOTS")),
+    (ta.gpu.routes.F16S_SLOTS_FROM_N, 64, True, ("attention_wgmma_bf16", "TILES_BF16")),
+    (ta.gpu.routes.F16S_SLOTS_FROM_N, 128, False, ("attention_wgmma_bf16", "TILES_BF16")),
+    (ta.gpu.routes.F16S_FROM_N, 64, True, ("attention_wgmma_f16s", "TILES_F16")),
+    (ta.gpu.routes.F16S_FROM_N, 128, False, ("attention_wgmma_f16s", "TILES_F16"))])
+def test_bf16_default_route_by_n_and_layout(cp, N, D, aligned, expected):
+    """The bf16 mode's default kernel and layout (head dim 32, the wgmma path): f16s on
+    slot rows from F16S_SLOTS_FROM_N where project_wgmma.cu writes the projections (D =
+    128, 16-byte aligned rows), on tiles_f16 from F16S_FROM_N elsewhere (another D, or a
+    pair viewed one channel off), the bf16 variant below."""
     module = ta.TriangleAttention(ta.random_weights(D, D // 32, seed=0))
     if cp.cuda.Device().compute_capability != "90":
         pytest.skip("the wgmma attention runs on compute capability 9.0 only")
@@ -524,36 +533,8 @@ def test_bf16_auto_variant_by_n_and_layout(cp, N, D, aligned, expected):
     pair = store if aligned else store[..., 1:]
     module(pair, precision="bf16")
     plan, = module._dw.plans.values()
-    assert (plan.attention_kernel.name, plan.kv_format) == (
-        expected[0], getattr(ta._configs, expected[1]))
-
-
-@pytest.mark.parametrize("precision", ta.PRECISIONS)
-def test_overlapped_launches_equal_plain_ones(cp, rng, monkeypatch, precision):
-    """The attention and the out projection launched as programmatic dependents (sm_90:
-    their blocks start while the kernel before drains and wait inside, common.cuh) give
-    the very bits of plain launches: at N = 17 and 130 (mma.sync and wgmma attentions,
-    B = 2) and at N = 600 under a mask (the key extent's kernel between them), with
-    fully masked rows. Each forward on a poisoned pool, twice over, so that a wait that
-    let a kernel read stale scratch would show."""
-    D, h = 128, 4
-    weights = ta.random_weights(D, h, seed=int(rng.integers(1 << 31)))
-    for B, N in [(2, 17), (2, 130), (1, 600)]:
-        pair = cp.asarray(rng.standard_normal((B, N, N, D)).astype(np.float32))
-        mask = cp.asarray(make_mask(rng, B, N))
-        outs = {}
-        for overlap in (True, False, True):
-            monkeypatch.setattr(ta._configs, "OVERLAP_LAUNCHES", overlap)
-            module = ta.TriangleAttention(weights)  # (its own plans)
-            poison_pool(cp)
-            got = module(pair, mask, precision=precision, fully_masked="nan")
-            plan, = module._dw.plans.values()
-            assert plan.attention.overlap == plan.out_project.overlap == (
-                overlap and module._dw.compute_capability >= 90)
-            if overlap in outs:
-                assert cp.array_equal(got, outs[overlap], equal_nan=True), (B, N, "repeat")
-            outs[overlap] = got
-        assert cp.array_equal(outs[True], outs[False], equal_nan=True), (precision, B, N)
+    assert (plan.attention_kernel.name, plan.layout) == (
+        expected[0], getattr(gpu.layouts, expected[1]))
 
 
 def test_large_n_memory_and_spot_rows(cp, rng):

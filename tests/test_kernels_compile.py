@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from triattn_cupy import _compile, _configs
+from triattn_cupy import gpu
 from helpers import compile_ptx_or_fail
 
 nvrtc = pytest.importorskip("cupy_backends.cuda.libs.nvrtc",
@@ -25,38 +25,35 @@ pytestmark = pytest.mark.skipif(not _nvrtc_usable(),
 
 def _allowed_spill_bytes(config, arch) -> int:
     """The spills ptxas reports, each bounded so that a new or larger one fails:
-    - the split projections (3xTF32, and fp16 hi + lo: F16_TERMS 3) at 128 registers, up to
-      72 bytes (84 before session 10 laid the weights out in chunks, which also took the
-      16-24 bytes of the 128-row TF32 projections that write V^T, K and bias tiles and the
-      4-8 of the 80-register ones; since session 13 the 128-row F16_TERMS 3 out projection,
-      which no forward launches (out_project_rows: 64), spills 4);
-    - 32 bytes in the 3xTF32 attention at head dim 24 on sm_90, whose 2-blocks-per-SM
-      shape measured 25% faster than the spill-free ones (session 9).
-    Removing them is open work (benchmarks/NOTES.md). Every other kernel: none (the 4-8
-    bytes the bf16 and the KV_FORMAT 5 one-product projections spilled went with session
-    13's 32-wide weight ring)."""
+    - the split projections (fp16 hi + lo: F16_TERMS 3) at 128 registers, up to 72 bytes
+      (the 128-row out projection, which no forward launches (out_project_rows: 64),
+      spills 4);
+    - 32 bytes in the 3xTF32 attention (the f16x3 attention's accuracy oracle) at head dim
+      24 on sm_90, whose 2-blocks-per-SM shape measured 25% faster than the spill-free
+      ones.
+    Every other kernel: none."""
     defines = dict(config.defines)
     if (config.filename == "attention_mma.cu" and defines["PREC"] == 0
             and defines["HEAD_DIM"] == 24 and defines["MIN_BLOCKS"] == 2 and arch == "sm_90"):
-        return 32  # chosen by measurement over the spill-free shapes (_configs)
+        return 32  # chosen by measurement over the spill-free shapes (tiles.py)
     if config.filename == "project_mma.cu" and defines.get("SPLIT"):
         return 72
     return 0
 
 
 # Each architecture's own configurations (the tile table may pick per architecture).
-@pytest.mark.parametrize("config,arch", [(c, a) for a in _compile.CHECK_ARCHS
-                                         for c in _configs.all_configs(a)],
+@pytest.mark.parametrize("config,arch", [(c, a) for a in gpu.compile.CHECK_ARCHS
+                                         for c in gpu.routes.all_configs(a)],
                          ids=lambda x: x if isinstance(x, str) else
                          x.filename + ":" + ",".join(f"{k}={v}" for k, v in x.defines))
 def test_compiles_without_spills(config, arch):
-    log = _compile.compile_offline(config.filename, config.defines, config.arch or arch)
-    report = _compile.ptxas_report(log)
+    log = gpu.compile.compile_offline(config.filename, config.defines, config.arch or arch)
+    report = gpu.compile.ptxas_report(log)
     assert report, f"no ptxas report in:\n{log}"
     # ptxas serializes the wgmma of a function (each waits for the one before) where it
     # cannot keep their register operands safe while they run, and says so (C7513): a
-    # pipelined register-A loop did (session 15), at no error; or where a wgmma sits under
-    # a branch (C7519: project_tiles.cu's pair bias in one warpgroup only, session 16)
+    # pipelined register-A loop did, at no error; or where a wgmma sits under
+    # a branch (C7519: project_wgmma.cu's pair bias in one warpgroup only)
     assert "C7513" not in log and "C7519" not in log, log
     allowed = _allowed_spill_bytes(config, arch)
     for entry, usage in report.items():
@@ -66,15 +63,15 @@ def test_compiles_without_spills(config, arch):
 
 # project_mma.cu's LN_SPLIT (LayerNorm 2 threads per row, off until measured on a GPU):
 # compiled here so that the switch stays buildable, for the 128-row blocks it changes.
-@pytest.mark.parametrize("config", [c for c in _configs.all_configs("sm_90")
+@pytest.mark.parametrize("config", [c for c in gpu.routes.all_configs("sm_90")
                                     if c.filename == "project_mma.cu"
                                     and dict(c.defines)["BM"] == 128],
                          ids=lambda c: ",".join(f"{k}={v}" for k, v in c.defines))
 def test_layernorm_split_compiles_without_new_spills(config):
-    log = _compile.compile_offline(config.filename, config.defines + (("LN_SPLIT", 1),),
+    log = gpu.compile.compile_offline(config.filename, config.defines + (("LN_SPLIT", 1),),
                                    config.arch or "sm_90")
     allowed = _allowed_spill_bytes(config, "sm_90")
-    for entry, usage in _compile.ptxas_report(log).items():
+    for entry, usage in gpu.compile.ptxas_report(log).items():
         assert usage["spill_stores"] <= allowed and usage["spill_loads"] <= allowed, (entry, usage)
     assert "C7513" not in log
 
@@ -86,55 +83,80 @@ ptxas         .     16 bytes stack frame, 20 bytes spill stores, 16 bytes spill 
 ptxas info    : Used 128 registers, used 1 barriers, 16 bytes cumulative stack size
 ptxas info    : Function properties for _Z6helperv
 ptxas         .     0 bytes stack frame, 0 bytes spill stores, 4 bytes spill loads"""
-    assert _compile.ptxas_report(log) == {"k": {"stack": 16, "spill_stores": 20,
+    assert gpu.compile.ptxas_report(log) == {"k": {"stack": 16, "spill_stores": 20,
                                                 "spill_loads": 20, "registers": 128}}
 
 
 def test_compile_error_points_at_the_file():
     broken = (("HEAD_DIM", "32 +"),)  # a define that breaks the source
-    with pytest.raises(_compile.CompileError, match=r"kernels/attention\.cu"):
-        _compile.compile_offline("attention.cu", broken, "sm_90")
+    with pytest.raises(gpu.compile.CompileError, match=r"kernels/attention_ffma\.cu"):
+        gpu.compile.compile_offline("attention_ffma.cu", broken, "sm_90")
 
 
 def test_every_supported_dimension_has_a_config():
-    configs = set(_configs.all_configs())
-    for d in _configs.supported_head_dims():
-        assert _configs.attention_config(d) in configs
+    configs = set(gpu.routes.all_configs())
+    for d in gpu.checks.supported_head_dims():
+        assert gpu.routes.attention_config(d) in configs
+    rows_fp32 = gpu.layouts.ROWS_FP32
     for D in (4, 64, 128, 320, 324, 768):
         for rows_total in (1, 10**9):
-            for tensor_cores, split in ((False, False), (True, False), (True, True)):
-                rows = _configs.project_rows(D, rows_total, tensor_cores=tensor_cores)
-                assert _configs.project_config(rows, tensor_cores, D, split=split) in configs
-                out_rows = _configs.out_project_rows()
-                assert _configs.project_config(out_rows, tensor_cores, D, split=split) in configs
+            for engine, products in (("ffma", "fp32"), ("mma", "tf32"), ("mma", "f16x3")):
+                rows = gpu.tiles.project_rows(D, rows_total, tensor_cores=engine == "mma")
+                for r in (rows, gpu.tiles.out_project_rows()):
+                    assert gpu.routes.project_config(r, engine, D, rows_fp32, products) in configs
+
+
+def test_every_route_compiles_here():
+    """Every configuration each route launches (the default ones over a grid of problems,
+    and every forced one) is among those compiled by test_compiles_without_spills."""
+    compiled = {arch: set(gpu.routes.all_configs(arch)) for arch in ("sm_80", "sm_90")}
+    for cc, arch in ((80, "sm_80"), (90, "sm_90")):
+        for precision in gpu.checks.PRECISIONS:
+            for d, D in ((32, 128), (32, 64), (16, 64), (8, 768), (64, 128), (128, 256)):
+                for n in (1, 128, 129, 384, 768, 4096):
+                    for force in (None, *gpu.routes.ROUTES):
+                        try:
+                            route = gpu.routes.choose_route(precision, d, D, n, cc, force=force)
+                        except ValueError:
+                            continue
+                        launch = route.attention_launch(d, n)
+                        assert launch.config in compiled[arch], (route, d, n)
+                        for engine in {route.project, route.out_project} - {"tiles"}:
+                            for rows in {gpu.tiles.project_rows(D, t, tensor_cores=engine == "mma")
+                                         for t in (1, 10**9)} | {gpu.tiles.out_project_rows()}:
+                                config = gpu.routes.project_config(rows, engine, D, route.layout,
+                                                                   route.products)
+                                assert config in compiled[arch], (route, D, rows)
+                        if "tiles" in (route.project, route.out_project):
+                            assert gpu.routes.project_tiles_config(route.layout) in compiled[arch]
 
 
 def test_projection_rows_per_block():
     """128-row blocks wherever they give every SM one (tensor cores) or ~4 (FFMA); 64 rows
     for fewer rows, and for D above 320 (shared memory)."""
     sms = 132
-    assert _configs.project_rows(64, 2 * 128 * 128, sms, tensor_cores=True) == 128
-    assert _configs.project_rows(128, 64 * 64, sms, tensor_cores=True) == 64
-    assert _configs.project_rows(64, 2 * 128 * 128, sms, tensor_cores=False) == 64
-    assert _configs.project_rows(128, 1024 * 1024, sms, tensor_cores=False) == 128
-    assert _configs.project_rows(384, 1024 * 1024, sms, tensor_cores=True) == 64
+    assert gpu.tiles.project_rows(64, 2 * 128 * 128, sms, tensor_cores=True) == 128
+    assert gpu.tiles.project_rows(128, 64 * 64, sms, tensor_cores=True) == 64
+    assert gpu.tiles.project_rows(64, 2 * 128 * 128, sms, tensor_cores=False) == 64
+    assert gpu.tiles.project_rows(128, 1024 * 1024, sms, tensor_cores=False) == 128
+    assert gpu.tiles.project_rows(384, 1024 * 1024, sms, tensor_cores=True) == 64
 
 
 def test_every_launch_fits_in_shared_memory():
     """Every attention launch the tables pick asks for at most the 227 KiB of dynamic shared
     memory a block may opt into on sm_80/sm_90, and every projection launch too."""
-    limit = _configs.SMEM_LIMIT
-    for d in _configs.supported_head_dims():
-        for precision in _configs.PRECISIONS:
+    limit = gpu.tiles.SMEM_LIMIT
+    for d in gpu.checks.supported_head_dims():
+        for precision in gpu.checks.PRECISIONS:
             for n in (1, 128, 129, 512, 513, 4096):
-                launch = _configs.attention_kernel(d, precision, 90, n)
+                launch = gpu.routes.attention_kernel(d, precision, 90, n)
                 assert launch.smem <= limit, (d, precision, n, launch)
                 assert launch.blocks(1, n, 1) >= 1
     for D in (4, 64, 128, 320, 324, 640, 644, 768):
         for rows_total in (1, 10**9):
-            rows = _configs.project_rows(D, rows_total)
-            assert _configs.project_smem_bytes(D, rows) <= limit, (D, rows)
-        assert _configs.project_smem_bytes(D, _configs.out_project_rows()) <= limit, D
+            rows = gpu.tiles.project_rows(D, rows_total)
+            assert gpu.tiles.project_smem_bytes(D, rows) <= limit, (D, rows)
+        assert gpu.tiles.project_smem_bytes(D, gpu.tiles.out_project_rows()) <= limit, D
 
 
 # MaxSharedMemoryPerBlockOptin of sm_90 (the tables' SMEM_LIMIT), sm_80, and sm_86/89.
@@ -144,37 +166,37 @@ SMEM_OPTIN = {"sm_90": 227 * 1024, "sm_80": 163 * 1024, "sm_86": 99 * 1024}
 def test_the_sm_90_limit_changes_no_choice():
     """At the H200's own limit the tables pick exactly what they pick by default."""
     limit = SMEM_OPTIN["sm_90"]
-    for d in _configs.supported_head_dims():
-        for precision in _configs.PRECISIONS:
+    for d in gpu.checks.supported_head_dims():
+        for precision in gpu.checks.PRECISIONS:
             for n in (1, 128, 129, 512, 513, 4096):
-                assert (_configs.attention_kernel(d, precision, 90, n, limit)
-                        == _configs.attention_kernel(d, precision, 90, n))
-    for D in range(4, _configs.MAX_PAIR_DIM + 1, 4):
-        _configs.check_projection_fits(D, limit)
+                assert (gpu.routes.attention_kernel(d, precision, 90, n, limit)
+                        == gpu.routes.attention_kernel(d, precision, 90, n))
+    for D in range(4, gpu.tiles.MAX_PAIR_DIM + 1, 4):
+        gpu.checks.check_projection_fits(D, limit)
         for rows_total in (1, 10**9):
-            assert (_configs.project_rows(D, rows_total, 132, limit)
-                    == _configs.project_rows(D, rows_total, 132))
+            assert (gpu.tiles.project_rows(D, rows_total, 132, limit)
+                    == gpu.tiles.project_rows(D, rows_total, 132))
 
 
-@pytest.mark.parametrize("gpu", ["sm_80", "sm_86"])
-def test_smaller_gpus_get_launches_that_fit_or_a_clear_error(gpu):
-    limit, cc = SMEM_OPTIN[gpu], int(gpu[3:])
-    for d in _configs.supported_head_dims():
-        for precision in _configs.PRECISIONS:
+@pytest.mark.parametrize("gpu_name", ["sm_80", "sm_86"])
+def test_smaller_gpus_get_launches_that_fit_or_a_clear_error(gpu_name):
+    limit, cc = SMEM_OPTIN[gpu_name], int(gpu_name[3:])
+    for d in gpu.checks.supported_head_dims():
+        for precision in gpu.checks.PRECISIONS:
             for n in (1, 128, 129, 512, 513, 4096):
-                launch = _configs.attention_kernel(d, precision, cc, n, limit)
-                assert launch.smem <= limit, (gpu, d, precision, n, launch)
-    for D in range(4, _configs.MAX_PAIR_DIM + 1, 4):
+                launch = gpu.routes.attention_kernel(d, precision, cc, n, limit)
+                assert launch.smem <= limit, (gpu_name, d, precision, n, launch)
+    for D in range(4, gpu.tiles.MAX_PAIR_DIM + 1, 4):
         try:
-            _configs.check_projection_fits(D, limit, "GPU 0")
+            gpu.checks.check_projection_fits(D, limit, "GPU 0")
         except ValueError as error:
             assert f"pair_dim {D} needs" in str(error) and f"allows {limit}" in str(error)
-            assert _configs.project_smem_bytes(D, 64) > limit
+            assert gpu.tiles.project_smem_bytes(D, 64) > limit
             continue
         for rows_total in (1, 10**9):
-            rows = _configs.project_rows(D, rows_total, 108, limit)
-            assert _configs.project_smem_bytes(D, rows) <= limit, (gpu, D, rows)
-        assert _configs.project_smem_bytes(D, _configs.out_project_rows()) <= limit
+            rows = gpu.tiles.project_rows(D, rows_total, 108, limit)
+            assert gpu.tiles.project_smem_bytes(D, rows) <= limit, (gpu_name, D, rows)
+        assert gpu.tiles.project_smem_bytes(D, gpu.tiles.out_project_rows()) <= limit
 
 
 def test_which_attention_kernel_each_mode_takes():
@@ -182,89 +204,88 @@ def test_which_attention_kernel_each_mode_takes():
     thresholds (every mode from N = 129; fp32 as f16x3, tf32 as f16); mma.sync otherwise
     (fp32 as its f16x3 too, which scales q, k, v itself: operand_scales)."""
     def name(d, precision, cc, n):
-        return _configs.attention_kernel(d, precision, cc, n).name
+        return gpu.routes.attention_kernel(d, precision, cc, n).name
 
-    assert name(32, "tf32", 90, 128) == "attention_tf32"
-    assert name(32, "tf32", 90, 129) == "attention_f16_wgmma"
-    assert name(32, "fp32", 90, 128) == "attention_f16x3"
-    assert name(32, "fp32", 90, 129) == "attention_f16x3_wgmma"
-    assert name(32, "bf16", 90, 128) == "attention_bf16"
-    assert name(32, "bf16", 90, 129) == "attention_bf16_wgmma"
+    assert name(32, "tf32", 90, 128) == "attention_mma_tf32"
+    assert name(32, "tf32", 90, 129) == "attention_wgmma_f16"
+    assert name(32, "fp32", 90, 128) == "attention_mma_f16x3"
+    assert name(32, "fp32", 90, 129) == "attention_wgmma_f16x3"
+    assert name(32, "bf16", 90, 128) == "attention_mma_bf16"
+    assert name(32, "bf16", 90, 129) == "attention_wgmma_bf16"
     for cc in (80, 89, 100):  # sm_90a code runs on 9.0 only
-        assert name(32, "fp32", cc, 4096) == "attention_f16x3"
-        assert name(32, "tf32", cc, 4096) == "attention_tf32"
-        assert name(32, "bf16", cc, 4096) == "attention_bf16"
-    assert name(64, "fp32", 90, 4096) == "attention_f16x3"
-    assert name(16, "fp32", 90, 128) == "attention_f16x3"  # the benchmark's 2x128x64x4
-    small = _configs.attention_kernel(16, "fp32", 90, 128)
-    assert small.kv_format == _configs.KV_FP32 and small.operand_scales
-    # 3xTF32 stays available (tests, sweeps), reading the same format, without scales
-    tf32x3 = _configs.attention_mma_launch(16, "tf32x3", n=128)
-    assert tf32x3.name == "attention_tf32x3" and tf32x3.kv_format == _configs.KV_FP32
+        assert name(32, "fp32", cc, 4096) == "attention_mma_f16x3"
+        assert name(32, "tf32", cc, 4096) == "attention_mma_tf32"
+        assert name(32, "bf16", cc, 4096) == "attention_mma_bf16"
+    assert name(64, "fp32", 90, 4096) == "attention_mma_f16x3"
+    assert name(16, "fp32", 90, 128) == "attention_mma_f16x3"  # the benchmark's 2x128x64x4
+    small = gpu.routes.attention_kernel(16, "fp32", 90, 128)
+    assert small.layout == gpu.layouts.ROWS_FP32 and small.operand_scales
+    # 3xTF32 stays as f16x3's accuracy oracle, reading the same layout, without scales
+    tf32x3 = gpu.routes.attention_mma_launch(16, "tf32x3", n=128)
+    assert tf32x3.name == "attention_mma_tf32x3" and tf32x3.layout == gpu.layouts.ROWS_FP32
     assert not tf32x3.operand_scales
-    fp32 = _configs.attention_kernel(32, "fp32", 90, 4096)
-    assert fp32.kv_format == _configs.KV_F16X3_TILES and fp32.smem <= _configs.SMEM_LIMIT
-    bf16 = _configs.attention_kernel(32, "bf16", 90, _configs.BF16_F16S_SLOTS_FROM_N - 1)
-    assert bf16.kv_format == _configs.KV_BF16_TILES and bf16.smem <= _configs.SMEM_LIMIT
-    # from BF16_F16S_SLOTS_FROM_N S in fp16 (format 8 here; the Plan takes format 9 where
-    # project_tiles.cu writes the projections, else the bf16 variant below BF16_F16S_FROM_N)
-    for n in (_configs.BF16_F16S_SLOTS_FROM_N, 4096):
-        bf16 = _configs.attention_kernel(32, "bf16", 90, n)
-        assert bf16.name == "attention_f16s_wgmma" and bf16.smem <= _configs.SMEM_LIMIT
-    tf32 = _configs.attention_kernel(32, "tf32", 90, 4096)
-    assert tf32.kv_format == _configs.KV_F16_TILES and tf32.smem <= _configs.SMEM_LIMIT
+    fp32 = gpu.routes.attention_kernel(32, "fp32", 90, 4096)
+    assert fp32.layout == gpu.layouts.TILES_F16_HILO and fp32.smem <= gpu.tiles.SMEM_LIMIT
+    bf16 = gpu.routes.attention_kernel(32, "bf16", 90, gpu.routes.F16S_SLOTS_FROM_N - 1)
+    assert bf16.layout == gpu.layouts.TILES_BF16 and bf16.smem <= gpu.tiles.SMEM_LIMIT
+    # from F16S_SLOTS_FROM_N S in fp16 (on slot rows at D = 128: attention_kernel's)
+    for n in (gpu.routes.F16S_SLOTS_FROM_N, 4096):
+        bf16 = gpu.routes.attention_kernel(32, "bf16", 90, n)
+        assert bf16.name == "attention_wgmma_f16s" and bf16.smem <= gpu.tiles.SMEM_LIMIT
+    tf32 = gpu.routes.attention_kernel(32, "tf32", 90, 4096)
+    assert tf32.layout == gpu.layouts.TILES_F16 and tf32.smem <= gpu.tiles.SMEM_LIMIT
 
 
 def test_a_too_small_gpu_falls_back_to_the_ffma_attention():
-    launch = _configs.attention_kernel(32, "tf32", 86, 4096, SMEM_OPTIN["sm_86"])
-    assert launch.name == "attention_fp32" and launch.kv_format == _configs.KV_FP32
+    launch = gpu.routes.attention_kernel(32, "tf32", 86, 4096, SMEM_OPTIN["sm_86"])
+    assert launch.name == "attention_ffma_fp32" and launch.layout == gpu.layouts.ROWS_FP32
 
 
 # Every wgmma tile shape the tests and sweeps launch, per variant.
-_WGMMA_SHAPES = [_configs.WgmmaTiles(rows, stages, 1, 0, 2, bulk)
+_WGMMA_SHAPES = [gpu.tiles.WgmmaTiles(rows, stages, 1, 2, bulk)
                  for rows in (1, 2) for stages in (2, 3, 4) for bulk in (0, 1)]
 
 
-@pytest.mark.parametrize("variant", list(_configs.WGMMA_VARIANTS))
+@pytest.mark.parametrize("variant", list(gpu.tiles.WGMMA_VARIANTS))
 def test_wgmma_shared_memory_mirror_matches_the_kernel(variant):
-    """_configs.attention_wgmma_smem_bytes is what the host asks for at launch; the kernel
+    """gpu.tiles.attention_wgmma_smem_bytes is what the host asks for at launch; the kernel
     lays its shared memory out by its own SMEM_BYTES. A launch given less than the kernel
     uses would read and write past its allocation, silently: compile a static_assert
     that the two agree (PTX only, no ptxas)."""
     checked = 0
     for tiles in _WGMMA_SHAPES:
         try:
-            launch = _configs.attention_wgmma_launch(32, tiles, variant)
+            launch = gpu.routes.attention_wgmma_launch(32, tiles, variant)
         except ValueError:  # a shape the variant does not take (bulk or not)
             continue
-        compile_ptx_or_fail(_compile.full_source(launch.config.filename, launch.config.defines)
+        compile_ptx_or_fail(gpu.compile.full_source(launch.config.filename, launch.config.defines)
                             + f'\nstatic_assert(SMEM_BYTES == {launch.smem}, "smem mirror: '
                             f'{variant} {tiles}");\n')
         checked += 1
     assert checked >= 3
 
 
-# Every mma.sync tile shape the tests and sweeps launch (tests/test_attention_mma.py TILES,
-# scripts/sweep_tiles.py CANDIDATES), and the tables' own.
-_MMA_SHAPES = [_configs.MmaTiles(*shape) for shape in
+# Every mma.sync tile shape the tests launch (tests/test_attention_mma.py TILES), and the
+# tables' own.
+_MMA_SHAPES = [gpu.tiles.MmaTiles(*shape) for shape in
                [(64, 1, 1, 1, 1), (64, 1, 2, 1, 1), (32, 2, 2, 1, 1), (16, 2, 1, 1, 1),
                 (64, 1, 2, 0, 1), (32, 1, 1, 0, 2), (32, 1, 1, 1, 2, 2), (32, 1, 1, 1, 3, 2),
                 (16, 1, 1, 1, 2, 4), (32, 2, 2, 0, 1)]]
 
 
-@pytest.mark.parametrize("variant", list(_configs.ATTENTION_MMA_VARIANTS))
+@pytest.mark.parametrize("variant", list(gpu.routes.ATTENTION_MMA_VARIANTS))
 def test_mma_shared_memory_mirror_matches_the_kernel(variant):
-    """_configs.attention_mma_smem_bytes, what the host asks for at launch, equals the
+    """gpu.tiles.attention_mma_smem_bytes, what the host asks for at launch, equals the
     kernel's own SMEM_BYTES (compiled as a static_assert, PTX only), for every variant at
     head dims on both sides of 16-wide k-steps (d % 16 == 8) and every listed shape."""
     for d in (8, 16, 24, 64):
-        if d not in _configs.attention_mma_head_dims(variant):
+        if d not in gpu.tiles.attention_mma_head_dims(variant):
             continue
-        for tiles in _MMA_SHAPES + [_configs.attention_mma_tiles(d, variant, n, cc)
+        for tiles in _MMA_SHAPES + [gpu.tiles.attention_mma_tiles(d, variant, n, cc)
                                     for n in (128, 129) for cc in (80, 90)]:
-            launch = _configs.attention_mma_launch(d, variant, tiles)
+            launch = gpu.routes.attention_mma_launch(d, variant, tiles)
             compile_ptx_or_fail(
-                _compile.full_source(launch.config.filename, launch.config.defines)
+                gpu.compile.full_source(launch.config.filename, launch.config.defines)
                 + f'\nstatic_assert(SMEM_BYTES == {launch.smem}, "smem mirror: {variant} '
                 f'd={d} {tiles}");\n', "compute_80")
 
@@ -272,8 +293,7 @@ def test_mma_shared_memory_mirror_matches_the_kernel(variant):
 def test_no_generic_lambdas_in_kernels():
     """A lambda with `auto` parameters compiles with this machine's NVRTC (CUDA 13.5) but
     not with the GPU's (CUDA 13.0: "host function in JIT mode"), so the offline compile
-    checks cannot catch it (session 12 found one only on the GPU). Kernels use template
-    functions instead."""
+    checks cannot catch it. Kernels use template functions instead."""
     import pathlib
     import re
 
@@ -281,7 +301,7 @@ def test_no_generic_lambdas_in_kernels():
     # `float (&d)[32]`, across lines) naming `auto`
     generic = re.compile(r"\[[^\]\n]*\]\s*\((?:[^()]|\([^()]*\))*\bauto\b")
     found = [f"{path.name}:{text[:m.start()].count(chr(10)) + 1}"
-             for path in sorted(pathlib.Path(_compile._kernels_folder()).glob("*.cu*"))
+             for path in sorted(pathlib.Path(gpu.compile._kernels_folder()).glob("*.cu*"))
              for text in [path.read_text()] for m in generic.finditer(text)]
     assert not found, found
     assert generic.search("[&](float (&d)[32],\n     auto x) {")  # the pattern does match

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import triattn_cupy as ta
-from triattn_cupy import _configs, _gpu
+from triattn_cupy import gpu
 from helpers import rel_l2
 
 pytestmark = pytest.mark.gpu
@@ -58,7 +58,7 @@ def test_key_extent_matches_numpy(cp, rng, layout):
         mask = cp.asarray(keep.astype(layout))
     module = ta.TriangleAttention(ta.random_weights(D, h, seed=1))
     pair = cp.asarray(rng.standard_normal((B, N, N, D)).astype(np.float32))
-    forward = _gpu.Forward(module._dw, pair, mask, "zero", None, "tf32")
+    forward = gpu.forward.Forward(module._dw, pair, mask, "zero", None, "tf32")
     plan = forward.plan
     assert plan.key_extent is not None
     extent = cp.ndarray((B,), cp.int32, memptr=forward._scratch + plan.extent_offset)
@@ -70,10 +70,10 @@ def test_key_extent_matches_numpy(cp, rng, layout):
 
 def test_no_extent_without_a_mask_or_below_its_n(cp, rng):
     module = ta.TriangleAttention(ta.random_weights(64, 4, seed=1))
-    for N, mask in ((530, None), (_configs.KEY_EXTENT_MIN_N - 1, True)):
+    for N, mask in ((530, None), (gpu.routes.KEY_EXTENT_MIN_N - 1, True)):
         pair = cp.zeros((1, N, N, 64), cp.float32)
         m = None if mask is None else cp.ones((1, N, N), bool)
-        assert _gpu.Forward(module._dw, pair, m, "zero", None, "fp32").plan.key_extent is None
+        assert gpu.forward.Forward(module._dw, pair, m, "zero", None, "fp32").plan.key_extent is None
 
 
 # (D, h): head dim 32 (wgmma on the H200 from N = 129), 16 (mma.sync), 12 (FFMA)
@@ -89,8 +89,8 @@ def test_stopping_at_the_key_extent_changes_no_bit(cp, rng, monkeypatch, D, h, p
     keep[0, 3, :] = False  # and a fully masked query in a batch with an extent
     mask = cp.asarray(keep)
     outs = []
-    for min_n in (_configs.KEY_EXTENT_MIN_N, 1 << 30):  # with the extent, then without
-        monkeypatch.setattr(_configs, "KEY_EXTENT_MIN_N", min_n)
+    for min_n in (gpu.routes.KEY_EXTENT_MIN_N, 1 << 30):  # with the extent, then without
+        monkeypatch.setattr(gpu.routes, "KEY_EXTENT_MIN_N", min_n)
         module = ta.TriangleAttention(weights)
         out = cp.full(pair.shape, np.nan, np.float32)
         module(pair, mask, out=out, fully_masked=fully_masked, precision=precision)

@@ -1,9 +1,9 @@
 """Kernel arguments that need no GPU to check: the parameter blocks the launches pass to
-cuLaunchKernel (triattn_cupy/_launch.py), the projection weights' chunk layout."""
+cuLaunchKernel (triattn_cupy/gpu/launch.py), the projection weights' chunk layout."""
 import numpy as np
 import pytest
 
-from triattn_cupy import _gpu, _launch
+from triattn_cupy import gpu
 
 pytest.importorskip("cupy")
 
@@ -11,8 +11,8 @@ pytest.importorskip("cupy")
 def test_arguments_sit_in_8_byte_slots_in_their_own_width():
     """cuLaunchKernel reads each parameter's size from its slot's address: little-endian
     values at the start of 8-byte slots, the rest zero."""
-    args = _launch.KernelArgs((_launch.I32(-3), _launch.I64(-(1 << 40)), _launch.F32(1e-5),
-                               _launch.Ptr(0xDEAD0000BEEF), None), ((4, "pair"),))
+    args = gpu.launch.KernelArgs((gpu.launch.I32(-3), gpu.launch.I64(-(1 << 40)), gpu.launch.F32(1e-5),
+                               gpu.launch.Ptr(0xDEAD0000BEEF), None), ((4, "pair"),))
     slots = args.values({"pair": 0x7F0012345600})
     assert slots.dtype == np.uint64 and len(slots) == 5
     raw = slots.view(np.uint8).reshape(5, 8)
@@ -25,7 +25,7 @@ def test_arguments_sit_in_8_byte_slots_in_their_own_width():
 def test_parameter_array_points_at_each_slot_of_the_threads_block():
     import ctypes
 
-    args = _launch.KernelArgs((None, _launch.I32(7), None), ((0, "qkvg"), (2, "out")))
+    args = gpu.launch.KernelArgs((None, gpu.launch.I32(7), None), ((0, "qkvg"), (2, "out")))
     params = args.fill({"qkvg": 1 << 33, "out": 5 << 20})
     addresses = np.ctypeslib.as_array((ctypes.c_uint64 * 3).from_address(params))
     values = [ctypes.c_uint64.from_address(int(a)).value for a in addresses]
@@ -38,7 +38,7 @@ def test_each_thread_fills_its_own_parameter_block():
     """Two threads launching the same plan must not pass each other's pointers."""
     import threading
 
-    args = _launch.KernelArgs((None,), ((0, "pair"),))
+    args = gpu.launch.KernelArgs((None,), ((0, "pair"),))
     mine = args.fill({"pair": 1})
     theirs = {}
     thread = threading.Thread(target=lambda: theirs.update(p=args.fill({"pair": 2})))
@@ -50,20 +50,20 @@ def test_each_thread_fills_its_own_parameter_block():
 
 def test_arguments_left_to_the_call_must_be_its_slots():
     with pytest.raises(ValueError, match="pointer slots"):
-        _launch.KernelArgs((None, _launch.I32(1)), ((1, "pair"),))
+        gpu.launch.KernelArgs((None, gpu.launch.I32(1)), ((1, "pair"),))
     with pytest.raises(TypeError, match="argument 0"):
-        _launch.KernelArgs((np.ones(2),), ())
+        gpu.launch.KernelArgs((np.ones(2),), ())
 
 
 @pytest.mark.parametrize("no,d", [(512, 128), (4, 4), (130, 20), (3072, 768)])
 def test_weight_chunks_are_the_rings_chunks_in_order(no, d):
     """project_mma.cu reads chunk (pass p, k-chunk c) of W as the contiguous block at
     (p * chunks + c) * BN * BK, [BN rows][BK columns], zero past NO and D."""
-    from triattn_cupy import _configs
+    from triattn_cupy import gpu
 
-    bn, bk = _configs.PROJECT_MMA_CHUNK
+    bn, bk = gpu.tiles.PROJECT_MMA_CHUNK
     w = np.random.default_rng(0).standard_normal((no, d)).astype(np.float32)
-    flat = _gpu.weight_chunks(w).reshape(-1)
+    flat = gpu.device_weights.weight_chunks(w).reshape(-1)
     chunks = -(-d // bk)
     for p in range(-(-no // bn)):
         for c in range(chunks):
@@ -79,12 +79,12 @@ def test_f16_hi_chunks_are_the_one_product_rings_chunks(no, d):
     """project_mma.cu F16_TERMS 1 reads chunk (pass p, k-chunk c) as the contiguous 8 KiB at
     (p * D / 32 + c) * 8192 bytes, row n = fp16(W[p BN + n, 32 c : 32 c + 32]), zero past
     NO."""
-    from triattn_cupy import _configs
+    from triattn_cupy import gpu
 
-    bn, bk = _configs.PROJECT_MMA_HI_CHUNK
+    bn, bk = gpu.tiles.PROJECT_MMA_HI_CHUNK
     assert bk == 32 and bn * bk * 2 == 8192  # the ring's 8 KiB stages
     w = np.random.default_rng(0).standard_normal((no, d)).astype(np.float32) * 300
-    got = _gpu.f16_hi_chunks(w)
+    got = gpu.device_weights.f16_hi_chunks(w)
     assert got.dtype == np.float32 and got.flags.c_contiguous
     flat = got.reshape(-1).view(np.float16)
     chunks = d // bk
@@ -99,7 +99,7 @@ def test_f16_hi_chunks_are_the_one_product_rings_chunks(no, d):
 
 def test_f16_hi_chunks_need_d_a_multiple_of_32():
     with pytest.raises(ValueError, match="multiple of 32"):
-        _gpu.f16_hi_chunks(np.ones((128, 48), np.float32))
+        gpu.device_weights.f16_hi_chunks(np.ones((128, 48), np.float32))
 
 
 def _w_piece(r, c):  # project_mma.cu w_piece
@@ -146,7 +146,7 @@ def test_one_product_loop_reads_matching_k_of_the_row_tile_and_the_ring(d):
     for c0 in range(0, d, bk):
         tile[:, 2 * c0:2 * c0 + bk] = a[:, c0:c0 + bk]
     tile_bytes = tile.reshape(-1).view(np.uint8)
-    chunks = _gpu.f16_hi_chunks(w).reshape(-1).view(np.uint8).reshape(-1, bn * 64)
+    chunks = gpu.device_weights.f16_hi_chunks(w).reshape(-1).view(np.uint8).reshape(-1, bn * 64)
     assert len(chunks) == d // 32
     got = np.zeros((bm, bn))
     for kc, chunk in enumerate(chunks):
@@ -197,18 +197,18 @@ def test_f16x3_scales_keep_q_k_v_inside_fp16(D, h, magnitude):
     params = {k: (v * np.float32(magnitude) if k.split(".")[0] in ("query", "key", "value")
                   else v) for k, v in base.params.items()}
     weights = ta.Weights(D, h, base.layer_norm_eps, params)
-    scales = _gpu.f16x3_scales(weights)
+    scales = gpu.scales.f16x3_scales(weights)
     gamma, beta = params["layer_norm.weight"].astype(np.float64), params["layer_norm.bias"]
     rng = np.random.default_rng(1)
-    for (name, factor), s in zip((("query", _gpu.LOG2E / math.sqrt(D // h)), ("key", 1.0),
+    for (name, factor), s in zip((("query", gpu.scales.LOG2E / math.sqrt(D // h)), ("key", 1.0),
                                   ("value", 1.0)), scales):
         assert s == 2.0 ** round(math.log2(s))
         w, b = params[f"{name}.weight"].astype(np.float64), params[f"{name}.bias"]
         n = _worst_case_rows(w, gamma, rng)
         values = ((n * gamma + beta) @ w.T + b) * factor * s
         top = np.abs(values).max()
-        assert top <= _gpu.F16X3_TOP
-        assert top > _gpu.F16X3_TOP / 4  # the worst case reaches within a factor 2 of the scale step
+        assert top <= gpu.scales.F16X3_TOP
+        assert top > gpu.scales.F16X3_TOP / 4  # the worst case reaches within a factor 2 of the scale step
 
 
 def test_f16x3_scales_of_zero_weights_are_one():
@@ -217,7 +217,7 @@ def test_f16x3_scales_of_zero_weights_are_one():
     base = ta.random_weights(32, 2, seed=5)
     params = {k: np.zeros_like(v) if k.split(".")[0] in ("query", "key", "value") else v
               for k, v in base.params.items()}
-    assert _gpu.f16x3_scales(ta.Weights(32, 2, base.layer_norm_eps, params)) == (1.0, 1.0, 1.0)
+    assert gpu.scales.f16x3_scales(ta.Weights(32, 2, base.layer_norm_eps, params)) == (1.0, 1.0, 1.0)
 
 
 @pytest.mark.parametrize("qk,bias", [(1.0, 1.0), (1e-4, 1.0), (1e3, 1.0), (1.0, 1e4), (1.0, 0.0)])
@@ -234,24 +234,24 @@ def test_f16_biased_scales_keep_the_scaled_bias_inside_fp16(qk, bias):
                   v * np.float32(bias) if k.startswith("bias_proj") else v)
               for k, v in base.params.items()}
     weights = ta.Weights(D, h, base.layer_norm_eps, params)
-    qkv = _gpu.f16x3_scales(weights)
-    s_q, s_k, s_v, s_b = _gpu.f16_biased_scales(weights, qkv)
+    qkv = gpu.scales.f16x3_scales(weights)
+    s_q, s_k, s_v, s_b = gpu.scales.f16_biased_scales(weights, qkv)
     assert s_b == s_q * s_k and s_v == qkv[2]
     assert s_q <= qkv[0] and s_k <= qkv[1] and s_q / s_k in (qkv[0] / qkv[1], 2 * qkv[0] / qkv[1])
     gamma, beta = params["layer_norm.weight"].astype(np.float64), params["layer_norm.bias"]
     wb = params["bias_proj.weight"].astype(np.float64)
     n = _worst_case_rows(wb, gamma, np.random.default_rng(3))
-    top = np.abs((n * gamma + beta) @ wb.T).max() * _gpu.LOG2E * s_b
-    assert top <= _gpu.F16X3_TOP
+    top = np.abs((n * gamma + beta) @ wb.T).max() * gpu.scales.LOG2E * s_b
+    assert top <= gpu.scales.F16X3_TOP
     if s_b < qkv[0] * qkv[1]:  # brought down for the bias: no further than needed
-        assert top > _gpu.F16X3_TOP / 4
+        assert top > gpu.scales.F16X3_TOP / 4
 
 
 def test_f16_split_chunks_hold_each_row_as_fp16_hi_then_lo():
     """project_mma.cu F16_TERMS reads each 16-value chunk row as 16 fp16 hi then 16 lo:
     hi + lo within ~2^-22 of the value (relative to the chunk's largest), same bytes."""
     chunks = np.random.default_rng(2).standard_normal((2, 3, 128, 16)).astype(np.float32) * 300
-    split = _gpu.f16_split_chunks(chunks)
+    split = gpu.device_weights.f16_split_chunks(chunks)
     assert split.shape == chunks.shape and split.dtype == np.float32
     halves = split.view(np.uint16).reshape(2, 3, 128, 32)
     hi = halves[..., :16].view(np.float16).astype(np.float64)
@@ -265,7 +265,7 @@ def test_f16_split_chunks_hold_each_row_as_fp16_hi_then_lo():
 def test_f16_projection_scales_bound_layernorm_outputs_and_weights(magnitude, scaled):
     """a_scale keeps every LayerNorm output (|n|_2 <= sqrt(D) per row) and w_scale every
     scaled weight at or below F16X3_TOP, each within a factor 2 of it: with q, k, v
-    scaled into fp16 for the f16x3 attention (KV_F16X3_TILES) or stored unscaled (KV_FP32:
+    scaled into fp16 for the f16x3 attention (tiles_f16_hilo) or stored unscaled (rows_fp32:
     DeviceWeights.f16_scales(None), qkv_scales (1, 1, 1, 1))."""
     import math
 
@@ -276,18 +276,18 @@ def test_f16_projection_scales_bound_layernorm_outputs_and_weights(magnitude, sc
     params = {k: (v * np.float32(magnitude) if k.startswith("layer_norm") else v)
               for k, v in base.params.items()}
     weights = ta.Weights(D, h, base.layer_norm_eps, params)
-    qkv = _gpu.f16x3_scales(weights) if scaled else (1.0, 1.0, 1.0)
-    scales = _gpu.f16_projection_scales(weights, (*qkv, 1.0))
+    qkv = gpu.scales.f16x3_scales(weights) if scaled else (1.0, 1.0, 1.0)
+    scales = gpu.scales.f16_projection_scales(weights, (*qkv, 1.0))
     a_scale, w_scale = scales.a, scales.w
     gamma, beta = params["layer_norm.weight"], params["layer_norm.bias"]
     top = (math.sqrt(D) * np.abs(gamma) + np.abs(beta)).max() * a_scale
-    assert _gpu.F16X3_TOP / 2 < top <= _gpu.F16X3_TOP
+    assert gpu.scales.F16X3_TOP / 2 < top <= gpu.scales.F16X3_TOP
     rows = np.concatenate([params[f"{n}.weight"] * s for n, s in
                            zip(("query", "key", "value", "gate"), (*qkv, 1.0))])
     w_top = max(np.abs(rows).max(), np.abs(params["bias_proj.weight"]).max()) * w_scale
-    assert _gpu.F16X3_TOP / 2 < w_top <= _gpu.F16X3_TOP
+    assert gpu.scales.F16X3_TOP / 2 < w_top <= gpu.scales.F16X3_TOP
     out_w_top = np.abs(params["out_proj.weight"]).max() * scales.out_w
-    assert _gpu.F16X3_TOP / 2 < out_w_top <= _gpu.F16X3_TOP
+    assert gpu.scales.F16X3_TOP / 2 < out_w_top <= gpu.scales.F16X3_TOP
     # (g * o: scaled per block by the out projection itself, load_gated_tile_f16)
 
 
@@ -309,10 +309,10 @@ def test_f16s_scales_keep_s_inside_fp16(qk, bias):
                   v * np.float32(bias) if k.startswith("bias_proj") else v)
               for k, v in base.params.items()}
     weights = ta.Weights(D, h, base.layer_norm_eps, params)
-    scales = _gpu.f16s_scales(weights, 2.0 ** 11)
+    scales = gpu.scales.f16s_scales(weights, 2.0 ** 11)
     assert scales is not None
     s_q, s_k, s_v, c = scales
-    assert c == s_q * s_k and s_v == 2.0 ** 11 and 1 <= c <= _gpu.S16_MAX_C
+    assert c == s_q * s_k and s_v == 2.0 ** 11 and 1 <= c <= gpu.scales.S16_MAX_C
     assert all(s == 2.0 ** round(math.log2(s)) for s in scales)
     gamma, beta = params["layer_norm.weight"].astype(np.float64), params["layer_norm.bias"]
     rng = np.random.default_rng(4)
@@ -325,13 +325,13 @@ def test_f16s_scales_keep_s_inside_fp16(qk, bias):
         cols = slice(head * d, (head + 1) * d)
         rows = {name: _worst_case_rows(params[f"{name}.weight"].astype(np.float64)[cols],
                                        gamma, rng) for name in ("query", "key")}
-        q = project("query", _gpu.LOG2E / math.sqrt(d), rows["query"])[:, cols] * s_q
+        q = project("query", gpu.scales.LOG2E / math.sqrt(d), rows["query"])[:, cols] * s_q
         k = project("key", 1.0, rows["key"])[:, cols] * s_k
         assert np.abs(q).max() <= 2 ** 9 and np.abs(k).max() <= 2 ** 9
         partial = np.abs(np.cumsum(q[:, None, :] * k[None, :, :], axis=-1)).max()
         wb = params["bias_proj.weight"].astype(np.float64)
-        b_top = np.abs(project("bias_proj", _gpu.LOG2E, _worst_case_rows(wb, gamma, rng))).max()
-        assert partial + b_top * c <= _gpu.S16_TOP
+        b_top = np.abs(project("bias_proj", gpu.scales.LOG2E, _worst_case_rows(wb, gamma, rng))).max()
+        assert partial + b_top * c <= gpu.scales.S16_TOP
 
 
 def test_f16s_scales_refuse_scores_past_fp16():
@@ -342,71 +342,114 @@ def test_f16s_scales_refuse_scores_past_fp16():
     base = ta.random_weights(64, 2, seed=3)
     params = {k: (v * np.float32(1e3) if k.split(".")[0] in ("query", "key") else v)
               for k, v in base.params.items()}
-    assert _gpu.f16s_scales(ta.Weights(64, 2, base.layer_norm_eps, params), 1.0) is None
+    assert gpu.scales.f16s_scales(ta.Weights(64, 2, base.layer_norm_eps, params), 1.0) is None
 
 
-def test_bf16_variant_switch(monkeypatch):
-    """The bf16 mode's wgmma variant: by N ("auto": f16s from BF16_F16S_SLOTS_FROM_N, or
-    from BF16_F16S_FROM_N with format 9 off: the Plan then reads format 8) unless
-    TRIATTN_BF16_S16 (read at import) or set_bf16_variant says one; the f16s launch reads
-    format 8 with its own scale set."""
-    from triattn_cupy import _configs
+def test_default_routes_by_gpu_and_size():
+    """The one route function (routes.choose_route): the route each GPU and size takes."""
+    from triattn_cupy import gpu
 
-    before = _configs.bf16_variant()
-    try:
-        _configs.set_bf16_variant("f16s")
-        launch = _configs.attention_kernel(32, "bf16", 90, 1024)
-        assert launch.name == "attention_f16s_wgmma"
-        assert launch.kv_format == _configs.KV_F16_TILES
-        assert _configs.scales_key(launch) == "f16s"
-        assert ("S16", 1) in launch.config.defines and ("F16X1", 1) in launch.config.defines
-        assert _configs.attention_kernel(32, "bf16", 90, 128).name == "attention_bf16"
-        assert _configs.attention_kernel(32, "tf32", 90, 1024).name == "attention_f16_wgmma"
-        _configs.set_bf16_variant("bf16")
-        assert _configs.attention_kernel(32, "bf16", 90, 1024).name == "attention_bf16_wgmma"
-        _configs.set_bf16_variant("auto")
-        for slot_rows, top in ((True, _configs.BF16_F16S_SLOTS_FROM_N),
-                               (False, _configs.BF16_F16S_FROM_N)):
-            monkeypatch.setattr(_configs, "BF16_SLOT_ROWS", slot_rows)
-            _configs.attention_kernel.cache_clear()
-            assert _configs.attention_kernel(32, "bf16", 90, top).name == "attention_f16s_wgmma"
-            assert (_configs.attention_kernel(32, "bf16", 90, top - 1).name
-                    == "attention_bf16_wgmma")
-        with pytest.raises(ValueError, match="bf16 mode's wgmma variant"):
-            _configs.set_bf16_variant("f16")
-    finally:
-        _configs.set_bf16_variant(before)  # (clears attention_kernel's cache)
-    f16 = _configs.attention_wgmma_launch(32, variant="f16")
-    assert _configs.scales_key(f16) == _configs.KV_F16_TILES
-    assert (_configs.attention_wgmma_launch(32, variant="f16s").smem == f16.smem)
+    choose = gpu.routes.choose_route
+    assert choose("bf16", 32, 128, 1024, 75).name == "ffma"
+    assert choose("fp32", 16, 64, 1024, 80).name == "mma_f16x3"
+    assert choose("fp32", 96, 192, 100, 80).name == "mma_f16x3_ffma"
+    assert choose("tf32", 32, 128, 1024, 80, smem_limit=163 * 1024).name == "mma_tf32"
+    assert choose("tf32", 128, 256, 100, 90).name == "mma_tf32_ffma"
+    assert choose("bf16", 32, 128, 128, 90).name == "mma_bf16"
+    assert choose("fp32", 32, 128, 129, 90).name == "wgmma_f16x3_tiles"
+    assert choose("fp32", 32, 64, 129, 90).name == "wgmma_f16x3"
+    assert choose("tf32", 32, 128, 1024, 90).name == "wgmma_f16_tiles"
+    slots_from, f16s_from = gpu.routes.F16S_SLOTS_FROM_N, gpu.routes.F16S_FROM_N
+    assert choose("bf16", 32, 128, slots_from - 1, 90).name == "wgmma_bf16_tiles"
+    assert choose("bf16", 32, 128, slots_from, 90).name == "wgmma_f16s_slots"
+    # (unaligned rows: no slot rows; the persistent out projection, project_mma's LayerNorm)
+    unaligned = choose("bf16", 32, 128, slots_from, 90, rows_aligned=False)
+    assert (unaligned.name, unaligned.project, unaligned.out_project) == (
+        "wgmma_bf16_tiles", "mma", "tiles")
+    assert choose("bf16", 32, 128, f16s_from, 90, rows_aligned=False).name == "wgmma_f16s_tiles"
+    assert choose("bf16", 32, 64, f16s_from - 1, 90).name == "wgmma_bf16"
+    assert choose("bf16", 32, 64, f16s_from, 90).name == "wgmma_f16s"
+    assert choose("bf16", 32, 64, f16s_from, 90, f16s_scales=False).name == "wgmma_bf16"
+    route = choose("bf16", 32, 128, 4096, 90, masked=True)
+    assert route.key_extent and route.layout == gpu.layouts.TILES_F16_SLOTS
+    assert route.scales == "f16s" and route.products == "f16"
+    assert not choose("bf16", 32, 128, gpu.routes.KEY_EXTENT_MIN_N - 1, 90, masked=True).key_extent
 
 
-def test_bf16_variant_from_the_environment():
-    import os
-    import subprocess
-    import sys
+def test_forced_routes_and_their_errors():
+    from triattn_cupy import gpu
 
-    code = "from triattn_cupy import _configs; print(_configs.bf16_variant())"
-    for value, expected in (("1", "f16s"), ("0", "bf16"), (None, "auto")):
-        env = {k: v for k, v in os.environ.items() if k != "TRIATTN_BF16_S16"}
-        if value is not None:
-            env["TRIATTN_BF16_S16"] = value
-        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
-                             text=True, check=True).stdout.strip()
-        assert out == expected, (value, out)
+    choose = gpu.routes.choose_route
+    for name in gpu.routes.ROUTES:  # every route forceable on an H200 where its shape allows
+        parts = gpu.routes.route_parts(name)
+        d, D = (32, 128) if parts["project"] == "tiles" or "wgmma" in parts["attention"] else (16, 64)
+        route = choose(parts["precisions"][0], d, D, 300, 90, force=name)
+        assert route.name == name and route.attention == parts["attention"]
+    a100 = choose("tf32", 32, 128, 1024, 90, force="mma_tf32@sm_80")
+    assert a100.tuned_for == 80 and a100.name == "mma_tf32@sm_80"
+    assert (a100.attention_launch(32, 1024)
+            == gpu.routes.attention_mma_launch(32, "tf32", n=1024, compute_capability=80))
+    with pytest.raises(ValueError, match="route must be"):
+        choose("fp32", 32, 128, 300, 90, force="nope")
+    with pytest.raises(ValueError, match="serves precision"):
+        choose("fp32", 32, 128, 300, 90, force="mma_tf32")
+    with pytest.raises(ValueError, match="compute capability 9.0"):
+        choose("tf32", 32, 128, 300, 80, force="wgmma_f16")
+    with pytest.raises(ValueError, match="head dims"):
+        choose("tf32", 24, 96, 300, 90, force="wgmma_f16")
+    with pytest.raises(ValueError, match="pair_dim 128"):
+        choose("tf32", 32, 64, 300, 90, force="wgmma_f16_tiles")
+    with pytest.raises(ValueError, match="fp16's range"):
+        choose("bf16", 32, 128, 300, 90, force="wgmma_f16s", f16s_scales=False)
+    with pytest.raises(ValueError, match="8.0 or newer"):
+        choose("tf32", 16, 64, 300, 75, force="mma_tf32")
 
 
-def test_overlap_launch_configuration_matches_cuda_h():
-    """cuLaunchKernelEx's configuration as _launch lays it out (ctypes) against cuda.h's
-    CUlaunchConfig_st and CUlaunchAttribute_st on a 64-bit host: the attribute an id,
-    4 bytes of padding and a 64-byte value union; the stream at byte 32 after seven
-    unsigned ints; the attribute list and its count after it."""
-    import ctypes
+def test_the_f16s_launch_reads_tiles_f16_with_its_own_scales():
+    from triattn_cupy import gpu
 
-    assert ctypes.sizeof(_launch._LaunchAttribute) == 72
-    assert _launch._LaunchAttribute.value.offset == 8
-    assert ctypes.sizeof(_launch._LaunchConfig) == 56
-    assert (_launch._LaunchConfig.smem.offset, _launch._LaunchConfig.stream.offset,
-            _launch._LaunchConfig.attrs.offset, _launch._LaunchConfig.num_attrs.offset) == (24, 32, 40, 48)
-    attribute = _launch._LaunchAttribute(id=_launch._PROGRAMMATIC_STREAM_SERIALIZATION, value=1)
-    assert bytes(attribute)[:12] == bytes([6, 0, 0, 0, 0, 0, 0, 0, 1, 0, 0, 0])
+    launch = gpu.routes.attention_kernel(32, "bf16", 90, 1024)
+    assert launch.name == "attention_wgmma_f16s"
+    assert launch.layout == gpu.layouts.TILES_F16_SLOTS
+    assert ("S16", 1) in launch.config.defines and ("F16X1", 1) in launch.config.defines
+    assert gpu.routes.attention_kernel(32, "bf16", 90, 128).name == "attention_mma_bf16"
+    assert gpu.routes.attention_kernel(32, "tf32", 90, 1024).name == "attention_wgmma_f16"
+    f16 = gpu.routes.attention_wgmma_launch(32, variant="f16")
+    assert gpu.routes.attention_wgmma_launch(32, variant="f16s").smem == f16.smem
+    assert gpu.routes.choose_route("tf32", 32, 64, 1024, 90).scales == "f16_biased"
+
+
+def test_the_library_reads_no_environment_variable():
+    import pathlib
+
+    root = pathlib.Path(__file__).resolve().parent.parent / "triattn_cupy" / "gpu"
+    for path in root.glob("*.py"):
+        text = path.read_text()
+        assert "os.environ" not in text or path.name == "compile.py", path  # (CuPy's cache dir)
+
+
+def test_layouts_emit_their_features():
+    from triattn_cupy import gpu
+
+    L = gpu.layouts
+    assert L.ROWS_FP32.defines() == ()
+    assert dict(L.TILES_F16_HILO.defines()) == {"KV_TILED": 1, "F16_QKV": 1, "HI_LO": 1,
+                                                "BIAS_F16": 1}
+    assert {layout.name for layout in L.LAYOUTS} == {
+        "rows_fp32", "rows_tf32", "rows_bf16", "tiles_bf16", "tiles_f16_hilo", "tiles_f16",
+        "tiles_f16_slots"}
+    for layout in L.LAYOUTS:
+        assert layout.tiled == ("KV_TILED" in dict(layout.defines()))
+        assert layout.slot_rows == ("SLOT_ROWS" in dict(layout.defines()))
+        assert bool(layout.o16) == ("O16" in dict(layout.defines())) or layout is L.TILES_F16_SLOTS
+
+
+def test_signature_binds_by_name():
+    sig = gpu.launch.Signature("ptr x", "i32 n", "f32 scale")
+    args, slots = sig.bind(x=gpu.launch.Call("pair"), n=3, scale=0.5)
+    assert args[0] is None and int(args[1]) == 3 and float(args[2]) == 0.5
+    assert slots == ((0, "pair"),)
+    with pytest.raises(TypeError, match="missing"):
+        sig.bind(x=gpu.launch.Call("pair"), n=3)
+    with pytest.raises(TypeError, match="not a pointer"):
+        sig.bind(x=0, n=gpu.launch.Call("pair"), scale=1.0)

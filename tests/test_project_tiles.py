@@ -1,5 +1,5 @@
-"""The persistent projections of the wgmma path (kernels/project_tiles.cu: the tf32 and bf16
-modes; kernels/project_tiles_split.cu: the fp32 mode's fp16 hi + lo products): their
+"""The persistent projections of the wgmma path (kernels/project_wgmma.cu: the tf32 and bf16
+modes; kernels/project_wgmma_split.cu: the fp32 mode's fp16 hi + lo products): their
 weight images and shared-memory mirrors offline, and on a GPU with wgmma (H100/H200) the
 forward that takes them against the float64 reference: N on and off the 64-key tiles,
 B > 1, masks with fully-masked queries under both policies, every way the pair's rows can
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import triattn_cupy as ta
-from triattn_cupy import _compile, _configs, _gpu, reference
+from triattn_cupy import gpu, reference
 from helpers import compile_ptx_or_fail, rel_l2
 
 TOLERANCE = {"fp32": 1e-5, "tf32": 1e-3, "bf16": 5e-3}
@@ -23,12 +23,12 @@ def _sw128(row, byte):  # kernels/wgmma.cuh sw128
 
 
 def test_weight_image_is_the_swizzled_tile():
-    """_gpu.sw128_image lays a [R, K] 16-bit matrix out as wgmma's 128-byte swizzle: element
+    """gpu.device_weights.sw128_image lays a [R, K] 16-bit matrix out as wgmma's 128-byte swizzle: element
     (r, c) at block c // 64, sw128(r, 2 (c % 64)), as the kernel's descriptors read it."""
     pytest.importorskip("cupy")
     rng = np.random.default_rng(0)
     a = rng.integers(0, 1 << 16, (24, 128)).astype(np.uint16)
-    image = _gpu.sw128_image(a.view(np.float16)).ravel()
+    image = gpu.device_weights.sw128_image(a.view(np.float16)).ravel()
     expected = np.zeros_like(image)
     for r in range(24):
         for c in range(128):
@@ -36,18 +36,18 @@ def test_weight_image_is_the_swizzled_tile():
             expected[off:off + 2] = np.frombuffer(a[r, c].tobytes(), np.uint8)
     assert np.array_equal(image, expected)
     with pytest.raises(ValueError, match="multiple of 8"):
-        _gpu.sw128_image(np.zeros((12, 64), np.float16))
+        gpu.device_weights.sw128_image(np.zeros((12, 64), np.float16))
 
 
 @pytest.mark.gpu
 def test_split_weight_image_is_hi_then_lo_of_each_pass():
-    """The fp32 mode's image (tile_weight_image(split=True), project_tiles_split.cu): for
+    """The fp32 mode's image (tile_weight_image(split=True), project_wgmma_split.cu): for
     each pass in the order of its halves (q, k, then gate, v) the sw128 image of the
     scaled weights' fp16 hi part, then of their lo part, no pair-bias rows; hi + lo is the
     scaled weight to ~2^-22. And Wo's: hi, then lo."""
     weights = ta.random_weights(128, 4, seed=5)
-    dw = _gpu.DeviceWeights(weights, 0)
-    scales = dw.qkv_scales[_configs.KV_F16X3_TILES]
+    dw = gpu.device_weights.DeviceWeights(weights, 0)
+    scales = dw.qkv_scales["f16x3"]
     f16 = dw.f16_scales(scales)
     D, part = 128, 128 * 128 * 2
     plain = np.concatenate([weights.params[f"{n}.weight"] for n in ("query", "key", "value", "gate")])
@@ -74,30 +74,26 @@ def _unswizzle(image, R, K):
 
 
 def test_where_the_persistent_projections_run():
-    """Every mode's wgmma format at D = 128 on compute capability 9.0 only (fp32's in the
-    split kernels); TRIATTN_PROJECT_TILES=0 (PROJECT_TILES) turns them off."""
-    f16, bf16, f16x3 = _configs.KV_F16_TILES, _configs.KV_BF16_TILES, _configs.KV_F16X3_TILES
-    for kv in (f16, bf16, f16x3, _configs.KV_F16S_TILES):
-        assert _configs.uses_project_tiles(kv, 128, 90)
-        assert not _configs.uses_project_tiles(kv, 64, 90)
-        assert not _configs.uses_project_tiles(kv, 128, 80)
-        assert not _configs.uses_project_tiles(kv, 128, 90, smem_limit=163 * 1024)
-        assert _configs.project_tiles_config(kv) in _configs.all_configs("sm_90")
-    assert not _configs.uses_project_tiles(_configs.KV_TF32_TILES, 128, 90)
-    assert _configs.project_tiles_config(f16x3).filename == "project_tiles_split.cu"
-    assert _configs.project_tiles_config(f16).filename == "project_tiles.cu"
-    saved = _configs.PROJECT_TILES
-    try:
-        _configs.PROJECT_TILES = False
-        assert not _configs.uses_project_tiles(f16, 128, 90)
-    finally:
-        _configs.PROJECT_TILES = saved
+    """Every mode's tiled layout at D = 128 where their shared memory fits (fp32's in the
+    split kernels); the routes take them on compute capability 9.0 only."""
+    f16, bf16, f16x3 = gpu.layouts.TILES_F16, gpu.layouts.TILES_BF16, gpu.layouts.TILES_F16_HILO
+    for layout in (f16, bf16, f16x3, gpu.layouts.TILES_F16_SLOTS):
+        assert gpu.routes.project_tiles_fit(layout, 128)
+        assert not gpu.routes.project_tiles_fit(layout, 64)
+        assert not gpu.routes.project_tiles_fit(layout, 128, smem_limit=163 * 1024)
+        assert gpu.routes.project_tiles_config(layout) in gpu.routes.all_configs("sm_90")
+    assert not gpu.routes.project_tiles_fit(gpu.layouts.ROWS_TF32, 128)
+    assert gpu.routes.project_tiles_config(f16x3).filename == "project_wgmma_split.cu"
+    assert gpu.routes.project_tiles_config(f16).filename == "project_wgmma.cu"
+    for precision in PRECISIONS:
+        assert gpu.routes.choose_route(precision, 32, 128, 300, 90).out_project == "tiles"
+        assert gpu.routes.choose_route(precision, 32, 128, 300, 80).out_project == "mma"
 
 
-@pytest.mark.parametrize("kv_format", [_configs.KV_F16_TILES, _configs.KV_BF16_TILES,
-                                       _configs.KV_F16X3_TILES, _configs.KV_F16S_TILES])
-def test_shared_memory_mirror_matches_the_kernel(kv_format):
-    """_configs.project_tiles_smem_bytes and TILES_THREADS are what the host launches with;
+@pytest.mark.parametrize("layout", [gpu.layouts.TILES_F16, gpu.layouts.TILES_BF16,
+                                       gpu.layouts.TILES_F16_HILO, gpu.layouts.TILES_F16_SLOTS])
+def test_shared_memory_mirror_matches_the_kernel(layout):
+    """gpu.tiles.project_tiles_smem_bytes and TILES_THREADS are what the host launches with;
     the kernels lay their shared memory out by PROJECT_TILES_SMEM and OUT_TILES_SMEM and
     split their work for THREADS: a static_assert that they agree (PTX only). (A launch
     of 256 threads once left half the heads unwritten; the kernels now trap on it.)"""
@@ -106,12 +102,12 @@ def test_shared_memory_mirror_matches_the_kernel(kv_format):
         nvrtc.getVersion()
     except Exception:
         pytest.skip("NVRTC library not found (pip install 'cupy-cuda13x[ctk]')")
-    config = _configs.project_tiles_config(kv_format)
+    config = gpu.routes.project_tiles_config(layout)
     compile_ptx_or_fail(
-        _compile.full_source(config.filename, config.defines)
-        + f"\nstatic_assert(PROJECT_TILES_SMEM == {_configs.project_tiles_smem_bytes(kv_format)}, \"in\");"
-        + f"\nstatic_assert(OUT_TILES_SMEM == {_configs.project_tiles_smem_bytes(kv_format, out=True)}, \"out\");"
-        + f"\nstatic_assert(THREADS == {_configs.TILES_THREADS}, \"threads\");\n")
+        gpu.compile.full_source(config.filename, config.defines)
+        + f"\nstatic_assert(PROJECT_TILES_SMEM == {gpu.tiles.project_tiles_smem_bytes(layout)}, \"in\");"
+        + f"\nstatic_assert(OUT_TILES_SMEM == {gpu.tiles.project_tiles_smem_bytes(layout, out=True)}, \"out\");"
+        + f"\nstatic_assert(THREADS == {gpu.tiles.TILES_THREADS}, \"threads\");\n")
 
 
 # ---- on the GPU ----
@@ -215,22 +211,20 @@ def test_saturated_gates(cp, rng, precision, gate_bias):
 @pytest.mark.gpu
 @pytest.mark.parametrize("precision", PRECISIONS)
 def test_same_result_as_the_mma_projections(cp, rng, precision):
-    """The same inputs through project_mma.cu's projections (PROJECT_TILES off) and through
-    project_tiles.cu's: each within the mode's bound, and within it of each other."""
+    """The same inputs through project_mma.cu's projections (the route without "_tiles")
+    and through project_wgmma.cu's: each within the mode's bound, and within it of each
+    other."""
     _needs_wgmma(cp)
     weights, pair, keep = _inputs(rng, 2, 160)
     dev, mask = cp.asarray(pair), cp.asarray(keep)
     outs = {}
-    saved = _configs.PROJECT_TILES
-    try:
-        for tiles in (False, True):
-            _configs.PROJECT_TILES = tiles
-            module = ta.TriangleAttention(weights)
-            outs[tiles] = module(dev, mask, precision=precision).get()
-            (plan,) = module._dw.plans.values()
-            assert plan.project_tiles == tiles
-    finally:
-        _configs.PROJECT_TILES = saved
+    name = {"fp32": "wgmma_f16x3", "tf32": "wgmma_f16", "bf16": "wgmma_bf16"}[precision]
+    for tiles in (False, True):
+        module = ta.TriangleAttention(weights)
+        outs[tiles] = module(dev, mask, precision=precision,
+                             route=name + ("_tiles" if tiles else "")).get()
+        (plan,) = module._dw.plans.values()
+        assert plan.project_tiles == tiles
     expected = reference.triangle_attention(pair, keep, weights)
     for out in outs.values():
         assert rel_l2(out, expected) <= TOLERANCE[precision]

@@ -5,7 +5,7 @@ is called, PyTorch only when weights are exported.
 """
 from ._version import __version__
 from . import reference
-from ._configs import PRECISIONS
+from .gpu.checks import PRECISIONS
 from .api import TriangleAttention, gpu_available, triangle_attention
 from .export import export_weights
 from .importing import import_weights

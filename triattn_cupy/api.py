@@ -3,8 +3,10 @@ from __future__ import annotations
 
 import weakref
 
-from ._gpu import DeviceWeights, Forward, gpu_available
 from .cuda_setup import require_cuda
+from .gpu.checks import gpu_available
+from .gpu.device_weights import DeviceWeights
+from .gpu.forward import Forward
 from .weights import Weights
 
 __all__ = ["triangle_attention", "TriangleAttention", "gpu_available"]
@@ -23,6 +25,10 @@ class TriangleAttention:
     fully_masked: "zero" (default): a query whose keys are all masked gets a zero attention
            output, so ``out = out_proj.bias`` there; "nan": NaN there, as the reference.
     out:   optional C-contiguous float32 CuPy array shaped like pair to write into.
+    route: None (default): the fastest route of kernels this GPU and problem take; or a
+           route name of ``triattn_cupy.gpu.routes.ROUTES`` (optionally with "@sm_80" for
+           the sm_80 tile tables) or a ``Route`` to force one (tests and tools: every route
+           some GPU takes runs on an H200). A route the problem cannot take is a ValueError.
     Returns a float32 CuPy array shaped like `pair`.
     """
 
@@ -43,14 +49,15 @@ class TriangleAttention:
         return cls(load_weights(path), device=device)
 
     def __call__(self, pair, mask=None, *, fully_masked: str = "zero", out=None,
-                 precision: str = "fp32"):
-        return Forward(self._dw, pair, mask, fully_masked, out, precision).run()
+                 precision: str = "fp32", route=None):
+        return Forward(self._dw, pair, mask, fully_masked, out, precision, route=route).run()
 
     def stage_launchers(self, pair, mask=None, *, fully_masked: str = "zero", out=None,
-                        precision: str = "fp32"):
+                        precision: str = "fp32", route=None):
         """[(stage name, callable)]: calling them in order performs one forward pass, for
         timing each stage. The result lands in `out` (allocated if None)."""
-        return Forward(self._dw, pair, mask, fully_masked, out, precision).stages()
+        return Forward(self._dw, pair, mask, fully_masked, out, precision,
+                       route=route).stages()
 
     def __repr__(self):
         w = self.weights
@@ -63,14 +70,15 @@ _modules: "weakref.WeakKeyDictionary[Weights, dict]" = weakref.WeakKeyDictionary
 
 
 def triangle_attention(pair, mask, weights, *, fully_masked: str = "zero", out=None,
-                       precision: str = "fp32"):
+                       precision: str = "fp32", route=None):
     """Functional form: ``triangle_attention(pair, mask, weights)``.
 
     `weights` is a `Weights` (uploaded to the pair's GPU once per object and cached) or a
     `TriangleAttention`. Arguments and result as `TriangleAttention.__call__`.
     """
     if isinstance(weights, TriangleAttention):
-        return weights(pair, mask, fully_masked=fully_masked, out=out, precision=precision)
+        return weights(pair, mask, fully_masked=fully_masked, out=out, precision=precision,
+                       route=route)
     if not isinstance(weights, Weights):
         raise TypeError(f"weights must be a triattn_cupy.Weights or TriangleAttention; got "
                         f"{type(weights).__name__}")
@@ -80,4 +88,4 @@ def triangle_attention(pair, mask, weights, *, fully_masked: str = "zero", out=N
     if device_id not in per_device:
         per_device[device_id] = TriangleAttention(weights, device=device_id)
     return per_device[device_id](pair, mask, fully_masked=fully_masked, out=out,
-                                 precision=precision)
+                                 precision=precision, route=route)

@@ -1,17 +1,22 @@
-"""Quick timing of our forward pass and its stages (CUDA events, median of repeats).
+"""Time the forward pass and its stages on the GPU (CUDA events, median of repeats), per precision and route.
 
 The full comparison with the peers is benchmarks/run.py; this is the fast loop for a
-kernel change:  python3 scripts/time_ours.py 2x128x64x4 1x384x128x4 1x1024x128x4
-(--precisions=bf16: that mode alone; TRIATTN_BF16_S16=1: the bf16 mode on the f16s
-attention, S in fp16; each line ends with the attention kernel the forward took)
+kernel change:
+
+    python tools/time_forward.py 2x128x64x4 1x384x128x4 1x1024x128x4
+    python tools/time_forward.py --precisions bf16 --route wgmma_bf16_tiles 1x1024x128x4
+    python tools/time_forward.py --route mma_tf32@sm_80 --precisions tf32 1x1024x128x4
+
+Each line ends with the route the forward took (triattn_cupy.gpu.routes).
 """
+import argparse
 import statistics
-import sys
 
 import cupy as cp
 import numpy as np
 
 import triattn_cupy as ta
+from triattn_cupy.gpu import routes
 
 
 def median_ms(fn, repeats):
@@ -24,13 +29,6 @@ def median_ms(fn, repeats):
         stop.synchronize()
         times.append(cp.cuda.get_elapsed_time(start, stop))
     return statistics.median(times)
-
-
-def main(sizes):
-    print(cp.cuda.runtime.getDeviceProperties(0)["name"].decode(), "cupy", cp.__version__)
-    for precision in PRECISIONS:
-        for size in sizes:
-            time_size(size, precision)
 
 
 def padded_inputs(size):
@@ -47,11 +45,11 @@ def padded_inputs(size):
     return module, pair, mask
 
 
-def time_size(size, precision):
+def time_size(size, precision, route):
     module, pair, mask = padded_inputs(size)
     B, N, D, h = map(int, size.split("x"))
     repeats = 50 if N <= 512 else 10
-    kw = {} if precision == "fp32-ffma" else {"precision": precision}
+    kw = {"precision": precision, "route": route}
     for _ in range(3):
         module(pair, mask, **kw)
     total = median_ms(lambda: module(pair, mask, **kw), repeats)
@@ -73,25 +71,25 @@ def time_size(size, precision):
     flops = 4 * B * N**3 * D + 2 * B * N * N * D * (5 * D + h)
     line = " ".join(f"{name}={t:.3f}" for name, t in times)
     line_alone = " ".join(f"{name}={t:.3f}" for name, t in alone.items())
-    # the attention kernel the forward took (the bf16 mode's depends on TRIATTN_BF16_S16)
-    kernels = ",".join(sorted({plan.attention_kernel.name for plan in module._dw.plans.values()}))
-    print(f"{precision:9s} {size}: {total:.3f} ms  {flops / total / 1e9:.1f} TFLOP/s  [{line}]"
-          f"  alone [{line_alone}]  {kernels}", flush=True)
+    d = D // h
+    taken = routes.choose_route(precision, d, D, N, int(cp.cuda.Device().compute_capability),
+                                masked=True, force=route).name
+    print(f"{precision:5s} {size}: {total:.3f} ms  {flops / total / 1e9:.1f} TFLOP/s  [{line}]"
+          f"  alone [{line_alone}]  {taken}", flush=True)
 
 
-PRECISIONS = ("fp32", "tf32", "bf16")
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("sizes", nargs="*", default=["2x128x64x4", "1x384x128x4", "1x1024x128x4"],
+                    help="BxNxDxh")
+    ap.add_argument("--precisions", default=",".join(ta.PRECISIONS))
+    ap.add_argument("--route", help="a route name to force (triattn_cupy.gpu.routes.ROUTES)")
+    args = ap.parse_args(argv)
+    print(cp.cuda.runtime.getDeviceProperties(0)["name"].decode(), "cupy", cp.__version__)
+    for precision in args.precisions.split(","):
+        for size in args.sizes:
+            time_size(size, precision, args.route)
+
 
 if __name__ == "__main__":
-    if "--ffma" in sys.argv:  # the FFMA attention kernel in place of tensor cores, to compare
-        sys.argv.remove("--ffma")
-        from triattn_cupy import _configs
-
-        _configs.attention_kernel = lambda d, *args: _configs.attention_ffma_launch(d)
-        PRECISIONS = ("fp32-ffma",)
-    for arg in list(sys.argv[1:]):  # --precisions=tf32,bf16: those modes only
-        if arg.startswith("--precisions="):
-            if PRECISIONS == ("fp32-ffma",):
-                raise SystemExit("--precisions and --ffma exclude each other")
-            sys.argv.remove(arg)
-            PRECISIONS = tuple(arg.split("=", 1)[1].split(","))
-    main(sys.argv[1:] or ["2x128x64x4", "1x384x128x4", "1x1024x128x4"])
+    main()

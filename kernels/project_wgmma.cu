@@ -1,21 +1,21 @@
-// The two projections of the tf32 and bf16 modes on the wgmma attention's path (KV_FORMAT 8
+// The two projections of the tf32 and bf16 modes on the wgmma attention's path (tiles_f16
 // and 6: head dim 32, compute capability 9.0), as persistent warpgroup GEMMs with the
 // weights resident in shared memory. They compute what project_mma.cu's ln_qkvg_project
 // and gated_out_project compute for those formats (F16_TERMS 1: one fp16 product of
 // operands scaled into fp16's range, fp32 accumulation), and store the same layouts
-// (project_epilogue.cuh KV_FORMAT 6 and 8; and KV_FORMAT 9, format 8's tiles in format 6's
+// (project_epilogue.cuh tiles_bf16 and tiles_f16; and tiles_f16_slots, tiles_f16's tiles in tiles_bf16's
 // rows, for the bf16 mode's f16s attention, which only these kernels write):
 //
-//   ln_qkvg_project_tiles:   per tile of 64 keys (b, i, 64c .. 64c + 63) of one pair row:
+//   ln_qkvg_project_wgmma:   per tile of 64 keys (b, i, 64c .. 64c + 63) of one pair row:
 //     xn = LayerNorm(x) * a_scale             fp16, in shared memory (A)
 //     [q g k v] = xn [Wq; Wg; Wk; Wv]^T       4 passes of 64 x D x D, wgmma from A and W
 //     q (x q_scale) and the gate (sigmoid) into their qkvg words; K and V^T into the
 //     attention's 8 KiB tiles per head (through shared memory, one bulk copy each); the
 //     pair bias xn Wb^T (log2 e units, -inf where masked) into row i % 128 of its tiles.
-//   gated_out_project_tiles: per tile of 64 rows: out = (g o) Wo^T + bo, g o scaled by the
+//   gated_out_project_wgmma: per tile of 64 rows: out = (g o) Wo^T + bo, g o scaled by the
 //     tile's own power of two (as load_gated_tile_f16), out in fp32.
 //
-// Why (benchmarks/NOTES.md, session 16): project_mma.cu streams W through a ring per
+// Why (benchmarks/NOTES.md): project_mma.cu streams W through a ring per
 // 128-row block and 32-wide chunk (a barrier each), runs LayerNorm, the products and the
 // stores of a block one after another, and stores from the mma.sync fragments 4 bytes at a
 // time; at 1x1024 it took 1.27-1.38 ms against a ~0.45 ms memory floor. Here one block per
@@ -32,15 +32,15 @@
 // C7519; warpgroup 0 stores it). Accumulator of warp (w % 4) of a warpgroup, lane (g, t):
 // rows 16 (w % 4) + g (+ 8), columns 8n + 2t, +1 (wgmma.cuh).
 //
-// Launch (triattn_cupy/_gpu.py Plan: _tiles_projection, _tiles_out_projection): grid
+// Launch (triattn_cupy/gpu/plan.py Plan: _tiles_projection, _tiles_out_projection): grid
 // min(tiles, SMs), block THREADS = 512, dynamic shared memory PROJECT_TILES_SMEM or
-// OUT_TILES_SMEM (_configs.project_tiles_smem_bytes mirrors them). Pointers, float32 unless
+// OUT_TILES_SMEM (gpu/tiles.py project_tiles_smem_bytes mirrors them). Pointers, float32 unless
 // noted, M = B N N rows:
 //   x           [B, N, N, D] at b sb + i si + j sj (elements; the channel stride 1 and every
 //               row 16-byte aligned: whole rows by bulk copy)
 //   gamma_beta  [2][D] LayerNorm's gamma and beta times a_scale
 //   w_image     W's and WB's shared-memory image, fp16 (DeviceWeights.tile_weight_image)
-//   col_bias    [4 D] bq, bk, bv, bg (format 8: bq, bk, bv times s_q, s_k, s_v, as W's rows)
+//   col_bias    [4 D] bq, bk, bv, bg (tiles_f16: bq, bk, bv times s_q, s_k, s_v, as W's rows)
 //   mask        [B, N, N] at b mb + i mi + j mj, of the type mask_kind names, or null
 //   qkvg        [M, QKVG_WORDS] (below); bias: the fp16 bias tiles [B, H, ceil(N / 128),
 //               npk / 64][128][64]; vt: the K and V^T tiles [B N, H, npk / 64] x 8 KiB
@@ -49,7 +49,7 @@
 // Shared memory (bytes from a 1024-aligned base; sw128 = wgmma.cuh's 128-byte swizzle, rows
 // of 128 bytes = 64 fp16 along K, so a D-wide row is D / 64 such blocks):
 //   W      [4 passes][D / 64][D rows][128 B]   Wq, Wg, Wk, Wv in fp16, scaled (the host
-//                                              lays the image out: _gpu.tile_weight_image)
+//                                              lays the image out: DeviceWeights.tile_weight_image)
 //   WB     [D / 64][8 rows][128 B]             the pair-bias weights (rows >= H zero)
 //   A      [D / 64][64 rows][128 B]            the tile's xn, fp16 (zero past the last key)
 //   RAW    [2][64][D] fp32                     x rows, by bulk copy, a tile ahead; after
@@ -59,32 +59,36 @@
 //                                              in the 1 KiB of K rows it writes later)
 //   GB     [2][D] fp32                         gamma, beta times a_scale
 //   BAR    3 mbarriers: RAW stage 0, 1, the weights
-#ifndef KV_FORMAT
-#define KV_FORMAT 8     // 8: fp16 (the tf32 mode's f16 attention); 6: bf16; 9: 8's fp16
-#endif                  // in 6's rows (the bf16 mode's f16s attention)
+// The layout written (triattn_cupy/gpu/layouts.py; defaults: tiles_f16, the tf32 mode's f16
+// attention): tiles_bf16 (TILES_BF16 and SLOT_ROWS), tiles_f16 (neither), tiles_f16_slots
+// (SLOT_ROWS: tiles_f16's tiles in tiles_bf16's rows, the bf16 mode's f16s attention).
+#ifndef TILES_BF16
+#define TILES_BF16 0    // q, K, V^T (and o) in bf16, else scaled fp16
+#endif
+#ifndef SLOT_ROWS
+#define SLOT_ROWS 0     // the gate in bf16 beside q in each head's slot, else fp32 after the row's q
+#endif
 #ifndef PAIR_DIM
 #define PAIR_DIM 128
 #endif
 #define EXACT_FP32 0    // the tf32 and bf16 modes: MUFU sigmoid and 1/sqrt (project_math.cuh)
 #include "project_math.cuh"
-#include "project_tiles.cuh"
+#include "project_wgmma.cuh"
 
 #define KV_BYTES 8192            // per (b, i, head, 64 keys): the K tile, then the V^T tile
 #define VT_IN_TILE 4096
 #define BIAS_TILE_BYTES 16384    // per (b, head, 128 queries, 64 keys), [128][64] fp16 sw128
-#if KV_FORMAT != 6 && KV_FORMAT != 8 && KV_FORMAT != 9
-#error "project_tiles.cu: KV_FORMAT 6 (bf16), 8 (fp16) or 9 (fp16, bf16 gate in the slots)"
+#if TILES_BF16 && !SLOT_ROWS
+#error "project_wgmma.cu: bf16 tiles come with slot rows (tiles_bf16)"
 #endif
-#define BF16_OUT (KV_FORMAT == 6)        // q, K, V^T (and o) in bf16, else scaled fp16
-#define GATE_SLOTS (KV_FORMAT != 8)      // the gate in bf16 beside q, else fp32 after the row's q
-// Words per qkvg row (project_epilogue.cuh QKVG_LD): format 8 q's fp16 words per head at
-// [32 h, 32 h + 16) (o later over them), the gate fp32 at [D, 2D); formats 6 and 9 rows of
+// Words per qkvg row (project_epilogue.cuh QKVG_LD): tiles_f16 q's fp16 words per head at
+// [32 h, 32 h + 16) (o later over them), the gate fp32 at [D, 2D); tiles_bf16 and tiles_f16_slots rows of
 // D words, q's bf16 (9: fp16) words at [32 h, 32 h + 16), the gate's bf16 at [32 h + 16,
-// 32 h + 32): half format 8's bytes for the gate, written here and read by the out
-// projection (the bf16 mode's f16s attention reads format 9; the tf32 mode keeps its gate
-// in fp32, whose 16-bit form measured more error, session 13).
-#define QKVG_WORDS (GATE_SLOTS ? PD : 2 * PD)
-// The passes in the order they run (rows of the W image, _gpu.tile_weight_image): the
+// 32 h + 32): half tiles_f16's bytes for the gate, written here and read by the out
+// projection (the bf16 mode's f16s attention reads tiles_f16_slots; the tf32 mode keeps its gate
+// in fp32, whose 16-bit form measured more error).
+#define QKVG_WORDS (SLOT_ROWS ? PD : 2 * PD)
+// The passes in the order they run (rows of the W image, DeviceWeights.tile_weight_image): the
 // gate's sigmoid (two MUFU operations per value) second, where its epilogue overlaps
 // k's products; k and v last, staged together for their bulk copies.
 #define PASS_Q 0
@@ -104,7 +108,7 @@
 #define OFF_BAR (OFF_GB + 2 * PD * 4)
 #define PROJECT_TILES_SMEM (OFF_BAR + 64 + 1024)  // + 1024: aligned up at run time
 #if HEADS * KV_BYTES != RAW_BYTES
-#error "project_tiles.cu: a tile's K and V^T tiles are staged in its RAW stage"
+#error "project_wgmma.cu: a tile's K and V^T tiles are staged in its RAW stage"
 #endif
 
 // wgmma m64n8k16 (the pair bias: the heads as its 8 columns), as WGMMA_SS_N32.
@@ -127,7 +131,7 @@ __device__ __forceinline__ void product8(float (&acc)[4], u32 a_tile, u32 b_rows
 
 // Two values as the 16-bit pair q, k, v and the out projection's operands take.
 __device__ __forceinline__ u32 pack16(float x0, float x1) {
-    return BF16_OUT ? pack_bf16(x0, x1) : pack_f16(x0, x1);
+    return TILES_BF16 ? pack_bf16(x0, x1) : pack_f16(x0, x1);
 }
 
 // LayerNorm of the RAW stage into A, PARTS threads per row (row_piece), zero rows from
@@ -156,7 +160,7 @@ __device__ __forceinline__ void layernorm_tile(char* smem, const float* raw, int
 
 
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
-ln_qkvg_project_tiles(const float* __restrict__ x, i64 sb, i64 si, i64 sj, int B, int N, int H,
+ln_qkvg_project_wgmma_f16(const float* __restrict__ x, i64 sb, i64 si, i64 sj, int B, int N, int H,
                       float eps, const float* __restrict__ gamma_beta,  // [2][D], times a_scale
                       const uint4* __restrict__ w_image,  // W then WB (W_BYTES + WB_BYTES)
                       const float* __restrict__ col_bias,  // [4 D]: bq, bk, bv, bg
@@ -225,7 +229,7 @@ ln_qkvg_project_tiles(const float* __restrict__ x, i64 sb, i64 si, i64 sj, int B
         }
 
         // This warp's 16 rows of 32 packed 16-bit columns w, through its staging, into
-        // their qkvg rows from word `word` (q: the head's slot; format 6's gate: its half).
+        // their qkvg rows from word `word` (q: the head's slot; tiles_bf16's gate: its half).
         auto store_slot = [&](const u32 (&w)[4][2], int word) {
             store_rows16(w, raw + k_rows, raw_g + k_rows, rows_left, [&](int row) {
                 return reinterpret_cast<char*>(qkvg + (m_first + 16 * w4 + row) * QKVG_WORDS + word);
@@ -293,8 +297,8 @@ ln_qkvg_project_tiles(const float* __restrict__ x, i64 sb, i64 si, i64 sj, int B
         product32(acc0, a_tile, w_head + PASS_K * KBLK * PD * 128, PD * 128);
         wgmma_commit();
 
-        // gate: 1 / (1 + 2^(-(acc unscale + bg) log2 e)): fp32 at [D, 2D) (format 8), or
-        // packed bf16 at the head's words [32 h + 16, 32 h + 32) (formats 6 and 9, staged as
+        // gate: 1 / (1 + 2^(-(acc unscale + bg) log2 e)): fp32 at [D, 2D) (tiles_f16), or
+        // packed bf16 at the head's words [32 h + 16, 32 h + 32) (tiles_bf16 and tiles_f16_slots, staged as
         // q).
         wgmma_wait<1>();
         pin(acc1);
@@ -306,7 +310,7 @@ ln_qkvg_project_tiles(const float* __restrict__ x, i64 sb, i64 si, i64 sj, int B
                 for (int e = 0; e < 4; ++e)
                     s[n][e] = __fdividef(1.0f, 1.0f + fast_exp2(fmaf(acc1[4 * n + e], ug,
                                                                      e & 1 ? bg[n].y : bg[n].x)));
-#if GATE_SLOTS
+#if SLOT_ROWS
             u32 w[4][2];
 #pragma unroll
             for (int n = 0; n < 4; ++n)
@@ -377,11 +381,11 @@ ln_qkvg_project_tiles(const float* __restrict__ x, i64 sb, i64 si, i64 sj, int B
     if (tid == 0) bulk_wait_all();  // the last tile's copies complete before the block ends
 }
 
-// ---- gated_out_project_tiles: out = (g o) Wo^T + bo, 64 rows per tile ----
+// ---- gated_out_project_wgmma: out = (g o) Wo^T + bo, 64 rows per tile ----
 //
 // A qkvg row holds o in 16 bits over each head's first 16 words (attention_wgmma.cu O16:
-// dims 2p, 2p + 1 in word 4 (p % 4) + p / 4; format 8: fp16 in v's units, which w_unscale
-// undoes) and the gate (format 8: fp32 at [D, 2D); format 6: bf16 in the head's words
+// dims 2p, 2p + 1 in word 4 (p % 4) + p / 4; tiles_f16: fp16 in v's units, which w_unscale
+// undoes) and the gate (tiles_f16: fp32 at [D, 2D); tiles_bf16: bf16 in the head's words
 // [32 h + 16, 32 h + 32)). A tile's 64 rows are contiguous: one bulk copy, one tile ahead.
 // PARTS threads per row as LayerNorm's (row_piece: piece P holds columns 4P .. 4P + 3 of
 // head P / 8). The tile's g o is scaled by its own power of two a, its largest |g o| into
@@ -402,7 +406,7 @@ ln_qkvg_project_tiles(const float* __restrict__ x, i64 sb, i64 si, i64 sj, int B
 #define OUT_TILES_SMEM (OFF_OBAR + 64 + 1024)
 
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
-gated_out_project_tiles(const float* __restrict__ qkvg, i64 M,
+gated_out_project_wgmma_f16(const float* __restrict__ qkvg, i64 M,
                         const uint4* __restrict__ wo_image,  // WO_BYTES
                         const float* __restrict__ b_out, float* __restrict__ out,
                         float w_unscale) {
@@ -450,14 +454,14 @@ gated_out_project_tiles(const float* __restrict__ qkvg, i64 M,
             const int P = row_piece(r, p, j), head = P / 8;
             const u32* const slot = row + 32 * head;
             const u32 o01 = slot[8 * (p % 2) + p / 2], o23 = slot[8 * (p % 2) + p / 2 + 4];
-#if GATE_SLOTS
+#if SLOT_ROWS
             const uint2 gw = *reinterpret_cast<const uint2*>(slot + 16 + 2 * p);
             const float4 gate = make_float4(__uint_as_float(gw.x << 16), __uint_as_float(gw.x & 0xffff0000u),
                                             __uint_as_float(gw.y << 16), __uint_as_float(gw.y & 0xffff0000u));
 #else
             const float4 gate = *reinterpret_cast<const float4*>(reinterpret_cast<const float*>(row) + PD + 4 * P);
 #endif
-#if BF16_OUT
+#if TILES_BF16
             const float4 o = make_float4(__uint_as_float(o01 << 16), __uint_as_float(o01 & 0xffff0000u),
                                          __uint_as_float(o23 << 16), __uint_as_float(o23 & 0xffff0000u));
 #else

@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# One call on a GPU machine: the GPU test suite, then the timings (and the benchmarks when
-# TRIATTN_BENCH holds benchmarks/run.py's arguments, and the projection ablation when
-# TRIATTN_ABLATE holds scripts/ablate_projection.py's). Used with the device tool as:
-#   bash scripts/gpu_check.sh [pytest arguments, default: -m gpu tests/]
-# Writes logs under $OUT (the device tool's folder) or benchmarks/results/latest.
-# TRIATTN_GROUP_TIMEOUT=s stops each test group after s seconds (its log still comes back
-# within a device call's limit); TRIATTN_NO_TIMING=1 leaves out time_ours.py.
+# The GPU check in one command: the GPU test suite in parallel groups, then the forward's
+# timings (tools/time_forward.py), the route comparison against an older tree when
+# TRIATTN_COMPARE_OLD names its folder (tools/compare_routes.py), and the benchmark when
+# TRIATTN_BENCH holds benchmarks/run.py's arguments.
+#   bash tools/gpu_check.sh [pytest arguments, default: -m gpu tests/]
+# Writes logs under $OUT, or benchmarks/results/latest.
+# TRIATTN_GROUP_TIMEOUT=s stops each test group after s seconds (its log is still written);
+# TRIATTN_NO_TIMING=1 leaves out the timings.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-benchmarks/results/latest}
@@ -13,8 +14,8 @@ mkdir -p "$out"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/gpu.txt"
 # Arguments replace the default selection: every GPU test, in six pytest processes at
-# once on the one GPU (its tests are small; the suite's ~10 minutes in one process passed
-# the device tool's per-call limit), each group logged on its own. The float64 references
+# once on the one GPU (its tests are small; the suite takes ~10 minutes in one process),
+# each group logged on its own. The float64 references
 # run on the CPU: each process gets its share of the cores (16 on the H200 machine)
 # rather than all of them each.
 if [ $# -gt 0 ]; then
@@ -47,14 +48,12 @@ else
     tail -n 3 "$out"/gpu_tests_*.log > "$out/gpu_tests.log"
     cat "$out/gpu_tests.log"
 fi
-if [ -n "${TRIATTN_SWEEP:-}" ]; then
-    python3 scripts/sweep_tiles.py 2>&1 | tee "$out/sweep_tiles.log"
-fi
 if [ -z "${TRIATTN_NO_TIMING:-}" ]; then
-    python3 scripts/time_ours.py 2>&1 | tee "$out/time_ours.log"
+    python3 tools/time_forward.py 2>&1 | tee "$out/time_forward.log"
 fi
-if [ -n "${TRIATTN_ABLATE:-}" ]; then
-    python3 scripts/ablate_projection.py $TRIATTN_ABLATE 2>&1 | tee "$out/ablate_projection.log"
+if [ -n "${TRIATTN_COMPARE_OLD:-}" ]; then
+    python3 tools/compare_routes.py --old "$TRIATTN_COMPARE_OLD" 2>&1 | tee "$out/compare_routes.log"
+    [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 fi
 if [ -n "${TRIATTN_BENCH:-}" ] && [ -f benchmarks/run.py ]; then
     python3 benchmarks/run.py --out "$out/bench" $TRIATTN_BENCH 2>&1 | tee "$out/bench.log"

@@ -8,6 +8,7 @@ directives keep compiler messages pointing at the real file and line.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib.resources
 import pathlib
@@ -26,7 +27,7 @@ def _kernels_folder():
     try:
         return importlib.resources.files("triattn_cupy.kernels")
     except ModuleNotFoundError:  # a source checkout on sys.path, not installed
-        return pathlib.Path(__file__).resolve().parent.parent / "kernels"
+        return pathlib.Path(__file__).resolve().parents[2] / "kernels"
 
 
 @functools.lru_cache(maxsize=None)
@@ -153,3 +154,48 @@ def ptxas_report(log: str) -> dict[str, dict[str, int]]:
         elif entry and (found := _PTXAS_REGS.search(line)):
             report[entry]["registers"] = int(found.group(1))
     return report
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelConfig:
+    filename: str
+    defines: tuple[tuple[str, int], ...]
+    arch: str = ""  # a target other than the device's plain one (_compile.raw_module)
+
+    def get(self, name: str, smem_bytes: int = 0):
+        """The kernel `name`, allowed `smem_bytes` of dynamic shared memory (compiled on the
+        current device at first use; cached, so the per-call cost is a dictionary look-up)."""
+        return _kernel(self, name, smem_bytes, _current_device())
+
+
+def _current_device() -> int:
+    import cupy
+
+    return cupy.cuda.runtime.getDevice()
+
+
+_smem_allowed: dict = {}  # (config, name, device) -> dynamic shared memory opted in so far
+
+
+def _kernel(config: KernelConfig, name: str, smem_bytes: int, device: int):
+    kernel = _function(config, name, device)
+    key = (config, name, device)
+    # One function object serves every problem size of its configuration: only ever raise
+    # its limit, so a smaller request cannot break a larger one cached earlier.
+    if smem_bytes > max(_smem_allowed.get(key, 0), 48 * 1024):
+        kernel.max_dynamic_shared_size_bytes = smem_bytes  # opt in above the 48 KiB default
+        _smem_allowed[key] = smem_bytes
+    return kernel
+
+
+@functools.lru_cache(maxsize=None)
+def _function(config: KernelConfig, name: str, device: int):
+    return raw_module(config.filename, config.defines, config.arch).get_function(name)
+
+
+def forget_compiled_kernels():
+    """Drop every loaded module and kernel handle, so that the next launch compiles from
+    the kernel source again."""
+    raw_module.cache_clear()
+    _function.cache_clear()
+    _smem_allowed.clear()

@@ -37,7 +37,7 @@
 #define PSTR (BQ + 4)                   // row stride of Pt: +4 staggers the banks of the P stores
 
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
-attention_fp32(float* qkvg, const float* __restrict__ bias, int B, int N, int H, int npk,
+attention_ffma_fp32(float* qkvg, const float* __restrict__ bias, int B, int N, int H, int npk,
                int nan_fully_masked, const int* __restrict__ key_extent) {
     wait_for_previous_kernel();  // q, k, v, the bias and the key extent come from it
     allow_next_kernel();

@@ -5,13 +5,13 @@
 //   ln_qkvg_project:   xn = LayerNorm(x)                              # [M, D]
 //                      qkvg = xn [Wq; Wk; Wv; Wg]^T + [bq; bk; bv; bg] # [M, 4D]
 //                        q columns scaled by log2(e)/sqrt(d), gate columns through sigmoid,
-//                        k and v stored as KV_FORMAT says
+//                        k and v stored as the layout says
 //                      bias[b, head, i, j] = log2(e) * xn[m] . Wb[head]  # m = (b, i, j)
 //                        -inf where mask[b, i, j] == 0, and on the padded keys j in [N, NPK)
 //   gated_out_project: out = (g * o) Wo^T + bo                        # [M, D]
 //                        o = qkvg[:, 0:D] (attention output, written over q)
 //                        g = the sigmoid gate (fp32 at qkvg[:, 3D:4D], or packed
-//                          bf16: KV_FORMAT, project_epilogue.cuh)
+//                          bf16: the layout's features, project_epilogue.cuh)
 //
 // The products run on FFMA (8x8 register tiles per thread, fp32: the "fp32" precision
 // mode). The tensor-core projections of the "tf32" and "bf16" modes are project_mma.cu,
@@ -27,13 +27,10 @@
 //   WT    [D, NO] row-major: the PyTorch weight transposed (NO = 4D, or D for out_proj)
 //   mask  [B, N, N] at b*mb + i*mi + j*mj elements, of the type named by mask_kind
 //         (MASK_* in project_epilogue.cuh; read as is, so the caller converts nothing), or null
-//   qkvg  [M, 4D]; bias [B, H, N, NPK] (fp16 for KV_FORMAT 2); out [M, D] contiguous; vt unused (KV_FORMAT 3,
-//         project_epilogue.cuh, is written by the tensor-core projection only).
+//   qkvg  [M, 4D]; bias [B, H, N, NPK] (fp16 for rows_bf16); out [M, D] contiguous; vt unused (the tiled layouts
+//         are written by the tensor-core projections only).
 #include "common.cuh"
 #include "mma.cuh"
-#if KV_FORMAT == 5 || KV_FORMAT == 6
-#error "project.cu: KV_FORMAT 5 and 6 (K, V^T and bias tiles) are written by project_mma.cu only"
-#endif
 
 #ifndef BM
 #define BM 128          // rows per block: 128, or 64 for large D (shared memory)
@@ -105,8 +102,8 @@ __device__ __forceinline__ int thread_row(int s) {
 __device__ __forceinline__ float* pair_at(Tile& acc, int s, int j) { return &acc.c[s][2 * j]; }
 
 #include "project_epilogue.cuh"
-#if F16_QKV  // its stores assume qkvg rows of 4D words (block_out, ld below)
-#error "project.cu: KV_FORMAT 7 and 8 (fp16 tiles, rows of 2D words) are project_mma.cu's only"
+#if KV_TILED || F16_QKV  // its stores assume qkvg rows of 4D words (block_out, ld below)
+#error "project_ffma.cu: the tiled layouts (K, V^T and bias tiles) are written by project_mma.cu only"
 #endif
 
 // acc += As[0:dpad, the block's rows] x WT[0:D, n0 + the block's columns].
@@ -225,7 +222,7 @@ __device__ __forceinline__ SmemLayout smem_layout(int dpad) {
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS, PROJECT_MIN_BLOCKS)
-ln_qkvg_project(const float* __restrict__ x, i64 sb, i64 si, i64 sj, i64 sc, int x_vec,
+ln_qkvg_project_ffma_fp32(const float* __restrict__ x, i64 sb, i64 si, i64 sj, i64 sc, int x_vec,
                 int B, int N, int D, int H, float eps, float q_scale,
                 const float* __restrict__ gamma, const float* __restrict__ beta,
                 const float* __restrict__ WT, const float* __restrict__ b_qkvg,
@@ -325,7 +322,7 @@ ln_qkvg_project(const float* __restrict__ x, i64 sb, i64 si, i64 sj, i64 sc, int
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS, PROJECT_MIN_BLOCKS)
-gated_out_project(const float* __restrict__ qkvg, i64 M, int D,
+gated_out_project_ffma_fp32(const float* __restrict__ qkvg, i64 M, int D,
                   const float* __restrict__ WT, const float* __restrict__ b_out,
                   float* __restrict__ out) {
     const int dpad = (D + BK - 1) / BK * BK;

@@ -1,5 +1,5 @@
-// What the persistent warpgroup projections share (project_tiles.cu: the tf32 and bf16
-// modes, one fp16 product; project_tiles_split.cu: the fp32 mode, fp16 hi + lo products):
+// What the persistent warpgroup projections share (project_wgmma.cu: the tf32 and bf16
+// modes, one fp16 product; project_wgmma_split.cu: the fp32 mode, fp16 hi + lo products):
 // the block's shape and work split, the wgmma of a warpgroup's 32 columns from shared
 // memory, the tiles of 64 keys of one pair row and their rows' bulk copies, the stores
 // through shared memory (stmatrix, bulk copies out) and the block's prologue. A kernel file
@@ -17,7 +17,7 @@
 #define NW 32                    // columns of a pass per warpgroup: one head
 #define HEADS (PD / 32)
 #if PD != 128
-#error "project_tiles.cuh: written for D = 128 (4 heads of 32, one per warpgroup)"
+#error "project_wgmma.cuh: written for D = 128 (4 heads of 32, one per warpgroup)"
 #endif
 
 // wgmma m64n32k16, fp16 operands from shared memory (both K-major), fp32 accumulators;
@@ -119,7 +119,7 @@ __device__ __forceinline__ int row_piece(int r, int p, int k) { return 8 * (k ^ 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;                         \
     const int wg = warpgroup(), w4 = warp % 4, g = lane >> 2, t = lane & 3
 
-// One tile of ln_qkvg_project_tiles: pair row (b, i), keys key0 .. key0 + valid - 1.
+// One tile of ln_qkvg_project_wgmma: pair row (b, i), keys key0 .. key0 + valid - 1.
 struct KeyTile {
     int b, i, c, key0, valid;
     i64 bi;  // b N + i

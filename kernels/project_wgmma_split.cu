@@ -1,10 +1,10 @@
-// The fp32 mode's two projections on the wgmma attention's path (KV_FORMAT 7: head dim 32,
-// compute capability 9.0, D = 128): project_tiles.cu's persistent warpgroup GEMMs with
+// The fp32 mode's two projections on the wgmma attention's path (tiles_f16_hilo: head dim 32,
+// compute capability 9.0, D = 128): project_wgmma.cu's persistent warpgroup GEMMs with
 // every product split into fp16 hi and lo parts, a b = a_hi b_hi + a_hi b_lo + a_lo b_hi
 // (f16x3: fp32's accuracy from fp16 products, as project_mma.cu's F16_TERMS 3). They store
-// format 7's layouts (project_epilogue.cuh):
+// tiles_f16_hilo's layouts (project_epilogue.cuh):
 //
-//   ln_qkvg_project_tiles, every tile of 64 keys (b, i, 64c .. 64c + 63) of one pair row,
+//   ln_qkvg_project_wgmma, every tile of 64 keys (b, i, 64c .. 64c + 63) of one pair row,
 //   in two halves:
 //     xn = LayerNorm(x) * a_scale                fp16 hi and lo, in shared memory (A)
 //     half 0: [q k] = xn [Wq; Wk]^T, and the pair bias xn Wb^T (FFMA, in LayerNorm)
@@ -13,7 +13,7 @@
 //     (half 1), hi and lo, into the attention's 16 KiB tiles per head (through shared
 //     memory, one bulk copy per head and half); the pair bias (log2 e units, -inf where
 //     masked) as fp16 hi and lo into row i % 128 of its tiles.
-//   gated_out_project_tiles: per tile of 64 rows: out = (g o) Wo^T + bo, g o scaled by the
+//   gated_out_project_wgmma: per tile of 64 rows: out = (g o) Wo^T + bo, g o scaled by the
 //     tile's own power of two and split, Wo split on the host.
 //
 // Why two halves: the hi and lo parts of W for four passes are 256 KiB, more shared
@@ -31,18 +31,18 @@
 // of their size: that chain's losses are 2^-11 as large), each a chain from zero, summed
 // in fp32 after the wait (SplitAcc, fold).
 //
-// Work split and shared memory as project_tiles.cu's (4 warpgroups, 512 threads, head w
+// Work split and shared memory as project_wgmma.cu's (4 warpgroups, 512 threads, head w
 // in warpgroup w, LayerNorm and the gated loads 8 threads per row). Launch
-// (triattn_cupy/_gpu.py Plan): grid min(tiles, SMs), block THREADS, dynamic shared memory
-// PROJECT_TILES_SMEM or OUT_TILES_SMEM (_configs.project_tiles_smem_bytes mirrors them).
-// Pointers as project_tiles.cu's, and
+// (triattn_cupy/gpu/plan.py Plan): grid min(tiles, SMs), block THREADS, dynamic shared memory
+// PROJECT_TILES_SMEM or OUT_TILES_SMEM (gpu/tiles.py project_tiles_smem_bytes mirrors them).
+// Pointers as project_wgmma.cu's, and
 //   w_image     the two halves' W images, each [Wq hi, Wq lo, Wk hi, Wk lo] (half 0) or
 //               [Wg hi, Wg lo, Wv hi, Wv lo] (half 1), each part [D / 64][D rows][128 B]
 //               fp16 sw128, scaled (DeviceWeights.tile_weight_image, split)
 //   wb          [H][D] fp32 the pair-bias weights (times s_b); a_unscale = 1 / a_scale
 //   wo_image    [Wo hi, Wo lo], each [D / 64][D rows][128 B] fp16 sw128, scaled
 //
-// Shared memory of ln_qkvg_project_tiles (bytes from a 1024-aligned base):
+// Shared memory of ln_qkvg_project_wgmma (bytes from a 1024-aligned base):
 //   W      [2 passes][hi, lo][D / 64][D rows][128 B]   this half's weights, 128 KiB
 //   A      [hi, lo][D / 64][64 rows][128 B]            the tile's xn a_scale split
 //   RAW    [2][64][D] fp32                             x rows a tile ahead; after LayerNorm
@@ -54,7 +54,7 @@
 #endif
 #define EXACT_FP32 1    // the fp32 mode: IEEE sigmoid and 1/sqrt (project_math.cuh)
 #include "project_math.cuh"
-#include "project_tiles.cuh"
+#include "project_wgmma.cuh"
 
 #define KV_BYTES 16384         // per (b, i, head, 64 keys): K hi, K lo, V^T hi, V^T lo
 #define PART_BYTES 4096        // from a hi K or V^T tile to its lo tile
@@ -76,11 +76,11 @@
 #define OFF_BAR (OFF_RAW + 2 * RAW_BYTES)
 #define PROJECT_TILES_SMEM (OFF_BAR + 64 + 1024)  // + 1024: aligned up at run time
 #if HEADS * HALF_KV != RAW_BYTES
-#error "project_tiles_split.cu: a tile's K (or V^T) hi and lo tiles are staged in its RAW stage"
+#error "project_wgmma_split.cu: a tile's K (or V^T) hi and lo tiles are staged in its RAW stage"
 #endif
 
 // The hi*hi products chain onto one accumulator for CHAIN_STEPS k-steps at most. Measured
-// at 1x200 / 1x384 (benchmarks/NOTES.md, session 17), the forward's error against float64
+// at 1x200 / 1x384 (benchmarks/NOTES.md), the forward's error against float64
 // with chains of 8, 4 and 2 k-steps: 2.41 / 1.90, 1.70 / 1.35 and 1.43 / 1.13 (e-7), and
 // 1.41 / 1.07 with project_mma.cu's projections, at the same speed. PASSES_IN_FLIGHT 2:
 // the second pass's products issued before the first's epilogue (no faster with chains of
@@ -93,7 +93,7 @@
 #endif
 #define CHAINS (KSTEPS / CHAIN_STEPS)
 #if KSTEPS % CHAIN_STEPS != 0
-#error "project_tiles_split.cu: CHAIN_STEPS divides the k-steps"
+#error "project_wgmma_split.cu: CHAIN_STEPS divides the k-steps"
 #endif
 
 // The accumulators of a warpgroup's 32 columns of a split product: acc[c] the hi*hi
@@ -203,7 +203,7 @@ __device__ __forceinline__ void layernorm_split_tile(char* smem, const float* ra
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
-ln_qkvg_project_tiles(const float* __restrict__ x, i64 sb, i64 si, i64 sj, int B, int N, int H,
+ln_qkvg_project_wgmma_f16x3(const float* __restrict__ x, i64 sb, i64 si, i64 sj, int B, int N, int H,
                       float eps, const float* __restrict__ gamma_beta,  // [2][D], times a_scale
                       const uint4* __restrict__ w_image,  // 2 halves x 4 W_PART
                       const float* __restrict__ col_bias,  // [4 D]: bq, bk, bv (times s_q, s_k, s_v), bg
@@ -367,7 +367,7 @@ ln_qkvg_project_tiles(const float* __restrict__ x, i64 sb, i64 si, i64 sj, int B
     if (tid == 0) bulk_wait_all();  // the last tile's copies complete before the block ends
 }
 
-// ---- gated_out_project_tiles: out = (g o) Wo^T + bo, 64 rows per tile ----
+// ---- gated_out_project_wgmma: out = (g o) Wo^T + bo, 64 rows per tile ----
 //
 // A qkvg row holds o fp32 at [0, D) (attention_wgmma.cu's f16x3 writes it over q) and the
 // gate fp32 at [D, 2D); a tile's 64 rows are one bulk copy, two tiles ahead. PARTS threads
@@ -388,7 +388,7 @@ ln_qkvg_project_tiles(const float* __restrict__ x, i64 sb, i64 si, i64 sj, int B
 #define OUT_TILES_SMEM (OFF_OBAR + 64 + 1024)
 
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
-gated_out_project_tiles(const float* __restrict__ qkvg, i64 M,
+gated_out_project_wgmma_f16x3(const float* __restrict__ qkvg, i64 M,
                         const uint4* __restrict__ wo_image,  // 2 W_PART
                         const float* __restrict__ b_out, float* __restrict__ out,
                         float w_unscale) {

@@ -2,7 +2,7 @@
 
 At small sizes the caller waits on the host: the event-timed forward at 2x128x64x4 spent
 ~27 µs before its first kernel started, ~9 µs of it in CuPy's kernel call, which turns
-every argument into its C form at every launch (benchmarks/NOTES.md, session 18). Here a
+every argument into its C form at every launch. Here a
 launch's arguments are laid out once, each in an 8-byte slot of a template (cuLaunchKernel
 reads each parameter's own size from its slot's address, little-endian), and a call
 copies the template's values for its thread, writes its pointers into their slots and
@@ -12,14 +12,11 @@ Arguments: `I32`, `I64`, `F32` (scalars, by value) and `Ptr` (a device address),
 `None` for a pointer that each call supplies (`slots`: position -> the name it is given
 by in the call's dictionary of addresses).
 
-A launch made with `overlap=True` goes through cuLaunchKernelEx (ctypes: CuPy exposes no
-binding) with programmatic stream serialization: on sm_90 its blocks may start while the
-kernel before it in the stream drains, and wait for it inside (griddepcontrol.wait,
-kernels/common.cuh), which hides a kernel boundary's launch latency.
+Each kernel's parameters are declared once, by name and kind (`Signature`); a launch binds
+values to names, never to slot numbers.
 """
 from __future__ import annotations
 
-import ctypes
 import threading
 
 import numpy as np
@@ -104,74 +101,57 @@ def _cuda_api():
     return _api
 
 
-# cuLaunchKernelEx's configuration (cuda.h CUlaunchConfig_st, CUlaunchAttribute_st: an id,
-# padding to 8 bytes, a 64-byte value union whose first int is the value used here).
-_PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+class Call(str):
+    """A pointer argument that each call supplies: the name of its address in the call's
+    dictionary of addresses (Forward: pair, mask, qkvg, bias, vt, extent, out)."""
 
 
-class _LaunchAttribute(ctypes.Structure):
-    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_int),
-                ("value_rest", ctypes.c_char * 60)]
+_KINDS = {"i32": I32, "i64": I64, "f32": F32, "ptr": Ptr}
 
 
-class _LaunchConfig(ctypes.Structure):
-    _fields_ = [("grid_x", ctypes.c_uint), ("grid_y", ctypes.c_uint), ("grid_z", ctypes.c_uint),
-                ("block_x", ctypes.c_uint), ("block_y", ctypes.c_uint),
-                ("block_z", ctypes.c_uint), ("smem", ctypes.c_uint), ("stream", ctypes.c_void_p),
-                ("attrs", ctypes.POINTER(_LaunchAttribute)), ("num_attrs", ctypes.c_uint)]
+class Signature:
+    """A kernel's parameter list, declared once: ("kind name", ...) in the kernel's order,
+    kind one of i32, i64, f32, ptr. `bind(**values)` gives the (args, slots) of a Launch:
+    each value converted by its kind, a `Call` left for each call to fill in."""
 
+    def __init__(self, *params: str):
+        self.params = tuple(tuple(p.split()) for p in params)
 
-_launch_ex = None  # cuLaunchKernelEx, loaded on first use
+    def __add__(self, other: "Signature") -> "Signature":
+        return Signature(*(" ".join(p) for p in self.params + other.params))
 
-
-def _cuda_launch_ex():
-    global _launch_ex
-    if _launch_ex is None:
-        driver = ctypes.CDLL("libcuda.so.1")
-        function = driver.cuLaunchKernelEx
-        function.argtypes = [ctypes.c_void_p] * 4
-        function.restype = ctypes.c_int
-        _launch_ex = function
-    return _launch_ex
+    def bind(self, **values):
+        names = [name for _, name in self.params]
+        if set(values) != set(names):
+            raise TypeError(f"kernel arguments {sorted(set(names) - set(values))} missing, "
+                            f"{sorted(set(values) - set(names))} unknown")
+        args, slots = [], []
+        for position, (kind, name) in enumerate(self.params):
+            value = values[name]
+            if isinstance(value, Call):
+                if kind != "ptr":
+                    raise TypeError(f"kernel argument {name} is {kind}, not a pointer")
+                args.append(None)
+                slots.append((position, str(value)))
+            else:
+                args.append(_KINDS[kind](value))
+        return tuple(args), tuple(slots)
 
 
 class Launch:
     """One kernel launch worked out in advance: the kernel (compiled, its shared memory
-    opted in), grid, block, shared memory and parameter block. Calling it with the call's
-    {name: device address} launches it on the current CuPy stream; with `overlap`, as the
-    programmatic dependent of the kernel before it (the module docstring)."""
-    __slots__ = ("kernel", "function", "grid", "block", "smem", "args", "overlap", "_local")
+    opted in), grid, block, shared memory and parameter block (`bound`: Signature.bind's
+    args and slots). Calling it with the call's {name: device address} launches it on the
+    current CuPy stream."""
+    __slots__ = ("kernel", "function", "grid", "block", "smem", "args")
 
-    def __init__(self, config, name, grid, block, smem, args, slots, overlap=False):
+    def __init__(self, config, name, grid, block, smem, bound):
         self.kernel = config.get(name, smem)   # a cupy.RawKernel (keeps its module loaded)
         self.function = self.kernel.kernel.ptr  # its CUfunction on the current device
         self.grid, self.block, self.smem = int(grid), int(block), int(smem)
-        self.args = KernelArgs(args, slots)
-        self.overlap = bool(overlap)
-        self._local = threading.local()  # (overlap) this thread's launch configuration
+        self.args = KernelArgs(*bound)
 
     def __call__(self, pointers):
         launch, current_stream = _api or _cuda_api()
-        if not self.overlap:
-            launch(self.function, self.grid, 1, 1, self.block, 1, 1, self.smem,
-                   current_stream().ptr, self.args.fill(pointers), 0)
-            return
-        try:
-            config, address = self._local.config
-        except AttributeError:
-            config, address = self._local.config = self._config()
-        config.stream = current_stream().ptr
-        status = (_launch_ex or _cuda_launch_ex())(address, self.function,
-                                                   self.args.fill(pointers), None)
-        if status != 0:
-            from cupy_backends.cuda.api import driver
-
-            raise driver.CUDADriverError(status)
-
-    def _config(self):
-        attribute = _LaunchAttribute(id=_PROGRAMMATIC_STREAM_SERIALIZATION, value=1)
-        config = _LaunchConfig(grid_x=self.grid, grid_y=1, grid_z=1, block_x=self.block,
-                               block_y=1, block_z=1, smem=self.smem,
-                               attrs=ctypes.pointer(attribute), num_attrs=1)
-        config._attribute = attribute  # (kept alive with the configuration)
-        return config, ctypes.addressof(config)
+        launch(self.function, self.grid, 1, 1, self.block, 1, 1, self.smem,
+               current_stream().ptr, self.args.fill(pointers), 0)

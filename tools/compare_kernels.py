@@ -1,0 +1,208 @@
+"""Whether every kernel configuration compiles to the same machine code in this tree as in an older one (offline, NVRTC).
+
+    python tools/compare_kernels.py --old OLD_TREE      (e.g. a `git archive REV` unpacked)
+    python tools/compare_kernels.py --rev REV           (archived here from this repository)
+
+Each tree lists its own kernel configurations (the route tables' `all_configs` for sm_80
+and sm_90) with their full source text, in a process of its own. Both are compiled here
+with the same NVRTC options the run-time loader uses, and each kernel's machine code (the
+ELF section `.text.<entry>`, with its register count and flags) is compared byte for byte.
+Configurations are paired by their normalized description: the old tree's layout numbers
+(KV_FORMAT) become the layouts' feature #defines, file and entry point names are mapped
+by the tables below, and defines equal to the kernels' defaults are dropped. Symbol names
+are the only thing ignored.
+
+Prints "N of N configurations identical", the configurations only in the old tree
+(dropped routes) and any only here; exit status 1 if any kernel differs or a
+configuration exists only here.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import pathlib
+import struct
+import subprocess
+import sys
+import tarfile
+import tempfile
+from concurrent.futures import ProcessPoolExecutor
+
+HERE = pathlib.Path(__file__).resolve()
+REPO = HERE.parent.parent
+
+# The older trees' names for kernel files and entry points, and their numbered layouts
+FILE_RENAMES = {"attention.cu": "attention_ffma.cu", "project.cu": "project_ffma.cu",
+                "project_tiles.cu": "project_wgmma.cu",
+                "project_tiles_split.cu": "project_wgmma_split.cu"}
+ENTRY_RENAMES = {
+    "attention_fp32": "attention_ffma_fp32",
+    **{f"attention_{v}": f"attention_mma_{v}" for v in ("tf32x3", "tf32", "bf16", "f16x3")},
+    **{f"attention_{v}_wgmma": f"attention_wgmma_{v}" for v in ("bf16", "f16x3", "f16", "f16s")},
+}
+
+
+def entry_rename(name: str, key: str) -> str:
+    """The entry point an older tree's kernel `name` has here, in the configuration `key`
+    (normalized_key: the projections' names carry their engine and arithmetic)."""
+    if name.startswith(("ln_qkvg_project", "gated_out_project")):
+        stage = "ln_qkvg_project" if name.startswith("ln") else "gated_out_project"
+        if "project_ffma.cu" in key:
+            return f"{stage}_ffma_fp32"
+        if "project_wgmma_split.cu" in key:
+            return f"{stage}_wgmma_f16x3"
+        if "project_wgmma.cu" in key:
+            return f"{stage}_wgmma_f16"
+        terms = {'["F16_TERMS", 3]': "f16x3", '["F16_TERMS", 1]': "f16"}
+        return f"{stage}_mma_" + next((v for k, v in terms.items() if k in key), "tf32")
+    return ENTRY_RENAMES.get(name, name)
+OLD_LAYOUTS = {0: "rows_fp32", 1: "rows_tf32", 2: "rows_bf16", 6: "tiles_bf16",
+               7: "tiles_f16_hilo", 8: "tiles_f16", 9: "tiles_f16_slots"}
+# Defines whose value is the kernel's own default, or which it no longer reads (dropped from
+# either side's key)
+DEFAULTS = {("PINGPONG", 0), ("BULK", 1)}
+ARCHS = ("sm_80", "sm_90")
+OPTIONS = ("-std=c++17", "-ftz=true")  # what the run-time loader passes (gpu/compile.py)
+
+
+def list_configs(root: pathlib.Path):
+    """[{arch, file, defines, target, source}] of the tree at `root` (run in a process of
+    its own, with `root` first on sys.path)."""
+    sys.path.insert(0, str(root))
+    try:
+        from triattn_cupy.gpu import compile as compiler, routes
+        configs_of = routes.all_configs
+    except ImportError:  # an older tree
+        from triattn_cupy import _compile as compiler, _configs
+        configs_of = _configs.all_configs
+    # The kernel sources of that tree (a package installed elsewhere must not serve them)
+    compiler._kernels_folder = lambda: root / "kernels"
+    compiler.kernel_source.cache_clear()
+    out = []
+    for arch in ARCHS:
+        for config in configs_of(arch):
+            out.append({"arch": arch, "file": config.filename,
+                        "defines": [list(d) for d in config.defines],
+                        "target": config.arch or arch,
+                        "source": compiler.full_source(config.filename, config.defines)})
+    return out
+
+
+def normalized_key(entry, old: bool) -> str:
+    defines = {name: value for name, value in entry["defines"]}
+    filename = entry["file"]
+    if old:
+        number = defines.pop("KV_FORMAT", None)
+        if number is not None and number not in OLD_LAYOUTS:  # a layout no route writes now
+            defines["KV_FORMAT"] = number
+        elif number is not None:
+            from triattn_cupy.gpu import layouts  # (this tree's)
+
+            features = dict(layouts.BY_NAME[OLD_LAYOUTS[number]].defines())
+            if filename == "project_tiles.cu":  # (the features it reads)
+                features = {k: v for k, v in features.items() if k in ("TILES_BF16", "SLOT_ROWS")}
+            defines.update(features)
+        filename = FILE_RENAMES.get(filename, filename)
+    defines = {k: v for k, v in defines.items() if (k, v) not in DEFAULTS}
+    return f"{entry['arch']} {filename} {json.dumps(sorted(defines.items()))}"
+
+
+def _elf_kernels(cubin: bytes) -> dict:
+    """{entry: sha256 of its .text section's bytes, flags and info (registers)}."""
+    shoff, = struct.unpack_from("<Q", cubin, 0x28)
+    shentsize, shnum, shstrndx = struct.unpack_from("<HHH", cubin, 0x3A)
+    headers = [struct.unpack_from("<IIQQQQIIQQ", cubin, shoff + i * shentsize)
+               for i in range(shnum)]
+    strtab = headers[shstrndx]
+    names = cubin[strtab[4]:strtab[4] + strtab[5]]
+
+    def name_of(h):
+        end = names.index(b"\0", h[0])
+        return names[h[0]:end].decode()
+
+    kernels = {}
+    for h in headers:
+        name = name_of(h)
+        if name.startswith(".text."):
+            body = cubin[h[4]:h[4] + h[5]]
+            digest = hashlib.sha256(body + struct.pack("<QI", h[2], h[7])).hexdigest()
+            kernels[name[len(".text."):]] = digest
+    return kernels
+
+
+def compile_entry(entry) -> dict:
+    from cupy_backends.cuda.libs import nvrtc
+
+    program = nvrtc.createProgram(entry["source"], entry["file"], [], [])
+    try:
+        nvrtc.compileProgram(program, [f"-arch={entry['target']}", *OPTIONS])
+        return _elf_kernels(nvrtc.getCUBIN(program))
+    except nvrtc.NVRTCError:
+        return {"<compile error>": nvrtc.getProgramLog(program)}
+    finally:
+        nvrtc.destroyProgram(program)
+
+
+def tree_configs(root: pathlib.Path):
+    out = subprocess.run([sys.executable, str(HERE), "--list", str(root)], check=True,
+                         capture_output=True, text=True).stdout
+    return json.loads(out)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    side = ap.add_mutually_exclusive_group()
+    side.add_argument("--old", type=pathlib.Path, help="the older tree's folder")
+    side.add_argument("--rev", help="a git revision of this repository (archived to a temporary folder)")
+    ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--files", nargs="*", help="compare only these kernel files (this tree's names)")
+    ap.add_argument("--list", type=pathlib.Path, help=argparse.SUPPRESS)  # internal
+    args = ap.parse_args(argv)
+    if args.list:
+        json.dump(list_configs(args.list.resolve()), sys.stdout)
+        return 0
+    if not (args.old or args.rev):
+        ap.error("give --old or --rev")
+    with tempfile.TemporaryDirectory() as tmp:
+        old_root = args.old
+        if args.rev:
+            archive = pathlib.Path(tmp) / "old.tar"
+            subprocess.run(["git", "-C", str(REPO), "archive", "-o", str(archive), args.rev],
+                           check=True)
+            with tarfile.open(archive) as tar:
+                tar.extractall(pathlib.Path(tmp) / "old")
+            old_root = pathlib.Path(tmp) / "old"
+        sides = {"old": tree_configs(old_root.resolve()), "new": tree_configs(REPO)}
+    keyed = {side: {normalized_key(e, side == "old"): e for e in entries}
+             for side, entries in sides.items()}
+    common = sorted(k for k in set(keyed["old"]) & set(keyed["new"])
+                    if not args.files or keyed["new"][k]["file"] in args.files)
+    pairs = [(keyed["old"][k], keyed["new"][k]) for k in common]
+    with ProcessPoolExecutor(max(1, args.jobs)) as pool:
+        compiled = list(pool.map(compile_entry, [e for pair in pairs for e in pair],
+                                 chunksize=4))
+    identical, differ = 0, []
+    for index, key in enumerate(common):
+        old, new = compiled[2 * index], compiled[2 * index + 1]
+        old = {entry_rename(name, key): digest for name, digest in old.items()}
+        if old == new and "<compile error>" not in new:
+            identical += 1
+        else:
+            differ.append((key, sorted(set(old) | set(new))))
+    only_old = sorted(set(keyed["old"]) - set(keyed["new"]))
+    only_new = sorted(set(keyed["new"]) - set(keyed["old"]))
+    for key in only_old:
+        print(f"only in the old tree (dropped): {key}")
+    for key in only_new:
+        print(f"only in this tree: {key}")
+    for key, kernels in differ:
+        print(f"differs: {key} {kernels}")
+    print(f"{identical} of {len(common)} configurations identical "
+          f"({len(only_old)} only in the old tree, {len(only_new)} only in this one)")
+    return 1 if differ or only_new else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,193 @@
+"""One call of the GPU forward pass (Forward): arguments checked, the Plan of its input
+geometry looked up (made on first use), scratch allocated, the stages launched.
+
+Stages (one launch each; the kernels of each route: gpu/routes.py):
+  project    LayerNorm + q/k/v/gate + pair bias with the mask folded in (the mask read in
+             place, in its own dtype and strides), written in the route's layout
+  extent     masked forwards from N = 512: each batch's last kept key (key_extent.cu)
+  attention  flash-style softmax attention, o written over q
+  out        (g * o) Wo^T + bo
+Scratch: qkvg rows (4D, 2D or D words by layout), the bias (fp32 or fp16; tiles for the
+tiled layouts), the K and V^T tiles and the key extent, one allocation from CuPy's memory
+pool per call. Everything a call launches besides its pointers is worked out once per
+module and input geometry (Plan): at small sizes the caller waits on host time.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import numpy as np
+
+from .._checks import check_fully_masked, check_mask_dtype, check_mask_shape, pair_geometry
+from . import checks, layouts
+from .checks import _cupy, as_device_array
+from .device_weights import DeviceWeights
+from .plan import make_plan, plan_key
+
+
+_PLANS_PER_MODULE = 64  # geometries remembered per DeviceWeights (then forgotten, all at once)
+
+
+class Forward:
+    """One forward pass prepared: arguments checked, its Plan looked up (made on first
+    use), scratch allocated. `stages()` lists the launches in order; `run()` performs
+    them all. `route` forces a route (routes.ROUTES name or Route); `attention` one
+    attention kernel (tile sweeps and tests), with the projections its layout takes."""
+
+    def __init__(self, dw: DeviceWeights, pair, mask, fully_masked: str, out,
+                 precision: str = "fp32",
+                 attention: "routes.AttentionLaunch | None" = None,
+                 route: "routes.Route | str | None" = None):
+        cupy = _cupy()
+        check_fully_masked(fully_masked)
+        checks.check_precision(precision)
+        pair = as_device_array(pair, "pair", dw.device_id)
+        if pair.dtype != np.float32:
+            raise TypeError(f"pair must be float32; got {pair.dtype} (convert with "
+                            f"pair.astype(cupy.float32))")
+        B, N, batched = pair_geometry(pair.shape, dw.pair_dim)
+        if mask is not None:
+            mask = as_device_array(mask, "mask", dw.device_id)
+            check_mask_dtype(mask.dtype)
+            check_mask_shape(mask.shape, B, N, batched)
+        if out is not None:
+            out = as_device_array(out, "out", dw.device_id)
+            if out.shape != pair.shape or out.dtype != np.float32 or not out.flags.c_contiguous:
+                raise ValueError(f"out must be a C-contiguous float32 array of shape "
+                                 f"{pair.shape}; got {out.dtype} {out.shape} "
+                                 f"(c_contiguous={out.flags.c_contiguous})")
+        key = plan_key(pair, mask, precision, fully_masked == "nan", route)
+        # Whether calls must switch to the weights' device (each look-up of the current
+        # device costs ~0.7 µs of host time before the first kernel: done once here)
+        self.dw, self._switch = dw, cupy.cuda.runtime.getDevice() != dw.device_id
+        with self._on_device():  # one device switch: kernels, allocations
+            if attention is None:
+                plan = dw.plans.get(key)
+                if plan is None:
+                    if len(dw.plans) >= _PLANS_PER_MODULE:
+                        dw.plans.clear()
+                    plan = dw.plans[key] = make_plan(dw, key)
+            else:
+                plan = make_plan(dw, key, attention)
+            self.plan, self.pair, self.mask = plan, pair, mask
+            self._scratch = cupy.cuda.alloc(plan.scratch_bytes)  # qkvg, the bias, V^T
+        scratch = self._scratch.ptr
+        # The output's memory is taken after the first launch (_take_out_memory: ~1 µs of
+        # host time the first kernel need not wait on), its CuPy array after the last
+        # (making an ndarray costs ~2.5 µs)
+        self._out, self._out_memory = out, None if out is None else out.data
+        # The call's device addresses, by the names the launches' slots give them
+        self._pointers = {"pair": pair.data.ptr, "mask": 0 if mask is None else mask.data.ptr,
+                          "qkvg": scratch, "bias": scratch + plan.qkvg_bytes,
+                          "vt": (scratch + plan.qkvg_bytes + plan.bias_bytes
+                                 if plan.vt_bytes else 0),
+                          "extent": scratch + plan.extent_offset if plan.key_extent else 0,
+                          "out": None if out is None else out.data.ptr}
+
+    # The geometry, as the plan has it
+    B = property(lambda self: self.plan.B)
+    N = property(lambda self: self.plan.N)
+    D = property(lambda self: self.plan.D)
+    H = property(lambda self: self.plan.H)
+    d = property(lambda self: self.plan.d)
+    M = property(lambda self: self.plan.M)
+    npk = property(lambda self: self.plan.npk)
+    layout = property(lambda self: self.plan.layout)
+    route = property(lambda self: self.plan.route)
+
+    def _on_device(self):
+        """The weights' device as the current one, for kernels and allocations."""
+        return _cupy().cuda.Device(self.dw.device_id) if self._switch else contextlib.nullcontext()
+
+    def _take_out_memory(self):
+        if self._out_memory is None:
+            self._out_memory = _cupy().cuda.alloc(4 * self.pair.size)
+            self._pointers["out"] = self._out_memory.ptr
+
+    @property
+    def out(self):
+        """The float32 result, shaped like pair (the caller's `out`, or the array made
+        for it)."""
+        if self._out is None:
+            with self._on_device():
+                self._take_out_memory()
+            self._out = _cupy().ndarray(self.pair.shape, np.float32, memptr=self._out_memory)
+        return self._out
+
+    @property
+    def qkvg(self):
+        """The scratch [M, row words] float32 the stages share: q, k, v, gate (o over q) in
+        the layout's rows (layouts.Layout.row_words)."""
+        return _cupy().ndarray(self.plan.qkvg_shape, np.float32, memptr=self._scratch)
+
+    def attention_output(self):
+        """o [M, D] float32 as the attention stage left it in qkvg: fp32 over [0, D), or
+        for the layouts with o16 16 bits over each head's first 16 words (bf16; fp16 in v's
+        units, undone here). For tests and tools: the out projection
+        reads it in place."""
+        cupy = _cupy()
+        o = self.qkvg[:, :self.D]
+        if not self.layout.o16:
+            return o.copy()
+        # a head's 16 words, dim pair p in word 4 (p % 4) + p // 4 (project_epilogue.cuh load_o4)
+        words = o.reshape(self.M, self.H, self.d)[:, :, :self.d // 2].view(cupy.uint32)
+        halves = words.reshape(self.M, self.H, 4, 4).transpose(0, 1, 3, 2).copy().view(cupy.uint16)
+        if self.layout.o16 == "bf16":
+            o = (halves.astype(cupy.uint32) << 16).view(cupy.float32)
+        else:
+            o = halves.view(cupy.float16).astype(cupy.float32) / np.float32(self.plan.scales[2])
+        return o.reshape(self.M, self.D)
+
+    @property
+    def bias(self):
+        """The pair bias [B, H, N, NPK] (log2 e units, -inf where masked): float32, or
+        float16 for the bf16 and the wgmma attentions (f16x3: tiles of fp16 hi and lo)."""
+        return _cupy().ndarray(self.plan.bias_shape, self.plan.bias_dtype,
+                               memptr=self._scratch + self.plan.qkvg_bytes)
+
+    # -- stages --------------------------------------------------------------------
+
+    # (Each stage on the weights' device: stages() hands them out to be called alone.)
+    def project(self):
+        with self._on_device():
+            self.plan.project(self._pointers)
+
+    def attention(self, launch: "routes.AttentionLaunch | None" = None):
+        """The attention stage (with the key extent before it, where the plan finds one);
+        `launch` replaces the kernel chosen for this forward (tile sweeps time kernels on
+        the same scratch): it must read k and v in the form this forward's projection
+        stores them."""
+        with self._on_device():
+            self._find_key_extent()
+            if launch is None:
+                self.plan.attention(self._pointers)
+            else:
+                self.plan.attention_launch(launch, self.plan.nan_fully_masked)(self._pointers)
+
+    def out_project(self):
+        with self._on_device():
+            self._take_out_memory()
+            self.plan.out_project(self._pointers)
+
+    def stages(self):
+        return [("layernorm+projections", self.project),
+                ("attention", self.attention), ("gate+out_proj", self.out_project)]
+
+    def _find_key_extent(self):
+        if self.plan.key_extent is not None:
+            cupy = _cupy()
+            cupy.cuda.runtime.memsetAsync(self._pointers["extent"], 0, 4 * self.B,
+                                          cupy.cuda.get_current_stream().ptr)
+            self.plan.key_extent(self._pointers)
+
+    def run(self):
+        with self._on_device():
+            self.plan.project(self._pointers)
+            self._take_out_memory()
+            self._find_key_extent()
+            self.plan.attention(self._pointers)
+            self.plan.out_project(self._pointers)
+            out = self.out
+        # Scratch back to the pool now, not at GC (the pool reuses it in stream order).
+        self._scratch = self._pointers = None
+        return out

@@ -1,0 +1,483 @@
+"""The route of a forward: which kernels run, on which layout, with which scales.
+
+`choose_route` is the one place that decides it, from (precision, head dim, D, N, compute
+capability, the pair's alignment, the shared memory per block, the weights' f16s scales,
+whether a mask is given); `Plan` builds the launches from the route and decides nothing.
+Tests and tools force a route by name (ROUTES) through `route=` of the public API.
+
+    route               precision  GPUs (compute capability, head dim d, N)     parts
+    ffma                any        before 8.0, or where no other fits           project_ffma.cu + attention_ffma (fp32)
+    mma_f16x3           fp32       8.0+, d % 8 == 0, d <= 64                     project_mma f16x3 + attention_mma f16x3
+    mma_tf32            tf32       8.0+, d % 8 == 0, d <= 120                    project_mma tf32 + attention_mma tf32
+    mma_bf16            bf16       8.0+, d % 8 == 0                              project_mma tf32 + attention_mma bf16
+    mma_f16x3_ffma      fp32       8.0+, other head dims                         project_mma f16x3 + attention_ffma
+    mma_tf32_ffma       tf32, bf16 8.0+, other head dims                         project_mma tf32 + attention_ffma
+    wgmma_f16x3         fp32       9.0, d = 32, N > 128, D != 128                project_mma f16x3 + attention_wgmma f16x3
+    wgmma_f16x3_tiles   fp32       9.0, d = 32, N > 128, D = 128                 project_wgmma_split + attention_wgmma f16x3
+    wgmma_f16           tf32       9.0, d = 32, N > 128, D != 128                project_mma f16 + attention_wgmma f16
+    wgmma_f16_tiles     tf32       9.0, d = 32, N > 128, D = 128                 project_wgmma + attention_wgmma f16
+    wgmma_bf16          bf16       9.0, d = 32, 128 < N < 768, D != 128          project_mma f16 + attention_wgmma bf16
+    wgmma_bf16_tiles    bf16       9.0, d = 32, 128 < N < 384, D = 128           project_wgmma + attention_wgmma bf16
+    wgmma_f16s          bf16       9.0, d = 32, N >= 768, D != 128               project_mma f16 + attention_wgmma f16s
+    wgmma_f16s_tiles    bf16       9.0, d = 32, N >= 768, D = 128, rows unaligned  project_mma f16 + attention_wgmma f16s + out project_wgmma
+    wgmma_f16s_slots    bf16       9.0, d = 32, N >= 384, D = 128                project_wgmma + attention_wgmma f16s (slot rows)
+
+The "_tiles" routes run the persistent projections (project_wgmma*.cu) for the out
+projection, and for the LayerNorm projection where the pair's rows are 16-byte aligned
+(it copies whole rows); project_mma.cu otherwise. Where the weights' scores could leave
+fp16's range (scales.f16s_scales is None), the f16s routes give way to the bf16 ones.
+`mma_tf32x3` (fp32: 3xTF32 attention) is taken by no GPU: it stays as the accuracy oracle
+of the f16x3 attention (tests/test_attention_mma.py).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+from . import layouts
+from .checks import check_precision, supported_head_dims
+from .compile import KernelConfig
+from .layouts import Layout
+from .tiles import (ATTENTION_MMA_THREADS, ATTENTION_THREADS, MAX_PAIR_DIM, MMA_STAGED,
+                    SMALL_N, SMEM_LIMIT, TILES_PAIR_DIM, WGMMA_HEAD_DIMS, WGMMA_QUERIES,
+                    WGMMA_VARIANTS, MmaTiles, WgmmaTiles, attention_mma_head_dims,
+                    attention_mma_smem_bytes, attention_mma_tiles, attention_smem_bytes,
+                    attention_tiles, attention_wgmma_smem_bytes, attention_wgmma_tiles,
+                    project_pad, project_rows, project_tiles_smem_bytes, project_tiles_split,
+                    project_weight_stages)
+
+WGMMA_ARCH = "sm_90a"  # wgmma exists only on compute capability 9.0, in this target
+
+# N above which head dim 32 takes the wgmma attention on compute capability 9.0, in every
+# mode (faster from N = 129: TF32 1x384 / 1x1024 0.179 / 2.50 against 0.198 / 3.00 ms on
+# mma.sync; fp32 1x160 0.265 against 0.278, 1x256 0.499 / 0.570; below N = 128 equal
+# within noise).
+WGMMA_ABOVE_N = SMALL_N
+# The bf16 mode's f16s attention (S in fp16 accumulators) from these N: from
+# F16S_SLOTS_FROM_N on the slot rows project_wgmma.cu writes (1x1024 2.87 -> 2.73 ms
+# against the fp16 tiles' rows of 2D words, 1x384 0.294 -> 0.282 against the bf16
+# attention), else from F16S_FROM_N (its projections cost more than its attention gains
+# below: a cubic gain against a quadratic cost fitted to 1x384 and 1x1024 breaks even near
+# N = 730).
+F16S_FROM_N = 768
+F16S_SLOTS_FROM_N = 384
+# N from which a masked forward finds each batch's key extent, so that the attention's key
+# loops stop at the last key tile any query keeps (exact: the tiles past it are masked for
+# every query). Below it a trailing masked tile is too small a share to pay for the
+# memset and the launch (2x128x64x4 is host-bound).
+KEY_EXTENT_MIN_N = 512
+KEY_EXTENT_THREADS = 256
+
+
+# ---- kernel configurations ----
+
+def project_config(rows: int, engine: str, pair_dim: int, layout: Layout,
+                   products: str = "tf32") -> KernelConfig:
+    """ln_qkvg_project / gated_out_project with `rows` per block: engine "ffma" (project_ffma.cu)
+    or "mma" (project_mma.cu) with `products` "tf32", "f16" (one fp16 product of scaled
+    operands, F16_TERMS 1) or "f16x3" (fp16 hi + lo, fp32-accurate: SPLIT, F16_TERMS 3),
+    writing (and reading) `layout`."""
+    return _project_config(rows, engine, pair_dim, layout, products)
+
+
+_F16_TERMS = {"tf32": 0, "f16": 1, "f16x3": 3}
+
+
+@functools.lru_cache(maxsize=None)  # per call: a look-up, not a rebuild
+def _project_config(rows: int, engine: str, pair_dim: int, layout: Layout,
+                    products: str) -> KernelConfig:
+    mma = engine == "mma"
+    split = mma and products == "f16x3"
+    # 64-row blocks fit in 80 registers: 3 per SM where shared memory allows (D <= 128),
+    # one wave instead of two for a small problem such as 2x128x64x4; but not with split
+    # operands, which keep 2 per SM (fp16 hi + lo's ln_qkvg_project spills 4 bytes at 80
+    # registers on sm_90).
+    min_blocks = 3 if rows == 64 and not split else 2
+    shape = (("BM", rows), ("WSTAGES", project_weight_stages(pair_dim, rows, mma)),
+             *layout.defines(), ("PROJECT_MIN_BLOCKS", min_blocks))
+    if mma:
+        terms = _F16_TERMS[products]
+        f16 = (("F16_TERMS", terms),) if terms else ()
+        return KernelConfig("project_mma.cu", shape + (("SPLIT", int(split)),) + f16)
+    return KernelConfig("project_ffma.cu", shape + (("PAD", project_pad(pair_dim)),))
+
+
+@functools.lru_cache(maxsize=None)
+def project_tiles_config(layout: Layout) -> KernelConfig:
+    """The persistent projections writing `layout` (project_wgmma_split.cu for the fp16
+    hi + lo tiles, else project_wgmma.cu)."""
+    if project_tiles_split(layout):
+        return KernelConfig("project_wgmma_split.cu", (("PAIR_DIM", TILES_PAIR_DIM),), WGMMA_ARCH)
+    features = tuple(d for d in layout.defines() if d[0] in ("TILES_BF16", "SLOT_ROWS"))
+    return KernelConfig("project_wgmma.cu", features + (("PAIR_DIM", TILES_PAIR_DIM),),
+                        WGMMA_ARCH)
+
+
+def project_tiles_fit(layout: Layout, pair_dim: int, smem_limit: int = SMEM_LIMIT) -> bool:
+    """Whether the persistent projections serve `layout` at `pair_dim`: the tiled layouts
+    at D = 128, where their weights fit in shared memory beside the tiles."""
+    return (layout.tiled and pair_dim == TILES_PAIR_DIM
+            and max(project_tiles_smem_bytes(layout, out) for out in (False, True)) <= smem_limit)
+
+
+def attention_config(head_dim: int) -> KernelConfig:
+    bq, bk = attention_tiles(head_dim)
+    return KernelConfig("attention_ffma.cu", (("HEAD_DIM", head_dim), ("BQ", bq), ("BK", bk)))
+
+
+def key_extent_config() -> KernelConfig:
+    return KernelConfig("key_extent.cu", ())
+
+
+def key_extent_chunks(N: int) -> int:
+    """Blocks per batch: ~16 mask elements per thread, at most 512 blocks (one atomic each)."""
+    return max(1, min(512, -(-N * N // (16 * KEY_EXTENT_THREADS))))
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionLaunch:
+    """One attention kernel and its launch shape: blocks of `threads` threads, each taking
+    `queries` queries of `rows` pair rows of one head; it reads q, k, v and the bias as
+    the projection stores them in `layout`; `operand_scales`: it scales q, k and v into
+    fp16's range itself and takes the powers of two (s_q, s_k, s_v) of
+    scales.f16x3_scales as its last arguments (attention_mma_f16x3)."""
+    config: KernelConfig
+    name: str
+    queries: int
+    rows: int
+    threads: int
+    smem: int
+    layout: Layout = layouts.ROWS_FP32
+    operand_scales: bool = False
+
+    def blocks(self, B: int, N: int, H: int) -> int:
+        return -(-N // self.queries) * H * B * -(-N // self.rows)
+
+
+def attention_ffma_launch(head_dim: int) -> AttentionLaunch:
+    return AttentionLaunch(attention_config(head_dim), "attention_ffma_fp32",
+                           attention_tiles(head_dim)[0], 1, ATTENTION_THREADS,
+                           attention_smem_bytes(head_dim))
+
+
+# ---- attention on mma.sync (kernels/attention_mma.cu): entry point attention_mma_<variant>;
+# "f16x3": the fp32 mode's split products in fp16 (twice TF32's rate); "tf32x3" (3xTF32)
+# the oracle of its accuracy ----
+ATTENTION_MMA_VARIANTS = ("tf32x3", "tf32", "bf16", "f16x3")
+_MMA_PREC = {"tf32x3": 0, "tf32": 1, "bf16": 2, "f16x3": 3}
+# f16x3 reads what tf32x3 reads (fp32 q, k, v and bias) and scales them into fp16 itself
+_MMA_LAYOUT = {"tf32x3": layouts.ROWS_FP32, "tf32": layouts.ROWS_TF32,
+               "bf16": layouts.ROWS_BF16, "f16x3": layouts.ROWS_FP32}
+
+
+def attention_mma_config(head_dim: int, variant: str, tiles: MmaTiles | None = None
+                         ) -> KernelConfig:
+    """The configuration whose entry point `attention_mma_<variant>` serves `head_dim`;
+    variant "tf32x3" (fp32-accurate 3xTF32), "f16x3" (fp32-accurate, fp16 split
+    products), "tf32" or "bf16"."""
+    if variant not in ATTENTION_MMA_VARIANTS:
+        raise ValueError(f"variant must be one of {ATTENTION_MMA_VARIANTS}; got {variant!r}")
+    if head_dim not in attention_mma_head_dims(variant):
+        raise ValueError(f"the tensor-core attention ({variant}) takes head dims "
+                         f"{attention_mma_head_dims(variant)}; got {head_dim}")
+    tiles = tiles or attention_mma_tiles(head_dim, variant)
+    if variant in MMA_STAGED:  # staged through registers
+        shape = (("PREFETCH", tiles.prefetch),)
+    else:  # copied as stored, through the ring
+        shape = (("STAGES", tiles.stages),)
+    return KernelConfig("attention_mma.cu", (
+        ("HEAD_DIM", head_dim), ("PREC", _MMA_PREC[variant]), ("BK", tiles.bk),
+        ("MT", tiles.mt), ("ROWS", tiles.rows), *shape, ("MIN_BLOCKS", tiles.min_blocks)))
+
+
+def attention_mma_launch(head_dim: int, variant: str, tiles: MmaTiles | None = None,
+                         n: int = 1 << 30, compute_capability: int = 90) -> AttentionLaunch:
+    tiles = tiles or attention_mma_tiles(head_dim, variant, n, compute_capability)
+    return AttentionLaunch(attention_mma_config(head_dim, variant, tiles),
+                           f"attention_mma_{variant}", tiles.queries, tiles.rows,
+                           ATTENTION_MMA_THREADS,
+                           attention_mma_smem_bytes(head_dim, variant, tiles),
+                           _MMA_LAYOUT[variant], variant == "f16x3")
+
+
+# ---- attention on warpgroup products (kernels/attention_wgmma.cu, sm_90a) ----
+_WGMMA_LAYOUT = {"bf16": layouts.TILES_BF16, "f16x3": layouts.TILES_F16_HILO,
+                 "f16": layouts.TILES_F16, "f16s": layouts.TILES_F16}
+_WGMMA_DEFINES = {"bf16": (("BF16", 1),), "f16x3": (("F16X3", 1),), "f16": (("F16X1", 1),),
+                  "f16s": (("F16X1", 1), ("S16", 1))}
+
+
+def attention_wgmma_launch(head_dim: int = 32, tiles: WgmmaTiles | None = None,
+                           variant: str = "bf16", slot_rows: bool = False) -> AttentionLaunch:
+    """The attention on wgmma of `variant` (attention_wgmma_<variant>), reading its tiled
+    layout: bf16 (tiles_bf16), f16x3 (tiles_f16_hilo), f16 and f16s (tiles_f16; f16s
+    where `slot_rows` tiles_f16_slots, q in rows of D words)."""
+    if variant not in WGMMA_VARIANTS:
+        raise ValueError(f"variant must be one of {WGMMA_VARIANTS}; got {variant!r}")
+    if head_dim not in WGMMA_HEAD_DIMS:
+        raise ValueError(f"the wgmma attention takes head dims {WGMMA_HEAD_DIMS}; got {head_dim}")
+    if slot_rows and variant != "f16s":
+        raise ValueError(f"slot rows are read by the f16s variant only; got {variant!r}")
+    t = tiles or attention_wgmma_tiles(variant)
+    if not t.bulk:
+        raise ValueError(f"the {variant} wgmma attention copies its tiles in bulk only (bulk=1)")
+    extra = _WGMMA_DEFINES[variant]
+    if variant == "f16x3":
+        extra = (("F16X3", 1), ("PV_GROUPS", t.pv_groups))
+    layout = _WGMMA_LAYOUT[variant]
+    if slot_rows:
+        extra += (("SLOT_ROWS", 1),)
+        layout = layouts.TILES_F16_SLOTS
+    config = KernelConfig("attention_wgmma.cu", (
+        ("HEAD_DIM", head_dim), ("ROWS", t.rows), ("STAGES", t.stages),
+        ("MIN_BLOCKS", t.min_blocks)) + extra, WGMMA_ARCH)
+    return AttentionLaunch(config, f"attention_wgmma_{variant}", WGMMA_QUERIES, t.rows,
+                           256 * t.rows, attention_wgmma_smem_bytes(t, variant), layout)
+
+
+# ---- routes ----
+
+@dataclasses.dataclass(frozen=True)
+class Route:
+    """Every choice of a forward (the module docstring's table):
+
+    project, out_project: the LayerNorm + q/k/v/gate/bias projection's and the gated out
+        projection's engine: "ffma" (project_ffma.cu), "mma" (project_mma.cu) or "tiles" (the
+        persistent projections, project_wgmma.cu / project_wgmma_split.cu);
+    products: the projections' arithmetic: "fp32" (FFMA), "tf32", "f16" (one fp16 product
+        of scaled operands), "f16x3" (fp16 hi + lo, fp32-accurate);
+    attention: "ffma", "mma_<variant>" or "wgmma_<variant>" (attention_ffma.cu,
+        attention_mma.cu, attention_wgmma.cu; variants as their entry points);
+    layout: how the projection stores q, k, v, the gate and the bias (layouts.py);
+    scales: the powers of two q, k, v and the bias come scaled by (DeviceWeights.qkv_scales:
+        "f16x3", "f16_biased", "f16s"), or None;
+    tuned_for: the compute capability whose tile table shapes the mma.sync attention;
+    key_extent: each batch's last kept key found first (masked forwards from
+        KEY_EXTENT_MIN_N)."""
+    name: str
+    project: str
+    out_project: str
+    products: str
+    attention: str
+    layout: Layout
+    scales: str | None = None
+    tuned_for: int = 90
+    key_extent: bool = False
+
+    def attention_launch(self, head_dim: int, n: int) -> AttentionLaunch:
+        """The attention kernel of this route for `head_dim` and `n` keys."""
+        engine, _, variant = self.attention.partition("_")
+        if engine == "ffma":
+            return attention_ffma_launch(head_dim)
+        if engine == "mma":
+            return attention_mma_launch(head_dim, variant, n=n,
+                                        compute_capability=self.tuned_for)
+        return attention_wgmma_launch(head_dim, variant=variant,
+                                      slot_rows=self.layout == layouts.TILES_F16_SLOTS)
+
+
+# name -> (precisions, project, out_project, products, attention, layout, scales); for
+# project "tiles" the LayerNorm projection is "mma" where the pair's rows are unaligned
+_ANY = ("fp32", "tf32", "bf16")
+_TABLE = {
+    "ffma": (_ANY, "ffma", "ffma", "fp32", "ffma", layouts.ROWS_FP32, None),
+    "mma_f16x3": (("fp32",), "mma", "mma", "f16x3", "mma_f16x3", layouts.ROWS_FP32, None),
+    "mma_tf32": (("tf32",), "mma", "mma", "tf32", "mma_tf32", layouts.ROWS_TF32, None),
+    "mma_bf16": (("bf16",), "mma", "mma", "tf32", "mma_bf16", layouts.ROWS_BF16, None),
+    "mma_f16x3_ffma": (("fp32",), "mma", "mma", "f16x3", "ffma", layouts.ROWS_FP32, None),
+    "mma_tf32_ffma": (("tf32", "bf16"), "mma", "mma", "tf32", "ffma", layouts.ROWS_FP32, None),
+    "wgmma_f16x3": (("fp32",), "mma", "mma", "f16x3", "wgmma_f16x3", layouts.TILES_F16_HILO,
+                    "f16x3"),
+    "wgmma_f16x3_tiles": (("fp32",), "tiles", "tiles", "f16x3", "wgmma_f16x3",
+                          layouts.TILES_F16_HILO, "f16x3"),
+    "wgmma_f16": (("tf32",), "mma", "mma", "f16", "wgmma_f16", layouts.TILES_F16, "f16_biased"),
+    "wgmma_f16_tiles": (("tf32",), "tiles", "tiles", "f16", "wgmma_f16", layouts.TILES_F16,
+                        "f16_biased"),
+    "wgmma_bf16": (("bf16",), "mma", "mma", "f16", "wgmma_bf16", layouts.TILES_BF16, None),
+    "wgmma_bf16_tiles": (("bf16",), "tiles", "tiles", "f16", "wgmma_bf16", layouts.TILES_BF16,
+                         None),
+    "wgmma_f16s": (("bf16",), "mma", "mma", "f16", "wgmma_f16s", layouts.TILES_F16, "f16s"),
+    "wgmma_f16s_tiles": (("bf16",), "tiles", "tiles", "f16", "wgmma_f16s", layouts.TILES_F16,
+                         "f16s"),
+    "wgmma_f16s_slots": (("bf16",), "tiles", "tiles", "f16", "wgmma_f16s",
+                         layouts.TILES_F16_SLOTS, "f16s"),
+    # the accuracy oracle of the f16x3 attention, taken by no GPU
+    "mma_tf32x3": (("fp32",), "mma", "mma", "f16x3", "mma_tf32x3", layouts.ROWS_FP32, None),
+}
+ROUTES = tuple(_TABLE)
+
+
+def route_parts(name: str) -> dict:
+    """The parts of the route `name` (ROUTES) as a dictionary, for tables and tools."""
+    precisions, project, out_project, products, attention, layout, scales = _TABLE[name]
+    return {"precisions": precisions, "project": project, "out_project": out_project,
+            "products": products, "attention": attention, "layout": layout.name,
+            "scales": scales}
+
+
+def _default_route_name(precision: str, head_dim: int, pair_dim: int, n: int,
+                        compute_capability: int, rows_aligned: bool, smem_limit: int,
+                        f16s_scales: bool) -> str:
+    """The fastest route a GPU of `compute_capability` takes (the module docstring)."""
+    if compute_capability < 80:
+        return "ffma"
+    if compute_capability == 90 and head_dim in WGMMA_HEAD_DIMS and n > WGMMA_ABOVE_N:
+        variant = {"fp32": "f16x3", "tf32": "f16", "bf16": "bf16"}[precision]
+        # (slot rows: from project_wgmma.cu only, whose LayerNorm projection needs them aligned)
+        slots = rows_aligned and project_tiles_fit(layouts.TILES_F16_SLOTS, pair_dim, smem_limit)
+        if precision == "bf16" and f16s_scales and n >= (F16S_SLOTS_FROM_N if slots
+                                                         else F16S_FROM_N):
+            variant = "f16s"
+        if attention_wgmma_launch(head_dim, variant=variant).smem <= smem_limit:
+            if variant == "f16s" and slots:
+                return "wgmma_f16s_slots"
+            tiles = project_tiles_fit(_WGMMA_LAYOUT[variant], pair_dim, smem_limit)
+            return f"wgmma_{variant}" + ("_tiles" if tiles else "")
+    mma = {"fp32": "f16x3", "tf32": "tf32", "bf16": "bf16"}[precision]
+    if head_dim in attention_mma_head_dims(mma):
+        tiles = attention_mma_tiles(head_dim, mma, n, compute_capability)
+        if attention_mma_smem_bytes(head_dim, mma, tiles) <= smem_limit:
+            return f"mma_{mma}"
+    return "mma_f16x3_ffma" if precision == "fp32" else "mma_tf32_ffma"
+
+
+def choose_route(precision: str, head_dim: int, pair_dim: int, n: int,
+                 compute_capability: int, *, rows_aligned: bool = True,
+                 smem_limit: int = SMEM_LIMIT, f16s_scales: bool = True,
+                 masked: bool = False, force: "Route | str | None" = None) -> Route:
+    """The route of a forward: `precision`, head dim, pair dim D, N on a GPU of
+    `compute_capability` allowing `smem_limit` bytes of shared memory per block;
+    rows_aligned: the pair's rows are contiguous and 16-byte aligned (the persistent
+    LayerNorm projection copies whole rows); f16s_scales: the weights admit the f16s
+    attention's scales (scales.f16s_scales); masked: a mask is given.
+    `force`: a route name (ROUTES) or a Route to take instead of the fastest; a route the
+    problem cannot take is a ValueError naming what is missing."""
+    check_precision(precision)
+    if isinstance(force, Route):
+        return force
+    tuned_for = 80 if compute_capability < 90 else 90
+    if force is None:
+        name = _default_route_name(precision, head_dim, pair_dim, n, compute_capability,
+                                   rows_aligned, smem_limit, f16s_scales)
+    elif isinstance(force, str):
+        name, _, tables = force.partition("@")
+        if name not in _TABLE or tables not in ("", "sm_80", "sm_90"):
+            raise ValueError(f"route must be a Route or one of {ROUTES}, optionally with "
+                             f"'@sm_80' or '@sm_90' (the mma attention's tile table); got "
+                             f"{force!r}")
+        _check_forced(name, precision, head_dim, pair_dim, compute_capability, smem_limit,
+                      f16s_scales)
+        if tables:
+            tuned_for = int(tables[3:])
+    else:
+        raise TypeError(f"route must be a Route, a route name or None; got "
+                        f"{type(force).__name__}")
+    precisions, project, out_project, products, attention, layout, scales = _TABLE[name]
+    if project == "tiles" and not rows_aligned:
+        project = "mma"
+    if attention == "ffma" and attention_smem_bytes(head_dim) > smem_limit:
+        raise ValueError(f"head dim {head_dim} needs {attention_smem_bytes(head_dim)} bytes of "
+                         f"shared memory per block for the attention; this GPU allows "
+                         f"{smem_limit}")
+    return Route(name + (f"@sm_{tuned_for}" if isinstance(force, str) and "@" in force else ""),
+                 project, out_project, products, attention, layout, scales, tuned_for,
+                 masked and n >= KEY_EXTENT_MIN_N)
+
+
+def route_for_attention(launch: AttentionLaunch, precision: str, pair_dim: int, n: int,
+                        compute_capability: int, *, rows_aligned: bool = True,
+                        smem_limit: int = SMEM_LIMIT, masked: bool = False) -> Route:
+    """The route around a given attention `launch` (tile sweeps and tests of one kernel):
+    the projections the default routes pair with its layout, in `precision`'s arithmetic."""
+    check_precision(precision)
+    attention = launch.name.removeprefix("attention_")  # engine_arithmetic
+    if attention.startswith("ffma"):
+        attention = "ffma"
+    layout = launch.layout
+    if compute_capability < 80:
+        project, products = "ffma", "fp32"
+    else:
+        project = "mma"
+        products = "f16x3" if precision == "fp32" else "f16" if layout.tiled else "tf32"
+    out_project = project
+    if project == "mma" and compute_capability == 90 and project_tiles_fit(layout, pair_dim,
+                                                                            smem_limit):
+        out_project = "tiles"
+        project = "tiles" if rows_aligned else "mma"
+    scales = ("f16s" if attention == "wgmma_f16s"
+              else {layouts.TILES_F16_HILO: "f16x3", layouts.TILES_F16: "f16_biased"}.get(layout))
+    return Route(f"{project}+{attention}", project, out_project, products, attention, layout,
+                 scales, 80 if compute_capability < 90 else 90,
+                 masked and n >= KEY_EXTENT_MIN_N)
+
+
+def _check_forced(name, precision, head_dim, pair_dim, compute_capability, smem_limit,
+                  f16s_scales):
+    precisions, project, _, _, attention, layout, scales = _TABLE[name]
+    if precision not in precisions:
+        raise ValueError(f"route {name!r} serves precision {' or '.join(precisions)}; "
+                         f"got {precision!r}")
+    engine, _, variant = attention.partition("_")
+    if engine != "ffma" and compute_capability < 80:
+        raise ValueError(f"route {name!r} needs compute capability 8.0 or newer (tensor "
+                         f"cores); this GPU has {compute_capability / 10:.1f}")
+    if engine == "mma" and head_dim not in attention_mma_head_dims(variant):
+        raise ValueError(f"route {name!r} takes head dims {attention_mma_head_dims(variant)}; "
+                         f"got {head_dim}")
+    if engine == "wgmma":
+        if compute_capability != 90:
+            raise ValueError(f"route {name!r} needs compute capability 9.0 (wgmma); this GPU "
+                             f"has {compute_capability / 10:.1f}")
+        if head_dim not in WGMMA_HEAD_DIMS:
+            raise ValueError(f"route {name!r} takes head dims {WGMMA_HEAD_DIMS}; "
+                             f"got {head_dim}")
+    if project == "tiles" and not project_tiles_fit(layout, pair_dim, smem_limit):
+        raise ValueError(f"route {name!r} needs pair_dim {TILES_PAIR_DIM} (the persistent "
+                         f"projections); got {pair_dim}")
+    if scales == "f16s" and not f16s_scales:
+        raise ValueError(f"route {name!r} needs these weights' scores inside fp16's range "
+                         f"(scales.f16s_scales: their bound passes 2^15 in log2 units)")
+
+
+def attention_kernel(head_dim: int, precision: str, compute_capability: int = 90,
+                     n: int = 1 << 30, smem_limit: int | None = None) -> AttentionLaunch:
+    """The attention kernel the default route takes (for tables and tests), or a clear
+    error where even the FFMA kernel's tiles do not fit."""
+    limit = SMEM_LIMIT if smem_limit is None else smem_limit
+    route = choose_route(precision, head_dim, TILES_PAIR_DIM, n, compute_capability,
+                         smem_limit=limit)
+    launch = route.attention_launch(head_dim, n)
+    if launch.smem > limit:
+        raise ValueError(f"head dim {head_dim} needs {launch.smem} bytes of shared memory per "
+                         f"block for the attention; this GPU allows {limit}")
+    return launch
+
+
+def all_configs(arch: str | None = None):
+    """Every configuration a supported (pair_dim, num_heads) can launch on a GPU of `arch`
+    ("sm_80": compute capability 80-89, "sm_90": 90 and newer; None: either), over every
+    route."""
+    capabilities = (80, 90) if arch is None else (int(arch.removeprefix("sm_")),)
+    rows_of = {D: {project_rows(D, total) for total in (1, 1 << 62)}
+               for D in (128, MAX_PAIR_DIM)}
+    parts = {("ffma", layouts.ROWS_FP32, "fp32"), ("mma", layouts.ROWS_FP32, "f16x3"),
+             ("mma", layouts.ROWS_TF32, "tf32"), ("mma", layouts.ROWS_BF16, "tf32"),
+             ("mma", layouts.ROWS_FP32, "tf32")}
+    if 90 in capabilities:  # the projections that write tiles feed the sm_90a attention only
+        parts |= {("mma", layouts.TILES_F16_HILO, "f16x3"), ("mma", layouts.TILES_F16, "f16"),
+                  ("mma", layouts.TILES_BF16, "f16")}
+    configs = {project_config(rows, engine, D, layout, products)
+               for engine, layout, products in parts for D in rows_of for rows in rows_of[D]}
+    configs.add(key_extent_config())
+    configs.update(attention_config(d) for d in supported_head_dims())
+    configs.update(attention_mma_config(d, v, attention_mma_tiles(d, v, n, cc))
+                   for v in ATTENTION_MMA_VARIANTS for d in attention_mma_head_dims(v)
+                   for n in (SMALL_N, SMALL_N + 1) for cc in capabilities)
+    if 90 in capabilities:
+        configs.update(attention_wgmma_launch(d, variant=v).config for d in WGMMA_HEAD_DIMS
+                       for v in WGMMA_VARIANTS)
+        configs.update(attention_wgmma_launch(d, variant="f16s", slot_rows=True).config
+                       for d in WGMMA_HEAD_DIMS)
+        configs.update(project_tiles_config(layout) for layout in layouts.LAYOUTS
+                       if layout.tiled)
+    return sorted(configs, key=lambda c: (c.filename, c.defines, c.arch))
