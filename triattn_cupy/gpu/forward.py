@@ -56,6 +56,13 @@ class Forward:
                 raise ValueError(f"out must be a C-contiguous float32 array of shape "
                                  f"{pair.shape}; got {out.dtype} {out.shape} "
                                  f"(c_contiguous={out.flags.c_contiguous})")
+        # Rows whose float4 loads would be misaligned (an odd offset, a channel stride) are
+        # read from an aligned copy, and an unaligned `out` is written through one: the
+        # route, and so the bits, must not depend on where the arrays lie.
+        pair = _aligned_rows(cupy, pair)
+        self._out_target = None
+        if out is not None and out.data.ptr % 16:
+            self._out_target, out = out, None
         key = plan_key(pair, mask, precision, fully_masked == "nan", route)
         # Whether calls must switch to the weights' device (each look-up of the current
         # device costs ~0.7 µs of host time before the first kernel: done once here)
@@ -112,6 +119,9 @@ class Forward:
             with self._on_device():
                 self._take_out_memory()
             self._out = _cupy().ndarray(self.pair.shape, np.float32, memptr=self._out_memory)
+            if self._out_target is not None:  # the caller's unaligned `out`
+                self._out_target[...] = self._out
+                self._out = self._out_target
         return self._out
 
     @property
@@ -150,7 +160,14 @@ class Forward:
     # (Each stage on the weights' device: stages() hands them out to be called alone.)
     def project(self):
         with self._on_device():
+            self._zero_bias()
             self.plan.project(self._pointers)
+
+    def _zero_bias(self):
+        if self.plan.zero_bias:
+            cupy = _cupy()
+            cupy.cuda.runtime.memsetAsync(self._pointers["bias"], 0, self.plan.bias_bytes,
+                                          cupy.cuda.get_current_stream().ptr)
 
     def attention(self, launch: "routes.AttentionLaunch | None" = None):
         """The attention stage (with the key extent before it, where the plan finds one);
@@ -182,6 +199,7 @@ class Forward:
 
     def run(self):
         with self._on_device():
+            self._zero_bias()
             self.plan.project(self._pointers)
             self._take_out_memory()
             self._find_key_extent()
@@ -191,3 +209,14 @@ class Forward:
         # Scratch back to the pool now, not at GC (the pool reuses it in stream order).
         self._scratch = self._pointers = None
         return out
+
+
+def _aligned_rows(cupy, pair):
+    """`pair`, or a C-contiguous copy where its rows are not contiguous and 16-byte aligned
+    (what the projections' float4 loads and row copies need)."""
+    contiguous_rows = pair.strides[-1] == 4 and all(s % 16 == 0 for s in pair.strides[:-1])
+    if contiguous_rows and pair.data.ptr % 16 == 0:
+        return pair
+    copy = cupy.empty(pair.shape, pair.dtype)
+    copy[...] = pair
+    return copy

@@ -99,6 +99,12 @@ class Plan:
             if layout == layouts.TILES_F16_HILO:
                 self.bias_shape = self.bias_shape[:4] + (2,) + self.bias_shape[4:]
         self.bias_bytes = math.prod(self.bias_shape) * np.dtype(self.bias_dtype).itemsize
+        # The bias tiles' rows past N in the last query tile belong to no pair row, so the
+        # projection never writes them; the wgmma attention still reads them into its
+        # padded queries, and its row-shared decisions let them move the kept queries'
+        # rounding. Zeroed before each projection, so that a call never depends on what an
+        # earlier one left in the pool (the same bits on every stream and thread).
+        self.zero_bias = layout.tiled and N % tiles.WGMMA_QUERIES != 0
         # The K and V^T tiles after the bias, per (b, i, head, 64 keys) (a multiple of 256
         # bytes from the start: 16-byte aligned for the tile copies)
         self.vt_bytes = B * N * H * (self.npk // tiles.WGMMA_KEYS) * layout.tile_bytes
