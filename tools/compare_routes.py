@@ -111,6 +111,18 @@ def run_side(tree: pathlib.Path, side: str, todo, folder: pathlib.Path):
 
     import triattn_cupy as ta
 
+    # Every allocation zeroed on both sides: the older tree read scratch it never wrote (the
+    # bias tiles' rows past N, which this tree zeroes itself), so its bits depended on what
+    # the pool held before.
+    pool = cp.get_default_memory_pool()
+
+    def zeroed(size):
+        memory = pool.malloc(size)
+        cp.cuda.runtime.memsetAsync(memory.ptr, 0, size, cp.cuda.get_current_stream().ptr)
+        return memory
+
+    cp.cuda.set_allocator(zeroed)
+
     weights_of = {}
     for case in todo:
         key = (case["D"], case["h"])
@@ -122,6 +134,10 @@ def run_side(tree: pathlib.Path, side: str, todo, folder: pathlib.Path):
         if not case["aligned"]:
             pair_d = pair_d[..., 1:]          # rows one channel off: not 16-byte aligned
         mask_d = None if mask is None else cp.asarray(mask)
+        if side == "old" and not case["aligned"]:
+            # this tree reads unaligned rows from an aligned copy, whose route the older
+            # tree takes for aligned rows
+            pair_d = cp.ascontiguousarray(pair_d)
         try:
             if side == "new" or case["old"] is None:
                 module = ta.TriangleAttention(weights)
@@ -183,13 +199,17 @@ def main(argv=None):
                   "old_mma_projections": ([c for c in all_cases if c["old"] is not None
                                            and _OLD_MEANS[c["old"][0]][1]],
                                           {"TRIATTN_PROJECT_TILES": "0"})}
+        children = []  # the sides at once: their kernel compilations dominate, on the CPU
         for group, (todo, env) in groups.items():
             todo_file = folder / f"{group}.json"
             todo_file.write_text(json.dumps(todo))
             side = "new" if group == "new" else "old"
-            subprocess.run([sys.executable, str(HERE), "--side", side, "--todo", str(todo_file),
-                            "--folder", str(folder), "--old", str(args.old)],
-                           env={**os.environ, **env, "PYTHONPATH": ""}, check=True)
+            children.append(subprocess.Popen(
+                [sys.executable, str(HERE), "--side", side, "--todo", str(todo_file),
+                 "--folder", str(folder), "--old", str(args.old)],
+                env={**os.environ, **env, "PYTHONPATH": ""}))
+        if any(child.wait() for child in children):
+            raise SystemExit("a side's process failed")
         differ = 0
         for case in all_cases:
             label = (f"{case['name']:22s} {case['precision']:4s} {case['B']}x{case['N']}x"

@@ -28,8 +28,8 @@ else
             "gpu_fp32:tests/test_gpu.py -k fp32"
             "gpu_tf32:tests/test_gpu.py -k 'tf32 and not fp32'"
             "gpu_bf16:tests/test_gpu.py -k 'not fp32 and not tf32'"
-            "infer_tiles:tests/test_infer.py tests/test_project_tiles.py"
-            "rest:tests/ --ignore=tests/test_attention_mma.py --ignore=tests/test_gpu.py --ignore=tests/test_infer.py --ignore=tests/test_project_tiles.py")
+            "cli_tiles:tests/test_cli.py tests/test_project_tiles.py"
+            "rest:tests/ --ignore=tests/test_attention_mma.py --ignore=tests/test_gpu.py --ignore=tests/test_cli.py --ignore=tests/test_project_tiles.py")
     threads=$(( $(nproc) / ${#groups[@]} ))
     export OMP_NUM_THREADS=$(( threads > 0 ? threads : 1 ))
     export OPENBLAS_NUM_THREADS=$OMP_NUM_THREADS MKL_NUM_THREADS=$OMP_NUM_THREADS
