@@ -518,14 +518,14 @@ def test_bf16_s16_error_within_twice_pytorch_bf16(cp, rng, f16s_route):
     (ta.gpu.routes.F16S_SLOTS_FROM_N - 1, 128, True, ("attention_wgmma_bf16", "TILES_BF16")),
     (ta.gpu.routes.F16S_SLOTS_FROM_N, 128, True, ("attention_wgmma_f16s", "TILES_F16_SLOTS")),
     (ta.gpu.routes.F16S_SLOTS_FROM_N, 64, True, ("attention_wgmma_bf16", "TILES_BF16")),
-    (ta.gpu.routes.F16S_SLOTS_FROM_N, 128, False, ("attention_wgmma_bf16", "TILES_BF16")),
+    (ta.gpu.routes.F16S_SLOTS_FROM_N, 128, False, ("attention_wgmma_f16s", "TILES_F16_SLOTS")),
     (ta.gpu.routes.F16S_FROM_N, 64, True, ("attention_wgmma_f16s", "TILES_F16")),
-    (ta.gpu.routes.F16S_FROM_N, 128, False, ("attention_wgmma_f16s", "TILES_F16"))])
+    (ta.gpu.routes.F16S_FROM_N, 128, False, ("attention_wgmma_f16s", "TILES_F16_SLOTS"))])
 def test_bf16_default_route_by_n_and_layout(cp, N, D, aligned, expected):
     """The bf16 mode's default kernel and layout (head dim 32, the wgmma path): f16s on
     slot rows from F16S_SLOTS_FROM_N where project_wgmma.cu writes the projections (D =
-    128, 16-byte aligned rows), on tiles_f16 from F16S_FROM_N elsewhere (another D, or a
-    pair viewed one channel off), the bf16 variant below."""
+    128), on tiles_f16 from F16S_FROM_N elsewhere (another D), the bf16 variant below. A
+    pair viewed one channel off is read from an aligned copy: the same route as aligned."""
     module = ta.TriangleAttention(ta.random_weights(D, D // 32, seed=0))
     if cp.cuda.Device().compute_capability != "90":
         pytest.skip("the wgmma attention runs on compute capability 9.0 only")

@@ -24,7 +24,10 @@ Tests and tools force a route by name (ROUTES) through `route=` of the public AP
 
 The "_tiles" routes run the persistent projections (project_wgmma*.cu) for the out
 projection, and for the LayerNorm projection where the pair's rows are 16-byte aligned
-(it copies whole rows); project_mma.cu otherwise. Where the weights' scores could leave
+(it copies whole rows); project_mma.cu otherwise. The forward reads a pair whose rows are
+not contiguous and 16-byte aligned from an aligned copy (gpu/forward.py), so the bits never
+depend on an array's address: the unaligned variants (wgmma_f16s_tiles, and the "_tiles"
+routes' project_mma.cu projection) run only where a route is forced. Where the weights' scores could leave
 fp16's range (scales.f16s_scales is None), the f16s routes give way to the bf16 ones.
 `mma_tf32x3` (fp32: 3xTF32 attention) is taken by no GPU: it stays as the accuracy oracle
 of the f16x3 attention (tests/test_attention_mma.py).
