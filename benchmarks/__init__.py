@@ -1,1 +1,1 @@
-"""Benchmark suite of triattn-cupy: see run.py and NOTES.md."""
+"""Benchmark suite of triattn-cupy: see run.py and docs/performance.md."""

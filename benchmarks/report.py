@@ -182,7 +182,7 @@ def markdown(data) -> str:
     L += ["", "PyTorch systems: torch.cuda.max_memory_allocated() less the allocation before "
               "the first call. Ours: the high-water mark of CuPy's pool's used bytes during "
               "the module's construction and first forward, less the bytes used before "
-              "(the same quantity; see benchmarks/NOTES.md).", ""]
+              "(the same quantity; docs/performance.md).", ""]
 
     L += ["## Throughput (counted TFLOP/s)", ""]
     L += _table(header, [[sz] + [_cell(runs.get((s, sz)), "TFLOPs", lambda x: fmt_g(x))
@@ -356,11 +356,11 @@ def _attention_core_table(data, stage_rows) -> list[str]:
         "", "Counted FLOPs of q k^T and p v (4 B N^3 D) over the attention stage's time. The "
             "fp32 mode runs them as split products on tensor cores, three per counted one: "
             "fp16 hi + lo (class fp32x3: a third of the bf16 ceiling), on wgmma from N = "
-            "129 at head dim 32, on mma.sync below (since session 18; 3xTF32 before). The "
+            "129 at head dim 32, on mma.sync below. The "
             "tf32 mode runs one fp16 product of scaled operands on wgmma (class f16: TF32's "
             "bits at the bf16 rate), TF32 products below; the bf16 mode fp16 operands with S "
-            "in fp16 (f16s) from N = 384 where the projections write format 9 (D = 128; "
-            "since session 19), else from N = 768.", ""]
+            "in fp16 (f16s) from N = 384 where the persistent projections write slot rows "
+            "(D = 128), else from N = 768.", ""]
 
 
 def _md_escape(text: str) -> str:

@@ -1,6 +1,6 @@
 """FLOP and byte counts of one forward pass, and the floor they imply on a GPU.
 
-Pure functions, no GPU: the report and NOTES.md use them, and the offline tests check them.
+Pure functions, no GPU: the report and docs/performance.md use them, and the offline tests check them.
 
 Counted FLOPs (a multiply-add is 2 FLOPs), shapes B x N x N x D, h heads of d = D / h:
     attention core   4 * B * N^3 * D         (q k^T and p v: 2 * B*N*h*N*N*d each)

@@ -56,8 +56,8 @@ def layer_norm(x: np.ndarray, weight, bias, eps: float) -> np.ndarray:
 def _sigmoid(x):
     """1 / (1 + e^-x) without overflow, to full relative precision on both sides:
     e^-|x| never overflows, and for x < 0 the value is e^x / (1 + e^x). (The former
-    0.5 (1 + tanh(x / 2)) lost every bit below x ~ -37, where tanh rounds to -1: the
-    saturated gates of session 13's review came out 0.)"""
+    0.5 (1 + tanh(x / 2)) lost every bit below x ~ -37, where tanh rounds to -1: saturated
+    gates came out 0.)"""
     e = np.exp(-np.abs(x))
     return np.where(x >= 0, 1.0, e) / (1.0 + e)
 
