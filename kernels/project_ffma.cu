@@ -258,11 +258,35 @@ ln_qkvg_project_ffma_fp32(const float* __restrict__ x, i64 sb, i64 si, i64 sj, i
     {
         const int ml = t % BM, part = t / BM, parts = THREADS / BM;
         float* const col = s.As + ml;
-        float acc = 0.f;
+        float acc = 0.f, amax = 0.f;
 #pragma unroll 8  // the loads of 8 trips in flight, not one trip's latency per trip
-        for (int k = part; k < D; k += parts) acc += col[k * ASTR];
+        for (int k = part; k < D; k += parts) {
+            const float v = col[k * ASTR];
+            acc += v;
+            amax = fmaxf(amax, fabsf(v));
+        }
         s.red[t] = acc;
-        __syncthreads();  // partial sums visible
+        float eps_row = eps;  // eps f^2 for a row scaled by f (project_math.cuh)
+        // Partial sums visible, and whether any row of the block may pass 2^40 (this
+        // thread's part of it does). Then, block-uniform and rare: each thread finds its
+        // row's largest magnitude, and a row past 2^40 is scaled in place, its sums again.
+        if (__syncthreads_or(ln_row_is_huge(amax))) {
+            float row_max = 0.f;
+            for (int k = 0; k < D; ++k) row_max = fmaxf(row_max, fabsf(col[k * ASTR]));
+            __syncthreads();  // every row read whole before any is scaled
+            if (ln_row_is_huge(row_max)) {
+                const float f = ln_row_scale(row_max);
+                eps_row = ln_scaled_eps(eps, f);
+                acc = 0.f;
+                for (int k = part; k < D; k += parts) {
+                    const float v = col[k * ASTR] * f;
+                    col[k * ASTR] = v;
+                    acc += v;
+                }
+                s.red[t] = acc;
+            }
+            __syncthreads();  // scaled rows and their partial sums visible
+        }
         float tot = 0.f;
         for (int p = 0; p < parts; ++p) tot += s.red[p * BM + ml];
         const float mu = tot / D;
@@ -277,7 +301,7 @@ ln_qkvg_project_ffma_fp32(const float* __restrict__ x, i64 sb, i64 si, i64 sj, i
         __syncthreads();  // partial sums visible
         tot = 0.f;
         for (int p = 0; p < parts; ++p) tot += s.red[p * BM + ml];
-        const float rstd = inverse_sqrt(tot / D + eps);  // biased variance, as torch.nn.LayerNorm
+        const float rstd = inverse_sqrt(tot / D + eps_row);  // biased variance, as torch.nn.LayerNorm
         // gamma[k], beta[k]: one address per warp, a broadcast load; unrolled, so that
         // the loads of several trips are in flight together (one at a time, their
         // latency was 8% of the kernel's stall samples).

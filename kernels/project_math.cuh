@@ -56,6 +56,31 @@ __device__ __forceinline__ float inverse_sqrt(float x) {
 #endif
 }
 
+// LayerNorm's range. In fp32 the row's sum overflows from |x| ~ 3e36 and its squared
+// deviations from |x| ~ 1e18 (D = 128). LayerNorm is unchanged by x -> x f when eps becomes
+// eps f^2, so a row whose largest magnitude passes 2^40 is first multiplied by a power of
+// two f that brings it into [1, 2) (exact, as reference.layer_norm divides). Other rows
+// skip this: their arithmetic, and so their bits, are the plain formula's. A row holding
+// inf or NaN is left alone (its result is NaN, as the reference's).
+#define LN_RESCALE_ABOVE 1099511627776.f  // 2^40
+
+__device__ __forceinline__ bool ln_row_is_huge(float amax) {
+    return amax > LN_RESCALE_ABOVE && amax <= 3.402823466e38f;  // finite
+}
+
+// f = 2^-floor(log2 amax), at least 2^-126 so that f stays normal under -ftz (amax >= 2^127
+// then lands in [2, 4)): built from amax's exponent bits, no rounding anywhere.
+__device__ __forceinline__ float ln_row_scale(float amax) {
+    const int biased = (__float_as_int(amax) >> 23) & 0xff;
+    return __int_as_float(max(254 - biased, 1) << 23);
+}
+
+// eps f^2, kept at least the smallest normal float when eps > 0, so that a constant huge
+// row gives 0 * finite (beta), not 0 * inf.
+__device__ __forceinline__ float ln_scaled_eps(float eps, float f) {
+    return eps > 0.f ? fmaxf(eps * f * f, 1.17549435e-38f) : eps;
+}
+
 // The pair bias as fp16 bits (the bf16 and wgmma attentions hold it so): fp16 has TF32's
 // 10-bit mantissa at half the bytes of a bias tile; finite values beyond fp16's range
 // saturate to +-65504 (2^-65504 is 0 in any softmax), -inf and NaN stay.

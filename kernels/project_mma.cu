@@ -660,14 +660,30 @@ LN_QKVG_ENTRY(const float* __restrict__ x, i64 sb, i64 si, i64 sj, i64 sc, int x
     const int part = t % 2;
     {
         float* const row = s.As + (t / 2) * astr;
-        float acc = 0.f;
+        float acc = 0.f, amax = 0.f;
         for (int c0 = 16 * part; c0 < D; c0 += 32)
 #pragma unroll
             for (int q = 0; q < 4; ++q)
                 if (c0 + 4 * q < D) {
                     const float4 v = *reinterpret_cast<const float4*>(row + c0 + 4 * q);
                     acc += (v.x + v.y) + (v.z + v.w);
+                    amax = fmaxf(amax, fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w))));
                 }
+        amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
+        float eps_row = eps;  // eps f^2 for a row scaled by f (project_math.cuh)
+        if (ln_row_is_huge(amax)) {  // a row past 2^40 (both its threads): scaled, summed again
+            const float f = ln_row_scale(amax);
+            eps_row = ln_scaled_eps(eps, f);
+            acc = 0.f;
+            for (int c0 = 16 * part; c0 < D; c0 += 32)
+                for (int q = 0; q < 4; ++q)
+                    if (c0 + 4 * q < D) {
+                        float4* const p = reinterpret_cast<float4*>(row + c0 + 4 * q);
+                        const float4 w = *p, v = make_float4(w.x * f, w.y * f, w.z * f, w.w * f);
+                        *p = v;
+                        acc += (v.x + v.y) + (v.z + v.w);
+                    }
+        }
         const float mu = (acc + __shfl_xor_sync(0xffffffffu, acc, 1)) / D;
         acc = 0.f;
         for (int c0 = 16 * part; c0 < D; c0 += 32)
@@ -683,11 +699,24 @@ LN_QKVG_ENTRY(const float* __restrict__ x, i64 sb, i64 si, i64 sj, i64 sc, int x
     const int part = 0;
     if (t < BM) {
         float* const row = s.As + t * astr;
-        float acc = 0.f;
+        float acc = 0.f, amax = 0.f;
 #pragma unroll 8
         for (int k = 0; k < D; k += 4) {
             const float4 v = *reinterpret_cast<const float4*>(row + k);
             acc += (v.x + v.y) + (v.z + v.w);
+            amax = fmaxf(amax, fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w))));
+        }
+        float eps_row = eps;  // eps f^2 for a row scaled by f (project_math.cuh)
+        if (ln_row_is_huge(amax)) {  // a row past 2^40: scaled in place, its sum again
+            const float f = ln_row_scale(amax);
+            eps_row = ln_scaled_eps(eps, f);
+            acc = 0.f;
+            for (int k = 0; k < D; k += 4) {
+                const float4 w = *reinterpret_cast<const float4*>(row + k);
+                const float4 v = make_float4(w.x * f, w.y * f, w.z * f, w.w * f);
+                *reinterpret_cast<float4*>(row + k) = v;
+                acc += (v.x + v.y) + (v.z + v.w);
+            }
         }
         const float mu = acc / D;
         acc = 0.f;
@@ -698,7 +727,7 @@ LN_QKVG_ENTRY(const float* __restrict__ x, i64 sb, i64 si, i64 sj, i64 sc, int x
             acc = fmaf(dx, dx, fmaf(dy, dy, fmaf(dz, dz, fmaf(dw, dw, acc))));
         }
 #endif
-        const float rstd = inverse_sqrt(acc / D + eps);  // biased variance, as torch.nn.LayerNorm
+        const float rstd = inverse_sqrt(acc / D + eps_row);  // biased variance, as torch.nn.LayerNorm
 #if F16_TERMS
         // Each 16-wide chunk's 64 bytes in place: its 16 values (zero past D) times a_scale
         // as fp16 hi pairs, then lo pairs (F16_TERMS 3).

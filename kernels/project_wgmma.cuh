@@ -179,11 +179,33 @@ __device__ __forceinline__ void row_moments(const float* raw, int r, int p, floa
     const float4* const row = reinterpret_cast<const float4*>(raw + r * PD);
 #pragma unroll
     for (int k = 0; k < PD / 32; ++k) v[k] = row[row_piece(r, p, k)];
-    float sum = 0.f;
+    float sum = 0.f, amax = 0.f;
 #pragma unroll
-    for (int k = 0; k < PD / 32; ++k) sum += (v[k].x + v[k].y) + (v[k].z + v[k].w);
+    for (int k = 0; k < PD / 32; ++k) {
+        sum += (v[k].x + v[k].y) + (v[k].z + v[k].w);
+        amax = fmaxf(amax, fmaxf(fmaxf(fabsf(v[k].x), fabsf(v[k].y)), fmaxf(fabsf(v[k].z), fabsf(v[k].w))));
+    }
 #pragma unroll
-    for (int lanes = 1; lanes < PARTS; lanes <<= 1) sum += __shfl_xor_sync(0xffffffffu, sum, lanes);
+    for (int lanes = 1; lanes < PARTS; lanes <<= 1) {
+        sum += __shfl_xor_sync(0xffffffffu, sum, lanes);
+        amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, lanes));
+    }
+    // A row past 2^40 (project_math.cuh, LayerNorm's range): v scaled by f, the sum again.
+    // Warp-uniform, so the shuffles see every lane; the warp's other rows take f = 1 (v
+    // and the sum as they were, bit for bit).
+    if (__any_sync(0xffffffffu, ln_row_is_huge(amax))) {
+        const bool huge = ln_row_is_huge(amax);
+        const float f = huge ? ln_row_scale(amax) : 1.f;
+        if (huge) eps = ln_scaled_eps(eps, f);
+        sum = 0.f;
+#pragma unroll
+        for (int k = 0; k < PD / 32; ++k) {
+            v[k] = make_float4(v[k].x * f, v[k].y * f, v[k].z * f, v[k].w * f);
+            sum += (v[k].x + v[k].y) + (v[k].z + v[k].w);
+        }
+#pragma unroll
+        for (int lanes = 1; lanes < PARTS; lanes <<= 1) sum += __shfl_xor_sync(0xffffffffu, sum, lanes);
+    }
     mu = sum / PD;
     float sq = 0.f;
 #pragma unroll
