@@ -18,7 +18,8 @@ import contextlib
 
 import numpy as np
 
-from .._checks import check_fully_masked, check_mask_dtype, check_mask_shape, pair_geometry
+from .._checks import check_fully_masked, check_mask_dtype, pair_geometry
+from ..conventions import mask_as_square
 from . import checks, layouts
 from .checks import _cupy, as_device_array
 from .device_weights import DeviceWeights
@@ -37,7 +38,8 @@ class Forward:
     def __init__(self, dw: DeviceWeights, pair, mask, fully_masked: str, out,
                  precision: str = "fp32",
                  attention: "routes.AttentionLaunch | None" = None,
-                 route: "routes.Route | str | None" = None):
+                 route: "routes.Route | str | None" = None,
+                 conventions: tuple[str, str] = ("pair", "starting")):
         cupy = _cupy()
         check_fully_masked(fully_masked)
         checks.check_precision(precision)
@@ -46,10 +48,14 @@ class Forward:
             raise TypeError(f"pair must be float32; got {pair.dtype} (convert with "
                             f"pair.astype(cupy.float32))")
         B, N, batched = pair_geometry(pair.shape, dw.pair_dim)
+        mask_layout, node = conventions
         if mask is not None:
             mask = as_device_array(mask, "mask", dw.device_id)
             check_mask_dtype(mask.dtype)
-            check_mask_shape(mask.shape, B, N, batched)
+            mask = mask_as_square(mask, B, N, batched, mask_layout)  # [B, N, N], a view
+            if not batched:
+                mask = mask[0]  # (N, N), as the plan reads an unbatched pair's mask
+        _refuse_unsupported(mask_layout if mask is not None else "pair", node)
         if out is not None:
             out = as_device_array(out, "out", dw.device_id)
             if out.shape != pair.shape or out.dtype != np.float32 or not out.flags.c_contiguous:
@@ -209,6 +215,17 @@ class Forward:
         # Scratch back to the pool now, not at GC (the pool reuses it in stream order).
         self._scratch = self._pointers = None
         return out
+
+
+def _refuse_unsupported(mask_layout: str, node: str):
+    """A ValueError for the conventions the GPU kernels do not compute (a row mask; the
+    ending nodes), rather than a result computed in the pair layout at the starting node."""
+    if mask_layout != "pair" or node != "starting":
+        raise ValueError(
+            f"mask_layout={mask_layout!r}, node={node!r} is not computed on the GPU; the "
+            f"GPU computes mask_layout 'pair' (or no mask) at node 'starting'. Use the NumPy "
+            f"backend (triattn_cupy.reference.triangle_attention, or triattn-infer --device "
+            f"cpu) for these weights' conventions")
 
 
 def _aligned_rows(cupy, pair):
