@@ -61,6 +61,23 @@ def test_compiles_without_spills(config, arch):
         assert usage["stack"] <= allowed, (entry, usage)
 
 
+# The ending node's out projections (OUT_TRANSPOSED: rows to the caller's layout), one
+# configuration per kernel file: the feature is the same store in each.
+@pytest.mark.parametrize("config,arch", [(c, a) for a in gpu.compile.CHECK_ARCHS
+                                         for c in gpu.routes.transposed_out_configs(a)],
+                         ids=lambda x: x if isinstance(x, str) else
+                         x.filename + ":" + ",".join(f"{k}={v}" for k, v in x.defines))
+def test_transposed_output_compiles_without_spills(config, arch):
+    log = gpu.compile.compile_offline(config.filename, config.defines, config.arch or arch)
+    report = gpu.compile.ptxas_report(log)
+    assert any(entry.startswith("gated_out_project") for entry in report), log
+    assert "C7513" not in log and "C7519" not in log, log
+    allowed = _allowed_spill_bytes(config, arch)
+    for entry, usage in report.items():
+        assert usage["spill_stores"] <= allowed and usage["spill_loads"] <= allowed, (entry, usage)
+        assert usage["stack"] <= allowed, (entry, usage)
+
+
 # project_mma.cu's LN_SPLIT (LayerNorm 2 threads per row, off until measured on a GPU):
 # compiled here so that the switch stays buildable, for the 128-row blocks it changes.
 @pytest.mark.parametrize("config", [c for c in gpu.routes.all_configs("sm_90")

@@ -56,6 +56,13 @@ class Forward:
             if not batched:
                 mask = mask[0]  # (N, N), as the plan reads an unbatched pair's mask
         _refuse_unsupported(mask_layout if mask is not None else "pair", node)
+        if node == "ending":
+            # The block on the transposed pair and mask, read in place (strided views:
+            # x[b, i, j] = pair[b, j, i]); the out projection writes each row back to the
+            # caller's layout (Plan.out_transposed), so `out` is shaped and laid out as pair.
+            pair = pair.swapaxes(-2, -3)
+            if mask is not None:
+                mask = mask.swapaxes(-1, -2)
         if out is not None:
             out = as_device_array(out, "out", dw.device_id)
             if out.shape != pair.shape or out.dtype != np.float32 or not out.flags.c_contiguous:
@@ -69,7 +76,8 @@ class Forward:
         self._out_target = None
         if out is not None and out.data.ptr % 16:
             self._out_target, out = out, None
-        key = plan_key(pair, mask, precision, fully_masked == "nan", route)
+        key = plan_key(pair, mask, precision, fully_masked == "nan", route,
+                       out_transposed=node == "ending")
         # Whether calls must switch to the weights' device (each look-up of the current
         # device costs ~0.7 µs of host time before the first kernel: done once here)
         self.dw, self._switch = dw, cupy.cuda.runtime.getDevice() != dw.device_id
@@ -218,12 +226,14 @@ class Forward:
 
 
 def _refuse_unsupported(mask_layout: str, node: str):
-    """A ValueError for the conventions the GPU kernels do not compute (a row mask; the
-    ending nodes), rather than a result computed in the pair layout at the starting node."""
-    if mask_layout != "pair" or node != "starting":
+    """A ValueError for the conventions the GPU kernels do not compute (a row mask;
+    ending_af3, whose pair bias comes from the untransposed pair), rather than a result
+    computed otherwise."""
+    if mask_layout != "pair" or node == "ending_af3":
         raise ValueError(
             f"mask_layout={mask_layout!r}, node={node!r} is not computed on the GPU; the "
-            f"GPU computes mask_layout 'pair' (or no mask) at node 'starting'. Use the NumPy "
+            f"GPU computes mask_layout 'pair' (or no mask) at nodes 'starting' and "
+            f"'ending'. Use the NumPy "
             f"backend (triattn_cupy.reference.triangle_attention, or triattn-infer --device "
             f"cpu) for these weights' conventions")
 

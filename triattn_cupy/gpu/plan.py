@@ -47,7 +47,7 @@ class Plan:
     def __init__(self, dw: DeviceWeights, shape, strides, aligned: bool, mask_meta,
                  precision: str, nan_fully_masked: bool,
                  attention: "routes.AttentionLaunch | None" = None,
-                 route: "routes.Route | str | None" = None):
+                 route: "routes.Route | str | None" = None, out_transposed: bool = False):
         B, N, _ = pair_geometry(shape, dw.pair_dim)
         D, H, d = dw.pair_dim, dw.num_heads, dw.head_dim
         self._qkv_scales = dw.qkv_scales
@@ -121,6 +121,9 @@ class Plan:
                                      key_extent=Call("extent")))
             self.extent_offset = self.scratch_bytes
             self.scratch_bytes += 4 * B
+        # The ending node: the out projection writes row (b, i, j) of the transposed pair
+        # to the caller's row (b, j, i) (OUT_TRANSPOSED; its kernels take N last)
+        self.out_transposed = out_transposed
         self.tiles = r.out_project == "tiles"
         self.project_tiles = r.project == "tiles"
         if self.project_tiles:
@@ -149,8 +152,13 @@ class Plan:
         else:
             signature = GATED_OUT_PROJECT + (Signature("f32 w_unscale") if self.project_f16
                                              else Signature())
+            config = routes.project_config(out_rows, r.out_project, D, layout, r.products)
+            transposed = {}
+            if out_transposed:
+                config = routes.out_transposed(config)
+                signature, transposed = signature + Signature("i32 N"), dict(N=N)
             self.out_project = Launch(
-                routes.project_config(out_rows, r.out_project, D, layout, r.products),
+                config,
                 f"gated_out_project_{r.out_project}_{r.products}", -(-M // out_rows),
                 tiles.PROJECT_THREADS,
                 tiles.project_smem_bytes(D, out_rows, self.project_mma),
@@ -158,7 +166,7 @@ class Plan:
                     qkvg=Call("qkvg"), M=M, D=D,
                     W=dw.projection_weight("out", self.weight_layout, self.scales).data.ptr,
                     b_out=dw.b_out.data.ptr, out=Call("out"),
-                    **self._f16_projection_args(dw, out=True)))
+                    **self._f16_projection_args(dw, out=True), **transposed))
         self.nan_fully_masked = nan_fully_masked
 
 
@@ -191,16 +199,21 @@ class Plan:
         """gated_out_project_wgmma: one block per SM over the tiles of 64 rows, Wo resident."""
         n_tiles = -(-self.M // tiles.TILES_ROWS)
         split = tiles.project_tiles_split(self.layout)
+        config, signature, transposed = (routes.project_tiles_config(self.layout),
+                                         GATED_OUT_PROJECT_TILES, {})
+        if self.out_transposed:  # (the ending node: OUT_TRANSPOSED, N last)
+            config = routes.out_transposed(config)
+            signature, transposed = signature + Signature("i32 N"), dict(N=self.N)
         return Launch(
-            routes.project_tiles_config(self.layout),
+            config,
             "gated_out_project_wgmma_" + ("f16x3" if split else "f16"),
             min(n_tiles, dw.sm_count), tiles.TILES_THREADS,
             tiles.project_tiles_smem_bytes(self.layout, out=True),
-            GATED_OUT_PROJECT_TILES.bind(
+            signature.bind(
                 qkvg=Call("qkvg"), M=self.M,
                 wo_image=dw.tile_weight_image("out", split=split).data.ptr,
                 b_out=dw.b_out.data.ptr, out=Call("out"),
-                **self._f16_projection_args(dw, out=True)))
+                **self._f16_projection_args(dw, out=True), **transposed))
 
     def _f16_projection_args(self, dw: DeviceWeights, out: bool = False) -> dict:
         """The fp16 products' last arguments of ln_qkvg_project, a_scale and unscale (or
@@ -260,19 +273,24 @@ class Plan:
         return "tf32 chunks"
 
 
-def plan_key(pair, mask, precision: str, nan_fully_masked: bool, route=None):
+def plan_key(pair, mask, precision: str, nan_fully_masked: bool, route=None,
+             out_transposed: bool = False):
     """The key of DeviceWeights.plans: what a Plan depends on, as the arrays give it
-    (byte strides; the mask's dtype and byte strides), cheap to build at every call."""
-    return (pair.shape, pair.strides, pair.data.ptr % 16 == 0,
-            None if mask is None else (mask.dtype, mask.strides), precision, nan_fully_masked,
-            route)
+    (byte strides; the mask's dtype and byte strides), cheap to build at every call.
+    `out_transposed` (the ending node) only where set, so that the starting node's keys
+    are those of the trees before it."""
+    key = (pair.shape, pair.strides, pair.data.ptr % 16 == 0,
+           None if mask is None else (mask.dtype, mask.strides), precision, nan_fully_masked,
+           route)
+    return key + (True,) if out_transposed else key
 
 
 def make_plan(dw: "DeviceWeights", key, attention: "routes.AttentionLaunch | None" = None):
     """The Plan of a plan_key (pair strides in elements, the mask's meta)."""
-    shape, strides, aligned, mask_key, precision, nan_fully_masked, route = key
+    shape, strides, aligned, mask_key, precision, nan_fully_masked, route, *transposed = key
     return Plan(dw, shape, tuple(s // 4 for s in strides), aligned, _mask_meta(mask_key),
-                precision, nan_fully_masked, attention, route)
+                precision, nan_fully_masked, attention, route,
+                out_transposed=bool(transposed and transposed[0]))
 
 
 def _mask_meta(mask_key):

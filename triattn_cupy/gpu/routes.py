@@ -43,7 +43,8 @@ from .tiles import (ATTENTION_MMA_THREADS, ATTENTION_THREADS, MAX_PAIR_DIM, MMA_
                     WGMMA_VARIANTS, MmaTiles, WgmmaTiles, attention_mma_head_dims,
                     attention_mma_smem_bytes, attention_mma_tiles, attention_smem_bytes,
                     attention_tiles, attention_wgmma_smem_bytes, attention_wgmma_tiles,
-                    project_pad, project_rows, project_tiles_smem_bytes, project_tiles_split,
+                    out_project_rows, project_pad, project_rows, project_tiles_smem_bytes,
+                    project_tiles_split,
                     project_weight_stages)
 
 WGMMA_ARCH = "sm_90a"  # wgmma exists only on compute capability 9.0, in this target
@@ -111,6 +112,32 @@ def project_tiles_config(layout: Layout) -> KernelConfig:
     features = tuple(d for d in layout.defines() if d[0] in ("TILES_BF16", "SLOT_ROWS"))
     return KernelConfig("project_wgmma.cu", features + (("PAIR_DIM", TILES_PAIR_DIM),),
                         WGMMA_ARCH)
+
+
+def out_transposed(config: KernelConfig) -> KernelConfig:
+    """An out projection's `config` with OUT_TRANSPOSED, for the ending node: each row goes
+    to the caller's layout (common.cuh caller_row); its kernels then take N last."""
+    return KernelConfig(config.filename, config.defines + (("OUT_TRANSPOSED", 1),),
+                        config.arch)
+
+
+def transposed_out_configs(arch: str | None = None):
+    """One out projection configuration per kernel file with OUT_TRANSPOSED (what the
+    ending node adds to all_configs' kernels; the feature is the same store in each)."""
+    capabilities = (80, 90) if arch is None else (int(arch.removeprefix("sm_")),)
+    D = 128
+    configs = [out_transposed(project_config(out_project_rows(), engine, D, layout,
+                                             products))
+               for engine, layout, products in (("ffma", layouts.ROWS_FP32, "fp32"),
+                                                ("mma", layouts.ROWS_FP32, "f16x3"),
+                                                ("mma", layouts.ROWS_TF32, "tf32"),
+                                                ("mma", layouts.ROWS_BF16, "tf32"))]
+    if 90 in capabilities:
+        configs += [out_transposed(project_config(out_project_rows(), "mma", D,
+                                                  layouts.TILES_F16, "f16"))]
+        configs += [out_transposed(project_tiles_config(layout))
+                    for layout in (layouts.TILES_F16, layouts.TILES_F16_HILO)]
+    return configs
 
 
 def project_tiles_fit(layout: Layout, pair_dim: int, smem_limit: int = SMEM_LIMIT) -> bool:
