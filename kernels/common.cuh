@@ -91,6 +91,14 @@ __device__ __forceinline__ i64 caller_row(i64 m, int N) {
 }
 #endif
 
+// ROW_MASK (the row mask layout; the attention kernels' feature, off by default): key k is
+// masked for every query of row (b, i) where bit k % 32 of row_mask[(b N + i) (npk / 32) +
+// k / 32] is 0 (row_mask.cu packs them); the kernels set such scores to -inf before the
+// row maximum, as a masked bias entry would be. They then take row_mask last.
+#ifndef ROW_MASK
+#define ROW_MASK 0
+#endif
+
 struct AttentionBlock {
     int qtile, i0, head, b;
 };

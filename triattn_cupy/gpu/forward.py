@@ -3,14 +3,18 @@ geometry looked up (made on first use), scratch allocated, the stages launched.
 
 Stages (one launch each; the kernels of each route: gpu/routes.py):
   project    LayerNorm + q/k/v/gate + pair bias with the mask folded in (the mask read in
-             place, in its own dtype and strides), written in the route's layout
+             place, in its own dtype and strides), written in the route's layout; the row
+             mask layout folds no mask in
+  row mask   the row mask layout: its key bits per row (b, i) (row_mask.cu)
   extent     masked forwards from N = 512: each batch's last kept key (key_extent.cu)
   attention  flash-style softmax attention, o written over q
   out        (g * o) Wo^T + bo
 Scratch: qkvg rows (4D, 2D or D words by layout), the bias (fp32 or fp16; tiles for the
-tiled layouts), the K and V^T tiles and the key extent, one allocation from CuPy's memory
+tiled layouts), the K and V^T tiles, the key extent and the row mask's bits, one allocation from CuPy's memory
 pool per call. Everything a call launches besides its pointers is worked out once per
 module and input geometry (Plan): at small sizes the caller waits on host time.
+The ending node runs on the transposed pair and mask, read in place as strided views; the
+out projection writes each row back to the caller's layout (OUT_TRANSPOSED).
 """
 from __future__ import annotations
 
@@ -55,7 +59,7 @@ class Forward:
             mask = mask_as_square(mask, B, N, batched, mask_layout)  # [B, N, N], a view
             if not batched:
                 mask = mask[0]  # (N, N), as the plan reads an unbatched pair's mask
-        _refuse_unsupported(mask_layout if mask is not None else "pair", node)
+        _refuse_unsupported(node)
         if node == "ending":
             # The block on the transposed pair and mask, read in place (strided views:
             # x[b, i, j] = pair[b, j, i]); the out projection writes each row back to the
@@ -77,7 +81,8 @@ class Forward:
         if out is not None and out.data.ptr % 16:
             self._out_target, out = out, None
         key = plan_key(pair, mask, precision, fully_masked == "nan", route,
-                       out_transposed=node == "ending")
+                       out_transposed=node == "ending",
+                       row_mask=mask is not None and mask_layout == "row")
         # Whether calls must switch to the weights' device (each look-up of the current
         # device costs ~0.7 µs of host time before the first kernel: done once here)
         self.dw, self._switch = dw, cupy.cuda.runtime.getDevice() != dw.device_id
@@ -103,6 +108,8 @@ class Forward:
                           "vt": (scratch + plan.qkvg_bytes + plan.bias_bytes
                                  if plan.vt_bytes else 0),
                           "extent": scratch + plan.extent_offset if plan.key_extent else 0,
+                          "row_mask": (scratch + plan.row_mask_offset
+                                       if plan.row_mask is not None else 0),
                           "out": None if out is None else out.data.ptr}
 
     # The geometry, as the plan has it
@@ -189,6 +196,7 @@ class Forward:
         the same scratch): it must read k and v in the form this forward's projection
         stores them."""
         with self._on_device():
+            self._pack_row_mask()
             self._find_key_extent()
             if launch is None:
                 self.plan.attention(self._pointers)
@@ -204,6 +212,10 @@ class Forward:
         return [("layernorm+projections", self.project),
                 ("attention", self.attention), ("gate+out_proj", self.out_project)]
 
+    def _pack_row_mask(self):
+        if self.plan.row_mask is not None:  # the row layout's key bits (row_mask.cu)
+            self.plan.row_mask(self._pointers)
+
     def _find_key_extent(self):
         if self.plan.key_extent is not None:
             cupy = _cupy()
@@ -216,6 +228,7 @@ class Forward:
             self._zero_bias()
             self.plan.project(self._pointers)
             self._take_out_memory()
+            self._pack_row_mask()
             self._find_key_extent()
             self.plan.attention(self._pointers)
             self.plan.out_project(self._pointers)
@@ -225,17 +238,15 @@ class Forward:
         return out
 
 
-def _refuse_unsupported(mask_layout: str, node: str):
-    """A ValueError for the conventions the GPU kernels do not compute (a row mask;
-    ending_af3, whose pair bias comes from the untransposed pair), rather than a result
-    computed otherwise."""
-    if mask_layout != "pair" or node == "ending_af3":
+def _refuse_unsupported(node: str):
+    """A ValueError for the node the GPU kernels do not compute, ending_af3 (its pair bias
+    from the untransposed pair), rather than a result computed otherwise."""
+    if node == "ending_af3":
         raise ValueError(
-            f"mask_layout={mask_layout!r}, node={node!r} is not computed on the GPU; the "
-            f"GPU computes mask_layout 'pair' (or no mask) at nodes 'starting' and "
-            f"'ending'. Use the NumPy "
-            f"backend (triattn_cupy.reference.triangle_attention, or triattn-infer --device "
-            f"cpu) for these weights' conventions")
+            "node='ending_af3' (the pair bias of the untransposed pair, as AlphaFold3) is "
+            "not computed on the GPU, which computes the nodes 'starting' and 'ending'. Use "
+            "the NumPy backend (triattn_cupy.reference.triangle_attention, or triattn-infer "
+            "--device cpu) for these weights")
 
 
 def _aligned_rows(cupy, pair):

@@ -156,6 +156,48 @@ def key_extent_config() -> KernelConfig:
     return KernelConfig("key_extent.cu", ())
 
 
+ROW_MASK_THREADS = 256  # row_mask.cu THREADS
+
+
+def row_mask_config() -> KernelConfig:
+    """row_mask_pack: the row mask's key bits, for the attention's ROW_MASK."""
+    return KernelConfig("row_mask.cu", ())
+
+
+def row_masked(config: KernelConfig) -> KernelConfig:
+    """An attention kernel's `config` with ROW_MASK (the row mask layout: key bits per row
+    (b, i), common.cuh); its kernels then take the bits' pointer last. The wgmma
+    attentions with fp32 S (bf16, f16) at 3 blocks per SM take 2 (their 80 registers
+    spilled 24-32 bytes with the mask's words and pointer)."""
+    defines = dict(config.defines)
+    if (config.filename == "attention_wgmma.cu" and not defines.get("S16")
+            and not defines.get("F16X3") and defines.get("MIN_BLOCKS") == 3):
+        defines["MIN_BLOCKS"] = 2
+    return KernelConfig(config.filename, tuple(defines.items()) + (("ROW_MASK", 1),),
+                        config.arch)
+
+
+def row_masked_configs(arch: str | None = None, every: bool = False):
+    """row_mask_pack and the attention configurations of all_configs with ROW_MASK: each
+    variant's (kernel file and arithmetic) smallest and largest head dim, or `every` one."""
+    attention = [c for c in all_configs(arch) if c.filename.startswith("attention_")]
+    if not every:
+        variants: dict = {}
+        for c in attention:
+            defines = dict(c.defines)
+            shape = ("HEAD_DIM", "BQ", "BK", "MT", "ROWS", "STAGES", "MIN_BLOCKS", "PREFETCH",
+                     "PV_GROUPS")
+            variant = (c.filename, c.arch, tuple(sorted((k, v) for k, v in defines.items()
+                                                         if k not in shape)))
+            variants.setdefault(variant, []).append(c)
+        attention = {min(group, key=lambda c: dict(c.defines)["HEAD_DIM"])
+                     for group in variants.values()}
+        attention |= {max(group, key=lambda c: dict(c.defines)["HEAD_DIM"])
+                      for group in variants.values()}
+        attention = sorted(attention, key=lambda c: (c.filename, c.defines, c.arch))
+    return [row_mask_config()] + [row_masked(c) for c in attention]
+
+
 def key_extent_chunks(N: int) -> int:
     """Blocks per batch: ~16 mask elements per thread, at most 512 blocks (one atomic each)."""
     return max(1, min(512, -(-N * N // (16 * KEY_EXTENT_THREADS))))
