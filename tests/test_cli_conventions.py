@@ -56,3 +56,26 @@ def test_the_broadcast_mask_needs_the_row_layout(weights, tmp_path, rng):
     spec = tmp_path / "spec.h5"
     save_weights(weights, spec)
     assert cli(spec, tmp_path / "out", path) != 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("node", ["starting", "ending"])
+def test_gpu_backend_computes_the_weights_conventions(weights, tmp_path, rng, node):
+    from triattn_cupy import gpu_available, reference
+    from helpers import rel_l2
+
+    if not gpu_available():
+        pytest.skip("no CUDA GPU")
+    model = dataclasses.replace(weights, mask_layout="row", node=node)
+    path = tmp_path / "model.h5"
+    save_weights(model, path)
+    B, N = 2, 45
+    pair = make_pair(rng, B, N, N)
+    keep = _row_mask(rng, B, N)
+    src = tmp_path / "in"
+    src.mkdir()
+    np.savez(src / "x.npz", pair=pair, mask=keep.reshape(B, N, 1, 1, N))
+    assert cli(path, tmp_path / "out", src, device="gpu") == 0
+    got, attrs = read_output(tmp_path / "out" / "x.h5")
+    assert attrs["device"].startswith("GPU")
+    assert rel_l2(got, reference.triangle_attention(pair, keep, model)) < 1e-5
