@@ -453,6 +453,25 @@ ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int 
 #endif
                 }
         };
+#if ROW_MASK
+        // Keys masked for every query of this warp's row i: -inf in S, as a masked bias
+        // entry: on S's start (the bias) before the products accumulate onto it, where
+        // fewer registers are live than after them (TF32 and bf16); after add_bias for the
+        // split products, which start from zero. This lane's keys kc, kc + 1 (kc even: one
+        // word) are columns 2t, 2t + 1 of n-tile n.
+        auto mask_row_keys = [&]() {
+#pragma unroll
+            for (int n = 0; n < NT; ++n) {
+                const int kc = mask_k0 + 8 * n + 2 * t;
+                const unsigned bits = __ldg(keep_row + (kc >> 5)) >> (kc & 31);
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt) {
+                    if (!(bits & 1u)) s[mt][n][0] = s[mt][n][2] = neg_inf();
+                    if (!(bits & 2u)) s[mt][n][1] = s[mt][n][3] = neg_inf();
+                }
+            }
+        };
+#endif
 #if SPLIT
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt)
@@ -460,6 +479,9 @@ ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int 
             for (int n = 0; n < NT; ++n) s[mt][n][0] = s[mt][n][1] = s[mt][n][2] = s[mt][n][3] = 0.f;
 #else
         add_bias(false);
+#endif
+#if ROW_MASK && !SPLIT
+        mask_row_keys();
 #endif
 
         // This lane's ldmatrix rows in K and V (byte addresses; see opaque()).
@@ -560,19 +582,8 @@ ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int 
 #if SPLIT
         add_bias(true);
 #endif
-#if ROW_MASK
-        // Keys masked for every query of this warp's row i: -inf, as a masked bias entry.
-        // This lane's keys kc, kc + 1 (kc even: one word) are columns 2t, 2t + 1 of n-tile n.
-#pragma unroll
-        for (int n = 0; n < NT; ++n) {
-            const int kc = mask_k0 + 8 * n + 2 * t;
-            const unsigned bits = __ldg(keep_row + (kc >> 5)) >> (kc & 31);
-#pragma unroll
-            for (int mt = 0; mt < MT; ++mt) {
-                if (!(bits & 1u)) s[mt][n][0] = s[mt][n][2] = neg_inf();
-                if (!(bits & 2u)) s[mt][n][1] = s[mt][n][3] = neg_inf();
-            }
-        }
+#if ROW_MASK && SPLIT
+        mask_row_keys();
 #endif
 
         // ---- online softmax of rows j0 (r = 0: s[..][0..1]) and j1 (r = 1: s[..][2..3]) ----
