@@ -10,8 +10,8 @@ Stages (one launch each; the kernels of each route: gpu/routes.py):
   attention  flash-style softmax attention, o written over q
   out        (g * o) Wo^T + bo
 Scratch: qkvg rows (4D, 2D or D words by layout), the bias (fp32 or fp16; tiles for the
-tiled layouts), the K and V^T tiles, the key extent and the row mask's bits, one allocation from CuPy's memory
-pool per call. Everything a call launches besides its pointers is worked out once per
+tiled layouts), the K and V^T tiles, the key extent and the row mask's bits, one
+allocation from CuPy's memory pool per call. Everything a call launches besides its pointers is worked out once per
 module and input geometry (Plan): at small sizes the caller waits on host time.
 The ending node runs on the transposed pair and mask, read in place as strided views; the
 out projection writes each row back to the caller's layout (OUT_TRANSPOSED).
@@ -23,7 +23,7 @@ import contextlib
 import numpy as np
 
 from .._checks import check_fully_masked, check_mask_dtype, pair_geometry
-from ..conventions import mask_as_square
+from ..conventions import check_mask_shape
 from . import checks, layouts
 from .checks import _cupy, as_device_array
 from .device_weights import DeviceWeights
@@ -56,9 +56,10 @@ class Forward:
         if mask is not None:
             mask = as_device_array(mask, "mask", dw.device_id)
             check_mask_dtype(mask.dtype)
-            mask = mask_as_square(mask, B, N, batched, mask_layout)  # [B, N, N], a view
-            if not batched:
-                mask = mask[0]  # (N, N), as the plan reads an unbatched pair's mask
+            check_mask_shape(mask.shape, B, N, batched, mask_layout)
+            if mask.ndim != (3 if batched else 2):  # the models' (B, N, 1, 1, N) row mask,
+                # its unit axes dropped (a view)
+                mask = mask.reshape((B, N, N) if batched else (N, N))
         _refuse_unsupported(node)
         if node == "ending":
             # The block on the transposed pair and mask, read in place (strided views:
