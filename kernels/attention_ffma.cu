@@ -38,7 +38,11 @@
 
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
 attention_ffma_fp32(float* qkvg, const float* __restrict__ bias, int B, int N, int H, int npk,
-               int nan_fully_masked, const int* __restrict__ key_extent) {
+               int nan_fully_masked, const int* __restrict__ key_extent
+#if ROW_MASK
+               , const unsigned* __restrict__ row_mask  // [B N][npk / 32] key bits (common.cuh)
+#endif
+               ) {
     wait_for_previous_kernel();  // q, k, v, the bias and the key extent come from it
     allow_next_kernel();
     extern __shared__ float4 smem4[];
@@ -57,6 +61,9 @@ attention_ffma_fp32(float* qkvg, const float* __restrict__ bias, int B, int N, i
     float* row = qkvg + bi * N * ld + head * HEAD_DIM;  // + j*ld: position (b, i, j), head
     const float* bias_bh = bias + ((i64)b * H + head) * N * npk;
     const int keys = visited_keys(key_extent, b, N);
+#if ROW_MASK
+    const unsigned* const keep_row = row_mask + bi * (npk / 32);  // this row's key bits
+#endif
 
     // Query tile, transposed so that a thread's TM queries are TM/4 float4 loads.
     // Consecutive threads take consecutive queries: conflict-free transposed stores.
@@ -122,6 +129,22 @@ attention_ffma_fp32(float* qkvg, const float* __restrict__ bias, int B, int N, i
                 for (int e = 0; e < TN; ++e) s[r][e] = fmaf(a[r], kv[e], s[r][e]);
         }
 
+#if ROW_MASK
+        // Keys masked for every query of this row i: -inf, as a masked bias entry, before
+        // the bias is added (-inf + a finite bias stays -inf; here, not after the bias, one
+        // word live at a time: the words of the whole tile held through the bias loop
+        // pushed the 255-register kernels into spills). This thread's keys k0 + 32 u +
+        // 4 tx + e are bits 4 tx + e of word (k0 + 32 u) / 32 (BK a multiple of 32).
+#pragma unroll
+        for (int u = 0; u < TN / 4; ++u) {
+            const unsigned keep = __ldg(keep_row + (k0 >> 5) + u) >> (4 * tx);
+#pragma unroll
+            for (int e = 0; e < 4; ++e)
+                if (!((keep >> e) & 1u))
+#pragma unroll
+                    for (int r = 0; r < TM; ++r) s[r][4 * u + e] = neg_inf();
+        }
+#endif
         // + pair bias (shared by every row i; -inf where masked), then the online softmax.
 #pragma unroll
         for (int r = 0; r < TM; ++r) {

@@ -235,7 +235,11 @@ ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int 
 #if F16X3
       , float s_q, float s_k, float s_v
 #endif
-      , const int* __restrict__ key_extent) {
+      , const int* __restrict__ key_extent
+#if ROW_MASK
+      , const unsigned* __restrict__ row_mask  // [B N][npk / 32] key bits (common.cuh)
+#endif
+      ) {
     extern __shared__ float4 smem4[];
     char* const smem = reinterpret_cast<char*>(smem4);
     wait_for_previous_kernel();  // q, k, v and the bias come from it (common.cuh)
@@ -410,6 +414,11 @@ ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int 
         l[mt][0] = l[mt][1] = l[mt][2] = l[mt][3] = 0.f;
     }
 
+#if ROW_MASK
+    // Row rw's key bits (rows past N: row N - 1's, read and never written out)
+    const unsigned* const keep_row = row_mask + ((i64)b * N + min(i0 + rw, N - 1)) * (npk / 32);
+    int mask_k0 = 0;  // the key tile `process` works on, set before each call
+#endif
     // One key tile: S = bias + Q K^T, the online softmax, O += P V. `kv` is the stage (or
     // the staged buffer) holding the rows' K and V, `bias_tile` its bias tile.
     auto process = [&](const char* kv, const bias_elem* bias_tile_base) {
@@ -444,6 +453,25 @@ ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int 
 #endif
                 }
         };
+#if ROW_MASK
+        // Keys masked for every query of this warp's row i: -inf in S, as a masked bias
+        // entry: on S's start (the bias) before the products accumulate onto it, where
+        // fewer registers are live than after them (TF32 and bf16); after add_bias for the
+        // split products, which start from zero. This lane's keys kc, kc + 1 (kc even: one
+        // word) are columns 2t, 2t + 1 of n-tile n.
+        auto mask_row_keys = [&]() {
+#pragma unroll
+            for (int n = 0; n < NT; ++n) {
+                const int kc = mask_k0 + 8 * n + 2 * t;
+                const unsigned bits = __ldg(keep_row + (kc >> 5)) >> (kc & 31);
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt) {
+                    if (!(bits & 1u)) s[mt][n][0] = s[mt][n][2] = neg_inf();
+                    if (!(bits & 2u)) s[mt][n][1] = s[mt][n][3] = neg_inf();
+                }
+            }
+        };
+#endif
 #if SPLIT
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt)
@@ -451,6 +479,9 @@ ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int 
             for (int n = 0; n < NT; ++n) s[mt][n][0] = s[mt][n][1] = s[mt][n][2] = s[mt][n][3] = 0.f;
 #else
         add_bias(false);
+#endif
+#if ROW_MASK && !SPLIT
+        mask_row_keys();
 #endif
 
         // This lane's ldmatrix rows in K and V (byte addresses; see opaque()).
@@ -550,6 +581,9 @@ ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int 
 
 #if SPLIT
         add_bias(true);
+#endif
+#if ROW_MASK && SPLIT
+        mask_row_keys();
 #endif
 
         // ---- online softmax of rows j0 (r = 0: s[..][0..1]) and j1 (r = 1: s[..][2..3]) ----
@@ -834,6 +868,9 @@ ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int 
         // The stage freed by the last tile takes the tile STAGES - 1 ahead.
         issue(k0 + (STAGES - 1) * BK, stage == 0 ? STAGES - 1 : stage - 1);
         const char* const st = smem + stage * STAGE_BYTES;
+#if ROW_MASK
+        mask_k0 = k0;
+#endif
         process(st, reinterpret_cast<const bias_elem*>(st + ROWS * ROW_ELEMS * ELEM_BYTES));
         stage = stage == STAGES - 1 ? 0 : stage + 1;
     }
@@ -926,6 +963,9 @@ ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int 
         if (more) cp_async_wait<1>(); else cp_async_wait<0>();  // this tile's bias landed
         __syncthreads();  // K, V and bias tiles visible to every warp
         if (PREFETCH && more) fetch(k0 + BK);  // in flight while this tile is multiplied
+#if ROW_MASK
+        mask_k0 = k0;
+#endif
         process(smem, bias_tiles + (tile & 1) * BIAS_TILE);
     }
 #endif

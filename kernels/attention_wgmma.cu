@@ -236,7 +236,11 @@ ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int 
 #if F16
       , float qk_unscale, float v_unscale
 #endif
-      , const int* __restrict__ key_extent) {
+      , const int* __restrict__ key_extent
+#if ROW_MASK
+      , const unsigned* __restrict__ row_mask  // [B N][npk / 32] key bits (common.cuh)
+#endif
+      ) {
     extern __shared__ float4 smem4[];
     wait_for_previous_kernel();  // q, k, v, the bias and the key extent come from it
     allow_next_kernel();
@@ -263,6 +267,10 @@ ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int 
     const int wg = warp / 4, rw = ROWS == 1 && !F16X3 ? 0 : wg / ROW_GROUPS;
     const bool row_ok = i0 + rw < N;
     float* const row = row_base(rw);
+#if ROW_MASK
+    // Row rw's key bits (rows past N: row N - 1's, read and never written out)
+    const unsigned* const keep_row = row_mask + ((i64)b * N + min(i0 + rw, N - 1)) * (npk / 32);
+#endif
     const int q_in_tile = (wg % ROW_GROUPS) * 64 + (warp % 4) * 16;
     const int q0 = qtile * BQ + q_in_tile;
 
@@ -359,6 +367,36 @@ ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int 
     auto bias_pairs = [&](u32 (&r)[4], int stage, int j, int part) {
         ldsm_x4(r, ((bias_rows + stage * STAGE_BYTES) ^ (32 * j)) + part * BIAS_PART);
     };
+#if ROW_MASK
+    // Keys masked for every query of this warp's row i: -inf in S, as a masked bias entry
+    // (applied to S's start, the bias, before the products accumulate onto it: fewer
+    // registers live than after them, where the 80-register kernels spilled; F16X3: after
+    // add_bias). The tile's 64 keys are words mask_k0 / 32 and mask_k0 / 32 + 1 of the
+    // row's bits (mask_k0 a multiple of BK = 64, set before each tile); S's register 4n + e
+    // (S16: half e & 1 of register 2n + e / 2) holds key 8n + 2t + (e & 1).
+    int mask_k0 = 0;
+#if S16
+    auto mask_row_keys = [&](u32 (&s)[2 * NT]) {
+#else
+    auto mask_row_keys = [&](float (&s)[4 * NT]) {
+#endif
+        const unsigned w0 = __ldg(keep_row + (mask_k0 >> 5)), w1 = __ldg(keep_row + (mask_k0 >> 5) + 1);
+#pragma unroll
+        for (int n = 0; n < NT; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int kl = 8 * n + 2 * t + (e & 1);  // (n < NT / 2: in word w0)
+                if (!((((n < NT / 2) ? w0 : w1) >> (kl & 31)) & 1u)) {
+#if S16  // fp16 -inf (0xfc00)
+                    u32& w = s[2 * n + (e >> 1)];
+                    w = e & 1 ? (w & 0xffffu) | 0xfc000000u : (w & 0xffff0000u) | 0xfc00u;
+#else
+                    s[4 * n + e] = neg_inf();
+#endif
+                }
+            }
+    };
+#endif
 #if S16
     // S16: S = bias + Q K^T in fp16 accumulators (wgmma_m64n64k16_f16acc_ss), 16 registers
     // of pairs: s[2n] row g, s[2n + 1] row g + 8, columns 8n + 2t, + 1. The bias tile's
@@ -378,6 +416,9 @@ ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int 
             ldsm_x4(r, (bias_acc_rows + stage * STAGE_BYTES) ^ (32 * j));
             s[4 * j] = r[0], s[4 * j + 1] = r[1], s[4 * j + 2] = r[2], s[4 * j + 3] = r[3];
         }
+#if ROW_MASK
+        mask_row_keys(s);
+#endif
         const u64 k_desc = sw64_desc(smem_s + stage * STAGE_BYTES + rw * K_TILE);
         wgmma_fence();
 #pragma unroll
@@ -412,6 +453,9 @@ ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int 
                 s[8 * j + pair_slot(q)] = x.x, s[8 * j + pair_slot(q) + 1] = x.y;
             }
         }
+#if ROW_MASK
+        mask_row_keys(s);
+#endif
 #endif
 #if !F16X3  // Q from shared memory (Q_SHARED)
         const u64 k_desc = sw64_desc(smem_s + stage * STAGE_BYTES + rw * K_TILE);
@@ -719,12 +763,18 @@ ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int 
 #else
         float s[4 * NT];
 #endif
+#if ROW_MASK
+        mask_k0 = k0;
+#endif
         issue_s(s, stage);
         wgmma_wait<0>();
         pin(s);
         pin(o);
 #if F16X3
         add_bias(s, stage);
+#if ROW_MASK
+        mask_row_keys(s);
+#endif
 #endif
         if (k0 + BK > N) {  // keys past N: their K rows were never written (may be NaN)
 #pragma unroll

@@ -76,6 +76,29 @@ __device__ __forceinline__ int visited_keys(const int* __restrict__ key_extent, 
     return key_extent ? max(1, min(N, __ldg(key_extent + b))) : N;
 }
 
+// OUT_TRANSPOSED (the ending node; the out projections' feature, off by default): the
+// forward runs on the transposed pair, whose row m = (b N + i) N + j is the caller's row
+// (b N + j) N + i; the out projections write each row there, so the output lands in the
+// caller's layout without a copy. The kernels then take N as their last argument.
+#ifndef OUT_TRANSPOSED
+#define OUT_TRANSPOSED 0
+#endif
+#if OUT_TRANSPOSED
+__device__ __forceinline__ i64 caller_row(i64 m, int N) {
+    const i64 j = m % N, bi = m / N;  // m = bi N + j, bi = b N + i
+    const i64 i = bi % N, b = bi / N;
+    return (b * N + j) * N + i;
+}
+#endif
+
+// ROW_MASK (the row mask layout; the attention kernels' feature, off by default): key k is
+// masked for every query of row (b, i) where bit k % 32 of row_mask[(b N + i) (npk / 32) +
+// k / 32] is 0 (row_mask.cu packs them); the kernels set such scores to -inf before the
+// row maximum, as a masked bias entry would be. They then take row_mask last.
+#ifndef ROW_MASK
+#define ROW_MASK 0
+#endif
+
 struct AttentionBlock {
     int qtile, i0, head, b;
 };

@@ -606,3 +606,31 @@ __device__ __forceinline__ void store_out(Tile& acc, int n0, const float2 (&cb)[
     }
     store_pairs<false>(acc, block_out, col, packed, D, rows_here);
 }
+
+#if OUT_TRANSPOSED
+// store_out for the ending node: block row r (pair row m0 + r of the transposed pair) into
+// the caller's row caller_row(m0 + r, N) of out (common.cuh), a row's address each.
+__device__ __forceinline__ void store_out_transposed(Tile& acc, int n0, const float2 (&cb)[4],
+                                                     int D, float* out, i64 m0, int N,
+                                                     int rows_here) {
+    int col[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        const int n = pair_column(n0, j);
+        col[j] = n < D ? n : -1;
+        if (n < D) map_column(acc, j, cb[j], [](float2 v) { return v; });
+    }
+#pragma unroll
+    for (int s = 0; s < TROWS; ++s) {
+        const int r = thread_row(s);
+        if (r >= rows_here) continue;
+        float* const row = out + caller_row(m0 + r, N) * D;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            if (col[j] < 0) continue;
+            const float* const p = pair_at(acc, s, j);
+            st2(row + col[j], make_float2(p[0], p[1]));
+        }
+    }
+}
+#endif

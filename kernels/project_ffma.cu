@@ -348,7 +348,11 @@ ln_qkvg_project_ffma_fp32(const float* __restrict__ x, i64 sb, i64 si, i64 sj, i
 extern "C" __global__ void __launch_bounds__(THREADS, PROJECT_MIN_BLOCKS)
 gated_out_project_ffma_fp32(const float* __restrict__ qkvg, i64 M, int D,
                   const float* __restrict__ WT, const float* __restrict__ b_out,
-                  float* __restrict__ out) {
+                  float* __restrict__ out
+#if OUT_TRANSPOSED
+                  , int N  // the pair's N: rows go to caller_row (common.cuh)
+#endif
+                  ) {
     const int dpad = (D + BK - 1) / BK * BK;
     const SmemLayout s = smem_layout(dpad);
     const i64 m0 = (i64)blockIdx.x * BM, ld = 4LL * D;
@@ -366,9 +370,16 @@ gated_out_project_ffma_fp32(const float* __restrict__ qkvg, i64 M, int D,
 
     // 2. out = A Wo^T + bo.
     const int rows_here = (int)min((i64)BM, M - m0);
+#if OUT_TRANSPOSED
+    project_columns(s.As, WT, D, dpad, D, b_out, s.Ws,
+                    [&](Tile& acc, int n0, const float2 (&cb)[4]) {
+        store_out_transposed(acc, n0, cb, D, out, m0, N, rows_here);
+    });
+#else
     float* const block_out = out + m0 * D;
     project_columns(s.As, WT, D, dpad, D, b_out, s.Ws,
                     [&](Tile& acc, int n0, const float2 (&cb)[4]) {
         store_out(acc, n0, cb, D, block_out, rows_here);
     });
+#endif
 }

@@ -812,6 +812,9 @@ GATED_OUT_ENTRY(const float* __restrict__ qkvg, i64 M, int D,
 #if F16_TERMS
                   , float w_unscale  // 1 / Wo's scale (the block scales g o itself)
 #endif
+#if OUT_TRANSPOSED
+                  , int N  // the pair's N: rows go to caller_row (common.cuh)
+#endif
                   ) {
     const int dpad = (D + BK - 1) / BK * BK, astr = dpad + 4;
     const SmemLayout s = smem_layout(dpad);
@@ -833,10 +836,16 @@ GATED_OUT_ENTRY(const float* __restrict__ qkvg, i64 M, int D,
 
     // 2. out = A Wo^T + bo.
     const int rows_here = (int)min((i64)BM, M - m0);
+#if OUT_TRANSPOSED
+    auto store = [&](Tile& acc, int n0, const float2 (&cb)[4]) {
+        store_out_transposed(acc, n0, cb, D, out, m0, N, rows_here);
+    };
+#else
     float* const block_out = out + m0 * D;
     auto store = [&](Tile& acc, int n0, const float2 (&cb)[4]) {
         store_out(acc, n0, cb, D, block_out, rows_here);
     };
+#endif
 #if F16_TERMS
     // (w_unscale * a_unscale underflowed to 0 where a block's largest |g o| was below
     // ~2^-96, its own scale a past 2^110: every output of the block 0, relative error 1)

@@ -391,7 +391,11 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
 gated_out_project_wgmma_f16x3(const float* __restrict__ qkvg, i64 M,
                         const uint4* __restrict__ wo_image,  // 2 W_PART
                         const float* __restrict__ b_out, float* __restrict__ out,
-                        float w_unscale) {
+                        float w_unscale
+#if OUT_TRANSPOSED
+                        , int N  // the pair's N: rows go to caller_row (common.cuh)
+#endif
+                        ) {
     BLOCK_PROLOGUE();
     const i64 ntiles = (M + ROWS - 1) / ROWS;
     const u32 bar_w = smem_s + OFF_OBAR + 16, bar_in = smem_s + OFF_OBAR;
@@ -469,7 +473,11 @@ gated_out_project_wgmma_f16x3(const float* __restrict__ qkvg, i64 M,
         for (int h = 0; h < 2; ++h) {
             const int rr = 16 * w4 + g + 8 * h;
             if (rr >= rows_here) continue;
+#if OUT_TRANSPOSED  // the ending node: the caller's row (common.cuh)
+            float* const dst = out + caller_row(T * ROWS + rr, N) * PD + col0;
+#else
             float* const dst = out + (T * ROWS + rr) * PD + col0;
+#endif
 #pragma unroll
             for (int n = 0; n < 4; ++n) {
                 const int e = 4 * n + 2 * h;

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import weakref
 
+from .conventions import check_mask_layout, check_node
 from .cuda_setup import require_cuda
 from .gpu.checks import gpu_available
 from .gpu.device_weights import DeviceWeights
@@ -21,7 +22,13 @@ class TriangleAttention:
     pair:  float32, (B, N, N, D) or (N, N, D): a CuPy array, or any GPU array exposing
            ``__cuda_array_interface__`` or DLPack (a torch CUDA tensor), taken without a
            copy; any strides.
-    mask:  (B, N, N) or (N, N) of bool, int or float on the same GPU (0 = masked), or None.
+    mask:  (B, N, N) or (N, N) of bool, int or float on the same GPU (0 = masked), or None;
+           with mask_layout "row" also (B, N, 1, 1, N) / (N, 1, 1, N), the models' shape.
+    mask_layout, node: the conventions (triattn_cupy.conventions): mask_layout "pair"
+           (mask[b, j, k], the spec's) or "row" (mask[b, i, k], OpenFold's, Boltz's);
+           node "starting", "ending" (the transposed pair and mask read in place, the
+           output written in the caller's layout) or "ending_af3". None (default): the
+           weights' own (Weights.mask_layout, Weights.node), as the NumPy backend does.
     fully_masked: "zero" (default): a query whose keys are all masked gets a zero attention
            output, so ``out = out_proj.bias`` there; "nan": NaN there, as the reference.
     out:   optional C-contiguous float32 CuPy array shaped like pair to write into.
@@ -49,15 +56,22 @@ class TriangleAttention:
         return cls(load_weights(path), device=device)
 
     def __call__(self, pair, mask=None, *, fully_masked: str = "zero", out=None,
-                 precision: str = "fp32", route=None):
-        return Forward(self._dw, pair, mask, fully_masked, out, precision, route=route).run()
+                 precision: str = "fp32", route=None, mask_layout=None, node=None):
+        return Forward(self._dw, pair, mask, fully_masked, out, precision, route=route,
+                       conventions=self._conventions(mask_layout, node)).run()
 
     def stage_launchers(self, pair, mask=None, *, fully_masked: str = "zero", out=None,
-                        precision: str = "fp32", route=None):
+                        precision: str = "fp32", route=None, mask_layout=None, node=None):
         """[(stage name, callable)]: calling them in order performs one forward pass, for
         timing each stage. The result lands in `out` (allocated if None)."""
-        return Forward(self._dw, pair, mask, fully_masked, out, precision,
-                       route=route).stages()
+        return Forward(self._dw, pair, mask, fully_masked, out, precision, route=route,
+                       conventions=self._conventions(mask_layout, node)).stages()
+
+    def _conventions(self, mask_layout, node):
+        """(mask layout, node): the call's, else the weights' own."""
+        w = self.weights
+        return (check_mask_layout(w.mask_layout if mask_layout is None else mask_layout),
+                check_node(w.node if node is None else node))
 
     def __repr__(self):
         w = self.weights
@@ -70,7 +84,7 @@ _modules: "weakref.WeakKeyDictionary[Weights, dict]" = weakref.WeakKeyDictionary
 
 
 def triangle_attention(pair, mask, weights, *, fully_masked: str = "zero", out=None,
-                       precision: str = "fp32", route=None):
+                       precision: str = "fp32", route=None, mask_layout=None, node=None):
     """Functional form: ``triangle_attention(pair, mask, weights)``.
 
     `weights` is a `Weights` (uploaded to the pair's GPU once per object and cached) or a
@@ -78,7 +92,7 @@ def triangle_attention(pair, mask, weights, *, fully_masked: str = "zero", out=N
     """
     if isinstance(weights, TriangleAttention):
         return weights(pair, mask, fully_masked=fully_masked, out=out, precision=precision,
-                       route=route)
+                       route=route, mask_layout=mask_layout, node=node)
     if not isinstance(weights, Weights):
         raise TypeError(f"weights must be a triattn_cupy.Weights or TriangleAttention; got "
                         f"{type(weights).__name__}")
@@ -88,4 +102,5 @@ def triangle_attention(pair, mask, weights, *, fully_masked: str = "zero", out=N
     if device_id not in per_device:
         per_device[device_id] = TriangleAttention(weights, device=device_id)
     return per_device[device_id](pair, mask, fully_masked=fully_masked, out=out,
-                                 precision=precision, route=route)
+                                 precision=precision, route=route, mask_layout=mask_layout,
+                                 node=node)

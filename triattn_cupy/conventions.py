@@ -50,15 +50,23 @@ def check_node(node, arg: str = "node") -> str:
     return node
 
 
+def check_mask_shape(shape, B: int, N: int, batched: bool, mask_layout: str,
+                     arg: str = "mask") -> None:
+    """A ValueError naming `arg` unless `shape` is a mask's for the pair and the layout:
+    (B, N, N) ((N, N) unbatched), or for a "row" mask also (B, N, 1, 1, N) ((N, 1, 1, N))."""
+    shape = tuple(shape)
+    square = (B, N, N) if batched else (N, N)
+    broadcast = (B, N, 1, 1, N) if batched else (N, 1, 1, N)
+    if shape == square or (mask_layout == "row" and shape == broadcast):
+        return
+    expected = f"{square}" + (f" or {broadcast}" if mask_layout == "row" else "")
+    raise ValueError(f"{arg} must have shape {expected} to match pair; got {shape} "
+                     f"(mask_layout {mask_layout!r})")
+
+
 def mask_as_square(mask, B: int, N: int, batched: bool, mask_layout: str, arg: str = "mask"):
     """`mask` as a (B, N, N) view (no copy), after checking its shape against the layout.
 
     A "row" mask may also come as (B, N, 1, 1, N) ((N, 1, 1, N) unbatched)."""
-    shape = tuple(mask.shape)
-    square = (B, N, N) if batched else (N, N)
-    broadcast = (B, N, 1, 1, N) if batched else (N, 1, 1, N)
-    if shape == square or (mask_layout == "row" and shape == broadcast):
-        return mask.reshape(B, N, N)  # a view: dropping unit axes never copies
-    expected = f"{square}" + (f" or {broadcast}" if mask_layout == "row" else "")
-    raise ValueError(f"{arg} must have shape {expected} to match pair; got {shape} "
-                     f"(mask_layout {mask_layout!r})")
+    check_mask_shape(mask.shape, B, N, batched, mask_layout, arg)
+    return mask.reshape(B, N, N)  # a view: dropping unit axes never copies

@@ -148,7 +148,8 @@ def run_batch(client, args, *, summary: bool = True):
             report(result, output_dir, args.output_format)
         return result
 
-    settings = job_settings(args, weights.pair_dim, weights_path, weights_sha)
+    settings = job_settings(args, weights.pair_dim, weights_path, weights_sha,
+                            weights.mask_layout)
     backend_spec = (weights_sha, kind, args.fully_masked, precision)
     run_key = uuid.uuid4().hex
     tasks.sort(key=_input_bytes, reverse=True)  # largest first: no long file last

@@ -41,10 +41,13 @@ class JobSettings:
     mask_required: bool  # --mask-key given: a file without that mask fails
     output_format: str
     common_attrs: dict  # provenance shared by every output of the run
+    mask_layout: str = "pair"  # the weights': a "row" mask may come as (B, N, 1, 1, N)
 
 
-def job_settings(args, pair_dim: int, weights_path: str, weights_sha: str) -> JobSettings:
-    """The settings of a run described by parsed `args`, with the weights it uses."""
+def job_settings(args, pair_dim: int, weights_path: str, weights_sha: str,
+                 mask_layout: str = "pair") -> JobSettings:
+    """The settings of a run described by parsed `args`, with the weights it uses
+    (`mask_layout`: theirs, which the mask files are read in)."""
     precision = getattr(args, "precision", None) or "fp32"
     options = {"fully_masked": args.fully_masked, "precision": precision,
                "pair_key": args.pair_key, "mask_key": args.mask_key or "mask",
@@ -54,7 +57,8 @@ def job_settings(args, pair_dim: int, weights_path: str, weights_sha: str) -> Jo
         "triattn_cupy_version": __version__, "fully_masked": args.fully_masked,
         "precision": precision, "options": json.dumps(options, sort_keys=True)}
     return JobSettings(pair_dim, args.pair_key, args.mask_key or "mask",
-                       args.mask_key is not None, args.output_format, common_attrs)
+                       args.mask_key is not None, args.output_format, common_attrs,
+                       mask_layout)
 
 
 def read_file(task, settings: JobSettings, alloc=None):
@@ -63,7 +67,8 @@ def read_file(task, settings: JobSettings, alloc=None):
     try:
         loaded = read_input(task.input, task.kind, pair_dim=settings.pair_dim,
                             pair_key=settings.pair_key, mask_key=settings.mask_key,
-                            mask_required=settings.mask_required, alloc=alloc)
+                            mask_required=settings.mask_required, alloc=alloc,
+                            mask_layout=settings.mask_layout)
     except InputError as exc:
         raise FileFailed(str(exc)) from None
     except MemoryError:

@@ -23,7 +23,8 @@ import zipfile
 
 import numpy as np
 
-from .._checks import check_mask_dtype, check_mask_shape, pair_geometry
+from .._checks import check_mask_dtype, pair_geometry
+from ..conventions import check_mask_shape
 from ..hdf5 import (ExternalDataError, check_local_storage, local_datasets, local_object,
                     missing_storage)
 from .outputs import OUTPUT_FORMAT, attr_str
@@ -127,13 +128,15 @@ def walk_inputs(folder: str, recursive: bool, exclude: str | None = None,
 
 def read_input(path: str, kind: str, *, pair_dim: int, pair_key: str = "pair",
                mask_key: str = "mask", mask_required: bool = False,
-               alloc=None) -> LoadedInput:
+               alloc=None, mask_layout: str = "pair") -> LoadedInput:
     """Read one input file, check it against `pair_dim`, convert the pair to float32 once.
 
     Every shape and dtype is checked from the file's header or metadata before its data
     are read, and `alloc(shape)` (the float32 destination; pinned host memory for the
     GPU path) is called only then. `mask_required`: a file without `mask_key` is an
-    error rather than unmasked. Raises `InputError`.
+    error rather than unmasked. `mask_layout` (the weights'): a "row" mask may also be
+    stored as the models' (B, N, 1, 1, N) / (N, 1, 1, N), read as (B, N, N) / (N, N).
+    Raises `InputError`.
     """
     alloc = alloc or (lambda shape: np.empty(shape, np.float32))
     readers = {"npy": _read_npy, "npz": _read_npz, "hdf5": _read_hdf5}
@@ -143,7 +146,7 @@ def read_input(path: str, kind: str, *, pair_dim: int, pair_key: str = "pair",
     special = special_file_kind(path)
     if special is not None:
         raise InputError(f"{special}, not a regular file; not opened")
-    keys = _Keys(pair_dim, pair_key, mask_key, mask_required)
+    keys = _Keys(pair_dim, pair_key, mask_key, mask_required, mask_layout)
     try:
         pair, source_dtype, mask = readers[kind](path, keys, alloc)
     except (InputError, MemoryError):
@@ -156,7 +159,7 @@ def read_input(path: str, kind: str, *, pair_dim: int, pair_key: str = "pair",
     B, N, batched = pair_geometry(pair.shape, pair_dim)
     _check_finite(pair, "pair")
     if mask is not None:
-        mask = _checked_mask(mask, B, N, batched)
+        mask = _checked_mask(mask, B, N, batched, mask_layout)
     return LoadedInput(pair, mask, B, N, batched, source_dtype)
 
 
@@ -166,6 +169,7 @@ class _Keys:
     pair_key: str
     mask_key: str
     mask_required: bool
+    mask_layout: str = "pair"
 
 
 def _check_header(shape, dtype, pair_dim: int, what: str = "pair"):
@@ -185,11 +189,11 @@ def _check_header(shape, dtype, pair_dim: int, what: str = "pair"):
     return geometry
 
 
-def _check_mask_header(shape, dtype, geometry):
+def _check_mask_header(shape, dtype, geometry, mask_layout: str = "pair"):
     B, N, batched = geometry
     try:
         check_mask_dtype(np.dtype(dtype))
-        check_mask_shape(shape, B, N, batched)
+        check_mask_shape(shape, B, N, batched, mask_layout)
     except (TypeError, ValueError) as exc:
         raise InputError(str(exc)) from None
 
@@ -291,7 +295,7 @@ def _read_npz(path, keys: _Keys, alloc):
             geometry = _check_header(shape, dtype, keys.pair_dim)
             if mask_info is not None:
                 mshape, _, mdtype = _npz_member_header(z, mask_info, "mask")
-                _check_mask_header(mshape, mdtype, geometry)
+                _check_mask_header(mshape, mdtype, geometry, keys.mask_layout)
             dest = alloc(tuple(shape))
             with z.open(pair_info) as member:
                 _npy_header(member)
@@ -369,7 +373,7 @@ def _read_hdf5(path, keys: _Keys, alloc):
         if mds is not None:
             if mds.shape is None:
                 raise InputError(f"mask {keys.mask_key!r} has an empty dataspace, no array")
-            _check_mask_header(mds.shape, mds.dtype, geometry)
+            _check_mask_header(mds.shape, mds.dtype, geometry, keys.mask_layout)
         dest = alloc(ds.shape)
         step = _slab_rows(ds)
         for i in range(0, ds.shape[0], step):  # HDF5 converts float64 -> float32 here
@@ -379,13 +383,14 @@ def _read_hdf5(path, keys: _Keys, alloc):
         return dest, str(ds.dtype), mask
 
 
-def _checked_mask(mask, B, N, batched) -> np.ndarray:
+def _checked_mask(mask, B, N, batched, mask_layout: str = "pair") -> np.ndarray:
     mask = np.asarray(mask)
     try:
         check_mask_dtype(mask.dtype)
-        check_mask_shape(mask.shape, B, N, batched)
+        check_mask_shape(mask.shape, B, N, batched, mask_layout)
     except (TypeError, ValueError) as exc:
         raise InputError(str(exc)) from None
+    mask = mask.reshape((B, N, N) if batched else (N, N))  # (the models' unit axes dropped)
     if mask.dtype.kind == "f":
         _check_finite(mask, "mask")
     return mask != 0  # the semantics of every backend: 0 = masked

@@ -84,7 +84,8 @@ def run(args, *, summary: bool = True) -> RunResult:
                 report(result, output_dir, args.output_format)
             return result
         backends = make_backends(kind, devices, weights, args.fully_masked, precision)
-        settings = job_settings(args, weights.pair_dim, weights_path, weights_sha)
+        settings = job_settings(args, weights.pair_dim, weights_path, weights_sha,
+                            weights.mask_layout)
         claims = stack.enter_context(Claims(claim_timeout))
         pipeline = _Pipeline(backends, settings, claims)
         progress = Progress(len(tasks), quiet=args.quiet)

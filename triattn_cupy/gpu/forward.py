@@ -3,14 +3,18 @@ geometry looked up (made on first use), scratch allocated, the stages launched.
 
 Stages (one launch each; the kernels of each route: gpu/routes.py):
   project    LayerNorm + q/k/v/gate + pair bias with the mask folded in (the mask read in
-             place, in its own dtype and strides), written in the route's layout
+             place, in its own dtype and strides), written in the route's layout; the row
+             mask layout folds no mask in
+  row mask   the row mask layout: its key bits per row (b, i) (row_mask.cu)
   extent     masked forwards from N = 512: each batch's last kept key (key_extent.cu)
   attention  flash-style softmax attention, o written over q
   out        (g * o) Wo^T + bo
 Scratch: qkvg rows (4D, 2D or D words by layout), the bias (fp32 or fp16; tiles for the
-tiled layouts), the K and V^T tiles and the key extent, one allocation from CuPy's memory
-pool per call. Everything a call launches besides its pointers is worked out once per
+tiled layouts), the K and V^T tiles, the key extent and the row mask's bits, one
+allocation from CuPy's memory pool per call. Everything a call launches besides its pointers is worked out once per
 module and input geometry (Plan): at small sizes the caller waits on host time.
+The ending node runs on the transposed pair and mask, read in place as strided views; the
+out projection writes each row back to the caller's layout (OUT_TRANSPOSED).
 """
 from __future__ import annotations
 
@@ -18,7 +22,8 @@ import contextlib
 
 import numpy as np
 
-from .._checks import check_fully_masked, check_mask_dtype, check_mask_shape, pair_geometry
+from .._checks import check_fully_masked, check_mask_dtype, pair_geometry
+from ..conventions import check_mask_shape
 from . import checks, layouts
 from .checks import _cupy, as_device_array
 from .device_weights import DeviceWeights
@@ -37,7 +42,8 @@ class Forward:
     def __init__(self, dw: DeviceWeights, pair, mask, fully_masked: str, out,
                  precision: str = "fp32",
                  attention: "routes.AttentionLaunch | None" = None,
-                 route: "routes.Route | str | None" = None):
+                 route: "routes.Route | str | None" = None,
+                 conventions: tuple[str, str] = ("pair", "starting")):
         cupy = _cupy()
         check_fully_masked(fully_masked)
         checks.check_precision(precision)
@@ -46,10 +52,22 @@ class Forward:
             raise TypeError(f"pair must be float32; got {pair.dtype} (convert with "
                             f"pair.astype(cupy.float32))")
         B, N, batched = pair_geometry(pair.shape, dw.pair_dim)
+        mask_layout, node = conventions
         if mask is not None:
             mask = as_device_array(mask, "mask", dw.device_id)
             check_mask_dtype(mask.dtype)
-            check_mask_shape(mask.shape, B, N, batched)
+            check_mask_shape(mask.shape, B, N, batched, mask_layout)
+            if mask.ndim != (3 if batched else 2):  # the models' (B, N, 1, 1, N) row mask,
+                # its unit axes dropped (a view)
+                mask = mask.reshape((B, N, N) if batched else (N, N))
+        _refuse_unsupported(node)
+        if node == "ending":
+            # The block on the transposed pair and mask, read in place (strided views:
+            # x[b, i, j] = pair[b, j, i]); the out projection writes each row back to the
+            # caller's layout (Plan.out_transposed), so `out` is shaped and laid out as pair.
+            pair = pair.swapaxes(-2, -3)
+            if mask is not None:
+                mask = mask.swapaxes(-1, -2)
         if out is not None:
             out = as_device_array(out, "out", dw.device_id)
             if out.shape != pair.shape or out.dtype != np.float32 or not out.flags.c_contiguous:
@@ -63,7 +81,9 @@ class Forward:
         self._out_target = None
         if out is not None and out.data.ptr % 16:
             self._out_target, out = out, None
-        key = plan_key(pair, mask, precision, fully_masked == "nan", route)
+        key = plan_key(pair, mask, precision, fully_masked == "nan", route,
+                       out_transposed=node == "ending",
+                       row_mask=mask is not None and mask_layout == "row")
         # Whether calls must switch to the weights' device (each look-up of the current
         # device costs ~0.7 µs of host time before the first kernel: done once here)
         self.dw, self._switch = dw, cupy.cuda.runtime.getDevice() != dw.device_id
@@ -89,6 +109,8 @@ class Forward:
                           "vt": (scratch + plan.qkvg_bytes + plan.bias_bytes
                                  if plan.vt_bytes else 0),
                           "extent": scratch + plan.extent_offset if plan.key_extent else 0,
+                          "row_mask": (scratch + plan.row_mask_offset
+                                       if plan.row_mask is not None else 0),
                           "out": None if out is None else out.data.ptr}
 
     # The geometry, as the plan has it
@@ -175,6 +197,7 @@ class Forward:
         the same scratch): it must read k and v in the form this forward's projection
         stores them."""
         with self._on_device():
+            self._pack_row_mask()
             self._find_key_extent()
             if launch is None:
                 self.plan.attention(self._pointers)
@@ -190,6 +213,10 @@ class Forward:
         return [("layernorm+projections", self.project),
                 ("attention", self.attention), ("gate+out_proj", self.out_project)]
 
+    def _pack_row_mask(self):
+        if self.plan.row_mask is not None:  # the row layout's key bits (row_mask.cu)
+            self.plan.row_mask(self._pointers)
+
     def _find_key_extent(self):
         if self.plan.key_extent is not None:
             cupy = _cupy()
@@ -202,6 +229,7 @@ class Forward:
             self._zero_bias()
             self.plan.project(self._pointers)
             self._take_out_memory()
+            self._pack_row_mask()
             self._find_key_extent()
             self.plan.attention(self._pointers)
             self.plan.out_project(self._pointers)
@@ -209,6 +237,17 @@ class Forward:
         # Scratch back to the pool now, not at GC (the pool reuses it in stream order).
         self._scratch = self._pointers = None
         return out
+
+
+def _refuse_unsupported(node: str):
+    """A ValueError for the node the GPU kernels do not compute, ending_af3 (its pair bias
+    from the untransposed pair), rather than a result computed otherwise."""
+    if node == "ending_af3":
+        raise ValueError(
+            "node='ending_af3' (the pair bias of the untransposed pair, as AlphaFold3) is "
+            "not computed on the GPU, which computes the nodes 'starting' and 'ending'. Use "
+            "the NumPy backend (triattn_cupy.reference.triangle_attention, or triattn-infer "
+            "--device cpu) for these weights")
 
 
 def _aligned_rows(cupy, pair):

@@ -33,6 +33,7 @@ GATED_OUT_PROJECT_TILES = Signature("ptr qkvg", "i64 M", "ptr wo_image", "ptr b_
 ATTENTION = Signature("ptr qkvg", "ptr bias", "i32 B", "i32 N", "i32 H", "i32 npk",
                       "i32 nan_fully_masked")
 MASK_KEY_EXTENT = _MASK + Signature("i32 N", "i32 chunks", "ptr key_extent")
+ROW_MASK_PACK = _MASK + Signature("i32 B", "i32 N", "i32 words_per_row", "ptr row_mask")
 
 
 class Plan:
@@ -47,7 +48,8 @@ class Plan:
     def __init__(self, dw: DeviceWeights, shape, strides, aligned: bool, mask_meta,
                  precision: str, nan_fully_masked: bool,
                  attention: "routes.AttentionLaunch | None" = None,
-                 route: "routes.Route | str | None" = None):
+                 route: "routes.Route | str | None" = None, out_transposed: bool = False,
+                 row_mask: bool = False):
         B, N, _ = pair_geometry(shape, dw.pair_dim)
         D, H, d = dw.pair_dim, dw.num_heads, dw.head_dim
         self._qkv_scales = dw.qkv_scales
@@ -121,10 +123,33 @@ class Plan:
                                      key_extent=Call("extent")))
             self.extent_offset = self.scratch_bytes
             self.scratch_bytes += 4 * B
+        # The ending node: the out projection writes row (b, i, j) of the transposed pair
+        # to the caller's row (b, j, i) (OUT_TRANSPOSED; its kernels take N last)
+        self.out_transposed = out_transposed
+        # The row mask layout: the projection folds no mask into the bias (its mask is
+        # indexed by the row i, which the bias shared by every row cannot hold);
+        # row_mask_pack packs it into key bits per row (b, i), B N npk / 32 words after the
+        # rest, which the attention applies (ROW_MASK). The key extent reads the mask as is:
+        # the same reduction over its middle axis.
+        self.row_mask = None
+        projection_mask = mask_meta
+        if row_mask:
+            if mask_meta is None:
+                raise ValueError("row_mask needs a mask")
+            projection_mask = None
+            words = self.npk // 32
+            count = B * N * words
+            self.row_mask = Launch(
+                routes.row_mask_config(), "row_mask_pack",
+                -(-count // routes.ROW_MASK_THREADS), routes.ROW_MASK_THREADS, 0,
+                ROW_MASK_PACK.bind(**_mask_args(mask_meta), B=B, N=N, words_per_row=words,
+                                   row_mask=Call("row_mask")))
+            self.row_mask_offset = self.scratch_bytes
+            self.scratch_bytes += 4 * count
         self.tiles = r.out_project == "tiles"
         self.project_tiles = r.project == "tiles"
         if self.project_tiles:
-            self.project = self._tiles_projection(dw, mask_meta, sb, si, sj)
+            self.project = self._tiles_projection(dw, projection_mask, sb, si, sj)
         else:
             rows = tiles.project_rows(D, M, dw.sm_count, dw.smem_limit, self.project_mma)
             signature = LN_QKVG_PROJECT + (F16_TERMS_ARGS if self.project_f16 else Signature())
@@ -140,7 +165,7 @@ class Plan:
                     W=dw.projection_weight("qkvg", self.weight_layout, self.scales).data.ptr,
                     b_qkvg=dw.qkvg_bias(self.scales).data.ptr,
                     Wb=dw.bias_weight(self.project_f16, self.scales).data.ptr,
-                    **_mask_args(mask_meta), qkvg=Call("qkvg"), bias=Call("bias"),
+                    **_mask_args(projection_mask), qkvg=Call("qkvg"), bias=Call("bias"),
                     npk=self.npk, vt=Call("vt"), **self._f16_projection_args(dw)))
         self.attention = self.attention_launch(self.attention_kernel, nan_fully_masked)
         out_rows = tiles.out_project_rows()
@@ -149,8 +174,13 @@ class Plan:
         else:
             signature = GATED_OUT_PROJECT + (Signature("f32 w_unscale") if self.project_f16
                                              else Signature())
+            config = routes.project_config(out_rows, r.out_project, D, layout, r.products)
+            transposed = {}
+            if out_transposed:
+                config = routes.out_transposed(config)
+                signature, transposed = signature + Signature("i32 N"), dict(N=N)
             self.out_project = Launch(
-                routes.project_config(out_rows, r.out_project, D, layout, r.products),
+                config,
                 f"gated_out_project_{r.out_project}_{r.products}", -(-M // out_rows),
                 tiles.PROJECT_THREADS,
                 tiles.project_smem_bytes(D, out_rows, self.project_mma),
@@ -158,7 +188,7 @@ class Plan:
                     qkvg=Call("qkvg"), M=M, D=D,
                     W=dw.projection_weight("out", self.weight_layout, self.scales).data.ptr,
                     b_out=dw.b_out.data.ptr, out=Call("out"),
-                    **self._f16_projection_args(dw, out=True)))
+                    **self._f16_projection_args(dw, out=True), **transposed))
         self.nan_fully_masked = nan_fully_masked
 
 
@@ -191,16 +221,21 @@ class Plan:
         """gated_out_project_wgmma: one block per SM over the tiles of 64 rows, Wo resident."""
         n_tiles = -(-self.M // tiles.TILES_ROWS)
         split = tiles.project_tiles_split(self.layout)
+        config, signature, transposed = (routes.project_tiles_config(self.layout),
+                                         GATED_OUT_PROJECT_TILES, {})
+        if self.out_transposed:  # (the ending node: OUT_TRANSPOSED, N last)
+            config = routes.out_transposed(config)
+            signature, transposed = signature + Signature("i32 N"), dict(N=self.N)
         return Launch(
-            routes.project_tiles_config(self.layout),
+            config,
             "gated_out_project_wgmma_" + ("f16x3" if split else "f16"),
             min(n_tiles, dw.sm_count), tiles.TILES_THREADS,
             tiles.project_tiles_smem_bytes(self.layout, out=True),
-            GATED_OUT_PROJECT_TILES.bind(
+            signature.bind(
                 qkvg=Call("qkvg"), M=self.M,
                 wo_image=dw.tile_weight_image("out", split=split).data.ptr,
                 b_out=dw.b_out.data.ptr, out=Call("out"),
-                **self._f16_projection_args(dw, out=True)))
+                **self._f16_projection_args(dw, out=True), **transposed))
 
     def _f16_projection_args(self, dw: DeviceWeights, out: bool = False) -> dict:
         """The fp16 products' last arguments of ln_qkvg_project, a_scale and unscale (or
@@ -244,7 +279,12 @@ class Plan:
             values.update(zip(("s_q", "s_k", "s_v"), self._f16x3_scales))
         signature += Signature("ptr key_extent")  # (null: all N keys)
         values["key_extent"] = Call("extent")
-        return Launch(k.config, k.name, k.blocks(self.B, self.N, self.H), k.threads, k.smem,
+        config = k.config
+        if self.row_mask is not None:  # (ROW_MASK: the key bits last)
+            config = routes.row_masked(config)
+            signature += Signature("ptr row_mask")
+            values["row_mask"] = Call("row_mask")
+        return Launch(config, k.name, k.blocks(self.B, self.N, self.H), k.threads, k.smem,
                       signature.bind(**values))
 
     @property
@@ -260,19 +300,25 @@ class Plan:
         return "tf32 chunks"
 
 
-def plan_key(pair, mask, precision: str, nan_fully_masked: bool, route=None):
+def plan_key(pair, mask, precision: str, nan_fully_masked: bool, route=None,
+             out_transposed: bool = False, row_mask: bool = False):
     """The key of DeviceWeights.plans: what a Plan depends on, as the arrays give it
-    (byte strides; the mask's dtype and byte strides), cheap to build at every call."""
-    return (pair.shape, pair.strides, pair.data.ptr % 16 == 0,
-            None if mask is None else (mask.dtype, mask.strides), precision, nan_fully_masked,
-            route)
+    (byte strides; the mask's dtype and byte strides), cheap to build at every call.
+    The conventions (`out_transposed`: the ending node; `row_mask`: a mask in the row
+    layout) only where set, so that the other keys are those of the trees before them."""
+    key = (pair.shape, pair.strides, pair.data.ptr % 16 == 0,
+           None if mask is None else (mask.dtype, mask.strides), precision, nan_fully_masked,
+           route)
+    return key + ((out_transposed, row_mask),) if out_transposed or row_mask else key
 
 
 def make_plan(dw: "DeviceWeights", key, attention: "routes.AttentionLaunch | None" = None):
     """The Plan of a plan_key (pair strides in elements, the mask's meta)."""
-    shape, strides, aligned, mask_key, precision, nan_fully_masked, route = key
+    shape, strides, aligned, mask_key, precision, nan_fully_masked, route, *conventions = key
+    out_transposed, row_mask = conventions[0] if conventions else (False, False)
     return Plan(dw, shape, tuple(s // 4 for s in strides), aligned, _mask_meta(mask_key),
-                precision, nan_fully_masked, attention, route)
+                precision, nan_fully_masked, attention, route,
+                out_transposed=out_transposed, row_mask=row_mask)
 
 
 def _mask_meta(mask_key):

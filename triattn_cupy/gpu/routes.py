@@ -46,7 +46,8 @@ from .tiles import (ATTENTION_MMA_THREADS, ATTENTION_THREADS, MAX_PAIR_DIM, MMA_
                     WGMMA_VARIANTS, MmaTiles, WgmmaTiles, attention_mma_head_dims,
                     attention_mma_smem_bytes, attention_mma_tiles, attention_smem_bytes,
                     attention_tiles, attention_wgmma_smem_bytes, attention_wgmma_tiles,
-                    project_pad, project_rows, project_tiles_smem_bytes, project_tiles_split,
+                    out_project_rows, project_pad, project_rows, project_tiles_smem_bytes,
+                    project_tiles_split,
                     project_weight_stages)
 
 WGMMA_ARCH = "sm_90a"  # wgmma exists only on compute capability 9.0, in this target
@@ -116,6 +117,32 @@ def project_tiles_config(layout: Layout) -> KernelConfig:
                         WGMMA_ARCH)
 
 
+def out_transposed(config: KernelConfig) -> KernelConfig:
+    """An out projection's `config` with OUT_TRANSPOSED, for the ending node: each row goes
+    to the caller's layout (common.cuh caller_row); its kernels then take N last."""
+    return KernelConfig(config.filename, config.defines + (("OUT_TRANSPOSED", 1),),
+                        config.arch)
+
+
+def transposed_out_configs(arch: str | None = None):
+    """One out projection configuration per kernel file with OUT_TRANSPOSED (what the
+    ending node adds to all_configs' kernels; the feature is the same store in each)."""
+    capabilities = (80, 90) if arch is None else (int(arch.removeprefix("sm_")),)
+    D = 128
+    configs = [out_transposed(project_config(out_project_rows(), engine, D, layout,
+                                             products))
+               for engine, layout, products in (("ffma", layouts.ROWS_FP32, "fp32"),
+                                                ("mma", layouts.ROWS_FP32, "f16x3"),
+                                                ("mma", layouts.ROWS_TF32, "tf32"),
+                                                ("mma", layouts.ROWS_BF16, "tf32"))]
+    if 90 in capabilities:
+        configs += [out_transposed(project_config(out_project_rows(), "mma", D,
+                                                  layouts.TILES_F16, "f16"))]
+        configs += [out_transposed(project_tiles_config(layout))
+                    for layout in (layouts.TILES_F16, layouts.TILES_F16_HILO)]
+    return configs
+
+
 def project_tiles_fit(layout: Layout, pair_dim: int, smem_limit: int = SMEM_LIMIT) -> bool:
     """Whether the persistent projections serve `layout` at `pair_dim`: the tiled layouts
     at D = 128, where their weights fit in shared memory beside the tiles."""
@@ -130,6 +157,48 @@ def attention_config(head_dim: int) -> KernelConfig:
 
 def key_extent_config() -> KernelConfig:
     return KernelConfig("key_extent.cu", ())
+
+
+ROW_MASK_THREADS = 256  # row_mask.cu THREADS
+
+
+def row_mask_config() -> KernelConfig:
+    """row_mask_pack: the row mask's key bits, for the attention's ROW_MASK."""
+    return KernelConfig("row_mask.cu", ())
+
+
+def row_masked(config: KernelConfig) -> KernelConfig:
+    """An attention kernel's `config` with ROW_MASK (the row mask layout: key bits per row
+    (b, i), common.cuh); its kernels then take the bits' pointer last. The wgmma
+    attentions with fp32 S (bf16, f16) at 3 blocks per SM take 2 (their 80 registers
+    spilled 24-32 bytes with the mask's words and pointer)."""
+    defines = dict(config.defines)
+    if (config.filename == "attention_wgmma.cu" and not defines.get("S16")
+            and not defines.get("F16X3") and defines.get("MIN_BLOCKS") == 3):
+        defines["MIN_BLOCKS"] = 2
+    return KernelConfig(config.filename, tuple(defines.items()) + (("ROW_MASK", 1),),
+                        config.arch)
+
+
+def row_masked_configs(arch: str | None = None, every: bool = False):
+    """row_mask_pack and the attention configurations of all_configs with ROW_MASK: each
+    variant's (kernel file and arithmetic) smallest and largest head dim, or `every` one."""
+    attention = [c for c in all_configs(arch) if c.filename.startswith("attention_")]
+    if not every:
+        variants: dict = {}
+        for c in attention:
+            defines = dict(c.defines)
+            shape = ("HEAD_DIM", "BQ", "BK", "MT", "ROWS", "STAGES", "MIN_BLOCKS", "PREFETCH",
+                     "PV_GROUPS")
+            variant = (c.filename, c.arch, tuple(sorted((k, v) for k, v in defines.items()
+                                                         if k not in shape)))
+            variants.setdefault(variant, []).append(c)
+        attention = {min(group, key=lambda c: dict(c.defines)["HEAD_DIM"])
+                     for group in variants.values()}
+        attention |= {max(group, key=lambda c: dict(c.defines)["HEAD_DIM"])
+                      for group in variants.values()}
+        attention = sorted(attention, key=lambda c: (c.filename, c.defines, c.arch))
+    return [row_mask_config()] + [row_masked(c) for c in attention]
 
 
 def key_extent_chunks(N: int) -> int:
