@@ -6,9 +6,10 @@ GEMM (q, k, v, gate, bias) in PyTorch, the peer's attention core, then gating an
 in PyTorch. The (j, k) pair mask is folded into the (B, h, N, N) bias, which is exact for
 this reference: the bias and the mask both are shared by every row i.
 
-The reference module is the spec (shared/spec/reference_module.py), looked for beside the
-repository, inside it (shared/ or .shared/), or at --spec; on a GPU machine copy
-../shared to .shared and carry it. Every system loads the same weights (`common.make_weights`), so all
+The reference module is the spec (shared/spec/reference_module.py), looked for at --spec,
+beside the repository, inside it (shared/ or .shared/), and else the project's own statement
+of it, tests/torch_spec.py (tests/test_torch_spec.py holds it equal to the spec to the bit),
+so a checkout alone runs the peers. Every system loads the same weights (`common.make_weights`), so all
 are compared with one float64 reference.
 """
 from __future__ import annotations
@@ -36,7 +37,8 @@ def spec_candidates(explicit=None) -> list[pathlib.Path]:
             paths.append(p / SPEC_NAME if p.is_dir() else p)
     paths += [ROOT.parent / "shared" / "spec" / SPEC_NAME,
               ROOT / "shared" / "spec" / SPEC_NAME,
-              ROOT / ".shared" / "spec" / SPEC_NAME]
+              ROOT / ".shared" / "spec" / SPEC_NAME,
+              ROOT / "tests" / "torch_spec.py"]
     return paths
 
 
