@@ -256,7 +256,7 @@ ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int 
     // the loop's address arithmetic from uniform to per-thread registers (tf32 at d = 16,
     // 2x128x64x4: 21 -> 30 µs; in shared memory, the value's barrier and static shared
     // memory pushed the 3xTF32 spills up and the 48 KiB bf16 tiles past the default limit:
-    // benchmarks/NOTES.md).
+    // docs/performance.md).
     (void)key_extent;
     const int g = lane >> 2, t = lane & 3;  // fragment row group, thread in group
 
@@ -800,7 +800,7 @@ ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int 
                 // in fp32: chained through O over every key (3 N / 8 mma), the tensor cores'
                 // accumulation, which does not round to nearest, made the fp32 mode's error
                 // grow with N, to 2-2.6x PyTorch's fp32 error at N = 64-75 (the projections'
-                // grew with D the same way; benchmarks/NOTES.md).
+                // grew with D the same way; docs/performance.md).
 #pragma unroll
                 for (int mt = 0; mt < MT; ++mt)
 #pragma unroll

@@ -699,7 +699,7 @@ ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int 
 
     // ---- the key loop: one tile at a time, each product waited for where it is issued
     // (a loop keeping the next tile's Q K^T running during this tile's softmax needed
-    // ~220 registers, so one block of 8 warps per SM, and was slower: benchmarks/NOTES.md) ----
+    // ~220 registers, so one block of 8 warps per SM, and was slower: docs/performance.md) ----
     // Warp 0 fills the stages with bulk copies (one instruction per K or V^T column
     // tile, one per bias row) that complete on the stage's `full` mbarrier; each warp
     // arrives on its `empty` mbarrier when its products of the stage are done, and warp 0

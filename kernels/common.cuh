@@ -66,7 +66,7 @@ __device__ __forceinline__ void allow_next_kernel() {
 // The grid is ceil(N / bq) * ceil(N / rows) * H * B blocks, flattened: query tile fastest,
 // then the rows, then the head. So the blocks running at one time share one head's pair
 // bias, which every row i reads whole again: at N = 4096 the bias of all heads outgrows L2
-// (head before rows: tf32 wgmma attention 245 ms, rows before head 216; benchmarks/NOTES.md).
+// (head before rows: tf32 wgmma attention 245 ms, rows before head 216; docs/performance.md).
 // The keys an attention block visits, [0, keys): key_extent[b] (key_extent.cu: every key
 // from it on is masked for every query of batch b, so the tiles past it add 2^-inf = 0 to
 // every sum), within [1, N]; N where there is no extent (no mask, or too small an N for

@@ -415,7 +415,7 @@ __device__ __forceinline__ void st2(float* p, float2 v) { *reinterpret_cast<floa
 // 0.228 -> 0.219). It was slower in tiles_f16_hilo's (fp32: 2.38 -> 2.40) and in the out
 // projection's store_out (+0.005 to +0.026 ms in every mode), and in the row layouts it
 // pushed the 128-row kernels into spills (to 104 bytes).
-// benchmarks/NOTES.md.
+// docs/performance.md.
 #define STORE_RUNS (KV_TILED && !HI_LO)
 template <int STRIDE, bool PACKED>
 __device__ __forceinline__ void store_pair_run(Tile& acc, float* base, int col0, int ld,
@@ -455,7 +455,7 @@ __device__ __forceinline__ void store_pair_run(Tile& acc, float* base, int col0,
 // pairs with col[j] < 0 and rows from rows_here on are skipped. A row's column pairs go
 // out one after another, as the fragments hold them: storing column pair by column pair
 // (every row of one pair, then the next) made the stores take about twice as long
-// (measured, benchmarks/NOTES.md).
+// (measured, docs/performance.md).
 // RUNS: take store_pair_run where it applies (STORE_RUNS).
 template <bool RUNS>
 __device__ __forceinline__ void store_pairs(Tile& acc, float* base, const int (&col)[4],

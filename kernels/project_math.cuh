@@ -31,7 +31,7 @@ __device__ __forceinline__ bool mask_keeps(const void* mask, int kind, i64 off) 
 // Whether the fp32 parts (gate, LayerNorm's 1/sigma) are exact to ~1 ulp, as PyTorch's,
 // or fast (MUFU approximations, ~2^-22 relative). The fp32 mode needs them exact: the fast
 // sigmoid alone adds ~1.4e-7 to the output's error (NumPy emulation), about PyTorch's
-// whole fp32 error (benchmarks/NOTES.md). Kernel files set it before the include.
+// whole fp32 error (docs/performance.md). Kernel files set it before the include.
 #ifndef EXACT_FP32
 #define EXACT_FP32 1
 #endif

@@ -650,7 +650,7 @@ LN_QKVG_ENTRY(const float* __restrict__ x, i64 sb, i64 si, i64 sj, i64 sc, int x
     // 3. LayerNorm, a thread per row (threads t < BM), whose float4 reads of As are
     //    conflict-free (8 consecutive rows fall on distinct bank groups) and need no
     //    reduction across threads (a warp per row, reducing by shuffles after every pass,
-    //    made this phase a chain of latencies: benchmarks/NOTES.md). The mean, the squared
+    //    made this phase a chain of latencies: docs/performance.md). The mean, the squared
     //    deviations (two passes: no cancellation), then xn = (x - mean) * rstd * gamma +
     //    beta in place, as the products take it (operand4; pad columns stay 0).
     //    LN_PAIRS (off): every thread, 2 per row.

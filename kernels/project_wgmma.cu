@@ -15,7 +15,7 @@
 //   gated_out_project_wgmma: per tile of 64 rows: out = (g o) Wo^T + bo, g o scaled by the
 //     tile's own power of two (as load_gated_tile_f16), out in fp32.
 //
-// Why (benchmarks/NOTES.md): project_mma.cu streams W through a ring per
+// Why (docs/performance.md): project_mma.cu streams W through a ring per
 // 128-row block and 32-wide chunk (a barrier each), runs LayerNorm, the products and the
 // stores of a block one after another, and stores from the mma.sync fragments 4 bytes at a
 // time; at 1x1024 it took 1.27-1.38 ms against a ~0.45 ms memory floor. Here one block per

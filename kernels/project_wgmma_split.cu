@@ -80,7 +80,7 @@
 #endif
 
 // The hi*hi products chain onto one accumulator for CHAIN_STEPS k-steps at most. Measured
-// at 1x200 / 1x384 (benchmarks/NOTES.md), the forward's error against float64
+// at 1x200 / 1x384 (docs/performance.md), the forward's error against float64
 // with chains of 8, 4 and 2 k-steps: 2.41 / 1.90, 1.70 / 1.35 and 1.43 / 1.13 (e-7), and
 // 1.41 / 1.07 with project_mma.cu's projections, at the same speed. PASSES_IN_FLIGHT 2:
 // the second pass's products issued before the first's epilogue (no faster with chains of

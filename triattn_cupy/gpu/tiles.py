@@ -56,7 +56,7 @@ def out_project_rows() -> int:
     """Rows per block of the out projection: 64 at every size. Its blocks are bound by
     loading o and g (the products are one pass at D = 128), and 3 blocks per SM overlap
     those loads better than 2 of 128 rows: 0.94 -> 0.84 ms at 1x1024x128x4 TF32
-    (benchmarks/NOTES.md)."""
+    (docs/performance.md)."""
     return 64
 
 
@@ -190,7 +190,7 @@ SMALL_N = 128
 def attention_mma_tiles(head_dim: int, variant: str, n: int = 1 << 30,
                         compute_capability: int = 90) -> MmaTiles:
     """The tile shape for head dim `head_dim` and `n` keys on a GPU of `compute_capability`,
-    measured on an H200 (benchmarks/NOTES.md) within what compiles
+    measured on an H200 (docs/performance.md) within what compiles
     without spills for that architecture (tests/test_kernels_compile.py: sm_80 for 80-89,
     sm_90 from 90) and fits the shared memory."""
     if variant in MMA_STAGED:  # staged through registers
@@ -206,7 +206,7 @@ def attention_mma_tiles(head_dim: int, variant: str, n: int = 1 << 30,
                 return MmaTiles(bk=32, prefetch=int(f16), min_blocks=2)
             # 2 rows x 2 m-tiles per warp at every N (one row was faster at N > 512, 10.8
             # against 11.8 ms at 1x1024, but spills since each k-step's P V terms are summed
-            # in fragments of their own: benchmarks/NOTES.md); d = 24 without
+            # in fragments of their own: docs/performance.md); d = 24 without
             # the next tile in registers, and sm_80 at d = 32 one m-tile: what fits in 255
             # registers there.
             if compute_capability >= 90 and head_dim == 24:
