@@ -49,19 +49,25 @@ def _allowed_spill_bytes(config, arch) -> int:
                                          for c in gpu.routes.all_configs(a)],
                          ids=lambda x: x if isinstance(x, str) else
                          x.filename + ":" + ",".join(f"{k}={v}" for k, v in x.defines))
-def test_compiles_without_spills(config, arch):
+def _compile_within_spill_allowance(config, arch) -> dict:
+    """The ptxas report of `config` compiled for `arch`, checked: no serialized wgmma
+    (ptxas C7513: it cannot keep their register operands safe while they run, as a
+    pipelined register-A loop did, at no error; C7519: a wgmma under a branch, as
+    project_wgmma.cu's pair bias in one warpgroup only) and no spills beyond the
+    configuration's allowance."""
     log = gpu.compile.compile_offline(config.filename, config.defines, config.arch or arch)
     report = gpu.compile.ptxas_report(log)
     assert report, f"no ptxas report in:\n{log}"
-    # ptxas serializes the wgmma of a function (each waits for the one before) where it
-    # cannot keep their register operands safe while they run, and says so (C7513): a
-    # pipelined register-A loop did, at no error; or where a wgmma sits under
-    # a branch (C7519: project_wgmma.cu's pair bias in one warpgroup only)
     assert "C7513" not in log and "C7519" not in log, log
     allowed = _allowed_spill_bytes(config, arch)
     for entry, usage in report.items():
         assert usage["spill_stores"] <= allowed and usage["spill_loads"] <= allowed, (entry, usage)
         assert usage["stack"] <= allowed, (entry, usage)
+    return report
+
+
+def test_compiles_without_spills(config, arch):
+    _compile_within_spill_allowance(config, arch)
 
 
 # The ending node's out projections (OUT_TRANSPOSED: rows to the caller's layout), one
@@ -71,14 +77,8 @@ def test_compiles_without_spills(config, arch):
                          ids=lambda x: x if isinstance(x, str) else
                          x.filename + ":" + ",".join(f"{k}={v}" for k, v in x.defines))
 def test_transposed_output_compiles_without_spills(config, arch):
-    log = gpu.compile.compile_offline(config.filename, config.defines, config.arch or arch)
-    report = gpu.compile.ptxas_report(log)
-    assert any(entry.startswith("gated_out_project") for entry in report), log
-    assert "C7513" not in log and "C7519" not in log, log
-    allowed = _allowed_spill_bytes(config, arch)
-    for entry, usage in report.items():
-        assert usage["spill_stores"] <= allowed and usage["spill_loads"] <= allowed, (entry, usage)
-        assert usage["stack"] <= allowed, (entry, usage)
+    report = _compile_within_spill_allowance(config, arch)
+    assert any(entry.startswith("gated_out_project") for entry in report), report
 
 
 # The row mask layout's attention (ROW_MASK: key bits per row) and its packing kernel: each
@@ -88,14 +88,7 @@ def test_transposed_output_compiles_without_spills(config, arch):
                          ids=lambda x: x if isinstance(x, str) else
                          x.filename + ":" + ",".join(f"{k}={v}" for k, v in x.defines))
 def test_row_mask_compiles_without_spills(config, arch):
-    log = gpu.compile.compile_offline(config.filename, config.defines, config.arch or arch)
-    report = gpu.compile.ptxas_report(log)
-    assert report, f"no ptxas report in:\n{log}"
-    assert "C7513" not in log and "C7519" not in log, log
-    allowed = _allowed_spill_bytes(config, arch)
-    for entry, usage in report.items():
-        assert usage["spill_stores"] <= allowed and usage["spill_loads"] <= allowed, (entry, usage)
-        assert usage["stack"] <= allowed, (entry, usage)
+    _compile_within_spill_allowance(config, arch)
 
 
 # project_mma.cu's LN_SPLIT (LayerNorm 2 threads per row, off until measured on a GPU):
