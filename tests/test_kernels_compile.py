@@ -44,11 +44,6 @@ def _allowed_spill_bytes(config, arch) -> int:
     return 0
 
 
-# Each architecture's own configurations (the tile table may pick per architecture).
-@pytest.mark.parametrize("config,arch", [(c, a) for a in gpu.compile.CHECK_ARCHS
-                                         for c in gpu.routes.all_configs(a)],
-                         ids=lambda x: x if isinstance(x, str) else
-                         x.filename + ":" + ",".join(f"{k}={v}" for k, v in x.defines))
 def _compile_within_spill_allowance(config, arch) -> dict:
     """The ptxas report of `config` compiled for `arch`, checked: no serialized wgmma
     (ptxas C7513: it cannot keep their register operands safe while they run, as a
@@ -66,6 +61,11 @@ def _compile_within_spill_allowance(config, arch) -> dict:
     return report
 
 
+# Each architecture's own configurations (the tile table may pick per architecture).
+@pytest.mark.parametrize("config,arch", [(c, a) for a in gpu.compile.CHECK_ARCHS
+                                         for c in gpu.routes.all_configs(a)],
+                         ids=lambda x: x if isinstance(x, str) else
+                         x.filename + ":" + ",".join(f"{k}={v}" for k, v in x.defines))
 def test_compiles_without_spills(config, arch):
     _compile_within_spill_allowance(config, arch)
 
