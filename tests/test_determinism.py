@@ -157,3 +157,36 @@ def test_route_does_not_depend_on_call_order(cp, rng):
     second = ta.TriangleAttention(weights)
     b = cp.asnumpy(second(pair, mask, precision="bf16"))
     _same_bits(a, b.astype(np.float32), "the same shape planned first on another stream")
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_first_calls_from_several_threads_at_once(cp, rng, precision):
+    """A fresh module's first calls, from four threads on non-blocking streams at once:
+    each makes (or finds) the weights' device layouts, and none may read one another
+    thread's stream has not finished writing."""
+    import triattn_cupy as ta
+
+    weights = ta.random_weights(128, 4, seed=7)
+    pair, mask = (cp.asarray(a) for a in _inputs(rng, 1, 200, 128))
+    expected = cp.asnumpy(ta.TriangleAttention(weights)(pair, mask, precision=precision))
+    module = ta.TriangleAttention(weights)
+    results, errors, start = {}, [], threading.Barrier(4)
+
+    def work(t):
+        try:
+            with cp.cuda.Stream(non_blocking=True) as stream:
+                start.wait()
+                out = module(pair, mask, precision=precision)
+                stream.synchronize()
+                results[t] = cp.asnumpy(out)
+        except Exception as exc:  # reported in the main thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(t,)) for t in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors, errors
+    for t, out in sorted(results.items()):
+        _same_bits(out, expected, f"thread {t}'s first call")

@@ -138,10 +138,17 @@ class DeviceWeights:
                           lambda: _cupy().concatenate([self.gamma, self.beta]) * a_scale)
 
     def _made(self, key, make):
-        """self._layouts[key], made by make() on first use (on this device)."""
+        """self._layouts[key], made by make() on first use (on this device).
+
+        make() runs on the calling thread's current stream; that stream is synchronized
+        before the array is shared, because another thread's call (on another stream) may
+        read it next and nothing orders its kernels after this stream's work. Two threads
+        that both miss make it twice: the same values, harmless."""
         array = self._layouts.get(key)
         if array is None:
-            array = self._layouts[key] = make()
+            array = make()
+            _cupy().cuda.get_current_stream().synchronize()
+            self._layouts[key] = array
         return array
 
     def qkvg_bias(self, scales=None):
