@@ -6,6 +6,10 @@ kernel change:
     python tools/time_forward.py 2x128x64x4 1x384x128x4 1x1024x128x4
     python tools/time_forward.py --precisions bf16 --route wgmma_bf16_tiles 1x1024x128x4
     python tools/time_forward.py --route mma_tf32@sm_80 --precisions tf32 1x1024x128x4
+    python tools/time_forward.py --mask-layout pair,row 1x384x128x4 1x1024x128x4
+
+The padding mask is the same under either mask layout (rows and keys past N - N // 10),
+so pair against row times the row layout's own cost.
 
 Each line ends with the route the forward took (triattn_cupy.gpu.routes).
 """
@@ -45,11 +49,11 @@ def padded_inputs(size):
     return module, pair, mask
 
 
-def time_size(size, precision, route):
+def time_size(size, precision, route, mask_layout="pair"):
     module, pair, mask = padded_inputs(size)
     B, N, D, h = map(int, size.split("x"))
     repeats = 50 if N <= 512 else 10
-    kw = {"precision": precision, "route": route}
+    kw = {"precision": precision, "route": route, "mask_layout": mask_layout}
     for _ in range(3):
         module(pair, mask, **kw)
     total = median_ms(lambda: module(pair, mask, **kw), repeats)
@@ -74,7 +78,7 @@ def time_size(size, precision, route):
     d = D // h
     taken = routes.choose_route(precision, d, D, N, int(cp.cuda.Device().compute_capability),
                                 masked=True, force=route).name
-    print(f"{precision:5s} {size}: {total:.3f} ms  {flops / total / 1e9:.1f} TFLOP/s  [{line}]"
+    print(f"{precision:5s} {size} {mask_layout:4s}: {total:.3f} ms  {flops / total / 1e9:.1f} TFLOP/s  [{line}]"
           f"  alone [{line_alone}]  {taken}", flush=True)
 
 
@@ -84,11 +88,14 @@ def main(argv=None):
                     help="BxNxDxh")
     ap.add_argument("--precisions", default=",".join(ta.PRECISIONS))
     ap.add_argument("--route", help="a route name to force (triattn_cupy.gpu.routes.ROUTES)")
+    ap.add_argument("--mask-layout", default="pair",
+                    help="pair, row, or both (pair,row: timed alternately, size by size)")
     args = ap.parse_args(argv)
     print(cp.cuda.runtime.getDeviceProperties(0)["name"].decode(), "cupy", cp.__version__)
     for precision in args.precisions.split(","):
         for size in args.sizes:
-            time_size(size, precision, args.route)
+            for mask_layout in args.mask_layout.split(","):
+                time_size(size, precision, args.route, mask_layout)
 
 
 if __name__ == "__main__":
