@@ -13,6 +13,7 @@ import functools
 import importlib.resources
 import pathlib
 import re
+import threading
 
 _INCLUDE = re.compile(r'^\s*#include\s+"([^"]+)"\s*$', re.MULTILINE)
 # sm_80 is the oldest target we check; every kernel also runs on older GPUs (FFMA only).
@@ -177,15 +178,21 @@ def _current_device() -> int:
 _smem_allowed: dict = {}  # (config, name, device) -> dynamic shared memory opted in so far
 
 
+# Held while a kernel is compiled, loaded or opted in: lru_cache lets two threads that
+# miss at once both build a module, and the opt-in record is shared by the two objects
+_kernel_lock = threading.RLock()
+
+
 def _kernel(config: KernelConfig, name: str, smem_bytes: int, device: int):
-    kernel = _function(config, name, device)
-    key = (config, name, device)
-    # One function object serves every problem size of its configuration: only ever raise
-    # its limit, so a smaller request cannot break a larger one cached earlier.
-    if smem_bytes > max(_smem_allowed.get(key, 0), 48 * 1024):
-        kernel.max_dynamic_shared_size_bytes = smem_bytes  # opt in above the 48 KiB default
-        _smem_allowed[key] = smem_bytes
-    return kernel
+    with _kernel_lock:
+        kernel = _function(config, name, device)
+        key = (config, name, device)
+        # One function object serves every problem size of its configuration: only ever
+        # raise its limit, so a smaller request cannot break a larger one cached earlier.
+        if smem_bytes > max(_smem_allowed.get(key, 0), 48 * 1024):
+            kernel.max_dynamic_shared_size_bytes = smem_bytes  # opt in above 48 KiB
+            _smem_allowed[key] = smem_bytes
+        return kernel
 
 
 @functools.lru_cache(maxsize=None)

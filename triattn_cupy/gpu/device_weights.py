@@ -1,6 +1,8 @@
 """The weights on one device, in the layouts the kernels read (made once, on first use)."""
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 
 from ..weights import Weights
@@ -35,6 +37,10 @@ class DeviceWeights:
             self.gamma = up(p["layer_norm.weight"])
             self.beta = up(p["layer_norm.bias"])
             self.w_bias = up(p["bias_proj.weight"])
+            # A copy from pageable host memory may return before its DMA lands, and
+            # nothing orders a non-blocking stream's kernels after it: every call's
+            # stream must find the weights whole.
+            cupy.cuda.get_current_stream().synchronize()
         self.f16x3_scales = f16x3_scales(weights)
         # The powers of two (s_q, s_k, s_v, s_b) the projections of each route's scales
         # (routes.Route.scales) multiply q, k, v and the pair bias by (attention_wgmma.cu
@@ -47,6 +53,10 @@ class DeviceWeights:
         self._weights = weights
         self.device_id = device_id
         self.plans: dict = {}  # input geometry -> Plan (Forward)
+        # Held while a Plan or a layout is made: first calls from several threads at once
+        # made plans whose launches gave wrong results on every later call (reentrant:
+        # a Plan makes the layouts it needs).
+        self.lock = threading.RLock()
         device = cupy.cuda.Device(device_id)
         attributes = device.attributes
         self.sm_count = attributes["MultiProcessorCount"]
@@ -138,17 +148,20 @@ class DeviceWeights:
                           lambda: _cupy().concatenate([self.gamma, self.beta]) * a_scale)
 
     def _made(self, key, make):
-        """self._layouts[key], made by make() on first use (on this device).
+        """self._layouts[key], made by make() on first use (on this device), under
+        `self.lock`: calls from several threads at once make each layout once.
 
         make() runs on the calling thread's current stream; that stream is synchronized
         before the array is shared, because another thread's call (on another stream) may
-        read it next and nothing orders its kernels after this stream's work. Two threads
-        that both miss make it twice: the same values, harmless."""
+        read it next and nothing orders its kernels after this stream's work."""
         array = self._layouts.get(key)
         if array is None:
-            array = make()
-            _cupy().cuda.get_current_stream().synchronize()
-            self._layouts[key] = array
+            with self.lock:
+                array = self._layouts.get(key)
+                if array is None:
+                    array = make()
+                    _cupy().cuda.get_current_stream().synchronize()
+                    self._layouts[key] = array
         return array
 
     def qkvg_bias(self, scales=None):

@@ -91,9 +91,12 @@ class Forward:
             if attention is None:
                 plan = dw.plans.get(key)
                 if plan is None:
-                    if len(dw.plans) >= _PLANS_PER_MODULE:
-                        dw.plans.clear()
-                    plan = dw.plans[key] = make_plan(dw, key)
+                    with dw.lock:  # one thread makes it; the others wait and share it
+                        plan = dw.plans.get(key)
+                        if plan is None:
+                            if len(dw.plans) >= _PLANS_PER_MODULE:
+                                dw.plans.clear()
+                            plan = dw.plans[key] = make_plan(dw, key)
             else:
                 plan = make_plan(dw, key, attention)
             self.plan, self.pair, self.mask = plan, pair, mask
