@@ -197,6 +197,10 @@ typedef unsigned short bias_elem;  // fp16 bits
 #define Q_TILE (64 * HEAD_DIM * 2)  // bytes
 #define SMEM_BYTES (Q_SHARED ? Q_OFFSET + 2 * ROWS * Q_TILE + 1024 \
                              : STAGES * STAGE_BYTES + 16 * STAGES + 1024)
+// ROW_MASK: the block's rows' key bits, ROWS x npk / 32 words, after the rest (the launch
+// adds ROWS npk / 8 bytes: gpu/plan.py); from the aligned base, whose 1024 bytes of slack
+// SMEM_BYTES counts
+#define ROW_MASK_OFFSET (SMEM_BYTES - 1024)
 
 // Per row and tile, 512 16-byte chunks each of K (8 per key: 4 dims each) and of V^T.
 #define COPIES (ROWS * BK * 8)
@@ -267,10 +271,6 @@ ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int 
     const int wg = warp / 4, rw = ROWS == 1 && !F16X3 ? 0 : wg / ROW_GROUPS;
     const bool row_ok = i0 + rw < N;
     float* const row = row_base(rw);
-#if ROW_MASK
-    // Row rw's key bits (rows past N: row N - 1's, read and never written out)
-    const unsigned* const keep_row = row_mask + ((i64)b * N + min(i0 + rw, N - 1)) * (npk / 32);
-#endif
     const int q_in_tile = (wg % ROW_GROUPS) * 64 + (warp % 4) * 16;
     const int q0 = qtile * BQ + q_in_tile;
 
@@ -374,13 +374,22 @@ ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int 
     // add_bias). The tile's 64 keys are words mask_k0 / 32 and mask_k0 / 32 + 1 of the
     // row's bits (mask_k0 a multiple of BK = 64, set before each tile); S's register 4n + e
     // (S16: half e & 1 of register 2n + e / 2) holds key 8n + 2t + (e & 1).
+    // The words come from the block's copy of its rows' bits in shared memory
+    // (ROW_MASK_OFFSET, filled before the key loop): read from global memory, the row's
+    // 64-bit pointer stayed live through the loop and spilled the 80-register kernels, which
+    // then ran 2 blocks per SM instead of 3. A tile whose 64 keys are all kept (every tile
+    // of a padding mask's kept rows) skips the selects: the branch is warp-uniform, a
+    // warp's queries sharing their row.
     int mask_k0 = 0;
 #if S16
     auto mask_row_keys = [&](u32 (&s)[2 * NT]) {
 #else
     auto mask_row_keys = [&](float (&s)[4 * NT]) {
 #endif
-        const unsigned w0 = __ldg(keep_row + (mask_k0 >> 5)), w1 = __ldg(keep_row + (mask_k0 >> 5) + 1);
+        const uint2 words = *reinterpret_cast<const uint2*>(
+            smem + ROW_MASK_OFFSET + 4 * (rw * (npk / 32) + (mask_k0 >> 5)));
+        const unsigned w0 = words.x, w1 = words.y;
+        if ((w0 & w1) == 0xffffffffu) return;
 #pragma unroll
         for (int n = 0; n < NT; ++n)
 #pragma unroll
@@ -740,8 +749,16 @@ ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int 
             mbar_init(empty_bar + 8 * s, THREADS / 32);
         }
     }
+#if ROW_MASK
+    {   // the block's rows' key bits (rows past N: row N - 1's, read and never written out)
+        const int words = npk / 32;
+        unsigned* const keep = reinterpret_cast<unsigned*>(smem + ROW_MASK_OFFSET);
+        for (int w = tid; w < ROWS * words; w += THREADS)
+            keep[w] = row_mask[((i64)b * N + min(i0 + w / words, N - 1)) * words + w % words];
+    }
+#endif
     fence_async_shared();  // the ones rows, before any wgmma reads them
-    __syncthreads();       // they and the mbarriers initialised, for every warp
+    __syncthreads();       // they, the key bits and the mbarriers initialised, for every warp
     if (warp == 0)
         for (int j = 0; j < STAGES - 1 && j < tiles; ++j) produce(j);
     int tile = 0;

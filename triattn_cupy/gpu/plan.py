@@ -279,12 +279,13 @@ class Plan:
             values.update(zip(("s_q", "s_k", "s_v"), self._f16x3_scales))
         signature += Signature("ptr key_extent")  # (null: all N keys)
         values["key_extent"] = Call("extent")
-        config = k.config
+        config, smem = k.config, k.smem
         if self.row_mask is not None:  # (ROW_MASK: the key bits last)
             config = routes.row_masked(config)
             signature += Signature("ptr row_mask")
             values["row_mask"] = Call("row_mask")
-        return Launch(config, k.name, k.blocks(self.B, self.N, self.H), k.threads, k.smem,
+            smem += routes.row_mask_smem_bytes(k, self.npk)
+        return Launch(config, k.name, k.blocks(self.B, self.N, self.H), k.threads, smem,
                       signature.bind(**values))
 
     @property

@@ -169,15 +169,19 @@ def row_mask_config() -> KernelConfig:
 
 def row_masked(config: KernelConfig) -> KernelConfig:
     """An attention kernel's `config` with ROW_MASK (the row mask layout: key bits per row
-    (b, i), common.cuh); its kernels then take the bits' pointer last. The wgmma
-    attentions with fp32 S (bf16, f16) at 3 blocks per SM take 2 (their 80 registers
-    spilled 24-32 bytes with the mask's words and pointer)."""
-    defines = dict(config.defines)
-    if (config.filename == "attention_wgmma.cu" and not defines.get("S16")
-            and not defines.get("F16X3") and defines.get("MIN_BLOCKS") == 3):
-        defines["MIN_BLOCKS"] = 2
-    return KernelConfig(config.filename, tuple(defines.items()) + (("ROW_MASK", 1),),
-                        config.arch)
+    (b, i), common.cuh); its kernels then take the bits' pointer last. The same tiles
+    and blocks per SM as without: the wgmma attentions read the bits from shared memory
+    (row_mask_smem_bytes), which keeps their 80-register forms free of spills."""
+    return KernelConfig(config.filename, config.defines + (("ROW_MASK", 1),), config.arch)
+
+
+def row_mask_smem_bytes(launch: "AttentionLaunch", npk: int) -> int:
+    """Shared memory an attention launch adds under ROW_MASK: the wgmma attention keeps its
+    rows' key bits there (attention_wgmma.cu ROW_MASK_OFFSET), npk / 8 bytes a row; the
+    others read them from global memory."""
+    if launch.config.filename != "attention_wgmma.cu":
+        return 0
+    return launch.rows * npk // 8
 
 
 def row_masked_configs(arch: str | None = None, every: bool = False):
