@@ -144,6 +144,11 @@ __device__ __forceinline__ void cp_async16_or_zero(u32 dst, const void* src, boo
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;"
                  :: "r"(dst), "l"(src), "r"(valid ? 16 : 0));
 }
+// 8 bytes (cp.async.ca: .cg copies 16 only), zeros where !valid
+__device__ __forceinline__ void cp_async8_or_zero(u32 dst, const void* src, bool valid) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;"
+                 :: "r"(dst), "l"(src), "r"(valid ? 8 : 0));
+}
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" :: "n"(N)); }

@@ -595,7 +595,7 @@ __device__ __forceinline__ void store_qkvg(Tile& acc, int n0, const float2 (&cb)
 // The pass at n0 of gated_out_project (acc = (g * o) Wo^T, cb the biases bo) into the
 // block's rows of out (rows of D floats).
 __device__ __forceinline__ void store_out(Tile& acc, int n0, const float2 (&cb)[4], int D,
-                                          float* block_out, int rows_here) {
+                                          pair_t* block_out, int rows_here) {
     int col[4];
     const bool packed[4] = {false, false, false, false};
 #pragma unroll
@@ -604,14 +604,29 @@ __device__ __forceinline__ void store_out(Tile& acc, int n0, const float2 (&cb)[
         col[j] = n < D ? n : -1;
         if (n < D) map_column(acc, j, cb[j], [](float2 v) { return v; });
     }
+#if PAIR_DTYPE == PAIR_F32
     store_pairs<false>(acc, block_out, col, packed, D, rows_here);
+#else  // (rounded to the pair's 16 bits, two per word)
+    (void)packed;
+#pragma unroll
+    for (int s = 0; s < TROWS; ++s) {
+        const int r = thread_row(s);
+        if (r >= rows_here) continue;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            if (col[j] < 0) continue;
+            const float* const p = pair_at(acc, s, j);
+            pair_st2(block_out + (r * D + col[j]), make_float2(p[0], p[1]));
+        }
+    }
+#endif
 }
 
 #if OUT_TRANSPOSED
 // store_out for the ending node: block row r (pair row m0 + r of the transposed pair) into
 // the caller's row caller_row(m0 + r, N) of out (common.cuh), a row's address each.
 __device__ __forceinline__ void store_out_transposed(Tile& acc, int n0, const float2 (&cb)[4],
-                                                     int D, float* out, i64 m0, int N,
+                                                     int D, pair_t* out, i64 m0, int N,
                                                      int rows_here) {
     int col[4];
 #pragma unroll
@@ -624,12 +639,12 @@ __device__ __forceinline__ void store_out_transposed(Tile& acc, int n0, const fl
     for (int s = 0; s < TROWS; ++s) {
         const int r = thread_row(s);
         if (r >= rows_here) continue;
-        float* const row = out + caller_row(m0 + r, N) * D;
+        pair_t* const row = out + caller_row(m0 + r, N) * D;
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
             if (col[j] < 0) continue;
             const float* const p = pair_at(acc, s, j);
-            st2(row + col[j], make_float2(p[0], p[1]));
+            pair_st2(row + col[j], make_float2(p[0], p[1]));
         }
     }
 }

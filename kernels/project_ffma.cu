@@ -22,7 +22,8 @@
 // Launch: grid (ceil(M / BM)), block THREADS = 256, dynamic shared memory
 //   8*BM + 4*(DPAD*ASTR + WSTAGES*BK*WSTR + THREADS) bytes, DPAD = D rounded up to BK.
 // Pointers (float32 unless noted, M = B*N*N rows):
-//   x     [B, N, N, D] at b*sb + i*si + j*sj + c*sc elements (any strides; x_vec = 1 when
+//   x     [B, N, N, D] of pair_t (PAIR_DTYPE, project_math.cuh: float32, float16 or
+//         bfloat16; out too) at b*sb + i*si + j*sj + c*sc elements (any strides; x_vec = 1 when
 //         sc == 1 and every row starts 16-byte aligned, enabling float4 loads)
 //   WT    [D, NO] row-major: the PyTorch weight transposed (NO = 4D, or D for out_proj)
 //   mask  [B, N, N] at b*mb + i*mi + j*mj elements, of the type named by mask_kind
@@ -222,7 +223,7 @@ __device__ __forceinline__ SmemLayout smem_layout(int dpad) {
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS, PROJECT_MIN_BLOCKS)
-ln_qkvg_project_ffma_fp32(const float* __restrict__ x, i64 sb, i64 si, i64 sj, i64 sc, int x_vec,
+ln_qkvg_project_ffma_fp32(const pair_t* __restrict__ x, i64 sb, i64 si, i64 sj, i64 sc, int x_vec,
                 int B, int N, int D, int H, float eps, float q_scale,
                 const float* __restrict__ gamma, const float* __restrict__ beta,
                 const float* __restrict__ WT, const float* __restrict__ b_qkvg,
@@ -244,9 +245,10 @@ ln_qkvg_project_ffma_fp32(const float* __restrict__ x, i64 sb, i64 si, i64 sj, i
     // 2. The raw row tile, transposed into As[k][m]; zero past M and past D.
     load_tile_transposed<8>(s.As, dpad, [&](int ml, int k) {
         if (m0 + ml >= M || k >= D) return zero4();
-        const float* p = x + s.rowoff[ml];
-        if (x_vec) return ld4(p + k);
-        return make_float4(p[k * sc], p[(k + 1) * sc], p[(k + 2) * sc], p[(k + 3) * sc]);
+        const pair_t* p = x + s.rowoff[ml];
+        if (x_vec) return pair_ld4(p + k);
+        return make_float4(pair_value(p[k * sc]), pair_value(p[(k + 1) * sc]),
+                           pair_value(p[(k + 2) * sc]), pair_value(p[(k + 3) * sc]));
     });
     __syncthreads();  // tile complete before the statistics read it
 
@@ -348,7 +350,7 @@ ln_qkvg_project_ffma_fp32(const float* __restrict__ x, i64 sb, i64 si, i64 sj, i
 extern "C" __global__ void __launch_bounds__(THREADS, PROJECT_MIN_BLOCKS)
 gated_out_project_ffma_fp32(const float* __restrict__ qkvg, i64 M, int D,
                   const float* __restrict__ WT, const float* __restrict__ b_out,
-                  float* __restrict__ out
+                  pair_t* __restrict__ out
 #if OUT_TRANSPOSED
                   , int N  // the pair's N: rows go to caller_row (common.cuh)
 #endif
@@ -376,7 +378,7 @@ gated_out_project_ffma_fp32(const float* __restrict__ qkvg, i64 M, int D,
         store_out_transposed(acc, n0, cb, D, out, m0, N, rows_here);
     });
 #else
-    float* const block_out = out + m0 * D;
+    pair_t* const block_out = out + m0 * D;
     project_columns(s.As, WT, D, dpad, D, b_out, s.Ws,
                     [&](Tile& acc, int n0, const float2 (&cb)[4]) {
         store_out(acc, n0, cb, D, block_out, rows_here);

@@ -99,3 +99,62 @@ __device__ __forceinline__ void f16_bias_split(float x, unsigned short& hi, unsi
     asm("cvt.f32.f16 %0, %1;" : "=f"(h) : "h"(hi));
     lo = f16_bias_bits(isinf(h) ? 0.f : x - h);
 }
+
+// PAIR_DTYPE: the element type of the pair x the projections read and of the output the
+// out projections write, the caller's own: float32 (PAIR_F32, the default), float16 or
+// bfloat16. A 16-bit element travels as its bits (unsigned short), is widened to fp32
+// where it is loaded and rounded (to nearest even) where the output is stored; everything
+// between is the kernel's own arithmetic. Off (float32), every helper below is the plain
+// fp32 load or store it replaces, so the float32 machine code is the same.
+#define PAIR_F32 0
+#define PAIR_F16 1
+#define PAIR_BF16 2
+#ifndef PAIR_DTYPE
+#define PAIR_DTYPE PAIR_F32
+#endif
+
+#if PAIR_DTYPE == PAIR_F32
+typedef float pair_t;
+__device__ __forceinline__ float pair_value(float v) { return v; }
+// 4 consecutive elements at p, 16-byte aligned (4-element aligned for 16-bit elements)
+__device__ __forceinline__ float4 pair_ld4(const pair_t* p) { return ld4(p); }
+// 2 consecutive elements at p (8-byte aligned; 4-byte for 16-bit elements)
+__device__ __forceinline__ void pair_st2(pair_t* p, float2 v) { *reinterpret_cast<float2*>(p) = v; }
+#else
+typedef unsigned short pair_t;
+__device__ __forceinline__ float pair_value(unsigned short h) {
+#if PAIR_DTYPE == PAIR_F16
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+#else  // bfloat16: the upper half of a float, exactly
+    return __uint_as_float((unsigned)h << 16);
+#endif
+}
+__device__ __forceinline__ float4 pair_ld4(const pair_t* p) {
+    const uint2 u = __ldg(reinterpret_cast<const uint2*>(p));
+    return make_float4(pair_value((unsigned short)(u.x & 0xffffu)), pair_value((unsigned short)(u.x >> 16)),
+                       pair_value((unsigned short)(u.y & 0xffffu)), pair_value((unsigned short)(u.y >> 16)));
+}
+// x rounded to the pair's type, to nearest even (overflow to inf, NaN stays NaN).
+__device__ __forceinline__ unsigned short pair_bits(float x) {
+    unsigned short h;
+#if PAIR_DTYPE == PAIR_F16
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(x));
+#elif __CUDA_ARCH__ >= 800
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(x));
+#else  // (no bf16 conversion before sm_80: the same rounding in integers)
+    const unsigned u = __float_as_uint(x);
+    h = (u & 0x7fffffffu) > 0x7f800000u ? (unsigned short)((u >> 16) | 0x40u)  // quiet NaN
+                                        : (unsigned short)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+#endif
+    return h;
+}
+// Two elements as one 32-bit word (v.x at the lower address)
+__device__ __forceinline__ unsigned pair_bits2(float2 v) {
+    return (unsigned)pair_bits(v.x) | ((unsigned)pair_bits(v.y) << 16);
+}
+__device__ __forceinline__ void pair_st2(pair_t* p, float2 v) {
+    *reinterpret_cast<unsigned*>(p) = pair_bits2(v);
+}
+#endif

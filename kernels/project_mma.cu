@@ -59,7 +59,8 @@
 // Launch: grid (ceil(M / BM)), block THREADS = 256, dynamic shared memory
 //   8*BM + 4*(BM*(DPAD + 4) + WSTAGES*BN*BK + 2*BN) bytes, DPAD = D rounded up to BK.
 // Pointers (float32 unless noted, M = B*N*N rows, D % 4 == 0):
-//   x     [B, N, N, D] at b*sb + i*si + j*sj + c*sc elements (any strides; x_vec = 1 when
+//   x     [B, N, N, D] of pair_t (PAIR_DTYPE, project_math.cuh: float32, float16 or
+//         bfloat16; out too) at b*sb + i*si + j*sj + c*sc elements (any strides; x_vec = 1 when
 //         sc == 1 and every row starts 16-byte aligned: rows copied with cp.async)
 //   W     [NO, D] (NO = 4D, or D for out_proj) in the ring's chunk order, rounded to TF32
 //         unless SPLIT: [NO / BN][DPAD / BK][BN][BK], zero past NO and D (DeviceWeights
@@ -78,6 +79,7 @@
 #ifndef BM
 #define BM 128          // rows per block: 128, or 64 (small problems, wide D, out_proj)
 #endif
+#define MAX_DPAD 768    // the widest row tile (gpu/tiles.py MAX_PAIR_DIM), for 16-bit rows
 #define BN 128          // output columns per pass
 #define BK 16           // reduction chunk of the weight: 2 mma k-steps
 #ifndef WSTAGES
@@ -600,7 +602,7 @@ __device__ __forceinline__ SmemLayout smem_layout(int dpad) {
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS, PROJECT_MIN_BLOCKS)
-LN_QKVG_ENTRY(const float* __restrict__ x, i64 sb, i64 si, i64 sj, i64 sc, int x_vec,
+LN_QKVG_ENTRY(const pair_t* __restrict__ x, i64 sb, i64 si, i64 sj, i64 sc, int x_vec,
                 int B, int N, int D, int H, float eps, float q_scale,
                 const float* __restrict__ gamma, const float* __restrict__ beta,
                 const float* __restrict__ W, const float* __restrict__ b_qkvg,
@@ -628,17 +630,26 @@ LN_QKVG_ENTRY(const float* __restrict__ x, i64 sb, i64 si, i64 sj, i64 sc, int x
     // 2. The raw row tile As[m][k], a warp per row, its lanes over consecutive 16 bytes
     //    (coalesced); zero past M and past D. One commit group, then the first weight
     //    chunks behind it, so they travel during the LayerNorm.
+    //    16-bit pairs (PAIR_DTYPE) with aligned rows: copied into each row's upper half
+    //    (bytes 2 dpad on), widened in place once they land (below).
     for (int ml = warp; ml < BM; ml += WARPS) {
         const bool row_ok = m0 + ml < M;
-        const float* const p = x + s.rowoff[ml];
+        const pair_t* const p = x + s.rowoff[ml];
         float* const dst = s.As + ml * astr;
         for (int k = 4 * lane; k < dpad; k += 128) {
             const bool ok = row_ok && k < D;
+#if PAIR_DTYPE == PAIR_F32
             if (x_vec)
                 cp_async16_or_zero(smem_addr(dst + k), ok ? p + k : x, ok);
             else
-                st4(dst + k, ok ? make_float4(p[k * sc], p[(k + 1) * sc], p[(k + 2) * sc],
-                                              p[(k + 3) * sc])
+#else
+            if (x_vec)
+                cp_async8_or_zero(smem_addr(dst) + 2 * (dpad + k), ok ? p + k : x, ok);
+            else
+#endif
+                st4(dst + k, ok ? make_float4(pair_value(p[k * sc]), pair_value(p[(k + 1) * sc]),
+                                              pair_value(p[(k + 2) * sc]),
+                                              pair_value(p[(k + 3) * sc]))
                                 : zero4());
         }
     }
@@ -646,6 +657,32 @@ LN_QKVG_ENTRY(const float* __restrict__ x, i64 sb, i64 si, i64 sj, i64 sc, int x
     ring.prime(0);
     cp_async_wait<WSTAGES - 1>();  // the row tile landed (the weight chunks may not have)
     __syncthreads();  // every warp's rows visible
+#if PAIR_DTYPE != PAIR_F32
+    if (x_vec) {  // the 16-bit rows widened to fp32 in place, a warp per row: every lane
+        // reads its pieces before any writes (a piece's floats cover other lanes' halves)
+        for (int ml = warp; ml < BM; ml += WARPS) {
+            float* const row = s.As + ml * astr;
+            const char* const halves = reinterpret_cast<const char*>(row) + 2 * dpad;
+            uint2 u[(MAX_DPAD + 127) / 128];
+#pragma unroll
+            for (int q = 0; q < (MAX_DPAD + 127) / 128; ++q) {
+                const int k = 4 * lane + 128 * q;
+                if (k < dpad) u[q] = *reinterpret_cast<const uint2*>(halves + 2 * k);
+            }
+            __syncwarp();  // the row's halves all read before they are overwritten
+#pragma unroll
+            for (int q = 0; q < (MAX_DPAD + 127) / 128; ++q) {
+                const int k = 4 * lane + 128 * q;
+                if (k < dpad)
+                    st4(row + k, make_float4(pair_value((pair_t)(u[q].x & 0xffffu)),
+                                             pair_value((pair_t)(u[q].x >> 16)),
+                                             pair_value((pair_t)(u[q].y & 0xffffu)),
+                                             pair_value((pair_t)(u[q].y >> 16))));
+            }
+        }
+        __syncthreads();  // widened rows visible to the LayerNorm threads
+    }
+#endif
 
     // 3. LayerNorm, a thread per row (threads t < BM), whose float4 reads of As are
     //    conflict-free (8 consecutive rows fall on distinct bank groups) and need no
@@ -808,7 +845,7 @@ LN_QKVG_ENTRY(const float* __restrict__ x, i64 sb, i64 si, i64 sj, i64 sc, int x
 extern "C" __global__ void __launch_bounds__(THREADS, OUT_MIN_BLOCKS)
 GATED_OUT_ENTRY(const float* __restrict__ qkvg, i64 M, int D,
                   const float* __restrict__ W, const float* __restrict__ b_out,
-                  float* __restrict__ out
+                  pair_t* __restrict__ out
 #if F16_TERMS
                   , float w_unscale  // 1 / Wo's scale (the block scales g o itself)
 #endif
@@ -841,7 +878,7 @@ GATED_OUT_ENTRY(const float* __restrict__ qkvg, i64 M, int D,
         store_out_transposed(acc, n0, cb, D, out, m0, N, rows_here);
     };
 #else
-    float* const block_out = out + m0 * D;
+    pair_t* const block_out = out + m0 * D;
     auto store = [&](Tile& acc, int n0, const float2 (&cb)[4]) {
         store_out(acc, n0, cb, D, block_out, rows_here);
     };

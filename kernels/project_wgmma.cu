@@ -36,7 +36,8 @@
 // min(tiles, SMs), block THREADS = 512, dynamic shared memory PROJECT_TILES_SMEM or
 // OUT_TILES_SMEM (gpu/tiles.py project_tiles_smem_bytes mirrors them). Pointers, float32 unless
 // noted, M = B N N rows:
-//   x           [B, N, N, D] at b sb + i si + j sj (elements; the channel stride 1 and every
+//   x           [B, N, N, D] of pair_t (PAIR_DTYPE, project_math.cuh: float32, float16 or
+//               bfloat16) at b sb + i si + j sj (elements; the channel stride 1 and every
 //               row 16-byte aligned: whole rows by bulk copy)
 //   gamma_beta  [2][D] LayerNorm's gamma and beta times a_scale
 //   w_image     W's and WB's shared-memory image, fp16 (DeviceWeights.tile_weight_image)
@@ -44,7 +45,7 @@
 //   mask        [B, N, N] at b mb + i mi + j mj, of the type mask_kind names, or null
 //   qkvg        [M, QKVG_WORDS] (below); bias: the fp16 bias tiles [B, H, ceil(N / 128),
 //               npk / 64][128][64]; vt: the K and V^T tiles [B N, H, npk / 64] x 8 KiB
-//   wo_image    Wo's image, fp16; b_out [D]; out [M, D] contiguous
+//   wo_image    Wo's image, fp16; b_out [D]; out [M, D] contiguous, of pair_t
 //
 // Shared memory (bytes from a 1024-aligned base; sw128 = wgmma.cuh's 128-byte swizzle, rows
 // of 128 bytes = 64 fp16 along K, so a D-wide row is D / 64 such blocks):
@@ -52,7 +53,7 @@
 //                                              lays the image out: DeviceWeights.tile_weight_image)
 //   WB     [D / 64][8 rows][128 B]             the pair-bias weights (rows >= H zero)
 //   A      [D / 64][64 rows][128 B]            the tile's xn, fp16 (zero past the last key)
-//   RAW    [2][64][D] fp32                     x rows, by bulk copy, a tile ahead; after
+//   RAW    [2][64][D] fp32 (pair_t)            x rows, by bulk copy, a tile ahead; after
 //                                              LayerNorm the stage holds the tile's K and
 //                                              V^T tiles [H][8 KiB] on their way out (and
 //                                              before them q and a bf16 gate, each warp's
@@ -137,7 +138,7 @@ __device__ __forceinline__ u32 pack16(float x0, float x1) {
 // LayerNorm of the RAW stage into A, PARTS threads per row (row_piece), zero rows from
 // `valid` on: xn = (x - mean) rstd gamma' + beta' (row_moments), gamma' and beta' times
 // a_scale (GB).
-__device__ __forceinline__ void layernorm_tile(char* smem, const float* raw, int valid, float eps) {
+__device__ __forceinline__ void layernorm_tile(char* smem, const pair_t* raw, int valid, float eps) {
     const int tid = threadIdx.x, r = tid / PARTS, p = tid % PARTS;
     float4 v[PD / 32];
     float mu, rstd;
@@ -160,7 +161,7 @@ __device__ __forceinline__ void layernorm_tile(char* smem, const float* raw, int
 
 
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
-ln_qkvg_project_wgmma_f16(const float* __restrict__ x, i64 sb, i64 si, i64 sj, int B, int N, int H,
+ln_qkvg_project_wgmma_f16(const pair_t* __restrict__ x, i64 sb, i64 si, i64 sj, int B, int N, int H,
                       float eps, const float* __restrict__ gamma_beta,  // [2][D], times a_scale
                       const uint4* __restrict__ w_image,  // W then WB (W_BYTES + WB_BYTES)
                       const float* __restrict__ col_bias,  // [4 D]: bq, bk, bv, bg
@@ -238,7 +239,7 @@ ln_qkvg_project_wgmma_f16(const float* __restrict__ x, i64 sb, i64 si, i64 sj, i
 
         // 1. LayerNorm: RAW -> A.
         mbar_wait(bar_raw + 8 * stage, (k >> 1) & 1);
-        layernorm_tile(smem, reinterpret_cast<const float*>(raw_g), kt.valid, eps);
+        layernorm_tile(smem, reinterpret_cast<const pair_t*>(raw_g), kt.valid, eps);
         fence_async_shared();  // A's generic stores, before the tensor cores read it
         __syncthreads();       // A complete; the RAW stage free for the staging
         if (k == 0) mbar_wait(bar_w, 0);
@@ -408,7 +409,7 @@ ln_qkvg_project_wgmma_f16(const float* __restrict__ x, i64 sb, i64 si, i64 sj, i
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
 gated_out_project_wgmma_f16(const float* __restrict__ qkvg, i64 M,
                         const uint4* __restrict__ wo_image,  // WO_BYTES
-                        const float* __restrict__ b_out, float* __restrict__ out,
+                        const float* __restrict__ b_out, pair_t* __restrict__ out,
                         float w_unscale
 #if OUT_TRANSPOSED
                         , int N  // the pair's N: rows go to caller_row (common.cuh)
@@ -503,14 +504,14 @@ gated_out_project_wgmma_f16(const float* __restrict__ qkvg, i64 M,
             const int rr = 16 * w4 + g + 8 * h;
             if (rr >= rows_here) continue;
 #if OUT_TRANSPOSED  // the ending node: the caller's row (common.cuh)
-            float* const dst = out + caller_row(T * ROWS + rr, N) * PD + col0;
+            pair_t* const dst = out + caller_row(T * ROWS + rr, N) * PD + col0;
 #else
-            float* const dst = out + (T * ROWS + rr) * PD + col0;
+            pair_t* const dst = out + (T * ROWS + rr) * PD + col0;
 #endif
 #pragma unroll
             for (int n = 0; n < 4; ++n)
-                st_global2(dst + 8 * n, acc[4 * n + 2 * h] * w_unscale * a_unscale + bo[n].x,
-                           acc[4 * n + 2 * h + 1] * w_unscale * a_unscale + bo[n].y);
+                st_global_pair2(dst + 8 * n, acc[4 * n + 2 * h] * w_unscale * a_unscale + bo[n].x,
+                                acc[4 * n + 2 * h + 1] * w_unscale * a_unscale + bo[n].y);
         }
     }
 }

@@ -59,6 +59,15 @@ __device__ __forceinline__ void stsm_x4_trans(u32 addr, u32 r0, u32 r1, u32 r2, 
 __device__ __forceinline__ void st_global2(float* p, float x, float y) {
     asm volatile("st.global.v2.f32 [%0], {%1, %2};" :: "l"(p), "f"(x), "f"(y) : "memory");
 }
+// Two output elements of the pair's type (PAIR_DTYPE, project_math.cuh): 8 bytes, or
+// one 4-byte word of 16-bit elements.
+__device__ __forceinline__ void st_global_pair2(pair_t* p, float x, float y) {
+#if PAIR_DTYPE == PAIR_F32
+    st_global2(p, x, y);
+#else
+    asm volatile("st.global.b32 [%0], %1;" :: "l"(p), "r"(pair_bits2(make_float2(x, y))) : "memory");
+#endif
+}
 __device__ __forceinline__ void st_global4(void* p, uint4 v) {
     asm volatile("st.global.v4.u32 [%0], {%1, %2, %3, %4};"
                  :: "l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w) : "memory");
@@ -135,16 +144,18 @@ struct KeyTile {
 
 // x rows of tile T into RAW stage `stage` (by warp 0): one bulk copy where the keys' rows
 // are contiguous (sj == D), else one per row; counted on the stage's mbarrier.
-__device__ __forceinline__ void load_rows(const float* x, i64 sb, i64 si, i64 sj, const KeyTile& kt,
+// (16-bit pairs: rows of PD elements in the stage's first half, widened by row_moments.)
+__device__ __forceinline__ void load_rows(const pair_t* x, i64 sb, i64 si, i64 sj, const KeyTile& kt,
                                           u32 raw, u32 bar) {
     const int lane = threadIdx.x & 31;
-    const float* const src = x + kt.b * sb + kt.i * si + kt.key0 * sj;
-    if (lane == 0) mbar_arrive_expect(bar, kt.valid * PD * 4);
+    const int row_bytes = PD * (int)sizeof(pair_t);
+    const pair_t* const src = x + kt.b * sb + kt.i * si + kt.key0 * sj;
+    if (lane == 0) mbar_arrive_expect(bar, kt.valid * row_bytes);
     __syncwarp();  // lane 0's expected bytes announced before any copy can complete
     if (sj == PD) {
-        if (lane == 0) bulk_copy(raw, src, kt.valid * PD * 4, bar);
+        if (lane == 0) bulk_copy(raw, src, kt.valid * row_bytes, bar);
     } else {
-        for (int r = lane; r < kt.valid; r += 32) bulk_copy(raw + r * PD * 4, src + r * sj, PD * 4, bar);
+        for (int r = lane; r < kt.valid; r += 32) bulk_copy(raw + r * row_bytes, src + r * sj, row_bytes, bar);
     }
 }
 // This warp's 16 rows x 32 columns of 16-bit pairs (w[n][h]: column pair 8n + 2t of row g
@@ -174,11 +185,21 @@ __device__ __forceinline__ void store_rows16(const u32 (&w)[4][2], u32 stage, ch
 // it (row_piece) in v, and the row's LayerNorm statistics, combined over its PARTS threads
 // (consecutive lanes): the mean, then the squared deviations from it (two passes: no
 // cancellation), rstd = 1 / sqrt(biased variance + eps), as torch.nn.LayerNorm.
-__device__ __forceinline__ void row_moments(const float* raw, int r, int p, float eps,
+__device__ __forceinline__ void row_moments(const pair_t* raw, int r, int p, float eps,
                                             float4 (&v)[PD / 32], float& mu, float& rstd) {
+#if PAIR_DTYPE == PAIR_F32
     const float4* const row = reinterpret_cast<const float4*>(raw + r * PD);
 #pragma unroll
     for (int k = 0; k < PD / 32; ++k) v[k] = row[row_piece(r, p, k)];
+#else  // (4 16-bit elements per piece, widened)
+    const uint2* const row = reinterpret_cast<const uint2*>(raw + r * PD);
+#pragma unroll
+    for (int k = 0; k < PD / 32; ++k) {
+        const uint2 u = row[row_piece(r, p, k)];
+        v[k] = make_float4(pair_value((unsigned short)(u.x & 0xffffu)), pair_value((unsigned short)(u.x >> 16)),
+                           pair_value((unsigned short)(u.y & 0xffffu)), pair_value((unsigned short)(u.y >> 16)));
+    }
+#endif
     float sum = 0.f, amax = 0.f;
 #pragma unroll
     for (int k = 0; k < PD / 32; ++k) {

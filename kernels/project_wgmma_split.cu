@@ -45,7 +45,7 @@
 // Shared memory of ln_qkvg_project_wgmma (bytes from a 1024-aligned base):
 //   W      [2 passes][hi, lo][D / 64][D rows][128 B]   this half's weights, 128 KiB
 //   A      [hi, lo][D / 64][64 rows][128 B]            the tile's xn a_scale split
-//   RAW    [2][64][D] fp32                             x rows a tile ahead; after LayerNorm
+//   RAW    [2][64][D] fp32 (pair_t)                    x rows a tile ahead; after LayerNorm
 //                                                      the staging of the K or V^T tiles
 //                                                      [H][hi, lo][4 KiB] (and of q first)
 //   BAR    3 mbarriers: RAW stage 0, 1, the weights
@@ -151,7 +151,7 @@ __device__ __forceinline__ void split4(float4 x, uint2& hi, uint2& lo) {
 // 0) also the pair bias of the tile's keys for every head: xn . wb[head] from the fp32 xn
 // (the PARTS threads' sums combined), log2 e units, -inf where masked and on the keys
 // past N; part p stores head p's, hi and lo, into row i % 128 of its tile (f16_bias_split).
-__device__ __forceinline__ void layernorm_split_tile(char* smem, const float* raw, const KeyTile& kt,
+__device__ __forceinline__ void layernorm_split_tile(char* smem, const pair_t* raw, const KeyTile& kt,
                                                      float eps, const float* __restrict__ gamma_beta,
                                                      const float* __restrict__ wb, float a_unscale,
                                                      const void* __restrict__ mask, int mask_kind,
@@ -203,7 +203,7 @@ __device__ __forceinline__ void layernorm_split_tile(char* smem, const float* ra
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
-ln_qkvg_project_wgmma_f16x3(const float* __restrict__ x, i64 sb, i64 si, i64 sj, int B, int N, int H,
+ln_qkvg_project_wgmma_f16x3(const pair_t* __restrict__ x, i64 sb, i64 si, i64 sj, int B, int N, int H,
                       float eps, const float* __restrict__ gamma_beta,  // [2][D], times a_scale
                       const uint4* __restrict__ w_image,  // 2 halves x 4 W_PART
                       const float* __restrict__ col_bias,  // [4 D]: bq, bk, bv (times s_q, s_k, s_v), bg
@@ -253,7 +253,7 @@ ln_qkvg_project_wgmma_f16x3(const float* __restrict__ x, i64 sb, i64 si, i64 sj,
 
         // 1. LayerNorm: RAW -> A, hi and lo (half 0: and the pair bias).
         mbar_wait(bar_raw + 8 * stage, (s >> 1) & 1);
-        layernorm_split_tile(smem, reinterpret_cast<const float*>(raw_g), kt, eps, gamma_beta,
+        layernorm_split_tile(smem, reinterpret_cast<const pair_t*>(raw_g), kt, eps, gamma_beta,
                              half ? nullptr : wb, a_unscale, mask, mask_kind, mb, mi, mj, bias, N,
                              H, npk);
         fence_async_shared();  // A's generic stores, before the tensor cores read it
@@ -390,7 +390,7 @@ ln_qkvg_project_wgmma_f16x3(const float* __restrict__ x, i64 sb, i64 si, i64 sj,
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
 gated_out_project_wgmma_f16x3(const float* __restrict__ qkvg, i64 M,
                         const uint4* __restrict__ wo_image,  // 2 W_PART
-                        const float* __restrict__ b_out, float* __restrict__ out,
+                        const float* __restrict__ b_out, pair_t* __restrict__ out,
                         float w_unscale
 #if OUT_TRANSPOSED
                         , int N  // the pair's N: rows go to caller_row (common.cuh)
@@ -474,15 +474,15 @@ gated_out_project_wgmma_f16x3(const float* __restrict__ qkvg, i64 M,
             const int rr = 16 * w4 + g + 8 * h;
             if (rr >= rows_here) continue;
 #if OUT_TRANSPOSED  // the ending node: the caller's row (common.cuh)
-            float* const dst = out + caller_row(T * ROWS + rr, N) * PD + col0;
+            pair_t* const dst = out + caller_row(T * ROWS + rr, N) * PD + col0;
 #else
-            float* const dst = out + (T * ROWS + rr) * PD + col0;
+            pair_t* const dst = out + (T * ROWS + rr) * PD + col0;
 #endif
 #pragma unroll
             for (int n = 0; n < 4; ++n) {
                 const int e = 4 * n + 2 * h;
-                st_global2(dst + 8 * n, acc[e] * w_unscale * a_unscale + bo[n].x,
-                           acc[e + 1] * w_unscale * a_unscale + bo[n].y);
+                st_global_pair2(dst + 8 * n, acc[e] * w_unscale * a_unscale + bo[n].x,
+                                acc[e + 1] * w_unscale * a_unscale + bo[n].y);
             }
         }
     }

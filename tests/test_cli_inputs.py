@@ -64,7 +64,7 @@ def test_bad_inputs_are_reported_and_skipped(weights, weights_file, tmp_path, ca
         "bad_mask.npz": "mask must have shape (5, 5) to match pair; got (4, 4)",
         "inf_mask.npz": "mask contains 1 non-finite value",
         "no_key.npz": "no array 'pair' in the archive (it holds 'other')",
-        "int.npy": "pair has dtype int64; expected float32 or float64",
+        "int.npy": "pair has dtype int64; expected float16, float32 or float64",
         "not_square.npy": "pair must be square in its two middle axes (N, N); got (5, 6, 16)",
     }
     for name, reason in reasons.items():
@@ -221,3 +221,22 @@ def test_hdf5_inputs_must_hold_their_data(weights_file, tmp_path, capsys):
     assert all_files(out) == ["hardlink.h5"]
 
 
+
+
+def test_float16_inputs_give_float16_outputs(weights, weights_file, tmp_path):
+    """A float16 pair (.npy and an HDF5 dataset) is computed in float32 from its values
+    and written back in float16."""
+    rng = np.random.default_rng(16)
+    src = tmp_path / "in"
+    src.mkdir()
+    pair = make_pair(rng, 2, 6, 6).astype(np.float16)
+    np.save(src / "half_npy.npy", pair)
+    write_h5(src / "half_h5.h5", pair=pair)
+    out = tmp_path / "out"
+    assert cli(weights_file, out, src) == 0
+    expected = expected_output(weights, pair.astype(np.float32)).astype(np.float16)
+    for name in ("half_npy", "half_h5"):
+        got, _ = read_output(out / f"{name}.h5")
+        assert got.dtype == np.float16 and got.shape == pair.shape
+        np.testing.assert_allclose(got.astype(np.float32), expected.astype(np.float32),
+                                   rtol=2 ** -10, atol=1e-3)

@@ -2,6 +2,8 @@
 ptxas reports no register spills beyond the known, bounded ones (_allowed_spill_bytes). Runs in CI (CuPy's NVRTC comes with cupy-cuda13x[ctk])."""
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
 from triattn_cupy import gpu
@@ -89,6 +91,54 @@ def test_transposed_output_compiles_without_spills(config, arch):
                          x.filename + ":" + ",".join(f"{k}={v}" for k, v in x.defines))
 def test_row_mask_compiles_without_spills(config, arch):
     _compile_within_spill_allowance(config, arch)
+
+
+# The pair read and the output written in 16 bits (PAIR_DTYPE float16, bfloat16): each
+# route's projection kernels in their smallest configuration, per 16-bit type, half of
+# them with OUT_TRANSPOSED (routes.pair_dtype_configs).
+@pytest.mark.parametrize("config,arch", [(c, a) for a in gpu.compile.CHECK_ARCHS
+                                         for c in gpu.routes.pair_dtype_configs(a)],
+                         ids=lambda x: x if isinstance(x, str) else
+                         x.filename + ":" + ",".join(f"{k}={v}" for k, v in x.defines))
+def test_16_bit_pair_compiles_without_spills(config, arch):
+    report = _compile_within_spill_allowance(config, arch)
+    assert any(entry.startswith("ln_qkvg_project") for entry in report), report
+    assert any(entry.startswith("gated_out_project") for entry in report), report
+
+
+def test_16_bit_pair_configs_cover_every_route_and_both_types():
+    """Every route's projection kernels (the default D = 128 ones) are among the 16-bit
+    configurations of its architecture, in float16 and bfloat16, and float32 emits no
+    define: its configurations, and so its machine code, are the ones without the
+    feature."""
+    from triattn_cupy.gpu import routes
+
+    for arch, cc in (("sm_80", 80), ("sm_90", 90)):
+        compiled = {(c.filename, tuple(d for d in c.defines if d[0] != "OUT_TRANSPOSED"))
+                    for c in routes.pair_dtype_configs(arch)}
+        taken = set()
+        for name, precision in itertools.product(routes.ROUTES, gpu.checks.PRECISIONS):
+            try:
+                route = routes.choose_route(precision, 32, 128, 384, cc, force=name)
+            except ValueError:
+                continue
+            taken.add(name)
+            for dtype in ("float16", "bfloat16"):
+                configs = [routes.project_tiles_config(route.layout, dtype)
+                           if engine == "tiles" else
+                           routes.project_config(gpu.tiles.out_project_rows(), engine, 128,
+                                                 route.layout, route.products, dtype)
+                           for engine in (route.project, route.out_project)]
+                for c in configs:
+                    assert (c.filename, c.defines) in compiled, (name, dtype, c)
+        assert len(taken) >= (15 if cc == 90 else 5), taken
+    config = routes.project_config(64, "mma", 128, gpu.layouts.ROWS_TF32, "tf32")
+    assert routes.project_config(64, "mma", 128, gpu.layouts.ROWS_TF32, "tf32",
+                                 "float32") == config
+    assert "PAIR_DTYPE" not in dict(config.defines)
+    assert dict(routes.with_pair_dtype(config, "bfloat16").defines)["PAIR_DTYPE"] == 2
+    with pytest.raises(ValueError, match="pair_dtype must be one of"):
+        routes.pair_dtype_defines("float64")
 
 
 # project_mma.cu's LN_SPLIT (LayerNorm 2 threads per row, off until measured on a GPU):

@@ -293,6 +293,20 @@ def test_rejects_bad_compute_dtype(small, dtype):
         triangle_attention(pair, None, weights, dtype=dtype)
 
 
+def test_a_16_bit_pair_gets_its_own_dtype_back(small):
+    """float16 (and ml_dtypes' bfloat16) in, the same dtype out, computed in `dtype` from
+    the pair's values."""
+    weights, pair = small
+    half = pair.astype(np.float16)
+    expected = triangle_attention(half.astype(np.float64), None, weights)
+    got = triangle_attention(half, None, weights)
+    assert got.dtype == np.float16
+    assert np.array_equal(got, expected.astype(np.float16))
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    got = triangle_attention(pair.astype(ml_dtypes.bfloat16), None, weights, dtype=np.float32)
+    assert got.dtype == ml_dtypes.bfloat16
+
+
 @pytest.mark.parametrize("dtype", [np.int64, bool, np.complex128])
 def test_rejects_non_float_pair(small, dtype):
     weights, pair = small

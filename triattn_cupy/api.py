@@ -19,9 +19,11 @@ class TriangleAttention:
     ``TriangleAttention(weights)`` uploads `weights` (a `Weights`) to `device` (default: the
     current CuPy device) once; ``module(pair, mask)`` then runs the forward pass:
 
-    pair:  float32, (B, N, N, D) or (N, N, D): a CuPy array, or any GPU array exposing
-           ``__cuda_array_interface__`` or DLPack (a torch CUDA tensor), taken without a
-           copy; any strides.
+    pair:  (B, N, N, D) or (N, N, D) of float32, float16 or bfloat16: a CuPy array (of
+           ml_dtypes.bfloat16 for bfloat16), or any GPU array exposing
+           ``__cuda_array_interface__`` or DLPack (a torch CUDA tensor, bfloat16 too),
+           taken without a copy; any strides. The kernels read it, and write the result,
+           in its own type; the arithmetic between is the one `precision` names.
     mask:  (B, N, N) or (N, N) of bool, int or float on the same GPU (0 = masked), or None;
            with mask_layout "row" also (B, N, 1, 1, N) / (N, 1, 1, N), the models' shape.
     mask_layout, node: the conventions (triattn_cupy.conventions): mask_layout "pair"
@@ -31,12 +33,14 @@ class TriangleAttention:
            weights' own (Weights.mask_layout, Weights.node), as the NumPy backend does.
     fully_masked: "zero" (default): a query whose keys are all masked gets a zero attention
            output, so ``out = out_proj.bias`` there; "nan": NaN there, as the reference.
-    out:   optional C-contiguous float32 CuPy array shaped like pair to write into.
+    out:   optional C-contiguous array shaped like pair, of the pair's dtype, to write
+           into (a CuPy array, or a GPU array as pair).
     route: None (default): the fastest route of kernels this GPU and problem take; or a
            route name of ``triattn_cupy.gpu.routes.ROUTES`` (optionally with "@sm_80" for
            the sm_80 tile tables) or a ``Route`` to force one (tests and tools: every route
            some GPU takes runs on an H200). A route the problem cannot take is a ValueError.
-    Returns a float32 CuPy array shaped like `pair`.
+    Returns a CuPy array shaped like `pair`, of its dtype (`out` where given; for a torch
+    bfloat16 pair ml_dtypes.bfloat16, or its int16 bits where ml_dtypes is not installed).
     """
 
     def __init__(self, weights: Weights, *, device=None):

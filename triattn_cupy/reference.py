@@ -68,7 +68,9 @@ def triangle_attention(pair, mask, weights: Weights, *, fully_masked: str = "zer
 
     pair: (B, N, N, D) or (N, N, D), any real dtype. mask: (B, N, N) / (N, N) of bool,
     int or float (0 = masked), or None; with ``mask_layout="row"`` also (B, N, 1, 1, N) /
-    (N, 1, 1, N). Computed and returned in `dtype` (float64 or float32), shaped like `pair`.
+    (N, 1, 1, N). Computed in `dtype` (float64 or float32) and returned in it, shaped like
+    `pair`; a 16-bit pair (float16, or ml_dtypes.bfloat16) gets its own dtype back, as the
+    GPU backend returns it.
     mask_layout: "pair" (mask[b, j, k]: key k of query j, in every row i; the spec's) or
     "row" (mask[b, i, k]: key k of every query of row i; OpenFold's, Boltz's, Protenix's).
     node: "starting" (rows along the first N axis), "ending" (the block applied to the
@@ -87,8 +89,9 @@ def triangle_attention(pair, mask, weights: Weights, *, fully_masked: str = "zer
     if dtype not in (np.float32, np.float64):
         raise ValueError(f"dtype must be float32 or float64, got {dtype}")
     pair = np.asarray(pair)
-    if pair.dtype.kind != "f":
+    if pair.dtype.kind != "f" and pair.dtype.name != "bfloat16":  # (ml_dtypes': kind "V")
         raise TypeError(f"pair must be a float array, got dtype {pair.dtype}")
+    result_dtype = pair.dtype if pair.dtype.itemsize == 2 else dtype
     B, N, batched = pair_geometry(pair.shape, weights.pair_dim)
     D, h, d = weights.pair_dim, weights.num_heads, weights.head_dim
     x = pair.reshape(B, N, N, D)                                     # a view of pair
@@ -155,4 +158,5 @@ def triangle_attention(pair, mask, weights: Weights, *, fully_masked: str = "zer
             o = np.where(dead, fill, o)
             o = o.transpose(0, 2, 1, 3).reshape(R, N, D)             # [R, N, D]
             out_rows[b, i0:i0 + R] = linear("out_proj", g[b, picked] * o)
+    out = out.astype(result_dtype, copy=False)
     return out if batched else out[0]

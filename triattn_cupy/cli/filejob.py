@@ -18,6 +18,8 @@ import json
 import logging
 import time
 
+import numpy as np
+
 from .._version import __version__
 from .backends import ComputeError
 from .io import InputError, read_input
@@ -95,6 +97,8 @@ def compute_file(task, loaded, backend):
         logger.debug("computing %s on %s", task.input, backend.label, exc_info=True)
         raise FileFailed(f"{backend.label} failed: {type(exc).__name__}: {exc}") from None
     meta["compute_seconds"] = time.perf_counter() - t0
+    if np.dtype(loaded.source_dtype).itemsize == 2:  # float16 in, float16 out (computed in
+        out = out.astype(np.float16)                 # float32, from the widened input)
     return out, meta
 
 

@@ -1,6 +1,7 @@
 """Inputs of `triattn-infer`: finding them, reading and checking them.
 
-Inputs hold a pair representation (N, N, D) or (B, N, N, D), float32 or float64, and
+Inputs hold a pair representation (N, N, D) or (B, N, N, D), float16, float32 or
+float64 (computed in float32; float16 gives a float16 output), and
 optionally a mask (N, N) / (B, N, N):
 
     .npy          the pair array alone
@@ -175,8 +176,8 @@ class _Keys:
 def _check_header(shape, dtype, pair_dim: int, what: str = "pair"):
     """(B, N, batched) of a pair header, after its dtype, shape and size are checked."""
     dtype = np.dtype(dtype)
-    if dtype.kind != "f" or dtype.itemsize not in (4, 8):  # either byte order
-        raise InputError(f"{what} has dtype {dtype}; expected float32 or float64")
+    if dtype.kind != "f" or dtype.itemsize not in (2, 4, 8):  # either byte order
+        raise InputError(f"{what} has dtype {dtype}; expected float16, float32 or float64")
     try:
         geometry = pair_geometry(shape, pair_dim, arg=what)
     except ValueError as exc:

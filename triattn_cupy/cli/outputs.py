@@ -220,7 +220,7 @@ def _write_hdf5(tmp: str, out: np.ndarray, attrs: dict) -> None:
         f.attrs["format_version"] = np.int64(OUTPUT_FORMAT_VERSION)
         for key, value in attrs.items():
             f.attrs[key] = value
-        ds = f.create_dataset(OUTPUT_DATASET, shape=out.shape, dtype=np.float32)
+        ds = f.create_dataset(OUTPUT_DATASET, shape=out.shape, dtype=out.dtype)
         step = max(1, _SLAB_BYTES // max(1, out[:1].nbytes))
         for i in range(0, out.shape[0], step):
             ds[i:i + step] = out[i:i + step]

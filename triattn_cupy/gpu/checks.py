@@ -92,3 +92,67 @@ def as_device_array(obj, arg: str, device_id: int):
                          f"{device_id}; move it with cupy.asarray under "
                          f"cupy.cuda.Device({device_id}), or build the module there")
     return array
+
+
+# The pair's element types the kernels read and write (routes.PAIR_DTYPES); bfloat16 also
+# as the bits of a 16-bit integer array
+_BFLOAT16_CARRIERS = ("bfloat16", "uint16", "int16")
+
+
+def bfloat16_bits(obj):
+    """(obj, False), or for a torch bfloat16 tensor (which neither DLPack in CuPy nor
+    __cuda_array_interface__ carries) (its int16 view, True): the same memory, no copy.
+    torch is never imported here: a tensor's own module is."""
+    dtype = getattr(obj, "dtype", None)
+    if type(obj).__module__.startswith("torch") and str(dtype) == "torch.bfloat16":
+        import sys
+
+        return obj.view(sys.modules["torch"].int16), True
+    return obj, False
+
+
+def bfloat16_dtype(carrier):
+    """The dtype a bfloat16 result carried as `carrier` (16-bit integers) is returned in:
+    ml_dtypes.bfloat16 where ml_dtypes imports (optional), else the carrier itself."""
+    try:
+        import ml_dtypes
+    except ImportError:
+        return carrier
+    return np.dtype(ml_dtypes.bfloat16)
+
+
+def _pair_dtypes():
+    from .routes import PAIR_DTYPES
+
+    return PAIR_DTYPES
+
+
+def check_pair_dtype(dtype, pair_dtype: str | None) -> str:
+    """The pair's element type as the kernels take it ("float32", "float16", "bfloat16"),
+    from its CuPy dtype and the caller's `pair_dtype` (None: the dtype's own)."""
+    name = np.dtype(dtype).name
+    if pair_dtype is None:
+        if name in _pair_dtypes():
+            return name
+        raise TypeError(f"pair must be float32, float16 or bfloat16 (a CuPy array of "
+                        f"ml_dtypes.bfloat16, or a torch bfloat16 tensor); got {name} (convert "
+                        f"with pair.astype(cupy.float32))")
+    if pair_dtype not in _pair_dtypes():
+        raise ValueError(f"pair_dtype must be one of {_pair_dtypes()} or None; got "
+                         f"{pair_dtype!r}")
+    if name != pair_dtype and not (pair_dtype == "bfloat16" and name in _BFLOAT16_CARRIERS):
+        expected = "bfloat16, uint16 or int16" if pair_dtype == "bfloat16" else pair_dtype
+        raise TypeError(f"pair must be {expected} for pair_dtype={pair_dtype!r}; got {name}")
+    return pair_dtype
+
+
+def check_out(out, shape, pair_dtype: str, bfloat16: bool = False):
+    """`out` C-contiguous, shaped and typed as the pair (bfloat16: any of its carriers)."""
+    name = out.dtype.name
+    same = (name == pair_dtype if pair_dtype != "bfloat16"
+            else bfloat16 or name in _BFLOAT16_CARRIERS)
+    if not same or out.shape != tuple(shape) or not out.flags.c_contiguous:
+        got = "bfloat16 (torch)" if bfloat16 else name
+        raise ValueError(f"out must be a C-contiguous {pair_dtype} array (the pair's dtype) of "
+                         f"shape {tuple(shape)}; got {got} {out.shape} "
+                         f"(c_contiguous={out.flags.c_contiguous})")

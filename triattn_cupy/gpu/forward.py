@@ -11,8 +11,11 @@ Stages (one launch each; the kernels of each route: gpu/routes.py):
   out        (g * o) Wo^T + bo
 Scratch: qkvg rows (4D, 2D or D words by layout), the bias (fp32 or fp16; tiles for the
 tiled layouts), the K and V^T tiles, the key extent and the row mask's bits, one
-allocation from CuPy's memory pool per call. Everything a call launches besides its pointers is worked out once per
-module and input geometry (Plan): at small sizes the caller waits on host time.
+allocation per call (CuPy's memory pool, or the caller's `allocate`). Everything a call
+launches besides its pointers is worked out once per module and input geometry (Plan): at
+small sizes the caller waits on host time.
+The pair is read, and the output written, in the pair's own type (float32, float16 or
+bfloat16: the projections' PAIR_DTYPE); everything between is the route's arithmetic.
 The ending node runs on the transposed pair and mask, read in place as strided views; the
 out projection writes each row back to the caller's layout (OUT_TRANSPOSED).
 """
@@ -37,20 +40,57 @@ class Forward:
     """One forward pass prepared: arguments checked, its Plan looked up (made on first
     use), scratch allocated. `stages()` lists the launches in order; `run()` performs
     them all. `route` forces a route (routes.ROUTES name or Route); `attention` one
-    attention kernel (tile sweeps and tests), with the projections its layout takes."""
+    attention kernel (tile sweeps and tests), with the projections its layout takes.
+
+    The contract for callers that build a Forward themselves (triattn_cupy.torch):
+
+    pair:  (B, N, N, D) or (N, N, D), any strides: a CuPy array (or any object
+           as_device_array takes) of float32, float16, or bfloat16 (a CuPy array of
+           ml_dtypes.bfloat16, or a torch bfloat16 tensor, taken as its int16 bits), or a
+           uint16 / int16 array of bfloat16 bits with ``pair_dtype="bfloat16"``. The
+           kernels read it in that type (no conversion pass); rows that are not
+           contiguous and 16-byte aligned are read from an aligned copy in the same type
+           (16-bit pairs with D % 8 != 0: in place, by scalar loads).
+    pair_dtype: None (the pair's dtype says it), or "float32", "float16", "bfloat16" (the
+           last also for 16-bit integer arrays holding bfloat16 bits).
+    out:   None, or C-contiguous, shaped like pair, of the pair's type (for bfloat16 any
+           of its carriers: ml_dtypes.bfloat16, uint16, int16, a torch bfloat16 tensor).
+           The result (`out`, or `run()`'s value) is `out` itself; else a new array of the
+           pair's dtype as given (uint16 / int16 bits stay so; a torch bfloat16 pair gives
+           ml_dtypes.bfloat16 where ml_dtypes imports, else its int16 bits).
+    allocate: None (CuPy's memory pool), or a callable nbytes -> object with an integer
+           `.ptr` (a device address on the weights' device, valid while the object
+           lives, 256-byte aligned as allocators give): the scratch, the aligned copies
+           and the result when `out` is None come from it (a capture-aware allocator
+           under CUDA graph capture). The Forward keeps each object alive as long as it
+           lives, and the result array keeps its own.
+    Once the Plan exists, nothing here synchronizes the device or the stream: the
+    launches, the memsets and the copies are all asynchronous on CuPy's current stream
+    (the caller sets it: torch's stream, cupy.cuda.ExternalStream). Making a Plan (first
+    call of a geometry) compiles kernels and uploads weights, which does; so does CuPy
+    taking a torch tensor through __cuda_array_interface__ (it synchronizes the stream the
+    interface names): under capture, pass CuPy arrays over the tensors' memory
+    (cupy.cuda.UnownedMemory), made without it."""
 
     def __init__(self, dw: DeviceWeights, pair, mask, fully_masked: str, out,
                  precision: str = "fp32",
                  attention: "routes.AttentionLaunch | None" = None,
                  route: "routes.Route | str | None" = None,
-                 conventions: tuple[str, str] = ("pair", "starting")):
+                 conventions: tuple[str, str] = ("pair", "starting"),
+                 pair_dtype: str | None = None, allocate=None):
         cupy = _cupy()
         check_fully_masked(fully_masked)
         checks.check_precision(precision)
+        pair, given_bfloat16 = checks.bfloat16_bits(pair)
         pair = as_device_array(pair, "pair", dw.device_id)
-        if pair.dtype != np.float32:
-            raise TypeError(f"pair must be float32; got {pair.dtype} (convert with "
-                            f"pair.astype(cupy.float32))")
+        self.pair_dtype = pair_dtype = checks.check_pair_dtype(
+            pair.dtype, "bfloat16" if given_bfloat16 else pair_dtype)
+        # The result's dtype: the pair's as given (a torch bfloat16 pair's: ml_dtypes')
+        self._result_dtype = (checks.bfloat16_dtype(pair.dtype) if given_bfloat16
+                              else pair.dtype)
+        if pair.dtype.name == "bfloat16":  # (ml_dtypes': CuPy copies it as its bits)
+            pair = pair.view(cupy.uint16)
+        self.dw, self._allocate = dw, allocate
         B, N, batched = pair_geometry(pair.shape, dw.pair_dim)
         mask_layout, node = conventions
         if mask is not None:
@@ -69,21 +109,27 @@ class Forward:
             if mask is not None:
                 mask = mask.swapaxes(-1, -2)
         if out is not None:
+            out, out_bfloat16 = checks.bfloat16_bits(out)
             out = as_device_array(out, "out", dw.device_id)
-            if out.shape != pair.shape or out.dtype != np.float32 or not out.flags.c_contiguous:
-                raise ValueError(f"out must be a C-contiguous float32 array of shape "
-                                 f"{pair.shape}; got {out.dtype} {out.shape} "
-                                 f"(c_contiguous={out.flags.c_contiguous})")
-        # Rows whose float4 loads would be misaligned (an odd offset, a channel stride) are
+            checks.check_out(out, pair.shape, pair_dtype, out_bfloat16)
+            self._result_dtype = (checks.bfloat16_dtype(out.dtype) if out_bfloat16
+                                  else out.dtype)
+            if out.dtype.name == "bfloat16":
+                out = out.view(cupy.uint16)
+        # Rows whose vector loads would be misaligned (an odd offset, a channel stride) are
         # read from an aligned copy, and an unaligned `out` is written through one: the
         # route, and so the bits, must not depend on where the arrays lie.
-        pair = _aligned_rows(cupy, pair)
+        if _needs_aligned_copy(pair):
+            copy = self._array(pair.shape, pair.dtype)
+            copy[...] = pair
+            pair = copy
         self._out_target = None
         if out is not None and out.data.ptr % 16:
             self._out_target, out = out, None
         key = plan_key(pair, mask, precision, fully_masked == "nan", route,
                        out_transposed=node == "ending",
-                       row_mask=mask is not None and mask_layout == "row")
+                       row_mask=mask is not None and mask_layout == "row",
+                       pair_dtype=pair_dtype)
         # Whether calls must switch to the weights' device (each look-up of the current
         # device costs ~0.7 µs of host time before the first kernel: done once here)
         self.dw, self._switch = dw, cupy.cuda.runtime.getDevice() != dw.device_id
@@ -100,7 +146,7 @@ class Forward:
             else:
                 plan = make_plan(dw, key, attention)
             self.plan, self.pair, self.mask = plan, pair, mask
-            self._scratch = cupy.cuda.alloc(plan.scratch_bytes)  # qkvg, the bias, V^T
+            self._scratch = self._memory(plan.scratch_bytes)  # qkvg, the bias, V^T
         scratch = self._scratch.ptr
         # The output's memory is taken after the first launch (_take_out_memory: ~1 µs of
         # host time the first kernel need not wait on), its CuPy array after the last
@@ -131,22 +177,41 @@ class Forward:
         """The weights' device as the current one, for kernels and allocations."""
         return _cupy().cuda.Device(self.dw.device_id) if self._switch else contextlib.nullcontext()
 
+    def _memory(self, nbytes: int):
+        """`nbytes` of device memory: from CuPy's pool, or the caller's `allocate` (its
+        object kept alive by the MemoryPointer, as long as any array over it lives)."""
+        cupy = _cupy()
+        if self._allocate is None:
+            return cupy.cuda.alloc(nbytes)
+        owner = self._allocate(nbytes)
+        memory = cupy.cuda.UnownedMemory(int(owner.ptr), nbytes, owner, self.dw.device_id)
+        return cupy.cuda.MemoryPointer(memory, 0)
+
+    def _array(self, shape, dtype):
+        """A C-contiguous array from `_memory` (the aligned copies, the result)."""
+        nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
+        return _cupy().ndarray(shape, dtype, memptr=self._memory(nbytes))
+
     def _take_out_memory(self):
         if self._out_memory is None:
-            self._out_memory = _cupy().cuda.alloc(4 * self.pair.size)
+            self._out_memory = self._memory(self.pair.itemsize * self.pair.size)
             self._pointers["out"] = self._out_memory.ptr
 
     @property
     def out(self):
-        """The float32 result, shaped like pair (the caller's `out`, or the array made
-        for it)."""
+        """The result, shaped like pair, of the pair's dtype (the caller's `out`, or the
+        array made for it)."""
         if self._out is None:
             with self._on_device():
                 self._take_out_memory()
-            self._out = _cupy().ndarray(self.pair.shape, np.float32, memptr=self._out_memory)
+            self._out = _cupy().ndarray(self.pair.shape, self.pair.dtype,
+                                        memptr=self._out_memory)
             if self._out_target is not None:  # the caller's unaligned `out`
-                self._out_target[...] = self._out
-                self._out = self._out_target
+                target = self._out_target
+                target[...] = self._out.view(target.dtype)
+                self._out = target
+        if self._out.dtype != self._result_dtype:  # (bfloat16: its bits, viewed)
+            self._out = self._out.view(self._result_dtype)
         return self._out
 
     @property
@@ -253,12 +318,14 @@ def _refuse_unsupported(node: str):
             "--device cpu) for these weights")
 
 
-def _aligned_rows(cupy, pair):
-    """`pair`, or a C-contiguous copy where its rows are not contiguous and 16-byte aligned
-    (what the projections' float4 loads and row copies need)."""
-    contiguous_rows = pair.strides[-1] == 4 and all(s % 16 == 0 for s in pair.strides[:-1])
-    if contiguous_rows and pair.data.ptr % 16 == 0:
-        return pair
-    copy = cupy.empty(pair.shape, pair.dtype)
-    copy[...] = pair
-    return copy
+def _needs_aligned_copy(pair) -> bool:
+    """Whether `pair` is read from a C-contiguous copy: where its rows are not contiguous
+    and 16-byte aligned (what the projections' vector loads and row copies need) and a
+    copy's rows would be (16-bit rows with D % 8 != 0 never are: read by scalar loads,
+    in place)."""
+    itemsize, D = pair.itemsize, pair.shape[-1]
+    if (D * itemsize) % 16:
+        return False
+    contiguous_rows = (pair.strides[-1] == itemsize
+                       and all(s % 16 == 0 for s in pair.strides[:-1]))
+    return not (contiguous_rows and pair.data.ptr % 16 == 0)

@@ -49,7 +49,7 @@ class Plan:
                  precision: str, nan_fully_masked: bool,
                  attention: "routes.AttentionLaunch | None" = None,
                  route: "routes.Route | str | None" = None, out_transposed: bool = False,
-                 row_mask: bool = False):
+                 row_mask: bool = False, pair_dtype: str = "float32"):
         B, N, _ = pair_geometry(shape, dw.pair_dim)
         D, H, d = dw.pair_dim, dw.num_heads, dw.head_dim
         self._qkv_scales = dw.qkv_scales
@@ -57,9 +57,13 @@ class Plan:
         self.B, self.N, self.D, self.H, self.d = B, N, D, H, d
         self.M = M = B * N * N
         sb, si, sj, sc = strides if len(strides) == 4 else (0, *strides)
-        # The pair's rows contiguous and 16-byte aligned: float4 loads (x_vec), and the
+        # The pair's elements: float32, or 16 bits (PAIR_DTYPE: read as that, the output
+        # written as that)
+        self.pair_dtype = pair_dtype
+        per_16_bytes = 4 if pair_dtype == "float32" else 8
+        # The pair's rows contiguous and 16-byte aligned: vector loads (x_vec), and the
         # persistent LayerNorm projection, which copies whole rows
-        x_vec = int(sc == 1 and all(s % 4 == 0 for s in (sb, si, sj)) and aligned)
+        x_vec = int(sc == 1 and all(s % per_16_bytes == 0 for s in (sb, si, sj)) and aligned)
         geometry = dict(rows_aligned=bool(x_vec), smem_limit=dw.smem_limit,
                         masked=mask_meta is not None)
         if attention is not None:  # one attention kernel forced (tile sweeps and tests)
@@ -154,7 +158,7 @@ class Plan:
             rows = tiles.project_rows(D, M, dw.sm_count, dw.smem_limit, self.project_mma)
             signature = LN_QKVG_PROJECT + (F16_TERMS_ARGS if self.project_f16 else Signature())
             self.project = Launch(
-                routes.project_config(rows, r.project, D, layout, r.products),
+                routes.project_config(rows, r.project, D, layout, r.products, pair_dtype),
                 f"ln_qkvg_project_{r.project}_{r.products}", -(-M // rows),
                 tiles.PROJECT_THREADS,
                 tiles.project_smem_bytes(D, rows, self.project_mma),
@@ -174,7 +178,8 @@ class Plan:
         else:
             signature = GATED_OUT_PROJECT + (Signature("f32 w_unscale") if self.project_f16
                                              else Signature())
-            config = routes.project_config(out_rows, r.out_project, D, layout, r.products)
+            config = routes.project_config(out_rows, r.out_project, D, layout, r.products,
+                                           pair_dtype)
             transposed = {}
             if out_transposed:
                 config = routes.out_transposed(config)
@@ -205,7 +210,7 @@ class Plan:
         extra = (dict(wb=dw.bias_weight(False, self.scales).data.ptr, a_unscale=1.0 / s.a)
                  if split else {})
         return Launch(
-            routes.project_tiles_config(self.layout),
+            routes.project_tiles_config(self.layout, self.pair_dtype),
             "ln_qkvg_project_wgmma_" + ("f16x3" if split else "f16"),
             min(n_tiles, dw.sm_count), tiles.TILES_THREADS, smem,
             signature.bind(
@@ -221,7 +226,8 @@ class Plan:
         """gated_out_project_wgmma: one block per SM over the tiles of 64 rows, Wo resident."""
         n_tiles = -(-self.M // tiles.TILES_ROWS)
         split = tiles.project_tiles_split(self.layout)
-        config, signature, transposed = (routes.project_tiles_config(self.layout),
+        config, signature, transposed = (routes.project_tiles_config(self.layout,
+                                                                     self.pair_dtype),
                                          GATED_OUT_PROJECT_TILES, {})
         if self.out_transposed:  # (the ending node: OUT_TRANSPOSED, N last)
             config = routes.out_transposed(config)
@@ -302,24 +308,30 @@ class Plan:
 
 
 def plan_key(pair, mask, precision: str, nan_fully_masked: bool, route=None,
-             out_transposed: bool = False, row_mask: bool = False):
+             out_transposed: bool = False, row_mask: bool = False,
+             pair_dtype: str = "float32"):
     """The key of DeviceWeights.plans: what a Plan depends on, as the arrays give it
     (byte strides; the mask's dtype and byte strides), cheap to build at every call.
     The conventions (`out_transposed`: the ending node; `row_mask`: a mask in the row
-    layout) only where set, so that the other keys are those of the trees before them."""
+    layout) and a 16-bit `pair_dtype` only where set, so that the other keys are those of
+    the trees before them."""
     key = (pair.shape, pair.strides, pair.data.ptr % 16 == 0,
            None if mask is None else (mask.dtype, mask.strides), precision, nan_fully_masked,
            route)
+    if pair_dtype != "float32":
+        return key + ((out_transposed, row_mask, pair_dtype),)
     return key + ((out_transposed, row_mask),) if out_transposed or row_mask else key
 
 
 def make_plan(dw: "DeviceWeights", key, attention: "routes.AttentionLaunch | None" = None):
     """The Plan of a plan_key (pair strides in elements, the mask's meta)."""
     shape, strides, aligned, mask_key, precision, nan_fully_masked, route, *conventions = key
-    out_transposed, row_mask = conventions[0] if conventions else (False, False)
-    return Plan(dw, shape, tuple(s // 4 for s in strides), aligned, _mask_meta(mask_key),
-                precision, nan_fully_masked, attention, route,
-                out_transposed=out_transposed, row_mask=row_mask)
+    out_transposed, row_mask, *pair_dtype = conventions[0] if conventions else (False, False)
+    pair_dtype = pair_dtype[0] if pair_dtype else "float32"
+    itemsize = 4 if pair_dtype == "float32" else 2
+    return Plan(dw, shape, tuple(s // itemsize for s in strides), aligned,
+                _mask_meta(mask_key), precision, nan_fully_masked, attention, route,
+                out_transposed=out_transposed, row_mask=row_mask, pair_dtype=pair_dtype)
 
 
 def _mask_meta(mask_key):

@@ -75,13 +75,32 @@ KEY_EXTENT_THREADS = 256
 
 # ---- kernel configurations ----
 
+# The element types of the pair the projections read and of the output the out projections
+# write (PAIR_DTYPE, kernels/project_math.cuh; float32 emits no define, so its kernels are
+# the ones without the feature).
+PAIR_DTYPES = ("float32", "float16", "bfloat16")
+
+
+def pair_dtype_defines(pair_dtype: str) -> tuple[tuple[str, int], ...]:
+    if pair_dtype not in PAIR_DTYPES:
+        raise ValueError(f"pair_dtype must be one of {PAIR_DTYPES}; got {pair_dtype!r}")
+    return () if pair_dtype == "float32" else (("PAIR_DTYPE", PAIR_DTYPES.index(pair_dtype)),)
+
+
 def project_config(rows: int, engine: str, pair_dim: int, layout: Layout,
-                   products: str = "tf32") -> KernelConfig:
+                   products: str = "tf32", pair_dtype: str = "float32") -> KernelConfig:
     """ln_qkvg_project / gated_out_project with `rows` per block: engine "ffma" (project_ffma.cu)
     or "mma" (project_mma.cu) with `products` "tf32", "f16" (one fp16 product of scaled
     operands, F16_TERMS 1) or "f16x3" (fp16 hi + lo, fp32-accurate: SPLIT, F16_TERMS 3),
-    writing (and reading) `layout`."""
-    return _project_config(rows, engine, pair_dim, layout, products)
+    writing (and reading) `layout`, the pair read and the output written as `pair_dtype`."""
+    config = _project_config(rows, engine, pair_dim, layout, products)
+    return with_pair_dtype(config, pair_dtype)
+
+
+def with_pair_dtype(config: KernelConfig, pair_dtype: str) -> KernelConfig:
+    """A projection configuration reading the pair, and writing the output, as `pair_dtype`."""
+    extra = pair_dtype_defines(pair_dtype)
+    return KernelConfig(config.filename, config.defines + extra, config.arch) if extra else config
 
 
 _F16_TERMS = {"tf32": 0, "f16": 1, "f16x3": 3}
@@ -106,10 +125,15 @@ def _project_config(rows: int, engine: str, pair_dim: int, layout: Layout,
     return KernelConfig("project_ffma.cu", shape + (("PAD", project_pad(pair_dim)),))
 
 
-@functools.lru_cache(maxsize=None)
-def project_tiles_config(layout: Layout) -> KernelConfig:
+def project_tiles_config(layout: Layout, pair_dtype: str = "float32") -> KernelConfig:
     """The persistent projections writing `layout` (project_wgmma_split.cu for the fp16
-    hi + lo tiles, else project_wgmma.cu)."""
+    hi + lo tiles, else project_wgmma.cu), the pair read and the output written as
+    `pair_dtype`."""
+    return with_pair_dtype(_project_tiles_config(layout), pair_dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def _project_tiles_config(layout: Layout) -> KernelConfig:
     if project_tiles_split(layout):
         return KernelConfig("project_wgmma_split.cu", (("PAIR_DIM", TILES_PAIR_DIM),), WGMMA_ARCH)
     features = tuple(d for d in layout.defines() if d[0] in ("TILES_BF16", "SLOT_ROWS"))
@@ -141,6 +165,27 @@ def transposed_out_configs(arch: str | None = None):
         configs += [out_transposed(project_tiles_config(layout))
                     for layout in (layouts.TILES_F16, layouts.TILES_F16_HILO)]
     return configs
+
+
+def pair_dtype_configs(arch: str | None = None):
+    """The 16-bit pair's projection configurations: per route's projection kernels (an
+    engine, layout and products, or the persistent projections of a tiled layout) and
+    16-bit type, the smallest (D = 128, the out projection's rows), half of them with
+    OUT_TRANSPOSED (the feature's store is the one line each kernel file changes)."""
+    capabilities = (80, 90) if arch is None else (int(arch.removeprefix("sm_")),)
+    parts = [("ffma", layouts.ROWS_FP32, "fp32"), ("mma", layouts.ROWS_FP32, "f16x3"),
+             ("mma", layouts.ROWS_TF32, "tf32"), ("mma", layouts.ROWS_BF16, "tf32"),
+             ("mma", layouts.ROWS_FP32, "tf32")]
+    tiled = []
+    if 90 in capabilities:
+        parts += [("mma", layouts.TILES_F16_HILO, "f16x3"), ("mma", layouts.TILES_F16, "f16"),
+                  ("mma", layouts.TILES_BF16, "f16")]
+        tiled = [layout for layout in layouts.LAYOUTS if layout.tiled]
+    configs = [project_config(out_project_rows(), engine, TILES_PAIR_DIM, layout, products)
+               for engine, layout, products in parts]
+    configs += [project_tiles_config(layout) for layout in tiled]
+    return [with_pair_dtype(out_transposed(c) if (n + k) % 2 else c, dtype)
+            for n, c in enumerate(configs) for k, dtype in enumerate(PAIR_DTYPES[1:])]
 
 
 def project_tiles_fit(layout: Layout, pair_dim: int, smem_limit: int = SMEM_LIMIT) -> bool:
