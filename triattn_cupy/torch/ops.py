@@ -49,20 +49,33 @@ class Registered:
         self.source = source
         self.signature = source[0]() if source else None
         self.device_weights: dict = {}
+        self.warm: set = set()  # the call geometries run (their plans and layouts made)
         self.lock = threading.Lock()
 
-    def current(self, device_id: int):
-        """The DeviceWeights for `device_id` (the weights' device modules, made on first use),
-        re-imported first where the source module's parameters changed."""
+    def _refresh(self, capturing: bool = False):
+        """Re-import the weights where the source module's parameters changed."""
+        if self.source is None:
+            return
+        signature = self.source[0]()
+        if signature != self.signature:
+            if capturing:
+                raise RuntimeError(_CAPTURE_ERROR.format(
+                    what="the block's parameters changed since its last call"))
+            self.weights, self.signature = self.source[1](), signature
+            self.device_weights.clear()
+            self.warm.clear()
+
+    def current(self, device_id: int, capturing: bool = False):
+        """The DeviceWeights for `device_id` (made on first use), re-imported first where
+        the source module's parameters changed. `capturing`: inside a CUDA graph capture,
+        where uploads and layouts would be recorded rather than done: an error then."""
         with self.lock:
-            if self.source is not None:
-                signature = self.source[0]()
-                if signature != self.signature:
-                    self.weights = self.source[1]()
-                    self.signature = signature
-                    self.device_weights.clear()
+            self._refresh(capturing)
             dw = self.device_weights.get(device_id)
             if dw is None:
+                if capturing:
+                    raise RuntimeError(_CAPTURE_ERROR.format(
+                        what=f"these weights have not run on GPU {device_id}"))
                 from ..gpu.device_weights import DeviceWeights
 
                 dw = self.device_weights[device_id] = DeviceWeights(self.weights, device_id)
@@ -71,13 +84,14 @@ class Registered:
     def weights_now(self) -> Weights:
         """The weights, re-imported first where the source changed (the CPU path)."""
         with self.lock:
-            if self.source is not None:
-                signature = self.source[0]()
-                if signature != self.signature:
-                    self.weights, self.signature = self.source[1](), signature
-                    self.device_weights.clear()
+            self._refresh()
             return self.weights
 
+
+_CAPTURE_ERROR = (
+    "triattn::triangle_attention inside a CUDA graph capture: {what}, so its weights "
+    "would be uploaded or laid out during the capture. Run the model once on the same "
+    "shapes before capturing (the warm-up torch.cuda.graphs asks for)")
 
 _registry: dict = {}
 _handles = itertools.count(1)
@@ -179,8 +193,17 @@ def _run_cuda(pair, mask, handle, precision, fully_masked, mask_layout, node, ou
     if mask is not None and mask.dtype == torch.bfloat16:  # CuPy has no bfloat16: 0 or not
         mask = mask != 0
     allocate = _torch_allocator(cupy, device)
+    capturing = torch.cuda.is_current_stream_capturing()
+    # The first call of a geometry makes its plan and the weight layouts its kernels read
+    # (kernels and uploads on this stream): never inside a capture.
+    geometry = (device.index, tuple(pair.shape), pair.stride(), pair.dtype, precision,
+                fully_masked, mask_layout, node, None if mask is None else
+                (tuple(mask.shape), mask.stride(), mask.dtype))
     with cupy.cuda.Device(device.index), _cupy_stream(cupy, device):
-        dw = entry.current(device.index)
+        dw = entry.current(device.index, capturing)
+        if capturing and geometry not in entry.warm:
+            raise RuntimeError(_CAPTURE_ERROR.format(
+                what="this input geometry has not run before"))
         kwargs = {}
         if io_dtype != "float32":
             kwargs["io_dtype"] = io_dtype
@@ -191,6 +214,9 @@ def _run_cuda(pair, mask, handle, precision, fully_masked, mask_layout, node, ou
             Forward(dw, _as_cupy(cupy, pair), None if mask is None else _as_cupy(cupy, mask),
                     fully_masked, _as_cupy(cupy, out), precision,
                     conventions=(mask_layout, node), **kwargs).run()
+    if len(entry.warm) > 256:  # geometries come and go; a forgotten one warms up again
+        entry.warm.clear()
+    entry.warm.add(geometry)
     return out
 
 
