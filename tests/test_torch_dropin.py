@@ -8,9 +8,11 @@ with the blocks' own forward in float64 where a row keeps at least one key (else
 models' -1e9 mask bias and `fully_masked` differ by design)."""
 from __future__ import annotations
 
+import contextlib
 import logging
 import subprocess
 import sys
+import types
 
 import numpy as np
 import pytest
@@ -385,3 +387,131 @@ def test_compiles_with_fullgraph(rng, cpu_routed, op_calls, backend):
     keep = np.broadcast_to((mask.numpy() != 0).any(-1)[:, :, None, None], got.shape) \
         & np.broadcast_to((mask.numpy() != 0).any(-2)[:, None, :, None], got.shape)
     assert rel_l2(got.numpy()[keep], want.numpy()[keep]) < 1e-5
+
+
+# --- the GPU path's wiring, with CuPy and the kernels stood in for --------------------------
+
+class _Recorder:
+    """Stands in for CuPy: records the device, stream and allocator contexts entered."""
+
+    def __init__(self):
+        self.entered, self.active = [], []
+        recorder = self
+
+        class Context:
+            def __init__(self, *what):
+                self.what = what
+
+            def __enter__(self):
+                recorder.entered.append(self.what)
+                recorder.active.append(self.what)
+
+            def __exit__(self, *exc):
+                recorder.active.remove(self.what)
+
+        self.cuda = types.SimpleNamespace(
+            Device=lambda index: Context("device", index),
+            ExternalStream=lambda ptr, index: Context("stream", ptr, index),
+            using_allocator=lambda allocate: Context("allocator", allocate))
+
+    def asarray(self, tensor):
+        return ("view", tensor)
+
+
+@pytest.fixture
+def gpu_stand_ins(monkeypatch):
+    """_run_cuda on CPU tensors: CuPy, torch's CUDA stream queries and the kernels replaced;
+    returns (recorder, the Forward calls, the capture flag)."""
+    import triattn_cupy.cuda_setup as cuda_setup
+    import triattn_cupy.gpu.device_weights as device_weights
+    import triattn_cupy.gpu.forward as forward
+
+    recorder, calls, capturing = _Recorder(), [], [False]
+
+    class FakeForward:
+        def __init__(self, dw, pair, mask, fully_masked, out, precision, route=None,
+                     conventions=("pair", "starting"), io_dtype="float32", allocate=None):
+            calls.append(dict(dw=dw, pair=pair, mask=mask, fully_masked=fully_masked,
+                              out=out, precision=precision, conventions=conventions,
+                              io_dtype=io_dtype, allocate=allocate,
+                              active=list(recorder.active)))
+
+        def run(self):
+            pass
+
+    monkeypatch.setattr(cuda_setup, "require_cuda", lambda: recorder)
+    monkeypatch.setattr(forward, "Forward", FakeForward)
+    monkeypatch.setattr(device_weights, "DeviceWeights", lambda w, i: ("dw", i))
+    monkeypatch.setattr(ops, "_forward_parameters", None)
+    monkeypatch.setattr(ops, "_streams", {})
+    monkeypatch.setattr(torch.cuda, "current_stream",
+                        lambda device=None: types.SimpleNamespace(cuda_stream=4242))
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    return recorder, calls, capturing
+
+
+def test_gpu_path_views_stream_allocator_and_conventions(gpu_stand_ins):
+    recorder, calls, _ = gpu_stand_ins
+    weights = random_weights(D, H, seed=8)
+    handle = ops._handle_of(weights)
+    pair = torch.randn(2, 5, 5, D).to(torch.bfloat16).transpose(1, 2)
+    mask = torch.ones(2, 5, 5, dtype=torch.bfloat16)
+    out = torch.empty(2, 5, 5, D, dtype=torch.bfloat16)
+    assert ops._run_cuda(pair, mask, handle, "bf16", "zero", "row", "ending", out) is out
+    (call,) = calls
+    assert call["dw"] == ("dw", pair.device.index)
+    assert call["io_dtype"] == "bfloat16" and call["precision"] == "bf16"
+    assert call["conventions"] == ("row", "ending") and call["fully_masked"] == "zero"
+    # bfloat16 as its int16 bits, in place: the same memory and strides
+    view = call["pair"][1]
+    assert view.dtype == torch.int16 and view.data_ptr() == pair.data_ptr()
+    assert view.stride() == pair.stride()
+    assert call["out"][1].data_ptr() == out.data_ptr()
+    assert call["mask"][1].dtype == torch.bool  # a bfloat16 mask as 0 or not
+    # On torch's stream (4242), with torch's allocator, on the pair's device
+    kinds = [what[0] for what in call["active"]]
+    assert kinds == ["device", "stream", "allocator"]
+    assert call["active"][1][1] == 4242
+    assert call["active"][2][1] is call["allocate"]
+
+
+def test_gpu_path_refuses_half_pairs_where_the_kernels_read_float32(monkeypatch,
+                                                                    gpu_stand_ins):
+    import triattn_cupy.gpu.forward as forward
+
+    class Float32Forward:
+        def __init__(self, dw, pair, mask, fully_masked, out, precision, route=None,
+                     conventions=("pair", "starting")):
+            pass
+
+        def run(self):
+            pass
+
+    monkeypatch.setattr(forward, "Forward", Float32Forward)
+    handle = ops._handle_of(random_weights(D, H, seed=9))
+    pair = torch.randn(4, 4, D, dtype=torch.float16)
+    with pytest.raises(TypeError, match="reads float32 pairs only"):
+        ops._run_cuda(pair, None, handle, "fp32", "zero", "pair", "starting",
+                      torch.empty_like(pair))
+    pair = pair.float()  # float32 runs, without io_dtype or allocate
+    ops._run_cuda(pair, None, handle, "fp32", "zero", "pair", "starting",
+                  torch.empty_like(pair))
+
+
+def test_gpu_path_inside_a_capture_needs_a_warm_up(gpu_stand_ins):
+    _, calls, capturing = gpu_stand_ins
+    handle = ops._handle_of(random_weights(D, H, seed=10))
+    pair = torch.randn(1, 6, 6, D)
+    out = torch.empty_like(pair)
+    capturing[0] = True
+    with pytest.raises(RuntimeError, match="have not run on GPU"):
+        ops._run_cuda(pair, None, handle, "fp32", "zero", "pair", "starting", out)
+    capturing[0] = False
+    ops._run_cuda(pair, None, handle, "fp32", "zero", "pair", "starting", out)
+    capturing[0] = True
+    ops._run_cuda(pair, None, handle, "fp32", "zero", "pair", "starting", out)  # warm
+    with pytest.raises(RuntimeError, match="this input geometry has not run before"):
+        ops._run_cuda(pair[:, :5, :5], None, handle, "fp32", "zero", "pair", "starting",
+                      out[:, :5, :5])
+    assert len(calls) == 2

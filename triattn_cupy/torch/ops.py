@@ -193,13 +193,14 @@ def _run_cuda(pair, mask, handle, precision, fully_masked, mask_layout, node, ou
     if mask is not None and mask.dtype == torch.bfloat16:  # CuPy has no bfloat16: 0 or not
         mask = mask != 0
     allocate = _torch_allocator(cupy, device)
-    capturing = torch.cuda.is_current_stream_capturing()
     # The first call of a geometry makes its plan and the weight layouts its kernels read
     # (kernels and uploads on this stream): never inside a capture.
     geometry = (device.index, tuple(pair.shape), pair.stride(), pair.dtype, precision,
                 fully_masked, mask_layout, node, None if mask is None else
                 (tuple(mask.shape), mask.stride(), mask.dtype))
-    with cupy.cuda.Device(device.index), _cupy_stream(cupy, device):
+    with torch.cuda.device(device), cupy.cuda.Device(device.index), \
+            _cupy_stream(cupy, device):
+        capturing = torch.cuda.is_current_stream_capturing()
         dw = entry.current(device.index, capturing)
         if capturing and geometry not in entry.warm:
             raise RuntimeError(_CAPTURE_ERROR.format(
