@@ -20,8 +20,8 @@ above what was allocated before the pass; ours' weights live in CuPy's pool, out
 and its scratch in torch's), and the relative L2 error of the stack's update (out - z)
 against the same stack in float64, over the positions whose row and column are kept.
 
-    python3 benchmarks/boltz_blocks.py --wheels /path/to/wheels --peer-tar .peers/peer_site.tar.xz \\
-        --out benchmarks/results/NVIDIA-H200 --budget 150
+    python3 benchmarks/boltz_blocks.py --wheels .wheels/boltz \\
+        --peer-tar .peers/peer_site.tar.xz --out benchmarks/results/NVIDIA-H200 --budget 150
 
 --wheels: a folder of wheels to unpack and import from (boltz-community, einops); scipy,
 which Boltz imports only to draw its initial weights, is replaced by a stub where it is

@@ -515,3 +515,16 @@ def test_gpu_path_inside_a_capture_needs_a_warm_up(gpu_stand_ins):
         ops._run_cuda(pair[:, :5, :5], None, handle, "fp32", "zero", "pair", "starting",
                       out[:, :5, :5])
     assert len(calls) == 2
+
+
+def test_compiles_under_autocast(cpu_routed, op_calls):
+    torch._dynamo.reset()
+    block = boltz()
+    tt.accelerate(block, precision="bf16")
+    compiled = torch.compile(block, fullgraph=True, backend="aot_eager")
+    pair, mask = torch.randn(1, 6, 6, D), torch.ones(1, 6, 6)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        assert compiled(pair, mask).dtype == torch.bfloat16
+    with torch.no_grad():  # unbatched, outside autocast: pair's dtype
+        out = compiled(pair[0], mask[0])
+    assert out.shape == pair.shape[1:] and out.dtype == torch.float32 and op_calls[0] == 2

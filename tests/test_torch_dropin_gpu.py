@@ -38,13 +38,15 @@ def tolerance(precision, dtype):
 
 
 def block(starting=True, seed=0):
-    return mb.randomize(mb.boltz_block(D, C, H, starting=starting), seed, scale=0.2) \
+    return mb.randomize(mb.boltz_block(D, C, H, starting=starting), seed, scale=0.1) \
         .cuda().eval()
 
 
 def row_mask(gen, B, N, kind):
-    """(B, N, N) float32 0/1 row masks on the GPU: padding (each batch its own length) or
-    random (70% kept, one fully masked row)."""
+    """(B, N, N) float32 0/1 row masks on the GPU: padding (each batch its own length),
+    random (70% kept, one fully masked row) or open (70% kept, every row keeps keys: in a
+    stack, a fully masked row's output, which differs by design, reaches other rows through
+    the next blocks unless padding isolates it)."""
     if kind == "padding":
         lengths = [N - 3 * b - 1 for b in range(B)]
         kept = torch.zeros(B, N, dtype=torch.bool)
@@ -53,7 +55,10 @@ def row_mask(gen, B, N, kind):
         keep = kept[:, :, None] & kept[:, None, :]
     else:
         keep = torch.rand(B, N, N, generator=gen) < 0.7
-        keep[0, 2, :] = False
+        keep[:, :, 0] = True  # every row i and every column k > 0 keeps a key
+        keep[:, 0, :] = True
+        if kind == "random":
+            keep[0, 2, :] = False
     return keep.float().cuda()
 
 
@@ -144,9 +149,13 @@ def stack_rows(mask, shape):
     return kept_rows(mask, True, shape) & kept_rows(mask, False, shape)
 
 
-def stack_error(got, want, mask):
+def stack_error(got, want, z, mask):
+    """rel L2 of the stack's update (out - z) against want's, where rows keep keys (inf
+    where want holds a NaN there)."""
     rows = stack_rows(mask, got.shape)
-    return rel_l2(got.double().cpu().numpy()[rows], want.double().cpu().numpy()[rows])
+    z = z.double()
+    got, want = (got.double() - z).cpu().numpy(), (want.double() - z).cpu().numpy()
+    return rel_l2(got[rows], want[rows])
 
 
 @pytest.fixture(scope="module")
@@ -154,7 +163,7 @@ def stack():
     return Stack()
 
 
-@pytest.mark.parametrize("kind", ["padding", "random"])
+@pytest.mark.parametrize("kind", ["padding", "open"])
 @pytest.mark.parametrize("precision", PRECISIONS)
 def test_accelerated_stack_fp32(stack, kind, precision):
     gen = torch.Generator().manual_seed(3)
@@ -167,7 +176,7 @@ def test_accelerated_stack_fp32(stack, kind, precision):
     finally:
         tt.restore(stack)
     assert got.dtype == torch.float32
-    assert stack_error(got, want, mask) <= 2 * TOLERANCE[precision]
+    assert stack_error(got, want, z, mask) <= 2 * TOLERANCE[precision]
 
 
 @pytest.mark.parametrize("autocast_dtype", [torch.bfloat16, torch.float16], ids=str)
@@ -189,8 +198,11 @@ def test_accelerated_stack_under_autocast(stack, autocast_dtype, precision):
             tt.restore(stack)
     assert ours.dtype == theirs.dtype == autocast_dtype
     assert ours_stack.dtype == theirs_stack.dtype
-    bound = max(stack_error(theirs_stack, want, mask), tolerance(precision, autocast_dtype))
-    assert stack_error(ours_stack, want, mask) <= 2 * bound
+    theirs_error = stack_error(theirs_stack, want, z, mask)
+    if not np.isfinite(theirs_error):  # fp16 autocast: their -1e9 overflows to -inf, and
+        theirs_error = 0.0             # fully masked rows' NaN spreads through the stack
+    bound = max(theirs_error, tolerance(precision, autocast_dtype))
+    assert stack_error(ours_stack, want, z, mask) <= 2 * bound
 
 
 def test_grad_enabled_runs_the_original(stack):
@@ -254,12 +266,12 @@ def test_torch_compile_fullgraph(stack, dtype):
     finally:
         tt.restore(stack)
     assert compiled.dtype == dtype
-    assert stack_error(compiled, eager.float(), mask) <= tolerance(precision, dtype)
+    assert stack_error(compiled, eager, z, mask) <= tolerance(precision, dtype)
 
 
 def test_cuda_graph_capture_and_replay(stack):
     gen = torch.Generator().manual_seed(9)
-    z, mask = pair_of(gen, 2, 64, torch.float32), row_mask(gen, 2, 64, "random")
+    z, mask = pair_of(gen, 2, 64, torch.float32), row_mask(gen, 2, 64, "open")
     tt.accelerate(stack)
     try:
         static_z, static_mask = z.clone(), mask.clone()
@@ -297,7 +309,7 @@ def test_compile_reduce_overhead_replays(stack):
                 got = compiled(z, mask).clone()
     finally:
         tt.restore(stack)
-    assert stack_error(got, eager, mask) <= TOLERANCE["fp32"]
+    assert stack_error(got, eager, z, mask) <= TOLERANCE["fp32"]
 
 
 def test_capture_without_warm_up_is_a_clear_error():

@@ -55,7 +55,7 @@ class Kind:
     name: str
     module_prefix: str        # the class's module path starts with it ("" = any)
     class_names: tuple        # the class's (or a base class's) name
-    forward: str              # "spec": forward(pair_repr, pair_mask); "openfold": (x, mask=None, ...)
+    forward: str  # "spec": forward(pair_repr, pair_mask); "openfold": (x, mask=None, ...)
 
 
 _KINDS = (
