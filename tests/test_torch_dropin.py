@@ -430,10 +430,10 @@ def gpu_stand_ins(monkeypatch):
 
     class FakeForward:
         def __init__(self, dw, pair, mask, fully_masked, out, precision, route=None,
-                     conventions=("pair", "starting"), io_dtype="float32", allocate=None):
+                     conventions=("pair", "starting"), pair_dtype=None, allocate=None):
             calls.append(dict(dw=dw, pair=pair, mask=mask, fully_masked=fully_masked,
                               out=out, precision=precision, conventions=conventions,
-                              io_dtype=io_dtype, allocate=allocate,
+                              pair_dtype=pair_dtype, allocate=allocate,
                               active=list(recorder.active)))
 
         def run(self):
@@ -461,7 +461,7 @@ def test_gpu_path_views_stream_allocator_and_conventions(gpu_stand_ins):
     assert ops._run_cuda(pair, mask, handle, "bf16", "zero", "row", "ending", out) is out
     (call,) = calls
     assert call["dw"] == ("dw", pair.device.index)
-    assert call["io_dtype"] == "bfloat16" and call["precision"] == "bf16"
+    assert call["pair_dtype"] == "bfloat16" and call["precision"] == "bf16"
     assert call["conventions"] == ("row", "ending") and call["fully_masked"] == "zero"
     # bfloat16 as its int16 bits, in place: the same memory and strides
     view = call["pair"][1]
@@ -494,7 +494,7 @@ def test_gpu_path_refuses_half_pairs_where_the_kernels_read_float32(monkeypatch,
     with pytest.raises(TypeError, match="reads float32 pairs only"):
         ops._run_cuda(pair, None, handle, "fp32", "zero", "pair", "starting",
                       torch.empty_like(pair))
-    pair = pair.float()  # float32 runs, without io_dtype or allocate
+    pair = pair.float()  # float32 runs, without pair_dtype or allocate
     ops._run_cuda(pair, None, handle, "fp32", "zero", "pair", "starting",
                   torch.empty_like(pair))
 

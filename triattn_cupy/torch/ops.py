@@ -187,7 +187,10 @@ def _run_cuda(pair, mask, handle, precision, fully_masked, mask_layout, node, ou
     device = pair.device
     entry = _lookup(handle)
     io_dtype = IO_DTYPES[pair.dtype]
-    if io_dtype != "float32" and not _forward_accepts("io_dtype"):
+    # Forward's name for the pair's type (the bits of a bfloat16 pair arrive as int16)
+    dtype_arg = next((name for name in ("pair_dtype", "io_dtype") if _forward_accepts(name)),
+                     None)
+    if io_dtype != "float32" and dtype_arg is None:
         raise TypeError(f"pair is {pair.dtype}; this build of the GPU kernels reads float32 "
                         f"pairs only")
     if mask is not None and mask.dtype == torch.bfloat16:  # CuPy has no bfloat16: 0 or not
@@ -206,8 +209,8 @@ def _run_cuda(pair, mask, handle, precision, fully_masked, mask_layout, node, ou
             raise RuntimeError(_CAPTURE_ERROR.format(
                 what="this input geometry has not run before"))
         kwargs = {}
-        if io_dtype != "float32":
-            kwargs["io_dtype"] = io_dtype
+        if dtype_arg is not None:
+            kwargs[dtype_arg] = io_dtype
         if _forward_accepts("allocate"):
             kwargs["allocate"] = allocate
         # Every CuPy allocation of the call (scratch, aligned copies) from torch's allocator
