@@ -528,3 +528,21 @@ def test_compiles_under_autocast(cpu_routed, op_calls):
     with torch.no_grad():  # unbatched, outside autocast: pair's dtype
         out = compiled(pair[0], mask[0])
     assert out.shape == pair.shape[1:] and out.dtype == torch.float32 and op_calls[0] == 2
+
+
+def test_openfold_block_by_its_module_path(rng, cpu_routed, op_calls):
+    """OpenFold is not on PyPI: its block is the restatement in model_blocks, given the
+    class name and module path that OpenFold's own has."""
+    OpenFoldBlock = type("TriangleAttention", (mb.OpenFoldTriangleAttention,),
+                         {"__module__": "openfold.model.triangular_attention"})
+    model = torch.nn.ModuleDict({"tri_att_end": OpenFoldBlock(D, C, H, starting=False)})
+    mb.randomize(model, 3).eval()
+    pair = torch.from_numpy(rng.standard_normal((2, 8, 8, D)).astype(np.float32))
+    mask = row_masks(rng, 2, 8, padding=False)
+    want = float64_forward(model.tri_att_end, pair, mask)
+    tt.accelerate(model)
+    assert tt.accelerated_blocks(model) == ["tri_att_end"]
+    with torch.no_grad():
+        got = model.tri_att_end(pair, mask)
+    assert op_calls[0] == 1
+    compare(got, want, mask, starting=False)
