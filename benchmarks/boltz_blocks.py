@@ -101,9 +101,52 @@ def cueq_available() -> str | None:
     return None
 
 
+# --- the device ----------------------------------------------------------------------------
+
+class _WallEvent:
+    """A host-clock stand-in for torch.cuda.Event (--device cpu: a dry run)."""
+
+    def record(self):
+        self.t = time.perf_counter()
+
+    def elapsed_time(self, other) -> float:
+        return (other.t - self.t) * 1e3
+
+
+class Device:
+    """The device's events, synchronization and memory counters (zeros on the CPU)."""
+
+    def __init__(self, torch, name: str):
+        self.torch, self.name, self.cuda = torch, name, name == "cuda"
+
+    def event(self):
+        return self.torch.cuda.Event(enable_timing=True) if self.cuda else _WallEvent()
+
+    def synchronize(self):
+        if self.cuda:
+            self.torch.cuda.synchronize()
+
+    def memory_allocated(self) -> int:
+        return self.torch.cuda.memory_allocated() if self.cuda else 0
+
+    def reset_peak(self):
+        if self.cuda:
+            self.torch.cuda.reset_peak_memory_stats()
+
+    def peak(self) -> int:
+        return self.torch.cuda.max_memory_allocated() if self.cuda else 0
+
+    def empty_cache(self):
+        if self.cuda:
+            self.torch.cuda.empty_cache()
+
+    def description(self) -> str:
+        return self.torch.cuda.get_device_name() if self.cuda else "cpu (dry run)"
+
+
 # --- the stack ---------------------------------------------------------------------------
 
-def make_stack(torch, seed=0):
+def make_stack(torch, device, seed=0):
     from boltz.model.layers.triangular_attention.attention import (
         TriangleAttentionEndingNode, TriangleAttentionStartingNode)
 
@@ -121,7 +164,7 @@ def make_stack(torch, seed=0):
                 p.copy_(0.1 * torch.randn_like(p))
             else:
                 p.copy_(torch.randn_like(p) / math.sqrt(p.shape[-1]))
-    return blocks.cuda().eval()
+    return blocks.to(device.name).eval()
 
 
 def stack_pass(blocks, z, mask, events=None, **kwargs):
@@ -145,18 +188,19 @@ def float64_reference(torch, blocks, z, mask):
 
 # --- one mode ------------------------------------------------------------------------------
 
-def run_mode(torch, tt, mode, blocks, z, mask, ref_update, valid, deadline, max_reps):
+def run_mode(torch, tt, device, mode, blocks, z, mask, ref_update, valid, deadline,
+             max_reps):
     import contextlib
 
     kwargs = {"use_kernels": True} if mode.startswith("cueq") else {}
-    autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if mode.endswith("bf16")
+    autocast = (torch.autocast(device.name, dtype=torch.bfloat16) if mode.endswith("bf16")
                 else contextlib.nullcontext())
     if mode.startswith("ours"):
         tt.accelerate(blocks, precision="bf16" if mode.endswith("bf16") else "fp32")
     try:
         with torch.inference_mode(), autocast:
             out = stack_pass(blocks, z, mask, **kwargs)  # first call: compile, plans
-            torch.cuda.synchronize()
+            device.synchronize()
             if mode.startswith("cueq"):
                 from boltz.model.layers.triangular_attention import primitives
 
@@ -169,17 +213,17 @@ def run_mode(torch, tt, mode, blocks, z, mask, ref_update, valid, deadline, max_
             del out, update
             for _ in range(2):
                 stack_pass(blocks, z, mask, **kwargs)
-            torch.cuda.synchronize()
-            base = torch.cuda.memory_allocated()
-            torch.cuda.reset_peak_memory_stats()
+            device.synchronize()
+            base = device.memory_allocated()
+            device.reset_peak()
             passes = []
             while len(passes) < max_reps and (len(passes) < 3 or time.time() < deadline):
-                events = [torch.cuda.Event(enable_timing=True) for _ in range(len(blocks) + 1)]
+                events = [device.event() for _ in range(len(blocks) + 1)]
                 stack_pass(blocks, z, mask, events=events, **kwargs)
-                torch.cuda.synchronize()
+                device.synchronize()
                 passes.append([events[k].elapsed_time(events[k + 1])
                                for k in range(len(blocks))])
-            peak = torch.cuda.max_memory_allocated() - base
+            peak = device.peak() - base
     finally:
         if mode.startswith("ours"):
             tt.restore(blocks)
@@ -226,6 +270,8 @@ def main(argv=None):
     ap.add_argument("--wheel-site", default="/tmp/boltz_site")
     ap.add_argument("--peer-tar", help="the peers' tarball (cuEquivariance)")
     ap.add_argument("--peer-site", default="/tmp/peer_site")
+    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                    help="cpu: a dry run of the script (ours falls back to the original)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     start = time.time()
@@ -241,24 +287,25 @@ def main(argv=None):
     if unknown:
         raise SystemExit(f"--modes: unknown {sorted(unknown)}; expected some of {MODES}")
     no_cueq = cueq_available()
-    blocks = make_stack(torch)
+    device = Device(torch, args.device)
+    blocks = make_stack(torch, device)
     versions = envinfo.versions()
     for dist in ("boltz-community", "einops", "cuequivariance-torch"):
         try:
             versions[dist] = importlib.metadata.version(dist)
         except importlib.metadata.PackageNotFoundError:
             pass
-    results = {"gpu": torch.cuda.get_device_name(), "versions": versions,
+    results = {"gpu": device.description(), "versions": versions,
                "host": envinfo.host_info(sys.argv), "budget_s": args.budget,
                "tf32_matmul": torch.backends.cuda.matmul.allow_tf32, "runs": {}}
     # Each size gets an even share of what is left; the modes inside it too.
     for si, N in enumerate(sizes):
         size_deadline = time.time() + (deadline - time.time()) / (len(sizes) - si)
-        gen = torch.Generator(device="cuda").manual_seed(N)
-        z = torch.randn(1, N, N, C_Z, device="cuda", generator=gen)
-        mask = torch.from_numpy(padding_mask(1, N)).cuda()
+        gen = torch.Generator(device=device.name).manual_seed(N)
+        z = torch.randn(1, N, N, C_Z, device=device.name, generator=gen)
+        mask = torch.from_numpy(padding_mask(1, N)).to(device.name)
         L = N - int(N * 0.1)
-        valid = torch.zeros(1, N, N, dtype=torch.bool, device="cuda")
+        valid = torch.zeros(1, N, N, dtype=torch.bool, device=device.name)
         valid[:, :L, :L] = True
         ref = float64_reference(torch, blocks, z, mask)
         ref_update = (ref - z.double())[valid]
@@ -273,8 +320,8 @@ def main(argv=None):
                 continue
             mode_deadline = time.time() + (size_deadline - time.time()) / (len(modes) - mi)
             try:
-                runs[mode] = run_mode(torch, tt, mode, blocks, z, mask, ref_update, valid,
-                                      mode_deadline, args.max_reps)
+                runs[mode] = run_mode(torch, tt, device, mode, blocks, z, mask, ref_update,
+                                      valid, mode_deadline, args.max_reps)
                 r = runs[mode]
                 log.info("N=%d %-10s %8.2f ms (blocks %s) peak %7.0f MiB rel L2 %.2e", N, mode,
                          r["ms"], r["block_ms"], r["peak_mib"], r["rel_l2"])
@@ -284,9 +331,9 @@ def main(argv=None):
             except Exception as err:  # noqa: BLE001  (one mode failing keeps the others)
                 runs[mode] = {"status": f"error: {type(err).__name__}: {str(err)[:200]}"}
                 log.exception("N=%d %s failed", N, mode)
-            torch.cuda.empty_cache()
+            device.empty_cache()
         del z, mask, valid, ref_update
-        torch.cuda.empty_cache()
+        device.empty_cache()
     results["elapsed_s"] = round(time.time() - start, 1)
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
