@@ -68,7 +68,7 @@ _KINDS = (
 
 # Keyword arguments of the OpenFold-style forwards that choose how the same function is
 # computed (chunking, in-place buffers, another kernel): honoured by computing it with ours.
-_SAME_FUNCTION = frozenset({"chunk_size", "inplace_safe", "triangle_attention", "_mask_trans"})
+_SAME_FUNCTION = frozenset({"chunk_size", "inplace_safe", "triangle_attention"})
 
 
 def _kind_of(module) -> Kind | None:
