@@ -489,7 +489,8 @@ def test_gpu_path_refuses_half_pairs_where_the_kernels_read_float32(monkeypatch,
             pass
 
     monkeypatch.setattr(forward, "Forward", Float32Forward)
-    handle = ops._handle_of(random_weights(D, H, seed=9))
+    weights = random_weights(D, H, seed=9)  # (a handle lives as long as its weights)
+    handle = ops._handle_of(weights)
     pair = torch.randn(4, 4, D, dtype=torch.float16)
     with pytest.raises(TypeError, match="reads float32 pairs only"):
         ops._run_cuda(pair, None, handle, "fp32", "zero", "pair", "starting",
@@ -501,7 +502,8 @@ def test_gpu_path_refuses_half_pairs_where_the_kernels_read_float32(monkeypatch,
 
 def test_gpu_path_inside_a_capture_needs_a_warm_up(gpu_stand_ins):
     _, calls, capturing = gpu_stand_ins
-    handle = ops._handle_of(random_weights(D, H, seed=10))
+    weights = random_weights(D, H, seed=10)
+    handle = ops._handle_of(weights)
     pair = torch.randn(1, 6, 6, D)
     out = torch.empty_like(pair)
     capturing[0] = True
@@ -546,3 +548,15 @@ def test_openfold_block_by_its_module_path(rng, cpu_routed, op_calls):
         got = model.tri_att_end(pair, mask)
     assert op_calls[0] == 1
     compare(got, want, mask, starting=False)
+
+
+def test_functional_handles_die_with_their_weights():
+    import gc
+
+    weights = random_weights(D, H, seed=11)
+    tt.triangle_attention(torch.randn(5, 5, D), None, weights)
+    handle = ops._by_weights[weights]
+    assert handle in ops._registry
+    del weights
+    gc.collect()
+    assert handle not in ops._registry

@@ -42,10 +42,11 @@ class Registered:
     `source` (optional): (signature, reimport) callables of the module the weights came
     from; `current` re-imports and re-uploads when the signature (each parameter's
     identity, address and version counter) changes: a new checkpoint loaded with
-    load_state_dict, an in-place edit, a parameter replaced."""
+    load_state_dict, an in-place edit, a parameter replaced. `weak`: hold the weights by a
+    weak reference (the functional form: the handle dies with the caller's object)."""
 
-    def __init__(self, weights: Weights, source=None):
-        self.weights = weights
+    def __init__(self, weights: Weights, source=None, weak: bool = False):
+        self._weights = weakref.ref(weights) if weak else (lambda: weights)
         self.source = source
         self.signature = source[0]() if source else None
         self.device_weights: dict = {}
@@ -61,9 +62,17 @@ class Registered:
             if capturing:
                 raise RuntimeError(_CAPTURE_ERROR.format(
                     what="the block's parameters changed since its last call"))
-            self.weights, self.signature = self.source[1](), signature
+            weights, self.signature = self.source[1](), signature
+            self._weights = lambda: weights
             self.device_weights.clear()
             self.warm.clear()
+
+    @property
+    def weights(self) -> Weights:
+        weights = self._weights()
+        if weights is None:
+            raise ValueError("the Weights object of this handle was freed")
+        return weights
 
     def current(self, device_id: int, capturing: bool = False):
         """The DeviceWeights for `device_id` (made on first use), re-imported first where
@@ -98,12 +107,12 @@ _handles = itertools.count(1)
 _by_weights: "weakref.WeakKeyDictionary[Weights, int]" = weakref.WeakKeyDictionary()
 
 
-def register_weights(weights: Weights, source=None) -> int:
-    """A new handle for `weights` (see `Registered` for `source`)."""
+def register_weights(weights: Weights, source=None, weak: bool = False) -> int:
+    """A new handle for `weights` (see `Registered` for `source` and `weak`)."""
     if not isinstance(weights, Weights):
         raise TypeError(f"weights must be a triattn_cupy.Weights; got {type(weights).__name__}")
     handle = next(_handles)
-    _registry[handle] = Registered(weights, source)
+    _registry[handle] = Registered(weights, source, weak)
     return handle
 
 
@@ -116,7 +125,7 @@ def _handle_of(weights: Weights) -> int:
     forgotten with the object)."""
     handle = _by_weights.get(weights)
     if handle is None or handle not in _registry:
-        handle = register_weights(weights)
+        handle = register_weights(weights, weak=True)
         _by_weights[weights] = handle
         weakref.finalize(weights, _registry.pop, handle, None)
     return handle
