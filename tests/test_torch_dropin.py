@@ -560,3 +560,14 @@ def test_functional_handles_die_with_their_weights():
     del weights
     gc.collect()
     assert handle not in ops._registry
+
+
+def test_a_freed_model_frees_its_handles():
+    import gc
+
+    block = tt.accelerate(boltz())
+    handle = block.__dict__[acc_module._STATE].handle
+    assert handle in ops._registry
+    del block
+    gc.collect()
+    assert handle not in ops._registry
