@@ -78,7 +78,7 @@ def row_mask(gen, B, N, kind):
         keep = kept[:, :, None] & kept[:, None, :]
     else:
         keep = torch.rand(B, N, N, generator=gen) < 0.7
-        keep[:, :, 0] = True  # every row i and every column k > 0 keeps a key
+        keep[:, :, 0] = True  # every row keeps key 0, every column is kept by row 0
         keep[:, 0, :] = True
         if kind == "random":
             keep[0, 2, :] = False
