@@ -571,3 +571,14 @@ def test_a_freed_model_frees_its_handles():
     del block
     gc.collect()
     assert handle not in ops._registry
+
+
+def test_leading_dims_merge_only_without_a_copy():
+    merge = acc_module._merge_leading
+    t = torch.zeros(2, 3, 5, 5, 4)
+    assert merge(t, 3).shape == (6, 5, 5, 4) and merge(t, 3).data_ptr() == t.data_ptr()
+    assert merge(t[0], 3).shape == (3, 5, 5, 4)
+    assert merge(t[0, 0], 3).shape == (1, 5, 5, 4)
+    assert merge(t.transpose(0, 1), 3) is None
+    assert merge(t[:, 1:2], 3).shape == (2, 5, 5, 4)  # a unit dim between: still a view
+    assert merge(t[:, ::2], 3) is None

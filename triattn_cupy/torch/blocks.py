@@ -236,12 +236,12 @@ def _merge_leading(t, trailing: int):
     lead = t.dim() - trailing
     if lead <= 1:
         return t if lead == 1 else t.unsqueeze(0)
-    shape, strides = t.shape, t.stride()
-    for axis in range(lead - 1):
-        if shape[axis + 1] != 1 and shape[axis] != 1 \
-                and strides[axis] != strides[axis + 1] * shape[axis + 1]:
+    # Merging is a view where each leading dim of size > 1 steps over the next such dim whole
+    dims = [axis for axis in range(lead) if t.shape[axis] != 1]
+    for outer, inner in zip(dims, dims[1:]):
+        if t.stride(outer) != t.stride(inner) * t.shape[inner]:
             return None
-    return t.reshape(-1, *shape[lead:])
+    return t.view(-1, *t.shape[lead:])
 
 
 def _split_call(state: _State, args, kwargs):
