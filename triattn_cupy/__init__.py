@@ -1,7 +1,8 @@
 """triattn-cupy: triangle self-attention in raw CUDA C kernels on CuPy arrays.
 
 Importing this package never touches the GPU; CuPy is imported only when a GPU function
-is called, PyTorch only when weights are exported.
+is called, PyTorch only when weights are exported or `triattn_cupy.torch` (the drop-in for
+PyTorch models) is imported.
 """
 from ._version import __version__
 from . import reference
