@@ -13,7 +13,7 @@ out=${OUT:-benchmarks/results/latest}
 mkdir -p "$out"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/gpu.txt"
-# Arguments replace the default selection: every GPU test, in seven pytest processes at
+# Arguments replace the default selection: every GPU test, in nine pytest processes at
 # once on the one GPU (its tests are small; the suite takes ~10 minutes in one process),
 # each group logged on its own. The float64 references
 # run on the CPU: each process gets its share of the cores (16 on the H200 machine)
@@ -30,7 +30,9 @@ else
             "gpu_bf16:tests/test_gpu.py -k 'not fp32 and not tf32'"
             "cli_tiles:tests/test_cli.py tests/test_project_tiles.py"
             "conventions:tests/test_gpu_conventions.py tests/test_large_magnitudes.py"
-            "rest:tests/ --ignore=tests/test_attention_mma.py --ignore=tests/test_gpu.py --ignore=tests/test_cli.py --ignore=tests/test_project_tiles.py --ignore=tests/test_gpu_conventions.py --ignore=tests/test_large_magnitudes.py")
+            "torch_dtypes:tests/test_torch_dropin_gpu.py tests/test_pair_dtypes.py"
+            "row_blocks:tests/test_gpu_row_blocks.py"
+            "rest:tests/ --ignore=tests/test_attention_mma.py --ignore=tests/test_gpu.py --ignore=tests/test_cli.py --ignore=tests/test_project_tiles.py --ignore=tests/test_gpu_conventions.py --ignore=tests/test_large_magnitudes.py --ignore=tests/test_torch_dropin_gpu.py --ignore=tests/test_pair_dtypes.py --ignore=tests/test_gpu_row_blocks.py")
     threads=$(( $(nproc) / ${#groups[@]} ))
     export OMP_NUM_THREADS=$(( threads > 0 ? threads : 1 ))
     export OPENBLAS_NUM_THREADS=$OMP_NUM_THREADS MKL_NUM_THREADS=$OMP_NUM_THREADS
