@@ -229,13 +229,21 @@ ln_qkvg_project_ffma_fp32(const float* __restrict__ x, i64 sb, i64 si, i64 sj, i
                 const float* __restrict__ Wb,
                 const void* __restrict__ mask, int mask_kind, i64 mb, i64 mi, i64 mj,
                 float* __restrict__ qkvg, float* __restrict__ bias, int npk,
-                float* __restrict__ vt) {
+                float* __restrict__ vt
+                ROW_BLOCK_ARGS  // (common.cuh ROW_BLOCK: the rows [row_begin, row_end))
+                ) {
     allow_next_kernel();  // the attention may launch (it waits for this kernel: common.cuh)
     const int dpad = (D + BK - 1) / BK * BK;
     const SmemLayout s = smem_layout(dpad);
     const int t = threadIdx.x;
+#if ROW_BLOCK  // the pair rows of (b, i) in [row_begin, row_end) only (common.cuh)
+    const i64 NN = (i64)N * N, M = row_end * N;
+    const i64 m0 = row_begin * N + (i64)blockIdx.x * BM;
+    (void)NN;
+#else
     const i64 NN = (i64)N * N, M = (i64)B * NN;
     const i64 m0 = (i64)blockIdx.x * BM;
+#endif
 
     // 1. Where each row starts in x.
     row_offsets(s.rowoff, m0, M, N, sb, si, sj);

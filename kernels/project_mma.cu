@@ -611,13 +611,20 @@ LN_QKVG_ENTRY(const float* __restrict__ x, i64 sb, i64 si, i64 sj, i64 sc, int x
 #if F16_TERMS
                 , float a_scale, float unscale
 #endif
+                ROW_BLOCK_ARGS  // (common.cuh ROW_BLOCK: the rows [row_begin, row_end))
                 ) {
     allow_next_kernel();  // the attention may launch (it waits for this kernel: common.cuh)
     const int dpad = (D + BK - 1) / BK * BK, astr = dpad + 4;
     const SmemLayout s = smem_layout(dpad);
     const int t = threadIdx.x, lane = t & 31, warp = t >> 5;
+#if ROW_BLOCK  // the pair rows of (b, i) in [row_begin, row_end) only (common.cuh)
+    const i64 NN = (i64)N * N, M = row_end * N;
+    const i64 m0 = row_begin * N + (i64)blockIdx.x * BM;
+    (void)NN;
+#else
     const i64 NN = (i64)N * N, M = (i64)B * NN;
     const i64 m0 = (i64)blockIdx.x * BM;
+#endif
     const int NO = 4 * D;
     const WeightRing ring{smem_addr(s.Ws), s.cbias, W, b_qkvg, D, NO, ring_chunks(dpad)};
 
