@@ -32,6 +32,12 @@ class TriangleAttention:
     fully_masked: "zero" (default): a query whose keys are all masked gets a zero attention
            output, so ``out = out_proj.bias`` there; "nan": NaN there, as the reference.
     out:   optional C-contiguous float32 CuPy array shaped like pair to write into.
+    row_block, max_scratch_bytes: the scratch (q, k, v, gate, the bias; ~4x the pair's
+           bytes in one pass). None (default): one pass where that fits max(pair bytes / 2,
+           256 MiB, device memory / 8) and the free memory, else blocks of pair rows (b, i)
+           as large as fit (docs/design.md "Row blocks"); max_scratch_bytes sets the limit;
+           row_block forces blocks of that many rows. The result is the same bits either
+           way; `out=pair` (in place) works at every size.
     route: None (default): the fastest route of kernels this GPU and problem take; or a
            route name of ``triattn_cupy.gpu.routes.ROUTES`` (optionally with "@sm_80" for
            the sm_80 tile tables) or a ``Route`` to force one (tests and tools: every route
@@ -56,9 +62,11 @@ class TriangleAttention:
         return cls(load_weights(path), device=device)
 
     def __call__(self, pair, mask=None, *, fully_masked: str = "zero", out=None,
-                 precision: str = "fp32", route=None, mask_layout=None, node=None):
+                 precision: str = "fp32", route=None, mask_layout=None, node=None,
+                 row_block=None, max_scratch_bytes=None):
         return Forward(self._dw, pair, mask, fully_masked, out, precision, route=route,
-                       conventions=self._conventions(mask_layout, node)).run()
+                       conventions=self._conventions(mask_layout, node),
+                       row_block=row_block, max_scratch_bytes=max_scratch_bytes).run()
 
     def stage_launchers(self, pair, mask=None, *, fully_masked: str = "zero", out=None,
                         precision: str = "fp32", route=None, mask_layout=None, node=None):
@@ -84,7 +92,8 @@ _modules: "weakref.WeakKeyDictionary[Weights, dict]" = weakref.WeakKeyDictionary
 
 
 def triangle_attention(pair, mask, weights, *, fully_masked: str = "zero", out=None,
-                       precision: str = "fp32", route=None, mask_layout=None, node=None):
+                       precision: str = "fp32", route=None, mask_layout=None, node=None,
+                       row_block=None, max_scratch_bytes=None):
     """Functional form: ``triangle_attention(pair, mask, weights)``.
 
     `weights` is a `Weights` (uploaded to the pair's GPU once per object and cached) or a
@@ -92,7 +101,8 @@ def triangle_attention(pair, mask, weights, *, fully_masked: str = "zero", out=N
     """
     if isinstance(weights, TriangleAttention):
         return weights(pair, mask, fully_masked=fully_masked, out=out, precision=precision,
-                       route=route, mask_layout=mask_layout, node=node)
+                       route=route, mask_layout=mask_layout, node=node, row_block=row_block,
+                       max_scratch_bytes=max_scratch_bytes)
     if not isinstance(weights, Weights):
         raise TypeError(f"weights must be a triattn_cupy.Weights or TriangleAttention; got "
                         f"{type(weights).__name__}")
@@ -103,4 +113,5 @@ def triangle_attention(pair, mask, weights, *, fully_masked: str = "zero", out=N
         per_device[device_id] = TriangleAttention(weights, device=device_id)
     return per_device[device_id](pair, mask, fully_masked=fully_masked, out=out,
                                  precision=precision, route=route, mask_layout=mask_layout,
-                                 node=node)
+                                 node=node, row_block=row_block,
+                                 max_scratch_bytes=max_scratch_bytes)

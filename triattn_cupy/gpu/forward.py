@@ -24,7 +24,7 @@ import numpy as np
 
 from .._checks import check_fully_masked, check_mask_dtype, pair_geometry
 from ..conventions import check_mask_shape
-from . import checks, layouts
+from . import checks, layouts, row_blocks
 from .checks import _cupy, as_device_array
 from .device_weights import DeviceWeights
 from .plan import make_plan, plan_key
@@ -43,8 +43,10 @@ class Forward:
                  precision: str = "fp32",
                  attention: "routes.AttentionLaunch | None" = None,
                  route: "routes.Route | str | None" = None,
-                 conventions: tuple[str, str] = ("pair", "starting")):
+                 conventions: tuple[str, str] = ("pair", "starting"),
+                 row_block: int | None = None, max_scratch_bytes: int | None = None):
         cupy = _cupy()
+        row_blocks.check_row_block_args(row_block, max_scratch_bytes)
         check_fully_masked(fully_masked)
         checks.check_precision(precision)
         pair = as_device_array(pair, "pair", dw.device_id)
@@ -97,7 +99,16 @@ class Forward:
             else:
                 plan = make_plan(dw, key, attention)
             self.plan, self.pair, self.mask = plan, pair, mask
-            self._scratch = cupy.cuda.alloc(plan.scratch_bytes)  # qkvg, the bias, V^T
+            # Row blocks where the single pass's scratch would pass the limit (row_blocks.py)
+            self.rows_per_block = _rows_per_block(cupy, dw, plan, pair, out is None,
+                                                  row_block, max_scratch_bytes)
+            self._devices = 1  # (row_blocks.emulate_devices: G devices emulated)
+            if self.rows_per_block is None:
+                self._scratch = cupy.cuda.alloc(plan.scratch_bytes)  # qkvg, the bias, V^T
+            else:
+                blocked = self._blocked_scratch = row_blocks.BlockedScratch(
+                    plan, self.rows_per_block)
+                self._scratch = cupy.cuda.alloc(blocked.nbytes)
         scratch = self._scratch.ptr
         # The output's memory is taken after the first launch (_take_out_memory: ~1 µs of
         # host time the first kernel need not wait on), its CuPy array after the last
@@ -112,6 +123,13 @@ class Forward:
                           "row_mask": (scratch + plan.row_mask_offset
                                        if plan.row_mask is not None else 0),
                           "out": None if out is None else out.data.ptr}
+        if self.rows_per_block is not None:  # the blocked scratch's regions
+            blocked = self._blocked_scratch
+            self._pointers.update(
+                qkvg=scratch + blocked.qkvg, bias=scratch + blocked.bias,
+                vt=scratch + blocked.vt if plan.vt_bytes else 0,
+                extent=scratch + blocked.extent if plan.key_extent else 0,
+                row_mask=scratch + blocked.row_mask if plan.row_mask is not None else 0)
 
     # The geometry, as the plan has it
     B = property(lambda self: self.plan.B)
@@ -210,6 +228,11 @@ class Forward:
             self.plan.out_project(self._pointers)
 
     def stages(self):
+        if self.rows_per_block is not None:
+            raise ValueError(f"this forward runs in row blocks of {self.rows_per_block} "
+                             f"rows (its single pass would need {self.plan.scratch_bytes} "
+                             f"bytes of scratch); stage launchers time the single pass: "
+                             f"give max_scratch_bytes above that")
         return [("layernorm+projections", self.project),
                 ("attention", self.attention), ("gate+out_proj", self.out_project)]
 
@@ -225,6 +248,12 @@ class Forward:
             self.plan.key_extent(self._pointers)
 
     def run(self):
+        if self.rows_per_block is not None:
+            with self._on_device():
+                row_blocks.run(self, self.rows_per_block, self._devices)
+                out = self.out
+            self._scratch = self._pointers = None
+            return out
         with self._on_device():
             self._zero_bias()
             self.plan.project(self._pointers)
@@ -248,6 +277,31 @@ def _refuse_unsupported(node: str):
             "not computed on the GPU, which computes the nodes 'starting' and 'ending'. Use "
             "the NumPy backend (triattn_cupy.reference.triangle_attention, or triattn-infer "
             "--device cpu) for these weights")
+
+
+_device_total: dict = {}  # device id -> its memory in bytes (asked once)
+
+
+def _rows_per_block(cupy, dw, plan, pair, allocates_out: bool, row_block, max_scratch_bytes):
+    """Rows per block for this call, or None: the single pass (row_blocks.rows_per_block).
+    Scratch within SCRATCH_FLOOR_BYTES takes the single pass without asking the device
+    (a driver call of host time, which small sizes wait on)."""
+    if (row_block is None and max_scratch_bytes is None
+            and plan.scratch_bytes <= row_blocks.SCRATCH_FLOOR_BYTES):
+        return None
+    total = _device_total.get(dw.device_id)
+    if total is None:
+        total = _device_total[dw.device_id] = cupy.cuda.runtime.memGetInfo()[1]
+    free = None
+    if row_block is None:  # the free memory bounds the scratch, less the output's
+        free = (cupy.cuda.runtime.memGetInfo()[0]
+                + cupy.get_default_memory_pool().free_bytes()
+                - (4 * pair.size if allocates_out else 0))
+    return row_blocks.rows_per_block(row_blocks.scratch_sizes(plan), 4 * pair.size,
+                                     row_block=row_block,
+                                     max_scratch_bytes=max_scratch_bytes,
+                                     device_total=total, device_free=max(free, 0)
+                                     if free is not None else None)
 
 
 def _aligned_rows(cupy, pair):
