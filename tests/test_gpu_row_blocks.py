@@ -142,7 +142,7 @@ def test_in_place_under_a_scratch_limit(cp, rng):
     limit = pair.nbytes // 2
     forward = gpu.forward.Forward(module._dw, cp.asarray(pair), cp.asarray(mask), "zero",
                                   None, "fp32", max_scratch_bytes=limit)
-    assert forward.rows_per_block is not None and forward._scratch.mem.size <= limit
+    assert forward.rows_per_block is not None and forward._blocked_scratch.nbytes <= limit
     got = _forward(cp, module, pair, mask, precision="fp32", out="pair",
                    max_scratch_bytes=limit)
     _assert_same_bits(got, expected, "in place under max_scratch_bytes")

@@ -71,9 +71,11 @@ class TriangleAttention:
     def stage_launchers(self, pair, mask=None, *, fully_masked: str = "zero", out=None,
                         precision: str = "fp32", route=None, mask_layout=None, node=None):
         """[(stage name, callable)]: calling them in order performs one forward pass, for
-        timing each stage. The result lands in `out` (allocated if None)."""
+        timing each stage. The result lands in `out` (allocated if None). The stages are
+        the single pass's wherever its scratch fits the free memory (no row blocks)."""
         return Forward(self._dw, pair, mask, fully_masked, out, precision, route=route,
-                       conventions=self._conventions(mask_layout, node)).stages()
+                       conventions=self._conventions(mask_layout, node),
+                       max_scratch_bytes=_NO_SCRATCH_LIMIT).stages()
 
     def _conventions(self, mask_layout, node):
         """(mask layout, node): the call's, else the weights' own."""
@@ -86,6 +88,9 @@ class TriangleAttention:
         return (f"TriangleAttention(pair_dim={w.pair_dim}, num_heads={w.num_heads}, "
                 f"device={self.device})")
 
+
+# stage_launchers' scratch limit: only the free memory bounds the single pass
+_NO_SCRATCH_LIMIT = 1 << 62
 
 # One module per (weights object, device), so the function form uploads weights once.
 _modules: "weakref.WeakKeyDictionary[Weights, dict]" = weakref.WeakKeyDictionary()

@@ -230,9 +230,9 @@ class Forward:
     def stages(self):
         if self.rows_per_block is not None:
             raise ValueError(f"this forward runs in row blocks of {self.rows_per_block} "
-                             f"rows (its single pass would need {self.plan.scratch_bytes} "
-                             f"bytes of scratch); stage launchers time the single pass: "
-                             f"give max_scratch_bytes above that")
+                             f"rows: the stages are the single pass's, whose "
+                             f"{self.plan.scratch_bytes} bytes of scratch pass the limit "
+                             f"(max_scratch_bytes) or the free device memory")
         return [("layernorm+projections", self.project),
                 ("attention", self.attention), ("gate+out_proj", self.out_project)]
 
