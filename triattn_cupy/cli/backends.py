@@ -209,14 +209,16 @@ class GpuBackend:
                 d_pair.set(loaded.pair)  # a synchronous DMA copy from pinned memory
                 if loaded.mask is not None:
                     d_mask = cp.asarray(loaded.mask)
-                d_out = self.module(d_pair, d_mask, **self.call_kwargs)
+                # in place: the output takes the pair's memory (the forward reads each
+                # row before it writes it, in one pass or in row blocks)
+                d_out = self.module(d_pair, d_mask, out=d_pair, **self.call_kwargs)
                 del d_pair, d_mask
                 d_pair = d_mask = None
                 host = self.alloc(d_out.shape)
                 d_out.get(out=host)  # blocking: the result is complete on return
                 self._trim_pinned_pool()
                 return host
-            except cp.cuda.memory.OutOfMemoryError as exc:
+            except (cp.cuda.memory.OutOfMemoryError, MemoryError) as exc:
                 d_pair = d_mask = d_out = None
                 cp.get_default_memory_pool().free_all_blocks()
                 raise ComputeError(self._oom_reason(loaded, exc)) from None
