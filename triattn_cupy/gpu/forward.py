@@ -15,6 +15,8 @@ allocation from CuPy's memory pool per call. Everything a call launches besides 
 module and input geometry (Plan): at small sizes the caller waits on host time.
 The ending node runs on the transposed pair and mask, read in place as strided views; the
 out projection writes each row back to the caller's layout (OUT_TRANSPOSED).
+Where the scratch of every row would pass the limit (row_blocks.rows_per_block), the
+stages run in blocks of pair rows on a scratch of one block (row_blocks.run): the same bits.
 """
 from __future__ import annotations
 
