@@ -24,7 +24,10 @@ from triattn_cupy.gpu.forward import Forward
 
 def padded_inputs(B, N, D, h, seed=0):
     module = ta.TriangleAttention(ta.random_weights(D, h, seed=seed))
-    pair = cp.random.default_rng(seed).standard_normal((B, N, N, D), dtype=np.float32)
+    rng = cp.random.default_rng(seed)
+    pair = cp.empty((B, N, N, D), np.float32)
+    for j0 in range(0, N, 256):  # in slices: no float64 or index temporaries of the whole
+        pair[:, j0:j0 + 256] = rng.standard_normal(pair[:, j0:j0 + 256].shape, dtype=np.float32)
     mask = cp.ones((B, N, N), bool)
     pad = N // 10
     if pad:
