@@ -129,8 +129,15 @@ __device__ __forceinline__ AttentionBlock attention_block(int N, int H, int bq, 
 //   Attention: rows of one batch (row_end - 1 < (row_begin / N + 1) N); the grid is
 //   ceil(N / bq) * ceil((row_end - row_begin) / rows) * H blocks, and a block's rows past
 //   row_end are treated as rows past N (attention_rows' i_end).
+//   The LayerNorm projections with a null `bias` write no bias (a block's projection
+//   after the bias pass, which wrote all of it; project_wgmma_split.cu: a null `wb`).
+// BIAS_ONLY (project_mma.cu, project_ffma.cu; off by default): the bias pass of row
+// blocks, LayerNorm and the pair bias only (no q, k, v or gate: qkvg and vt unread).
 #ifndef ROW_BLOCK
 #define ROW_BLOCK 0
+#endif
+#ifndef BIAS_ONLY
+#define BIAS_ONLY 0
 #endif
 #if ROW_BLOCK
 __device__ __forceinline__ AttentionBlock attention_block_rows(int N, int H, int bq, int rows,

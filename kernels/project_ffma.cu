@@ -320,7 +320,8 @@ ln_qkvg_project_ffma_fp32(const float* __restrict__ x, i64 sb, i64 si, i64 sj, i
     __syncthreads();  // normalised tile complete
 
     // 5. Pair bias with the mask folded in: one dot product of length D per (row, head).
-    for (int p = t; p < BM * H; p += THREADS) {
+    //    (ROW_BLOCK: none with a null bias, a block's projection after the bias pass)
+    for (int p = t; p < (ROW_BLOCK && bias == nullptr ? 0 : BM * H); p += THREADS) {
         const int ml = p % BM, head = p / BM;
         const i64 m = m0 + ml;
         if (m >= M) continue;
@@ -345,12 +346,14 @@ ln_qkvg_project_ffma_fp32(const float* __restrict__ x, i64 sb, i64 si, i64 sj, i
     }
 
     // 6. q, k, v and gate: every 4D output column of these rows, BN at a time.
+#if !BIAS_ONLY
     const int NO = 4 * D, rows_here = (int)min((i64)BM, M - m0);
     float* const block_out = qkvg + m0 * NO;  // row r at r * NO (< 2^31: BM * 4D)
     project_columns(s.As, WT, D, dpad, NO, b_qkvg, s.Ws,
                     [&](Tile& acc, int n0, const float2 (&cb)[4]) {
         store_qkvg(acc, n0, cb, D, q_scale, block_out, rows_here, VtTarget{vt, m0, N, H, npk});
     });
+#endif
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS, PROJECT_MIN_BLOCKS)

@@ -650,8 +650,12 @@ LN_QKVG_ENTRY(const float* __restrict__ x, i64 sb, i64 si, i64 sj, i64 sc, int x
         }
     }
     cp_async_commit();
+#if BIAS_ONLY  // (no weight chunks: no q, k, v or gate products)
+    cp_async_wait<0>();  // the row tile landed
+#else
     ring.prime(0);
     cp_async_wait<WSTAGES - 1>();  // the row tile landed (the weight chunks may not have)
+#endif
     __syncthreads();  // every warp's rows visible
 
     // 3. LayerNorm, a thread per row (threads t < BM), whose float4 reads of As are
@@ -792,12 +796,19 @@ LN_QKVG_ENTRY(const float* __restrict__ x, i64 sb, i64 si, i64 sj, i64 sc, int x
     //    global memory, a small array every block reads (L1), rounded here. As per-thread
     //    FFMA dot products, each thread loading all of Wb, it was ~40% of the kernel's
     //    stall samples (the loads waited for one at a time).
+#if ROW_BLOCK
+    if (bias != nullptr)  // (null: a block's projection after the bias pass: common.cuh)
+#endif
     pair_bias(s.As, astr, Wb, D, dpad, H, m0, M, N, mask, mask_kind, mb, mi, mj,
               reinterpret_cast<bias_t*>(bias), npk
 #if F16_TERMS
               , unscale
 #endif
               );
+#if BIAS_ONLY
+    (void)ring;
+    (void)q_scale;
+#else
 
     // 5. q, k, v and gate: every 4D output column of these rows, BN at a time.
     const int rows_here = (int)min((i64)BM, M - m0);
@@ -810,6 +821,7 @@ LN_QKVG_ENTRY(const float* __restrict__ x, i64 sb, i64 si, i64 sj, i64 sc, int x
 #else
     project_columns<0>(s.As, astr, ring, store);
 #endif
+#endif  // BIAS_ONLY
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS, OUT_MIN_BLOCKS)

@@ -285,8 +285,9 @@ ln_qkvg_project_wgmma_f16(const float* __restrict__ x, i64 sb, i64 si, i64 sj, i
             store_slot(w, 32 * wg);
         }
         // the pair bias (warpgroup 0): heads 2t, 2t + 1 of keys r0, r1; -inf where masked
-        // and on the keys past N (its tile's padded keys: npk is N rounded up to 64)
-        if (wg == 0) {
+        // and on the keys past N (its tile's padded keys: npk is N rounded up to 64);
+        // none with a null bias under ROW_BLOCK (after the bias pass: common.cuh)
+        if (wg == 0 && (!ROW_BLOCK || bias != nullptr)) {
             const int qt = kt.i / 128;
             char* const tiles = reinterpret_cast<char*>(bias);
 #pragma unroll

@@ -1,8 +1,9 @@
-"""Row blocks on the GPU (gpu/row_blocks.py): the blocked forward is bit-identical to the
-single pass for any rows per block R (R = 1, R not dividing B N, R spanning batches, R =
-every row), in every route, at both nodes, with pair and row masks, in place
-(out = pair), and as the emulated split over several devices; and it stays within the
-float64 NumPy backend's tolerance.
+"""Row blocks on the GPU (gpu/row_blocks.py): the blocked forward gives the same bits for
+any rows per block R (R = 1, R not dividing B N, R spanning batches, R = every row: ALL),
+in every route, at both nodes, with pair and row masks, in place (out = pair), and as the
+emulated split over several devices; it stays within the float64 NumPy backend's
+tolerance; and where the route's projection is project_mma.cu's, it gives the single
+pass's bits (its bias pass is the same LayerNorm and bias code).
 
 Each output buffer starts as NaN (poison_pool, cupy.full), and NaN never compares equal.
 """
@@ -63,45 +64,61 @@ def _check_reference(got, weights, pair, mask, precision, **conventions):
     assert err <= TOLERANCE[precision], f"rel L2 {err:.3g}"
 
 
-# ---- any R gives the single pass's bits ----
+ALL = 10 ** 6  # rows per block past B N: one block of every row, still the blocked path
+
+
+# ---- any R gives the same bits ----
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
-@pytest.mark.parametrize("R", [1, 5, 61, 64, 90, 122, 10 ** 6])
-def test_blocked_equals_the_single_pass(cp, rng, precision, R):
-    """B = 2, N = 61: R = 1, R not dividing B N, R = N, R spanning the batches, every row
-    (10**6: one block, still the blocked path)."""
+@pytest.mark.parametrize("R", [1, 5, 61, 64, 90, 122])
+def test_any_rows_per_block_give_the_same_bits(cp, rng, precision, R):
+    """B = 2, N = 61: R = 1, R not dividing B N, R = N, R spanning the batches, R = B N."""
     module, pair, mask = _problem(cp, rng, 2, 61, 64, 4)
-    whole = _forward(cp, module, pair, mask, precision=precision)
+    every = _forward(cp, module, pair, mask, precision=precision, row_block=ALL)
     blocked = _forward(cp, module, pair, mask, precision=precision, row_block=R)
-    _assert_same_bits(blocked, whole, f"R={R} {precision}")
+    _assert_same_bits(blocked, every, f"R={R} {precision}")
     if R == 5:
         _check_reference(blocked, module.weights, pair, mask, precision)
 
 
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_project_mma_routes_keep_the_single_pass_bits(cp, rng, precision):
+    """mma_f16x3, mma_bf16 (D = 64): the bias pass is project_mma.cu's own LayerNorm and
+    bias under BIAS_ONLY, so row blocks give the single pass's bits."""
+    module, pair, mask = _problem(cp, rng, 2, 61, 64, 4)
+    whole = _forward(cp, module, pair, mask, precision=precision)
+    blocked = _forward(cp, module, pair, mask, precision=precision, row_block=7)
+    _assert_same_bits(blocked, whole, f"single pass against R=7 {precision}")
+
+
 @pytest.mark.parametrize("precision", ["fp32", "tf32", "bf16"])
 @pytest.mark.parametrize("R", [1, 7, 200, 333])
-def test_blocked_equals_the_single_pass_on_the_default_wgmma_routes(cp, rng, precision, R):
-    """D = 128, h = 4, N = 200 (above the wgmma threshold; query tiles of 128 not filled)."""
+def test_the_default_wgmma_routes(cp, rng, precision, R):
+    """D = 128, h = 4, N = 200 (above the wgmma threshold; query tiles of 128 not filled):
+    the persistent projections, whose bias pass is project_mma.cu's."""
     module, pair, mask = _problem(cp, rng, 2, 200, 128, 4, "padding")
-    whole = _forward(cp, module, pair, mask, precision=precision)
+    every = _forward(cp, module, pair, mask, precision=precision, row_block=ALL)
     blocked = _forward(cp, module, pair, mask, precision=precision, row_block=R)
-    _assert_same_bits(blocked, whole, f"R={R} {precision}")
+    _assert_same_bits(blocked, every, f"R={R} {precision}")
+    if R == 7:
+        whole = _forward(cp, module, pair, mask, precision=precision)
+        assert rel_l2(blocked, whole) <= TOLERANCE[precision]
 
 
 @pytest.mark.parametrize("name,precision", _ROUTE_CASES, ids=lambda x: str(x))
 def test_every_route_row_blocked(cp, rng, name, precision):
     """Each route forced, R = 13 (neither N nor B N a multiple), the row mask at the
-    ending node and the pair mask at the starting node; against the single pass's bits
-    and the float64 backend."""
+    ending node and the pair mask at the starting node; against one block's bits and the
+    float64 backend."""
     _skip_unless_runs(cp, name)
     D, h = _route_shape(name)
     module, pair, mask = _problem(cp, rng, 2, 61, D, h)
     for conventions in (dict(mask_layout="row", node="ending"),
                         dict(mask_layout="pair", node="starting")):
         options = dict(precision=precision, route=name, **conventions)
-        whole = _forward(cp, module, pair, mask, **options)
+        every = _forward(cp, module, pair, mask, row_block=ALL, **options)
         blocked = _forward(cp, module, pair, mask, row_block=13, **options)
-        _assert_same_bits(blocked, whole, f"{name} {precision} {conventions}")
+        _assert_same_bits(blocked, every, f"{name} {precision} {conventions}")
         _check_reference(blocked, module.weights, pair, mask, precision, **conventions)
 
 
@@ -110,16 +127,16 @@ def test_every_route_row_blocked(cp, rng, name, precision):
 def test_both_nodes_and_masks(cp, rng, mask_layout, node):
     module, pair, mask = _problem(cp, rng, 3, 130, 128, 4, "crop")
     options = dict(precision="tf32", mask_layout=mask_layout, node=node)
-    whole = _forward(cp, module, pair, mask, **options)
+    every = _forward(cp, module, pair, mask, row_block=ALL, **options)
     for R in (1, 129, 131):
         blocked = _forward(cp, module, pair, mask, row_block=R, **options)
-        _assert_same_bits(blocked, whole, f"R={R} {mask_layout}/{node}")
+        _assert_same_bits(blocked, every, f"R={R} {mask_layout}/{node}")
 
 
 def test_unmasked(cp, rng):
     module, pair, _ = _problem(cp, rng, 1, 70, 64, 2)
-    whole = _forward(cp, module, pair, None)
-    _assert_same_bits(_forward(cp, module, pair, None, row_block=9), whole, "unmasked")
+    every = _forward(cp, module, pair, None, row_block=ALL)
+    _assert_same_bits(_forward(cp, module, pair, None, row_block=9), every, "unmasked")
 
 
 # ---- in place ----
@@ -129,7 +146,7 @@ def test_unmasked(cp, rng):
 def test_in_place(cp, rng, node, R):
     """out = pair: the single pass (R None) and row blocks give the out-of-place bits."""
     module, pair, mask = _problem(cp, rng, 2, 150, 128, 4)
-    expected = _forward(cp, module, pair, mask, precision="bf16", node=node)
+    expected = _forward(cp, module, pair, mask, precision="bf16", node=node, row_block=R)
     got = _forward(cp, module, pair, mask, precision="bf16", node=node, out="pair",
                    row_block=R)
     _assert_same_bits(got, expected, f"in place R={R} {node}")
@@ -138,7 +155,7 @@ def test_in_place(cp, rng, node, R):
 def test_in_place_under_a_scratch_limit(cp, rng):
     """max_scratch_bytes below the single pass's: the policy picks row blocks itself."""
     module, pair, mask = _problem(cp, rng, 1, 256, 128, 4)
-    expected = _forward(cp, module, pair, mask, precision="fp32")
+    expected = _forward(cp, module, pair, mask, precision="fp32", row_block=ALL)
     limit = pair.nbytes // 2
     forward = gpu.forward.Forward(module._dw, cp.asarray(pair), cp.asarray(mask), "zero",
                                   None, "fp32", max_scratch_bytes=limit)
@@ -174,10 +191,10 @@ def test_stage_launchers_refuse_row_blocks(cp, rng):
 @pytest.mark.parametrize("devices,R", [(2, 1000), (3, 7), (8, 16), (5, 1)])
 def test_emulated_devices_equal_one(cp, rng, devices, R):
     """The rows split over `devices` shares (bias pass per share, then each share's
-    blocks) give the bits of one device's blocked forward and of the single pass."""
-    module, pair, mask = _problem(cp, rng, 2, 61, 64, 4)
+    blocks) give the bits of one device's blocked forward."""
+    module, pair, mask = _problem(cp, rng, 2, 200, 128, 4)
     for precision in ("fp32", "bf16"):
-        whole = _forward(cp, module, pair, mask, precision=precision)
+        whole = _forward(cp, module, pair, mask, precision=precision, row_block=ALL)
         poison_pool(cp)
         got = row_blocks.emulate_devices(module, cp.asarray(pair), cp.asarray(mask),
                                          devices=devices, row_block=R, precision=precision)

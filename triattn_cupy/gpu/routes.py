@@ -213,14 +213,23 @@ def row_blocked(config: KernelConfig) -> KernelConfig:
     return KernelConfig(config.filename, config.defines + (("ROW_BLOCK", 1),), config.arch)
 
 
+def bias_only(config: KernelConfig) -> KernelConfig:
+    """A project_mma.cu or project_ffma.cu LayerNorm projection's `config` (with
+    ROW_BLOCK) under BIAS_ONLY: the bias pass of row blocks, LayerNorm and the pair bias."""
+    return KernelConfig(config.filename, config.defines + (("BIAS_ONLY", 1),), config.arch)
+
+
 def row_blocked_configs(arch: str | None = None):
     """What row blocks add to all_configs' kernels: each projection configuration and each
     attention variant's smallest and largest head dim with ROW_BLOCK, the attentions also
-    with ROW_MASK (row_masked) besides."""
+    with ROW_MASK (row_masked), the project_mma.cu and project_ffma.cu ones also with
+    BIAS_ONLY (the bias pass, of the persistent projections' layouts too)."""
     projections = [c for c in all_configs(arch) if c.filename.startswith("project_")]
     attention = _attention_variants(arch)
-    return [row_blocked(c) for c in projections + attention
-            + [row_masked(c) for c in attention]]
+    blocked = [row_blocked(c) for c in projections + attention
+               + [row_masked(c) for c in attention]]
+    return blocked + [bias_only(c) for c in blocked
+                      if c.filename in ("project_mma.cu", "project_ffma.cu")]
 
 
 def key_extent_chunks(N: int) -> int:

@@ -3,14 +3,15 @@
 Row (b, i) of the output needs only row (b, i)'s q, k, v and gate and the (B, h, N, N)
 pair bias, which is computed from the whole pair. So a long-N forward runs as
 
-  1. the row mask's bits and the key extent, for every row (small);
-  2. the bias pass: the LayerNorm projection over every row, block by block, writing the
-     bias where the whole problem has it (its q, k, v and gate land in the block's
-     scratch and are not read);
+  1. the bias pass: LayerNorm and the pair bias of every row (one launch; BIAS_ONLY),
+     written where the single pass has it: project_mma.cu's or project_ffma.cu's own code,
+     or for the persistent projections (whose bias comes out of the products of q and the
+     gate) project_mma.cu's on the same scales, writing the same bias tiles;
+  2. the row mask's bits and the key extent, for every row (small);
   3. for each block of R rows (b, i), contiguous in the flattened B N order: the
-     projection of its rows (writing their q, k, v, gate and K/V^T tiles, and their bias
-     rows again, bit for bit what step 2 wrote), the attention over its rows (one launch
-     per batch it touches), the out projection writing its output rows.
+     projection of its rows with a null bias (q, k, v, gate and the K/V^T tiles; no bias),
+     the attention over its rows (one launch per batch it touches), the out projection
+     writing its output rows.
 
 Scratch: the bias, the key extent and the row mask's bits for all rows, plus qkvg and the
 tiles of R rows. The kernels are the single pass's, compiled with ROW_BLOCK
@@ -18,13 +19,14 @@ tiles of R rows. The kernels are the single pass's, compiled with ROW_BLOCK
 as the whole problem does; qkvg and the tiles are passed offset back by row_begin's rows,
 so that the block's rows land in the block's scratch. The out projections take the
 block's qkvg as it lies and `out` at the segment's first row. Each row's arithmetic is the
-single pass's, and the bias every attention reads is the same kernel's, so the output is
-bit-identical to the single pass for every R.
+same in every block and the bias is the bias pass's alone, so the output is the same bits
+for every R; the single pass's where the bias pass is the route's own projection code
+(project_mma.cu, project_ffma.cu), within the route's accuracy otherwise.
 
-In place (out = pair): step 2 reads every row before any output is written; in step 3 a
-block's projection reads its own rows before its out projection overwrites them, and no
-later block reads them (the ending node's out projection writes row (b, i, j) of the
-transposed problem to the caller's (b, j, i): the block's columns, which only its own
+In place (out = pair): the bias pass reads every row before any output is written; in
+step 3 a block's projection reads its own rows before its out projection overwrites them,
+and no later block reads them (the ending node's out projection writes row (b, i, j) of
+the transposed problem to the caller's (b, j, i): the block's columns, which only its own
 projection reads).
 
 `devices` (emulate_devices): the rows split into G contiguous shares, each "device"
@@ -38,12 +40,14 @@ import dataclasses
 import numpy as np
 
 from .compile import KernelConfig
-from .routes import row_blocked
-from .launch import KernelArgs
-from . import tiles
+from .launch import Call, KernelArgs, Launch
+from .plan import F16_TERMS_ARGS, LN_QKVG_PROJECT, LN_QKVG_PROJECT_TILES, SPLIT_TILES_ARGS
+from .plan import _mask_args
+from .routes import bias_only, project_config, row_blocked
+from . import layouts, tiles
 
 # Default scratch limit: half the input's bytes, but never below a floor where the blocked
-# path's extra pass over the pair (and its launches) would cost time without need: the
+# path's extra read of the pair (and its launches) would cost time without need: the
 # larger of 256 MiB and 1/16 of the device's memory (an H200 keeps the single pass up to
 # 8.8 GB of scratch: every benchmarked size through 1x2048x128, 8.06 GiB in fp32; a 24 GB
 # card up to 1.5 GB).
@@ -188,13 +192,27 @@ class GridLaunch:
             current_stream().ptr, self.args.fill(pointers), 0)
 
 
-class RowBlockLaunches:
-    """A Plan's kernels for row blocks (made once per plan: RowBlockLaunches.of)."""
+# The bias pass of the persistent projections' layouts: project_mma.cu's LayerNorm and bias
+# products, writing the same bias tiles (tiles_f16_slots' are tiles_f16's: fp16, scaled)
+_BIAS_PASS_LAYOUT = {layouts.TILES_F16_SLOTS: layouts.TILES_F16}
 
-    def __init__(self, plan, sm_count: int):
-        self.plan, self.sm_count = plan, sm_count
+
+class RowBlockLaunches:
+    """A Plan's kernels for row blocks (made once per plan: RowBlockLaunches.of): the bias
+    pass (BIAS_ONLY), a block's projection (with a null bias: none written), attention
+    (ROW_BLOCK) and out projection (its M per segment)."""
+
+    def __init__(self, plan, dw):
+        self.plan, self.sm_count = plan, dw.sm_count
         bounds = ("row_begin", "row_end")
-        self.project = GridLaunch(plan.project, row_blocked(plan.project.config), extra=bounds)
+        named = {}
+        if plan.project_tiles and tiles.project_tiles_split(plan.layout):
+            # the split kernel's bias weights: null in a block's projection (no bias)
+            names = [name for _, name in (LN_QKVG_PROJECT_TILES + SPLIT_TILES_ARGS).params]
+            named = {names.index("wb"): "wb"}
+        self.project = GridLaunch(plan.project, row_blocked(plan.project.config), named=named,
+                                  extra=bounds)
+        self.bias_pass, self.bias_rows = self._bias_pass(plan, dw, bounds)
         self.attention = GridLaunch(plan.attention, row_blocked(plan.attention.config),
                                     extra=bounds)
         # gated_out_project's M (argument 1 of every out projection) per segment
@@ -202,12 +220,44 @@ class RowBlockLaunches:
                                       named={1: "M"})
         self.project_rows = dict(plan.project.config.defines).get("BM")
 
+    @staticmethod
+    def _bias_pass(plan, dw, bounds):
+        """(GridLaunch, rows per block) of the bias pass: the plan's own project_mma.cu or
+        project_ffma.cu projection under BIAS_ONLY, or for the persistent projections (whose
+        bias comes out of the products of q and the gate) project_mma.cu's, on the same
+        scales, writing the same bias form."""
+        if not plan.project_tiles:
+            config = bias_only(row_blocked(plan.project.config))
+            return (GridLaunch(plan.project, config, extra=bounds),
+                    dict(config.defines)["BM"])
+        layout = _BIAS_PASS_LAYOUT.get(plan.layout, plan.layout)
+        products = "f16x3" if tiles.project_tiles_split(plan.layout) else "f16"
+        D = plan.D
+        rows = tiles.project_rows(D, plan.M, dw.sm_count, dw.smem_limit, True)
+        config = bias_only(row_blocked(project_config(rows, "mma", D, layout, products)))
+        s = dw.f16_scales(plan.scales)
+        sb, si, sj, sc = plan.strides
+        launch = Launch(
+            config, f"ln_qkvg_project_mma_{products}", 1, tiles.PROJECT_THREADS,
+            tiles.project_smem_bytes(D, rows, True),
+            (LN_QKVG_PROJECT + F16_TERMS_ARGS).bind(
+                x=Call("pair"), sb=sb, si=si, sj=sj, sc=sc, x_vec=plan.x_vec, B=plan.B,
+                N=plan.N, D=D, H=plan.H, eps=dw.eps, q_scale=0.0, gamma=dw.gamma.data.ptr,
+                beta=dw.beta.data.ptr, W=0, b_qkvg=0,  # (no q, k, v or gate products)
+                Wb=dw.bias_weight(True, plan.scales).data.ptr,
+                **_mask_args(plan.projection_mask), qkvg=0, bias=Call("bias"),
+                npk=plan.npk, vt=0, a_scale=s.a, unscale=1.0 / (s.a * s.w)))
+        return GridLaunch(launch, config, extra=bounds), rows
+
     @classmethod
-    def of(cls, plan, sm_count: int) -> "RowBlockLaunches":
+    def of(cls, plan, dw) -> "RowBlockLaunches":
         made = getattr(plan, "_row_block_launches", None)
         if made is None:
-            made = plan._row_block_launches = cls(plan, sm_count)
+            made = plan._row_block_launches = cls(plan, dw)
         return made
+
+    def bias_grid(self, rows: int) -> int:
+        return -(-rows * self.plan.N // self.bias_rows)
 
     def project_grid(self, rows: int) -> int:
         N = self.plan.N
@@ -254,41 +304,41 @@ def run(forward, rows_per_block: int, devices: int = 1):
     blocked scratch (Forward allocates BlockedScratch(plan, rows_per_block).nbytes).
     `devices` > 1 emulates that many devices on this one (emulate_devices)."""
     plan, p = forward.plan, forward._pointers
-    launches = RowBlockLaunches.of(plan, forward.dw.sm_count)
+    launches = RowBlockLaunches.of(plan, forward.dw)
     N, D = plan.N, plan.D
-    layout = forward._blocked_scratch
-    qkvg0, vt0 = p["qkvg"], p["vt"]
+    scratch = forward._blocked_scratch
+    qkvg0, vt0, bias0 = p["qkvg"], p["vt"], p["bias"]
     shares = split_rows(plan.B * N, devices)
 
     def point(begin: int):  # qkvg and the tiles of the block starting at row `begin`
-        p["qkvg"] = _back(qkvg0, begin * layout.qkvg_row_bytes)
-        p["vt"] = _back(vt0, begin * layout.vt_row_bytes) if vt0 else 0
-
-    def project(begin: int, end: int):
-        point(begin)
-        p["row_begin"], p["row_end"] = begin, end
-        launches.project(p, launches.project_grid(end - begin))
+        p["qkvg"] = _back(qkvg0, begin * scratch.qkvg_row_bytes)
+        p["vt"] = _back(vt0, begin * scratch.vt_row_bytes) if vt0 else 0
 
     forward._zero_bias()
-    # 1. the bias of every row (each device its share: the bias all-gathered after)
-    for share in shares:
-        for begin, end in blocks_of(*share, rows_per_block):
-            project(begin, end)
+    # 1. the bias of every row: one launch per device's share (the bias all-gathered after)
+    for begin, end in shares:
+        p["row_begin"], p["row_end"] = begin, end
+        launches.bias_pass(p, launches.bias_grid(end - begin))
     forward._take_out_memory()
     out0 = p["out"]
     forward._pack_row_mask()
     forward._find_key_extent()
-    # 2. each block: its projection, attention, out projection
+    # 2. each block: its projection (no bias: null bias and bias weights), attention, out
+    #    projection
+    p["wb"] = 0
     for share in shares:
         for begin, end in blocks_of(*share, rows_per_block):
-            project(begin, end)
+            point(begin)
+            p["row_begin"], p["row_end"], p["bias"] = begin, end, 0
+            launches.project(p, launches.project_grid(end - begin))
+            p["bias"] = bias0
             for s0, s1 in batch_segments(begin, end, N):
                 p["row_begin"], p["row_end"] = s0, s1
                 launches.attention(p, launches.attention_grid(s1 - s0))
             segments = (batch_segments(begin, end, N) if plan.out_transposed
                         else [(begin, end)])
             for s0, s1 in segments:
-                p["qkvg"] = (qkvg0 + (s0 - begin) * layout.qkvg_row_bytes)
+                p["qkvg"] = qkvg0 + (s0 - begin) * scratch.qkvg_row_bytes
                 p["M"] = (s1 - s0) * N
                 if plan.out_transposed:  # caller_row of the segment's local rows, from
                     # the segment's first row (b, i): out at (b N N + i) D
@@ -298,24 +348,3 @@ def run(forward, rows_per_block: int, devices: int = 1):
                     p["out"] = out0 + s0 * N * D * 4
                 launches.out_project(p, launches.out_grid(s1 - s0))
     p["qkvg"], p["vt"], p["out"] = qkvg0, vt0, out0
-
-
-def emulate_devices(module, pair, mask=None, *, devices: int, row_block: int, **options):
-    """The forward of `module` (a TriangleAttention) as `devices` GPUs would compute one
-    sample, emulated on its one device: the rows split into `devices` contiguous shares;
-    each share's bias pass, then each share's blocks of `row_block` rows. Options as
-    TriangleAttention.__call__; bit-identical to module(pair, mask, **options) (tests)."""
-    from .forward import Forward
-
-    if isinstance(devices, bool) or not isinstance(devices, (int, np.integer)) or devices < 1:
-        raise ValueError(f"devices must be an int of at least 1; got {devices!r}")
-    forward = Forward(module._dw, pair, mask, options.pop("fully_masked", "zero"),
-                      options.pop("out", None), options.pop("precision", "fp32"),
-                      route=options.pop("route", None),
-                      conventions=module._conventions(options.pop("mask_layout", None),
-                                                      options.pop("node", None)),
-                      row_block=row_block)
-    if options:
-        raise TypeError(f"unknown options {sorted(options)}")
-    forward._devices = int(devices)
-    return forward.run()
