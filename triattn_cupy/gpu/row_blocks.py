@@ -50,7 +50,8 @@ from . import layouts, tiles
 # path's extra read of the pair (and its launches) would cost time without need: the
 # larger of 256 MiB and 1/16 of the device's memory (an H200 keeps the single pass up to
 # 8.8 GB of scratch: every benchmarked size through 1x2048x128, 8.06 GiB in fp32; a 24 GB
-# card up to 1.5 GB).
+# card up to 1.5 GB). The extra read is a share of the forward falling as 1/N: ~3% at
+# 1x2048 in bf16, ~1.7% at 1x4096 (docs/performance.md).
 SCRATCH_FLOOR_BYTES = 256 << 20
 DEVICE_SHARE = 16
 _ALIGN = 1024  # each region of the blocked scratch (the tile copies need 16 bytes)
