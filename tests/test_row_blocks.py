@@ -7,7 +7,7 @@ import types
 
 import pytest
 
-from triattn_cupy.gpu import layouts, row_blocks
+from triattn_cupy.gpu import layouts, routes, row_blocks
 from triattn_cupy.gpu.row_blocks import ScratchSizes, rows_per_block
 
 GiB, MiB = 1 << 30, 1 << 20
@@ -132,3 +132,16 @@ def test_pointers_offset_back_wrap_as_the_kernels_add():
     base, offset = 0x7f00_0000_0000, 0x7f00_0000_1000
     back = row_blocks._back(base, offset)
     assert 0 <= back < 1 << 64 and (back + offset) % (1 << 64) == base
+
+
+@pytest.mark.parametrize("layout", [l for l in layouts.LAYOUTS if l.tiled], ids=str)
+def test_every_persistent_layout_has_its_bias_pass(layout):
+    """The persistent projections' bias pass is a project_mma.cu configuration that some
+    route compiles anyway, writing the same bias form (tests/test_kernels_compile.py
+    compiles it under BIAS_ONLY)."""
+    bias_layout, products = row_blocks.persistent_bias_pass(layout)
+    assert (bias_layout.tiled, bias_layout.bias, bias_layout.scaled) == (
+        layout.tiled, layout.bias, layout.scaled)
+    configs = set(routes.all_configs("sm_90"))
+    for rows in (64, 128):
+        assert routes.project_config(rows, "mma", 128, bias_layout, products) in configs

@@ -193,9 +193,14 @@ class GridLaunch:
             current_stream().ptr, self.args.fill(pointers), 0)
 
 
-# The bias pass of the persistent projections' layouts: project_mma.cu's LayerNorm and bias
-# products, writing the same bias tiles (tiles_f16_slots' are tiles_f16's: fp16, scaled)
-_BIAS_PASS_LAYOUT = {layouts.TILES_F16_SLOTS: layouts.TILES_F16}
+def persistent_bias_pass(layout):
+    """(layout, products) of the project_mma.cu projection that writes the bias of a
+    persistent projection's `layout` in the bias pass: the same bias tiles (tiles_f16_slots'
+    are tiles_f16's: fp16, scaled), from fp16 hi + lo products for the hi + lo tiles, one
+    fp16 product otherwise."""
+    split = tiles.project_tiles_split(layout)
+    return ({layouts.TILES_F16_SLOTS: layouts.TILES_F16}.get(layout, layout),
+            "f16x3" if split else "f16")
 
 
 class RowBlockLaunches:
@@ -231,8 +236,7 @@ class RowBlockLaunches:
             config = bias_only(row_blocked(plan.project.config))
             return (GridLaunch(plan.project, config, extra=bounds),
                     dict(config.defines)["BM"])
-        layout = _BIAS_PASS_LAYOUT.get(plan.layout, plan.layout)
-        products = "f16x3" if tiles.project_tiles_split(plan.layout) else "f16"
+        layout, products = persistent_bias_pass(plan.layout)
         D = plan.D
         rows = tiles.project_rows(D, plan.M, dw.sm_count, dw.smem_limit, True)
         config = bias_only(row_blocked(project_config(rows, "mma", D, layout, products)))
