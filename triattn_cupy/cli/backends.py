@@ -148,7 +148,7 @@ class GpuBackend:
     kind = "gpu"
 
     def __init__(self, weights, device: int, fully_masked: str, precision=None,
-                 precision_where=None):
+                 precision_where=None, max_scratch_bytes=None):
         import cupy
 
         self.cupy = cupy
@@ -156,6 +156,9 @@ class GpuBackend:
         self.pair_dim = weights.pair_dim
         self.fully_masked = fully_masked
         self.call_kwargs = {"fully_masked": fully_masked}
+        # (the inputs' calls only: the warm-up's tiny input needs no limit)
+        self.scratch_kwargs = ({} if max_scratch_bytes is None
+                               else {"max_scratch_bytes": max_scratch_bytes})
         init_kwargs = {"device": device}
         if precision is not None:
             (init_kwargs if precision_where == "init" else self.call_kwargs)[
@@ -211,7 +214,8 @@ class GpuBackend:
                     d_mask = cp.asarray(loaded.mask)
                 # in place: the output takes the pair's memory (the forward reads each
                 # row before it writes it, in one pass or in row blocks)
-                d_out = self.module(d_pair, d_mask, out=d_pair, **self.call_kwargs)
+                d_out = self.module(d_pair, d_mask, out=d_pair, **self.call_kwargs,
+                                    **self.scratch_kwargs)
                 del d_pair, d_mask
                 d_pair = d_mask = None
                 host = self.alloc(d_out.shape)
