@@ -40,6 +40,7 @@ import dataclasses
 import numpy as np
 
 from .compile import KernelConfig
+from . import launch as _launch
 from .launch import Call, KernelArgs, Launch
 from .plan import F16_TERMS_ARGS, LN_QKVG_PROJECT, LN_QKVG_PROJECT_TILES, SPLIT_TILES_ARGS
 from .plan import _mask_args
@@ -187,7 +188,6 @@ class GridLaunch:
         self.args = KernelArgs(args, sorted(slots.items()))
 
     def __call__(self, pointers, grid: int):
-        from . import launch as _launch
         run, current_stream = _launch._api or _launch._cuda_api()
         run(self.function, int(grid), 1, 1, self.block, 1, 1, self.smem,
             current_stream().ptr, self.args.fill(pointers), 0)
