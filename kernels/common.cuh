@@ -128,7 +128,7 @@ __device__ __forceinline__ AttentionBlock attention_block(int N, int H, int bq, 
 //   project_ffma.cu), the key tiles T in [row_begin nc, row_end nc) (project_wgmma*.cu).
 //   Attention: rows of one batch (row_end - 1 < (row_begin / N + 1) N); the grid is
 //   ceil(N / bq) * ceil((row_end - row_begin) / rows) * H blocks, and a block's rows past
-//   row_end are treated as rows past N (attention_rows' i_end).
+//   row_end are treated as rows past N (ATTENTION_BLOCK's i_end).
 //   The LayerNorm projections with a null `bias` write no bias (a block's projection
 //   after the bias pass, which wrote all of it; project_wgmma_split.cu: a null `wb`).
 // BIAS_ONLY (project_mma.cu, project_ffma.cu; off by default): the bias pass of row
