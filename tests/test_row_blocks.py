@@ -145,3 +145,98 @@ def test_every_persistent_layout_has_its_bias_pass(layout):
     configs = set(routes.all_configs("sm_90"))
     for rows in (64, 128):
         assert routes.project_config(rows, "mma", 128, bias_layout, products) in configs
+
+
+# ---- the orchestration, with each kernel's addressing modelled on the host ----
+
+class _Model:
+    """Fake launches of row_blocks.run: each records what its kernel would read and write
+    (rows (b, i) of the pair, the bias, the block's scratch), by the addresses `run` passes
+    and the kernels' global indexing (common.cuh ROW_BLOCK)."""
+
+    def __init__(self, plan, scratch, base, out_base):
+        self.plan, self.scratch, self.base, self.out_base = plan, scratch, base, out_base
+        self.events = []   # ("read" | "write", caller row (b, r)) of the pair / output
+        self.bias_rows = set()
+        self.held = {}     # scratch row -> the global row (b N + i) it holds
+        self.bias_pass = lambda p, grid: self._bias(p)
+        self.project = lambda p, grid: self._project(p)
+        self.attention = lambda p, grid: self._attention(p)
+        self.out_project = lambda p, grid: self._out(p)
+        self.bias_grid = self.project_grid = self.attention_grid = self.out_grid = int
+
+    def _scratch_row(self, address):
+        row_bytes = self.scratch.qkvg_row_bytes
+        offset = (address - (self.base + self.scratch.qkvg)) % (1 << 64)
+        assert offset % row_bytes == 0 and offset // row_bytes < self.scratch.rows_per_block
+        return offset // row_bytes
+
+    def _read_rows(self, begin, end):  # the projection reads rows of x: caller rows
+        for g in range(begin, end):
+            self.events.append(("read", g))
+
+    def _bias(self, p):
+        self._read_rows(p["row_begin"], p["row_end"])
+        self.bias_rows.update(range(p["row_begin"], p["row_end"]))
+
+    def _project(self, p):
+        assert p["bias"] == 0 and p["wb"] == 0  # a block's projection writes no bias
+        self._read_rows(p["row_begin"], p["row_end"])
+        for g in range(p["row_begin"], p["row_end"]):  # global row g at qkvg + g N ld
+            row = self._scratch_row((p["qkvg"] + g * self.scratch.qkvg_row_bytes) % (1 << 64))
+            self.held[row] = g
+
+    def _attention(self, p):
+        N = self.plan.N
+        begin, end = p["row_begin"], p["row_end"]
+        assert begin // N == (end - 1) // N, "attention rows of one batch"
+        assert p["bias"] != 0 and len(self.bias_rows) == self.plan.B * N
+        for g in range(begin, end):
+            row = self._scratch_row((p["qkvg"] + g * self.scratch.qkvg_row_bytes) % (1 << 64))
+            assert self.held[row] == g
+
+    def _out(self, p):
+        N, D = self.plan.N, self.plan.D
+        first = self._scratch_row(p["qkvg"])
+        for r in range(p["M"] // N):  # local rows of the segment
+            g = self.held[first + r]
+            if self.plan.out_transposed:  # caller rows (b, j, i): column i of every j
+                b, i = divmod(g, N)
+                assert p["out"] == self.out_base + (b * N * N + (g - r) % N) * D * 4
+            else:
+                assert p["out"] + r * N * D * 4 == self.out_base + g * N * D * 4
+            self.events.append(("write", g))
+
+
+@pytest.mark.parametrize("B,N,R,devices", [(1, 7, 3, 1), (2, 5, 1, 1), (2, 5, 7, 1),
+                                           (3, 4, 5, 2), (2, 6, 12, 1), (2, 9, 4, 3)])
+@pytest.mark.parametrize("transposed", [False, True])
+def test_run_writes_every_row_once_after_reading_it(monkeypatch, B, N, R, devices,
+                                                    transposed):
+    """Every output row written once, by the block that projected it, after the bias of
+    every row; in place, no row is read after it is written (the ending node's output
+    rows are the caller's columns i: the same rows of the transposed problem)."""
+    plan = types.SimpleNamespace(B=B, N=N, D=8, H=2, npk=64, layout=layouts.TILES_F16,
+                                 row_mask=None, key_extent=None, bias_bytes=4096,
+                                 out_transposed=transposed)
+    scratch = row_blocks.BlockedScratch(plan, R)
+    base, out_base = 1 << 40, 1 << 41
+    model = _Model(plan, scratch, base, out_base)
+    monkeypatch.setattr(row_blocks.RowBlockLaunches, "of", lambda plan, dw: model)
+    steps = []
+    forward = types.SimpleNamespace(
+        plan=plan, dw=None, _blocked_scratch=scratch,
+        _pointers=dict(pair=1, mask=0, qkvg=base + scratch.qkvg, bias=base + scratch.bias,
+                       vt=base + scratch.vt, extent=0, row_mask=0, out=out_base),
+        _zero_bias=lambda: steps.append("zero"), _take_out_memory=lambda: None,
+        _pack_row_mask=lambda: steps.append("row mask"),
+        _find_key_extent=lambda: steps.append("extent"))
+    row_blocks.run(forward, R, devices)
+    writes = [g for kind, g in model.events if kind == "write"]
+    assert sorted(writes) == list(range(B * N))
+    first_write = model.events.index(("write", writes[0]))
+    assert {g for kind, g in model.events[:first_write] if kind == "read"} == set(range(B * N))
+    for position, (kind, g) in enumerate(model.events):
+        if kind == "write":
+            assert ("read", g) not in model.events[position + 1:], f"row {g} read after written"
+    assert steps[0] == "zero" and forward._pointers["qkvg"] == base + scratch.qkvg
