@@ -37,7 +37,7 @@ def _problem(cp, rng, B, N, D, h, mask_kind="random"):
 
 
 def _forward(cp, module, pair, mask, **options):
-    """module(pair, mask) into a NaN-filled `out` (a copy of the pair's buffer when
+    """module(pair, mask) into a NaN-filled `out` (the pair's own device buffer when
     options has out="pair": in place), as a NumPy array."""
     poison_pool(cp)
     d_pair = cp.asarray(pair)
