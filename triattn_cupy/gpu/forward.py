@@ -298,8 +298,8 @@ def _rows_per_block(cupy, dw, plan, pair, allocates_out: bool, row_block, max_sc
     if row_block is None:  # the free memory bounds the scratch, less the output's
         free = (cupy.cuda.runtime.memGetInfo()[0]
                 + cupy.get_default_memory_pool().free_bytes()
-                - (4 * pair.size if allocates_out else 0))
-    return row_blocks.rows_per_block(row_blocks.scratch_sizes(plan), 4 * pair.size,
+                - (pair.nbytes if allocates_out else 0))
+    return row_blocks.rows_per_block(row_blocks.scratch_sizes(plan), pair.nbytes,
                                      row_block=row_block,
                                      max_scratch_bytes=max_scratch_bytes,
                                      device_total=total, device_free=max(free, 0)
