@@ -42,6 +42,7 @@ attention_ffma_fp32(float* qkvg, const float* __restrict__ bias, int B, int N, i
 #if ROW_MASK
                , const unsigned* __restrict__ row_mask  // [B N][npk / 32] key bits (common.cuh)
 #endif
+               ROW_BLOCK_ARGS  // (common.cuh ROW_BLOCK: the rows [row_begin, row_end))
                ) {
     wait_for_previous_kernel();  // q, k, v, the bias and the key extent come from it
     allow_next_kernel();
@@ -53,7 +54,8 @@ attention_ffma_fp32(float* qkvg, const float* __restrict__ bias, int B, int N, i
 
     const int D = H * HEAD_DIM;
     const i64 ld = 4LL * D;
-    const AttentionBlock blk = attention_block(N, H, BQ, 1);
+    ATTENTION_BLOCK(blk, i_end, N, H, BQ, 1);  // (one row per block: never past i_end)
+    (void)i_end;
     const int qtile = blk.qtile, head = blk.head, b = blk.b;
     const i64 bi = (i64)b * N + blk.i0;  // the row of the pair this block attends along
     const int t = threadIdx.x, lane = t & 31, tx = lane & 7, ty = (t >> 5) * 4 + (lane >> 3);

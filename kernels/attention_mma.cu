@@ -239,6 +239,7 @@ ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int 
 #if ROW_MASK
       , const unsigned* __restrict__ row_mask  // [B N][npk / 32] key bits (common.cuh)
 #endif
+      ROW_BLOCK_ARGS  // (common.cuh ROW_BLOCK: the rows [row_begin, row_end))
       ) {
     extern __shared__ float4 smem4[];
     char* const smem = reinterpret_cast<char*>(smem4);
@@ -248,7 +249,8 @@ ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int 
 
     const int D = H * HEAD_DIM;
     const i64 ld = 4LL * D;
-    const AttentionBlock blk = attention_block(N, H, BQ, ROWS);
+    // i_end: this batch's rows end there (N, or the row block's end: common.cuh)
+    ATTENTION_BLOCK(blk, i_end, N, H, BQ, ROWS);
     const int qtile = blk.qtile, i0 = blk.i0, head = blk.head, b = blk.b;  // i0: first row
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     // Every key is visited here (key_extent, for attention_wgmma.cu and attention_ffma.cu, is
@@ -265,7 +267,7 @@ ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int 
 
     // This warp: row rw of the block, queries q0 .. q0 + 16 MT - 1.
     const int rw = warp / ROW_WARPS;
-    const bool row_ok = i0 + rw < N;
+    const bool row_ok = i0 + rw < i_end;
     float* const row = row_base(rw);
     const int q0 = qtile * BQ + (warp % ROW_WARPS) * 16 * MT;
     // Byte offset of row rw's K tile in a stage (V follows its K parts).
@@ -415,8 +417,8 @@ ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int 
     }
 
 #if ROW_MASK
-    // Row rw's key bits (rows past N: row N - 1's, read and never written out)
-    const unsigned* const keep_row = row_mask + ((i64)b * N + min(i0 + rw, N - 1)) * (npk / 32);
+    // Row rw's key bits (rows past i_end: row i_end - 1's, read and never written out)
+    const unsigned* const keep_row = row_mask + ((i64)b * N + min(i0 + rw, i_end - 1)) * (npk / 32);
     int mask_k0 = 0;  // the key tile `process` works on, set before each call
 #endif
     // One key tile: S = bias + Q K^T, the online softmax, O += P V. `kv` is the stage (or
@@ -826,7 +828,7 @@ ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int 
     // This thread's copies, the same in every tile: chunk c of k or v (kv) of key `key` of
     // row r, from its source at key 0 (k at column D + h d, v at 2D + h d in fp32 / tf32;
     // at bf16 index h d, v at D + h d, from column D in bf16) to its place in a stage.
-    // copy_key is N where the row is past N (never copied: zero-filled).
+    // copy_key is N where the row is past i_end (never copied: zero-filled).
     // Sources as 32-bit byte offsets from the block's first row at key 0, one register
     // each instead of a 64-bit pointer: ROWS <= 8 rows of N keys of 4D <= 3072 floats stay
     // under 2^32 bytes unless N > 43000, where qkvg alone would need petabytes.
@@ -841,7 +843,7 @@ ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int 
         copy_src[it] = (u32)(((i64)r * N + key) * ld * 4) + (kv * D + head * HEAD_DIM) * ELEM_BYTES + 16 * c;
         copy_dst[it] = r * ROW_ELEMS * ELEM_BYTES + 16 * c
                        + (kv ? (K_ELEMS + key * VSTR) * ELEM_BYTES : key * KSTR * ELEM_BYTES);
-        copy_end[it] = i0 + r < N ? N - key : 0;
+        copy_end[it] = i0 + r < i_end ? N - key : 0;
     }
     // Copy the tile at k0 into stage `stage` (nothing past the last tile), then commit a
     // group either way, so that the group count stays in step with the tiles.
@@ -884,7 +886,7 @@ ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int 
         for (int it = 0; it < LOADS_PER_THREAD; ++it) {
             const int idx = tid + it * THREADS;
             const int key = idx % BK, c = (idx / BK) % CHUNKS, r = idx / (BK * CHUNKS);
-            const bool ok = (LOADS % THREADS == 0 || idx < LOADS) && i0 + r < N && k0 + key < N;
+            const bool ok = (LOADS % THREADS == 0 || idx < LOADS) && i0 + r < i_end && k0 + key < N;
             const float* src = row_base(r) + (i64)(k0 + key) * ld + D + 8 * c;
             kv[it][0] = ok ? ld4(src) : zero4();
             kv[it][1] = ok ? ld4(src + 4) : zero4();

@@ -244,6 +244,7 @@ ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int 
 #if ROW_MASK
       , const unsigned* __restrict__ row_mask  // [B N][npk / 32] key bits (common.cuh)
 #endif
+      ROW_BLOCK_ARGS  // (common.cuh ROW_BLOCK: the rows [row_begin, row_end))
       ) {
     extern __shared__ float4 smem4[];
     wait_for_previous_kernel();  // q, k, v, the bias and the key extent come from it
@@ -255,7 +256,8 @@ ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int 
 
     const int D = H * HEAD_DIM;
     const i64 ld = (BF16 || SLOT_ROWS ? 1LL : F16 ? 2LL : 4LL) * D;  // words per qkvg row (project_epilogue.cuh QKVG_LD)
-    const AttentionBlock blk = attention_block(N, H, BQ, ROWS);
+    // i_end: this batch's rows end there (N, or the row block's end: common.cuh)
+    ATTENTION_BLOCK(blk, i_end, N, H, BQ, ROWS);
     const int qtile = blk.qtile, i0 = blk.i0, head = blk.head, b = blk.b;
     const int keys = visited_keys(key_extent, b, N);  // the key loop's end (key_extent.cu)
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -269,7 +271,7 @@ ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int 
     // registers: ~26-50 fewer instructions per tile, ptxas; not for F16X3, whose 128
     // registers it pushed into spills)
     const int wg = warp / 4, rw = ROWS == 1 && !F16X3 ? 0 : wg / ROW_GROUPS;
-    const bool row_ok = i0 + rw < N;
+    const bool row_ok = i0 + rw < i_end;
     float* const row = row_base(rw);
     const int q_in_tile = (wg % ROW_GROUPS) * 64 + (warp % 4) * 16;
     const int q0 = qtile * BQ + q_in_tile;
@@ -722,7 +724,11 @@ ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int 
     const char* const kv_row0 = reinterpret_cast<const char*>(vt)
                                 + (((i64)b * N + i0) * H + head) * ntiles * KV_TILES;
     const i64 kv_rstride = (i64)H * ntiles * KV_TILES;
-    const int rows_here = min(ROWS, N - i0);
+#if ROW_BLOCK  // (one row: always 1, kept out of the registers the row mask needs)
+    const int rows_here = ROWS == 1 ? 1 : min(ROWS, i_end - i0);
+#else
+    const int rows_here = min(ROWS, i_end - i0);
+#endif
     const char* const bias_tiles = reinterpret_cast<const char*>(bias)
         + ((((i64)b * H + head) * ((N + BQ - 1) / BQ) + qtile) * ntiles) * BIAS_TILE;
     auto produce = [&](int j) {  // warp 0: tile j into stage j % STAGES
@@ -750,11 +756,11 @@ ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int 
         }
     }
 #if ROW_MASK
-    {   // the block's rows' key bits (rows past N: row N - 1's, read and never written out)
+    {   // the block's rows' key bits (rows past i_end: row i_end - 1's, read, never written out)
         const int words = npk / 32;
         unsigned* const keep = reinterpret_cast<unsigned*>(smem + ROW_MASK_OFFSET);
         for (int w = tid; w < ROWS * words; w += THREADS)
-            keep[w] = row_mask[((i64)b * N + min(i0 + w / words, N - 1)) * words + w % words];
+            keep[w] = row_mask[((i64)b * N + min(i0 + w / words, i_end - 1)) * words + w % words];
     }
 #endif
     fence_async_shared();  // the ones rows, before any wgmma reads them

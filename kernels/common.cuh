@@ -116,3 +116,51 @@ __device__ __forceinline__ AttentionBlock attention_block(int N, int H, int bq, 
     asm volatile("" : "+r"(blk.qtile), "+r"(blk.i0), "+r"(blk.head), "+r"(blk.b));
     return blk;
 }
+
+// ROW_BLOCK (row blocks, off by default; triattn_cupy/gpu/row_blocks.py): a launch covers
+// only the pair rows (b, i) = b N + i in [row_begin, row_end) of the flattened B N rows,
+// and the kernel takes the two last. Every index stays global: the host passes qkvg and
+// the K/V^T tiles offset back by row_begin's rows, so that a block's rows land in its own
+// scratch, while the pair, the mask, the bias, the key extent and the row mask bits are
+// read (and the bias written) where the whole problem has them. Each row's arithmetic is
+// the whole problem's, so the result does not depend on how the rows are blocked.
+//   LayerNorm projections: the pair rows m in [row_begin N, row_end N) (project_mma.cu,
+//   project_ffma.cu), the key tiles T in [row_begin nc, row_end nc) (project_wgmma*.cu).
+//   Attention: rows of one batch (row_end - 1 < (row_begin / N + 1) N); the grid is
+//   ceil(N / bq) * ceil((row_end - row_begin) / rows) * H blocks, and a block's rows past
+//   row_end are treated as rows past N (ATTENTION_BLOCK's i_end).
+//   The LayerNorm projections with a null `bias` write no bias (a block's projection
+//   after the bias pass, which wrote all of it; project_wgmma_split.cu: a null `wb`).
+// BIAS_ONLY (project_mma.cu, project_ffma.cu; off by default): the bias pass of row
+// blocks, LayerNorm and the pair bias only (no q, k, v or gate: qkvg and vt unread).
+#ifndef ROW_BLOCK
+#define ROW_BLOCK 0
+#endif
+#ifndef BIAS_ONLY
+#define BIAS_ONLY 0
+#endif
+#if ROW_BLOCK
+__device__ __forceinline__ AttentionBlock attention_block_rows(int N, int H, int bq, int rows,
+                                                               i64 row_begin, i64 row_end) {
+    const int count = (int)(row_end - row_begin);
+    const int nq = (N + bq - 1) / bq, nr = (count + rows - 1) / rows;
+    AttentionBlock blk;
+    blk.qtile = (int)(blockIdx.x % nq);
+    i64 rest = blockIdx.x / nq;
+    blk.b = (int)(row_begin / N);
+    blk.i0 = (int)(row_begin - (i64)blk.b * N) + (int)(rest % nr) * rows;
+    blk.head = (int)(rest / nr);
+    asm volatile("" : "+r"(blk.qtile), "+r"(blk.i0), "+r"(blk.head), "+r"(blk.b));
+    return blk;
+}
+// The block of an attention kernel and the end of its batch's rows (N, or row_end's row)
+#define ATTENTION_BLOCK(blk, i_end, N, H, bq, rows)                                   \
+    const AttentionBlock blk = attention_block_rows(N, H, bq, rows, row_begin, row_end); \
+    const int i_end = (int)(row_end - (i64)blk.b * N)
+#define ROW_BLOCK_ARGS , i64 row_begin, i64 row_end
+#else
+#define ATTENTION_BLOCK(blk, i_end, N, H, bq, rows)                                   \
+    const AttentionBlock blk = attention_block(N, H, bq, rows);                        \
+    const int i_end = N
+#define ROW_BLOCK_ARGS
+#endif

@@ -230,13 +230,21 @@ ln_qkvg_project_ffma_fp32(const pair_t* __restrict__ x, i64 sb, i64 si, i64 sj, 
                 const float* __restrict__ Wb,
                 const void* __restrict__ mask, int mask_kind, i64 mb, i64 mi, i64 mj,
                 float* __restrict__ qkvg, float* __restrict__ bias, int npk,
-                float* __restrict__ vt) {
+                float* __restrict__ vt
+                ROW_BLOCK_ARGS  // (common.cuh ROW_BLOCK: the rows [row_begin, row_end))
+                ) {
     allow_next_kernel();  // the attention may launch (it waits for this kernel: common.cuh)
     const int dpad = (D + BK - 1) / BK * BK;
     const SmemLayout s = smem_layout(dpad);
     const int t = threadIdx.x;
+#if ROW_BLOCK  // the pair rows of (b, i) in [row_begin, row_end) only (common.cuh)
+    const i64 NN = (i64)N * N, M = row_end * N;
+    const i64 m0 = row_begin * N + (i64)blockIdx.x * BM;
+    (void)NN;
+#else
     const i64 NN = (i64)N * N, M = (i64)B * NN;
     const i64 m0 = (i64)blockIdx.x * BM;
+#endif
 
     // 1. Where each row starts in x.
     row_offsets(s.rowoff, m0, M, N, sb, si, sj);
@@ -314,7 +322,8 @@ ln_qkvg_project_ffma_fp32(const pair_t* __restrict__ x, i64 sb, i64 si, i64 sj, 
     __syncthreads();  // normalised tile complete
 
     // 5. Pair bias with the mask folded in: one dot product of length D per (row, head).
-    for (int p = t; p < BM * H; p += THREADS) {
+    //    (ROW_BLOCK: none with a null bias, a block's projection after the bias pass)
+    for (int p = t; p < (ROW_BLOCK && bias == nullptr ? 0 : BM * H); p += THREADS) {
         const int ml = p % BM, head = p / BM;
         const i64 m = m0 + ml;
         if (m >= M) continue;
@@ -339,12 +348,14 @@ ln_qkvg_project_ffma_fp32(const pair_t* __restrict__ x, i64 sb, i64 si, i64 sj, 
     }
 
     // 6. q, k, v and gate: every 4D output column of these rows, BN at a time.
+#if !BIAS_ONLY
     const int NO = 4 * D, rows_here = (int)min((i64)BM, M - m0);
     float* const block_out = qkvg + m0 * NO;  // row r at r * NO (< 2^31: BM * 4D)
     project_columns(s.As, WT, D, dpad, NO, b_qkvg, s.Ws,
                     [&](Tile& acc, int n0, const float2 (&cb)[4]) {
         store_qkvg(acc, n0, cb, D, q_scale, block_out, rows_here, VtTarget{vt, m0, N, H, npk});
     });
+#endif
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS, PROJECT_MIN_BLOCKS)

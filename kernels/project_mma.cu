@@ -613,13 +613,20 @@ LN_QKVG_ENTRY(const pair_t* __restrict__ x, i64 sb, i64 si, i64 sj, i64 sc, int 
 #if F16_TERMS
                 , float a_scale, float unscale
 #endif
+                ROW_BLOCK_ARGS  // (common.cuh ROW_BLOCK: the rows [row_begin, row_end))
                 ) {
     allow_next_kernel();  // the attention may launch (it waits for this kernel: common.cuh)
     const int dpad = (D + BK - 1) / BK * BK, astr = dpad + 4;
     const SmemLayout s = smem_layout(dpad);
     const int t = threadIdx.x, lane = t & 31, warp = t >> 5;
+#if ROW_BLOCK  // the pair rows of (b, i) in [row_begin, row_end) only (common.cuh)
+    const i64 NN = (i64)N * N, M = row_end * N;
+    const i64 m0 = row_begin * N + (i64)blockIdx.x * BM;
+    (void)NN;
+#else
     const i64 NN = (i64)N * N, M = (i64)B * NN;
     const i64 m0 = (i64)blockIdx.x * BM;
+#endif
     const int NO = 4 * D;
     const WeightRing ring{smem_addr(s.Ws), s.cbias, W, b_qkvg, D, NO, ring_chunks(dpad)};
 
@@ -654,8 +661,12 @@ LN_QKVG_ENTRY(const pair_t* __restrict__ x, i64 sb, i64 si, i64 sj, i64 sc, int 
         }
     }
     cp_async_commit();
+#if BIAS_ONLY  // (no weight chunks: no q, k, v or gate products)
+    cp_async_wait<0>();  // the row tile landed
+#else
     ring.prime(0);
     cp_async_wait<WSTAGES - 1>();  // the row tile landed (the weight chunks may not have)
+#endif
     __syncthreads();  // every warp's rows visible
 #if PAIR_DTYPE != PAIR_F32
     if (x_vec) {  // the 16-bit rows widened to fp32 in place, a warp per row: every lane
@@ -822,12 +833,19 @@ LN_QKVG_ENTRY(const pair_t* __restrict__ x, i64 sb, i64 si, i64 sj, i64 sc, int 
     //    global memory, a small array every block reads (L1), rounded here. As per-thread
     //    FFMA dot products, each thread loading all of Wb, it was ~40% of the kernel's
     //    stall samples (the loads waited for one at a time).
+#if ROW_BLOCK
+    if (bias != nullptr)  // (null: a block's projection after the bias pass: common.cuh)
+#endif
     pair_bias(s.As, astr, Wb, D, dpad, H, m0, M, N, mask, mask_kind, mb, mi, mj,
               reinterpret_cast<bias_t*>(bias), npk
 #if F16_TERMS
               , unscale
 #endif
               );
+#if BIAS_ONLY
+    (void)ring;
+    (void)q_scale;
+#else
 
     // 5. q, k, v and gate: every 4D output column of these rows, BN at a time.
     const int rows_here = (int)min((i64)BM, M - m0);
@@ -840,6 +858,7 @@ LN_QKVG_ENTRY(const pair_t* __restrict__ x, i64 sb, i64 si, i64 sj, i64 sc, int 
 #else
     project_columns<0>(s.As, astr, ring, store);
 #endif
+#endif  // BIAS_ONLY
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS, OUT_MIN_BLOCKS)

@@ -168,10 +168,16 @@ ln_qkvg_project_wgmma_f16(const pair_t* __restrict__ x, i64 sb, i64 si, i64 sj, 
                       float q_scale, float unscale,
                       const void* __restrict__ mask, int mask_kind, i64 mb, i64 mi, i64 mj,
                       float* __restrict__ qkvg, unsigned short* __restrict__ bias, int npk,
-                      char* __restrict__ vt) {
+                      char* __restrict__ vt
+                      ROW_BLOCK_ARGS  // (common.cuh ROW_BLOCK: the rows [row_begin, row_end))
+                      ) {
     BLOCK_PROLOGUE();
     allow_next_kernel();  // the attention may launch (it waits for this kernel: common.cuh)
-    const int nc = (N + 63) / 64, ntiles = B * N * nc;
+#if ROW_BLOCK  // the key tiles of rows (b, i) in [row_begin, row_end) only (common.cuh)
+    const int nc = (N + 63) / 64, t0 = (int)row_begin * nc, ntiles = (int)row_end * nc;
+#else
+    const int nc = (N + 63) / 64, t0 = 0, ntiles = B * N * nc;
+#endif
     const u32 bar_w = smem_s + OFF_BAR + 16, bar_raw = smem_s + OFF_BAR;  // raw: + 8 stage
     check_block();
     init_barriers(bar_raw);
@@ -186,7 +192,7 @@ ln_qkvg_project_wgmma_f16(const pair_t* __restrict__ x, i64 sb, i64 si, i64 sj, 
                           min(16384u, (u32)(W_BYTES + WB_BYTES) - off), bar_w);
         }
         for (int s = 0; s < 2; ++s) {
-            const int T = blockIdx.x + s * gridDim.x;
+            const int T = t0 + blockIdx.x + s * gridDim.x;
             if (T < ntiles)
                 load_rows(x, sb, si, sj, KeyTile(T, N, nc), smem_s + OFF_RAW + s * RAW_BYTES,
                           bar_raw + 8 * s);
@@ -213,7 +219,7 @@ ln_qkvg_project_wgmma_f16(const pair_t* __restrict__ x, i64 sb, i64 si, i64 sj, 
     // The K tile rows (keys) this warp writes, 1 KiB, also its staging for q and the gate.
     const u32 k_rows = wg * KV_BYTES + w4 * 1024;
     int k = 0;
-    for (int T = blockIdx.x; T < ntiles; T += gridDim.x, ++k) {
+    for (int T = t0 + blockIdx.x; T < ntiles; T += gridDim.x, ++k) {
         const int stage = k & 1;
         const KeyTile kt(T, N, nc);
         const u32 raw = smem_s + OFF_RAW + stage * RAW_BYTES;
@@ -280,8 +286,9 @@ ln_qkvg_project_wgmma_f16(const pair_t* __restrict__ x, i64 sb, i64 si, i64 sj, 
             store_slot(w, 32 * wg);
         }
         // the pair bias (warpgroup 0): heads 2t, 2t + 1 of keys r0, r1; -inf where masked
-        // and on the keys past N (its tile's padded keys: npk is N rounded up to 64)
-        if (wg == 0) {
+        // and on the keys past N (its tile's padded keys: npk is N rounded up to 64);
+        // none with a null bias under ROW_BLOCK (after the bias pass: common.cuh)
+        if (wg == 0 && (!ROW_BLOCK || bias != nullptr)) {
             const int qt = kt.i / 128;
             char* const tiles = reinterpret_cast<char*>(bias);
 #pragma unroll

@@ -210,18 +210,24 @@ ln_qkvg_project_wgmma_f16x3(const pair_t* __restrict__ x, i64 sb, i64 si, i64 sj
                       float q_scale, float unscale,
                       const void* __restrict__ mask, int mask_kind, i64 mb, i64 mi, i64 mj,
                       float* __restrict__ qkvg, unsigned short* __restrict__ bias, int npk,
-                      char* __restrict__ vt, const float* __restrict__ wb, float a_unscale) {
+                      char* __restrict__ vt, const float* __restrict__ wb, float a_unscale
+                      ROW_BLOCK_ARGS  // (common.cuh ROW_BLOCK: the rows [row_begin, row_end))
+                      ) {
     BLOCK_PROLOGUE();
     allow_next_kernel();  // the attention may launch (it waits for this kernel: common.cuh)
-    const int nc = (N + 63) / 64, ntiles = B * N * nc;
+#if ROW_BLOCK  // the key tiles of rows (b, i) in [row_begin, row_end) only (common.cuh)
+    const int nc = (N + 63) / 64, t0 = (int)row_begin * nc, ntiles = (int)row_end * nc;
+#else
+    const int nc = (N + 63) / 64, t0 = 0, ntiles = B * N * nc;
+#endif
     // This block's tiles blockIdx.x + n gridDim.x (n < mine; the grid is at most ntiles), each
     // in half 0, then each in half 1: step s takes tile n = s % mine in half s / mine.
-    const int mine = (ntiles - 1 - (int)blockIdx.x) / (int)gridDim.x + 1, steps = 2 * mine;
+    const int mine = (ntiles - t0 - 1 - (int)blockIdx.x) / (int)gridDim.x + 1, steps = 2 * mine;
     const u32 bar_w = smem_s + OFF_BAR + 16, bar_raw = smem_s + OFF_BAR;  // raw: + 8 stage
     check_block();
     init_barriers(bar_raw);
     __syncthreads();  // the mbarriers initialised
-    auto step_tile = [&](int s) { return KeyTile((int)blockIdx.x + (s % mine) * (int)gridDim.x, N, nc); };
+    auto step_tile = [&](int s) { return KeyTile(t0 + (int)blockIdx.x + (s % mine) * (int)gridDim.x, N, nc); };
     // Half `half`'s W into shared memory (one thread), counted on bar_w's phase `half`.
     auto load_w = [&](int half) {
         mbar_arrive_expect(bar_w, 4 * W_PART);

@@ -187,9 +187,13 @@ class FakeGpuBackend(CpuBackend):
 
     kind = "gpu"
 
-    def __init__(self, weights, device, fully_masked, precision=None, where=None):
+    made = []  # (device, max_scratch_bytes) of each backend made
+
+    def __init__(self, weights, device, fully_masked, precision=None, where=None,
+                 max_scratch_bytes=None):
         super().__init__(weights, fully_masked)
         self.device = device
+        FakeGpuBackend.made.append((device, max_scratch_bytes))
         self.label = f"GPU {device} (fake)"
 
     def compute(self, loaded):
@@ -218,6 +222,23 @@ def test_devices_spread_files_over_workers(two_fake_gpus, dataset, weights, weig
     assert "6 files: 6 computed" in err
     assert "GPU 1 (fake): " in err and "GPU 0 (fake): " in err
     assert cli(weights_file, out, src, "--devices", "all", "--overwrite", device=None) == 0
+
+
+def test_max_scratch_reaches_each_gpu_backend(two_fake_gpus, dataset, weights_file,
+                                              tmp_path):
+    src, _ = dataset
+    FakeGpuBackend.made.clear()
+    assert cli(weights_file, tmp_path / "o", src, "-r", "--devices", "0,1",
+               "--max-scratch-gib", "0.5", device=None) == 0
+    assert sorted(FakeGpuBackend.made) == [(0, 1 << 29), (1, 1 << 29)]
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "x", "inf"])
+def test_max_scratch_must_be_positive(dataset, weights_file, tmp_path, capsys, value):
+    src, _ = dataset
+    assert cli(weights_file, tmp_path / "o", src, "--max-scratch-gib", value) == 2
+    assert "argument --max-scratch-gib: expected a positive number of GiB" in (
+        capsys.readouterr().err)
 
 
 def test_devices_must_exist(two_fake_gpus, dataset, weights_file, tmp_path, capsys):

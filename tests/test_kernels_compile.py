@@ -32,9 +32,18 @@ def _allowed_spill_bytes(config, arch) -> int:
       spills 4);
     - 32 bytes in the 3xTF32 attention (the f16x3 attention's accuracy oracle) at head dim
       24 on sm_90, whose 2-blocks-per-SM shape measured 25% faster than the spill-free
-      ones; 8 bytes in its row-masked form (ROW_MASK) at head dim 64.
+      ones; 8 bytes in its row-masked form (ROW_MASK) at head dim 64, 16 in row blocks
+      (ROW_BLOCK) besides;
+    - 8 bytes in the wgmma f16x3 attention with both ROW_MASK and ROW_BLOCK (row blocks of
+      a row-masked fp32 forward on sm_90; its 2 blocks per SM kept).
     Every other kernel: none."""
     defines = dict(config.defines)
+    if defines.get("ROW_BLOCK") and defines.get("ROW_MASK"):
+        if (config.filename == "attention_mma.cu" and defines["PREC"] == 0
+                and defines["HEAD_DIM"] == 64):
+            return 16  # the oracle's row-masked form (no GPU takes it)
+        if config.filename == "attention_wgmma.cu" and defines.get("F16X3"):
+            return 8
     if (config.filename == "attention_mma.cu" and defines["PREC"] == 0
             and defines["HEAD_DIM"] == 24 and defines["MIN_BLOCKS"] == 2 and arch == "sm_90"):
         return 32  # chosen by measurement over the spill-free shapes (tiles.py)
@@ -139,6 +148,19 @@ def test_16_bit_pair_configs_cover_every_route_and_both_types():
     assert dict(routes.with_pair_dtype(config, "bfloat16").defines)["PAIR_DTYPE"] == 2
     with pytest.raises(ValueError, match="pair_dtype must be one of"):
         routes.pair_dtype_defines("float64")
+
+
+# Row blocks (ROW_BLOCK: a launch over the rows [row_begin, row_end)): every LayerNorm
+# projection and each attention variant's smallest and largest head dim, with and without
+# ROW_MASK (routes.row_blocked_configs).
+@pytest.mark.parametrize("config,arch", [(c, a) for a in gpu.compile.CHECK_ARCHS
+                                         for c in gpu.routes.row_blocked_configs(a)],
+                         ids=lambda x: x if isinstance(x, str) else
+                         x.filename + ":" + ",".join(f"{k}={v}" for k, v in x.defines))
+def test_row_blocks_compile_without_spills(config, arch):
+    report = _compile_within_spill_allowance(config, arch)
+    if config.filename.startswith("project_"):
+        assert any(entry.startswith("ln_qkvg_project") for entry in report), report
 
 
 # project_mma.cu's LN_SPLIT (LayerNorm 2 threads per row, off until measured on a GPU):

@@ -35,6 +35,12 @@ class TriangleAttention:
            output, so ``out = out_proj.bias`` there; "nan": NaN there, as the reference.
     out:   optional C-contiguous array shaped like pair, of the pair's dtype, to write
            into (a CuPy array, or a GPU array as pair).
+    row_block, max_scratch_bytes: the scratch (q, k, v, gate, the bias; ~4x the pair's
+           fp32 bytes in one pass). None (default): one pass where that fits the limit
+           (docs/design.md "Row blocks") and the free memory, else blocks of pair rows
+           (b, i) as large as fit; max_scratch_bytes sets the limit; row_block forces
+           blocks of that many rows. The result is the same bits for any block size;
+           `out=pair` (in place) works at every size.
     route: None (default): the fastest route of kernels this GPU and problem take; or a
            route name of ``triattn_cupy.gpu.routes.ROUTES`` (optionally with "@sm_80" for
            the sm_80 tile tables) or a ``Route`` to force one (tests and tools: every route
@@ -60,16 +66,20 @@ class TriangleAttention:
         return cls(load_weights(path), device=device)
 
     def __call__(self, pair, mask=None, *, fully_masked: str = "zero", out=None,
-                 precision: str = "fp32", route=None, mask_layout=None, node=None):
+                 precision: str = "fp32", route=None, mask_layout=None, node=None,
+                 row_block=None, max_scratch_bytes=None):
         return Forward(self._dw, pair, mask, fully_masked, out, precision, route=route,
-                       conventions=self._conventions(mask_layout, node)).run()
+                       conventions=self._conventions(mask_layout, node),
+                       row_block=row_block, max_scratch_bytes=max_scratch_bytes).run()
 
     def stage_launchers(self, pair, mask=None, *, fully_masked: str = "zero", out=None,
                         precision: str = "fp32", route=None, mask_layout=None, node=None):
         """[(stage name, callable)]: calling them in order performs one forward pass, for
-        timing each stage. The result lands in `out` (allocated if None)."""
+        timing each stage. The result lands in `out` (allocated if None). The stages are
+        the single pass's wherever its scratch fits the free memory (no row blocks)."""
         return Forward(self._dw, pair, mask, fully_masked, out, precision, route=route,
-                       conventions=self._conventions(mask_layout, node)).stages()
+                       conventions=self._conventions(mask_layout, node),
+                       max_scratch_bytes=_NO_SCRATCH_LIMIT).stages()
 
     def _conventions(self, mask_layout, node):
         """(mask layout, node): the call's, else the weights' own."""
@@ -83,12 +93,16 @@ class TriangleAttention:
                 f"device={self.device})")
 
 
+# stage_launchers' scratch limit: only the free memory bounds the single pass
+_NO_SCRATCH_LIMIT = 1 << 62
+
 # One module per (weights object, device), so the function form uploads weights once.
 _modules: "weakref.WeakKeyDictionary[Weights, dict]" = weakref.WeakKeyDictionary()
 
 
 def triangle_attention(pair, mask, weights, *, fully_masked: str = "zero", out=None,
-                       precision: str = "fp32", route=None, mask_layout=None, node=None):
+                       precision: str = "fp32", route=None, mask_layout=None, node=None,
+                       row_block=None, max_scratch_bytes=None):
     """Functional form: ``triangle_attention(pair, mask, weights)``.
 
     `weights` is a `Weights` (uploaded to the pair's GPU once per object and cached) or a
@@ -96,7 +110,8 @@ def triangle_attention(pair, mask, weights, *, fully_masked: str = "zero", out=N
     """
     if isinstance(weights, TriangleAttention):
         return weights(pair, mask, fully_masked=fully_masked, out=out, precision=precision,
-                       route=route, mask_layout=mask_layout, node=node)
+                       route=route, mask_layout=mask_layout, node=node, row_block=row_block,
+                       max_scratch_bytes=max_scratch_bytes)
     if not isinstance(weights, Weights):
         raise TypeError(f"weights must be a triattn_cupy.Weights or TriangleAttention; got "
                         f"{type(weights).__name__}")
@@ -107,4 +122,5 @@ def triangle_attention(pair, mask, weights, *, fully_masked: str = "zero", out=N
         per_device[device_id] = TriangleAttention(weights, device=device_id)
     return per_device[device_id](pair, mask, fully_masked=fully_masked, out=out,
                                  precision=precision, route=route, mask_layout=mask_layout,
-                                 node=node)
+                                 node=node, row_block=row_block,
+                                 max_scratch_bytes=max_scratch_bytes)

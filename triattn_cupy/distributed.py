@@ -151,6 +151,9 @@ def run_batch(client, args, *, summary: bool = True):
     settings = job_settings(args, weights.pair_dim, weights_path, weights_sha,
                             weights.mask_layout)
     backend_spec = (weights_sha, kind, args.fully_masked, precision)
+    scratch_gib = getattr(args, "max_scratch_gib", None)
+    if scratch_gib is not None:  # (the GPU's scratch limit, where given)
+        backend_spec += (int(scratch_gib * 2 ** 30),)
     run_key = uuid.uuid4().hex
     tasks.sort(key=_input_bytes, reverse=True)  # largest first: no long file last
     progress = Progress(len(tasks), quiet=args.quiet)

@@ -148,7 +148,7 @@ class GpuBackend:
     kind = "gpu"
 
     def __init__(self, weights, device: int, fully_masked: str, precision=None,
-                 precision_where=None):
+                 precision_where=None, max_scratch_bytes=None):
         import cupy
 
         self.cupy = cupy
@@ -156,6 +156,9 @@ class GpuBackend:
         self.pair_dim = weights.pair_dim
         self.fully_masked = fully_masked
         self.call_kwargs = {"fully_masked": fully_masked}
+        # (the inputs' calls only: the warm-up's tiny input needs no limit)
+        self.scratch_kwargs = ({} if max_scratch_bytes is None
+                               else {"max_scratch_bytes": max_scratch_bytes})
         init_kwargs = {"device": device}
         if precision is not None:
             (init_kwargs if precision_where == "init" else self.call_kwargs)[
@@ -209,14 +212,17 @@ class GpuBackend:
                 d_pair.set(loaded.pair)  # a synchronous DMA copy from pinned memory
                 if loaded.mask is not None:
                     d_mask = cp.asarray(loaded.mask)
-                d_out = self.module(d_pair, d_mask, **self.call_kwargs)
+                # in place: the output takes the pair's memory (the forward reads each
+                # row before it writes it, in one pass or in row blocks)
+                d_out = self.module(d_pair, d_mask, out=d_pair, **self.call_kwargs,
+                                    **self.scratch_kwargs)
                 del d_pair, d_mask
                 d_pair = d_mask = None
                 host = self.alloc(d_out.shape)
                 d_out.get(out=host)  # blocking: the result is complete on return
                 self._trim_pinned_pool()
                 return host
-            except cp.cuda.memory.OutOfMemoryError as exc:
+            except (cp.cuda.memory.OutOfMemoryError, MemoryError) as exc:
                 d_pair = d_mask = d_out = None
                 cp.get_default_memory_pool().free_all_blocks()
                 raise ComputeError(self._oom_reason(loaded, exc)) from None

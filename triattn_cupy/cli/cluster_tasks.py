@@ -4,8 +4,9 @@ run's claims and temporary outputs on the scheduler.
 
 A file's task claims its output, reads, computes and writes it through the local
 pipeline's steps (`filejob`), so its output is the one a local run writes. A worker
-process keeps one backend per (weights SHA-256, device kind, fully_masked, precision), so
-the weights stay on its GPU and the kernels compiled from one file to the next.
+process keeps one backend per (weights SHA-256, device kind, fully_masked, precision[,
+max_scratch_bytes]), so the weights stay on its GPU and the kernels compiled from one
+file to the next.
 
 The scheduler's metadata holds, per run (`RUN_KEY`, run key):
 
@@ -44,7 +45,7 @@ def weights_as_result(weights):
     return weights
 
 
-_backends = {}  # (weights sha, kind, fully_masked, precision) -> _WorkerBackend
+_backends = {}  # (weights sha, kind, fully_masked, precision[, max scratch]) -> _WorkerBackend
 _backends_lock = threading.Lock()
 _BACKENDS_KEPT = 4  # a long-lived worker serving runs with other weights drops the oldest
 
@@ -69,7 +70,7 @@ def _worker_backend(weights, spec) -> _WorkerBackend:
     with _backends_lock:
         backend = _backends.get(spec)
         if backend is None:
-            _, kind, fully_masked, precision = spec
+            _, kind, fully_masked, precision, *scratch = spec
             if kind == "cpu":
                 made = CpuBackend(weights, fully_masked)
             else:
@@ -77,7 +78,8 @@ def _worker_backend(weights, spec) -> _WorkerBackend:
                 # CUDA_VISIBLE_DEVICES so that it is the worker's own). Outputs name it
                 # "GPU 0", as the worker's process sees it; the summary names the worker.
                 _, where = precision_support()
-                made = GpuBackend(weights, 0, fully_masked, precision, where)
+                made = GpuBackend(weights, 0, fully_masked, precision, where,
+                                  max_scratch_bytes=scratch[0] if scratch else None)
                 made.warm_up()
             backend = _backends[spec] = _WorkerBackend(made)
             while len(_backends) > _BACKENDS_KEPT:

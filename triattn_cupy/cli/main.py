@@ -37,6 +37,16 @@ def _devices_arg(text: str):
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def _positive_gib(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a positive number of GiB, got {text!r}")
+    return value
+
+
 def _positive_seconds(text: str) -> float:
     try:
         value = float(text)
@@ -107,6 +117,10 @@ def build_parser(prog: str = "triattn-infer") -> argparse.ArgumentParser:
         add("--precision", choices=precisions, default=None,
             help="arithmetic of the GPU kernels; inputs and outputs stay float32 "
                  f"(default: {precisions[0]})")
+    add("--max-scratch-gib", type=_positive_gib, default=None, metavar="GIB",
+        help="GPU: working memory per forward in GiB beyond the input, which is computed in "
+             "place; an input needing more runs in blocks of pair rows, with the same result "
+             "(default: max(input / 2, 256 MiB, GPU memory / 16), within the free memory)")
     add("--output-format", choices=("hdf5", "npy"), default="hdf5",
         help="hdf5: <name>.h5 with dataset 'out' and attributes recording the input, the "
              "weights and their SHA-256, the version and the options; npy: <name>.npy, the "

@@ -83,7 +83,9 @@ def run(args, *, summary: bool = True) -> RunResult:
             if summary:
                 report(result, output_dir, args.output_format)
             return result
-        backends = make_backends(kind, devices, weights, args.fully_masked, precision)
+        scratch_gib = getattr(args, "max_scratch_gib", None)
+        backends = make_backends(kind, devices, weights, args.fully_masked, precision,
+                                 None if scratch_gib is None else int(scratch_gib * 2 ** 30))
         settings = job_settings(args, weights.pair_dim, weights_path, weights_sha,
                             weights.mask_layout)
         claims = stack.enter_context(Claims(claim_timeout))
@@ -168,15 +170,17 @@ def load_weights(path_arg, stack: contextlib.ExitStack):
     return weights, os.path.abspath(path), sha
 
 
-def make_backends(kind, devices, weights, fully_masked, precision):
-    """One backend per worker, each ready to compute (kernels compiled)."""
+def make_backends(kind, devices, weights, fully_masked, precision, max_scratch_bytes=None):
+    """One backend per worker, each ready to compute (kernels compiled). The CPU backend
+    has no scratch limit (`max_scratch_bytes`: the GPU's)."""
     if kind == "cpu":
         return [CpuBackend(weights, fully_masked)]
     _, where = precision_support()
     backends = []
     for device in devices:
         t0 = time.perf_counter()
-        backend = GpuBackend(weights, device, fully_masked, precision, where)
+        backend = GpuBackend(weights, device, fully_masked, precision, where,
+                             max_scratch_bytes=max_scratch_bytes)
         backend.warm_up()
         logger.debug("%s ready in %.2f s (kernels compiled)", backend.label,
                      time.perf_counter() - t0)

@@ -18,6 +18,8 @@ The pair is read, and the output written, in the pair's own type (float32, float
 bfloat16: the projections' PAIR_DTYPE); everything between is the route's arithmetic.
 The ending node runs on the transposed pair and mask, read in place as strided views; the
 out projection writes each row back to the caller's layout (OUT_TRANSPOSED).
+Where the scratch of every row would pass the limit (row_blocks.rows_per_block), the
+stages run in blocks of pair rows on a scratch of one block (row_blocks.run): the same bits.
 """
 from __future__ import annotations
 
@@ -27,7 +29,7 @@ import numpy as np
 
 from .._checks import check_fully_masked, check_mask_dtype, pair_geometry
 from ..conventions import check_mask_shape
-from . import checks, layouts
+from . import checks, layouts, row_blocks
 from .checks import _cupy, as_device_array
 from .device_weights import DeviceWeights
 from .plan import make_plan, plan_key
@@ -77,8 +79,10 @@ class Forward:
                  attention: "routes.AttentionLaunch | None" = None,
                  route: "routes.Route | str | None" = None,
                  conventions: tuple[str, str] = ("pair", "starting"),
-                 pair_dtype: str | None = None, allocate=None):
+                 pair_dtype: str | None = None, allocate=None,
+                 row_block: int | None = None, max_scratch_bytes: int | None = None):
         cupy = _cupy()
+        row_blocks.check_row_block_args(row_block, max_scratch_bytes)
         check_fully_masked(fully_masked)
         checks.check_precision(precision)
         pair, given_bfloat16 = checks.bfloat16_bits(pair)
@@ -146,7 +150,16 @@ class Forward:
             else:
                 plan = make_plan(dw, key, attention)
             self.plan, self.pair, self.mask = plan, pair, mask
-            self._scratch = self._memory(plan.scratch_bytes)  # qkvg, the bias, V^T
+            # Row blocks where the single pass's scratch would pass the limit (row_blocks.py)
+            self.rows_per_block = _rows_per_block(cupy, dw, plan, pair, out is None,
+                                                  row_block, max_scratch_bytes)
+            self._devices = 1  # (row_blocks.emulate_devices: G devices emulated)
+            if self.rows_per_block is None:
+                self._scratch = self._memory(plan.scratch_bytes)  # qkvg, the bias, V^T
+            else:
+                blocked = self._blocked_scratch = row_blocks.BlockedScratch(
+                    plan, self.rows_per_block)
+                self._scratch = self._memory(blocked.nbytes)
         scratch = self._scratch.ptr
         # The output's memory is taken after the first launch (_take_out_memory: ~1 µs of
         # host time the first kernel need not wait on), its CuPy array after the last
@@ -161,6 +174,13 @@ class Forward:
                           "row_mask": (scratch + plan.row_mask_offset
                                        if plan.row_mask is not None else 0),
                           "out": None if out is None else out.data.ptr}
+        if self.rows_per_block is not None:  # the blocked scratch's regions
+            blocked = self._blocked_scratch
+            self._pointers.update(
+                qkvg=scratch + blocked.qkvg, bias=scratch + blocked.bias,
+                vt=scratch + blocked.vt if plan.vt_bytes else 0,
+                extent=scratch + blocked.extent if plan.key_extent else 0,
+                row_mask=scratch + blocked.row_mask if plan.row_mask is not None else 0)
 
     # The geometry, as the plan has it
     B = property(lambda self: self.plan.B)
@@ -278,6 +298,11 @@ class Forward:
             self.plan.out_project(self._pointers)
 
     def stages(self):
+        if self.rows_per_block is not None:
+            raise ValueError(f"this forward runs in row blocks of {self.rows_per_block} "
+                             f"rows: the stages are the single pass's, whose "
+                             f"{self.plan.scratch_bytes} bytes of scratch pass the limit "
+                             f"(max_scratch_bytes) or the free device memory")
         return [("layernorm+projections", self.project),
                 ("attention", self.attention), ("gate+out_proj", self.out_project)]
 
@@ -293,6 +318,12 @@ class Forward:
             self.plan.key_extent(self._pointers)
 
     def run(self):
+        if self.rows_per_block is not None:
+            with self._on_device():
+                row_blocks.run(self, self.rows_per_block, self._devices)
+                out = self.out
+            self._scratch = self._pointers = None
+            return out
         with self._on_device():
             self._zero_bias()
             self.plan.project(self._pointers)
@@ -329,3 +360,28 @@ def _needs_aligned_copy(pair) -> bool:
     contiguous_rows = (pair.strides[-1] == itemsize
                        and all(s % 16 == 0 for s in pair.strides[:-1]))
     return not (contiguous_rows and pair.data.ptr % 16 == 0)
+
+
+_device_total: dict = {}  # device id -> its memory in bytes (asked once)
+
+
+def _rows_per_block(cupy, dw, plan, pair, allocates_out: bool, row_block, max_scratch_bytes):
+    """Rows per block for this call, or None: the single pass (row_blocks.rows_per_block).
+    Scratch within SCRATCH_FLOOR_BYTES takes the single pass without asking the device
+    (a driver call of host time, which small sizes wait on)."""
+    if (row_block is None and max_scratch_bytes is None
+            and plan.scratch_bytes <= row_blocks.SCRATCH_FLOOR_BYTES):
+        return None
+    total = _device_total.get(dw.device_id)
+    if total is None:
+        total = _device_total[dw.device_id] = cupy.cuda.runtime.memGetInfo()[1]
+    free = None
+    if row_block is None:  # the free memory bounds the scratch, less the output's
+        free = (cupy.cuda.runtime.memGetInfo()[0]
+                + cupy.get_default_memory_pool().free_bytes()
+                - (pair.nbytes if allocates_out else 0))
+    return row_blocks.rows_per_block(row_blocks.scratch_sizes(plan), pair.nbytes,
+                                     row_block=row_block,
+                                     max_scratch_bytes=max_scratch_bytes,
+                                     device_total=total, device_free=max(free, 0)
+                                     if free is not None else None)

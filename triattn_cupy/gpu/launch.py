@@ -143,9 +143,10 @@ class Launch:
     opted in), grid, block, shared memory and parameter block (`bound`: Signature.bind's
     args and slots). Calling it with the call's {name: device address} launches it on the
     current CuPy stream."""
-    __slots__ = ("kernel", "function", "grid", "block", "smem", "args")
+    __slots__ = ("config", "name", "kernel", "function", "grid", "block", "smem", "args")
 
     def __init__(self, config, name, grid, block, smem, bound):
+        self.config, self.name = config, name  # (row_blocks.py derives its launches)
         self.kernel = config.get(name, smem)   # a cupy.RawKernel (keeps its module loaded)
         self.function = self.kernel.kernel.ptr  # its CUfunction on the current device
         self.grid, self.block, self.smem = int(grid), int(block), int(smem)

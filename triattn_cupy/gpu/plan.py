@@ -64,6 +64,7 @@ class Plan:
         # The pair's rows contiguous and 16-byte aligned: vector loads (x_vec), and the
         # persistent LayerNorm projection, which copies whole rows
         x_vec = int(sc == 1 and all(s % per_16_bytes == 0 for s in (sb, si, sj)) and aligned)
+        self.strides, self.x_vec = (sb, si, sj, sc), x_vec  # (row_blocks' bias pass)
         geometry = dict(rows_aligned=bool(x_vec), smem_limit=dw.smem_limit,
                         masked=mask_meta is not None)
         if attention is not None:  # one attention kernel forced (tile sweeps and tests)
@@ -150,6 +151,7 @@ class Plan:
                                    row_mask=Call("row_mask")))
             self.row_mask_offset = self.scratch_bytes
             self.scratch_bytes += 4 * count
+        self.projection_mask = projection_mask  # (the mask the projection folds in)
         self.tiles = r.out_project == "tiles"
         self.project_tiles = r.project == "tiles"
         if self.project_tiles:

@@ -232,6 +232,12 @@ def row_mask_smem_bytes(launch: "AttentionLaunch", npk: int) -> int:
 def row_masked_configs(arch: str | None = None, every: bool = False):
     """row_mask_pack and the attention configurations of all_configs with ROW_MASK: each
     variant's (kernel file and arithmetic) smallest and largest head dim, or `every` one."""
+    return [row_mask_config()] + [row_masked(c) for c in _attention_variants(arch, every)]
+
+
+def _attention_variants(arch: str | None, every: bool = False):
+    """The attention configurations of all_configs: each variant's (kernel file and
+    arithmetic) smallest and largest head dim, or `every` one."""
     attention = [c for c in all_configs(arch) if c.filename.startswith("attention_")]
     if not every:
         variants: dict = {}
@@ -247,7 +253,32 @@ def row_masked_configs(arch: str | None = None, every: bool = False):
         attention |= {max(group, key=lambda c: dict(c.defines)["HEAD_DIM"])
                       for group in variants.values()}
         attention = sorted(attention, key=lambda c: (c.filename, c.defines, c.arch))
-    return [row_mask_config()] + [row_masked(c) for c in attention]
+    return attention
+
+
+def row_blocked(config: KernelConfig) -> KernelConfig:
+    """A LayerNorm projection's or an attention's `config` with ROW_BLOCK (row blocks:
+    common.cuh; gpu/row_blocks.py): its kernels take the rows [row_begin, row_end) last."""
+    return KernelConfig(config.filename, config.defines + (("ROW_BLOCK", 1),), config.arch)
+
+
+def bias_only(config: KernelConfig) -> KernelConfig:
+    """A project_mma.cu or project_ffma.cu LayerNorm projection's `config` (with
+    ROW_BLOCK) under BIAS_ONLY: the bias pass of row blocks, LayerNorm and the pair bias."""
+    return KernelConfig(config.filename, config.defines + (("BIAS_ONLY", 1),), config.arch)
+
+
+def row_blocked_configs(arch: str | None = None):
+    """What row blocks add to all_configs' kernels: each projection configuration and each
+    attention variant's smallest and largest head dim with ROW_BLOCK, the attentions also
+    with ROW_MASK (row_masked), the project_mma.cu and project_ffma.cu ones also with
+    BIAS_ONLY (the bias pass, of the persistent projections' layouts too)."""
+    projections = [c for c in all_configs(arch) if c.filename.startswith("project_")]
+    attention = _attention_variants(arch)
+    blocked = [row_blocked(c) for c in projections + attention
+               + [row_masked(c) for c in attention]]
+    return blocked + [bias_only(c) for c in blocked
+                      if c.filename in ("project_mma.cu", "project_ffma.cu")]
 
 
 def key_extent_chunks(N: int) -> int:

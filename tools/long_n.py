@@ -1,0 +1,137 @@
+"""Long N in place on one GPU: peak extra memory, time and a float64 spot check of a few rows.
+
+    python tools/long_n.py                       (N = 4096 and 8192, bf16 and fp32)
+    python tools/long_n.py --sizes 1x2048x128x4 --precisions fp32 --rows 3
+
+Each size runs `module(pair, mask, out=pair)` (in place; the last N // 10 rows and columns
+masked) and prints the rows per block the policy chose, the peak memory above the pair and
+mask (CuPy's pool, which keeps what the forward freed, and the driver's free memory), the
+time of a second call (CUDA events), and the rel L2 error of a few rows i against a
+float64 reference computed before the pair is overwritten. The reference is the NumPy
+backend's formulas (triattn_cupy/reference.py) in float64 on the device, the bias in
+chunks of rows: the NumPy backend itself would hold the whole pair in float64 (69 GB at
+N = 8192).
+"""
+import argparse
+import math
+
+import cupy as cp
+import numpy as np
+
+import triattn_cupy as ta
+from triattn_cupy.gpu.forward import Forward
+
+
+def padded_inputs(B, N, D, h, seed=0):
+    module = ta.TriangleAttention(ta.random_weights(D, h, seed=seed))
+    rng = cp.random.default_rng(seed)
+    pair = cp.empty((B, N, N, D), np.float32)
+    for j0 in range(0, N, 256):  # in slices: no float64 or index temporaries of the whole
+        pair[:, j0:j0 + 256] = rng.standard_normal(pair[:, j0:j0 + 256].shape, dtype=np.float32)
+    mask = cp.ones((B, N, N), bool)
+    pad = N // 10
+    if pad:
+        mask[:, :, -pad:] = False
+        mask[:, -pad:, :] = False
+    return module, pair, mask
+
+
+def _layer_norm(x, p, eps):
+    mean = x.mean(axis=-1, keepdims=True)
+    var = ((x - mean) ** 2).mean(axis=-1, keepdims=True)
+    return (x - mean) / cp.sqrt(var + eps) * p["layer_norm.weight"] + p["layer_norm.bias"]
+
+
+def reference_rows(weights, pair, mask, b, rows, chunk=16):
+    """out[b, i] for i in `rows` in float64 (the starting node, pair mask, fully masked
+    queries zero), as reference.triangle_attention computes them."""
+    N, D = pair.shape[1], pair.shape[-1]
+    h = weights.num_heads
+    d = D // h
+    p = {name: cp.asarray(v, cp.float64) for name, v in weights.params.items()}
+    eps = weights.layer_norm_eps
+    bias = cp.empty((h, N, N), cp.float64)                        # [h, j, k]
+    for j0 in range(0, N, chunk):
+        xn = _layer_norm(pair[b, j0:j0 + chunk].astype(cp.float64), p, eps)
+        bias[:, j0:j0 + chunk] = cp.moveaxis(xn @ p["bias_proj.weight"].T, -1, 0)
+    keep = mask[b] != 0
+    bias = cp.where(keep[None], bias, -cp.inf)
+    fully = ~keep.any(axis=-1)                                    # [N] queries j
+    out = []
+    for i in rows:
+        xn = _layer_norm(pair[b, i].astype(cp.float64), p, eps)  # [N, D]
+
+        def linear(name):
+            return xn @ p[f"{name}.weight"].T + p[f"{name}.bias"]
+
+        q, k, v = (linear(n).reshape(N, h, d).transpose(1, 0, 2) for n in ("query", "key", "value"))
+        g = 1 / (1 + cp.exp(-linear("gate")))
+        s = q @ k.transpose(0, 2, 1) / math.sqrt(d) + bias        # [h, N, N]
+        m = s.max(axis=-1, keepdims=True)
+        e = cp.exp(s - cp.where(cp.isfinite(m), m, 0))
+        o = (e @ v) / e.sum(axis=-1, keepdims=True)
+        o = cp.where(fully[None, :, None], 0.0, o).transpose(1, 0, 2).reshape(N, D)
+        out.append(((g * o) @ p["out_proj.weight"].T + p["out_proj.bias"]).get())
+        del s, e
+    return np.stack(out)
+
+
+def extra_bytes(pool, base_used, base_free):
+    """(pool bytes above base_used, driver bytes below base_free)."""
+    return pool.total_bytes() - base_used, base_free - cp.cuda.runtime.memGetInfo()[0]
+
+
+def run_size(size, precision, n_rows, seed=0):
+    B, N, D, h = map(int, size.split("x"))
+    module, pair, mask = padded_inputs(B, N, D, h, seed)
+    rng = np.random.default_rng(seed)
+    rows = np.sort(rng.choice(N - N // 10, n_rows, replace=False))
+    expected = reference_rows(module.weights, pair, mask, 0, rows)
+    pool = cp.get_default_memory_pool()
+    cp.cuda.Device().synchronize()
+    pool.free_all_blocks()
+    base_used, base_free = pool.used_bytes(), cp.cuda.runtime.memGetInfo()[0]
+    forward = Forward(module._dw, pair, mask, "zero", pair, precision)
+    rows_per_block = forward.rows_per_block
+    del forward
+    pool.free_all_blocks()
+    module(pair, mask, out=pair, precision=precision)            # in place
+    cp.cuda.Device().synchronize()
+    pool_extra, driver_extra = extra_bytes(pool, base_used, base_free)
+    got = pair[0, rows].get().astype(np.float64)
+    err = float(np.linalg.norm(got - expected) / np.linalg.norm(expected))
+    finite = bool(np.isfinite(got).all())
+    start, stop = cp.cuda.Event(), cp.cuda.Event()
+    start.record()
+    module(pair, mask, out=pair, precision=precision)            # again, on its output
+    stop.record()
+    stop.synchronize()
+    ms = cp.cuda.get_elapsed_time(start, stop)
+    input_bytes = pair.nbytes
+    print(f"{size} {precision}: rows per block {rows_per_block or 'all (single pass)'}; "
+          f"peak extra memory {pool_extra / 2**30:.2f} GiB pool, "
+          f"{driver_extra / 2**30:.2f} GiB driver ({pool_extra / input_bytes:.2f}x the "
+          f"{input_bytes / 2**30:.1f} GiB input); {ms:.1f} ms; rows {rows.tolist()} rel L2 "
+          f"{err:.2e}{'' if finite else ' NOT FINITE'}", flush=True)
+    del pair, mask
+    pool.free_all_blocks()
+    return err, finite
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--sizes", nargs="+", default=["1x4096x128x4", "1x8192x128x4"])
+    ap.add_argument("--precisions", nargs="+", default=["bf16", "fp32"])
+    ap.add_argument("--rows", type=int, default=3, help="rows i checked against float64")
+    args = ap.parse_args(argv)
+    tolerance = {"fp32": 1e-5, "tf32": 1e-3, "bf16": 5e-3}
+    bad = 0
+    for size in args.sizes:
+        for precision in args.precisions:
+            err, finite = run_size(size, precision, args.rows)
+            bad += not finite or not err <= tolerance[precision]
+    raise SystemExit(1 if bad else 0)
+
+
+if __name__ == "__main__":
+    main()
