@@ -218,7 +218,7 @@ def test_run_writes_every_row_once_after_reading_it(monkeypatch, B, N, R, device
     rows are the caller's columns i: the same rows of the transposed problem)."""
     plan = types.SimpleNamespace(B=B, N=N, D=8, H=2, npk=64, layout=layouts.TILES_F16,
                                  row_mask=None, key_extent=None, bias_bytes=4096,
-                                 out_transposed=transposed)
+                                 out_transposed=transposed, pair_dtype="float32")
     scratch = row_blocks.BlockedScratch(plan, R)
     base, out_base = 1 << 40, 1 << 41
     model = _Model(plan, scratch, base, out_base)
