@@ -576,7 +576,7 @@ def test_error_host_array(small):
 
 def test_error_dtype(small):
     weights, pair = small
-    with pytest.raises(TypeError, match="pair must be float32; got float64"):
+    with pytest.raises(TypeError, match=r"pair must be float32, float16 or bfloat16 .*got float64"):
         ta.triangle_attention(pair.astype("float64"), None, weights)
 
 

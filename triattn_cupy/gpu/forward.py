@@ -112,6 +112,9 @@ class Forward:
             pair = pair.swapaxes(-2, -3)
             if mask is not None:
                 mask = mask.swapaxes(-1, -2)
+        # The caller's own `out` object is what a call returns (a bfloat16 one is carried
+        # as its bits inside)
+        self._caller_out = out if isinstance(out, cupy.ndarray) else None
         if out is not None:
             out, out_bfloat16 = checks.bfloat16_bits(out)
             out = as_device_array(out, "out", dw.device_id)
@@ -230,7 +233,9 @@ class Forward:
                 target = self._out_target
                 target[...] = self._out.view(target.dtype)
                 self._out = target
-        if self._out.dtype != self._result_dtype:  # (bfloat16: its bits, viewed)
+        if self._caller_out is not None:
+            self._out = self._caller_out
+        elif self._out.dtype != self._result_dtype:  # (bfloat16: its bits, viewed)
             self._out = self._out.view(self._result_dtype)
         return self._out
 

@@ -355,3 +355,24 @@ def run(forward, rows_per_block: int, devices: int = 1):
                     p["out"] = out0 + s0 * N * D * itemsize
                 launches.out_project(p, launches.out_grid(s1 - s0))
     p["qkvg"], p["vt"], p["out"] = qkvg0, vt0, out0
+
+
+def emulate_devices(module, pair, mask=None, *, devices: int, row_block: int, **options):
+    """The forward of `module` (a TriangleAttention) as `devices` GPUs would compute one
+    sample, emulated on its one device: the rows split into `devices` contiguous shares;
+    each share's bias pass, then each share's blocks of `row_block` rows. Options as
+    TriangleAttention.__call__; bit-identical to module(pair, mask, **options) (tests)."""
+    from .forward import Forward
+
+    if isinstance(devices, bool) or not isinstance(devices, (int, np.integer)) or devices < 1:
+        raise ValueError(f"devices must be an int of at least 1; got {devices!r}")
+    forward = Forward(module._dw, pair, mask, options.pop("fully_masked", "zero"),
+                      options.pop("out", None), options.pop("precision", "fp32"),
+                      route=options.pop("route", None),
+                      conventions=module._conventions(options.pop("mask_layout", None),
+                                                      options.pop("node", None)),
+                      row_block=row_block)
+    if options:
+        raise TypeError(f"unknown options {sorted(options)}")
+    forward._devices = int(devices)
+    return forward.run()
