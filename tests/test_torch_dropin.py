@@ -412,10 +412,20 @@ class _Recorder:
         self.cuda = types.SimpleNamespace(
             Device=lambda index: Context("device", index),
             ExternalStream=lambda ptr, index: Context("stream", ptr, index),
-            using_allocator=lambda allocate: Context("allocator", allocate))
+            using_allocator=lambda allocate: Context("allocator", allocate),
+            UnownedMemory=lambda ptr, size, owner, index: types.SimpleNamespace(
+                ptr=ptr, size=size, owner=owner),
+            MemoryPointer=lambda memory, offset: types.SimpleNamespace(
+                ptr=memory.ptr + offset, memory=memory))
 
     def asarray(self, tensor):
         return ("view", tensor)
+
+    def ndarray(self, shape, dtype, memptr, strides):
+        """A view as ops._as_cupy makes it: address, shape, dtype, byte strides, owner."""
+        return ("view", types.SimpleNamespace(ptr=memptr.ptr, shape=shape,
+                                              dtype=np.dtype(dtype), strides=strides,
+                                              owner=memptr.memory.owner))
 
 
 @pytest.fixture
@@ -465,10 +475,10 @@ def test_gpu_path_views_stream_allocator_and_conventions(gpu_stand_ins):
     assert call["conventions"] == ("row", "ending") and call["fully_masked"] == "zero"
     # bfloat16 as its int16 bits, in place: the same memory and strides
     view = call["pair"][1]
-    assert view.dtype == torch.int16 and view.data_ptr() == pair.data_ptr()
-    assert view.stride() == pair.stride()
-    assert call["out"][1].data_ptr() == out.data_ptr()
-    assert call["mask"][1].dtype == torch.bool  # a bfloat16 mask as 0 or not
+    assert view.dtype == np.int16 and view.ptr == pair.data_ptr() and view.owner is pair
+    assert view.strides == tuple(2 * s for s in pair.stride())
+    assert call["out"][1].ptr == out.data_ptr()
+    assert call["mask"][1].dtype == np.bool_  # a bfloat16 mask as 0 or not
     # On torch's stream (4242), with torch's allocator, on the pair's device
     kinds = [what[0] for what in call["active"]]
     assert kinds == ["device", "stream", "allocator"]

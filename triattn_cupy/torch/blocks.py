@@ -113,12 +113,17 @@ def _module_eps(module):
 def _importer(module, node: str):
     """(signature, reimport) of a block module, holding it weakly."""
     ref = weakref.ref(module)
+    # The block's modules, listed once: their parameter dictionaries are read at every
+    # call (a parameter replaced shows there), the recursive walk of m.parameters() cost
+    # more host time per call than a small block's kernels
+    submodules = [weakref.ref(m) for m in module.modules()]
 
     def signature():
-        m = ref()
-        if m is None:
+        if ref() is None:
             return None
-        return tuple((id(p), p.data_ptr(), p._version) for p in m.parameters())
+        return tuple((id(p), p.data_ptr(), p._version) for r in submodules
+                     for p in (r()._parameters.values() if r() is not None else ())
+                     if p is not None)
 
     def reimport():
         m = ref()

@@ -167,13 +167,27 @@ def _torch_allocator(cupy, device: torch.device):
     return allocate
 
 
+_NUMPY_DTYPES = {torch.float32: np.float32, torch.float16: np.float16,
+                 torch.bfloat16: np.int16, torch.float64: np.float64, torch.bool: np.bool_,
+                 torch.uint8: np.uint8, torch.int8: np.int8, torch.int16: np.int16,
+                 torch.int32: np.int32, torch.int64: np.int64}
+
+
 def _as_cupy(cupy, tensor: torch.Tensor):
     """A CuPy view of a CUDA tensor (no copy): bfloat16, which CuPy has no type for, as
-    its int16 bits."""
-    tensor = tensor.detach()  # (a tensor that requires grad hides its interface)
-    if tensor.dtype == torch.bfloat16:
-        tensor = tensor.view(torch.int16)
-    return cupy.asarray(tensor)
+    its int16 bits. Made from the tensor's address, shape and strides rather than its
+    __cuda_array_interface__ (a dictionary built and parsed at every call: host time that
+    small blocks' kernels wait on); the tensor is the memory's owner, kept alive."""
+    dtype = _NUMPY_DTYPES.get(tensor.dtype)
+    if dtype is None:
+        return cupy.asarray(tensor.detach())
+    itemsize = tensor.element_size()
+    span = 1 + sum((n - 1) * s for n, s in zip(tensor.shape, tensor.stride())) \
+        if tensor.numel() else 0
+    memory = cupy.cuda.UnownedMemory(tensor.data_ptr(), span * itemsize, tensor,
+                                     tensor.device.index)
+    return cupy.ndarray(tuple(tensor.shape), dtype, cupy.cuda.MemoryPointer(memory, 0),
+                        strides=tuple(s * itemsize for s in tensor.stride()))
 
 
 _forward_parameters: Optional[frozenset] = None
