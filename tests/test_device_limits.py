@@ -27,7 +27,9 @@ def fake_gpu(monkeypatch):
     def install(optin, capability):
         fake = types.SimpleNamespace(asarray=np.asarray, uint32=np.uint32, float32=np.float32,
                                      cuda=types.SimpleNamespace(
-                                         Device=lambda device_id=None: FakeDevice(optin, capability)))
+                                         Device=lambda device_id=None: FakeDevice(optin, capability),
+                                         get_current_stream=lambda: types.SimpleNamespace(
+                                             synchronize=lambda: None)))
         monkeypatch.setattr(gpu.device_weights, "_cupy", lambda: fake)
     return install
 
