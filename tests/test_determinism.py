@@ -79,6 +79,31 @@ def _same_bits(actual, expected, what):
                     f"null stream's, by up to {np.nanmax(diff):.3g}")
 
 
+def _same_bits_on_four_threads(cp, call, expected, what):
+    """call(t) on four threads released together, each on its own non-blocking stream;
+    each result must have `expected`'s bits (`what` names thread t in a failure)."""
+    results, errors, start = {}, [], threading.Barrier(4)
+
+    def work(t):
+        try:
+            with cp.cuda.Stream(non_blocking=True) as stream:
+                start.wait()
+                out = call(t)
+                stream.synchronize()
+                results[t] = cp.asnumpy(out)
+        except Exception as exc:  # reported in the main thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(t,)) for t in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors, errors
+    for t, out in sorted(results.items()):
+        _same_bits(out, expected, what.format(t=t))
+
+
 @pytest.mark.parametrize("precision", PRECISIONS)
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "x".join(map(str, c)))
 def test_same_bits_on_every_stream_thread_and_address(cp, modules, rng, case, precision):
@@ -122,27 +147,13 @@ def test_same_bits_on_every_stream_thread_and_address(cp, modules, rng, case, pr
     del keep
 
     # Several threads, each on its own stream, calling the one module at once
-    results, errors = {}, []
+    def calls(t):
+        _garbage_pool(cp, nbytes=32 << 20, seed=10 + t)
+        for _ in range(3):
+            out = module(pair, mask, precision=precision)
+        return out
 
-    def work(t):
-        try:
-            with cp.cuda.Stream(non_blocking=True):
-                _garbage_pool(cp, nbytes=32 << 20, seed=10 + t)
-                for _ in range(3):
-                    out = module(pair, mask, precision=precision)
-                cp.cuda.get_current_stream().synchronize()
-                results[t] = cp.asnumpy(out)
-        except Exception as exc:  # reported in the main thread
-            errors.append(exc)
-
-    threads = [threading.Thread(target=work, args=(t,)) for t in range(4)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    assert not errors, errors
-    for t, out in sorted(results.items()):
-        _same_bits(out, expected, f"thread {t} on its own stream")
+    _same_bits_on_four_threads(cp, calls, expected, "thread {t} on its own stream")
 
 
 def test_route_does_not_depend_on_call_order(cp, rng):
@@ -162,7 +173,7 @@ def test_route_does_not_depend_on_call_order(cp, rng):
 @pytest.mark.parametrize("precision", PRECISIONS)
 def test_first_calls_from_several_threads_at_once(cp, rng, precision):
     """A fresh module's first calls, from four threads on non-blocking streams at once:
-    each makes (or finds) the weights' device layouts, and none may read one another
+    one makes each plan and layout while the others wait, and none reads a layout another
     thread's stream has not finished writing."""
     import triattn_cupy as ta
 
@@ -170,23 +181,5 @@ def test_first_calls_from_several_threads_at_once(cp, rng, precision):
     pair, mask = (cp.asarray(a) for a in _inputs(rng, 1, 200, 128))
     expected = cp.asnumpy(ta.TriangleAttention(weights)(pair, mask, precision=precision))
     module = ta.TriangleAttention(weights)
-    results, errors, start = {}, [], threading.Barrier(4)
-
-    def work(t):
-        try:
-            with cp.cuda.Stream(non_blocking=True) as stream:
-                start.wait()
-                out = module(pair, mask, precision=precision)
-                stream.synchronize()
-                results[t] = cp.asnumpy(out)
-        except Exception as exc:  # reported in the main thread
-            errors.append(exc)
-
-    threads = [threading.Thread(target=work, args=(t,)) for t in range(4)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    assert not errors, errors
-    for t, out in sorted(results.items()):
-        _same_bits(out, expected, f"thread {t}'s first call")
+    _same_bits_on_four_threads(cp, lambda t: module(pair, mask, precision=precision),
+                               expected, "thread {t}'s first call")
