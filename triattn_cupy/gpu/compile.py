@@ -163,6 +163,10 @@ class KernelConfig:
     defines: tuple[tuple[str, int], ...]
     arch: str = ""  # a target other than the device's plain one (_compile.raw_module)
 
+    def with_defines(self, *defines: tuple[str, int]) -> "KernelConfig":
+        """This configuration with `defines` (compile-time features) added after its own."""
+        return dataclasses.replace(self, defines=self.defines + tuple(defines))
+
     def get(self, name: str, smem_bytes: int = 0):
         """The kernel `name`, allowed `smem_bytes` of dynamic shared memory (compiled on the
         current device at first use; cached, so the per-call cost is a dictionary look-up)."""

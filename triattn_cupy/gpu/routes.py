@@ -100,7 +100,7 @@ def project_config(rows: int, engine: str, pair_dim: int, layout: Layout,
 def with_pair_dtype(config: KernelConfig, pair_dtype: str) -> KernelConfig:
     """A projection configuration reading the pair, and writing the output, as `pair_dtype`."""
     extra = pair_dtype_defines(pair_dtype)
-    return KernelConfig(config.filename, config.defines + extra, config.arch) if extra else config
+    return config.with_defines(*extra)
 
 
 _F16_TERMS = {"tf32": 0, "f16": 1, "f16x3": 3}
@@ -144,8 +144,7 @@ def _project_tiles_config(layout: Layout) -> KernelConfig:
 def out_transposed(config: KernelConfig) -> KernelConfig:
     """An out projection's `config` with OUT_TRANSPOSED, for the ending node: each row goes
     to the caller's layout (common.cuh caller_row); its kernels then take N last."""
-    return KernelConfig(config.filename, config.defines + (("OUT_TRANSPOSED", 1),),
-                        config.arch)
+    return config.with_defines(("OUT_TRANSPOSED", 1))
 
 
 def transposed_out_configs(arch: str | None = None):
@@ -217,7 +216,7 @@ def row_masked(config: KernelConfig) -> KernelConfig:
     (b, i), common.cuh); its kernels then take the bits' pointer last. The same tiles
     and blocks per SM as without: the wgmma attentions read the bits from shared memory
     (row_mask_smem_bytes), which keeps their 80-register forms free of spills."""
-    return KernelConfig(config.filename, config.defines + (("ROW_MASK", 1),), config.arch)
+    return config.with_defines(("ROW_MASK", 1))
 
 
 def row_mask_smem_bytes(launch: "AttentionLaunch", npk: int) -> int:
@@ -259,13 +258,13 @@ def _attention_variants(arch: str | None, every: bool = False):
 def row_blocked(config: KernelConfig) -> KernelConfig:
     """A LayerNorm projection's or an attention's `config` with ROW_BLOCK (row blocks:
     common.cuh; gpu/row_blocks.py): its kernels take the rows [row_begin, row_end) last."""
-    return KernelConfig(config.filename, config.defines + (("ROW_BLOCK", 1),), config.arch)
+    return config.with_defines(("ROW_BLOCK", 1))
 
 
 def bias_only(config: KernelConfig) -> KernelConfig:
     """A project_mma.cu or project_ffma.cu LayerNorm projection's `config` (with
     ROW_BLOCK) under BIAS_ONLY: the bias pass of row blocks, LayerNorm and the pair bias."""
-    return KernelConfig(config.filename, config.defines + (("BIAS_ONLY", 1),), config.arch)
+    return config.with_defines(("BIAS_ONLY", 1))
 
 
 def row_blocked_configs(arch: str | None = None):
