@@ -35,7 +35,7 @@ import weakref
 import torch
 
 from ..gpu.checks import check_dims, check_precision
-from ..importing import block_weights, find_blocks
+from ..importing import find_blocks, import_weights
 from .ops import IO_DTYPES, _op, register_weights, unregister
 
 __all__ = ["accelerate", "restore", "accelerated_blocks"]
@@ -105,11 +105,6 @@ def _module_node(module, kind: Kind) -> str:
     return "starting" if getattr(module, "starting", True) else "ending"
 
 
-def _module_eps(module):
-    eps = getattr(getattr(module, "layer_norm", None), "eps", None)
-    return float(eps) if isinstance(eps, (int, float)) else None
-
-
 def _importer(module, node: str):
     """(signature, reimport) of a block module, holding it weakly."""
     ref = weakref.ref(module)
@@ -129,9 +124,7 @@ def _importer(module, node: str):
         m = ref()
         if m is None:
             raise RuntimeError("the accelerated block no longer exists")
-        state_dict = m.state_dict()
-        block = next(b for b in find_blocks(state_dict) if b.prefix == "")
-        return block_weights(state_dict, block, node=node, layer_norm_eps=_module_eps(m))
+        return import_weights(m, node=node)
     return signature, reimport
 
 
