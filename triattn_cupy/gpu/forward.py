@@ -69,10 +69,10 @@ class Forward:
     Once the Plan exists, nothing here synchronizes the device or the stream: the
     launches, the memsets and the copies are all asynchronous on CuPy's current stream
     (the caller sets it: torch's stream, cupy.cuda.ExternalStream). Making a Plan (first
-    call of a geometry) compiles kernels and uploads weights, which does; so does CuPy
-    taking a torch tensor through __cuda_array_interface__ (it synchronizes the stream the
-    interface names): under capture, pass CuPy arrays over the tensors' memory
-    (cupy.cuda.UnownedMemory), made without it."""
+    call of a geometry) compiles kernels and uploads weights, which does. CuPy taking an
+    array through __cuda_array_interface__ synchronizes the stream the interface names,
+    where it names one (torch's names none); CuPy arrays over the tensors' memory
+    (cupy.cuda.UnownedMemory, as triattn_cupy.torch makes them) never do."""
 
     def __init__(self, dw: DeviceWeights, pair, mask, fully_masked: str, out,
                  precision: str = "fp32",
