@@ -72,21 +72,24 @@ def _compile_within_spill_allowance(config, arch) -> dict:
     return report
 
 
+def each_config(configs_of):
+    """Parametrize over (config, arch): `configs_of(arch)` for each architecture checked,
+    named by file and defines."""
+    return pytest.mark.parametrize(
+        "config,arch", [(c, a) for a in gpu.compile.CHECK_ARCHS for c in configs_of(a)],
+        ids=lambda x: x if isinstance(x, str) else
+        x.filename + ":" + ",".join(f"{k}={v}" for k, v in x.defines))
+
+
 # Each architecture's own configurations (the tile table may pick per architecture).
-@pytest.mark.parametrize("config,arch", [(c, a) for a in gpu.compile.CHECK_ARCHS
-                                         for c in gpu.routes.all_configs(a)],
-                         ids=lambda x: x if isinstance(x, str) else
-                         x.filename + ":" + ",".join(f"{k}={v}" for k, v in x.defines))
+@each_config(gpu.routes.all_configs)
 def test_compiles_without_spills(config, arch):
     _compile_within_spill_allowance(config, arch)
 
 
 # The ending node's out projections (OUT_TRANSPOSED: rows to the caller's layout), one
 # configuration per kernel file: the feature is the same store in each.
-@pytest.mark.parametrize("config,arch", [(c, a) for a in gpu.compile.CHECK_ARCHS
-                                         for c in gpu.routes.transposed_out_configs(a)],
-                         ids=lambda x: x if isinstance(x, str) else
-                         x.filename + ":" + ",".join(f"{k}={v}" for k, v in x.defines))
+@each_config(gpu.routes.transposed_out_configs)
 def test_transposed_output_compiles_without_spills(config, arch):
     report = _compile_within_spill_allowance(config, arch)
     assert any(entry.startswith("gated_out_project") for entry in report), report
@@ -94,10 +97,7 @@ def test_transposed_output_compiles_without_spills(config, arch):
 
 # The row mask layout's attention (ROW_MASK: key bits per row) and its packing kernel: each
 # variant's smallest and largest head dim (routes.row_masked_configs).
-@pytest.mark.parametrize("config,arch", [(c, a) for a in gpu.compile.CHECK_ARCHS
-                                         for c in gpu.routes.row_masked_configs(a)],
-                         ids=lambda x: x if isinstance(x, str) else
-                         x.filename + ":" + ",".join(f"{k}={v}" for k, v in x.defines))
+@each_config(gpu.routes.row_masked_configs)
 def test_row_mask_compiles_without_spills(config, arch):
     _compile_within_spill_allowance(config, arch)
 
@@ -105,10 +105,7 @@ def test_row_mask_compiles_without_spills(config, arch):
 # The pair read and the output written in 16 bits (PAIR_DTYPE float16, bfloat16): each
 # route's projection kernels in their smallest configuration, per 16-bit type, half of
 # them with OUT_TRANSPOSED (routes.pair_dtype_configs).
-@pytest.mark.parametrize("config,arch", [(c, a) for a in gpu.compile.CHECK_ARCHS
-                                         for c in gpu.routes.pair_dtype_configs(a)],
-                         ids=lambda x: x if isinstance(x, str) else
-                         x.filename + ":" + ",".join(f"{k}={v}" for k, v in x.defines))
+@each_config(gpu.routes.pair_dtype_configs)
 def test_16_bit_pair_compiles_without_spills(config, arch):
     report = _compile_within_spill_allowance(config, arch)
     assert any(entry.startswith("ln_qkvg_project") for entry in report), report
@@ -153,10 +150,7 @@ def test_16_bit_pair_configs_cover_every_route_and_both_types():
 # Row blocks (ROW_BLOCK: a launch over the rows [row_begin, row_end)): every LayerNorm
 # projection and each attention variant's smallest and largest head dim, with and without
 # ROW_MASK (routes.row_blocked_configs).
-@pytest.mark.parametrize("config,arch", [(c, a) for a in gpu.compile.CHECK_ARCHS
-                                         for c in gpu.routes.row_blocked_configs(a)],
-                         ids=lambda x: x if isinstance(x, str) else
-                         x.filename + ":" + ",".join(f"{k}={v}" for k, v in x.defines))
+@each_config(gpu.routes.row_blocked_configs)
 def test_row_blocks_compile_without_spills(config, arch):
     report = _compile_within_spill_allowance(config, arch)
     if config.filename.startswith("project_"):
