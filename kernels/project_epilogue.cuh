@@ -10,6 +10,8 @@
 #include "common.cuh"
 #include "mma.cuh"
 #include "project_math.cuh"
+#include "layout_features.cuh"
+#include "pair_bias_store.cuh"
 
 // Where each of the block's BM rows (from m0) starts in x, an element offset into
 // rowoff[t] by threads t < BM (64-bit: B*N*N*D passes 2^31 at N ~ 4096); rows past the
@@ -40,153 +42,12 @@ __device__ __forceinline__ void map_column(Tile& acc, int j, float2 cb, F f) {
     }
 }
 
-// How ln_qkvg_project stores q, k, v and the gate, for the kernels that read them: the
-// layouts of triattn_cupy/gpu/layouts.py, told apart by their features below (a qkvg row
-// is 4D words, D with SLOT_ROWS, 2D with F16_QKV: QKVG_LD; the attention writes o over
-// [0, D), in 16 bits over each head's first 16 words with O16):
-// rows_fp32 as computed (fp32): q, k, v, gate at words [0, D), [D, 2D), [2D, 3D), [3D, 4D).
-// rows_tf32 the same, k and v rounded to TF32 (KV_TF32; attention_mma_tf32 copies them as
-//   they are).
-// rows_bf16 packed bf16 (QG_PACKED, KV_BF16_ROWS; attention_mma_bf16; half the bytes):
-//   bf16 index c from word D holds k column c for c < D and v column c - D after it; q from
-//   word 2D (Q_WORD), the gate from word 5D/2 (GATE_WORD); [3D, 4D) unused. The attention
-//   rounds q to bf16 anyway; the gate in bf16 adds ~1e-3 to the mode's error. The pair bias
-//   in fp16 (BIAS_F16).
-// tiles_bf16 (KV_TILED: attention_wgmma_bf16; head dim 32): k and v in tiles only, per (b,
-//   i, head, 64 keys) 8 KiB, the K tile [64 keys][32 dims] bf16 in the 64-byte swizzle
-//   (sw64, store_kt), then the V^T tile [32 dims][64 keys] bf16 in the 128-byte swizzle,
-//   keys in their own order (store_vt); the pair bias in fp16 tiles of [128 queries][64
-//   keys] (bias_element). Keys past N are zero in V^T, left unwritten in K. qkvg rows of D
-//   words, a 32-word slot per head (SLOT_ROWS): q packed bf16 at [32 h, 32 h + 16) (dims
-//   2w, 2w + 1 in word w), where the attention writes the head's o in bf16 (O16, load_o4),
-//   and the gate packed bf16 at [32 h + 16, 32 h + 32) (rows of 4D words with k and v in
-//   tiles would leave 2D of every row unused: 3.0 GiB of scratch at 1x1024 against 1.5).
-// tiles_f16_hilo (HI_LO: attention_wgmma_f16x3, the fp32 mode): tiles_bf16's tiles in fp16
-//   hi + lo pairs (split_f16): per (b, i, head, 64 keys) 16 KiB, the K hi tile, the K lo
-//   tile, the V^T hi tile, the V^T lo tile; the pair bias as fp16 hi and lo tiles (32 KiB
-//   per tile: hi, then lo). A qkvg row is 2D words (F16_QKV): per head 16 words of q's hi
-//   pairs then 16 of its lo pairs, at [32 h, 32 h + 32), where the attention writes that
-//   head's o; the gate fp32 at [D, 2D). So the scratch stays ~4x the input with the tiles
-//   (4D words a row would make it 6x). q, k and v arrive scaled by powers of two that keep
-//   them inside fp16's range (the weights are: DeviceWeights.f16x3_scales).
-// tiles_f16 (attention_wgmma_f16, the tf32 mode; f16s, the bf16 mode): the hi parts only:
-//   fp16 keeps TF32's 11 significant bits, so q, k and v scaled into its range lose no
-//   more than TF32 rounding would. Per (b, i, head, 64 keys) 8 KiB, tiles_bf16's tiles in
-//   fp16; qkvg rows of 2D words, q's 16 fp16 words per head at [32 h, 32 h + 16), the gate
-//   fp32 at [D, 2D) (in fp16, gates below fp16's normal range lost their bits and below
-//   ~6e-8 became 0); the pair bias in fp16 tiles, stored times s_b = s_q s_k (the units
-//   the attention accumulates S in). The scales are DeviceWeights.qkv_scales'. The
-//   attention writes o in fp16, in v's units, over q (O16, load_o4).
-// (tiles_f16_slots, tiles_f16's tiles in tiles_bf16's rows with the gate in bf16, is
-// written by project_wgmma.cu only.)
-// The layout's features (triattn_cupy/gpu/layouts.py defines them per layout; all 0: the
-// fp32 rows, rows_fp32):
-#ifndef KV_TILED
-#define KV_TILED 0      // k, V^T and the pair bias in 64-key tiles after qkvg
-#endif
-#ifndef QG_PACKED
-#define QG_PACKED 0     // q and the gate packed bf16
-#endif
-#ifndef KV_BF16_ROWS
-#define KV_BF16_ROWS 0  // k and v packed bf16 in the rows, from column D
-#endif
-#ifndef KV_TF32
-#define KV_TF32 0       // k and v rounded to TF32 where stored
-#endif
-#ifndef F16_QKV
-#define F16_QKV 0       // q, k, v scaled, in fp16; rows of 2D words
-#endif
-#ifndef SLOT_ROWS
-#define SLOT_ROWS 0     // q and the gate in each head's 32-word slot; rows of D words
-#endif
-#ifndef HI_LO
-#define HI_LO 0         // q, k, v and the bias as fp16 hi and lo
-#endif
-#ifndef BIAS_F16
-#define BIAS_F16 0      // the pair bias in fp16
-#endif
-#ifndef O16
-#define O16 0           // the attention writes o in 16 bits over each head's first 16 words
-#endif
-#ifndef TILES_BF16
-#define TILES_BF16 0    // the tiles (and o) in bf16, else fp16
-#endif
-#if KV_TILED
-#include "wgmma.cuh"
-#endif
-#define KV_TILE_BYTES (HI_LO ? 16384 : 8192)  // per (b, i, head, 64 keys)
-#define VT_IN_TILE (HI_LO ? 8192 : KV_TILED ? 4096 : 0)
-#define HALF_PART 4096  // HI_LO: bytes from a hi K or V^T tile to its lo tile
-#define BIAS_TILE_BYTES (HI_LO ? 32768 : 16384)  // KV_TILED: per (b, head, 128 i, 64 j)
-
 // Where the tiles go (vt), and the block's first row (the unused fields of the row layouts).
 struct VtTarget {
     float* vt;
     i64 m0;
     int N, H, npk;
 };
-// The pair bias's element type: fp32, or fp16 (BIAS_F16: rows_bf16 and the tiled layouts):
-// fp16 has TF32's 10-bit mantissa (the TF32 mode's products round
-// to it anyway; bf16's have 7), at half the bytes of a bias tile, the largest part of what
-// those kernels copy. Finite values beyond fp16's range saturate to +-65504 (2^-65504 is 0
-// in any softmax), -inf and NaN stay.
-#if BIAS_F16
-typedef unsigned short bias_t;  // fp16 bits
-__device__ __forceinline__ bias_t to_bias(float x) { return f16_bias_bits(x); }
-#else
-typedef float bias_t;
-__device__ __forceinline__ bias_t to_bias(float x) { return x; }
-#endif
-
-// One pair-bias value: *at(j) = log2(e) * dot, or -inf where the mask drops (b, i, j);
-// at(jj) is where key jj of the row (b, head, i) goes. The key axis is padded to a whole
-// number of attention tiles (npk); -inf there makes the padded keys weigh exactly 0, so
-// the attention kernel needs no bounds test.
-// *at(jj) = x as the bias's type; HI_LO: the value as fp16 hi, and at 8192 elements (16
-// KiB, the tile's lo part) the rest rounded again (0 where hi is infinite): hi + lo holds
-// ~22 bits of it, to +-131008.
-template <class At>
-__device__ __forceinline__ void put_bias(At at, i64 jj, float x) {
-#if HI_LO
-    bias_t hi, lo;
-    f16_bias_split(x, hi, lo);
-    bias_t* const p = at(jj);
-    p[0] = hi;
-    p[BIAS_TILE_BYTES / 2 / sizeof(bias_t)] = lo;  // the lo half of the tile
-#else
-    *at(jj) = to_bias(x);
-#endif
-}
-template <class At>
-__device__ __forceinline__ void store_pair_bias_at(At at, i64 j, int N, int npk, bool keep,
-                                                   float dot) {
-    put_bias(at, j, keep ? dot * LOG2E_F : neg_inf());
-    if (j == N - 1)
-        for (int jj = N; jj < npk; ++jj) put_bias(at, jj, neg_inf());
-}
-// The same in the row-major layout [B, H, N, npk]: brow = &bias[b, head, i, 0].
-__device__ __forceinline__ void store_pair_bias(bias_t* __restrict__ brow, i64 j, int N, int npk,
-                                                bool keep, float dot) {
-    store_pair_bias_at([&](i64 jj) { return brow + jj; }, j, N, npk, keep, dot);
-}
-
-#if KV_TILED
-// The pair bias in tiles (the tiled layouts): per (b, head, 128 queries i, 64 keys j) 16 KiB
-// (tiles_f16_hilo: 32 KiB, this tile and its lo parts after it: put_bias),
-// [128 rows i][64 keys j] fp16 in the 128-byte swizzle (wgmma.cuh sw128: rows of 128
-// bytes, read conflict-free by the attention's fragments without padding), so that one
-// bulk copy moves a tile. bh = b H + head. Query rows past N in the last tile stay unwritten.
-__device__ __forceinline__ bias_t* bias_element(bias_t* bias, i64 bh, int i, int j, int N, int npk) {
-    const i64 tile = (bh * ((N + 127) / 128) + i / 128) * (npk / 64) + j / 64;
-    return reinterpret_cast<bias_t*>(reinterpret_cast<char*>(bias) + tile * BIAS_TILE_BYTES
-                                     + sw128(i % 128, 2 * (j % 64)));
-}
-__device__ __forceinline__ void store_pair_bias_tiled(bias_t* __restrict__ bias, i64 bh, int i,
-                                                      int j, int N, int npk, bool keep, float dot) {
-    store_pair_bias_at([&](i64 jj) { return bias_element(bias, bh, i, (int)jj, N, npk); }, j, N,
-                       npk, keep, dot);
-}
-#endif
 
 #define Q_WORD(D) (QG_PACKED ? 2 * (D) : 0)
 #define GATE_WORD(D) (QG_PACKED ? 5 * (D) / 2 : F16_QKV ? (D) : 3 * (D))
