@@ -44,7 +44,7 @@ def _forward(cp, module, pair, mask, **options):
     if options.pop("out", None) == "pair":
         out = d_pair
     else:
-        out = cp.full(pair.shape, np.nan, np.float32)
+        out = cp.full(pair.shape, np.nan, pair.dtype)
     got = module(d_pair, None if mask is None else cp.asarray(mask), out=out, **options)
     assert got is out
     return got.get()
@@ -137,6 +137,54 @@ def test_unmasked(cp, rng):
     module, pair, _ = _problem(cp, rng, 1, 70, 64, 2)
     every = _forward(cp, module, pair, None, row_block=ALL)
     _assert_same_bits(_forward(cp, module, pair, None, row_block=9), every, "unmasked")
+
+
+# ---- the persistent projections' bias pass (layernorm_bias_ffma.cu) ----
+
+@pytest.mark.parametrize("precision", ["fp32", "tf32", "bf16"])
+@pytest.mark.parametrize("pair_dtype", ["float32", "float16"])
+def test_persistent_bias_pass_against_float64(cp, rng, precision, pair_dtype):
+    """D = 128, h = 4, B = 2, N = 133 (no tile filled), every route's default persistent
+    projection: the blocked forward within the mode's tolerance of the float64 backend,
+    with rows far past 2^40 and a constant row among them (LayerNorm's rescaled path)."""
+    module, pair, mask = _problem(cp, rng, 2, 133, 128, 4, "padding")
+    pair[0, 5, :7] *= 1e30
+    pair[1, 9, 3] = 3e20
+    pair = pair.astype(pair_dtype) if pair_dtype == "float32" else (
+        np.clip(pair, -6e4, 6e4).astype(pair_dtype))
+    got = _forward(cp, module, pair, mask, precision=precision, row_block=11)
+    assert np.isfinite(got).all()
+    expected = reference.triangle_attention(pair.astype(np.float32), mask, module.weights,
+                                            fully_masked="zero")
+    err = rel_l2(got.astype(np.float64), expected)
+    # (a float16 output adds its own rounding, ~3e-4 rel L2)
+    tolerance = TOLERANCE[precision] if pair_dtype == "float32" else max(TOLERANCE[precision], 1e-3)
+    assert err <= tolerance, f"rel L2 {err:.3g}"
+
+
+def test_persistent_bias_pass_writes_the_bias_the_single_pass_does(cp, rng):
+    """The bias tiles of the bias pass against the single pass's (fp16 in both; the pass's
+    fp32 products against the persistent projection's fp16 hi + lo ones): equal to
+    within fp16's rounding, -inf exactly where the mask drops."""
+    module, pair, mask = _problem(cp, rng, 1, 200, 128, 4, "padding")
+    d_pair, d_mask = cp.asarray(pair), cp.asarray(mask)
+    single = gpu.forward.Forward(module._dw, d_pair, d_mask, "zero", None, "fp32")
+    single.project()
+    blocked = gpu.forward.Forward(module._dw, d_pair, d_mask, "zero", None, "fp32",
+                                  row_block=50)
+    assert blocked.plan.project_tiles  # (the persistent projections' bias pass)
+    launches = row_blocks.RowBlockLaunches.of(blocked.plan, module._dw)
+    blocked._zero_bias()
+    p = blocked._pointers
+    p["row_begin"], p["row_end"] = 0, 200
+    launches.bias_pass(p, launches.bias_grid(200))
+    a = single.bias.get().view(np.float16).astype(np.float32)
+    b = cp.ndarray(single.plan.bias_shape, single.plan.bias_dtype,
+                   memptr=blocked._scratch).get().view(np.float16).astype(np.float32)
+    assert np.array_equal(np.isneginf(a), np.isneginf(b))
+    finite = np.isfinite(a)
+    assert np.isfinite(b[finite]).all()
+    assert np.abs(a[finite] - b[finite]).max() <= 2e-3 * max(1.0, np.abs(a[finite]).max())
 
 
 # ---- in place ----

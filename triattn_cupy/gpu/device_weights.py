@@ -187,6 +187,19 @@ class DeviceWeights:
         factor = (scales[3] if scales else 1.0) * (self.f16_scales(scales).w if f16 else 1.0)
         return self._made(("w_bias", f16, scales), lambda: self.w_bias * factor)
 
+    def layernorm_bias_weight(self, scales=None):
+        """(w_ln [h, D], c_ln [h]) float32 for layernorm_bias_ffma.cu: LayerNorm's gamma and
+        beta folded into the pair-bias weights (times the bias scale s_b of `scales`),
+        w_ln = Wb gamma, c_ln = Wb beta, formed in float64 from the host weights."""
+        def make():
+            p = self._weights.params
+            wb = np.asarray(p["bias_proj.weight"], np.float64) * (scales[3] if scales else 1.0)
+            w_ln = wb * np.asarray(p["layer_norm.weight"], np.float64)[None, :]
+            c_ln = wb @ np.asarray(p["layer_norm.bias"], np.float64)
+            cupy = _cupy()
+            return (cupy.asarray(w_ln.astype(np.float32)), cupy.asarray(c_ln.astype(np.float32)))
+        return self._made(("layernorm bias", "", scales), make)
+
 
 def _qkv_row_scales(scales, D: int):
     """Per output row of [Wq; Wk; Wv; Wg]: s_q, s_k, s_v of `scales` (1 for the gate)."""

@@ -267,6 +267,14 @@ def bias_only(config: KernelConfig) -> KernelConfig:
     return config.with_defines(("BIAS_ONLY", 1))
 
 
+def layernorm_bias_config(layout: Layout, pair_dim: int, num_heads: int,
+                          pair_dtype: str = "float32") -> KernelConfig:
+    """layernorm_bias_ffma.cu writing the pair bias as `layout` holds it, reading the pair
+    as `pair_dtype`: the bias pass of row blocks for the persistent projections."""
+    shape = (("PAIR_DIM", pair_dim), ("HEADS", num_heads), *layout.defines())
+    return with_pair_dtype(KernelConfig("layernorm_bias_ffma.cu", shape), pair_dtype)
+
+
 def row_blocked_configs(arch: str | None = None):
     """What row blocks add to all_configs' kernels: each projection configuration and each
     attention variant's smallest and largest head dim with ROW_BLOCK, the attentions also
@@ -277,7 +285,10 @@ def row_blocked_configs(arch: str | None = None):
     blocked = [row_blocked(c) for c in projections + attention
                + [row_masked(c) for c in attention]]
     return blocked + [bias_only(c) for c in blocked
-                      if c.filename in ("project_mma.cu", "project_ffma.cu")]
+                      if c.filename in ("project_mma.cu", "project_ffma.cu")] + [
+        layernorm_bias_config(layout, TILES_PAIR_DIM, TILES_PAIR_DIM // 32, pair_dtype)
+        for layout in (layouts.TILES_F16, layouts.TILES_F16_HILO, layouts.TILES_BF16)
+        for pair_dtype in PAIR_DTYPES]
 
 
 def key_extent_chunks(N: int) -> int:

@@ -3,10 +3,10 @@
 Row (b, i) of the output needs only row (b, i)'s q, k, v and gate and the (B, h, N, N)
 pair bias, which is computed from the whole pair. So a long-N forward runs as
 
-  1. the bias pass: LayerNorm and the pair bias of every row (one launch; BIAS_ONLY),
-     written where the single pass has it: project_mma.cu's or project_ffma.cu's own code,
+  1. the bias pass: LayerNorm and the pair bias of every row (one launch), written where
+     the single pass has it: project_mma.cu's or project_ffma.cu's own code (BIAS_ONLY),
      or for the persistent projections (whose bias comes out of the products of q and the
-     gate) project_mma.cu's on the same scales, writing the same bias tiles;
+     gate) layernorm_bias_ffma.cu, on the same scales, writing the same bias tiles;
   2. the row mask's bits and the key extent, for every row (small);
   3. for each block of R rows (b, i), contiguous in the flattened B N order: the
      projection of its rows with a null bias (q, k, v, gate and the K/V^T tiles; no bias),
@@ -36,15 +36,17 @@ all-gathering the bias (docs/multi_gpu.md). Bit-identical to one device.
 from __future__ import annotations
 
 import dataclasses
+import threading
 
 import numpy as np
 
+from .checks import _cupy
 from .compile import KernelConfig
 from . import launch as _launch
-from .launch import Call, KernelArgs, Launch
-from .plan import F16_TERMS_ARGS, LN_QKVG_PROJECT, LN_QKVG_PROJECT_TILES, SPLIT_TILES_ARGS
+from .launch import Call, KernelArgs, Launch, Signature
+from .plan import LN_QKVG_PROJECT_TILES, SPLIT_TILES_ARGS
 from .plan import _mask_args
-from .routes import bias_only, project_config, row_blocked
+from .routes import bias_only, layernorm_bias_config, row_blocked
 from . import layouts, tiles
 
 # Default scratch limit: half the input's bytes, but never below a floor where the blocked
@@ -55,6 +57,16 @@ from . import layouts, tiles
 # 1x2048 in bf16, ~1.7% at 1x4096 (docs/performance.md).
 SCRATCH_FLOOR_BYTES = 256 << 20
 DEVICE_SHARE = 16
+# layernorm_bias_ffma.cu: its parameters, block size, pair rows a block takes per step
+# (8 warps of 4 rows: ROW_LANES 8) and resident blocks per SM (BIAS_MIN_BLOCKS); it loops
+# over its rows, so a grid of that many blocks per SM covers any number of them.
+LAYERNORM_BIAS = Signature(
+    "ptr x", "i64 sb", "i64 si", "i64 sj", "i64 sc", "i32 x_vec", "i32 N", "f32 eps",
+    "ptr w_ln", "ptr c_ln", "ptr mask", "i32 mask_kind", "i64 mb", "i64 mi", "i64 mj",
+    "ptr bias", "i32 npk")
+LAYERNORM_BIAS_THREADS = 256
+LAYERNORM_BIAS_ROWS = 32
+LAYERNORM_BIAS_BLOCKS_PER_SM = 2
 _ALIGN = 1024  # each region of the blocked scratch (the tile copies need 16 bytes)
 
 
@@ -193,14 +205,10 @@ class GridLaunch:
             current_stream().ptr, self.args.fill(pointers), 0)
 
 
-def persistent_bias_pass(layout):
-    """(layout, products) of the project_mma.cu projection that writes the bias of a
-    persistent projection's `layout` in the bias pass: the same bias tiles (tiles_f16_slots'
-    are tiles_f16's: fp16, scaled), from fp16 hi + lo products for the hi + lo tiles, one
-    fp16 product otherwise."""
-    split = tiles.project_tiles_split(layout)
-    return ({layouts.TILES_F16_SLOTS: layouts.TILES_F16}.get(layout, layout),
-            "f16x3" if split else "f16")
+def bias_pass_layout(layout):
+    """The layout whose bias form the persistent projections' bias pass writes for theirs:
+    the same bias tiles (tiles_f16_slots' are tiles_f16's)."""
+    return {layouts.TILES_F16_SLOTS: layouts.TILES_F16}.get(layout, layout)
 
 
 class RowBlockLaunches:
@@ -218,7 +226,7 @@ class RowBlockLaunches:
             named = {names.index("wb"): "wb"}
         self.project = GridLaunch(plan.project, row_blocked(plan.project.config), named=named,
                                   extra=bounds)
-        self.bias_pass, self.bias_rows = self._bias_pass(plan, dw, bounds)
+        self.bias_pass, self.bias_rows, self.bias_blocks = self._bias_pass(plan, dw, bounds)
         self.attention = GridLaunch(plan.attention, row_blocked(plan.attention.config),
                                     extra=bounds)
         # gated_out_project's M (argument 1 of every out projection) per segment
@@ -228,32 +236,26 @@ class RowBlockLaunches:
 
     @staticmethod
     def _bias_pass(plan, dw, bounds):
-        """(GridLaunch, rows per block) of the bias pass: the plan's own project_mma.cu or
-        project_ffma.cu projection under BIAS_ONLY, or for the persistent projections (whose
-        bias comes out of the products of q and the gate) project_mma.cu's, on the same
-        scales, writing the same bias form."""
+        """(GridLaunch, rows per block, most blocks) of the bias pass: the plan's own
+        project_mma.cu or project_ffma.cu projection under BIAS_ONLY (the single pass's
+        LayerNorm and bias code: the same bits), or for the persistent projections (whose
+        bias comes out of the products of q and the gate) layernorm_bias_ffma.cu, a
+        streaming kernel of a few resident blocks per SM, writing the same bias form."""
         if not plan.project_tiles:
             config = bias_only(row_blocked(plan.project.config))
             return (GridLaunch(plan.project, config, extra=bounds),
-                    dict(config.defines)["BM"])
-        layout, products = persistent_bias_pass(plan.layout)
-        D = plan.D
-        rows = tiles.project_rows(D, plan.M, dw.sm_count, dw.smem_limit, True)
-        config = bias_only(row_blocked(project_config(rows, "mma", D, layout, products,
-                                                      plan.pair_dtype)))
-        s = dw.f16_scales(plan.scales)
+                    dict(config.defines)["BM"], None)
+        config = layernorm_bias_config(bias_pass_layout(plan.layout), plan.D, plan.H, plan.pair_dtype)
+        w_ln, c_ln = dw.layernorm_bias_weight(plan.scales)
         sb, si, sj, sc = plan.strides
         launch = Launch(
-            config, f"ln_qkvg_project_mma_{products}", 1, tiles.PROJECT_THREADS,
-            tiles.project_smem_bytes(D, rows, True),
-            (LN_QKVG_PROJECT + F16_TERMS_ARGS).bind(
-                x=Call("pair"), sb=sb, si=si, sj=sj, sc=sc, x_vec=plan.x_vec, B=plan.B,
-                N=plan.N, D=D, H=plan.H, eps=dw.eps, q_scale=0.0, gamma=dw.gamma.data.ptr,
-                beta=dw.beta.data.ptr, W=0, b_qkvg=0,  # (no q, k, v or gate products)
-                Wb=dw.bias_weight(True, plan.scales).data.ptr,
-                **_mask_args(plan.projection_mask), qkvg=0, bias=Call("bias"),
-                npk=plan.npk, vt=0, a_scale=s.a, unscale=1.0 / (s.a * s.w)))
-        return GridLaunch(launch, config, extra=bounds), rows
+            config, "layernorm_bias_ffma", 1, LAYERNORM_BIAS_THREADS, 0,
+            LAYERNORM_BIAS.bind(
+                x=Call("pair"), sb=sb, si=si, sj=sj, sc=sc, x_vec=plan.x_vec, N=plan.N,
+                eps=dw.eps, w_ln=w_ln.data.ptr, c_ln=c_ln.data.ptr,
+                **_mask_args(plan.projection_mask), bias=Call("bias"), npk=plan.npk))
+        return (GridLaunch(launch, config, extra=bounds), LAYERNORM_BIAS_ROWS,
+                LAYERNORM_BIAS_BLOCKS_PER_SM * dw.sm_count)
 
     @classmethod
     def of(cls, plan, dw) -> "RowBlockLaunches":
@@ -263,7 +265,8 @@ class RowBlockLaunches:
         return made
 
     def bias_grid(self, rows: int) -> int:
-        return -(-rows * self.plan.N // self.bias_rows)
+        blocks = -(-rows * self.plan.N // self.bias_rows)
+        return blocks if self.bias_blocks is None else min(blocks, self.bias_blocks)
 
     def project_grid(self, rows: int) -> int:
         N = self.plan.N
@@ -305,10 +308,47 @@ def _back(address: int, offset: int) -> int:
     return (address - offset) % (1 << 64)
 
 
+_side_streams = threading.local()  # per thread: {device id: the bias pass's stream}
+
+
+class BiasStream:
+    """The bias pass's stream: this thread's second stream on the device (made once; a
+    stream shared between threads would pull one thread's work into another's CUDA graph
+    capture), forked from the caller's current stream when made. Launches inside
+    `with bias_stream:` go to it; join() makes the caller's stream wait for them."""
+
+    def __init__(self, device_id: int):
+        cupy = _cupy()
+        streams = _side_streams.__dict__.setdefault("by_device", {})
+        if device_id not in streams:
+            streams[device_id] = cupy.cuda.Stream(non_blocking=True)
+        self.main, self.side = cupy.cuda.get_current_stream(), streams[device_id]
+        self.side.wait_event(self.main.record())
+        self._done = None
+
+    def __enter__(self):
+        self.side.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._done = self.side.record()
+        self.side.__exit__(*exc)
+
+    def join(self):
+        self.main.wait_event(self._done)
+
+
 def run(forward, rows_per_block: int, devices: int = 1):
     """The forward's stages row block by row block (module docstring), on the forward's
     blocked scratch (Forward allocates BlockedScratch(plan, rows_per_block).nbytes).
-    `devices` > 1 emulates that many devices on this one (emulate_devices)."""
+    `devices` > 1 emulates that many devices on this one (emulate_devices).
+
+    The bias pass runs on a second stream of this thread, forked from the caller's after
+    the bias is zeroed and joined before the first attention: the first block's
+    projection, which does not read the bias, runs beside it (both stream the pair; the
+    projection leaves about half the memory bandwidth unused). The result does not depend
+    on the overlap: each kernel writes what it wrote in series. In place, every output
+    write (an out projection) comes after the join, so after the bias pass read every row."""
     plan, p = forward.plan, forward._pointers
     launches = RowBlockLaunches.of(plan, forward.dw)
     N, D = plan.N, plan.D
@@ -322,10 +362,13 @@ def run(forward, rows_per_block: int, devices: int = 1):
         p["vt"] = _back(vt0, begin * scratch.vt_row_bytes) if vt0 else 0
 
     forward._zero_bias()
-    # 1. the bias of every row: one launch per device's share (the bias all-gathered after)
-    for begin, end in shares:
-        p["row_begin"], p["row_end"] = begin, end
-        launches.bias_pass(p, launches.bias_grid(end - begin))
+    # 1. the bias of every row: one launch per device's share (the bias all-gathered after),
+    #    on the side stream
+    bias_stream = BiasStream(forward.dw.device_id)
+    with bias_stream:
+        for begin, end in shares:
+            p["row_begin"], p["row_end"] = begin, end
+            launches.bias_pass(p, launches.bias_grid(end - begin))
     forward._take_out_memory()
     out0 = p["out"]
     forward._pack_row_mask()
@@ -333,12 +376,16 @@ def run(forward, rows_per_block: int, devices: int = 1):
     # 2. each block: its projection (no bias: null bias and bias weights), attention, out
     #    projection
     p["wb"] = 0
+    joined = False
     for share in shares:
         for begin, end in blocks_of(*share, rows_per_block):
             point(begin)
             p["row_begin"], p["row_end"], p["bias"] = begin, end, 0
             launches.project(p, launches.project_grid(end - begin))
             p["bias"] = bias0
+            if not joined:  # (the attentions read the bias)
+                bias_stream.join()
+                joined = True
             for s0, s1 in batch_segments(begin, end, N):
                 p["row_begin"], p["row_end"] = s0, s1
                 launches.attention(p, launches.attention_grid(s1 - s0))

@@ -1,0 +1,199 @@
+// The pair bias of every pair row, alone: LayerNorm, then the h bias products, in fp32
+// FFMA. It is the bias pass of row blocks (triattn_cupy/gpu/row_blocks.py) for the
+// persistent projections (project_wgmma.cu, project_wgmma_split.cu), whose single pass makes
+// the bias inside the products of q and the gate and so has no bias-only form of its own.
+//
+//   bias[b, head, i, j] = log2(e) (LN(x[b, i, j]) . Wb[head]), -inf where the mask drops
+//   (b, i, j), for the pair rows (b, i) in [row_begin, row_end) (common.cuh ROW_BLOCK)
+//
+// The pass reads the whole pair once and writes h values per D read, so it should run at
+// the memory rate: eight lanes per pair row, each holding D / 8 values in registers
+// (coalesced: a row's 8 lanes read 128 consecutive bytes per piece), the LayerNorm sums
+// and the h dot products reduced across the eight lanes by shuffles, the next row's values
+// loaded before this row's arithmetic. LayerNorm's gamma and beta are folded into the bias
+// weights on the host (DeviceWeights.layernorm_bias_weight):
+//
+//   LN(x)_k . Wb = rstd sum_k (x_k - mean) (gamma_k Wb_k) + sum_k beta_k Wb_k
+//                = rstd sum_k (x_k - mean) w_ln[k] + c_ln
+//
+// so a lane keeps its D / 8 columns of w_ln for every head in registers. The products are
+// fp32, at least as accurate as the single pass's (fp16 terms, or hi + lo in the fp32 mode).
+// The tile stores (pair_bias_store.cuh) are the projections' own: the same bias form.
+#define EXACT_FP32 1  // LayerNorm's 1 / sqrt exact: one per row, nothing to save
+#include "common.cuh"
+#include "project_math.cuh"
+#include "pair_bias_store.cuh"
+
+#ifndef PAIR_DIM
+#define PAIR_DIM 128
+#endif
+#ifndef HEADS
+#define HEADS 4
+#endif
+#define THREADS 256
+#define WARPS (THREADS / 32)
+// Eight lanes per row issue a third fewer instructions per row than sixteen (three
+// shuffles per sum, not four; the h dot products on twice the values per lane): measured
+// on the H200 at 1x4096x128 (8.6 GB of pair), 2.72 ms (3.2 TB/s) at 128 registers and 2
+// blocks per SM, against 3.77 ms (2.3 TB/s, ncu: SM 73%, issue-bound) for sixteen lanes
+// at 80 registers and 3 blocks (docs/performance.md, "Row blocks").
+#ifndef ROW_LANES
+#define ROW_LANES 8                        // lanes per pair row
+#endif
+#ifndef BIAS_MIN_BLOCKS
+#define BIAS_MIN_BLOCKS 2                  // resident blocks per SM (at most 128 registers)
+#endif
+#define WARP_ROWS (32 / ROW_LANES)         // pair rows per warp and step
+#define PIECES (PAIR_DIM / (4 * ROW_LANES))  // float4 pieces per lane: columns 4 l + 4 ROW_LANES p
+static_assert(PAIR_DIM % (4 * ROW_LANES) == 0, "PAIR_DIM must be a multiple of 4 ROW_LANES");
+static_assert(HEADS <= ROW_LANES, "each head's value is stored by one lane of its row");
+
+// The sum (max) over the eight lanes of this lane's row; every lane gets it. `group`: the
+// mask of those lanes, the only ones a branch on the row's values keeps together.
+__device__ __forceinline__ float row_sum(float v, unsigned group) {
+#pragma unroll
+    for (int o = ROW_LANES / 2; o > 0; o /= 2) v += __shfl_xor_sync(group, v, o);
+    return v;
+}
+__device__ __forceinline__ float row_max(float v, unsigned group) {
+#pragma unroll
+    for (int o = ROW_LANES / 2; o > 0; o /= 2) v = fmaxf(v, __shfl_xor_sync(group, v, o));
+    return v;
+}
+
+// A pair row (b, i, j) and where it starts in x, stepped along the flattened rows without
+// a division per row (a 64-bit division is ~70 instructions, the whole row's arithmetic).
+struct PairRow {
+    int b, i, j;
+    i64 offset;  // b sb + i si + j sj
+};
+__device__ __forceinline__ PairRow pair_row(i64 m, int N, i64 sb, i64 si, i64 sj) {
+    const i64 NN = (i64)N * N, b = m / NN, r = m - b * NN, i = r / N, j = r - i * N;
+    return PairRow{(int)b, (int)i, (int)j, b * sb + i * si + j * sj};
+}
+__device__ __forceinline__ void advance(PairRow& row, int steps, int N, i64 sb, i64 si, i64 sj) {
+    row.j += steps;
+    row.offset += steps * sj;
+    while (row.j >= N) {  // (once, unless N < steps)
+        row.j -= N;
+        row.offset += si - N * sj;
+        if (++row.i == N) {
+            row.i = 0;
+            ++row.b;
+            row.offset += sb - N * si;
+        }
+    }
+}
+
+// This lane's pieces of the pair row at x + offset: columns 4 l + 32 p .. + 3, l = lane %
+// ROW_LANES; zeros for a row past the last (`real` false).
+__device__ __forceinline__ void load_row(float4 (&v)[PIECES], const pair_t* __restrict__ x,
+                                         bool real, i64 offset, i64 sc, int x_vec, int l) {
+    const pair_t* const row = x + offset;
+#pragma unroll
+    for (int p = 0; p < PIECES; ++p) {
+        const int k = 4 * l + 4 * ROW_LANES * p;
+        v[p] = !real ? zero4()
+             : x_vec ? pair_ld4(row + k)
+                     : make_float4(pair_value(row[k * sc]), pair_value(row[(k + 1) * sc]),
+                                   pair_value(row[(k + 2) * sc]), pair_value(row[(k + 3) * sc]));
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS, BIAS_MIN_BLOCKS)
+layernorm_bias_ffma(const pair_t* __restrict__ x, i64 sb, i64 si, i64 sj, i64 sc, int x_vec,
+                    int N, float eps,
+                    const float* __restrict__ w_ln,  // [HEADS][PAIR_DIM]: gamma Wb (scaled)
+                    const float* __restrict__ c_ln,  // [HEADS]: beta . Wb (scaled)
+                    const void* __restrict__ mask, int mask_kind, i64 mb, i64 mi, i64 mj,
+                    bias_t* __restrict__ bias, int npk, i64 row_begin, i64 row_end) {
+    const int lane = threadIdx.x & 31, l = lane % ROW_LANES, slot = lane / ROW_LANES;
+    const unsigned group = (ROW_LANES == 32 ? 0xffffffffu : (1u << ROW_LANES) - 1u)
+                           << (ROW_LANES * slot);
+    // Each warp takes one contiguous run of rows, WARP_ROWS at a time (its bias stores
+    // then fill consecutive keys j).
+    const i64 m_begin = row_begin * N, m_end = row_end * N;
+    const i64 warps = (i64)gridDim.x * WARPS, warp = (i64)blockIdx.x * WARPS + threadIdx.x / 32;
+    const i64 run = (m_end - m_begin + warps * WARP_ROWS - 1) / (warps * WARP_ROWS) * WARP_ROWS;
+    const i64 run_begin = m_begin + warp * run, run_end = min(run_begin + run, m_end);
+    if (run_begin >= run_end) return;  // (whole warps: no shuffle misses a lane)
+
+    float w[HEADS][PIECES][4], c[HEADS];
+#pragma unroll
+    for (int h = 0; h < HEADS; ++h) {
+        c[h] = __ldg(c_ln + h);
+#pragma unroll
+        for (int p = 0; p < PIECES; ++p) {
+            const float4 q = ld4(w_ln + h * PAIR_DIM + 4 * l + 4 * ROW_LANES * p);
+            w[h][p][0] = q.x, w[h][p][1] = q.y, w[h][p][2] = q.z, w[h][p][3] = q.w;
+        }
+    }
+
+    i64 m = run_begin + slot;  // this lane's row; `next` the one loaded ahead of it
+    PairRow next = pair_row(min(m, m_end - 1), N, sb, si, sj);
+    float4 v[PIECES];
+    load_row(v, x, m < run_end, next.offset, sc, x_vec, l);
+    // (the loop's test is the warp's first row: every lane of the warp takes each step, so
+    // the shuffles see their whole row)
+    for (; m - slot < run_end; m += WARP_ROWS) {
+        const PairRow row = next;
+        advance(next, WARP_ROWS, N, sb, si, sj);
+        float4 ahead[PIECES];  // the next row's values, in flight during this one's arithmetic
+        load_row(ahead, x, m + WARP_ROWS < run_end, next.offset, sc, x_vec, l);
+
+        // LayerNorm's mean and 1 / sigma, two passes (no cancellation); a row past 2^40
+        // scaled first (project_math.cuh: its result unchanged, its sums finite).
+        float s = 0.f, amax = 0.f;
+#pragma unroll
+        for (int p = 0; p < PIECES; ++p) {
+            s += (v[p].x + v[p].y) + (v[p].z + v[p].w);
+            amax = fmaxf(amax, fmaxf(fmaxf(fabsf(v[p].x), fabsf(v[p].y)),
+                                     fmaxf(fabsf(v[p].z), fabsf(v[p].w))));
+        }
+        amax = row_max(amax, group);
+        float eps_row = eps;
+        if (ln_row_is_huge(amax)) {  // (the row's lanes alike)
+            const float f = ln_row_scale(amax);
+            eps_row = ln_scaled_eps(eps, f);
+            s = 0.f;
+#pragma unroll
+            for (int p = 0; p < PIECES; ++p) {
+                v[p] = make_float4(v[p].x * f, v[p].y * f, v[p].z * f, v[p].w * f);
+                s += (v[p].x + v[p].y) + (v[p].z + v[p].w);
+            }
+        }
+        const float mean = row_sum(s, group) / PAIR_DIM;
+        float sq = 0.f;
+#pragma unroll
+        for (int p = 0; p < PIECES; ++p) {
+            v[p] = make_float4(v[p].x - mean, v[p].y - mean, v[p].z - mean, v[p].w - mean);
+            sq = fmaf(v[p].x, v[p].x, fmaf(v[p].y, v[p].y, fmaf(v[p].z, v[p].z, fmaf(v[p].w, v[p].w, sq))));
+        }
+        const float rstd = inverse_sqrt(row_sum(sq, group) / PAIR_DIM + eps_row);
+
+        // The h dot products; lane l of the row keeps head l's.
+        float mine = 0.f;
+#pragma unroll
+        for (int h = 0; h < HEADS; ++h) {
+            float dot = 0.f;
+#pragma unroll
+            for (int p = 0; p < PIECES; ++p)
+                dot = fmaf(v[p].x, w[h][p][0], fmaf(v[p].y, w[h][p][1],
+                      fmaf(v[p].z, w[h][p][2], fmaf(v[p].w, w[h][p][3], dot))));
+            dot = fmaf(row_sum(dot, group), rstd, c[h]);
+            if (l == h) mine = dot;
+        }
+        if (l < HEADS && m < run_end) {
+            const bool keep = mask_keeps(mask, mask_kind,
+                                         row.b * mb + row.i * mi + row.j * mj);
+#if KV_TILED
+            store_pair_bias_tiled(bias, (i64)row.b * HEADS + l, row.i, row.j, N, npk, keep, mine);
+#else
+            store_pair_bias(bias + (((i64)row.b * HEADS + l) * N + row.i) * npk, row.j, N, npk,
+                            keep, mine);
+#endif
+        }
+#pragma unroll
+        for (int p = 0; p < PIECES; ++p) v[p] = ahead[p];
+    }
+}
