@@ -72,6 +72,28 @@ class TriangleAttention:
                        conventions=self._conventions(mask_layout, node),
                        row_block=row_block, max_scratch_bytes=max_scratch_bytes).run()
 
+    def capture(self, pair, mask=None, *, out=None, fully_masked: str = "zero",
+                precision: str = "fp32", route=None, mask_layout=None, node=None,
+                row_block=None, max_scratch_bytes=None):
+        """The forward ``module(pair, mask, out=out, ...)`` captured as a CUDA graph, for a
+        shape called again and again: a `CapturedForward` (triattn_cupy.gpu.captured).
+
+        Runs one forward (its result in `out`), then captures one. ``graph.pair``,
+        ``graph.mask`` are the given arrays themselves, read in place by every replay;
+        ``graph.out`` is `out`, or an array made for it. ``graph()`` replays on CuPy's
+        current stream and returns graph.out; ``graph(pair2, mask2)`` first copies them
+        into graph.pair and graph.mask (same shapes and dtypes). A replay skips the host
+        work of a call (checks, plan look-up, allocation, one driver call per launch)
+        and gives the same bits as the call. Arguments as `__call__`; the forward's
+        memory is held for the graph's lifetime."""
+        require_cuda()
+        from .gpu.captured import CapturedForward
+
+        return CapturedForward(self, pair, mask, out, dict(
+            fully_masked=fully_masked, precision=precision, route=route,
+            mask_layout=mask_layout, node=node, row_block=row_block,
+            max_scratch_bytes=max_scratch_bytes))
+
     def stage_launchers(self, pair, mask=None, *, fully_masked: str = "zero", out=None,
                         precision: str = "fp32", route=None, mask_layout=None, node=None):
         """[(stage name, callable)]: calling them in order performs one forward pass, for
