@@ -128,6 +128,9 @@ class CapturedForward:
         max_scratch_bytes = options.get("max_scratch_bytes")
         with cupy.cuda.Device(self.device):
             self._stream = stream = cupy.cuda.Stream(non_blocking=True)
+            # The warm-up after the work the caller's stream holds (which may be writing
+            # the pair): a non-blocking stream is not ordered after it otherwise
+            stream.wait_event(cupy.cuda.get_current_stream().record())
             with stream:
                 warm = Forward(dw, pair, mask, args["fully_masked"], out, args["precision"],
                                route=args["route"], conventions=conventions,
@@ -182,10 +185,11 @@ class CapturedForward:
         cupy = _cupy()
         switch = cupy.cuda.runtime.getDevice() != self.device
         with cupy.cuda.Device(self.device) if switch else contextlib.nullcontext():
+            copies = []  # (static, given): every argument checked before any copy
             if pair is not None:
                 given = _device_view(pair, "pair", self.device)[0]
                 check_like("pair", self._pair_view, given)
-                _bits(self._pair_view)[...] = _bits(given)
+                copies.append((self._pair_view, given))
             if mask is not None:
                 if self._mask_view is None:
                     raise ValueError("mask: this forward was captured without a mask "
@@ -193,7 +197,9 @@ class CapturedForward:
                                      "with a mask to replay with one")
                 given = _device_view(mask, "mask", self.device)[0]
                 check_like("mask", self._mask_view, given)
-                _bits(self._mask_view)[...] = _bits(given)
+                copies.append((self._mask_view, given))
+            for static, given in copies:
+                _bits(static)[...] = _bits(given)
             self._graph.launch(cupy.cuda.get_current_stream())
         return self.out
 
