@@ -87,6 +87,154 @@ def test_capture_takes_the_calls_keywords():
     assert keywords(ta.TriangleAttention.capture) == keywords(ta.TriangleAttention.__call__)
 
 
+class _Pointer(np.ndarray):
+    """A NumPy array with CuPy's `.data.ptr` (its own address)."""
+    @property
+    def data(self):
+        return types.SimpleNamespace(ptr=self.__array_interface__["data"][0])
+
+
+def _fake_capture(monkeypatch, choose_rows, scratch_bytes=1 << 10, changed=False):
+    """CapturedForward over a stand-in CuPy and Forward, recording what happens in order:
+    `choose_rows(row_block, max_scratch_bytes)` is the stand-in Forward's row blocks."""
+    events, made = [], []
+    plan = types.SimpleNamespace(scratch_bytes=scratch_bytes,
+                                 route=types.SimpleNamespace(name="fake"))
+
+    class Memory:
+        def __init__(self, size):
+            self.size, self.ptr = size, 256 * (len(made) + 1)
+            made.append(self)
+
+    made = []
+    arena = captured._Arena(types.SimpleNamespace(cuda=types.SimpleNamespace(Memory=Memory)))
+    first = [arena(1000), arena(50), arena(300)]
+    arena.rewind()
+    assert [arena(1000), arena(50), arena(300)] == first and len(made) == 3
+    arena.rewind()
+    assert arena(900) is first[0]   # a smaller request takes the block in its place
+    bigger = arena(60)              # a larger one a new block, kept with the others
+    assert all(bigger is not block for block in first)
+    assert len(made) == 4 and arena.nbytes == 1000 + 60 + 50 + 300
+
+
+def test_capture_takes_the_calls_keywords():
+    def keywords(function):
+        return {name for name, p in inspect.signature(function).parameters.items()
+                if p.kind is p.KEYWORD_ONLY}
+
+    assert keywords(ta.TriangleAttention.capture) == keywords(ta.TriangleAttention.__call__)
+
+
+class _Pointer(np.ndarray):
+    """A NumPy array with CuPy's `.data.ptr` (its own address)."""
+    @property
+    def data(self):
+        return types.SimpleNamespace(ptr=self.__array_interface__["data"][0])
+
+
+def _fake_capture(monkeypatch, choose_rows, scratch_bytes=1 << 10, changed=False):
+    """CapturedForward over a stand-in CuPy and Forward, recording what happens in order:
+    `choose_rows(row_block, max_scratch_bytes)` is the stand-in Forward's row blocks."""
+    events, made = [], []
+    plan = types.SimpleNamespace(scratch_bytes=scratch_bytes,
+                                 route=types.SimpleNamespace(name="fake"))
+
+    class Stream:
+        def __init__(self, non_blocking=False):
+            assert non_blocking
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def record(self):
+            return "caller's work"
+
+        def wait_event(self, event):
+            events.append(("wait", event))
+
+        def synchronize(self):
+            events.append("synchronize")
+
+        def begin_capture(self):
+            events.append("begin_capture")
+
+        def end_capture(self):
+            events.append("end_capture")
+            return types.SimpleNamespace(launch=lambda stream: events.append(("launch", stream)))
+
+    class Memory:
+        def __init__(self, size):
+            self.size, self.ptr = size, 4096 * (len(made) + 1)
+            made.append(self)
+
+    caller = Stream(non_blocking=True)
+    cuda = types.SimpleNamespace(Stream=Stream, Memory=Memory, Device=lambda d: Stream(True),
+                                 get_current_stream=lambda: caller,
+                                 runtime=types.SimpleNamespace(getDevice=lambda: 0))
+    out_array = np.zeros(4, np.float32).view(_Pointer)
+
+    class Forward:
+        def __init__(self, dw, pair, mask, fully_masked, out, precision, **options):
+            self.options = options
+            events.append(("Forward", options["row_block"], options["max_scratch_bytes"]))
+            self.plan = (types.SimpleNamespace(**vars(plan)) if changed and made
+                         else plan)
+            self.rows_per_block = choose_rows(options["row_block"],
+                                              options["max_scratch_bytes"])
+            options["allocate"](1000), options["allocate"](16)  # scratch, out
+
+        def run(self):
+            events.append("run")
+            return out_array
+
+    monkeypatch.setattr(captured, "_cupy", lambda: types.SimpleNamespace(cuda=cuda))
+    monkeypatch.setattr(captured, "check_graph_api", lambda cupy: None)
+    monkeypatch.setattr(captured, "Forward", Forward)
+    monkeypatch.setattr(captured, "_device_view", lambda obj, name, device: (obj, False))
+    module = types.SimpleNamespace(device=0, _dw=None,
+                                   _conventions=lambda layout, node: ("pair", "starting"))
+    return module, events, made, caller
+
+
+def test_capture_pins_the_warm_ups_row_blocks_and_reuses_its_memory(monkeypatch):
+    module, events, made, caller = _fake_capture(
+        monkeypatch, lambda row_block, limit: row_block or (7 if limit else None))
+    pair = np.zeros((1, 3, 3, 4), np.float32)
+    graph = captured.CapturedForward(module, pair, None, None, dict(max_scratch_bytes=500))
+    assert events == [("wait", "caller's work"), ("Forward", None, 500), "run", "synchronize",
+                      "begin_capture", ("Forward", 7, None), "run", "end_capture"]
+    assert len(made) == 2 and graph.memory_bytes == 1016 and graph.rows_per_block == 7
+    events.clear()
+    pair2 = np.ones_like(pair)
+    assert graph(pair2) is graph.out
+    assert np.array_equal(graph.pair, pair2) and graph.pair is pair
+    assert events == [("launch", caller)]
+    with pytest.raises(ValueError, match="mask: this forward was captured without a mask"):
+        graph(pair2 * 2, np.ones((1, 3, 3), bool))
+    assert np.array_equal(pair, pair2)  # nothing copied before the error
+
+
+def test_capture_pins_the_single_pass_where_the_free_memory_chose_it(monkeypatch):
+    big = captured.row_blocks.SCRATCH_FLOOR_BYTES + 1
+    module, events, _, _ = _fake_capture(monkeypatch, lambda row_block, limit: None,
+                                         scratch_bytes=big)
+    captured.CapturedForward(module, np.zeros((3, 3, 4), np.float32), None, None, {})
+    assert ("Forward", None, None) in events and ("Forward", None, big) in events
+
+
+def test_a_forward_changed_under_capture_ends_the_capture(monkeypatch):
+    module, events, _, _ = _fake_capture(monkeypatch, lambda row_block, limit: None,
+                                         changed=True)
+    with pytest.raises(RuntimeError, match="the forward changed between the warm-up and "
+                                           "the capture"):
+        captured.CapturedForward(module, np.zeros((3, 3, 4), np.float32), None, None, {})
+    assert events[-1] == "end_capture" and events.count("run") == 1
+
+
 # ---- GPU ----
 
 @pytest.fixture
@@ -179,6 +327,7 @@ def test_replays_repeat_the_same_bits(cp, rng):
     module, pair, mask = _problem(rng, 2, 37, 32, 4)
     graph = module.capture(cp.asarray(pair), cp.asarray(mask), precision="bf16")
     first = graph().copy()
+    assert graph.memory_bytes >= graph.out.nbytes
     for _ in range(3):
         _poison(cp, graph.out)
         _assert_same_bits(graph(), first, "a second replay")

@@ -74,10 +74,18 @@ class _Arena:
         if self._next < len(self.blocks) and self.blocks[self._next].size >= nbytes:
             block = self.blocks[self._next]
         else:
-            block = self._cupy.cuda.Memory(max(int(nbytes), 1))
+            block = self._malloc(max(int(nbytes), 1))
             self.blocks.insert(self._next, block)
         self._next += 1
         return block
+
+    def _malloc(self, nbytes: int):
+        cupy = self._cupy
+        try:
+            return cupy.cuda.Memory(nbytes)
+        except cupy.cuda.runtime.CUDARuntimeError:  # the pool's free blocks back first
+            cupy.get_default_memory_pool().free_all_blocks()
+            return cupy.cuda.Memory(nbytes)
 
     @property
     def nbytes(self) -> int:
@@ -106,7 +114,7 @@ class CapturedForward:
     def __init__(self, module, pair, mask, out, options: dict):
         cupy = _cupy()
         check_graph_api(cupy)
-        self.module, self.options = module, dict(options)
+        self.module, self.options = module, dict(options)  # (the call's keywords)
         self.device = module.device
         self.pair, self.mask = pair, mask
         # CuPy views taken once, before the capture: taking a foreign array may synchronize
@@ -177,7 +185,7 @@ class CapturedForward:
         self.route = plan.route
 
     @property
-    def scratch_bytes(self) -> int:
+    def memory_bytes(self) -> int:
         """The device memory the captured forward owns (scratch, copies, a made `out`)."""
         return self._arena.nbytes
 
