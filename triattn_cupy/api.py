@@ -47,6 +47,8 @@ class TriangleAttention:
            some GPU takes runs on an H200). A route the problem cannot take is a ValueError.
     Returns a CuPy array shaped like `pair`, of its dtype (`out` where given; for a torch
     bfloat16 pair ml_dtypes.bfloat16, or its int16 bits where ml_dtypes is not installed).
+    ``module.capture(pair, mask, ...)`` captures the same forward as a CUDA graph, replayed
+    for a repeated shape without the call's host work.
     """
 
     def __init__(self, weights: Weights, *, device=None):
@@ -84,8 +86,10 @@ class TriangleAttention:
         current stream and returns graph.out; ``graph(pair2, mask2)`` first copies them
         into graph.pair and graph.mask (same shapes and dtypes). A replay skips the host
         work of a call (checks, plan look-up, allocation, one driver call per launch)
-        and gives the same bits as the call. Arguments as `__call__`; the forward's
-        memory is held for the graph's lifetime."""
+        and gives the same bits as the call. Arguments as `__call__` (every route and
+        option captures; what the call refuses, capture refuses, before capturing); the
+        forward's memory is held for the graph's lifetime. Needs CuPy's stream capture
+        (CuPy 11 or newer: a RuntimeError says so otherwise)."""
         require_cuda()
         from .gpu.captured import CapturedForward
 
