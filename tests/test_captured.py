@@ -244,7 +244,7 @@ def cp():
     return cupy
 
 
-def _problem(rng, B, N, D, h, masked=True, mask_shape=None):
+def _problem(rng, B, N, D, h, masked=True):
     weights = ta.random_weights(D, h, seed=int(rng.integers(1 << 31)))
     pair = (rng.standard_normal((B, N, N, D)) * 2 + 0.5).astype(np.float32)
     mask = None
