@@ -47,6 +47,8 @@ class TriangleAttention:
            some GPU takes runs on an H200). A route the problem cannot take is a ValueError.
     Returns a CuPy array shaped like `pair`, of its dtype (`out` where given; for a torch
     bfloat16 pair ml_dtypes.bfloat16, or its int16 bits where ml_dtypes is not installed).
+    ``module.capture(pair, mask, ...)`` captures the same forward as a CUDA graph, replayed
+    for a repeated shape without the call's host work.
     """
 
     def __init__(self, weights: Weights, *, device=None):
@@ -71,6 +73,30 @@ class TriangleAttention:
         return Forward(self._dw, pair, mask, fully_masked, out, precision, route=route,
                        conventions=self._conventions(mask_layout, node),
                        row_block=row_block, max_scratch_bytes=max_scratch_bytes).run()
+
+    def capture(self, pair, mask=None, *, out=None, fully_masked: str = "zero",
+                precision: str = "fp32", route=None, mask_layout=None, node=None,
+                row_block=None, max_scratch_bytes=None):
+        """The forward ``module(pair, mask, out=out, ...)`` captured as a CUDA graph, for a
+        shape called again and again: a `CapturedForward` (triattn_cupy.gpu.captured).
+
+        Runs one forward (its result in `out`), then captures one. ``graph.pair``,
+        ``graph.mask`` are the given arrays themselves, read in place by every replay;
+        ``graph.out`` is `out`, or an array made for it. ``graph()`` replays on CuPy's
+        current stream and returns graph.out; ``graph(pair2, mask2)`` first copies them
+        into graph.pair and graph.mask (same shapes and dtypes). A replay skips the host
+        work of a call (checks, plan look-up, allocation, one driver call per launch)
+        and gives the same bits as the call. Arguments as `__call__` (every route and
+        option captures; what the call refuses, capture refuses, before capturing); the
+        forward's memory is held for the graph's lifetime. Needs CuPy's stream capture
+        (CuPy 11 or newer: a RuntimeError says so otherwise)."""
+        require_cuda()
+        from .gpu.captured import CapturedForward
+
+        return CapturedForward(self, pair, mask, out, dict(
+            fully_masked=fully_masked, precision=precision, route=route,
+            mask_layout=mask_layout, node=node, row_block=row_block,
+            max_scratch_bytes=max_scratch_bytes))
 
     def stage_launchers(self, pair, mask=None, *, fully_masked: str = "zero", out=None,
                         precision: str = "fp32", route=None, mask_layout=None, node=None):
