@@ -158,8 +158,6 @@ class _Model:
         self.plan, self.scratch, self.base, self.out_base = plan, scratch, base, out_base
         self.events = []   # ("read" | "write", caller row (b, r)) of the pair / output
         self.bias_rows = set()
-        self.on_bias_stream = False
-        self.attentions = []  # where in events each attention launch came
         self.held = {}     # scratch row -> the global row (b N + i) it holds
         self.bias_pass = lambda p, grid: self._bias(p)
         self.project = lambda p, grid: self._project(p)
@@ -178,8 +176,6 @@ class _Model:
             self.events.append(("read", g))
 
     def _bias(self, p):
-        assert self.on_bias_stream, "the bias pass runs on the bias stream"
-        self.events.append(("bias", None))
         self._read_rows(p["row_begin"], p["row_end"])
         self.bias_rows.update(range(p["row_begin"], p["row_end"]))
 
@@ -191,7 +187,6 @@ class _Model:
             self.held[row] = g
 
     def _attention(self, p):
-        self.attentions.append(len(self.events))
         N = self.plan.N
         begin, end = p["row_begin"], p["row_end"]
         assert begin // N == (end - 1) // N, "attention rows of one batch"
@@ -213,23 +208,6 @@ class _Model:
             self.events.append(("write", g))
 
 
-class _BiasStreamModel:
-    """row_blocks.BiasStream for _Model: marks the launches inside it, records the join."""
-
-    def __init__(self, model):
-        self.model = model
-
-    def __enter__(self):
-        self.model.on_bias_stream = True
-        return self
-
-    def __exit__(self, *exc):
-        self.model.on_bias_stream = False
-
-    def join(self):
-        self.model.events.append(("join", None))
-
-
 @pytest.mark.parametrize("B,N,R,devices", [(1, 7, 3, 1), (2, 5, 1, 1), (2, 5, 7, 1),
                                            (3, 4, 5, 2), (2, 6, 12, 1), (2, 9, 4, 3)])
 @pytest.mark.parametrize("transposed", [False, True])
@@ -245,10 +223,9 @@ def test_run_writes_every_row_once_after_reading_it(monkeypatch, B, N, R, device
     base, out_base = 1 << 40, 1 << 41
     model = _Model(plan, scratch, base, out_base)
     monkeypatch.setattr(row_blocks.RowBlockLaunches, "of", lambda plan, dw: model)
-    monkeypatch.setattr(row_blocks, "BiasStream", lambda device_id: _BiasStreamModel(model))
     steps = []
     forward = types.SimpleNamespace(
-        plan=plan, dw=types.SimpleNamespace(device_id=0), _blocked_scratch=scratch,
+        plan=plan, dw=None, _blocked_scratch=scratch,
         _pointers=dict(pair=1, mask=0, qkvg=base + scratch.qkvg, bias=base + scratch.bias,
                        vt=base + scratch.vt, extent=0, row_mask=0, out=out_base),
         _zero_bias=lambda: steps.append("zero"), _take_out_memory=lambda: None,
@@ -263,9 +240,3 @@ def test_run_writes_every_row_once_after_reading_it(monkeypatch, B, N, R, device
         if kind == "write":
             assert ("read", g) not in model.events[position + 1:], f"row {g} read after written"
     assert steps[0] == "zero" and forward._pointers["qkvg"] == base + scratch.qkvg
-    # the bias pass on its own stream, joined once, before the first attention
-    joins = [position for position, (kind, _) in enumerate(model.events) if kind == "join"]
-    assert len(joins) == 1
-    assert joins[0] < first_write
-    assert all(kind != "bias" for kind, _ in model.events[joins[0]:])
-    assert model.attentions and model.attentions[0] > joins[0]

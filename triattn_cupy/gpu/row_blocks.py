@@ -36,11 +36,9 @@ all-gathering the bias (docs/multi_gpu.md). Bit-identical to one device.
 from __future__ import annotations
 
 import dataclasses
-import threading
 
 import numpy as np
 
-from .checks import _cupy
 from .compile import KernelConfig
 from . import launch as _launch
 from .launch import Call, KernelArgs, Launch, Signature
@@ -245,7 +243,8 @@ class RowBlockLaunches:
             config = bias_only(row_blocked(plan.project.config))
             return (GridLaunch(plan.project, config, extra=bounds),
                     dict(config.defines)["BM"], None)
-        config = layernorm_bias_config(bias_pass_layout(plan.layout), plan.D, plan.H, plan.pair_dtype)
+        config = layernorm_bias_config(bias_pass_layout(plan.layout), plan.D, plan.H,
+                                       plan.pair_dtype)
         w_ln, c_ln = dw.layernorm_bias_weight(plan.scales)
         sb, si, sj, sc = plan.strides
         launch = Launch(
@@ -308,47 +307,10 @@ def _back(address: int, offset: int) -> int:
     return (address - offset) % (1 << 64)
 
 
-_side_streams = threading.local()  # per thread: {device id: the bias pass's stream}
-
-
-class BiasStream:
-    """The bias pass's stream: this thread's second stream on the device (made once; a
-    stream shared between threads would pull one thread's work into another's CUDA graph
-    capture), forked from the caller's current stream when made. Launches inside
-    `with bias_stream:` go to it; join() makes the caller's stream wait for them."""
-
-    def __init__(self, device_id: int):
-        cupy = _cupy()
-        streams = _side_streams.__dict__.setdefault("by_device", {})
-        if device_id not in streams:
-            streams[device_id] = cupy.cuda.Stream(non_blocking=True)
-        self.main, self.side = cupy.cuda.get_current_stream(), streams[device_id]
-        self.side.wait_event(self.main.record())
-        self._done = None
-
-    def __enter__(self):
-        self.side.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        self._done = self.side.record()
-        self.side.__exit__(*exc)
-
-    def join(self):
-        self.main.wait_event(self._done)
-
-
 def run(forward, rows_per_block: int, devices: int = 1):
     """The forward's stages row block by row block (module docstring), on the forward's
     blocked scratch (Forward allocates BlockedScratch(plan, rows_per_block).nbytes).
-    `devices` > 1 emulates that many devices on this one (emulate_devices).
-
-    The bias pass runs on a second stream of this thread, forked from the caller's after
-    the bias is zeroed and joined before the first attention: the first block's
-    projection, which does not read the bias, runs beside it (both stream the pair; the
-    projection leaves about half the memory bandwidth unused). The result does not depend
-    on the overlap: each kernel writes what it wrote in series. In place, every output
-    write (an out projection) comes after the join, so after the bias pass read every row."""
+    `devices` > 1 emulates that many devices on this one (emulate_devices)."""
     plan, p = forward.plan, forward._pointers
     launches = RowBlockLaunches.of(plan, forward.dw)
     N, D = plan.N, plan.D
@@ -362,13 +324,10 @@ def run(forward, rows_per_block: int, devices: int = 1):
         p["vt"] = _back(vt0, begin * scratch.vt_row_bytes) if vt0 else 0
 
     forward._zero_bias()
-    # 1. the bias of every row: one launch per device's share (the bias all-gathered after),
-    #    on the side stream
-    bias_stream = BiasStream(forward.dw.device_id)
-    with bias_stream:
-        for begin, end in shares:
-            p["row_begin"], p["row_end"] = begin, end
-            launches.bias_pass(p, launches.bias_grid(end - begin))
+    # 1. the bias of every row: one launch per device's share (the bias all-gathered after)
+    for begin, end in shares:
+        p["row_begin"], p["row_end"] = begin, end
+        launches.bias_pass(p, launches.bias_grid(end - begin))
     forward._take_out_memory()
     out0 = p["out"]
     forward._pack_row_mask()
@@ -376,16 +335,12 @@ def run(forward, rows_per_block: int, devices: int = 1):
     # 2. each block: its projection (no bias: null bias and bias weights), attention, out
     #    projection
     p["wb"] = 0
-    joined = False
     for share in shares:
         for begin, end in blocks_of(*share, rows_per_block):
             point(begin)
             p["row_begin"], p["row_end"], p["bias"] = begin, end, 0
             launches.project(p, launches.project_grid(end - begin))
             p["bias"] = bias0
-            if not joined:  # (the attentions read the bias)
-                bias_stream.join()
-                joined = True
             for s0, s1 in batch_segments(begin, end, N):
                 p["row_begin"], p["row_end"] = s0, s1
                 launches.attention(p, launches.attention_grid(s1 - s0))
