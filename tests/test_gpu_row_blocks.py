@@ -5,6 +5,12 @@ emulated split over several devices; it stays within the float64 NumPy backend's
 tolerance; and where the route's projection is project_mma.cu's, it gives the single
 pass's bits (its bias pass is the same LayerNorm and bias code).
 
+"The same bits" holds where every out-projection launch of the blocks starts a 64-row
+tile where the one block's launch has one (_keeps_tiles; row_blocks.row_unit): the
+fp16-product out projections scale each tile by its largest |g o|, so another grouping
+may round an output's last bits differently (about one output in 10^7). Elsewhere the
+comparison allows that, and only that (_assert_same_bits_or_tile_rounding).
+
 Each output buffer starts as NaN (poison_pool, cupy.full), and NaN never compares equal.
 """
 from __future__ import annotations
@@ -57,6 +63,35 @@ def _assert_same_bits(got, expected, what):
         f"of {got.size} outputs differ")
 
 
+def _keeps_tiles(N, B, R, devices=1, transposed=False):
+    """Whether every out-projection launch of blocks of R rows (in `devices` shares) starts
+    a 64-row tile of the one block's launch: one launch from row 0 (its tiles on the
+    global grid), or at the ending node one per batch (its tiles from the batch's first
+    row)."""
+    unit = row_blocks.row_unit(N)
+    for share in row_blocks.split_rows(B * N, devices, unit):
+        for begin, end in row_blocks.blocks_of(*share, min(R, B * N)):
+            starts = ([s0 % N for s0, _ in row_blocks.batch_segments(begin, end, N)]
+                      if transposed else [begin])
+            if any(start % unit for start in starts):
+                return False
+    return True
+
+
+def _assert_same_bits_or_tile_rounding(got, expected, what, kept):
+    """The same bits where the tiles are kept (_keeps_tiles); else the same bits but for
+    a few outputs (at most 1 in 10^5) within 4 ulp."""
+    if kept:
+        return _assert_same_bits(got, expected, what)
+    assert got.shape == expected.shape
+    assert np.array_equal(np.isnan(got), np.isnan(expected)), what
+    differ = (got.view(np.uint32) != expected.view(np.uint32)) & ~np.isnan(expected)
+    assert np.count_nonzero(differ) <= 2 + got.size // 10**5, (
+        f"{what}: {np.count_nonzero(differ)} of {got.size} outputs differ")
+    assert np.all(np.abs(got[differ] - expected[differ])
+                  <= 4 * np.spacing(np.abs(expected[differ]))), f"{what}: beyond 4 ulp"
+
+
 def _check_reference(got, weights, pair, mask, precision, **conventions):
     expected = reference.triangle_attention(pair, mask, weights, fully_masked="zero",
                                             **conventions)
@@ -76,7 +111,8 @@ def test_any_rows_per_block_give_the_same_bits(cp, rng, precision, R):
     module, pair, mask = _problem(cp, rng, 2, 61, 64, 4)
     every = _forward(cp, module, pair, mask, precision=precision, row_block=ALL)
     blocked = _forward(cp, module, pair, mask, precision=precision, row_block=R)
-    _assert_same_bits(blocked, every, f"R={R} {precision}")
+    _assert_same_bits_or_tile_rounding(blocked, every, f"R={R} {precision}",
+                                       _keeps_tiles(61, 2, R))
     if R == 5:
         _check_reference(blocked, module.weights, pair, mask, precision)
 
@@ -84,22 +120,24 @@ def test_any_rows_per_block_give_the_same_bits(cp, rng, precision, R):
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_project_mma_routes_keep_the_single_pass_bits(cp, rng, precision):
     """mma_f16x3, mma_bf16 (D = 64): the bias pass is project_mma.cu's own LayerNorm and
-    bias under BIAS_ONLY, so row blocks give the single pass's bits."""
+    bias under BIAS_ONLY, so row blocks give the single pass's bits (R = 64: whole
+    out-projection tiles at N = 61)."""
     module, pair, mask = _problem(cp, rng, 2, 61, 64, 4)
     whole = _forward(cp, module, pair, mask, precision=precision)
-    blocked = _forward(cp, module, pair, mask, precision=precision, row_block=7)
-    _assert_same_bits(blocked, whole, f"single pass against R=7 {precision}")
+    blocked = _forward(cp, module, pair, mask, precision=precision, row_block=64)
+    _assert_same_bits(blocked, whole, f"single pass against R=64 {precision}")
 
 
 @pytest.mark.parametrize("precision", ["fp32", "tf32", "bf16"])
-@pytest.mark.parametrize("R", [1, 7, 200, 333])
+@pytest.mark.parametrize("R", [1, 7, 8, 200, 333])
 def test_the_default_wgmma_routes(cp, rng, precision, R):
     """D = 128, h = 4, N = 200 (above the wgmma threshold; query tiles of 128 not filled):
     the persistent projections, whose bias pass is project_mma.cu's."""
     module, pair, mask = _problem(cp, rng, 2, 200, 128, 4, "padding")
     every = _forward(cp, module, pair, mask, precision=precision, row_block=ALL)
     blocked = _forward(cp, module, pair, mask, precision=precision, row_block=R)
-    _assert_same_bits(blocked, every, f"R={R} {precision}")
+    _assert_same_bits_or_tile_rounding(blocked, every, f"R={R} {precision}",
+                                       _keeps_tiles(200, 2, R))
     if R == 7:
         whole = _forward(cp, module, pair, mask, precision=precision)
         assert rel_l2(blocked, whole) <= TOLERANCE[precision]
@@ -118,7 +156,9 @@ def test_every_route_row_blocked(cp, rng, name, precision):
         options = dict(precision=precision, route=name, **conventions)
         every = _forward(cp, module, pair, mask, row_block=ALL, **options)
         blocked = _forward(cp, module, pair, mask, row_block=13, **options)
-        _assert_same_bits(blocked, every, f"{name} {precision} {conventions}")
+        _assert_same_bits_or_tile_rounding(
+            blocked, every, f"{name} {precision} {conventions}",
+            _keeps_tiles(61, 2, 13, transposed=conventions["node"] == "ending"))
         _check_reference(blocked, module.weights, pair, mask, precision, **conventions)
 
 
@@ -128,15 +168,17 @@ def test_both_nodes_and_masks(cp, rng, mask_layout, node):
     module, pair, mask = _problem(cp, rng, 3, 130, 128, 4, "crop")
     options = dict(precision="tf32", mask_layout=mask_layout, node=node)
     every = _forward(cp, module, pair, mask, row_block=ALL, **options)
-    for R in (1, 129, 131):
+    for R in (1, 32, 129, 131):
         blocked = _forward(cp, module, pair, mask, row_block=R, **options)
-        _assert_same_bits(blocked, every, f"R={R} {mask_layout}/{node}")
+        _assert_same_bits_or_tile_rounding(blocked, every, f"R={R} {mask_layout}/{node}",
+                                           _keeps_tiles(130, 3, R, transposed=node == "ending"))
 
 
 def test_unmasked(cp, rng):
     module, pair, _ = _problem(cp, rng, 1, 70, 64, 2)
     every = _forward(cp, module, pair, None, row_block=ALL)
-    _assert_same_bits(_forward(cp, module, pair, None, row_block=9), every, "unmasked")
+    _assert_same_bits_or_tile_rounding(_forward(cp, module, pair, None, row_block=9), every,
+                                       "unmasked", _keeps_tiles(70, 1, 9))
 
 
 # ---- the persistent projections' bias pass (layernorm_bias_ffma.cu) ----
@@ -236,7 +278,7 @@ def test_stage_launchers_refuse_row_blocks(cp, rng):
 
 # ---- several devices, emulated ----
 
-@pytest.mark.parametrize("devices,R", [(2, 1000), (3, 7), (8, 16), (5, 1)])
+@pytest.mark.parametrize("devices,R", [(2, 1000), (3, 7), (8, 16), (5, 1), (3, 24)])
 def test_emulated_devices_equal_one(cp, rng, devices, R):
     """The rows split over `devices` shares (bias pass per share, then each share's
     blocks) give the bits of one device's blocked forward."""
@@ -246,4 +288,6 @@ def test_emulated_devices_equal_one(cp, rng, devices, R):
         poison_pool(cp)
         got = row_blocks.emulate_devices(module, cp.asarray(pair), cp.asarray(mask),
                                          devices=devices, row_block=R, precision=precision)
-        _assert_same_bits(got.get(), whole, f"{devices} devices R={R} {precision}")
+        _assert_same_bits_or_tile_rounding(got.get(), whole,
+                                           f"{devices} devices R={R} {precision}",
+                                           _keeps_tiles(200, 2, R, devices))

@@ -120,6 +120,36 @@ def test_blocks_segments_and_shares():
         row_blocks.split_rows(10, 0)
 
 
+def test_row_units_fill_whole_out_projection_tiles():
+    for N in (1, 61, 130, 200, 384, 4095, 4096):
+        unit = row_blocks.row_unit(N)
+        assert unit * N % row_blocks.OUT_TILE_ROWS == 0
+        assert all(u * N % row_blocks.OUT_TILE_ROWS for u in range(1, unit))
+    assert (row_blocks.row_unit(200), row_blocks.row_unit(61), row_blocks.row_unit(4096)) == (8, 64, 1)
+
+
+def test_shares_start_on_whole_units():
+    assert row_blocks.split_rows(400, 3, 8) == [(0, 136), (136, 272), (272, 400)]
+    assert row_blocks.split_rows(405, 5, 8) == [(0, 80), (80, 160), (160, 240), (240, 320),
+                                                (320, 405)]  # the last takes the tail
+    assert row_blocks.split_rows(2, 4, 8) == [(0, 2)]
+    for rows, parts, unit in ((400, 7, 8), (122, 3, 64), (4096, 8, 1)):
+        shares = row_blocks.split_rows(rows, parts, unit)
+        assert shares[0][0] == 0 and shares[-1][1] == rows
+        assert all(b % unit == 0 for b, _ in shares)
+        assert all(e == b2 for (_, e), (b2, _) in zip(shares, shares[1:]))
+
+
+def test_the_chosen_rows_per_block_are_whole_units():
+    N = 4000  # unit 2
+    s = _sizes(N=N)
+    assert s.unit == 2
+    for limit in (3 * GiB, 5 * GiB + 12345, 7 * GiB):
+        R = rows_per_block(s, N * N * 128 * 4, max_scratch_bytes=limit)
+        assert R % 2 == 0 and s.blocked(R) <= limit
+    assert rows_per_block(s, 0, row_block=7) == 7  # a forced size stays as given
+
+
 @pytest.mark.parametrize("rows,R", [(1, 1), (7, 3), (122, 5), (4096, 700)])
 def test_blocks_cover_every_row_once(rows, R):
     covered = [r for b in row_blocks.blocks_of(0, rows, R) for r in range(*b)]

@@ -36,6 +36,7 @@ all-gathering the bias (docs/multi_gpu.md). Bit-identical to one device.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import numpy as np
 
@@ -67,6 +68,19 @@ LAYERNORM_BIAS_ROWS = 32
 LAYERNORM_BIAS_BLOCKS_PER_SM = 2
 _ALIGN = 1024  # each region of the blocked scratch (the tile copies need 16 bytes)
 
+# The out projections' tile: 64 pair rows (project_wgmma.cu, project_wgmma_split.cu ROWS;
+# project_mma.cu's 64-row out blocks). Their fp16 products scale each tile's g o by a power
+# of two from the tile's largest |g o|, so the tile a row falls in can round the lo parts
+# of its tiny values, and an output's last bit, differently (about one output in 10^7 at
+# 2x200x128 in fp32, measured). A block's out projection starts a tile at its first row:
+# blocks of whole `row_unit` rows keep every tile of the single launch, and its bits.
+OUT_TILE_ROWS = 64
+
+
+def row_unit(N: int) -> int:
+    """The fewest rows (b, i) whose N pair rows each fill whole out-projection tiles."""
+    return OUT_TILE_ROWS // math.gcd(N, OUT_TILE_ROWS)
+
 
 def _aligned(n: int) -> int:
     return -(-n // _ALIGN) * _ALIGN
@@ -77,11 +91,12 @@ class ScratchSizes:
     """What a forward's scratch takes: `whole` for the single pass (Plan.scratch_bytes);
     for row blocks `shared` (the bias, the key extent and the row mask's bits, read by
     every block) and `per_row` (qkvg rows and K/V^T tiles of one pair row (b, i)), over
-    `rows` = B N rows."""
+    `rows` = B N rows; `unit` (row_unit) the rows a chosen block size is a multiple of."""
     whole: int
     shared: int
     per_row: int
     rows: int
+    unit: int = 1
 
     def blocked(self, rows_per_block: int) -> int:
         """The row-blocked scratch of `rows_per_block` rows (regions aligned)."""
@@ -94,7 +109,7 @@ def scratch_sizes(plan) -> ScratchSizes:
     shared = _aligned(plan.bias_bytes) + _aligned(4 * B) + _aligned(row_mask)
     per_row = (N * plan.layout.row_words * plan.D * 4
                + H * (plan.npk // tiles.WGMMA_KEYS) * plan.layout.tile_bytes)
-    return ScratchSizes(plan.scratch_bytes, shared, per_row, B * N)
+    return ScratchSizes(plan.scratch_bytes, shared, per_row, B * N, row_unit(N))
 
 
 def default_limit(input_bytes: int, device_total: int | None = None) -> int:
@@ -123,7 +138,8 @@ def rows_per_block(sizes: ScratchSizes, input_bytes: int, *, row_block=None,
     `row_block` forces blocks of that many rows (at most B N: one block). Otherwise the
     single pass runs where its scratch fits the limit (`max_scratch_bytes`, else
     default_limit), and at most `device_free` (the free device memory, where known);
-    else the most rows whose blocked scratch fits."""
+    else the most rows whose blocked scratch fits, in whole `sizes.unit` where one fits
+    (the single launch's out-projection tiles, and so its bits: row_unit)."""
     check_row_block_args(row_block, max_scratch_bytes)
     if row_block is not None:
         return min(int(row_block), sizes.rows)
@@ -142,18 +158,23 @@ def rows_per_block(sizes: ScratchSizes, input_bytes: int, *, row_block=None,
             f"{what} leaves no room for one row block: the pair bias, key extent and "
             f"row mask take {sizes.blocked(0)} bytes and one pair row (b, i) "
             f"{sizes.per_row} more")
+    if rows >= sizes.unit:
+        rows -= rows % sizes.unit
     return min(rows, sizes.rows)
 
 
-def split_rows(rows: int, parts: int) -> list[tuple[int, int]]:
-    """`rows` split into `parts` contiguous [begin, end) shares, as even as can be (the
-    first rows % parts one longer); empty shares are left out."""
+def split_rows(rows: int, parts: int, unit: int = 1) -> list[tuple[int, int]]:
+    """`rows` split into `parts` contiguous [begin, end) shares of whole `unit`s, as even as
+    can be (the first ones a unit longer; the last also takes the rows % unit past the
+    last whole unit), so that every share starts on a multiple of `unit`; empty shares are
+    left out."""
     if parts < 1:
         raise ValueError(f"devices must be at least 1; got {parts}")
-    base, extra = divmod(rows, parts)
+    units, tail = divmod(rows, unit)
+    base, extra = divmod(units, parts)
     shares, begin = [], 0
     for g in range(parts):
-        end = begin + base + (g < extra)
+        end = begin + (base + (g < extra)) * unit + (tail if g == parts - 1 else 0)
         if end > begin:
             shares.append((begin, end))
         begin = end
@@ -317,7 +338,7 @@ def run(forward, rows_per_block: int, devices: int = 1):
     itemsize = 4 if plan.pair_dtype == "float32" else 2  # the output's elements
     scratch = forward._blocked_scratch
     qkvg0, vt0, bias0 = p["qkvg"], p["vt"], p["bias"]
-    shares = split_rows(plan.B * N, devices)
+    shares = split_rows(plan.B * N, devices, row_unit(N))
 
     def point(begin: int):  # qkvg and the tiles of the block starting at row `begin`
         p["qkvg"] = _back(qkvg0, begin * scratch.qkvg_row_bytes)
