@@ -39,8 +39,9 @@ class TriangleAttention:
            fp32 bytes in one pass). None (default): one pass where that fits the limit
            (docs/design.md "Row blocks") and the free memory, else blocks of pair rows
            (b, i) as large as fit; max_scratch_bytes sets the limit; row_block forces
-           blocks of that many rows. The result is the same bits for any block size;
-           `out=pair` (in place) works at every size.
+           blocks of that many rows. The result is the same bits for any block size of
+           whole out-projection tiles (row_blocks.row_unit; the chosen sizes are), else
+           the same but for a rare output's last bit; `out=pair` works at every size.
     route: None (default): the fastest route of kernels this GPU and problem take; or a
            route name of ``triattn_cupy.gpu.routes.ROUTES`` (optionally with "@sm_80" for
            the sm_80 tile tables) or a ``Route`` to force one (tests and tools: every route

@@ -19,7 +19,8 @@ bfloat16: the projections' PAIR_DTYPE); everything between is the route's arithm
 The ending node runs on the transposed pair and mask, read in place as strided views; the
 out projection writes each row back to the caller's layout (OUT_TRANSPOSED).
 Where the scratch of every row would pass the limit (row_blocks.rows_per_block), the
-stages run in blocks of pair rows on a scratch of one block (row_blocks.run): the same bits.
+stages run in blocks of pair rows on a scratch of one block (row_blocks.run): the same
+bits for blocks of whole out-projection tiles (row_blocks.row_unit).
 """
 from __future__ import annotations
 

@@ -20,8 +20,9 @@ as the whole problem does; qkvg and the tiles are passed offset back by row_begi
 so that the block's rows land in the block's scratch. The out projections take the
 block's qkvg as it lies and `out` at the segment's first row. Each row's arithmetic is the
 same in every block and the bias is the bias pass's alone, so the output is the same bits
-for every R; the single pass's where the bias pass is the route's own projection code
-(project_mma.cu, project_ffma.cu), within the route's accuracy otherwise.
+for every R of whole out-projection tiles (row_unit, below); the single pass's where the
+bias pass is the route's own projection code (project_mma.cu, project_ffma.cu), within
+the route's accuracy otherwise.
 
 In place (out = pair): the bias pass reads every row before any output is written; in
 step 3 a block's projection reads its own rows before its out projection overwrites them,
