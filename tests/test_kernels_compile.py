@@ -82,30 +82,30 @@ def each_config(configs_of):
 
 
 # Each architecture's own configurations (the tile table may pick per architecture).
-@each_config(gpu.routes.all_configs)
+@each_config(gpu.kernel_catalog.all_configs)
 def test_compiles_without_spills(config, arch):
     _compile_within_spill_allowance(config, arch)
 
 
 # The ending node's out projections (OUT_TRANSPOSED: rows to the caller's layout), one
 # configuration per kernel file: the feature is the same store in each.
-@each_config(gpu.routes.transposed_out_configs)
+@each_config(gpu.kernel_catalog.transposed_out_configs)
 def test_transposed_output_compiles_without_spills(config, arch):
     report = _compile_within_spill_allowance(config, arch)
     assert any(entry.startswith("gated_out_project") for entry in report), report
 
 
 # The row mask layout's attention (ROW_MASK: key bits per row) and its packing kernel: each
-# variant's smallest and largest head dim (routes.row_masked_configs).
-@each_config(gpu.routes.row_masked_configs)
+# variant's smallest and largest head dim (kernel_catalog.row_masked_configs).
+@each_config(gpu.kernel_catalog.row_masked_configs)
 def test_row_mask_compiles_without_spills(config, arch):
     _compile_within_spill_allowance(config, arch)
 
 
 # The pair read and the output written in 16 bits (PAIR_DTYPE float16, bfloat16): each
 # route's projection kernels in their smallest configuration, per 16-bit type, half of
-# them with OUT_TRANSPOSED (routes.pair_dtype_configs).
-@each_config(gpu.routes.pair_dtype_configs)
+# them with OUT_TRANSPOSED (kernel_catalog.pair_dtype_configs).
+@each_config(gpu.kernel_catalog.pair_dtype_configs)
 def test_16_bit_pair_compiles_without_spills(config, arch):
     report = _compile_within_spill_allowance(config, arch)
     assert any(entry.startswith("ln_qkvg_project") for entry in report), report
@@ -117,11 +117,11 @@ def test_16_bit_pair_configs_cover_every_route_and_both_types():
     configurations of its architecture, in float16 and bfloat16, and float32 emits no
     define: its configurations, and so its machine code, are the ones without the
     feature."""
-    from triattn_cupy.gpu import routes
+    from triattn_cupy.gpu import kernel_catalog, routes
 
     for arch, cc in (("sm_80", 80), ("sm_90", 90)):
         compiled = {(c.filename, tuple(d for d in c.defines if d[0] != "OUT_TRANSPOSED"))
-                    for c in routes.pair_dtype_configs(arch)}
+                    for c in kernel_catalog.pair_dtype_configs(arch)}
         taken = set()
         for name, precision in itertools.product(routes.ROUTES, gpu.checks.PRECISIONS):
             try:
@@ -149,8 +149,8 @@ def test_16_bit_pair_configs_cover_every_route_and_both_types():
 
 # Row blocks (ROW_BLOCK: a launch over the rows [row_begin, row_end)): every LayerNorm
 # projection and each attention variant's smallest and largest head dim, with and without
-# ROW_MASK (routes.row_blocked_configs).
-@each_config(gpu.routes.row_blocked_configs)
+# ROW_MASK (kernel_catalog.row_blocked_configs).
+@each_config(gpu.kernel_catalog.row_blocked_configs)
 def test_row_blocks_compile_without_spills(config, arch):
     report = _compile_within_spill_allowance(config, arch)
     if config.filename.startswith("project_"):
@@ -159,7 +159,7 @@ def test_row_blocks_compile_without_spills(config, arch):
 
 # project_mma.cu's LN_SPLIT (LayerNorm 2 threads per row, off until measured on a GPU):
 # compiled here so that the switch stays buildable, for the 128-row blocks it changes.
-@pytest.mark.parametrize("config", [c for c in gpu.routes.all_configs("sm_90")
+@pytest.mark.parametrize("config", [c for c in gpu.kernel_catalog.all_configs("sm_90")
                                     if c.filename == "project_mma.cu"
                                     and dict(c.defines)["BM"] == 128],
                          ids=lambda c: ",".join(f"{k}={v}" for k, v in c.defines))
@@ -190,7 +190,7 @@ def test_compile_error_points_at_the_file():
 
 
 def test_every_supported_dimension_has_a_config():
-    configs = set(gpu.routes.all_configs())
+    configs = set(gpu.kernel_catalog.all_configs())
     for d in gpu.checks.supported_head_dims():
         assert gpu.routes.attention_config(d) in configs
     rows_fp32 = gpu.layouts.ROWS_FP32
@@ -205,7 +205,7 @@ def test_every_supported_dimension_has_a_config():
 def test_every_route_compiles_here():
     """Every configuration each route launches (the default ones over a grid of problems,
     and every forced one) is among those compiled by test_compiles_without_spills."""
-    compiled = {arch: set(gpu.routes.all_configs(arch)) for arch in ("sm_80", "sm_90")}
+    compiled = {arch: set(gpu.kernel_catalog.all_configs(arch)) for arch in ("sm_80", "sm_90")}
     for cc, arch in ((80, "sm_80"), (90, "sm_90")):
         for precision in gpu.checks.PRECISIONS:
             for d, D in ((32, 128), (32, 64), (16, 64), (8, 768), (64, 128), (128, 256)):

@@ -81,7 +81,7 @@ def test_where_the_persistent_projections_run():
         assert gpu.routes.project_tiles_fit(layout, 128)
         assert not gpu.routes.project_tiles_fit(layout, 64)
         assert not gpu.routes.project_tiles_fit(layout, 128, smem_limit=163 * 1024)
-        assert gpu.routes.project_tiles_config(layout) in gpu.routes.all_configs("sm_90")
+        assert gpu.routes.project_tiles_config(layout) in gpu.kernel_catalog.all_configs("sm_90")
     assert not gpu.routes.project_tiles_fit(gpu.layouts.ROWS_TF32, 128)
     assert gpu.routes.project_tiles_config(f16x3).filename == "project_wgmma_split.cu"
     assert gpu.routes.project_tiles_config(f16).filename == "project_wgmma.cu"

@@ -7,7 +7,7 @@ import types
 
 import pytest
 
-from triattn_cupy.gpu import layouts, routes, row_blocks
+from triattn_cupy.gpu import kernel_catalog, layouts, routes, row_blocks
 from triattn_cupy.gpu.row_blocks import ScratchSizes, rows_per_block
 
 GiB, MiB = 1 << 30, 1 << 20
@@ -172,7 +172,7 @@ def test_every_persistent_layout_has_its_bias_pass(layout):
     bias_layout = row_blocks.bias_pass_layout(layout)
     assert (bias_layout.tiled, bias_layout.bias, bias_layout.scaled) == (
         layout.tiled, layout.bias, layout.scaled)
-    configs = set(routes.row_blocked_configs("sm_90"))
+    configs = set(kernel_catalog.row_blocked_configs("sm_90"))
     for pair_dtype in routes.PAIR_DTYPES:
         assert routes.layernorm_bias_config(bias_layout, 128, 4, pair_dtype) in configs
 

@@ -3,7 +3,7 @@
     python tools/compare_kernels.py --old OLD_TREE      (e.g. a `git archive REV` unpacked)
     python tools/compare_kernels.py --rev REV           (archived here from this repository)
 
-Each tree lists its own kernel configurations (the route tables' `all_configs` for sm_80
+Each tree lists its own kernel configurations (gpu/kernel_catalog.py's `all_configs` for sm_80
 and sm_90) with their full source text, in a process of its own. Both are compiled here
 with the same NVRTC options the run-time loader uses, and each kernel's machine code (the
 ELF section `.text.<entry>`, with its register count and flags) is compared byte for byte.
@@ -73,7 +73,10 @@ def list_configs(root: pathlib.Path):
     sys.path.insert(0, str(root))
     try:
         from triattn_cupy.gpu import compile as compiler, routes
-        configs_of = routes.all_configs
+        try:
+            from triattn_cupy.gpu.kernel_catalog import all_configs as configs_of
+        except ImportError:  # a tree whose routes list them
+            configs_of = routes.all_configs
     except ImportError:  # an older tree
         from triattn_cupy import _compile as compiler, _configs
         configs_of = _configs.all_configs

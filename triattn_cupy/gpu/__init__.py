@@ -2,12 +2,13 @@
 q, k, v and the bias for the attention), tiles (the tuned tile tables), plan (the launches of
 one input geometry), forward (one call), launch and compile (kernels through the CUDA driver
 and NVRTC), scales (fp16 range scales), device_weights, checks, captured (a forward
-captured as a CUDA graph and replayed).
+captured as a CUDA graph and replayed), kernel_catalog (every configuration the routes can
+launch, for the compile checks), row_blocks (long N).
 
 Importing it never touches the GPU: CuPy is imported when a forward is first prepared.
 """
-from . import (captured, checks, compile, device_weights, forward, launch, layouts, plan,
-               routes, scales, tiles)
+from . import (captured, checks, compile, device_weights, forward, kernel_catalog, launch,
+               layouts, plan, routes, row_blocks, scales, tiles)
 
-__all__ = ["captured", "checks", "compile", "device_weights", "forward", "launch", "layouts",
-           "plan", "routes", "scales", "tiles"]
+__all__ = ["captured", "checks", "compile", "device_weights", "forward", "kernel_catalog",
+           "launch", "layouts", "plan", "routes", "row_blocks", "scales", "tiles"]
