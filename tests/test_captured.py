@@ -101,45 +101,6 @@ def _fake_capture(monkeypatch, choose_rows, scratch_bytes=1 << 10, changed=False
     plan = types.SimpleNamespace(scratch_bytes=scratch_bytes,
                                  route=types.SimpleNamespace(name="fake"))
 
-    class Memory:
-        def __init__(self, size):
-            self.size, self.ptr = size, 256 * (len(made) + 1)
-            made.append(self)
-
-    made = []
-    arena = captured._Arena(types.SimpleNamespace(cuda=types.SimpleNamespace(Memory=Memory)))
-    first = [arena(1000), arena(50), arena(300)]
-    arena.rewind()
-    assert [arena(1000), arena(50), arena(300)] == first and len(made) == 3
-    arena.rewind()
-    assert arena(900) is first[0]   # a smaller request takes the block in its place
-    bigger = arena(60)              # a larger one a new block, kept with the others
-    assert all(bigger is not block for block in first)
-    assert len(made) == 4 and arena.nbytes == 1000 + 60 + 50 + 300
-
-
-def test_capture_takes_the_calls_keywords():
-    def keywords(function):
-        return {name for name, p in inspect.signature(function).parameters.items()
-                if p.kind is p.KEYWORD_ONLY}
-
-    assert keywords(ta.TriangleAttention.capture) == keywords(ta.TriangleAttention.__call__)
-
-
-class _Pointer(np.ndarray):
-    """A NumPy array with CuPy's `.data.ptr` (its own address)."""
-    @property
-    def data(self):
-        return types.SimpleNamespace(ptr=self.__array_interface__["data"][0])
-
-
-def _fake_capture(monkeypatch, choose_rows, scratch_bytes=1 << 10, changed=False):
-    """CapturedForward over a stand-in CuPy and Forward, recording what happens in order:
-    `choose_rows(row_block, max_scratch_bytes)` is the stand-in Forward's row blocks."""
-    events, made = [], []
-    plan = types.SimpleNamespace(scratch_bytes=scratch_bytes,
-                                 route=types.SimpleNamespace(name="fake"))
-
     class Stream:
         def __init__(self, non_blocking=False):
             assert non_blocking
