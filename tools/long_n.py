@@ -2,6 +2,7 @@
 
     python tools/long_n.py                       (N = 4096 and 8192, bf16 and fp32)
     python tools/long_n.py --sizes 1x2048x128x4 --precisions fp32 --rows 3
+    python tools/long_n.py --against-single --sizes 1x4096x128x4 --precisions bf16 tf32 fp32
 
 Each size runs `module(pair, mask, out=pair)` (in place; the last N // 10 rows and columns
 masked) and prints the rows per block the policy chose, the peak memory above the pair and
@@ -11,9 +12,14 @@ float64 reference computed before the pair is overwritten. The reference is the 
 backend's formulas (triattn_cupy/reference.py) in float64 on the device, the bias in
 chunks of rows: the NumPy backend itself would hold the whole pair in float64 (69 GB at
 N = 8192).
+
+--against-single times, instead, the default forward against the single pass forced with
+`max_scratch_bytes` at sizes where both fit (out of place), interleaved: 3 rounds of 2
+calls each, medians, and their relative L2 difference.
 """
 import argparse
 import math
+import statistics
 
 import cupy as cp
 import numpy as np
@@ -118,12 +124,50 @@ def run_size(size, precision, n_rows, seed=0):
     return err, finite
 
 
+def against_single(size, precision, rounds=3, calls=2):
+    """The default forward (row blocks where the policy takes them) against the single
+    pass, interleaved; prints both medians, the rows per block and their difference."""
+    B, N, D, h = map(int, size.split("x"))
+    module, pair, mask = padded_inputs(B, N, D, h)
+    out = cp.empty_like(pair)
+    forms = {"single pass": dict(max_scratch_bytes=1 << 62), "default": {}}
+    for options in forms.values():  # compiled and planned outside the timing
+        module(pair, mask, out=out, precision=precision, **options)
+    times = {name: [] for name in forms}
+    start, stop = cp.cuda.Event(), cp.cuda.Event()
+    for _ in range(rounds):
+        for name, options in forms.items():
+            for _ in range(calls):
+                start.record()
+                module(pair, mask, out=out, precision=precision, **options)
+                stop.record()
+                stop.synchronize()
+                times[name].append(cp.cuda.get_elapsed_time(start, stop))
+    rows_per_block = Forward(module._dw, pair, mask, "zero", None, precision).rows_per_block
+    single = module(pair, mask, precision=precision, **forms["single pass"]).astype(cp.float64)
+    default = module(pair, mask, precision=precision)
+    diff = float(cp.linalg.norm(default - single) / cp.linalg.norm(single))
+    a, b = statistics.median(times["single pass"]), statistics.median(times["default"])
+    print(f"{size} {precision}: rows per block {rows_per_block or 'all (single pass)'}; "
+          f"single pass {a:.2f} ms, default {b:.2f} ms ({100 * (b / a - 1):+.1f}%); "
+          f"rel L2 difference {diff:.2e}", flush=True)
+    del module, pair, mask, out, single, default
+    cp.get_default_memory_pool().free_all_blocks()
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sizes", nargs="+", default=["1x4096x128x4", "1x8192x128x4"])
     ap.add_argument("--precisions", nargs="+", default=["bf16", "fp32"])
     ap.add_argument("--rows", type=int, default=3, help="rows i checked against float64")
+    ap.add_argument("--against-single", action="store_true",
+                    help="time the default forward against the single pass instead")
     args = ap.parse_args(argv)
+    if args.against_single:
+        for size in args.sizes:
+            for precision in args.precisions:
+                against_single(size, precision)
+        return
     tolerance = {"fp32": 1e-5, "tf32": 1e-3, "bf16": 5e-3}
     bad = 0
     for size in args.sizes:
