@@ -5,7 +5,12 @@ from __future__ import annotations
 
 import types
 
+import numpy as np
 import pytest
+
+import triattn_cupy as ta
+from triattn_cupy import reference
+from triattn_cupy.gpu.device_weights import fold_layer_norm_into_bias
 
 from triattn_cupy.gpu import kernel_catalog, layouts, routes, row_blocks
 from triattn_cupy.gpu.row_blocks import ScratchSizes, rows_per_block
@@ -175,6 +180,24 @@ def test_every_persistent_layout_has_its_bias_pass(layout):
     configs = set(kernel_catalog.row_blocked_configs("sm_90"))
     for pair_dtype in routes.PAIR_DTYPES:
         assert routes.layernorm_bias_config(bias_layout, 128, 4, pair_dtype) in configs
+
+
+def test_the_bias_pass_folds_layer_norm_into_the_bias_weights():
+    """layernorm_bias_ffma.cu's arithmetic in float64: r ((x - m) . w_ln) + c_ln is
+    LN(x) . Wb (the reference's LayerNorm), times the bias scale."""
+    rng = np.random.default_rng(0)
+    weights = ta.random_weights(128, 4, seed=3)
+    p = weights.params
+    x = rng.standard_normal((50, 128)) * 3 + 1
+    w_ln, c_ln = fold_layer_norm_into_bias(p, 0.5)
+    mean = x.mean(axis=-1, keepdims=True)
+    r = 1 / np.sqrt(((x - mean) ** 2).mean(axis=-1, keepdims=True) + weights.layer_norm_eps)
+    got = r * ((x - mean) @ w_ln.astype(np.float64).T) + c_ln
+    ln = reference.layer_norm(x, p["layer_norm.weight"], p["layer_norm.bias"],
+                              weights.layer_norm_eps)
+    expected = 0.5 * ln @ np.asarray(p["bias_proj.weight"], np.float64).T
+    assert w_ln.dtype == c_ln.dtype == np.float32 and w_ln.shape == (4, 128)
+    assert np.abs(got - expected).max() <= 1e-6 * np.abs(expected).max()
 
 
 # ---- the orchestration, with each kernel's addressing modelled on the host ----

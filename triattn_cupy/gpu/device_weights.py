@@ -192,13 +192,22 @@ class DeviceWeights:
         beta folded into the pair-bias weights (times the bias scale s_b of `scales`),
         w_ln = Wb gamma, c_ln = Wb beta, formed in float64 from the host weights."""
         def make():
-            p = self._weights.params
-            wb = np.asarray(p["bias_proj.weight"], np.float64) * (scales[3] if scales else 1.0)
-            w_ln = wb * np.asarray(p["layer_norm.weight"], np.float64)[None, :]
-            c_ln = wb @ np.asarray(p["layer_norm.bias"], np.float64)
+            w_ln, c_ln = fold_layer_norm_into_bias(self._weights.params,
+                                                   scales[3] if scales else 1.0)
             cupy = _cupy()
-            return (cupy.asarray(w_ln.astype(np.float32)), cupy.asarray(c_ln.astype(np.float32)))
+            return cupy.asarray(w_ln), cupy.asarray(c_ln)
         return self._made(("layernorm bias", "", scales), make)
+
+
+def fold_layer_norm_into_bias(params, bias_scale: float = 1.0):
+    """(w_ln [h, D], c_ln [h]) float32, formed in float64: LayerNorm's gamma and beta folded
+    into the pair-bias weights Wb (times `bias_scale`), so that for a row x with mean m and
+    1 / sigma r, LN(x) . Wb[head] = r ((x - m) . w_ln[head]) + c_ln[head]
+    (layernorm_bias_ffma.cu): w_ln = Wb gamma, c_ln = Wb beta."""
+    wb = np.asarray(params["bias_proj.weight"], np.float64) * bias_scale
+    w_ln = wb * np.asarray(params["layer_norm.weight"], np.float64)[None, :]
+    c_ln = wb @ np.asarray(params["layer_norm.bias"], np.float64)
+    return w_ln.astype(np.float32), c_ln.astype(np.float32)
 
 
 def _qkv_row_scales(scales, D: int):
