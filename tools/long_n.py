@@ -26,6 +26,7 @@ import numpy as np
 
 import triattn_cupy as ta
 from triattn_cupy.gpu.forward import Forward
+from time_forward import padding_mask  # (tools/ is the script's folder on sys.path)
 
 
 def padded_inputs(B, N, D, h, seed=0):
@@ -34,12 +35,7 @@ def padded_inputs(B, N, D, h, seed=0):
     pair = cp.empty((B, N, N, D), np.float32)
     for j0 in range(0, N, 256):  # in slices: no float64 or index temporaries of the whole
         pair[:, j0:j0 + 256] = rng.standard_normal(pair[:, j0:j0 + 256].shape, dtype=np.float32)
-    mask = cp.ones((B, N, N), bool)
-    pad = N // 10
-    if pad:
-        mask[:, :, -pad:] = False
-        mask[:, -pad:, :] = False
-    return module, pair, mask
+    return module, pair, padding_mask(B, N)
 
 
 def _layer_norm(x, p, eps):

@@ -35,18 +35,24 @@ def median_ms(fn, repeats):
     return statistics.median(times)
 
 
-def padded_inputs(size):
-    """(module, pair, mask) for a "BxNxDxh" size: random weights (seed 0), a standard-normal
-    pair, the last N // 10 rows and columns masked (padded queries fully masked)."""
-    B, N, D, h = map(int, size.split("x"))
-    module = ta.TriangleAttention(ta.random_weights(D, h, seed=0))
-    pair = cp.random.standard_normal((B, N, N, D), dtype=np.float32)
+def padding_mask(B, N):
+    """(B, N, N) bool on the device: the last N // 10 rows and columns masked (padded
+    queries fully masked)."""
     mask = cp.ones((B, N, N), bool)
     pad = N // 10
     if pad:
         mask[:, :, -pad:] = False
         mask[:, -pad:, :] = False
-    return module, pair, mask
+    return mask
+
+
+def padded_inputs(size):
+    """(module, pair, mask) for a "BxNxDxh" size: random weights (seed 0), a standard-normal
+    pair, padding_mask."""
+    B, N, D, h = map(int, size.split("x"))
+    module = ta.TriangleAttention(ta.random_weights(D, h, seed=0))
+    pair = cp.random.standard_normal((B, N, N, D), dtype=np.float32)
+    return module, pair, padding_mask(B, N)
 
 
 def time_size(size, precision, route, mask_layout="pair"):
