@@ -9,8 +9,10 @@
 // The pass reads the whole pair once and writes h values per D read, so it should run at
 // the memory rate: eight lanes per pair row, each holding D / 8 values in registers
 // (coalesced: a row's 8 lanes read 128 consecutive bytes per piece), the LayerNorm sums
-// and the h dot products reduced across the eight lanes by shuffles, the next row's values
-// loaded before this row's arithmetic. LayerNorm's gamma and beta are folded into the bias
+// and the h dot products reduced across the eight lanes by shuffles. The memory rate needs
+// bytes in flight: each lane copies its pieces of the rows BIAS_STAGES - 1 steps ahead into
+// its own slots of shared memory (cp.async), so a warp waits on a row it asked for three
+// steps earlier, not one. LayerNorm's gamma and beta are folded into the bias
 // weights on the host (DeviceWeights.layernorm_bias_weight):
 //
 //   LN(x)_k . Wb = rstd sum_k (x_k - mean) (gamma_k Wb_k) + sum_k beta_k Wb_k
@@ -23,6 +25,7 @@
 #include "common.cuh"
 #include "project_math.cuh"
 #include "pair_bias_store.cuh"
+#include "mma.cuh"
 
 #ifndef PAIR_DIM
 #define PAIR_DIM 128
@@ -42,6 +45,17 @@
 #endif
 #ifndef BIAS_MIN_BLOCKS
 #define BIAS_MIN_BLOCKS 2                  // resident blocks per SM (at most 128 registers)
+#endif
+// Steps of rows each warp has asked for at once: BIAS_STAGES - 1 in flight while one is
+// computed. A lane's slots hold PIECES pieces per stage (16 bytes each in fp32), so a
+// block of 8 warps takes 8 x BIAS_STAGES x 2 KiB of shared memory (64 KiB in fp32 at 4:
+// routes.layernorm_bias_smem_bytes); at 2 blocks per SM, 96 KiB are in flight per SM,
+// about what 4 TB/s times the loaded latency (~2 us) asks of each of the 132 SMs.
+// Measured at 1x4096x128 in fp32 (bits equal at every depth): the register prefetch of
+// one row this replaced 2.81 ms (3.1 TB/s); 3, 4 and 6 stages 2.59-2.61 ms (3.3 TB/s);
+// 8 stages 3.9 ms (256 KiB: one block per SM). The pieces of bf16 pairs take half.
+#ifndef BIAS_STAGES
+#define BIAS_STAGES 4
 #endif
 #define WARP_ROWS (32 / ROW_LANES)         // pair rows per warp and step
 #define PIECES (PAIR_DIM / (4 * ROW_LANES))  // float4 pieces per lane: columns 4 l + 4 ROW_LANES p
@@ -85,23 +99,40 @@ __device__ __forceinline__ void advance(PairRow& row, int steps, int N, i64 sb, 
     }
 }
 
-// This lane's pieces of the pair row at x + offset: columns 4 l + 32 p .. + 3, l = lane %
-// ROW_LANES; zeros for a row past the last (`real` false).
-__device__ __forceinline__ void load_row(float4 (&v)[PIECES], const pair_t* __restrict__ x,
-                                         bool real, i64 offset, i64 sc, int x_vec, int l) {
+// A lane's piece of a row: 4 pair elements as stored (16 bytes in fp32, 8 in 16 bits).
+#if PAIR_DTYPE == PAIR_F32
+typedef float4 piece_t;
+__device__ __forceinline__ float4 piece_value(float4 u) { return u; }
+#else
+typedef uint2 piece_t;
+__device__ __forceinline__ float4 piece_value(uint2 u) {
+    return make_float4(pair_value((unsigned short)(u.x & 0xffffu)), pair_value((unsigned short)(u.x >> 16)),
+                       pair_value((unsigned short)(u.y & 0xffffu)), pair_value((unsigned short)(u.y >> 16)));
+}
+#endif
+
+// Ask for this lane's pieces of the pair row at x + offset (columns 4 l + 4 ROW_LANES p ..
+// + 3, l = lane % ROW_LANES) into its slots `slot[32 p]` of one stage, as one group of
+// asynchronous copies (waited for with cp_async_wait); zeros for a row past the last
+// (`real` false). The rows are contiguous and 16-byte aligned: the persistent projections,
+// the only ones this pass serves, take no other pair (routes.choose_route).
+__device__ __forceinline__ void fetch_row(piece_t* slot, const pair_t* __restrict__ x,
+                                          bool real, i64 offset, int l) {
     const pair_t* const row = x + offset;
 #pragma unroll
     for (int p = 0; p < PIECES; ++p) {
         const int k = 4 * l + 4 * ROW_LANES * p;
-        v[p] = !real ? zero4()
-             : x_vec ? pair_ld4(row + k)
-                     : make_float4(pair_value(row[k * sc]), pair_value(row[(k + 1) * sc]),
-                                   pair_value(row[(k + 2) * sc]), pair_value(row[(k + 3) * sc]));
+#if PAIR_DTYPE == PAIR_F32
+        cp_async16_or_zero(smem_addr(slot + 32 * p), row + k, real);
+#else
+        cp_async8_or_zero(smem_addr(slot + 32 * p), row + k, real);
+#endif
     }
+    cp_async_commit();
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS, BIAS_MIN_BLOCKS)
-layernorm_bias_ffma(const pair_t* __restrict__ x, i64 sb, i64 si, i64 sj, i64 sc, int x_vec,
+layernorm_bias_ffma(const pair_t* __restrict__ x, i64 sb, i64 si, i64 sj,
                     int N, float eps,
                     const float* __restrict__ w_ln,  // [HEADS][PAIR_DIM]: gamma Wb (scaled)
                     const float* __restrict__ c_ln,  // [HEADS]: beta . Wb (scaled)
@@ -129,17 +160,35 @@ layernorm_bias_ffma(const pair_t* __restrict__ x, i64 sb, i64 si, i64 sj, i64 sc
         }
     }
 
-    i64 m = run_begin + slot;  // this lane's row; `next` the one loaded ahead of it
-    PairRow next = pair_row(min(m, m_end - 1), N, sb, si, sj);
-    float4 v[PIECES];
-    load_row(v, x, m < run_end, next.offset, sc, x_vec, l);
+    // This warp's slots: [BIAS_STAGES][PIECES][32 lanes] pieces, a lane reading back only
+    // what it copied (no barrier: cp.async.wait_group orders a lane's own copies).
+    extern __shared__ piece_t ring[];
+    piece_t* const slots = ring + (threadIdx.x / 32) * (BIAS_STAGES * PIECES * 32) + lane;
+
+    i64 m = run_begin + slot;  // this lane's row; `ahead` the one asked for last
+    PairRow row = pair_row(min(m, m_end - 1), N, sb, si, sj), ahead = row;
+#pragma unroll
+    for (int s = 0; s < BIAS_STAGES - 1; ++s) {
+        fetch_row(slots + s * PIECES * 32, x, m + s * WARP_ROWS < run_end, ahead.offset, l);
+        advance(ahead, WARP_ROWS, N, sb, si, sj);
+    }
     // (the loop's test is the warp's first row: every lane of the warp takes each step, so
     // the shuffles see their whole row)
-    for (; m - slot < run_end; m += WARP_ROWS) {
-        const PairRow row = next;
-        advance(next, WARP_ROWS, N, sb, si, sj);
-        float4 ahead[PIECES];  // the next row's values, in flight during this one's arithmetic
-        load_row(ahead, x, m + WARP_ROWS < run_end, next.offset, sc, x_vec, l);
+    for (int stage = 0; m - slot < run_end; m += WARP_ROWS) {
+        cp_async_wait<BIAS_STAGES - 2>();  // this step's row is in
+        // (the copies are asm the compiler cannot see into: a memory clobber keeps the
+        // slots' reads after the wait, and every read before the refill below)
+        asm volatile("" ::: "memory");
+        float4 v[PIECES];
+#pragma unroll
+        for (int p = 0; p < PIECES; ++p) v[p] = piece_value(slots[(stage * PIECES + p) * 32]);
+        asm volatile("" ::: "memory");
+        // the row BIAS_STAGES - 1 steps on, into the stage the last step read
+        const int refill = stage == 0 ? BIAS_STAGES - 1 : stage - 1;
+        fetch_row(slots + refill * PIECES * 32, x, m + (BIAS_STAGES - 1) * WARP_ROWS < run_end,
+                  ahead.offset, l);
+        advance(ahead, WARP_ROWS, N, sb, si, sj);
+        stage = stage == BIAS_STAGES - 1 ? 0 : stage + 1;
 
         // LayerNorm's mean and 1 / sigma, two passes (no cancellation); a row past 2^40
         // scaled first (project_math.cuh: its result unchanged, its sums finite).
@@ -193,7 +242,7 @@ layernorm_bias_ffma(const pair_t* __restrict__ x, i64 sb, i64 si, i64 sj, i64 sc
                             keep, mine);
 #endif
         }
-#pragma unroll
-        for (int p = 0; p < PIECES; ++p) v[p] = ahead[p];
+        advance(row, WARP_ROWS, N, sb, si, sj);
     }
+    cp_async_wait<0>();  // (none left in flight at exit)
 }

@@ -203,8 +203,21 @@ def layernorm_bias_config(layout: Layout, pair_dim: int, num_heads: int,
                           pair_dtype: str = "float32") -> KernelConfig:
     """layernorm_bias_ffma.cu writing the pair bias as `layout` holds it, reading the pair
     as `pair_dtype`: the bias pass of row blocks for the persistent projections."""
-    shape = (("PAIR_DIM", pair_dim), ("HEADS", num_heads), *layout.defines())
+    shape = (("PAIR_DIM", pair_dim), ("HEADS", num_heads), *layout.defines(),
+             ("BIAS_STAGES", LAYERNORM_BIAS_STAGES))
     return with_pair_dtype(KernelConfig("layernorm_bias_ffma.cu", shape), pair_dtype)
+
+
+# layernorm_bias_ffma.cu's block and pipeline: 8 warps, each with BIAS_STAGES stages of
+# its 32 lanes' pieces of a row (D / 8 elements per lane) in shared memory.
+LAYERNORM_BIAS_THREADS = 256
+LAYERNORM_BIAS_STAGES = 4
+
+
+def layernorm_bias_smem_bytes(pair_dim: int, pair_dtype: str = "float32") -> int:
+    """Dynamic shared memory of a layernorm_bias_ffma.cu block: 64 KiB in fp32 at D = 128."""
+    itemsize = 4 if pair_dtype == "float32" else 2
+    return LAYERNORM_BIAS_THREADS * LAYERNORM_BIAS_STAGES * (pair_dim // 8) * itemsize
 
 
 def key_extent_chunks(N: int) -> int:

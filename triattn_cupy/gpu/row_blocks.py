@@ -46,7 +46,8 @@ from . import launch as _launch
 from .launch import Call, KernelArgs, Launch, Signature
 from .plan import LN_QKVG_PROJECT_TILES, SPLIT_TILES_ARGS
 from .plan import _mask_args
-from .routes import bias_only, layernorm_bias_config, row_blocked
+from .routes import (LAYERNORM_BIAS_THREADS, bias_only, layernorm_bias_config,
+                     layernorm_bias_smem_bytes, row_blocked)
 from . import layouts, tiles
 
 # Default scratch limit: half the input's bytes, but never below a floor where the blocked
@@ -61,10 +62,9 @@ DEVICE_SHARE = 16
 # (8 warps of 4 rows: ROW_LANES 8) and resident blocks per SM (BIAS_MIN_BLOCKS); it loops
 # over its rows, so a grid of that many blocks per SM covers any number of them.
 LAYERNORM_BIAS = Signature(
-    "ptr x", "i64 sb", "i64 si", "i64 sj", "i64 sc", "i32 x_vec", "i32 N", "f32 eps",
+    "ptr x", "i64 sb", "i64 si", "i64 sj", "i32 N", "f32 eps",
     "ptr w_ln", "ptr c_ln", "ptr mask", "i32 mask_kind", "i64 mb", "i64 mi", "i64 mj",
     "ptr bias", "i32 npk")
-LAYERNORM_BIAS_THREADS = 256
 LAYERNORM_BIAS_ROWS = 32
 LAYERNORM_BIAS_BLOCKS_PER_SM = 2
 _ALIGN = 1024  # each region of the blocked scratch (the tile copies need 16 bytes)
@@ -268,11 +268,12 @@ class RowBlockLaunches:
         config = layernorm_bias_config(bias_pass_layout(plan.layout), plan.D, plan.H,
                                        plan.pair_dtype)
         w_ln, c_ln = dw.layernorm_bias_weight(plan.scales)
-        sb, si, sj, sc = plan.strides
+        sb, si, sj, _ = plan.strides  # (rows contiguous: routes.choose_route)
         launch = Launch(
-            config, "layernorm_bias_ffma", 1, LAYERNORM_BIAS_THREADS, 0,
+            config, "layernorm_bias_ffma", 1, LAYERNORM_BIAS_THREADS,
+            layernorm_bias_smem_bytes(plan.D, plan.pair_dtype),
             LAYERNORM_BIAS.bind(
-                x=Call("pair"), sb=sb, si=si, sj=sj, sc=sc, x_vec=plan.x_vec, N=plan.N,
+                x=Call("pair"), sb=sb, si=si, sj=sj, N=plan.N,
                 eps=dw.eps, w_ln=w_ln.data.ptr, c_ln=c_ln.data.ptr,
                 **_mask_args(plan.projection_mask), bias=Call("bias"), npk=plan.npk))
         return (GridLaunch(launch, config, extra=bounds), LAYERNORM_BIAS_ROWS,
