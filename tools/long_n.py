@@ -6,7 +6,7 @@
 
 Each size runs `module(pair, mask, out=pair)` (in place; the last N // 10 rows and columns
 masked) and prints the rows per block the policy chose, the peak memory above the pair and
-mask (CuPy's pool, which keeps what the forward freed, and the driver's free memory), the
+mask (the high-water mark of CuPy's pool's bytes in use, and the driver's free memory), the
 time of a second call (CUDA events), and the rel L2 error of a few rows i against a
 float64 reference computed before the pair is overwritten. The reference is the NumPy
 backend's formulas (triattn_cupy/reference.py) in float64 on the device, the bias in
@@ -78,9 +78,26 @@ def reference_rows(weights, pair, mask, b, rows, chunk=16):
     return np.stack(out)
 
 
-def extra_bytes(pool, base_used, base_free):
-    """(pool bytes above base_used, driver bytes below base_free)."""
-    return pool.total_bytes() - base_used, base_free - cp.cuda.runtime.memGetInfo()[0]
+class PeakUsed:
+    """The high-water mark of CuPy's pool's bytes in use while the block runs (every
+    allocation goes through the pool's malloc, wrapped here). The pool's total bytes
+    would also count free pieces of earlier allocations that it keeps (split blocks whose
+    other part is in use), which a forward may reuse."""
+
+    def __enter__(self):
+        pool = cp.get_default_memory_pool()
+        self.peak = pool.used_bytes()
+
+        def malloc(nbytes):
+            memory = pool.malloc(nbytes)
+            self.peak = max(self.peak, pool.used_bytes())
+            return memory
+
+        cp.cuda.set_allocator(malloc)
+        return self
+
+    def __exit__(self, *exc):
+        cp.cuda.set_allocator(cp.get_default_memory_pool().malloc)
 
 
 def run_size(size, precision, n_rows, seed=0):
@@ -97,9 +114,11 @@ def run_size(size, precision, n_rows, seed=0):
     rows_per_block = forward.rows_per_block
     del forward
     pool.free_all_blocks()
-    module(pair, mask, out=pair, precision=precision)            # in place
-    cp.cuda.Device().synchronize()
-    pool_extra, driver_extra = extra_bytes(pool, base_used, base_free)
+    with PeakUsed() as peak:
+        module(pair, mask, out=pair, precision=precision)        # in place
+        cp.cuda.Device().synchronize()
+    pool_extra = peak.peak - base_used
+    driver_extra = base_free - cp.cuda.runtime.memGetInfo()[0]
     got = pair[0, rows].get().astype(np.float64)
     err = float(np.linalg.norm(got - expected) / np.linalg.norm(expected))
     finite = bool(np.isfinite(got).all())
@@ -111,8 +130,8 @@ def run_size(size, precision, n_rows, seed=0):
     ms = cp.cuda.get_elapsed_time(start, stop)
     input_bytes = pair.nbytes
     print(f"{size} {precision}: rows per block {rows_per_block or 'all (single pass)'}; "
-          f"peak extra memory {pool_extra / 2**30:.2f} GiB pool, "
-          f"{driver_extra / 2**30:.2f} GiB driver ({pool_extra / input_bytes:.2f}x the "
+          f"peak extra memory {pool_extra / 2**30:.2f} GiB in use, "
+          f"{driver_extra / 2**30:.2f} GiB from the driver ({pool_extra / input_bytes:.2f}x the "
           f"{input_bytes / 2**30:.1f} GiB input); {ms:.1f} ms; rows {rows.tolist()} rel L2 "
           f"{err:.2e}{'' if finite else ' NOT FINITE'}", flush=True)
     del pair, mask
