@@ -2,6 +2,7 @@
 
     python tools/long_n.py                       (N = 4096 and 8192, bf16 and fp32)
     python tools/long_n.py --sizes 1x2048x128x4 --precisions fp32 --rows 3
+    python tools/long_n.py --sizes 1x16384x128x4 --pair-dtype bfloat16
     python tools/long_n.py --against-single --sizes 1x4096x128x4 --precisions bf16 tf32 fp32
 
 Each size runs `module(pair, mask, out=pair)` (in place; the last N // 10 rows and columns
@@ -29,13 +30,34 @@ from triattn_cupy.gpu.forward import Forward
 from time_forward import padding_mask  # (tools/ is the script's folder on sys.path)
 
 
-def padded_inputs(B, N, D, h, seed=0):
+def padded_inputs(B, N, D, h, seed=0, pair_dtype="float32"):
+    """The module, the pair (normal values, of `pair_dtype`: float32, float16 or bfloat16,
+    the last as ml_dtypes.bfloat16) and the padding mask."""
     module = ta.TriangleAttention(ta.random_weights(D, h, seed=seed))
     rng = cp.random.default_rng(seed)
-    pair = cp.empty((B, N, N, D), np.float32)
+    carrier = cp.uint16 if pair_dtype == "bfloat16" else np.dtype(pair_dtype)
+    pair = cp.empty((B, N, N, D), carrier)
     for j0 in range(0, N, 256):  # in slices: no float64 or index temporaries of the whole
-        pair[:, j0:j0 + 256] = rng.standard_normal(pair[:, j0:j0 + 256].shape, dtype=np.float32)
+        x = rng.standard_normal(pair[:, j0:j0 + 256].shape, dtype=np.float32)
+        pair[:, j0:j0 + 256] = bfloat16_bits(x) if pair_dtype == "bfloat16" else x
+    if pair_dtype == "bfloat16":
+        import ml_dtypes
+
+        pair = pair.view(ml_dtypes.bfloat16)
     return module, pair, padding_mask(B, N)
+
+
+def bfloat16_bits(x):
+    """float32 `x` rounded to bfloat16 (to nearest even; finite values), as uint16 bits."""
+    u = x.view(cp.uint32)
+    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(cp.uint16)
+
+
+def widened(x):
+    """`x` (float32, float16 or bfloat16) as float64 on the device."""
+    if x.dtype.name == "bfloat16":
+        x = (x.view(cp.uint16).astype(cp.uint32) << 16).view(cp.float32)
+    return x.astype(cp.float64)
 
 
 def _layer_norm(x, p, eps):
@@ -54,27 +76,29 @@ def reference_rows(weights, pair, mask, b, rows, chunk=16):
     eps = weights.layer_norm_eps
     bias = cp.empty((h, N, N), cp.float64)                        # [h, j, k]
     for j0 in range(0, N, chunk):
-        xn = _layer_norm(pair[b, j0:j0 + chunk].astype(cp.float64), p, eps)
+        xn = _layer_norm(widened(pair[b, j0:j0 + chunk]), p, eps)
         bias[:, j0:j0 + chunk] = cp.moveaxis(xn @ p["bias_proj.weight"].T, -1, 0)
     keep = mask[b] != 0
     bias = cp.where(keep[None], bias, -cp.inf)
     fully = ~keep.any(axis=-1)                                    # [N] queries j
     out = []
     for i in rows:
-        xn = _layer_norm(pair[b, i].astype(cp.float64), p, eps)  # [N, D]
+        xn = _layer_norm(widened(pair[b, i]), p, eps)              # [N, D]
 
         def linear(name):
             return xn @ p[f"{name}.weight"].T + p[f"{name}.bias"]
 
         q, k, v = (linear(n).reshape(N, h, d).transpose(1, 0, 2) for n in ("query", "key", "value"))
         g = 1 / (1 + cp.exp(-linear("gate")))
-        s = q @ k.transpose(0, 2, 1) / math.sqrt(d) + bias        # [h, N, N]
-        m = s.max(axis=-1, keepdims=True)
-        e = cp.exp(s - cp.where(cp.isfinite(m), m, 0))
-        o = (e @ v) / e.sum(axis=-1, keepdims=True)
+        o = cp.empty((h, N, d), cp.float64)
+        for head in range(h):  # (one head's [N, N] scores at a time: 2 GiB at N = 16384)
+            s = q[head] @ k[head].T / math.sqrt(d) + bias[head]
+            m = s.max(axis=-1, keepdims=True)
+            e = cp.exp(s - cp.where(cp.isfinite(m), m, 0))
+            o[head] = (e @ v[head]) / e.sum(axis=-1, keepdims=True)
+            del s, e
         o = cp.where(fully[None, :, None], 0.0, o).transpose(1, 0, 2).reshape(N, D)
         out.append(((g * o) @ p["out_proj.weight"].T + p["out_proj.bias"]).get())
-        del s, e
     return np.stack(out)
 
 
@@ -100,9 +124,9 @@ class PeakUsed:
         cp.cuda.set_allocator(cp.get_default_memory_pool().malloc)
 
 
-def run_size(size, precision, n_rows, seed=0):
+def run_size(size, precision, n_rows, seed=0, pair_dtype="float32"):
     B, N, D, h = map(int, size.split("x"))
-    module, pair, mask = padded_inputs(B, N, D, h, seed)
+    module, pair, mask = padded_inputs(B, N, D, h, seed, pair_dtype)
     rng = np.random.default_rng(seed)
     rows = np.sort(rng.choice(N - N // 10, n_rows, replace=False))
     expected = reference_rows(module.weights, pair, mask, 0, rows)
@@ -119,7 +143,7 @@ def run_size(size, precision, n_rows, seed=0):
         cp.cuda.Device().synchronize()
     pool_extra = peak.peak - base_used
     driver_extra = base_free - cp.cuda.runtime.memGetInfo()[0]
-    got = pair[0, rows].get().astype(np.float64)
+    got = widened(pair[0, rows]).get()
     err = float(np.linalg.norm(got - expected) / np.linalg.norm(expected))
     finite = bool(np.isfinite(got).all())
     start, stop = cp.cuda.Event(), cp.cuda.Event()
@@ -129,8 +153,8 @@ def run_size(size, precision, n_rows, seed=0):
     stop.synchronize()
     ms = cp.cuda.get_elapsed_time(start, stop)
     input_bytes = pair.nbytes
-    print(f"{size} {precision}: rows per block {rows_per_block or 'all (single pass)'}; "
-          f"peak extra memory {pool_extra / 2**30:.2f} GiB in use, "
+    print(f"{size} {precision}, {pair_dtype} pair: rows per block "
+          f"{rows_per_block or 'all (single pass)'}; peak extra memory {pool_extra / 2**30:.2f} GiB in use, "
           f"{driver_extra / 2**30:.2f} GiB from the driver ({pool_extra / input_bytes:.2f}x the "
           f"{input_bytes / 2**30:.1f} GiB input); {ms:.1f} ms; rows {rows.tolist()} rel L2 "
           f"{err:.2e}{'' if finite else ' NOT FINITE'}", flush=True)
@@ -187,6 +211,8 @@ def main(argv=None):
     ap.add_argument("--sizes", nargs="+", default=["1x4096x128x4", "1x8192x128x4"])
     ap.add_argument("--precisions", nargs="+", default=["bf16", "fp32"])
     ap.add_argument("--rows", type=int, default=3, help="rows i checked against float64")
+    ap.add_argument("--pair-dtype", default="float32", choices=["float32", "float16", "bfloat16"],
+                    help="the pair's (and the output's) element type")
     ap.add_argument("--against-single", action="store_true",
                     help="time the default forward against the single pass instead")
     ap.add_argument("--rounds", type=int, default=3,
@@ -197,12 +223,15 @@ def main(argv=None):
             for precision in args.precisions:
                 against_single(size, precision, rounds=args.rounds)
         return
+    # (a 16-bit output adds its own rounding: half an ulp, 2^-9 of bfloat16's, 2^-12 of
+    # float16's, at most; rel L2 below that)
+    rounding = {"float32": 0.0, "float16": 2.0 ** -12, "bfloat16": 2.0 ** -9}[args.pair_dtype]
     tolerance = {"fp32": 1e-5, "tf32": 1e-3, "bf16": 5e-3}
     bad = 0
     for size in args.sizes:
         for precision in args.precisions:
-            err, finite = run_size(size, precision, args.rows)
-            bad += not finite or not err <= tolerance[precision]
+            err, finite = run_size(size, precision, args.rows, pair_dtype=args.pair_dtype)
+            bad += not finite or not err <= tolerance[precision] + rounding
     raise SystemExit(1 if bad else 0)
 
 
