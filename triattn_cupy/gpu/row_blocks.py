@@ -58,9 +58,10 @@ from . import layouts, tiles
 # 1x2048 in bf16, ~1.7% at 1x4096 (docs/performance.md).
 SCRATCH_FLOOR_BYTES = 256 << 20
 DEVICE_SHARE = 16
-# layernorm_bias_ffma.cu: its parameters, block size, pair rows a block takes per step
-# (8 warps of 4 rows: ROW_LANES 8) and resident blocks per SM (BIAS_MIN_BLOCKS); it loops
-# over its rows, so a grid of that many blocks per SM covers any number of them.
+# layernorm_bias_ffma.cu: its parameters, pair rows a block takes per step (8 warps of 4
+# rows: ROW_LANES 8) and resident blocks per SM (BIAS_MIN_BLOCKS); it loops over its rows,
+# so a grid of that many blocks per SM covers any number of them. Its block size and shared
+# memory: routes.LAYERNORM_BIAS_THREADS, routes.layernorm_bias_smem_bytes.
 LAYERNORM_BIAS = Signature(
     "ptr x", "i64 sb", "i64 si", "i64 sj", "i32 N", "f32 eps",
     "ptr w_ln", "ptr c_ln", "ptr mask", "i32 mask_kind", "i64 mb", "i64 mi", "i64 mj",
