@@ -15,8 +15,7 @@ import time
 
 import cupy as cp
 
-import triattn_cupy as ta
-from time_forward import padding_mask  # (tools/ is the script's folder on sys.path)
+from time_forward import padded_inputs  # (tools/ is the script's folder on sys.path)
 
 
 def back_to_back(forward, seconds):
@@ -48,10 +47,8 @@ def main(argv=None):
     ap.add_argument("--seconds", type=float, default=3.0)
     args = ap.parse_args(argv)
     for size in args.sizes:
-        B, N, D, h = map(int, size.split("x"))
-        module = ta.TriangleAttention(ta.random_weights(D, h, seed=0))
-        pair = cp.random.standard_normal((B, N, N, D), dtype=cp.float32)
-        mask, out = padding_mask(B, N), cp.empty_like(pair)
+        module, pair, mask = padded_inputs(size)
+        out = cp.empty_like(pair)
         for precision in args.precisions:
             def forward():
                 module(pair, mask, out=out, precision=precision)

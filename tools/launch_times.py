@@ -16,9 +16,8 @@ import statistics
 
 import cupy as cp
 
-import triattn_cupy as ta
 from triattn_cupy.gpu import row_blocks
-from time_forward import padding_mask  # (tools/ is the script's folder on sys.path)
+from time_forward import padded_inputs  # (tools/ is the script's folder on sys.path)
 
 _events = None  # [(label, event)] while a forward is recorded
 
@@ -86,13 +85,11 @@ def main(argv=None):
     ap.add_argument("--calls", type=int, default=4, help="forwards of each form")
     args = ap.parse_args(argv)
     for size in args.sizes:
-        B, N, D, h = map(int, size.split("x"))
-        module = ta.TriangleAttention(ta.random_weights(D, h, seed=0))
-        pair = cp.random.standard_normal((B, N, N, D), dtype=cp.float32)
-        mask, out = padding_mask(B, N), cp.empty_like(pair)
+        module, pair, mask = padded_inputs(size)
+        out = cp.empty_like(pair)
         for precision in args.precisions:
             forms = {"single pass": dict(max_scratch_bytes=1 << 62), "default": {},
-                     "R = N": dict(row_block=N)}
+                     "R = N": dict(row_block=pair.shape[1])}
             calls = {name: (lambda options=options: module(pair, mask, out=out,
                                                            precision=precision, **options))
                      for name, options in forms.items()}
