@@ -37,25 +37,18 @@ def _devices_arg(text: str):
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def _positive_gib(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = float("nan")
-    if not value > 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"expected a positive number of GiB, got {text!r}")
-    return value
-
-
-def _positive_seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = float("nan")
-    if not value > 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(
-            f"expected a positive number of seconds, got {text!r}")
-    return value
+def _positive(unit: str):
+    """An argparse type: a finite number above 0, of `unit` (named in the error)."""
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = float("nan")
+        if not value > 0 or value == float("inf"):
+            raise argparse.ArgumentTypeError(
+                f"expected a positive number of {unit}, got {text!r}")
+        return value
+    return parse
 
 
 def build_parser(prog: str = "triattn-infer") -> argparse.ArgumentParser:
@@ -117,7 +110,7 @@ def build_parser(prog: str = "triattn-infer") -> argparse.ArgumentParser:
         add("--precision", choices=precisions, default=None,
             help="arithmetic of the GPU kernels; inputs and outputs stay float32 "
                  f"(default: {precisions[0]})")
-    add("--max-scratch-gib", type=_positive_gib, default=None, metavar="GIB",
+    add("--max-scratch-gib", type=_positive("GiB"), default=None, metavar="GIB",
         help="GPU: working memory per forward in GiB beyond the input, which is computed in "
              "place; an input needing more runs in blocks of pair rows, with the same result "
              "(default: max(input / 2, 256 MiB, GPU memory / 16), within the free memory)")
@@ -129,7 +122,7 @@ def build_parser(prog: str = "triattn-infer") -> argparse.ArgumentParser:
     add("--overwrite", action="store_true",
         help="recompute outputs that exist already (default: skip them, so a run that was "
              "interrupted resumes where it stopped)")
-    add("--claim-timeout", type=_positive_seconds, default=DEFAULT_TIMEOUT, metavar="S",
+    add("--claim-timeout", type=_positive("seconds"), default=DEFAULT_TIMEOUT, metavar="S",
         help="runs sharing an output folder split the files: each output is claimed "
              "(a hidden .<name>.claim file) before it is computed. A claim of a process "
              "that has ended on this host is taken over at once; one from another host "
