@@ -12,6 +12,15 @@ row-blocked forward at each size (the blocks of `--row-block` rows). `--summariz
 ncu's CSV and prints, per forward, each kernel's duration, its share of the forward, its
 compute (SM) and DRAM throughput as a share of the peak, and the achieved occupancy.
 
+Where each kernel's warps stall, instruction by instruction (the sampled stall reasons of
+ncu's source page; `--stalls` prints the reasons' shares and the busiest instructions):
+
+    ncu --profile-from-start off --clock-control none -k regex:attention -c 1 \\
+        --section SourceCounters --section WarpStateStats -o attention \\
+        python tools/profile_kernels.py 1x1024x128x4 --precisions bf16
+    ncu -i attention.ncu-rep --page source --csv --print-source sass > attention_sass.csv
+    python tools/profile_kernels.py --stalls attention_sass.csv
+
 The pair is standard normal, the last N // 10 rows and columns masked (tools/time_forward.py).
 Under ncu every kernel runs alone with its caches flushed: the durations are each kernel's
 own, a little above its share of an event-timed forward, where the next kernel's launch
@@ -119,6 +128,58 @@ def summarize(path):
                   f"{e.get('occ%', 0):.0f} |")
 
 
+def stalls(path, top=12):
+    """Print where each kernel's warps stall, from ncu's source page (--page source --csv
+    --print-source sass; a "Kernel Name" line, then a table, per kernel): the share of the
+    stall samples by reason over the kernel, then the instructions holding the most
+    samples, each with the instruction before it and its leading reasons."""
+    lines = open(path).read().splitlines()
+    starts = [n for n, line in enumerate(lines) if line.startswith('"Kernel Name"')]
+    if not starts:
+        sys.exit(f"{path}: no ncu source page in it (a line starting with \"Kernel Name\")")
+    for first, end in zip(starts, starts[1:] + [len(lines)]):
+        name = next(csv.reader([lines[first]]))[1]
+        _kernel_stalls(name, list(csv.DictReader(lines[first + 1:end])), top)
+
+
+def _number(text):
+    """ncu's number ("1,234.5"); 0 where a cell is empty or not a number."""
+    try:
+        return float(text.replace(",", ""))
+    except (AttributeError, ValueError):
+        return 0.0
+
+
+def _kernel_stalls(name, rows, top):
+    samples = "Warp Stall Sampling (All Samples)"
+    reasons = [c for c in rows[0] if c.startswith("stall_") and "Not Issued" not in c]
+
+    # samples under a reason the table has no column for (the wgmma's issue stall, on
+    # sm_90) count as "unnamed"
+    def reasons_of(r):
+        named = [(_number(r[c]), c[6:]) for c in reasons]
+        return named + [(_number(r[samples]) - sum(n for n, _ in named), "unnamed")]
+
+    total = sum(_number(r[samples]) for r in rows) or 1.0
+    by_reason = collections.Counter()
+    for r in rows:
+        for n, reason in reasons_of(r):
+            by_reason[reason] += n
+    print(f"\n{name}: {len(rows)} instructions, {total:.0f} stall samples")
+    print("by reason: " + ", ".join(f"{reason} {100 * n / total:.1f}%"
+                                    for reason, n in by_reason.most_common() if n / total >= 0.005))
+    print("| share | instruction | the one before it | executed | leading reasons |")
+    print("|---|---|---|---|---|")
+    text = [" ".join(r["Source"].split()) for r in rows]  # in address order
+    for n in sorted(range(len(rows)), key=lambda n: -_number(rows[n][samples]))[:top]:
+        lead = sorted(reasons_of(rows[n]), reverse=True)[:3]
+        why = ", ".join(f"{reason} {100 * k / total:.1f}%" for k, reason in lead
+                        if k / total >= 0.001)
+        before = f"`{text[n - 1]}`" if n else ""
+        print(f"| {100 * _number(rows[n][samples]) / total:.1f}% | `{text[n]}` | {before} | "
+              f"{rows[n].get('Instructions Executed', '')} | {why} |")
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("sizes", nargs="*", default=["2x128x64x4", "1x384x128x4", "1x1024x128x4"],
@@ -127,9 +188,13 @@ def main(argv=None):
     ap.add_argument("--blocked", action="store_true", help="also a row-blocked forward")
     ap.add_argument("--row-block", type=int, help="rows per block for --blocked (N // 4)")
     ap.add_argument("--summarize", metavar="CSV", help="print ncu's CSV output as tables")
+    ap.add_argument("--stalls", metavar="CSV",
+                    help="print where each kernel's warps stall (ncu's source page, SASS)")
     args = ap.parse_args(argv)
     if args.summarize:
         summarize(args.summarize)
+    elif args.stalls:
+        stalls(args.stalls)
     else:
         profile(args.sizes, args.precisions.split(","), args.blocked, args.row_block)
 

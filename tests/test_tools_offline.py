@@ -1,0 +1,52 @@
+"""The developer tools' parsers, on small made-up inputs (no GPU, no ncu)."""
+from __future__ import annotations
+
+import importlib.util
+import pathlib
+
+import pytest
+
+TOOLS = pathlib.Path(__file__).resolve().parent.parent / "tools"
+
+
+def _tool(name):
+    spec = importlib.util.spec_from_file_location(name, TOOLS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+# ncu's source page as `--page source --csv --print-source sass` writes it: per kernel a
+# "Kernel Name" line, then a table; the samples of a reason without a column of its own
+# (here 6 of the HGMMA's 10) are only in the total.
+SOURCE_PAGE = """\
+"Kernel Name","kernel_a",
+"Address","Source","Warp Stall Sampling (All Samples)","Instructions Executed","stall_long_sb","stall_wait","stall_long_sb (Not Issued)"
+"0x10","SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [R16+URZ+0xc800], R17","0","8","0","0","0"
+"0x20","@!P0  BRA 0x90","30","8","29","1","5"
+"0x30","HGMMA.64x64x16.F16 R44, gdesc[UR20], R44","10","8","0","4","0"
+"Kernel Name","kernel_b",
+"Address","Source","Warp Stall Sampling (All Samples)","Instructions Executed","stall_long_sb","stall_wait","stall_long_sb (Not Issued)"
+"0x10","MUFU.EX2 R1, R2","1,000","64","0","1,000","0"
+"""
+
+
+def test_stalls_reads_each_kernel_of_a_source_page(tmp_path, capsys):
+    path = tmp_path / "sass.csv"
+    path.write_text(SOURCE_PAGE)
+    _tool("profile_kernels").stalls(str(path))
+    out = capsys.readouterr().out
+    a, b = out.split("kernel_b")
+    assert "kernel_a: 3 instructions, 40 stall samples" in a
+    assert "long_sb 72.5%" in a and "unnamed 15.0%" in a and "wait 12.5%" in a
+    # the busiest instruction first, with the one before it (the mbarrier try-wait)
+    rows = [line for line in a.splitlines() if line.startswith("| 7")]
+    assert rows and "`@!P0 BRA 0x90`" in rows[0] and "TRYWAIT" in rows[0]
+    assert ": 1 instructions, 1000 stall samples" in b and "wait 100.0%" in b
+
+
+def test_stalls_names_a_file_without_a_source_page(tmp_path):
+    path = tmp_path / "details.csv"
+    path.write_text('"ID","Kernel Name"\n"0","k"\n')
+    with pytest.raises(SystemExit, match="no ncu source page"):
+        _tool("profile_kernels").stalls(str(path))
