@@ -43,6 +43,8 @@ def test_stalls_reads_each_kernel_of_a_source_page(tmp_path, capsys):
     rows = [line for line in a.splitlines() if line.startswith("| 7")]
     assert rows and "`@!P0 BRA 0x90`" in rows[0] and "TRYWAIT" in rows[0]
     assert ": 1 instructions, 1000 stall samples" in b and "wait 100.0%" in b
+    # per trip of the loop whose count carries the most executions: 8 each
+    assert "(8 trips, the set-up shared out): 3.0 instructions; SYNCS 1.0, BRA 1.0, HGMMA 1.0" in a
 
 
 def test_stalls_names_a_file_without_a_source_page(tmp_path):

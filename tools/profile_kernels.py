@@ -131,8 +131,9 @@ def summarize(path):
 def stalls(path, top=12):
     """Print where each kernel's warps stall, from ncu's source page (--page source --csv
     --print-source sass; a "Kernel Name" line, then a table, per kernel): the share of the
-    stall samples by reason over the kernel, then the instructions holding the most
-    samples, each with the instruction before it and its leading reasons."""
+    stall samples by reason over the kernel, the instruction mix per trip of its main
+    loop, then the instructions holding the most samples, each with the instruction
+    before it and its leading reasons."""
     lines = open(path).read().splitlines()
     starts = [n for n, line in enumerate(lines) if line.startswith('"Kernel Name"')]
     if not starts:
@@ -165,9 +166,24 @@ def _kernel_stalls(name, rows, top):
     for r in rows:
         for n, reason in reasons_of(r):
             by_reason[reason] += n
-    print(f"\n{name}: {len(rows)} instructions, {total:.0f} stall samples")
+    print(f"\n{name}: {len(rows)} instructions, {total:.0f} stall samples\n")
     print("by reason: " + ", ".join(f"{reason} {100 * n / total:.1f}%"
-                                    for reason, n in by_reason.most_common() if n / total >= 0.005))
+                                    for reason, n in by_reason.most_common() if n / total >= 0.005)
+          + "\n")
+    # The instruction mix per trip of the main loop: executions by opcode over the count
+    # of the loop, taken as the execution count that carries the most executions (a loop
+    # body's instructions run equally often; a wait's spin runs more often but is short,
+    # the set-up is long but runs once)
+    counts = collections.Counter(_number(r.get("Instructions Executed", "")) for r in rows)
+    trips = max((n for n in counts if n), key=lambda n: n * counts[n], default=1.0)
+    mix = collections.Counter()
+    for r in rows:
+        words = [w for w in r["Source"].split() if not w.startswith("@")]
+        if words:
+            mix[words[0].split(".")[0]] += _number(r.get("Instructions Executed", "")) / trips
+    print(f"per trip of the main loop ({trips:.0f} trips, the set-up shared out): "
+          f"{sum(mix.values()):.1f} instructions; "
+          + ", ".join(f"{op} {n:.1f}" for op, n in mix.most_common(12)) + "\n")
     print("| share | instruction | the one before it | executed | leading reasons |")
     print("|---|---|---|---|---|")
     text = [" ".join(r["Source"].split()) for r in rows]  # in address order
