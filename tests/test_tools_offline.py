@@ -52,3 +52,31 @@ def test_stalls_names_a_file_without_a_source_page(tmp_path):
     path.write_text('"ID","Kernel Name"\n"0","k"\n')
     with pytest.raises(SystemExit, match="no ncu source page"):
         _tool("profile_kernels").stalls(str(path))
+
+
+def test_ab_attention_variants_name_known_switches():
+    ab = _tool("ab_attention")
+    known = ab.kernel_switches()
+    assert {"STAGES", "MIN_BLOCKS", "ROWS"} <= known
+    assert ab.parse_variant("s3:STAGES=3,MIN_BLOCKS=2", known) == (
+        "s3", (("STAGES", 3), ("MIN_BLOCKS", 2)))
+    for bad, why in (("STAGES=3", "NAME:SWITCH"), ("base:STAGES=3", "not 'base'"),
+                     ("s3:STAGES", "SWITCH=INTEGER"), ("s3:STAGES=x", "SWITCH=INTEGER"),
+                     ("s3:NO_SUCH_SWITCH=1", "no switch 'NO_SUCH_SWITCH'")):
+        with pytest.raises(ValueError, match=why):
+            ab.parse_variant(bad, known)
+
+
+def test_ab_attention_builds_each_variant_with_its_defines():
+    pytest.importorskip("cupy")
+    ab = _tool("ab_attention")
+    variants = ab.Variants({"s3": (("STAGES", 3), ("MIN_BLOCKS", 2))})
+    try:
+        base = variants.attention_config("base", "bf16", "1x1024x128x4", False)
+        s3 = variants.attention_config("s3", "bf16", "1x1024x128x4", True)
+    finally:
+        variants.restore()
+    assert base.filename == s3.filename == "attention_wgmma.cu"
+    assert s3.defines == base.defines + (("STAGES", 3), ("MIN_BLOCKS", 2), ("ROW_BLOCK", 1))
+    from triattn_cupy.gpu import routes
+    assert routes.attention_wgmma_launch is variants._launch  # restored
