@@ -82,7 +82,7 @@ class Variants:
         B, N, D, h = map(int, size.split("x"))
         route = self._routes.choose_route(precision, D // h, D, N, 90, masked=True)
         config = route.attention_launch(D // h, N).config
-        return config.with_defines(("ROW_BLOCK", 1)) if row_block else config
+        return self._routes.row_blocked(config) if row_block else config
 
 
 _VARIANTS = None
