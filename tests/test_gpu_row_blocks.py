@@ -5,8 +5,8 @@ emulated split over several devices; it stays within the float64 NumPy backend's
 tolerance; and where the route's projection is project_mma.cu's, it gives the single
 pass's bits (its bias pass is the same LayerNorm and bias code).
 
-"The same bits" holds where every out-projection launch of the blocks starts a 64-row
-tile where the one block's launch has one (_keeps_tiles; row_blocks.row_unit): the
+"The same bits" holds where every out-projection launch of the blocks starts a tile (64
+rows, 128 at some small sizes: Plan.out_rows) where the one block's launch has one (_keeps_tiles; row_blocks.row_unit): the
 fp16-product out projections scale each tile by its largest |g o|, so another grouping
 may round an output's last bits differently (about one output in 10^7). Elsewhere the
 comparison allows that, and only that (_assert_same_bits_or_tile_rounding).
@@ -63,12 +63,12 @@ def _assert_same_bits(got, expected, what):
         f"of {got.size} outputs differ")
 
 
-def _keeps_tiles(N, B, R, devices=1, transposed=False):
+def _keeps_tiles(N, B, R, devices=1, transposed=False, tile_rows=64):
     """Whether every out-projection launch of blocks of R rows (in `devices` shares) starts
-    a 64-row tile of the one block's launch: one launch from row 0 (its tiles on the
-    global grid), or at the ending node one per batch (its tiles from the batch's first
-    row)."""
-    unit = row_blocks.row_unit(N)
+    a tile (of `tile_rows` rows: Plan.out_rows) of the one block's launch: one launch from
+    row 0 (its tiles on the global grid), or at the ending node one per batch (its tiles
+    from the batch's first row)."""
+    unit = row_blocks.row_unit(N, tile_rows)
     for share in row_blocks.split_rows(B * N, devices, unit):
         for begin, end in row_blocks.blocks_of(*share, min(R, B * N)):
             starts = ([s0 % N for s0, _ in row_blocks.batch_segments(begin, end, N)]
@@ -126,6 +126,26 @@ def test_project_mma_routes_keep_the_single_pass_bits(cp, rng, precision):
     whole = _forward(cp, module, pair, mask, precision=precision)
     blocked = _forward(cp, module, pair, mask, precision=precision, row_block=64)
     _assert_same_bits(blocked, whole, f"single pass against R=64 {precision}")
+
+
+@pytest.mark.parametrize("precision", ["fp32", "tf32", "bf16"])
+@pytest.mark.parametrize("R", [5, 16, 32])
+def test_out_blocks_of_128_rows_keep_their_tiles(cp, rng, precision, R):
+    """2x120x64x4 takes 128-row out blocks on the H200 (tiles.out_project_rows: 225 of
+    them are one wave, 450 of 64 rows are not): row blocks of whole 128-row tiles (R a
+    multiple of row_unit(120, 128) = 16) give the single pass's bits, and R = 5 all but
+    a few last bits."""
+    module, pair, mask = _problem(cp, rng, 2, 120, 64, 4)
+    sms = cp.cuda.Device().attributes["MultiProcessorCount"]
+    tile_rows = gpu.tiles.out_project_rows(2 * 120 * 120, sms)
+    if sms == 132:
+        assert tile_rows == 128
+    whole = _forward(cp, module, pair, mask, precision=precision)
+    blocked = _forward(cp, module, pair, mask, precision=precision, row_block=R)
+    _assert_same_bits_or_tile_rounding(blocked, whole, f"R={R} {precision}",
+                                       _keeps_tiles(120, 2, R, tile_rows=tile_rows))
+    if R == 5:
+        _check_reference(blocked, module.weights, pair, mask, precision)
 
 
 @pytest.mark.parametrize("precision", ["fp32", "tf32", "bf16"])

@@ -12,7 +12,7 @@ import triattn_cupy as ta
 from triattn_cupy import reference
 from triattn_cupy.gpu.device_weights import fold_layer_norm_into_bias
 
-from triattn_cupy.gpu import kernel_catalog, layouts, routes, row_blocks
+from triattn_cupy.gpu import kernel_catalog, layouts, routes, row_blocks, tiles
 from triattn_cupy.gpu.row_blocks import ScratchSizes, rows_per_block
 
 GiB, MiB = 1 << 30, 1 << 20
@@ -23,7 +23,7 @@ def _sizes(N=4096, D=128, H=4, B=1, layout=layouts.TILES_F16_SLOTS, bias_bytes=N
     npk = -(-N // 64) * 64
     plan = types.SimpleNamespace(
         B=B, N=N, D=D, H=H, npk=npk, layout=layout, row_mask=None, key_extent=None,
-        bias_bytes=bias_bytes if bias_bytes is not None else B * H * N * npk * 2)
+        out_rows=64, bias_bytes=bias_bytes if bias_bytes is not None else B * H * N * npk * 2)
     per_row = N * layout.row_words * D * 4 + H * (npk // 64) * layout.tile_bytes
     plan.scratch_bytes = plan.bias_bytes + B * N * per_row
     return row_blocks.scratch_sizes(plan)
@@ -126,11 +126,25 @@ def test_blocks_segments_and_shares():
 
 
 def test_row_units_fill_whole_out_projection_tiles():
-    for N in (1, 61, 130, 200, 384, 4095, 4096):
-        unit = row_blocks.row_unit(N)
-        assert unit * N % row_blocks.OUT_TILE_ROWS == 0
-        assert all(u * N % row_blocks.OUT_TILE_ROWS for u in range(1, unit))
+    for tile in (64, 128):
+        for N in (1, 61, 120, 130, 200, 384, 4095, 4096):
+            unit = row_blocks.row_unit(N, tile)
+            assert unit * N % tile == 0
+            assert all(u * N % tile for u in range(1, unit))
     assert (row_blocks.row_unit(200), row_blocks.row_unit(61), row_blocks.row_unit(4096)) == (8, 64, 1)
+    assert (row_blocks.row_unit(120, 128), row_blocks.row_unit(128, 128)) == (16, 1)
+
+
+def test_out_blocks_of_128_rows_only_where_they_save_a_wave():
+    """128-row out blocks on tensor cores where they are one wave (2 per SM) and 64-row
+    ones are not (3 per SM): 2x128x64x4 on 132 SMs; 64 rows at large sizes, on FFMA, and
+    where either is one wave."""
+    rows = tiles.out_project_rows
+    assert rows(2 * 128 * 128, 132) == 128 and rows(2 * 128 * 128, 132, False) == 64
+    assert rows(3 * 64 * 132, 132) == 64 and rows(3 * 64 * 132 + 1, 132) == 128
+    assert rows(2 * 128 * 132, 132) == 128 and rows(2 * 128 * 132 + 1, 132) == 64
+    assert rows(1 << 20, 132) == 64 and rows(1000, 132) == 64 and rows() == 64
+    assert rows(2 * 128 * 128, 108) == 64  # (an A100: 2 waves of 128 rows too)
 
 
 def test_shares_start_on_whole_units():
@@ -270,7 +284,7 @@ def test_run_writes_every_row_once_after_reading_it(monkeypatch, B, N, R, device
     every row; in place, no row is read after it is written (the ending node's output
     rows are the caller's columns i: the same rows of the transposed problem)."""
     plan = types.SimpleNamespace(B=B, N=N, D=8, H=2, npk=64, layout=layouts.TILES_F16,
-                                 row_mask=None, key_extent=None, bias_bytes=4096,
+                                 row_mask=None, key_extent=None, bias_bytes=4096, out_rows=64,
                                  out_transposed=transposed, pair_dtype="float32")
     scratch = row_blocks.BlockedScratch(plan, R)
     base, out_base = 1 << 40, 1 << 41

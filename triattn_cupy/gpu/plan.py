@@ -174,7 +174,9 @@ class Plan:
                     **_mask_args(projection_mask), qkvg=Call("qkvg"), bias=Call("bias"),
                     npk=self.npk, vt=Call("vt"), **self._f16_projection_args(dw)))
         self.attention = self.attention_launch(self.attention_kernel, nan_fully_masked)
-        out_rows = tiles.out_project_rows()
+        # Rows per out-projection block (its tiles: a row block must start one, row_blocks)
+        out_rows = tiles.out_project_rows(M, dw.sm_count, r.out_project == "mma")
+        self.out_rows = tiles.TILES_ROWS if self.tiles else out_rows
         if self.tiles:
             self.out_project = self._tiles_out_projection(dw)
         else:

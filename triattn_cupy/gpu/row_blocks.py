@@ -71,17 +71,19 @@ LAYERNORM_BIAS_BLOCKS_PER_SM = 2
 _ALIGN = 1024  # each region of the blocked scratch (the tile copies need 16 bytes)
 
 # The out projections' tile: 64 pair rows (project_wgmma.cu, project_wgmma_split.cu ROWS;
-# project_mma.cu's 64-row out blocks). Their fp16 products scale each tile's g o by a power
-# of two from the tile's largest |g o|, so the tile a row falls in can round the lo parts
-# of its tiny values, and an output's last bit, differently (about one output in 10^7 at
-# 2x200x128 in fp32, measured). A block's out projection starts a tile at its first row:
-# blocks of whole `row_unit` rows keep every tile of the single launch, and its bits.
+# project_mma.cu's out blocks, 128 at some small sizes: Plan.out_rows). Their fp16
+# products scale each tile's g o by a power of two from the tile's largest |g o|, so the
+# tile a row falls in can round the lo parts of its tiny values, and an output's last
+# bit, differently (about one output in 10^7 at 2x200x128 in fp32, measured). A block's
+# out projection starts a tile at its first row: blocks of whole `row_unit` rows keep
+# every tile of the single launch, and its bits.
 OUT_TILE_ROWS = 64
 
 
-def row_unit(N: int) -> int:
-    """The fewest rows (b, i) whose N pair rows each fill whole out-projection tiles."""
-    return OUT_TILE_ROWS // math.gcd(N, OUT_TILE_ROWS)
+def row_unit(N: int, tile_rows: int = OUT_TILE_ROWS) -> int:
+    """The fewest rows (b, i) whose N pair rows each fill whole out-projection tiles of
+    `tile_rows` rows (Plan.out_rows)."""
+    return tile_rows // math.gcd(N, tile_rows)
 
 
 def _aligned(n: int) -> int:
@@ -111,7 +113,7 @@ def scratch_sizes(plan) -> ScratchSizes:
     shared = _aligned(plan.bias_bytes) + _aligned(4 * B) + _aligned(row_mask)
     per_row = (N * plan.layout.row_words * plan.D * 4
                + H * (plan.npk // tiles.WGMMA_KEYS) * plan.layout.tile_bytes)
-    return ScratchSizes(plan.scratch_bytes, shared, per_row, B * N, row_unit(N))
+    return ScratchSizes(plan.scratch_bytes, shared, per_row, B * N, row_unit(N, plan.out_rows))
 
 
 def default_limit(input_bytes: int, device_total: int | None = None) -> int:
@@ -305,7 +307,7 @@ class RowBlockLaunches:
         M = rows * self.plan.N
         if self.plan.tiles:
             return min(-(-M // tiles.TILES_ROWS), self.sm_count)
-        return -(-M // tiles.out_project_rows())
+        return -(-M // self.plan.out_rows)
 
 
 class BlockedScratch:
@@ -341,7 +343,7 @@ def run(forward, rows_per_block: int, devices: int = 1):
     itemsize = 4 if plan.pair_dtype == "float32" else 2  # the output's elements
     scratch = forward._blocked_scratch
     qkvg0, vt0, bias0 = p["qkvg"], p["vt"], p["bias"]
-    shares = split_rows(plan.B * N, devices, row_unit(N))
+    shares = split_rows(plan.B * N, devices, row_unit(N, plan.out_rows))
 
     def point(begin: int):  # qkvg and the tiles of the block starting at row `begin`
         p["qkvg"] = _back(qkvg0, begin * scratch.qkvg_row_bytes)

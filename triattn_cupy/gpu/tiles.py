@@ -52,12 +52,18 @@ def project_rows(pair_dim: int, rows_total: int = 1 << 62, sm_count: int = 132,
     return 128
 
 
-def out_project_rows() -> int:
-    """Rows per block of the out projection: 64 at every size. Its blocks are bound by
-    loading o and g (the products are one pass at D = 128), and 3 blocks per SM overlap
-    those loads better than 2 of 128 rows: 0.94 -> 0.84 ms at 1x1024x128x4 TF32
-    (docs/performance.md)."""
-    return 64
+def out_project_rows(rows_total: int = 1 << 62, sm_count: int = 132,
+                     tensor_cores: bool = True) -> int:
+    """Rows per block of the out projection (project_mma.cu, project_ffma.cu): 64, or 128
+    on tensor cores where 128-row blocks are one wave (2 per SM) and 64-row ones are not
+    (3 per SM). Its blocks are bound by loading o and g (the products are one pass at D =
+    128): at large sizes 3 blocks of 64 rows per SM overlap those loads better than 2 of
+    128, 0.94 -> 0.84 ms at 1x1024x128x4 TF32; at small ones the second wave's tail
+    decides, 2x128x64x4 (32,768 rows) replayed from a CUDA graph 79.0 / 64.7 / 63.1 ->
+    77.3 / 61.4 / 61.5 µs (fp32 / tf32 / bf16) with 128 (docs/performance.md)."""
+    one_wave_of_128 = -(-rows_total // 128) <= 2 * sm_count
+    one_wave_of_64 = -(-rows_total // 64) <= 3 * sm_count
+    return 128 if tensor_cores and one_wave_of_128 and not one_wave_of_64 else 64
 
 
 def project_pad(pair_dim: int) -> int:
