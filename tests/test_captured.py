@@ -98,7 +98,7 @@ def _fake_capture(monkeypatch, choose_rows, scratch_bytes=1 << 10, changed=False
     """CapturedForward over a stand-in CuPy and Forward, recording what happens in order:
     `choose_rows(row_block, max_scratch_bytes)` is the stand-in Forward's row blocks."""
     events, made = [], []
-    plan = types.SimpleNamespace(scratch_bytes=scratch_bytes,
+    plan = types.SimpleNamespace(scratch_bytes=scratch_bytes, M=3 * 3,
                                  route=types.SimpleNamespace(name="fake"))
 
     class Stream:
@@ -148,15 +148,16 @@ def _fake_capture(monkeypatch, choose_rows, scratch_bytes=1 << 10, changed=False
                                               options["max_scratch_bytes"])
             options["allocate"](1000), options["allocate"](16)  # scratch, out
 
-        def run(self):
-            events.append("run")
+        def run(self):  # (the capture's forward: its dependents as programmatic launches)
+            events.append("run, dependents" if captured.dependent_launch.active() else "run")
             return out_array
 
     monkeypatch.setattr(captured, "_cupy", lambda: types.SimpleNamespace(cuda=cuda))
     monkeypatch.setattr(captured, "check_graph_api", lambda cupy: None)
     monkeypatch.setattr(captured, "Forward", Forward)
     monkeypatch.setattr(captured, "_device_view", lambda obj, name, device: (obj, False))
-    module = types.SimpleNamespace(device=0, _dw=None,
+    monkeypatch.setattr(captured.dependent_launch, "supported", lambda cc: cc >= 90)
+    module = types.SimpleNamespace(device=0, _dw=types.SimpleNamespace(compute_capability=90),
                                    _conventions=lambda layout, node: ("pair", "starting"))
     return module, events, made, caller
 
@@ -167,7 +168,7 @@ def test_capture_pins_the_warm_ups_row_blocks_and_reuses_its_memory(monkeypatch)
     pair = np.zeros((1, 3, 3, 4), np.float32)
     graph = captured.CapturedForward(module, pair, None, None, dict(max_scratch_bytes=500))
     assert events == [("wait", "caller's work"), ("Forward", None, 500), "run", "synchronize",
-                      "begin_capture", ("Forward", 7, None), "run", "end_capture"]
+                      "begin_capture", ("Forward", 7, None), "run, dependents", "end_capture"]
     assert len(made) == 2 and graph.memory_bytes == 1016 and graph.rows_per_block == 7
     events.clear()
     pair2 = np.ones_like(pair)
@@ -281,6 +282,33 @@ def test_replay_gives_the_calls_bits(cp, rng, precision, B, N, D, h):
     reference_out = reference.triangle_attention(pair, d_mask.get(), module.weights,
                                                  fully_masked="zero")
     assert rel_l2(got, reference_out) <= TOLERANCE[precision]
+
+
+@gpu
+@pytest.mark.parametrize("precision", ["fp32", "tf32", "bf16"])
+@pytest.mark.parametrize("B,N,D,h", [(2, 128, 64, 4), (1, 200, 128, 4), (1, 260, 128, 4)])
+def test_programmatic_dependents_give_the_calls_bits(cp, rng, monkeypatch, precision,
+                                                     B, N, D, h):
+    """On compute capability 9.0 (with a driver that captures them) a small captured
+    forward's attention and out projection go out as programmatic dependents
+    (gpu/dependent_launch.py: the mma.sync route with 128-row out blocks, the wgmma route),
+    a larger one's (1x260: past MAX_ROWS) as a call's; the replays give the calls' bits."""
+    from triattn_cupy.gpu import dependent_launch
+
+    module, pair, mask = _problem(rng, B, N, D, h)
+    sent = []
+    launch = dependent_launch.launch
+    monkeypatch.setattr(dependent_launch, "launch", lambda *a: (sent.append(a[0]), launch(*a)))
+    d_pair, d_mask = cp.asarray(pair), cp.asarray(mask)
+    graph = module.capture(d_pair, d_mask, precision=precision)
+    expected = (dependent_launch.supported(module._dw.compute_capability)
+                and B * N * N <= dependent_launch.MAX_ROWS)
+    assert len(sent) == (2 if expected else 0)
+    for step in range(2):
+        _poison(cp, graph.out)
+        _assert_same_bits(graph(), _call(cp, module, d_pair, d_mask, precision=precision),
+                          f"replay {step} {precision}")
+        d_pair[...] = cp.asarray(_new_values(rng, pair))
 
 
 @gpu

@@ -55,6 +55,69 @@ def test_arguments_left_to_the_call_must_be_its_slots():
         gpu.launch.KernelArgs((np.ones(2),), ())
 
 
+def test_programmatic_launch_structures_have_the_drivers_layout():
+    """CUlaunchAttribute is 72 bytes (id, padding, a 64-byte union) and CUlaunchConfig 56
+    on 64-bit hosts (cuda.h); the attribute is PROGRAMMATIC_STREAM_SERIALIZATION (6) = 1."""
+    import ctypes
+
+    from triattn_cupy.gpu import dependent_launch as dl
+
+    assert ctypes.sizeof(dl._LaunchAttribute) == 72 and ctypes.sizeof(dl._LaunchConfig) == 56
+    assert dl._LaunchConfig.stream.offset == 32 and dl._LaunchConfig.attrs.offset == 40
+    attribute = dl.programmatic_attribute()
+    assert attribute.id == 6 and bytes(attribute)[8:12] == (1).to_bytes(4, "little")
+    assert not any(bytes(attribute)[12:])
+    assert not dl.supported(80) and not dl.supported(86)  # (before 9.0: never asked)
+    assert not dl.chosen(90, dl.MAX_ROWS + 1) and not dl.chosen(80, 1)
+
+
+def test_dependent_launches_are_per_thread_and_nest():
+    import threading
+
+    from triattn_cupy.gpu import dependent_launch as dl
+
+    assert not dl.active()
+    seen = {}
+    with dl.launches_as_dependents():
+        assert dl.active()
+        thread = threading.Thread(target=lambda: seen.update(other=dl.active()))
+        thread.start()
+        thread.join()
+        with dl.launches_as_dependents(False):
+            assert not dl.active()
+        assert dl.active()
+    assert not dl.active() and seen == {"other": False}
+
+
+def test_only_dependent_launches_go_out_programmatically(monkeypatch):
+    """Inside launches_as_dependents() a Launch marked dependent goes through
+    cuLaunchKernelEx with its grid, block, shared memory, stream and parameters; an
+    unmarked one, and every one outside, through cuLaunchKernel."""
+    import types
+
+    from triattn_cupy.gpu import dependent_launch as dl
+
+    calls = []
+    monkeypatch.setattr(gpu.launch, "_api", (
+        lambda *a: calls.append(("plain",) + a[:8]), lambda: types.SimpleNamespace(ptr=77)))
+    monkeypatch.setattr(dl, "launch", lambda *a: calls.append(("dependent",) + a[:5]))
+
+    def made(dependent):
+        launch = object.__new__(gpu.launch.Launch)
+        launch.function, launch.grid, launch.block, launch.smem = 1234, 9, 256, 4096
+        launch.args = gpu.launch.KernelArgs((None,), ((0, "qkvg"),))
+        launch.dependent = dependent
+        return launch
+
+    attention, project = made(True), made(False)
+    attention({"qkvg": 1}), project({"qkvg": 1})
+    with dl.launches_as_dependents():
+        attention({"qkvg": 1}), project({"qkvg": 1})
+    kinds = [call[0] for call in calls]
+    assert kinds == ["plain", "plain", "dependent", "plain"]
+    assert calls[2][1:5] == (1234, 9, 256, 4096) and calls[2][5] == 77
+
+
 @pytest.mark.parametrize("no,d", [(512, 128), (4, 4), (130, 20), (3072, 768)])
 def test_weight_chunks_are_the_rings_chunks_in_order(no, d):
     """project_mma.cu reads chunk (pass p, k-chunk c) of W as the contiguous block at

@@ -30,7 +30,7 @@ import contextlib
 
 from .checks import _cupy, as_device_array, bfloat16_bits, bfloat16_dtype
 from .forward import Forward
-from . import row_blocks
+from . import dependent_launch, row_blocks
 
 # CuPy's stream capture (Stream.begin_capture / end_capture, cupy.cuda.graph.Graph)
 GRAPH_API_CUPY_VERSION = "11"
@@ -170,7 +170,13 @@ class CapturedForward:
                             "plan was remade, or the free device memory chose other row "
                             "blocks): capture again, or pass row_block= to fix the row "
                             "blocks")
-                    self.out = forward.run()
+                    # The attention and the out projection as programmatic dependents
+                    # in small forwards, where the GPU and driver take them: edges that
+                    # skip the gaps between the kernels at every replay
+                    # (gpu/dependent_launch.py)
+                    with dependent_launch.launches_as_dependents(
+                            dependent_launch.chosen(dw.compute_capability, plan.M)):
+                        self.out = forward.run()
                 except BaseException:
                     _abandon_capture(stream)
                     raise

@@ -21,6 +21,8 @@ import threading
 
 import numpy as np
 
+from . import dependent_launch
+
 
 def I32(value) -> np.ndarray:
     return np.array(int(value), np.int32)
@@ -143,16 +145,25 @@ class Launch:
     opted in), grid, block, shared memory and parameter block (`bound`: Signature.bind's
     args and slots). Calling it with the call's {name: device address} launches it on the
     current CuPy stream."""
-    __slots__ = ("config", "name", "kernel", "function", "grid", "block", "smem", "args")
+    __slots__ = ("config", "name", "kernel", "function", "grid", "block", "smem", "args",
+                 "dependent")
 
-    def __init__(self, config, name, grid, block, smem, bound):
+    def __init__(self, config, name, grid, block, smem, bound, dependent: bool = False):
         self.config, self.name = config, name  # (row_blocks.py derives its launches)
         self.kernel = config.get(name, smem)   # a cupy.RawKernel (keeps its module loaded)
         self.function = self.kernel.kernel.ptr  # its CUfunction on the current device
         self.grid, self.block, self.smem = int(grid), int(block), int(smem)
         self.args = KernelArgs(*bound)
+        # Its kernel waits for the previous one before reading what that wrote
+        # (wait_for_previous_kernel), so it may go out as a programmatic dependent
+        # inside dependent_launch.launches_as_dependents()
+        self.dependent = dependent
 
     def __call__(self, pointers):
         launch, current_stream = _api or _cuda_api()
+        if self.dependent and dependent_launch.active():
+            dependent_launch.launch(self.function, self.grid, self.block, self.smem,
+                                    current_stream().ptr, self.args.fill(pointers))
+            return
         launch(self.function, self.grid, 1, 1, self.block, 1, 1, self.smem,
                current_stream().ptr, self.args.fill(pointers), 0)

@@ -197,7 +197,8 @@ class Plan:
                     qkvg=Call("qkvg"), M=M, D=D,
                     W=dw.projection_weight("out", self.weight_layout, self.scales).data.ptr,
                     b_out=dw.b_out.data.ptr, out=Call("out"),
-                    **self._f16_projection_args(dw, out=True), **transposed))
+                    **self._f16_projection_args(dw, out=True), **transposed),
+                dependent=True)
         self.nan_fully_masked = nan_fully_masked
 
 
@@ -245,7 +246,8 @@ class Plan:
                 qkvg=Call("qkvg"), M=self.M,
                 wo_image=dw.tile_weight_image("out", split=split).data.ptr,
                 b_out=dw.b_out.data.ptr, out=Call("out"),
-                **self._f16_projection_args(dw, out=True), **transposed))
+                **self._f16_projection_args(dw, out=True), **transposed),
+            dependent=True)
 
     def _f16_projection_args(self, dw: DeviceWeights, out: bool = False) -> dict:
         """The fp16 products' last arguments of ln_qkvg_project, a_scale and unscale (or
@@ -296,7 +298,7 @@ class Plan:
             values["row_mask"] = Call("row_mask")
             smem += routes.row_mask_smem_bytes(k, self.npk)
         return Launch(config, k.name, k.blocks(self.B, self.N, self.H), k.threads, smem,
-                      signature.bind(**values))
+                      signature.bind(**values), dependent=True)
 
     @property
     def weight_layout(self) -> str:
