@@ -80,3 +80,20 @@ def test_ab_attention_builds_each_variant_with_its_defines():
     assert s3.defines == base.defines + (("STAGES", 3), ("MIN_BLOCKS", 2), ("ROW_BLOCK", 1))
     from triattn_cupy.gpu import routes
     assert routes.attention_wgmma_launch is variants._launch  # restored
+
+
+@pytest.mark.parametrize("undo", ["out-rows", "dependents", "both"])
+def test_ab_captured_base_undoes_only_what_it_names(undo):
+    """tools/ab_captured.py: base's choices are the package's with `undo`'s replaced (64-row
+    out blocks; no programmatic dependents), the rest the package's own."""
+    from triattn_cupy.gpu import dependent_launch, tiles
+
+    ab = _tool("ab_captured")
+    chosen, rows = ab.base_choices(undo, dependent_launch, tiles)
+    small = 2 * 128 * 128
+    assert rows(small, 132) == (64 if undo != "dependents" else tiles.out_project_rows(small, 132))
+    if undo == "out-rows":
+        assert chosen is dependent_launch.chosen
+    else:
+        assert chosen(90, small) is False
+    assert tiles.out_project_rows(small, 132) == 128  # (the package's own, untouched)
