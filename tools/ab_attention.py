@@ -1,6 +1,6 @@
 """Time the wgmma attention built with extra compile-time switches against the tree's own build, on the GPU.
 
-    python tools/ab_attention.py --variant split:PV_SPLIT=1 1x1024x128x4 1x2048x128x4
+    python tools/ab_attention.py --variant g2:PV_GROUPS=2 --precisions fp32 1x1024x128x4
     python tools/ab_attention.py --variant s3:STAGES=3,MIN_BLOCKS=2 --precisions bf16 \\
         --rounds 6 1x1024x128x4
 
