@@ -44,12 +44,12 @@ __device__ __forceinline__ float online_max_update(float& m, float tile_max, flo
 // CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION, a kernel's blocks may start while
 // the kernel before it drains, so they must wait for it before reading what it wrote
 // (griddepcontrol.wait returns once every block of the previous kernel has exited and its
-// writes are visible; without that launch attribute, as the Plan launches every kernel, it
-// returns at once: measured without a gain, the attribute is not used, and the waits stay
-// so that the kernels' machine code is the one measured). A kernel lets the next one launch early by allow_next_kernel: the next launches
-// once every block of this one has called it or exited, i.e. with the last wave running, so
-// its waiting blocks take only SM room no block of this kernel still needs. Below sm_90
-// both are nothing (the launch attribute is not used there).
+// writes are visible; without that launch attribute it returns at once). Only captured
+// small forwards launch the attention and the out projection so (gpu/dependent_launch.py:
+// calls measured no gain). A kernel lets the next one launch early by allow_next_kernel:
+// the next launches once every block of this one has called it or exited, i.e. with the
+// last wave running, so its waiting blocks take only SM room no block of this kernel still
+// needs. Below sm_90 both are nothing (the launch attribute is not used there).
 __device__ __forceinline__ void wait_for_previous_kernel() {
 #if __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;" ::: "memory");

@@ -30,9 +30,9 @@ _PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CUlaunchAttributeID (cuda.h)
 _MIN_DRIVER = 12030
 _MIN_COMPUTE_CAPABILITY = 90
 # Pair rows (B N N) up to which a captured forward takes them. Replayed on the H200:
-# 2x128x64x4 -2.8 to -3.0%, 1x256x128x4 -1.0 to -2.8%; at 1x1024x128x4 the gaps are
+# 2x128x64x4 -2.0 to -2.7%, 1x256x128x4 -1.2 to -2.0%; at 1x1024x128x4 the gaps are
 # ~0.1% of a replay and it measured +0.7 / +0.8% (tf32 / bf16, within the rounds'
-# spread), so larger forwards launch as a call does.
+# spread), so larger forwards launch as a call does (docs/performance.md).
 MAX_ROWS = 1 << 16
 
 

@@ -59,8 +59,8 @@ def out_project_rows(rows_total: int = 1 << 62, sm_count: int = 132,
     (3 per SM). Its blocks are bound by loading o and g (the products are one pass at D =
     128): at large sizes 3 blocks of 64 rows per SM overlap those loads better than 2 of
     128, 0.94 -> 0.84 ms at 1x1024x128x4 TF32; at small ones the second wave's tail
-    decides, 2x128x64x4 (32,768 rows) replayed from a CUDA graph 79.0 / 64.7 / 63.1 ->
-    77.3 / 61.4 / 61.5 µs (fp32 / tf32 / bf16) with 128 (docs/performance.md)."""
+    decides, 2x128x64x4 (32,768 rows) replayed from a CUDA graph 78.7 / 64.7 / 64.0 ->
+    76.8 / 61.6 / 62.1 µs (fp32 / tf32 / bf16) with 128 (docs/performance.md)."""
     one_wave_of_128 = -(-rows_total // 128) <= 2 * sm_count
     one_wave_of_64 = -(-rows_total // 64) <= 3 * sm_count
     return 128 if tensor_cores and one_wave_of_128 and not one_wave_of_64 else 64
