@@ -34,20 +34,13 @@ def base_choices(undo: str, dependent_launch, tiles) -> tuple:
     return chosen, rows
 
 
-def events_ms(fn, repeats: int, warmups: int = 0) -> float:
-    import cupy as cp
+def warm_median_ms(fn, repeats: int, warmups: int) -> float:
+    """time_forward.median_ms of `fn` after `warmups` untimed calls."""
+    from time_forward import median_ms
 
     for _ in range(warmups):
         fn()
-    start, stop = cp.cuda.Event(), cp.cuda.Event()
-    times = []
-    for _ in range(repeats):
-        start.record()
-        fn()
-        stop.record()
-        stop.synchronize()
-        times.append(cp.cuda.get_elapsed_time(start, stop))
-    return statistics.median(times)
+    return median_ms(fn, repeats)
 
 
 def main(argv=None):
@@ -77,9 +70,9 @@ def main(argv=None):
                         dependent_launch.chosen, tiles.out_project_rows = variants[name]
                         module._dw.plans.clear()
                         graph = module.capture(pair, mask, precision=precision)
-                        replay = events_ms(graph, repeats, warmups=20)
-                        call = events_ms(lambda: module(pair, mask, precision=precision),
-                                         repeats, warmups=3)
+                        replay = warm_median_ms(graph, repeats, warmups=20)
+                        call = warm_median_ms(
+                            lambda: module(pair, mask, precision=precision), repeats, 3)
                         times.setdefault((size, precision, name), []).append((replay, call))
                         if r == 0:
                             outputs[(size, precision, name)] = cp.asnumpy(graph())
