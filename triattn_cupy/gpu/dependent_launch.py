@@ -99,7 +99,7 @@ def supported(compute_capability: int) -> bool:
 @contextlib.contextmanager
 def launches_as_dependents(enabled: bool = True):
     """Inside, on this thread, the launches marked dependent go out as programmatic
-    dependents (where `enabled`; callers pass `supported(...)`)."""
+    dependents (where `enabled`; captured.py passes `chosen(...)`)."""
     previous = getattr(_state, "on", False)
     _state.on = bool(enabled)
     try:
