@@ -227,13 +227,8 @@ def attention_mma_tiles(head_dim: int, variant: str, n: int = 1 << 30,
             return MmaTiles(bk=16)
         raise ValueError(f"{variant} attention takes head dims up to 64; got {head_dim}")
     # TF32 and bf16: the cp.async ring; 2 blocks of 8 warps per SM where their registers fit
-    if head_dim <= 16 and n <= SMALL_N:
-        if compute_capability >= 90:  # 2 rows sharing each bias tile, 2 m-tiles per warp
-            # (108-128 registers, 2 blocks per SM): half the blocks of the shape below,
-            # replayed at 2x128x64x4 61.5 -> 59.4 µs (tf32), 60.8 -> 59.3 (bf16)
-            # (docs/performance.md)
-            return MmaTiles(bk=32, mt=2, rows=2, min_blocks=2, stages=2)
-        return MmaTiles(bk=32, min_blocks=3, stages=2)  # 3 blocks per SM (80 registers)
+    if head_dim <= 16 and n <= SMALL_N:  # 3 blocks per SM (80 registers, 2-stage ring)
+        return MmaTiles(bk=32, min_blocks=3, stages=2)
     if head_dim <= 32 and n > SMALL_N:
         if variant == "bf16":  # 2 rows share each bias tile, 2 m-tiles per warp
             # 32-key tiles where they fit in 128 registers: on sm_90 at d = 8, 16, 32
