@@ -82,23 +82,18 @@ def test_ab_attention_builds_each_variant_with_its_defines():
     assert routes.attention_wgmma_launch is variants._launch  # restored
 
 
-@pytest.mark.parametrize("undo", [("out-rows",), ("dependents",), ("attention-tiles",),
-                                  ("out-rows", "dependents", "attention-tiles")])
+@pytest.mark.parametrize("undo", ["out-rows", "dependents", "both"])
 def test_ab_captured_base_undoes_only_what_it_names(undo):
     """tools/ab_captured.py: base's choices are the package's with `undo`'s replaced (64-row
-    out blocks; no programmatic dependents; the 3-per-SM attention tiles at d <= 16 and
-    N <= 128), the rest the package's own."""
-    from triattn_cupy.gpu import dependent_launch, routes, tiles
+    out blocks; no programmatic dependents), the rest the package's own."""
+    from triattn_cupy.gpu import dependent_launch, tiles
 
     ab = _tool("ab_captured")
-    chosen, rows, attention_tiles = ab.base_choices(undo, dependent_launch, tiles, routes)
+    chosen, rows = ab.base_choices(undo, dependent_launch, tiles)
     small = 2 * 128 * 128
-    assert rows(small, 132) == (64 if "out-rows" in undo else 128)
-    assert chosen(90, small) is False if "dependents" in undo else chosen is dependent_launch.chosen
-    old_shape = tiles.MmaTiles(bk=32, min_blocks=3, stages=2)
-    assert (attention_tiles(16, "bf16", 128, 90) == old_shape) == ("attention-tiles" in undo)
-    assert attention_tiles(16, "bf16", 128, 80) == old_shape  # (sm_80: the package's own)
-    assert attention_tiles(32, "tf32", 1024, 90) == tiles.attention_mma_tiles(32, "tf32", 1024, 90)
+    assert rows(small, 132) == (64 if undo != "dependents" else tiles.out_project_rows(small, 132))
+    if undo == "out-rows":
+        assert chosen is dependent_launch.chosen
+    else:
+        assert chosen(90, small) is False
     assert tiles.out_project_rows(small, 132) == 128  # (the package's own, untouched)
-    with pytest.raises(Exception, match="comma list"):
-        ab._undo_list("out-rows,both")

@@ -1,14 +1,12 @@
 """Time captured forwards (and calls) of the tree against its small-size launch choices undone, on the GPU.
 
     python tools/ab_captured.py 2x128x64x4 2x120x64x4 1x256x128x4 1x384x128x4
-    python tools/ab_captured.py --undo dependents,out-rows --rounds 8 2x128x64x4
+    python tools/ab_captured.py --undo dependents --rounds 8 2x128x64x4
 
-The variants: "tree" as the package runs, and "base" with `--undo` (a comma list; default
-all) of its small-size choices: "out-rows" (out-projection blocks of 64 rows everywhere,
-not tiles.out_project_rows' 128 where they save a wave), "dependents" (plain launches in
-captures, not gpu/dependent_launch.py's programmatic dependents), "attention-tiles" (the
-mma.sync attention at head dim <= 16 and N <= 128 on compute capability 9.0 in one row and
-one m-tile per warp, 3 blocks per SM, not 2 rows and 2 m-tiles at 2). For each round,
+The variants: "tree" as the package runs, and "base" with `--undo` of its small-size
+choices: "out-rows" (out-projection blocks of 64 rows everywhere, not tiles.out_project_rows'
+128 where they save a wave), "dependents" (plain launches in captures, not
+gpu/dependent_launch.py's programmatic dependents), or "both" (default). For each round,
 size, precision and variant, interleaved (the order reversed every other round) with the
 module's plans cleared before each variant (a plan holds its launches): a capture of the
 padded forward of tools/time_forward.py, its replay timed by CUDA events (median of 200,
@@ -23,33 +21,17 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 PRECISIONS = ("fp32", "tf32", "bf16")
-UNDO = ("out-rows", "dependents", "attention-tiles")
+UNDO = ("out-rows", "dependents", "both")
 
 
-def base_choices(undo, dependent_launch, tiles, routes) -> tuple:
-    """(dependent_launch.chosen, tiles.out_project_rows, routes.attention_mma_tiles) of
-    the base variant: the package's, with those named in `undo` undone."""
-    chosen, rows, attention_tiles = (dependent_launch.chosen, tiles.out_project_rows,
-                                     routes.attention_mma_tiles)
-    if "dependents" in undo:
+def base_choices(undo: str, dependent_launch, tiles) -> tuple:
+    """(chosen, out_project_rows) of the base variant: the package's, with `undo`'s undone."""
+    chosen, rows = dependent_launch.chosen, tiles.out_project_rows
+    if undo in ("dependents", "both"):
         chosen = lambda compute_capability, rows_total: False  # noqa: E731
-    if "out-rows" in undo:
+    if undo in ("out-rows", "both"):
         rows = lambda *args, **kwargs: 64  # noqa: E731
-    if "attention-tiles" in undo:
-        package = attention_tiles
-
-        def attention_tiles(head_dim, variant, n=1 << 30, compute_capability=90):
-            if head_dim <= 16 and n <= tiles.SMALL_N and variant in ("tf32", "bf16"):
-                return tiles.MmaTiles(bk=32, min_blocks=3, stages=2)
-            return package(head_dim, variant, n, compute_capability)
-    return chosen, rows, attention_tiles
-
-
-def _undo_list(text: str) -> tuple:
-    names = tuple(text.split(","))
-    if not names or any(name not in UNDO for name in names):
-        raise argparse.ArgumentTypeError(f"--undo takes a comma list of {UNDO}; got {text!r}")
-    return names
+    return chosen, rows
 
 
 def warm_median_ms(fn, repeats: int, warmups: int) -> float:
@@ -64,18 +46,17 @@ def warm_median_ms(fn, repeats: int, warmups: int) -> float:
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("sizes", nargs="+", help="BxNxDxh")
-    ap.add_argument("--undo", type=_undo_list, default=UNDO)
+    ap.add_argument("--undo", choices=UNDO, default="both")
     ap.add_argument("--precisions", default=",".join(PRECISIONS))
     ap.add_argument("--rounds", type=int, default=6)
     args = ap.parse_args(argv)
     import cupy as cp
     import numpy as np
     from time_forward import padded_inputs
-    from triattn_cupy.gpu import dependent_launch, routes, tiles
+    from triattn_cupy.gpu import dependent_launch, tiles
 
-    variants = {"base": base_choices(args.undo, dependent_launch, tiles, routes),
-                "tree": (dependent_launch.chosen, tiles.out_project_rows,
-                         routes.attention_mma_tiles)}
+    variants = {"base": base_choices(args.undo, dependent_launch, tiles),
+                "tree": (dependent_launch.chosen, tiles.out_project_rows)}
     tree = variants["tree"]
     times, outputs = {}, {}
     precisions = args.precisions.split(",")
@@ -86,8 +67,7 @@ def main(argv=None):
                 repeats = 200 if int(size.split("x")[1]) <= 512 else 20
                 for precision in precisions:
                     for name in (list(variants) if r % 2 == 0 else list(variants)[::-1]):
-                        (dependent_launch.chosen, tiles.out_project_rows,
-                         routes.attention_mma_tiles) = variants[name]
+                        dependent_launch.chosen, tiles.out_project_rows = variants[name]
                         module._dw.plans.clear()
                         graph = module.capture(pair, mask, precision=precision)
                         replay = warm_median_ms(graph, repeats, warmups=20)
@@ -99,8 +79,8 @@ def main(argv=None):
                         del graph
             print(f"round {r + 1} of {args.rounds}", file=sys.stderr, flush=True)
     finally:
-        dependent_launch.chosen, tiles.out_project_rows, routes.attention_mma_tiles = tree
-    print(cp.cuda.runtime.getDeviceProperties(0)["name"].decode(), f"(base: --undo {','.join(args.undo)})")
+        dependent_launch.chosen, tiles.out_project_rows = tree
+    print(cp.cuda.runtime.getDeviceProperties(0)["name"].decode(), f"(base: --undo {args.undo})")
     for (size, precision, name), runs in times.items():
         base = [statistics.median(x) for x in zip(*times[(size, precision, "base")])]
         replay, call = (statistics.median(x) for x in zip(*runs))
