@@ -147,11 +147,12 @@ def start_slow_run(src, out, weights_file, *, sleep: float, extra=()):
 
 
 def wait_for_temp(out, proc, timeout: float = 60):
-    """Wait until a temporary output exists under `out` (the child is mid-write)."""
+    """Wait until a temporary output exists under `out` (the child is mid-write); the
+    temporary files claims are written through do not count."""
     out = pathlib.Path(out)
     deadline = time.time() + timeout
     while time.time() < deadline and not (out.exists() and any(
-            p.name.endswith(".tmp") for p in out.iterdir())):
+            p.name.endswith(".tmp") and ".claim." not in p.name for p in out.iterdir())):
         assert proc.poll() is None, proc.communicate()[1]
         time.sleep(0.02)
     assert proc.poll() is None, proc.communicate()[1]

@@ -3,6 +3,7 @@ files, temporary files and claims of runs that have ended are removed, and .npy 
 carry a provenance record so that a foreign .npy is a conflict, never overwritten."""
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -15,9 +16,9 @@ import numpy as np
 
 from triattn_cupy.cli import claims as cli_claims
 from triattn_cupy.cli import outputs as cli_outputs
-from cli_support import (all_files, cli, dataset, expected_output, make_pair,  # noqa: F401
-                         read_output, sha, start_slow_run, wait_for_temp, weights,
-                         weights_file)
+from cli_support import (all_files, child_env, cli, dataset,  # noqa: F401
+                         expected_output, make_pair, read_output, sha, start_slow_run,
+                         wait_for_temp, weights, weights_file)
 
 
 def dead_pid() -> int:
@@ -98,6 +99,67 @@ def test_held_claims_are_refreshed(tmp_path):
         os.utime(tmp_path / ".a.h5.claim", (t, t))
         time.sleep(0.5)
         assert time.time() - os.stat(tmp_path / ".a.h5.claim").st_mtime < 0.5
+
+
+# A process that claims and releases one output as fast as it can, to be killed at any
+# instant of a claim.
+CLAIM_LOOP = """
+import sys
+from triattn_cupy.cli import claims
+held = claims.Claims()
+print("claiming", flush=True)
+while True:
+    if held.acquire(sys.argv[1]) is None:
+        held.release(sys.argv[1])
+"""
+
+
+def test_a_run_killed_while_claiming_never_leaves_a_claim_in_the_way(tmp_path):
+    """Killed at any instant, a run leaves no claim or one naming it (never a half-written
+    one, which would look like a claim being written and hold its output back); what it
+    leaves is removed or taken over at once by the next run."""
+    out = str(tmp_path / "a.h5")
+    for kill in range(16):
+        proc = subprocess.Popen([sys.executable, "-c", CLAIM_LOOP, out],
+                                stdout=subprocess.PIPE, text=True, env=child_env())
+        assert proc.stdout.readline() == "claiming\n"
+        time.sleep(0.02 + 0.01 * (kill % 7))
+        proc.kill()
+        proc.communicate()
+        cli_outputs.remove_stale_temps(str(tmp_path), 600)
+        with cli_claims.Claims() as mine:
+            assert mine.acquire(out) is None, f"kill {kill}"
+        assert os.listdir(tmp_path) == []
+
+
+def test_claim_is_written_in_place_where_there_are_no_hard_links(tmp_path, monkeypatch):
+    def no_links(src, dst):
+        raise PermissionError(errno.EPERM, "Operation not permitted")
+
+    monkeypatch.setattr(os, "link", no_links)
+    out = str(tmp_path / "a.h5")
+    with cli_claims.Claims() as mine:
+        assert mine.acquire(out) is None
+        assert os.listdir(tmp_path) == [".a.h5.claim"]  # no temporary file left
+        assert json.loads((tmp_path / ".a.h5.claim").read_text())["pid"] == os.getpid()
+        assert "claimed by this run already" in mine.acquire(out)
+    assert os.listdir(tmp_path) == []
+
+
+def test_claim_link_that_reports_an_error_but_was_made_counts(tmp_path, monkeypatch):
+    """NFS: a retried link whose first reply was lost reports EEXIST, yet made the name."""
+    real_link = os.link
+
+    def link_with_lost_reply(src, dst):
+        real_link(src, dst)
+        raise FileExistsError(errno.EEXIST, "File exists")
+
+    monkeypatch.setattr(os, "link", link_with_lost_reply)
+    out = str(tmp_path / "a.h5")
+    with cli_claims.Claims() as mine:
+        assert mine.acquire(out) is None
+        assert os.listdir(tmp_path) == [".a.h5.claim"]
+    assert os.listdir(tmp_path) == []
 
 
 def summary_counts(err):

@@ -2,9 +2,13 @@
 one batch instead of computing every file twice.
 
 Before an output is computed, its run creates the claim file ``.<output name>.claim``
-beside it with ``O_CREAT | O_EXCL`` (atomic, also on NFS v3 and later), holding the
-claimant's host, process id, a start time and a random token. Another run that finds the
-claim leaves that output alone. A claim is released (removed) once its output is
+beside it, holding the claimant's host, process id, a start time and a random token. The
+record is written whole under a temporary name first and then hard-linked to the claim's
+name (`link` fails if the name exists, atomically, also on NFS), so a claim never exists
+half-written: a run killed at any instant leaves either no claim or one that names it, and
+the next run can tell that its holder is gone. Where the filesystem has no hard links the
+claim is created with ``O_CREAT | O_EXCL`` and written in place. Another run that finds
+the claim leaves that output alone. A claim is released (removed) once its output is
 written or has failed, and expires when its holder is gone:
 
 - on the same host, when the holder's process no longer exists;
@@ -34,8 +38,12 @@ logger = logging.getLogger("triattn_cupy.cli")
 
 CLAIM_SUFFIX = ".claim"
 DEFAULT_TIMEOUT = 600.0  # seconds without a refresh before another host's claim expires
-# A claim file that does not parse may be one being written this instant.
+# A claim file that does not parse may be one being written in place this instant (a
+# filesystem without hard links).
 _UNREADABLE_GRACE = 30.0
+# link() errors that mean the filesystem has no hard links (then: O_EXCL in place).
+_NO_HARD_LINKS = {errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.ENOSYS, errno.EMLINK,
+                  errno.EXDEV}
 
 
 def host_name() -> str:
@@ -112,21 +120,17 @@ class Claims:
         """Claim `output`. None when claimed; else a sentence naming the live holder."""
         path = claim_path(output)
         token = uuid.uuid4().hex
-        record = {"host": self.host, "pid": self.pid, "started": time.time(),
-                  "token": token, "output": os.path.basename(output)}
+        record = json.dumps({"host": self.host, "pid": self.pid, "started": time.time(),
+                             "token": token, "output": os.path.basename(output)}).encode()
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
         for _ in range(2):  # a second try after breaking an expired claim
             try:
-                fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+                _create_whole(path, record, self.host, self.pid)
             except FileExistsError:
                 holder = self._expired_holder(path)
                 if isinstance(holder, str):
                     return holder
                 continue
-            try:
-                os.write(fd, json.dumps(record).encode())
-            finally:
-                os.close(fd)
             with self._lock:
                 self._held[output] = (path, token)
             return None
@@ -194,6 +198,48 @@ class Claims:
                 except OSError as exc:
                     if exc.errno != errno.ENOENT:
                         logger.debug("cannot refresh the claim %s: %s", path, exc)
+
+
+def _create_whole(path: str, record: bytes, host: str, pid: int) -> None:
+    """Create the file `path` holding `record`, or raise FileExistsError if it exists.
+    The record goes to a temporary file named for this host and process (the name
+    `remove_stale_temps` knows, so one left by a killed run is removed by the next), which
+    is then hard-linked to `path` and removed."""
+    folder, name = os.path.split(path)
+    temp = os.path.join(folder, f".{name.lstrip('.')}.{host}-{pid}-{uuid.uuid4().hex[:8]}.tmp")
+    fd = os.open(temp, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+    try:
+        try:
+            os.write(fd, record)
+        finally:
+            os.close(fd)
+        try:
+            os.link(temp, path)
+        except OSError as exc:
+            # Over NFS a link can succeed on the server and still report an error (EEXIST
+            # for a retried request whose reply was lost): the temporary file's link count
+            # tells whether it has its second name.
+            if os.stat(temp).st_nlink == 2:
+                return
+            if exc.errno not in _NO_HARD_LINKS:
+                raise
+            _create_in_place(path, record)
+    finally:
+        try:
+            os.remove(temp)
+        except OSError:
+            pass
+
+
+def _create_in_place(path: str, record: bytes) -> None:
+    """`O_CREAT | O_EXCL`, then the record: for filesystems without hard links. A kill
+    between the two leaves an empty claim, taken for one being written until
+    _UNREADABLE_GRACE has passed."""
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+    try:
+        os.write(fd, record)
+    finally:
+        os.close(fd)
 
 
 def _read_record(path: str):
