@@ -132,6 +132,35 @@ def test_a_run_killed_while_claiming_never_leaves_a_claim_in_the_way(tmp_path):
         assert os.listdir(tmp_path) == []
 
 
+def test_claim_temporary_file_is_held_in_live_temps_while_it_exists(tmp_path, monkeypatch):
+    """A cluster worker records the claim's temporary file (as its temporary outputs)
+    from before it is created until it is removed, so the client can remove it after the
+    worker was killed in between."""
+    seen = []
+
+    class Recorder:
+        def add(self, name):
+            seen.append(("add", name, os.path.exists(name)))
+
+        def discard(self, name):
+            seen.append(("discard", name, os.path.exists(name)))
+
+    real_link = os.link
+
+    def link(src, dst):
+        seen.append(("link", src, os.path.exists(src)))
+        real_link(src, dst)
+
+    monkeypatch.setattr(os, "link", link)
+    out = str(tmp_path / "a.h5")
+    with cli_claims.Claims() as mine:
+        assert mine.acquire(out, Recorder()) is None
+    temp = seen[0][1]
+    assert seen == [("add", temp, False), ("link", temp, True), ("discard", temp, False)]
+    assert os.path.basename(temp).startswith(".a.h5.claim.") and temp.endswith(".tmp")
+    assert cli_outputs._TEMP_NAME.match(os.path.basename(temp))["pid"] == str(os.getpid())
+
+
 def test_claim_is_written_in_place_where_there_are_no_hard_links(tmp_path, monkeypatch):
     def no_links(src, dst):
         raise PermissionError(errno.EPERM, "Operation not permitted")
@@ -318,10 +347,10 @@ def test_a_claim_that_cannot_be_made_fails_its_file(dataset, weights_file, tmp_p
     src, _ = dataset
     real = cli_claims.Claims.acquire
 
-    def acquire(self, output):
+    def acquire(self, output, live_temps=None):
         if output.endswith("b.h5"):
             raise PermissionError(13, "Permission denied", output)
-        return real(self, output)
+        return real(self, output, live_temps)
 
     monkeypatch.setattr(cli_claims.Claims, "acquire", acquire)
     out = tmp_path / "out"

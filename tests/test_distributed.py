@@ -355,10 +355,10 @@ def test_a_claim_that_cannot_be_made_fails_its_file(inputs, weights_file, tmp_pa
                                                     monkeypatch):
     real = Claims.acquire
 
-    def acquire(self, output):
+    def acquire(self, output, live_temps=None):
         if output.endswith("a.h5"):
             raise PermissionError(13, "Permission denied", output)
-        return real(self, output)
+        return real(self, output, live_temps)
 
     monkeypatch.setattr(Claims, "acquire", acquire)
     with LocalCluster(n_workers=1, threads_per_worker=1, processes=False,

@@ -116,8 +116,11 @@ class Claims:
             self.release(output)
         return False
 
-    def acquire(self, output: str) -> str | None:
-        """Claim `output`. None when claimed; else a sentence naming the live holder."""
+    def acquire(self, output: str, live_temps=None) -> str | None:
+        """Claim `output`. None when claimed; else a sentence naming the live holder.
+        `live_temps`, when given, holds the name of the claim's temporary file while it
+        exists (as `write_output`'s does), so that a cluster run can remove it after a
+        worker killed there."""
         path = claim_path(output)
         token = uuid.uuid4().hex
         record = json.dumps({"host": self.host, "pid": self.pid, "started": time.time(),
@@ -125,7 +128,7 @@ class Claims:
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
         for _ in range(2):  # a second try after breaking an expired claim
             try:
-                _create_whole(path, record, self.host, self.pid)
+                _create_whole(path, record, self.host, self.pid, live_temps)
             except FileExistsError:
                 holder = self._expired_holder(path)
                 if isinstance(holder, str):
@@ -200,35 +203,45 @@ class Claims:
                         logger.debug("cannot refresh the claim %s: %s", path, exc)
 
 
-def _create_whole(path: str, record: bytes, host: str, pid: int) -> None:
+def _create_whole(path: str, record: bytes, host: str, pid: int, live_temps=None) -> None:
     """Create the file `path` holding `record`, or raise FileExistsError if it exists.
     The record goes to a temporary file named for this host and process (the name
     `remove_stale_temps` knows, so one left by a killed run is removed by the next), which
-    is then hard-linked to `path` and removed."""
+    is then hard-linked to `path` and removed. `live_temps` (a set, or None) holds the
+    temporary name from before it is created until it is removed."""
     folder, name = os.path.split(path)
     temp = os.path.join(folder, f".{name.lstrip('.')}.{host}-{pid}-{uuid.uuid4().hex[:8]}.tmp")
-    fd = os.open(temp, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+    if live_temps is not None:
+        live_temps.add(temp)
     try:
-        try:
-            os.write(fd, record)
-        finally:
-            os.close(fd)
-        try:
-            os.link(temp, path)
-        except OSError as exc:
-            # Over NFS a link can succeed on the server and still report an error (EEXIST
-            # for a retried request whose reply was lost): the temporary file's link count
-            # tells whether it has its second name.
-            if os.stat(temp).st_nlink == 2:
-                return
-            if exc.errno not in _NO_HARD_LINKS:
-                raise
-            _create_in_place(path, record)
+        _link_whole(temp, path, record)
     finally:
         try:
             os.remove(temp)
         except OSError:
             pass
+        if live_temps is not None:
+            live_temps.discard(temp)
+
+
+def _link_whole(temp: str, path: str, record: bytes) -> None:
+    """Write `record` to the new file `temp`, then give it the name `path` too."""
+    fd = os.open(temp, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+    try:
+        os.write(fd, record)
+    finally:
+        os.close(fd)
+    try:
+        os.link(temp, path)
+    except OSError as exc:
+        # Over NFS a link can succeed on the server and still report an error (EEXIST for
+        # a retried request whose reply was lost): the temporary file's link count tells
+        # whether it has its second name.
+        if os.stat(temp).st_nlink == 2:
+            return
+        if exc.errno not in _NO_HARD_LINKS:
+            raise
+        _create_in_place(path, record)
 
 
 def _create_in_place(path: str, record: bytes) -> None:

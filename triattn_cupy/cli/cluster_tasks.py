@@ -11,7 +11,8 @@ file to the next.
 The scheduler's metadata holds, per run (`RUN_KEY`, run key):
 
     "claims", output, "host:pid" -> True   each attempt at a file, before it claims
-    "temps", temporary output -> alive     each temporary file, before it is created
+    "temps", temporary file -> alive       each temporary output or claim file, before
+                                           it is created
 
 so that an attempt started after its worker was lost takes over that worker's claim, and
 the client removes the temporary files of workers that died writing them.
@@ -88,9 +89,10 @@ def _worker_backend(weights, spec) -> _WorkerBackend:
 
 
 class RecordedTemps:
-    """The `live_temps` of `write_output` on a worker: each temporary name is recorded on
-    the scheduler before the file is created and marked gone after, so the client can
-    remove the temporary file of a worker killed while writing it."""
+    """The `live_temps` of `write_output` and `Claims.acquire` on a worker: each
+    temporary name is recorded on the scheduler before the file is created and marked gone
+    after, so the client can remove the temporary file of a worker killed while writing
+    it."""
 
     def __init__(self, client, run_key: str):
         self.client = client
@@ -156,17 +158,19 @@ def _claim(claims: Claims, client, run_key: str, task) -> str | None:
     recorded = [RUN_KEY, run_key, "claims", task.output]
     earlier = client.get_metadata(recorded, default=None) or {}
     client.set_metadata(recorded + [f"{claims.host}:{claims.pid}"], True)
-    holder = claims.acquire(task.output)
+    temps = RecordedTemps(client, run_key)
+    holder = claims.acquire(task.output, temps)
     if holder is not None and earlier:
         path = claim_path(task.output)
         record = read_claim(path)
-        # An unreadable claim is one whose writer stopped between creating and filling
-        # it: the earlier attempt, killed there (anyone else's fills it within
-        # microseconds; were it theirs, both would write the same file atomically).
+        # An unreadable claim is one written in place (a filesystem without hard links)
+        # whose writer stopped between creating and filling it: the earlier attempt,
+        # killed there (anyone else's fills it within microseconds; were it theirs, both
+        # would write the same file atomically).
         if record is None or f"{record.get('host')}:{record.get('pid')}" in earlier:
             logger.info("%s: taking over the claim of a lost worker of this run", path)
             remove_quietly(path)
-            holder = claims.acquire(task.output)
+            holder = claims.acquire(task.output, temps)
     if holder is not None:
         return f"output {holder}"
     if not earlier and _mtime_ns(task.output) != task.output_mtime:
