@@ -37,6 +37,7 @@ import uuid
 logger = logging.getLogger("triattn_cupy.cli")
 
 CLAIM_SUFFIX = ".claim"
+TEMP_SUFFIX = ".tmp"
 DEFAULT_TIMEOUT = 600.0  # seconds without a refresh before another host's claim expires
 # A claim file that does not parse may be one being written in place this instant (a
 # filesystem without hard links).
@@ -81,6 +82,15 @@ def holder_gone(host: str, pid: int, age: float, timeout: float) -> bool:
     if host == host_token():
         return not process_alive(pid)
     return age > timeout
+
+
+def temp_path_for(path: str) -> str:
+    """A fresh temporary name beside `path`: hidden, unique, naming this host and process
+    (so that `outputs.remove_stale_temps` can tell when its writer has gone), ending in
+    TEMP_SUFFIX. Used for outputs and for claims."""
+    folder, name = os.path.split(path)
+    tag = f"{host_token()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    return os.path.join(folder, f".{name.lstrip('.')}.{tag}{TEMP_SUFFIX}")
 
 
 def claim_path(output: str) -> str:
@@ -128,7 +138,7 @@ class Claims:
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
         for _ in range(2):  # a second try after breaking an expired claim
             try:
-                _create_whole(path, record, self.host, self.pid, live_temps)
+                _create_whole(path, record, live_temps)
             except FileExistsError:
                 holder = self._expired_holder(path)
                 if isinstance(holder, str):
@@ -203,14 +213,13 @@ class Claims:
                         logger.debug("cannot refresh the claim %s: %s", path, exc)
 
 
-def _create_whole(path: str, record: bytes, host: str, pid: int, live_temps=None) -> None:
+def _create_whole(path: str, record: bytes, live_temps=None) -> None:
     """Create the file `path` holding `record`, or raise FileExistsError if it exists.
-    The record goes to a temporary file named for this host and process (the name
-    `remove_stale_temps` knows, so one left by a killed run is removed by the next), which
-    is then hard-linked to `path` and removed. `live_temps` (a set, or None) holds the
-    temporary name from before it is created until it is removed."""
-    folder, name = os.path.split(path)
-    temp = os.path.join(folder, f".{name.lstrip('.')}.{host}-{pid}-{uuid.uuid4().hex[:8]}.tmp")
+    The record goes to a temporary file (`temp_path_for`: one left by a killed run is
+    removed by the next), which is then hard-linked to `path` and removed. `live_temps`
+    (a set, or None) holds the temporary name from before it is created until it is
+    removed."""
+    temp = temp_path_for(path)
     if live_temps is not None:
         live_temps.add(temp)
     try:

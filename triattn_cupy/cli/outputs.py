@@ -23,18 +23,16 @@ import os
 import re
 import stat
 import time
-import uuid
 
 import numpy as np
 
-from .claims import holder_gone, host_token
+from .claims import TEMP_SUFFIX, holder_gone, temp_path_for
 
 OUTPUT_SUFFIXES = {"hdf5": ".h5", "npy": ".npy"}
 OUTPUT_FORMAT = "triattn-cupy/infer-output"
 OUTPUT_FORMAT_VERSION = 1
 OUTPUT_DATASET = "out"
 PROVENANCE_SUFFIX = ".json"  # appended to the .npy name
-TEMP_SUFFIX = ".tmp"
 _TEMP_NAME = re.compile(r"^\.(?P<name>.+)\.(?P<host>[A-Za-z0-9-]+)-(?P<pid>\d+)-"
                         r"[0-9a-f]{8}\.tmp$")
 # Temporary names without their writer (".<name>.<12 hex>.tmp", older versions): by age.
@@ -143,14 +141,6 @@ def _regular(path: str) -> bool:
 
 
 # --- writing ------------------------------------------------------------------------------
-
-def temp_path_for(path: str) -> str:
-    """A fresh temporary name beside `path`: hidden, unique, naming this host and process,
-    ending in TEMP_SUFFIX."""
-    folder, name = os.path.split(path)
-    tag = f"{host_token()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    return os.path.join(folder, f".{name}.{tag}{TEMP_SUFFIX}")
-
 
 def write_output(path: str, out: np.ndarray, output_format: str, attrs: dict,
                  live_temps: set | None = None) -> None:
