@@ -234,12 +234,10 @@ def _create_whole(path: str, record: bytes, live_temps=None) -> None:
 
 
 def _link_whole(temp: str, path: str, record: bytes) -> None:
-    """Write `record` to the new file `temp`, then give it the name `path` too."""
-    fd = os.open(temp, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-    try:
-        os.write(fd, record)
-    finally:
-        os.close(fd)
+    """Write `record` to the new file `temp`, then give it the name `path` too (where
+    there are no hard links: write `path` in place, which a kill can leave empty, taken
+    for a claim being written until _UNREADABLE_GRACE has passed)."""
+    _write_new(temp, record)
     try:
         os.link(temp, path)
     except OSError as exc:
@@ -250,13 +248,11 @@ def _link_whole(temp: str, path: str, record: bytes) -> None:
             return
         if exc.errno not in _NO_HARD_LINKS:
             raise
-        _create_in_place(path, record)
+        _write_new(path, record)
 
 
-def _create_in_place(path: str, record: bytes) -> None:
-    """`O_CREAT | O_EXCL`, then the record: for filesystems without hard links. A kill
-    between the two leaves an empty claim, taken for one being written until
-    _UNREADABLE_GRACE has passed."""
+def _write_new(path: str, record: bytes) -> None:
+    """Create `path` (FileExistsError if it exists) and write `record` into it."""
     fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
     try:
         os.write(fd, record)
