@@ -9,6 +9,7 @@ import sys
 import types
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 import triattn_cupy
@@ -189,3 +190,43 @@ def test_warmup_compiles_once(tmp_path):
     subprocess.run([sys.executable, "-c", script], check=True, timeout=600, cwd=tmp_path,
                    env={**os.environ, "PYTHONPATH": str(REPO), "CUPY_CACHE_DIR": str(cache)})
     assert sorted(os.listdir(cache)) == files
+
+
+def test_warmup_counts_compiled_and_cached(cache_dir, monkeypatch):
+    """The counting, with a stand-in GPU: each (precision, node) is one kernel
+    configuration, compiled into the cache the first time a process loads it."""
+    cache_dir.mkdir()
+    loads = []  # this "process"'s configurations loaded (raw_module's misses)
+    calls = []
+
+    class Module:
+        def __init__(self, weights):
+            self.weights = weights
+
+        def __call__(self, pair, mask, *, precision, mask_layout, node):
+            calls.append((pair.dtype.name, precision, mask_layout, node))
+            config = f"{self.weights.pair_dim}-{precision}-{node}"
+            if config not in loads:
+                loads.append(config)
+                if not (cache_dir / f"{config}.cubin").exists():
+                    (cache_dir / f"{config}.cubin").write_bytes(b"cubin")
+            return pair
+
+    stream = types.SimpleNamespace(synchronize=lambda: None)
+    cupy = types.SimpleNamespace(asarray=lambda a: a, cuda=types.SimpleNamespace(
+        get_current_stream=lambda: stream))
+    monkeypatch.setitem(sys.modules, "cupy", cupy)
+    monkeypatch.setattr(triattn_cupy, "TriangleAttention", Module)
+    monkeypatch.setattr(check, "raw_module", types.SimpleNamespace(
+        cache_info=lambda: types.SimpleNamespace(misses=len(loads))))
+    shapes = [check.parse_shape("1x8x16x4"), check.parse_shape("2x4x16x2")]
+    said = []
+    dtypes = {"float32": np.dtype("float32"), "float16": np.dtype("float16")}
+    assert check.warmup(shapes, ["fp32", "bf16"], dtypes, said.append) == (4, 0)
+    # every precision, pair dtype, mask layout and GPU node, for each shape
+    assert sorted(set(calls)) == sorted(
+        (dtype, precision, layout, node) for dtype in dtypes for precision in ("fp32", "bf16")
+        for layout in ("pair", "row") for node in ("starting", "ending"))
+    assert len(calls) == 2 * 2 * 2 * 2 * 2 and len(said) == 4
+    loads.clear()  # a second process: everything comes from the cache
+    assert check.warmup(shapes, ["fp32", "bf16"], dtypes, said.append) == (0, 4)
