@@ -69,7 +69,7 @@ def test_without_a_gpu_reports_what_it_can_and_exits_1(capsys, cache_dir):
     # --arch: the routes of that GPU all the same; --warmup: not run, said why
     code, out = run(capsys, "--arch", "sm_90", "--warmup", "1x64x128x4")
     assert code == check.NOT_USABLE
-    assert "routes:        1x384x128x4 (B x N x D x heads) on compute capability 9.0 (--arch):" \
+    assert "routes:        1x384x128x4 (B x N x D x heads) on --arch compute capability 9.0:" \
         in out
     assert set(route_lines(out)) == {"fp32", "tf32", "bf16"}
     assert set(route_lines(out).values()) <= set(ROUTES)
@@ -93,7 +93,8 @@ def test_with_a_gpu_reports_it_and_its_routes(capsys, cache_dir, monkeypatch):
     assert code == check.USABLE, out
     assert "CUDA driver:   13.0\nCUDA runtime:  13.2\nNVRTC:         13.2\n" in out
     assert "GPU 0:         NVIDIA H200, compute capability 9.0, 132 SMs, 150.0 GiB\n" in out
-    assert "routes:        2x256x128x4 (B x N x D x heads) on compute capability 9.0:\n" in out
+    assert ("routes:        2x256x128x4 (B x N x D x heads) on GPU 0, compute capability "
+            "9.0:\n") in out
     routes = route_lines(out)
     assert routes == check.route_names(check.parse_shape("2x256x128x4"), 90, check.SMEM_LIMIT)
     assert set(routes.values()) <= set(ROUTES)
@@ -230,3 +231,20 @@ def test_warmup_counts_compiled_and_cached(cache_dir, monkeypatch):
     assert len(calls) == 2 * 2 * 2 * 2 * 2 and len(said) == 4
     loads.clear()  # a second process: everything comes from the cache
     assert check.warmup(shapes, ["fp32", "bf16"], dtypes, said.append) == (0, 4)
+
+
+def test_warmup_failures_exit_1_with_the_reason(capsys, cache_dir, monkeypatch):
+    monkeypatch.setitem(sys.modules, "cupy", fake_cupy())
+
+    def refuse(weights):
+        raise ValueError(f"pair_dim {weights.pair_dim} is too large for this GPU")
+
+    monkeypatch.setattr(triattn_cupy, "TriangleAttention", refuse)
+    code, out = run(capsys, "--warmup", "1x8x1024x8")
+    assert code == check.NOT_USABLE
+    assert "warmup failed: ValueError: pair_dim 1024 is too large for this GPU\n" in out
+    assert "usable:        yes" not in out
+    monkeypatch.setitem(sys.modules, "ml_dtypes", None)
+    code, out = run(capsys, "--warmup", "1x8x16x4", "--dtype", "bfloat16")
+    assert code == check.NOT_USABLE
+    assert "warmup failed: ImportError: --dtype bfloat16 needs ml_dtypes" in out

@@ -176,13 +176,14 @@ def warmup(shapes, precisions, dtypes: dict, say) -> tuple[int, int]:
 
 
 def _numpy_dtype(name: str):
+    """The NumPy dtype of a --dtype name; bfloat16 is ml_dtypes' (ImportError without it)."""
     if name != "bfloat16":
         return np.dtype(name)
     try:
         import ml_dtypes
     except ImportError:
-        raise SystemExit("triattn-check: --dtype bfloat16 needs ml_dtypes (pip install "
-                         "ml_dtypes), the bfloat16 type of CuPy arrays") from None
+        raise ImportError("--dtype bfloat16 needs ml_dtypes (pip install ml_dtypes), the "
+                          "bfloat16 type of CuPy arrays") from None
     return ml_dtypes.bfloat16
 
 
@@ -212,72 +213,81 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv=None) -> int:
-    args = _parser().parse_args(argv)
-    say = print
+def _label(name: str) -> str:
+    return f"{name + ':':<15}"
 
-    say(f"triattn-cupy {__version__}")
+
+def _report_installation(say):
+    """(CuPy or None, the usable GPUs, None or why the GPU API cannot run), reported."""
     try:
         import cupy
     except Exception as exc:  # not installed, or a broken CUDA install raising at import
-        cupy = None
-        say(f"CuPy:          not importable ({type(exc).__name__}: {exc})")
-        reason = f"the GPU API needs CuPy: {INSTALL_HINT}"
-    if cupy is not None:
-        say(f"CuPy:          {cupy.__version__}")
-        say("CUDA driver:   " + _version(
-            lambda: _cuda_version(cupy.cuda.runtime.driverGetVersion())))
-        say("CUDA runtime:  " + _version(
-            lambda: _cuda_version(cupy.cuda.runtime.runtimeGetVersion())))
-        say("NVRTC:         " + _version(
-            lambda: ".".join(map(str, cupy.cuda.nvrtc.getVersion()))))
-    gpus = []
-    if cupy is not None:
-        try:
-            check_cuda(cupy)
-            gpus, reason = _gpus(cupy), None
-        except GpuUnavailableError as exc:
-            reason = str(exc)
+        say(_label("CuPy") + f"not importable ({type(exc).__name__}: {exc})")
+        say(_label("GPU") + "none usable")
+        return None, [], f"the GPU API needs CuPy: {INSTALL_HINT}"
+    say(_label("CuPy") + cupy.__version__)
+    runtime = cupy.cuda.runtime
+    say(_label("CUDA driver") + _version(lambda: _cuda_version(runtime.driverGetVersion())))
+    say(_label("CUDA runtime") + _version(lambda: _cuda_version(runtime.runtimeGetVersion())))
+    say(_label("NVRTC") + _version(lambda: ".".join(map(str, cupy.cuda.nvrtc.getVersion()))))
+    try:
+        check_cuda(cupy)
+    except GpuUnavailableError as exc:
+        say(_label("GPU") + "none usable")
+        return cupy, [], str(exc)
+    gpus = _gpus(cupy)
     for gpu in gpus:
         cc = gpu["compute_capability"]
-        say(f"GPU {gpu['index']}:         {gpu['name']}, compute capability {cc // 10}.{cc % 10}, "
-            f"{gpu['sms']} SMs, {gpu['memory'] / 2**30:.1f} GiB")
-    if not gpus:
-        say("GPU:           none usable")
+        say(_label(f"GPU {gpu['index']}") + f"{gpu['name']}, compute capability "
+            f"{cc // 10}.{cc % 10}, {gpu['sms']} SMs, {gpu['memory'] / 2**30:.1f} GiB")
+    return cupy, gpus, None
 
-    cc = args.arch or (gpus[0]["compute_capability"] if gpus else None)
-    if cc is None:
-        say(f"routes:        no GPU to choose for (--arch 90 shows a compute capability "
-            f"9.0 GPU's for {args.shape})")
+
+def _report_routes(shape: Shape, arch: int | None, gpus: list[dict], say):
+    """The routes of `shape` on a GPU of compute capability `arch`, else on GPU 0."""
+    if arch is None and not gpus:
+        say(_label("routes") + f"no GPU to choose for (--arch 90 shows a compute "
+            f"capability 9.0 GPU's for {shape})")
+        return
+    if arch is None:
+        cc, smem, where = gpus[0]["compute_capability"], gpus[0]["smem_limit"], "GPU 0, "
     else:
-        smem = (gpus[0]["smem_limit"] if gpus and not args.arch
-                else _SMEM_OPTIN_KIB.get(cc, SMEM_LIMIT // 1024) * 1024)
-        say(f"routes:        {args.shape} (B x N x D x heads) on compute capability "
-            f"{cc // 10}.{cc % 10}{' (--arch)' if args.arch else ''}:")
-        for precision, route in route_names(args.shape, cc, smem).items():
-            say(f"  {precision:<5} {route}")
-    say(f"kernel cache:  {cache_report(kernel_cache_folder())}")
+        cc, smem, where = arch, _SMEM_OPTIN_KIB.get(arch, SMEM_LIMIT // 1024) * 1024, "--arch "
+    say(_label("routes") + f"{shape} (B x N x D x heads) on {where}compute capability "
+        f"{cc // 10}.{cc % 10}:")
+    for precision, route in route_names(shape, cc, smem).items():
+        say(f"  {precision:<5} {route}")
 
+
+def main(argv=None) -> int:
+    args = _parser().parse_args(argv)
+    say = print
+    say(f"triattn-cupy {__version__}")
+    cupy, gpus, reason = _report_installation(say)
+    _report_routes(args.shape, args.arch, gpus, say)
+    say(_label("kernel cache") + cache_report(kernel_cache_folder()))
     if reason is not None:
-        say(f"not usable:    {reason}")
+        say(_label("not usable") + reason)
         if args.warmup:
-            say("warmup:        not run: it compiles the kernels by running forwards, which "
-                "needs a GPU (run it where the kernels will run, or in a build on a GPU host)")
+            say(_label("warmup") + "not run: it compiles the kernels by running forwards, "
+                "which needs a GPU (run it where the kernels will run, or in a build on a GPU "
+                "host)")
         return NOT_USABLE
     if args.warmup:
-        dtypes = {name: _numpy_dtype(name) for name in args.dtype}
-        say(f"warmup:        {len(args.warmup)} shape{'s' * (len(args.warmup) > 1)} on GPU "
-            f"{cupy.cuda.Device().id}")
         started = time.perf_counter()
         try:
+            dtypes = {name: _numpy_dtype(name) for name in args.dtype}
+            say(_label("warmup") + f"{len(args.warmup)} shape{'s' * (len(args.warmup) > 1)} "
+                f"on GPU {cupy.cuda.Device().id}")
             compiled, cached = warmup(args.warmup, args.precision, dtypes, say)
-        except (ValueError, TypeError, GpuUnavailableError) as exc:
-            say(f"warmup failed: {exc}")
+        except (ImportError, ValueError, TypeError, MemoryError, RuntimeError) as exc:
+            # a shape the GPU refuses, too large for its memory, no ml_dtypes
+            say(_label("warmup failed") + f"{type(exc).__name__}: {exc}")
             return NOT_USABLE
-        say(f"warmup:        compiled {compiled}, cached {cached} in "
+        say(_label("warmup") + f"compiled {compiled}, cached {cached} in "
             f"{time.perf_counter() - started:.1f} s")
-        say(f"kernel cache:  {cache_report(kernel_cache_folder())}")
-    say("usable:        yes")
+        say(_label("kernel cache") + cache_report(kernel_cache_folder()))
+    say(_label("usable") + "yes")
     return USABLE
 
 
