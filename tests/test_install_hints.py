@@ -49,10 +49,18 @@ def test_missing_extra_names_a_working_command(monkeypatch, make_missing, call, 
 
 def test_no_hint_names_the_index_form_alone():
     """The old hints' spellings (`pip install triattn-cupy[x]`, `pip install
-    'triattn-cupy[x]'`) appear nowhere in the package."""
-    old = re.compile(r"pip install ['\"]?triattn-cupy\[")
+    'triattn-cupy[x]'`, `install triattn-cupy[x]`) appear nowhere in the package."""
+    old = re.compile(r"(pip )?install ['\"]?triattn-cupy\[")
     found = [f"{path.relative_to(PACKAGE)}:{text[:m.start()].count(chr(10)) + 1}"
              for path in sorted(PACKAGE.rglob("*.py")) if path.name != "_install.py"
              for text in [path.read_text()] for m in old.finditer(text)
              if ".[" not in text[m.start():m.start() + 200]]
     assert not found, found
+
+
+def test_gpu_probe_without_cupy_names_a_working_command(monkeypatch):
+    from triattn_cupy.cli import backends
+
+    monkeypatch.setitem(sys.modules, "cupy", None)
+    count, why = backends.gpu_probe()
+    assert count == 0 and _install.pip_install("cuda13") in why, why
