@@ -143,6 +143,7 @@ def test_cache_folder_default_is_cupys(monkeypatch):
     (["--warmup", "big"], "argument --warmup: a shape is BxNxDxh"),
     (["--arch", "hopper"], "--arch is a compute capability such as 90, sm_90 or 9.0; got "
                            "'hopper'"),
+    (["--arch", "9"], "--arch is a compute capability such as 90"),
     (["--precision", "fp16"], "argument --precision: invalid choice: 'fp16'"),
     (["--dtype", "float64"], "argument --dtype: invalid choice: 'float64'"),
 ])
@@ -154,7 +155,8 @@ def test_argument_errors(capsys, argv, message):
 
 
 @pytest.mark.parametrize("text, cc", [("90", 90), ("sm_90", 90), ("sm_90a", 90), ("9.0", 90),
-                                      ("8.6", 86), ("sm_80", 80), ("10.0", 100)])
+                                      ("8.6", 86), ("sm_80", 80), ("10.0", 100),
+                                      ("sm_100", 100), ("120", 120)])
 def test_arch_spellings(text, cc):
     assert check.parse_arch(text) == cc
 

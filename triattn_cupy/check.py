@@ -63,8 +63,8 @@ def parse_shape(text: str) -> Shape:
 
 
 def parse_arch(text: str) -> int:
-    """A compute capability: 90, sm_90 or 9.0."""
-    found = re.fullmatch(r"(?:sm_)?(\d)(\d)a?|(\d+)\.(\d)", text.strip())
+    """A compute capability: 90, sm_90, sm_90a or 9.0 (100, sm_100, 10.0)."""
+    found = re.fullmatch(r"(?:sm_)?(\d+)(\d)[af]?|(\d+)\.(\d)", text.strip())
     if not found:
         raise argparse.ArgumentTypeError(
             f"--arch is a compute capability such as 90, sm_90 or 9.0; got {text!r}")
