@@ -418,8 +418,9 @@ def test_local_gpu_cluster_without_dask_cuda(inputs, weights_file, tmp_path, cap
     monkeypatch.setattr(pipeline, "resolve_devices", lambda args: ("gpu", [0]))
     assert cli(weights_file, tmp_path / "out", inputs, "--cluster", "local",
                device=None) == 2
-    assert "--cluster local on GPUs needs dask-cuda (pip install dask-cuda)" in \
-        capsys.readouterr().err
+    assert ('--cluster local on GPUs needs dask-cuda (pip install '
+            '"triattn-cupy[distributed-cuda]" (from a source checkout: pip install '
+            '".[distributed-cuda]"))') in capsys.readouterr().err
 
 
 def test_cluster_flag_errors(loopback, inputs, weights_file, tmp_path, capsys, monkeypatch):

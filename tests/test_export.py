@@ -129,7 +129,9 @@ def test_state_dict_errors(tmp_path, module, torch):
 
 def test_missing_torch_is_a_clear_import_error(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "torch", None)  # makes `import torch` fail
-    with pytest.raises(ImportError, match=r"pip install triattn-cupy\[export\]"):
+    # both commands: by name from an index, by path from a source checkout
+    with pytest.raises(ImportError, match=r'pip install "triattn-cupy\[export\]" \(from a '
+                                          r'source checkout: pip install "\.\[export\]"\)'):
         export_weights({}, tmp_path / "w.h5")
 
 

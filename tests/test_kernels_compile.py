@@ -369,21 +369,34 @@ _MMA_SHAPES = [gpu.tiles.MmaTiles(*shape) for shape in
                 (16, 1, 1, 1, 2, 4), (32, 2, 2, 0, 1)]]
 
 
-@pytest.mark.parametrize("variant", list(gpu.routes.ATTENTION_MMA_VARIANTS))
-def test_mma_shared_memory_mirror_matches_the_kernel(variant):
+def _check_mma_shared_memory_mirror(variant, shapes):
     """gpu.tiles.attention_mma_smem_bytes, what the host asks for at launch, equals the
-    kernel's own SMEM_BYTES (compiled as a static_assert, PTX only), for every variant at
-    head dims on both sides of 16-wide k-steps (d % 16 == 8) and every listed shape."""
+    kernel's own SMEM_BYTES (compiled as a static_assert, PTX only), for `variant` at head
+    dims on both sides of 16-wide k-steps (d % 16 == 8) and each tile shape of `shapes(d)`."""
     for d in (8, 16, 24, 64):
         if d not in gpu.tiles.attention_mma_head_dims(variant):
             continue
-        for tiles in _MMA_SHAPES + [gpu.tiles.attention_mma_tiles(d, variant, n, cc)
-                                    for n in (128, 129) for cc in (80, 90)]:
+        for tiles in shapes(d):
             launch = gpu.routes.attention_mma_launch(d, variant, tiles)
             compile_ptx_or_fail(
                 gpu.compile.full_source(launch.config.filename, launch.config.defines)
                 + f'\nstatic_assert(SMEM_BYTES == {launch.smem}, "smem mirror: {variant} '
                 f'd={d} {tiles}");\n', "compute_80")
+
+
+@pytest.mark.parametrize("variant", list(gpu.routes.ATTENTION_MMA_VARIANTS))
+def test_mma_shared_memory_mirror_matches_the_kernel(variant):
+    """The shared memory mirror for the tile tables' shapes: what the routes launch."""
+    _check_mma_shared_memory_mirror(variant, lambda d: dict.fromkeys(
+        gpu.tiles.attention_mma_tiles(d, variant, n, cc) for n in (128, 129) for cc in (80, 90)))
+
+
+@pytest.mark.slow  # about 60 s on 2 cores: every listed shape at four head dims
+@pytest.mark.parametrize("variant", list(gpu.routes.ATTENTION_MMA_VARIANTS))
+def test_mma_shared_memory_mirror_of_the_tests_tile_shapes(variant):
+    """The shared memory mirror for every shape tests/test_attention_mma.py launches on the
+    GPU (run it with --run-slow before those)."""
+    _check_mma_shared_memory_mirror(variant, lambda d: _MMA_SHAPES)
 
 
 def test_no_generic_lambdas_in_kernels():

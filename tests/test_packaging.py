@@ -3,14 +3,18 @@ installed into a fresh venv, imported from a folder that is not the repository.
 
 Checks that the top-level kernels/ and weights/ folders ship as the subpackages
 ``triattn_cupy.kernels`` and ``triattn_cupy.default_weights`` (found through
-importlib.resources), and that importing the package never imports CuPy or touches CUDA.
+importlib.resources), that LICENSE and py.typed ship, that the metadata's Python
+requirement matches CuPy 14's, that every console script runs, and that importing the
+package never imports CuPy or touches CUDA.
 
 Building the wheel needs the build backend (setuptools), which pip fetches from the index.
 """
 from __future__ import annotations
 
+import email
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -130,8 +134,31 @@ def test_wheel_contents(wheel):
                  for p in _repo_files("kernels", "*.py", "*.cu", "*.cuh")}
     expected |= {f"triattn_cupy/default_weights/{p.name}"
                  for p in _repo_files("weights", "*.py", "*.h5", "README.md")}
+    expected.add("triattn_cupy/py.typed")  # PEP 561: the annotations are part of the API
     missing = sorted(expected - names)
     assert not missing, f"files of the repo missing from {wheel.name}: {missing}"
+    licenses = [name for name in names
+                if name.split("/")[0].endswith(".dist-info") and name.endswith("/LICENSE")]
+    assert len(licenses) == 1, sorted(names)
+    with zipfile.ZipFile(wheel) as archive:
+        assert archive.read(licenses[0]) == (REPO / "LICENSE").read_bytes()
+
+
+def test_wheel_metadata(wheel):
+    """The Python requirement is CuPy 14's (3.10), the classifiers name no older Python,
+    and the version is the package's."""
+    with zipfile.ZipFile(wheel) as archive:
+        name = next(n for n in archive.namelist() if n.endswith(".dist-info/METADATA"))
+        metadata = email.message_from_bytes(archive.read(name))
+    assert metadata["Requires-Python"] == ">=3.10"
+    pythons = [c.rsplit(" :: ", 1)[1] for c in metadata.get_all("Classifier")
+               if re.fullmatch(r"Programming Language :: Python :: 3\.\d+", c)]
+    assert pythons and all(tuple(map(int, v.split("."))) >= (3, 10) for v in pythons), pythons
+    assert "Typing :: Typed" in metadata.get_all("Classifier")
+    version = re.search(r'__version__ = "([^"]+)"',
+                        (REPO / "triattn_cupy" / "_version.py").read_text()).group(1)
+    assert metadata["Version"] == version
+    assert "LICENSE" in (metadata.get_all("License-File") or []), metadata.items()
 
 
 def test_installed_wheel(installed):
@@ -168,7 +195,7 @@ def test_console_scripts_resolve(installed):
                           if ep.group == "console_scripts"}))
     """)
     scripts = json.loads(_run([python, "-c", script], cwd=cwd).strip().splitlines()[-1])
-    assert {"triattn-export", "triattn-infer"} <= set(scripts), scripts
+    assert {"triattn-export", "triattn-infer", "triattn-check"} <= set(scripts), scripts
     not_written = []
     for name, value in sorted(scripts.items()):
         module, _, attr = value.partition(":")
@@ -179,6 +206,18 @@ def test_console_scripts_resolve(installed):
         _run([Path(python).parent / name, "--help"], cwd=cwd)
     if not_written:
         pytest.skip(f"entry points whose module is not in the repo yet: {not_written}")
+
+
+def test_installed_check_reports_the_cache(installed, tmp_path):
+    """triattn-check as installed: exit 0 or 1 as the host allows, naming the cache."""
+    python, _, cwd = installed
+    cache = tmp_path / "cache"
+    proc = subprocess.run([Path(python).parent / "triattn-check", "--arch", "90"], cwd=cwd,
+                          env=_clean_env(CUPY_CACHE_DIR=str(cache)), capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode in (0, 1), proc.stdout + proc.stderr
+    assert f"kernel cache:  {cache}" in proc.stdout, proc.stdout + proc.stderr
+    assert ("usable:        yes" in proc.stdout) == (proc.returncode == 0), proc.stdout
 
 
 def test_import_does_not_touch_cupy_or_cuda(tmp_path):

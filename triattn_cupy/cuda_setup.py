@@ -1,7 +1,8 @@
 """What the GPU API needs from the installation, checked before the first GPU call so that
 a missing piece gets an error that says what to do instead of a raw CUDA error.
 
-- CuPy: ``pip install "triattn-cupy[cuda13]"`` (``[cuda12]`` for a CUDA 12 driver), which
+- CuPy: ``pip install "triattn-cupy[cuda13]"`` (``pip install ".[cuda13]"`` from a source
+  checkout; ``cuda12`` for a CUDA 12 driver), which
   brings ``cupy-cuda13x[ctk]``: CuPy and the CUDA libraries it loads, NVRTC included;
 - a CUDA GPU: without one, `triattn_cupy.reference.triangle_attention` computes the same
   forward pass on the CPU with NumPy (it is never chosen silently);
@@ -10,8 +11,10 @@ a missing piece gets an error that says what to do instead of a raw CUDA error.
 """
 from __future__ import annotations
 
-INSTALL_HINT = ('pip install "triattn-cupy[cuda13]" (or "[cuda12]" for a CUDA 12 driver), '
-                'which brings cupy-cuda13x[ctk] / cupy-cuda12x[ctk] with NVRTC')
+from ._install import pip_install
+
+INSTALL_HINT = (f'{pip_install("cuda13")}, or the extra cuda12 for a CUDA 12 driver, '
+                f'which brings cupy-cuda13x[ctk] / cupy-cuda12x[ctk] with NVRTC')
 CPU_HINT = ("triattn_cupy.reference.triangle_attention computes the same forward pass on "
             "the CPU with NumPy")
 

@@ -46,6 +46,7 @@ import uuid
 
 import numpy as np
 
+from ._install import pip_install
 from ._version import __version__
 from .cli import pipeline
 from .cli.backends import SetupError, gpu_probe, precision_support
@@ -74,8 +75,8 @@ __all__ = ["infer_files", "triangle_attention", "run_batch", "check_worker_versi
 
 def _require_dask():
     if _IMPORT_ERROR is not None:
-        raise ImportError(f"triattn_cupy.distributed needs Dask: pip install "
-                          f"'triattn-cupy[distributed]' ({_IMPORT_ERROR})") from _IMPORT_ERROR
+        raise ImportError(f"triattn_cupy.distributed needs Dask: "
+                          f"{pip_install('distributed')} ({_IMPORT_ERROR})") from _IMPORT_ERROR
 
 
 # --- the batch job on a cluster ---------------------------------------------------------------

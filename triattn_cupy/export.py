@@ -4,7 +4,8 @@
 any checkpoint `triattn_cupy.importing` reads (the reference's names, OpenFold's, OpenFold3's,
 Boltz's, Protenix's) and exports one block (``--prefix``), lists them (``--list``) or exports
 every one (``--all DIR``). PyTorch is imported only when an export runs, so the package
-imports without it; install it with ``pip install triattn-cupy[export]``.
+imports without it; install it with ``pip install "triattn-cupy[export]"`` (``pip install ".[export]"``
+from a source checkout).
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from collections.abc import Mapping
 import numpy as np
 
 from . import importing
+from ._install import pip_install
 from .conventions import NODES
 from .hdf5 import save_weights
 from .weights import Weights
@@ -33,8 +35,8 @@ def _import_torch():
         import torch
     except ImportError as err:
         raise ImportError(
-            "exporting from PyTorch needs torch, which is not installed; "
-            "install it with: pip install triattn-cupy[export]") from err
+            f"exporting from PyTorch needs torch, which is not installed; "
+            f"install it with: {pip_install('export')}") from err
     return torch
 
 

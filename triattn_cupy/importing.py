@@ -37,6 +37,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
+from ._install import pip_install
 from .conventions import ENDING_NODES, check_node
 from .weights import LINEAR_NAMES, Weights
 
@@ -104,8 +105,8 @@ def _import_torch():
         import torch
     except ImportError as err:
         raise ImportError(
-            "reading PyTorch checkpoints needs torch, which is not installed; "
-            "install it with: pip install triattn-cupy[export]") from err
+            f"reading PyTorch checkpoints needs torch, which is not installed; "
+            f"install it with: {pip_install('export')}") from err
     return torch
 
 
@@ -159,8 +160,8 @@ def _load_safetensors(path: str) -> dict:
     try:
         from safetensors import safe_open
     except ImportError as err:
-        raise ImportError("reading .safetensors files needs safetensors, which is not "
-                          "installed; install it with: pip install triattn-cupy[safetensors]"
+        raise ImportError(f"reading .safetensors files needs safetensors, which is not "
+                          f"installed; install it with: {pip_install('safetensors')}"
                           ) from err
     try:  # torch tensors keep bfloat16, which NumPy cannot hold
         import torch  # noqa: F401

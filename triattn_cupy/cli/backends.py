@@ -17,6 +17,7 @@ import inspect
 import numpy as np
 
 from .. import reference
+from .._install import pip_install
 
 GIB = float(1 << 30)
 DEFAULT_PRECISIONS = ("fp32", "tf32", "bf16")
@@ -79,8 +80,9 @@ def gpu_probe() -> tuple[int, str]:
     try:
         import cupy
     except Exception as exc:
-        return 0, (f"CuPy is not importable ({type(exc).__name__}: {exc}); install "
-                   f"triattn-cupy[cuda12] or [cuda13] to match your CUDA driver")
+        return 0, (f"CuPy is not importable ({type(exc).__name__}: {exc}); install it: "
+                   f"{pip_install('cuda13')}, or the extra cuda12, matching your CUDA "
+                   f"driver")
     available = api.gpu_available() if hasattr(api, "gpu_available") else True
     try:
         count = cupy.cuda.runtime.getDeviceCount()  # also when not available: the reason

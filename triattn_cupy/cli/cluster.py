@@ -11,6 +11,7 @@ import contextlib
 import logging
 import os
 
+from .._install import pip_install
 from .backends import SetupError
 
 logger = logging.getLogger("triattn_cupy.cli")
@@ -46,8 +47,8 @@ def run_on_cluster(args):
         from .. import distributed
         distributed._require_dask()
     except ImportError as exc:
-        raise SetupError(f"--scheduler and --cluster need Dask: pip install "
-                         f"'triattn-cupy[distributed]' ({exc})") from None
+        raise SetupError(f"--scheduler and --cluster need Dask: "
+                         f"{pip_install('distributed')} ({exc})") from None
     with _client(args) as (client, args):
         logger.info("Dask cluster at %s: %d worker%s", client.scheduler.address,
                     _worker_count(client), "s" if _worker_count(client) != 1 else "")
@@ -103,8 +104,9 @@ def _local_cluster(args):
         try:
             from dask_cuda import LocalCUDACluster
         except Exception as exc:  # ImportError, or CUDA bindings that do not load
-            raise SetupError(f"--cluster local on GPUs needs dask-cuda (pip install "
-                             f"dask-cuda): {type(exc).__name__}: {exc}; or use --devices "
+            raise SetupError(f"--cluster local on GPUs needs dask-cuda ("
+                             f"{pip_install('distributed-cuda')}): {type(exc).__name__}: "
+                             f"{exc}; or use --devices "
                              f"without --cluster") from None
         # The workers' CUDA_VISIBLE_DEVICES replaces this process's: name the same GPUs.
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .._install import pip_install
 from .tiles import MAX_HEAD_DIM, MAX_PAIR_DIM, project_smem_bytes
 
 
@@ -12,8 +13,8 @@ def _cupy():
         import cupy
     except ImportError as error:  # pragma: no cover - depends on the installation
         raise ImportError(
-            "triattn_cupy's GPU functions need CuPy: pip install 'triattn-cupy[cuda13]' "
-            "(or [cuda12], matching your CUDA driver)") from error
+            f"triattn_cupy's GPU functions need CuPy: {pip_install('cuda13')}, or the "
+            f"extra cuda12, matching your CUDA driver") from error
     return cupy
 
 

@@ -75,6 +75,15 @@ def raw_module(filename: str, defines: tuple[tuple[str, int], ...], arch: str = 
     return cupy.RawModule(code=full_source(filename, defines), options=NVRTC_OPTIONS)
 
 
+def kernel_cache_folder() -> pathlib.Path:
+    """CuPy's kernel cache folder, where it keeps the binaries it compiles and where
+    _cubin_file keeps ours: $CUPY_CACHE_DIR, else ~/.cupy/kernel_cache (CuPy's rule)."""
+    import os
+
+    return pathlib.Path(os.environ.get("CUPY_CACHE_DIR",
+                                       pathlib.Path.home() / ".cupy" / "kernel_cache"))
+
+
 def _cubin_file(filename: str, defines: tuple[tuple[str, int], ...], arch: str) -> pathlib.Path:
     """The configuration compiled for `arch`, in CuPy's kernel cache folder under a name
     made of the source, options and NVRTC version (written whole, then renamed, so a
@@ -88,8 +97,7 @@ def _cubin_file(filename: str, defines: tuple[tuple[str, int], ...], arch: str) 
     source = full_source(filename, defines)
     options = (f"-arch={arch}", *NVRTC_OPTIONS, *_CUPY_OPTIONS)
     key = hashlib.sha256(repr((source, options, nvrtc.getVersion())).encode()).hexdigest()
-    folder = pathlib.Path(os.environ.get("CUPY_CACHE_DIR",
-                                         pathlib.Path.home() / ".cupy" / "kernel_cache"))
+    folder = kernel_cache_folder()
     path = folder / f"triattn_{key[:32]}.cubin"
     if not path.exists():
         folder.mkdir(parents=True, exist_ok=True)

@@ -7,7 +7,8 @@
 `triangle_attention(pair, mask, weights)` is the functional form on torch tensors. Both go
 through the registered op ``torch.ops.triattn.triangle_attention`` (traceable by
 torch.compile, replayable in CUDA graphs). Importing `triattn_cupy` never imports torch;
-importing this subpackage does (pip install 'triattn-cupy[torch]').
+importing this subpackage does (pip install "triattn-cupy[torch]", or
+pip install ".[torch]" from a source checkout).
 """
 from .ops import IO_DTYPES, triangle_attention
 from .blocks import accelerate, accelerated_blocks, restore
