@@ -16,6 +16,7 @@ import numpy as np
 
 from triattn_cupy.cli import claims as cli_claims
 from triattn_cupy.cli import outputs as cli_outputs
+from triattn_cupy.cli import runfiles
 from cli_support import (all_files, child_env, cli, dataset,  # noqa: F401
                          expected_output, make_pair, read_output, sha, start_slow_run,
                          wait_for_temp, weights, weights_file)
@@ -28,9 +29,13 @@ def dead_pid() -> int:
     return proc.pid
 
 
-def write_claim(path, host, pid, age=0.0):
-    path.write_text(json.dumps({"host": host, "pid": pid, "started": time.time(),
-                                "token": "x"}))
+def write_claim(path, host, pid, age=0.0, **fields):
+    """A claim record as a run writes it, naming `host` and `pid` (the process's start
+    and the boot of this host, unless `fields` say otherwise), of another run."""
+    record = {"host": host, "boot": runfiles.boot_id(), "pid": pid,
+              "pid_start": runfiles.process_start(pid), "run": "another run",
+              "started": time.time(), "token": "x", **fields}
+    path.write_text(json.dumps(record))
     t = time.time() - age
     os.utime(path, (t, t))
 
@@ -42,7 +47,7 @@ def test_claim_is_exclusive_and_released(tmp_path):
     with cli_claims.Claims() as mine:
         assert mine.acquire(out) is None
         record = json.loads((tmp_path / ".a.h5.claim").read_text())
-        assert record["pid"] == os.getpid() and record["host"] == cli_claims.host_token()
+        assert record["pid"] == os.getpid() and record["host"] == runfiles.host_token()
         assert "claimed by this run already" in mine.acquire(out)
         mine.release(out)
         assert not (tmp_path / ".a.h5.claim").exists()
@@ -55,10 +60,10 @@ def test_claim_of_a_live_process_is_respected_and_of_a_dead_one_taken_over(tmp_p
     claim = tmp_path / ".a.h5.claim"
     holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
-        write_claim(claim, cli_claims.host_token(), holder.pid, age=10_000)
+        write_claim(claim, runfiles.host_token(), holder.pid, age=10_000)
         with cli_claims.Claims(timeout=1) as mine:
             why = mine.acquire(out)
-            assert why and f"being computed by another run (host {cli_claims.host_token()}, " \
+            assert why and f"being computed by another run (host {runfiles.host_token()}, " \
                            f"process {holder.pid}" in why
     finally:
         holder.kill()
@@ -126,7 +131,7 @@ def test_a_run_killed_while_claiming_never_leaves_a_claim_in_the_way(tmp_path):
         time.sleep(0.02 + 0.01 * (kill % 7))
         proc.kill()
         proc.communicate()
-        cli_outputs.remove_stale_temps(str(tmp_path), 600)
+        runfiles.remove_left_behind(str(tmp_path), 600)
         with cli_claims.Claims() as mine:
             assert mine.acquire(out) is None, f"kill {kill}"
         assert os.listdir(tmp_path) == []
@@ -158,7 +163,7 @@ def test_claim_temporary_file_is_held_in_live_temps_while_it_exists(tmp_path, mo
     temp = seen[0][1]
     assert seen == [("add", temp, False), ("link", temp, True), ("discard", temp, False)]
     assert os.path.basename(temp).startswith(".a.h5.claim.") and temp.endswith(".tmp")
-    assert cli_outputs._TEMP_NAME.match(os.path.basename(temp))["pid"] == str(os.getpid())
+    assert runfiles._TEMP_NAME.match(os.path.basename(temp))["pid"] == str(os.getpid())
 
 
 def test_claim_is_written_in_place_where_there_are_no_hard_links(tmp_path, monkeypatch):
@@ -225,7 +230,7 @@ def test_stale_temporaries_and_claims_are_removed(dataset, weights_file, tmp_pat
     src, _ = dataset
     out = tmp_path / "out"
     out.mkdir()
-    me = cli_claims.host_token()
+    me = runfiles.host_token()
     dead = dead_pid()
     stale = [f".a.h5.{me}-{dead}-0123abcd.tmp",            # this host, process gone
              ".b.h5.elsewhere-7-0123abcd.tmp",             # another host, old
