@@ -97,7 +97,8 @@ def test_special_files_are_skipped_without_opening(weights, weights_file, tmp_pa
     err = proc.stderr
     assert "6 files: 1 computed, 5 skipped, 0 failed" in err
     assert "5 files skipped, not taken as inputs" in err
-    assert f"{src / 'dangling.npy'}: a broken link, not a regular file; not opened" in err
+    assert (f"{src / 'dangling.npy'}: a broken link (to {tmp_path / 'gone.npy'}, which does "
+            f"not exist); not followed") in err
     for name in ("fifo.npy", "fifo.h5"):
         assert f"{src / name}: a FIFO, not a regular file; not opened" in err
     assert f"{tmp_path / 'named.npz'}: a FIFO, not a regular file; not opened" in err
