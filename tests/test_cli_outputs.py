@@ -285,3 +285,57 @@ def test_name_collision_is_refused(weights_file, tmp_path, capsys):
     assert cli(weights_file, tmp_path / "out", src) == 1
     assert "is also the output of" in capsys.readouterr().err
     assert all_files(tmp_path / "out") == ["p.h5"]
+
+
+# --- names and messages ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("output_format", ["hdf5", "npy"])
+def test_non_utf8_file_names_are_recorded_as_bytes(weights, weights_file, tmp_path,
+                                                   output_format):
+    """A file name that is not UTF-8 (Latin-1 here) gives an output whose provenance
+    records the input's path: as its bytes in HDF5, surrogate-escaped in the .npy's JSON
+    record (json's \\udcXX escapes), which os.fsencode turns back into the bytes."""
+    rng = np.random.default_rng(19)
+    folder = os.fsencode(tmp_path)
+    name = b"caf\xe9"
+    pair = make_pair(rng, 4, 4)
+    with open(os.path.join(folder, name + b".npy"), "wb") as f:
+        np.save(f, pair)
+    out = tmp_path / "out"
+    assert cli(weights_file, out, os.fsdecode(os.path.join(folder, name + b".npy")),
+               "--output-format", output_format) == 0
+    suffix = b".h5" if output_format == "hdf5" else b".npy"
+    path = os.path.join(os.fsencode(out), name + suffix)
+    got, attrs = read_output(os.fsdecode(path))
+    assert_same(got, expected_output(weights, pair))
+    if output_format == "hdf5":
+        recorded = attrs["input_file"]
+    else:
+        import json
+        with open(path + b".json", encoding="utf-8") as f:
+            recorded = os.fsencode(json.load(f)["input_file"])
+    assert recorded == os.path.join(folder, name + b".npy")
+
+
+def test_a_multi_line_error_keeps_one_line_in_the_summary(dataset, weights_file, tmp_path,
+                                                          monkeypatch, capsys):
+    """HDF5's error text runs over several lines; the summary keeps one line per file."""
+    from triattn_cupy.cli import filejob, io as cli_io
+
+    src, _ = dataset
+    real = filejob.read_input
+
+    def read_input(path, *args, **kwargs):
+        if path.endswith("b.npy"):
+            raise cli_io.InputError("cannot read the hdf5 file: Unable to open\n"
+                                    "  (file signature not found)\n  major: File accessibility")
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(filejob, "read_input", read_input)
+    assert cli(weights_file, tmp_path / "out", src) == 1
+    err = capsys.readouterr().err
+    summary = err[err.index("1 file failed:"):]
+    assert summary.splitlines()[1] == (
+        f"  {src / 'b.npy'}: cannot read the hdf5 file: Unable to open (file signature not "
+        f"found) major: File accessibility")
+    assert len(summary.strip().splitlines()) == 2

@@ -122,7 +122,8 @@ def walk_inputs(folder: str, recursive: bool, exclude: str | None = None,
     The rule (README, docs/batch.md): a regular file with an input suffix is an input,
     also through a link, wherever the link points; with `recursive`, every sub-folder is
     searched, also through a link, wherever it points, each real folder once (the real
-    tree first, then the links, so a folder is named by its own path where it has one).
+    tree first, then the links, so a folder is named by its own path where it has one;
+    files reached without a link of their own come first, for the same reason).
     `left out` lists (path, reason) for everything else found, never passed over in
     silence: another suffix, special files (FIFO, socket, device: never opened), hidden
     files (a name starting with '.'), broken links, link cycles, a link to a folder that
@@ -131,7 +132,7 @@ def walk_inputs(folder: str, recursive: bool, exclude: str | None = None,
     .npy outputs' provenance records), and `exclude` (the output folder, when it lies in
     an input folder, so that outputs of an earlier run are not read).
     """
-    found, left_out, unsearched = [], [], []
+    found, linked_files, left_out, unsearched = [], [], [], []
     exclude = os.path.realpath(exclude) if exclude else None
     searched = {}  # real path of each folder listed -> the path it was listed under
     linked = []  # links to folders, followed once the real tree is listed
@@ -174,7 +175,7 @@ def walk_inputs(folder: str, recursive: bool, exclude: str | None = None,
                     continue
                 reason = _left_out_reason(path)
                 if reason is None:
-                    found.append(path)
+                    (linked_files if entry.is_symlink() else found).append(path)
                 else:
                     left_out.append((path, reason))
             stack.extend(reversed(subfolders))
@@ -190,7 +191,7 @@ def walk_inputs(folder: str, recursive: bool, exclude: str | None = None,
                                    f"link); not followed"))
         else:
             list_tree(link)
-    return found, left_out, unsearched
+    return found + linked_files, left_out, unsearched
 
 
 # --- reading ------------------------------------------------------------------------------
