@@ -519,6 +519,17 @@ def test_sweep_removes_temporaries_of_a_reused_process_id(tmp_path):
     assert os.path.exists(mine)
 
 
+def test_a_live_claim_of_another_run_in_this_process_is_kept(tmp_path):
+    """Two runs in one process (a Dask worker's threads, the client of a local cluster):
+    neither the sweep nor the other run takes a claim of a live run for stale."""
+    out = str(tmp_path / "a.h5")
+    with cli_claims.Claims() as first, cli_claims.Claims() as second:
+        assert first.acquire(out) is None
+        assert runfiles.remove_left_behind(str(tmp_path), 600) == ([], [])
+        assert "being computed by another run" in second.acquire(out)
+        assert json.loads((tmp_path / ".a.h5.claim").read_text())["run"] == first.run_id
+
+
 UNSHARED_RUN = """
 import sys
 from triattn_cupy.cli import main, outputs

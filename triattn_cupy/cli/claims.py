@@ -40,7 +40,7 @@ import time
 import uuid
 
 from .runfiles import (UNREADABLE_GRACE, claim_holder_ended, claim_path, holder_record,
-                       read_claim, temp_path_for)
+                       live_runs, read_claim, temp_path_for)
 
 logger = logging.getLogger("triattn_cupy.cli")
 
@@ -48,7 +48,6 @@ DEFAULT_TIMEOUT = 600.0  # seconds without a refresh before another host's claim
 # link() errors that mean the filesystem has no hard links (then: O_EXCL in place).
 _NO_HARD_LINKS = {errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.ENOSYS, errno.EMLINK,
                   errno.EXDEV}
-_live_runs = set()  # run ids of this process's Claims, from creation until left
 
 
 class ClaimConflict(Exception):
@@ -71,7 +70,7 @@ class Claims:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = None
-        _live_runs.add(self.run_id)
+        live_runs.add(self.run_id)
 
     def __enter__(self):
         self._thread = threading.Thread(target=self._refresh_loop, daemon=True,
@@ -85,7 +84,7 @@ class Claims:
             self._thread.join(timeout=5)
         for output in list(self._held):
             self.release(output)
-        _live_runs.discard(self.run_id)
+        live_runs.discard(self.run_id)
         return False
 
     def acquire(self, output: str, live_temps=None) -> str | None:
@@ -159,7 +158,7 @@ class Claims:
                     f"its claim {path} ({who}) is dated {-age:.0f} s in the future: the "
                     f"clocks disagree by more than --claim-timeout ({self.timeout:g} s), "
                     f"or it was set so; remove it if no run is computing this output")
-            gone = claim_holder_ended(record, age, self.timeout, _live_runs)
+            gone = claim_holder_ended(record, age, self.timeout)
         if not gone:
             return f"being computed by another run ({who}; claimed {max(age, 0):.0f} s ago)"
         if read_claim(path) != record:  # changed meanwhile: look again

@@ -42,6 +42,9 @@ _ANONYMOUS_TEMP_NAME = re.compile(r"^\..+\.[0-9a-f]{12}\.tmp$", re.DOTALL)
 UNREADABLE_GRACE = 30.0
 # A claim record of at most this size is read (a record is about 300 bytes).
 _RECORD_BYTES = 4096
+# The run ids of this process's live claims (`claims.Claims`, from creation until left):
+# a claim naming this process is alive only if its run id is here.
+live_runs = set()
 
 
 # --- this host and its processes ----------------------------------------------------------
@@ -172,10 +175,10 @@ def read_claim(path: str):
     return record if isinstance(record, dict) else None
 
 
-def claim_holder_ended(record: dict, age: float, timeout: float, live_runs=()) -> bool:
+def claim_holder_ended(record: dict, age: float, timeout: float) -> bool:
     """Whether the holder of the claim `record`, last refreshed `age` seconds ago, has
-    ended. `live_runs`: the run ids of this process's live claims."""
-    if record.get("run") in live_runs and record.get("run"):
+    ended."""
+    if record.get("run") in live_runs:
         return False
     host, pid = str(record.get("host")), _int(record.get("pid"))
     boot = record.get("boot")
