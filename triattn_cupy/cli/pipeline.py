@@ -200,7 +200,8 @@ class _Pipeline:
         self.backends = backends
         self.claims = claims
         self.settings = settings
-        self.stop = threading.Event()
+        self.stop = threading.Event()  # the first signal: start no other file
+        self.quit = threading.Event()  # the run is over (a second signal): write no more
         self.live_temps = set()  # temporary outputs being written, for a last clean-up
         self.seen = set()  # inputs that reached an outcome
         n = len(backends)
@@ -242,6 +243,7 @@ class _Pipeline:
                 return self.stop.is_set()
             finally:
                 self.stop.set()
+                self.quit.set()
                 for t in threads:
                     if t.ident is not None:  # (started)
                         t.join(timeout=1.0)
@@ -390,6 +392,8 @@ class _Pipeline:
                     break
                 task, meta, out, positions = item
                 item = None
+                if self.quit.is_set():  # quit at once: what is not written yet is lost
+                    continue
                 try:
                     write_file(task, out, meta, self.settings, self.live_temps)
                 except BaseException as exc:  # Ctrl-C included: the temp file is gone
