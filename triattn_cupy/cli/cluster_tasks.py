@@ -1,6 +1,6 @@
-"""The worker side of `triattn-infer` on a Dask cluster (`cluster_run`): the
-task that does one file, what a worker process keeps between files, and the record of a
-run's claims and temporary outputs on the scheduler.
+"""The worker side of `triattn-infer` on a Dask cluster (`cluster_run`): the task that does
+one file, what a worker process keeps between files, and the record of a run's claims and
+temporary outputs on the scheduler.
 
 A file's task claims its output, reads, computes and writes it through the local
 pipeline's steps (`filejob`), so its output is the one a local run writes. A worker
@@ -151,10 +151,10 @@ def _claim(claims: Claims, client, run_key: str, task) -> str | None:
     """Claim the task's output as the local pipeline does; None when claimed, else why the
     file is skipped.
 
-    Each attempt records its worker's claims (their run id) under this run before claiming. A
-    claim held by an earlier attempt of this run is taken over: the scheduler starts a task
-    again only once it has lost the worker of the earlier attempt, and a claim from another
-    host would otherwise hold the file until the claim timeout."""
+    Each attempt records the run id of its worker's claims under this run before claiming.
+    A claim held by an earlier attempt of this run is taken over: the scheduler starts a
+    task again only once it has lost the worker of the earlier attempt, and a claim from
+    another host would otherwise hold the file until the claim timeout."""
     recorded = [RUN_KEY, run_key, "claims", task.output]
     earlier = client.get_metadata(recorded, default=None) or {}
     client.set_metadata(recorded + [claims.run_id], True)

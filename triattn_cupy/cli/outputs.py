@@ -78,8 +78,8 @@ def existing_output_state(path, output_format: str, *, verify: bool = False):
     "complete": an output of ours that reads back (its recorded attributes are returned);
     "foreign": a file that is not proven ours (an HDF5 file that cannot be opened or has
     no format attribute of ours, a .npy without our provenance record, anything but a
-    regular file), never to be replaced; its attrs hold the "reason" when it is
-    unreadable; "broken": ours but incomplete or unreadable, to be recomputed. `verify`: also check
+    regular file), never to be replaced (attrs: the "reason" when it cannot be read);
+    "broken": ours but incomplete or unreadable, to be recomputed. `verify`: also check
     a .npy's SHA-256 against its record (a .npy changed since we wrote it is foreign).
     """
     if not os.path.lexists(path):

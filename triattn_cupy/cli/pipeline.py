@@ -10,8 +10,8 @@ How a run is organised (one process, threads):
 The queues are short, so reading the next file overlaps the computation of the current
 one, and writing overlaps both, while host memory stays bounded. Interrupted (the first
 Ctrl-C or SIGTERM), a run starts no other file: each worker finishes the file it is
-computing, the writer writes it, and files read but not started are dropped (their
-outputs are left for the next run). The main thread only
+computing, the writer writes it and those computed already, and files read but not
+started are dropped (their outputs are left for the next run). The main thread only
 plans, shows progress and reports. A problem with one file fails that file alone; the run
 goes on, and the exit status says whether anything failed. The steps themselves (read,
 compute, write with provenance) are the functions of `filejob`, which the workers of a Dask
