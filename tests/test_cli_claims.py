@@ -481,6 +481,18 @@ def test_claims_no_run_can_judge_are_conflicts(dataset, weights_file, tmp_path, 
     assert (out / ".a.h5.claim").is_dir() and os.stat(out / ".b.h5.claim").st_mtime == future
 
 
+def test_a_claim_of_this_host_dated_in_the_future_is_judged_by_its_process(tmp_path):
+    """On this host the process decides, whatever the date (a clock set back): a claim of
+    a process that has ended is taken over, by the sweep too."""
+    out = str(tmp_path / "a.h5")
+    claim = tmp_path / ".a.h5.claim"
+    write_claim(claim, runfiles.host_token(), dead_pid(), age=-10 * 24 * 3600)
+    assert runfiles.remove_left_behind(str(tmp_path), 60) == ([], [str(claim)])
+    write_claim(claim, runfiles.host_token(), dead_pid(), age=-10 * 24 * 3600)
+    with cli_claims.Claims(timeout=60) as mine:
+        assert mine.acquire(out) is None
+
+
 def test_long_output_names_get_claims_and_temporary_files(weights, weights_file, tmp_path):
     """An output name the filesystem takes (here 253 bytes) also gets its claim and its
     temporary names (hash-shortened), for both output formats; a .npy output whose record

@@ -25,8 +25,9 @@ once its output is written or has failed, and expires when its holder is gone
 An expired claim is removed and taken over. Two runs that break the same expired claim
 at the same instant can both compute that output; the output stays whole (each write is
 atomic), only the work is done twice. Something at a claim's name that no run can judge
-(a folder, a link, a claim dated more than `timeout` in the future, one that cannot be
-removed) raises `ClaimConflict`: its output is reported failed, never skipped for ever.
+(a folder, a link, another machine's claim dated more than `timeout` in the future, an
+expired claim that cannot be removed) raises `ClaimConflict`: its output is reported
+failed, never skipped for ever.
 """
 from __future__ import annotations
 
@@ -40,7 +41,7 @@ import time
 import uuid
 
 from .runfiles import (UNREADABLE_GRACE, claim_holder_ended, claim_path, holder_record,
-                       live_runs, read_claim, temp_path_for)
+                       judged_by_age, live_runs, read_claim, temp_path_for)
 
 logger = logging.getLogger("triattn_cupy.cli")
 
@@ -153,7 +154,7 @@ class Claims:
             if record.get("run") == self.run_id:
                 return "claimed by this run already (the output is named twice?)"
             who = f"host {record.get('host')}, process {record.get('pid')}"
-            if -age > self.timeout:
+            if -age > self.timeout and judged_by_age(record):
                 raise ClaimConflict(
                     f"its claim {path} ({who}) is dated {-age:.0f} s in the future: the "
                     f"clocks disagree by more than --claim-timeout ({self.timeout:g} s), "

@@ -175,15 +175,23 @@ def read_claim(path: str):
     return record if isinstance(record, dict) else None
 
 
+def judged_by_age(record: dict) -> bool:
+    """Whether the holder of the claim `record` is another machine (another host name,
+    or this one with another boot: a machine of the same name, or this one before a
+    reboot), whose processes cannot be seen: its claim expires by age alone."""
+    boot = record.get("boot")
+    return (str(record.get("host")) != host_token()
+            or bool(boot and boot_id() and boot != boot_id()))
+
+
 def claim_holder_ended(record: dict, age: float, timeout: float) -> bool:
     """Whether the holder of the claim `record`, last refreshed `age` seconds ago, has
     ended."""
     if record.get("run") in live_runs:
         return False
-    host, pid = str(record.get("host")), _int(record.get("pid"))
-    boot = record.get("boot")
-    if host != host_token() or (boot and boot_id() and boot != boot_id()):
-        return age > timeout  # another machine (or this one before a reboot)
+    if judged_by_age(record):
+        return age > timeout
+    pid = _int(record.get("pid"))
     if pid == os.getpid():
         return True  # this process, which holds no live run of that id
     start = record.get("pid_start")
@@ -205,8 +213,8 @@ def remove_left_behind(folder: str, timeout: float):
     """Remove the temporary files and the claims in `folder` whose holder has ended
     (killed, or on a host that crashed); return (temporary files, claims) removed. An
     unreadable claim goes once older than max(timeout, UNREADABLE_GRACE); a claim that
-    is not a regular file, or is dated in the future, is left for the run that meets it
-    to report."""
+    is not a regular file, or another machine's dated in the future, is left for the run
+    that meets it to report."""
     temps, claims = [], []
     try:
         entries = [e for e in os.scandir(folder) if e.name.startswith(".")]
@@ -226,7 +234,7 @@ def remove_left_behind(folder: str, timeout: float):
             if record is None:
                 gone = age > max(timeout, UNREADABLE_GRACE)
             else:
-                gone = age >= 0 and claim_holder_ended(record, age, timeout)
+                gone = claim_holder_ended(record, age, timeout)
             if gone and read_claim(entry.path) == record and _remove(entry.path):
                 claims.append(entry.path)
             continue
