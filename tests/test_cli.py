@@ -447,3 +447,18 @@ def test_cli_modules_import_no_circle_and_stay_small():
 
     for name in modules:
         visit(name, [])
+
+
+def test_distributed_depends_on_cli_never_the_reverse():
+    """triattn_cupy.distributed imports the command's package; no module of
+    triattn_cupy.cli imports triattn_cupy.distributed, not even inside a function."""
+    import ast
+
+    folder = REPO / "triattn_cupy" / "cli"
+    for path in folder.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level == 2:
+                names = {node.module} if node.module else {a.name for a in node.names}
+                assert "distributed" not in {n.split(".")[0] for n in names}, path.name
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                assert not node.module.startswith("triattn_cupy.distributed"), path.name

@@ -6,6 +6,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import pathlib
 import re
 import signal
 import subprocess
@@ -13,9 +14,11 @@ import sys
 import time
 
 import numpy as np
+import pytest
 
 from triattn_cupy.cli import claims as cli_claims
 from triattn_cupy.cli import outputs as cli_outputs
+from triattn_cupy.cli import runfiles
 from cli_support import (all_files, child_env, cli, dataset,  # noqa: F401
                          expected_output, make_pair, read_output, sha, start_slow_run,
                          wait_for_temp, weights, weights_file)
@@ -28,9 +31,13 @@ def dead_pid() -> int:
     return proc.pid
 
 
-def write_claim(path, host, pid, age=0.0):
-    path.write_text(json.dumps({"host": host, "pid": pid, "started": time.time(),
-                                "token": "x"}))
+def write_claim(path, host, pid, age=0.0, **fields):
+    """A claim record as a run writes it, naming `host` and `pid` (the process's start
+    and the boot of this host, unless `fields` say otherwise), of another run."""
+    record = {"host": host, "boot": runfiles.boot_id(), "pid": pid,
+              "pid_start": runfiles.process_start(pid), "run": "another run",
+              "started": time.time(), "token": "x", **fields}
+    path.write_text(json.dumps(record))
     t = time.time() - age
     os.utime(path, (t, t))
 
@@ -42,7 +49,7 @@ def test_claim_is_exclusive_and_released(tmp_path):
     with cli_claims.Claims() as mine:
         assert mine.acquire(out) is None
         record = json.loads((tmp_path / ".a.h5.claim").read_text())
-        assert record["pid"] == os.getpid() and record["host"] == cli_claims.host_token()
+        assert record["pid"] == os.getpid() and record["host"] == runfiles.host_token()
         assert "claimed by this run already" in mine.acquire(out)
         mine.release(out)
         assert not (tmp_path / ".a.h5.claim").exists()
@@ -55,10 +62,10 @@ def test_claim_of_a_live_process_is_respected_and_of_a_dead_one_taken_over(tmp_p
     claim = tmp_path / ".a.h5.claim"
     holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
-        write_claim(claim, cli_claims.host_token(), holder.pid, age=10_000)
+        write_claim(claim, runfiles.host_token(), holder.pid, age=10_000)
         with cli_claims.Claims(timeout=1) as mine:
             why = mine.acquire(out)
-            assert why and f"being computed by another run (host {cli_claims.host_token()}, " \
+            assert why and f"being computed by another run (host {runfiles.host_token()}, " \
                            f"process {holder.pid}" in why
     finally:
         holder.kill()
@@ -126,7 +133,7 @@ def test_a_run_killed_while_claiming_never_leaves_a_claim_in_the_way(tmp_path):
         time.sleep(0.02 + 0.01 * (kill % 7))
         proc.kill()
         proc.communicate()
-        cli_outputs.remove_stale_temps(str(tmp_path), 600)
+        runfiles.remove_left_behind(str(tmp_path), 600)
         with cli_claims.Claims() as mine:
             assert mine.acquire(out) is None, f"kill {kill}"
         assert os.listdir(tmp_path) == []
@@ -158,7 +165,7 @@ def test_claim_temporary_file_is_held_in_live_temps_while_it_exists(tmp_path, mo
     temp = seen[0][1]
     assert seen == [("add", temp, False), ("link", temp, True), ("discard", temp, False)]
     assert os.path.basename(temp).startswith(".a.h5.claim.") and temp.endswith(".tmp")
-    assert cli_outputs._TEMP_NAME.match(os.path.basename(temp))["pid"] == str(os.getpid())
+    assert runfiles._TEMP_NAME.match(os.path.basename(temp))["pid"] == str(os.getpid())
 
 
 def test_claim_is_written_in_place_where_there_are_no_hard_links(tmp_path, monkeypatch):
@@ -225,7 +232,7 @@ def test_stale_temporaries_and_claims_are_removed(dataset, weights_file, tmp_pat
     src, _ = dataset
     out = tmp_path / "out"
     out.mkdir()
-    me = cli_claims.host_token()
+    me = runfiles.host_token()
     dead = dead_pid()
     stale = [f".a.h5.{me}-{dead}-0123abcd.tmp",            # this host, process gone
              ".b.h5.elsewhere-7-0123abcd.tmp",             # another host, old
@@ -381,3 +388,214 @@ def test_no_file_vanishes_when_a_thread_stops(dataset, weights_file, tmp_path, m
     assert "reader thread 0 stopped by an internal error" in err and "simulated bug" in err
     assert "4 files: 1 computed, 0 skipped, 3 failed" in err
     assert err.count("not processed: an internal error stopped a pipeline thread") >= 3
+
+
+# --- claims after a restart, and claims no run can judge -------------------------------
+
+def test_a_claim_naming_this_process_from_another_run_is_not_ours(tmp_path):
+    """A container restarted with the same host name gives its new run the process id of
+    the old one: a claim naming this host and this process that another run made (its run
+    id differs) is stale, taken over, never "claimed by this run already"."""
+    out = str(tmp_path / "a.h5")
+    claim = tmp_path / ".a.h5.claim"
+    me = runfiles.host_token()
+    for record in ({},  # the earlier run's record: all but the run id as ours
+                   {"pid_start": None, "boot": None},  # where /proc does not tell
+                   {"run": None, "pid_start": None}):  # an older version's record
+        write_claim(claim, me, os.getpid(), **record)
+        with cli_claims.Claims() as mine:
+            assert mine.acquire(out) is None, record
+            assert json.loads(claim.read_text())["run"] == mine.run_id
+            assert "claimed by this run already" in mine.acquire(out)
+        assert not claim.exists()
+
+
+def test_a_claim_of_a_reused_process_id_is_stale(tmp_path):
+    """A claim naming a live process of this host that started at another time than the
+    claim's holder (the id was reused, e.g. PID 1 of another program after a restart) is
+    stale; the same process, started when the claim says, is respected."""
+    out = str(tmp_path / "a.h5")
+    claim = tmp_path / ".a.h5.claim"
+    me = runfiles.host_token()
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        start = runfiles.process_start(other.pid)
+        assert start is not None
+        write_claim(claim, me, other.pid, pid_start=start)
+        with cli_claims.Claims() as mine:
+            assert f"being computed by another run (host {me}, process {other.pid}" in (
+                mine.acquire(out))
+        for pid in (other.pid, 1):
+            write_claim(claim, me, pid, pid_start=runfiles.process_start(pid) + 1)
+            with cli_claims.Claims() as mine:
+                assert mine.acquire(out) is None, pid
+    finally:
+        other.kill()
+        other.wait()
+
+
+def test_claims_of_another_boot_of_this_host_expire_by_age(tmp_path):
+    """The same host name with another boot id is another machine (or this one before a
+    reboot): its processes cannot be seen, so its claim expires by age, as another host's."""
+    out = str(tmp_path / "a.h5")
+    claim = tmp_path / ".a.h5.claim"
+    write_claim(claim, runfiles.host_token(), dead_pid(), boot="another-boot", age=5)
+    with cli_claims.Claims(timeout=60) as mine:
+        assert "being computed by another run" in mine.acquire(out)
+    write_claim(claim, runfiles.host_token(), dead_pid(), boot="another-boot", age=120)
+    with cli_claims.Claims(timeout=60) as mine:
+        assert mine.acquire(out) is None
+
+
+def test_a_restarted_run_computes_what_its_earlier_self_had_claimed(dataset, weights_file,
+                                                                    tmp_path, capsys):
+    """The whole run, after a restart that reused this process's id: every output that
+    the earlier run had claimed is computed, exit 0 (before: all skipped, exit 0)."""
+    src, _ = dataset
+    out = tmp_path / "out"
+    out.mkdir()
+    for name in ("a", "b", "c", "d"):
+        write_claim(out / f".{name}.h5.claim", runfiles.host_token(), os.getpid())
+    assert cli(weights_file, out, src) == 0
+    assert "4 files: 4 computed, 0 skipped, 0 failed" in capsys.readouterr().err
+    assert all_files(out) == ["a.h5", "b.h5", "c.h5", "d.h5"]
+
+
+def test_claims_no_run_can_judge_are_conflicts(dataset, weights_file, tmp_path, capsys):
+    """A folder at a claim's name, and another host's claim dated in the future beyond the
+    claim timeout, never hold their output back for ever with exit 0: each is reported by
+    name as a conflict (exit 1) and left as it is; the other files are computed."""
+    src, _ = dataset
+    out = tmp_path / "out"
+    (out / ".a.h5.claim").mkdir(parents=True)
+    write_claim(out / ".b.h5.claim", "elsewhere", 7, age=-10 * 24 * 3600)
+    future = os.stat(out / ".b.h5.claim").st_mtime
+    assert cli(weights_file, out, src) == 1
+    err = capsys.readouterr().err
+    assert (f"a.npy: its claim {out / '.a.h5.claim'} is a folder, not a claim file of "
+            f"triattn-infer; remove it to compute this output (conflict)") in err
+    assert (f"b.npy: its claim {out / '.b.h5.claim'} (host elsewhere, process 7) is dated "
+            f"864000 s in the future") in err
+    assert "4 files: 2 computed, 0 skipped, 2 failed" in err
+    assert all_files(out) == [".b.h5.claim", "c.h5", "d.h5"]
+    assert (out / ".a.h5.claim").is_dir() and os.stat(out / ".b.h5.claim").st_mtime == future
+
+
+def test_a_claim_of_this_host_dated_in_the_future_is_judged_by_its_process(tmp_path):
+    """On this host the process decides, whatever the date (a clock set back): a claim of
+    a process that has ended is taken over, by the sweep too."""
+    out = str(tmp_path / "a.h5")
+    claim = tmp_path / ".a.h5.claim"
+    write_claim(claim, runfiles.host_token(), dead_pid(), age=-10 * 24 * 3600)
+    assert runfiles.remove_left_behind(str(tmp_path), 60) == ([], [str(claim)])
+    write_claim(claim, runfiles.host_token(), dead_pid(), age=-10 * 24 * 3600)
+    with cli_claims.Claims(timeout=60) as mine:
+        assert mine.acquire(out) is None
+
+
+def test_long_output_names_get_claims_and_temporary_files(weights, weights_file, tmp_path):
+    """An output name the filesystem takes (here 253 bytes) also gets its claim and its
+    temporary names (hash-shortened), for both output formats; a .npy output whose record
+    name would be too long fails at planning with the reason."""
+    rng = np.random.default_rng(25)
+    name = "é" * 100 + "x" * 50  # 250 bytes
+    pair = make_pair(rng, 4, 4)
+    np.save(tmp_path / f"{name}.npy", pair)
+    out = tmp_path / "out"
+    claims = runfiles.claim_path(str(out / f"{name}.h5"))
+    assert len(os.fsencode(os.path.basename(claims))) <= 255
+    assert claims == runfiles.claim_path(str(out / f"{name}.h5"))  # the same on every run
+    temp = runfiles.temp_path_for(str(out / f"{name}.h5"))
+    assert len(os.fsencode(os.path.basename(temp))) <= 255 and runfiles.is_run_file(
+        os.path.basename(temp))
+    assert cli(weights_file, out, tmp_path / f"{name}.npy") == 0
+    assert all_files(out) == [f"{name}.h5"]
+    np.testing.assert_allclose(read_output(out / f"{name}.h5")[0],
+                               expected_output(weights, pair), rtol=1e-6, atol=1e-6)
+    assert cli(weights_file, out, tmp_path / f"{name}.npy", "--output-format", "npy") == 1
+    assert all_files(out) == [f"{name}.h5"]
+
+
+def test_sweep_removes_temporaries_of_a_reused_process_id(tmp_path):
+    """A temporary file naming this host and a live process id, but another start time,
+    was left by an earlier process of that id: removed. One of this process: kept."""
+    folder = tmp_path
+    mine = runfiles.temp_path_for(str(folder / "a.h5"))
+    me, pid = runfiles.host_token(), os.getpid()
+    start = runfiles.process_start(pid)
+    earlier = folder / f".b.h5.{me}-{pid}-s{start + 1}-0123abcd.tmp"
+    for path in (mine, earlier):
+        pathlib.Path(path).write_bytes(b"partial")
+    temps, claims = runfiles.remove_left_behind(str(folder), 600)
+    assert temps == [str(earlier)] and claims == []
+    assert os.path.exists(mine)
+
+
+def test_a_live_claim_of_another_run_in_this_process_is_kept(tmp_path):
+    """Two runs in one process (a Dask worker's threads, the client of a local cluster):
+    neither the sweep nor the other run takes a claim of a live run for stale."""
+    out = str(tmp_path / "a.h5")
+    with cli_claims.Claims() as first, cli_claims.Claims() as second:
+        assert first.acquire(out) is None
+        assert runfiles.remove_left_behind(str(tmp_path), 600) == ([], [])
+        assert "being computed by another run" in second.acquire(out)
+        assert json.loads((tmp_path / ".a.h5.claim").read_text())["run"] == first.run_id
+
+
+UNSHARED_RUN = """
+import sys
+from triattn_cupy.cli import main, outputs
+real = outputs._write_hdf5
+def never_finishing(tmp, out, attrs):
+    real(tmp, out, attrs)
+    open(sys.argv[1], "w").close()  # a temporary output exists: the test kills us now
+    import time
+    time.sleep(600)
+if sys.argv[1] != "-":
+    outputs._write_hdf5 = never_finishing
+sys.exit(main.main(sys.argv[2:]))
+"""
+
+
+def _unshare_works() -> bool:
+    try:
+        return subprocess.run(["unshare", "--pid", "--fork", "--kill-child", "--mount-proc",
+                               "true"], capture_output=True, timeout=30).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+def test_a_run_restarted_in_a_new_pid_namespace_computes_everything(tmp_path,
+                                                                    weights_file):
+    """The restart itself: a run as PID 1 of a fresh PID namespace, killed mid-write,
+    then a second run as PID 1 of another: it takes over the claim of the first (same
+    host, same PID, another run), computes every file and exits 0."""
+    if not _unshare_works():
+        pytest.skip("unshare --pid --fork --mount-proc is not permitted here (needs root "
+                    "or user namespaces)")
+    rng = np.random.default_rng(26)
+    src = tmp_path / "in"
+    src.mkdir()
+    for i in range(3):
+        np.save(src / f"x{i}.npy", make_pair(rng, 4, 4))
+    out, writing = tmp_path / "out", tmp_path / "writing"
+    argv = [str(src), "-o", str(out), "--weights", str(weights_file), "--device", "cpu"]
+    unshare = ["unshare", "--pid", "--fork", "--kill-child", "--mount-proc", sys.executable,
+               "-c", UNSHARED_RUN]
+    first = subprocess.Popen(unshare + [str(writing)] + argv, env=child_env(),
+                             stderr=subprocess.PIPE, text=True)
+    try:
+        while not writing.exists():
+            assert first.poll() is None, first.communicate()[1]
+            time.sleep(0.02)
+        left = all_files(out)
+        claimed = [f for f in left if f.endswith(".claim")]
+        assert claimed and json.loads((out / claimed[0]).read_text())["pid"] == 1
+    finally:
+        first.kill()  # unshare, and with it (--kill-child) the run
+        first.communicate(timeout=60)
+    second = subprocess.run(unshare + ["-"] + argv, env=child_env(), capture_output=True,
+                            text=True, timeout=120)
+    assert second.returncode == 0, second.stderr
+    assert "3 files: 3 computed, 0 skipped, 0 failed" in second.stderr
+    assert all_files(out) == ["x0.h5", "x1.h5", "x2.h5"]

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from triattn_cupy.cli import io as cli_io
-from cli_support import (D, all_files, assert_same, child_env, cli,  # noqa: F401
+from cli_support import (D, all_files, assert_same, child_env, cli, dataset,  # noqa: F401
                          expected_output, make_pair, padding_mask, read_output, weights,
                          weights_file, write_h5)
 
@@ -97,7 +97,8 @@ def test_special_files_are_skipped_without_opening(weights, weights_file, tmp_pa
     err = proc.stderr
     assert "6 files: 1 computed, 5 skipped, 0 failed" in err
     assert "5 files skipped, not taken as inputs" in err
-    assert f"{src / 'dangling.npy'}: a broken link, not a regular file; not opened" in err
+    assert (f"{src / 'dangling.npy'}: a broken link (to {tmp_path / 'gone.npy'}, which does "
+            f"not exist); not followed") in err
     for name in ("fifo.npy", "fifo.h5"):
         assert f"{src / name}: a FIFO, not a regular file; not opened" in err
     assert f"{tmp_path / 'named.npz'}: a FIFO, not a regular file; not opened" in err
@@ -240,3 +241,74 @@ def test_float16_inputs_give_float16_outputs(weights, weights_file, tmp_path):
         assert got.dtype == np.float16 and got.shape == pair.shape
         np.testing.assert_allclose(got.astype(np.float32), expected.astype(np.float32),
                                    rtol=2 ** -10, atol=1e-3)
+
+
+# --- what -r follows, and what it leaves out --------------------------------------------
+
+def test_recursive_follows_links_by_one_rule_and_reports_what_it_leaves_out(
+        weights, weights_file, tmp_path, capsys):
+    """Links to files and to folders are followed wherever they point, each real file and
+    folder taken once; everything left out is listed by name with its reason: a hidden
+    file, a broken link (as such, not "missing"), a link cycle, a link to a folder that
+    holds it, a second name of a file or folder taken already."""
+    rng = np.random.default_rng(18)
+    src, elsewhere = tmp_path / "in", tmp_path / "elsewhere"
+    (src / "real").mkdir(parents=True)
+    elsewhere.mkdir()
+    pairs = {"top": make_pair(rng, 4, 4), "deep": make_pair(rng, 5, 5),
+             "far": make_pair(rng, 6, 6), "file": make_pair(rng, 3, 3)}
+    np.save(src / "top.npy", pairs["top"])
+    np.save(src / "real" / "deep.npy", pairs["deep"])
+    np.save(elsewhere / "far.npy", pairs["far"])
+    np.save(elsewhere / "file.npy", pairs["file"])
+    os.symlink(elsewhere, src / "linked")            # a folder out of the tree: followed
+    os.symlink(elsewhere / "file.npy", src / "f.npy")  # a file out of the tree: followed
+    os.symlink(src / "real", src / "again")          # a second name of real/: left out
+    os.symlink(src / "top.npy", src / "same.npy")    # a second name of top.npy: left out
+    os.symlink(tmp_path, src / "real" / "up")        # holds the link: a cycle, left out
+    os.symlink(src / "loop_b.npy", src / "loop_a.npy")
+    os.symlink(src / "loop_a.npy", src / "loop_b.npy")
+    os.symlink(tmp_path / "gone.npy", src / "dangling.npy")
+    np.save(src / ".hidden.npy", pairs["top"])
+    out = tmp_path / "out"
+    assert cli(weights_file, out, src, "-r") == 0
+    assert all_files(out) == ["linked/far.h5", "linked/file.h5", "real/deep.h5", "top.h5"]
+    for rel, name in (("linked/file.h5", "file"), ("linked/far.h5", "far"),
+                      ("real/deep.h5", "deep"), ("top.h5", "top")):
+        assert_same(read_output(out / rel)[0], expected_output(weights, pairs[name]))
+    err = capsys.readouterr().err
+    for name, reason in (
+            ("again", f"the folder {src / 'real'}, searched already; not searched twice"),
+            ("same.npy", f"the same file as {src / 'top.npy'}, taken once"),
+            ("f.npy", f"the same file as {src / 'linked' / 'file.npy'}, taken once"),
+            ("real/up", f"a link cycle (to {tmp_path}, a folder that holds the link); "
+                        f"not followed"),
+            ("loop_a.npy", "a link cycle (links that lead back to themselves); not followed"),
+            ("dangling.npy", f"a broken link (to {tmp_path / 'gone.npy'}, which does not "
+                             f"exist); not followed"),
+            (".hidden.npy", "hidden (its name starts with '.'); not taken as input")):
+        assert f"  {src / name}: {reason}" in err, (name, err)
+    assert "missing" not in err
+    assert "12 files: 4 computed, 8 skipped, 0 failed" in err
+
+
+def test_without_recursive_sub_folders_are_named(dataset, weights_file, tmp_path, capsys):
+    src, _ = dataset
+    os.symlink(src / "sub", src / "linked_sub")
+    assert cli(weights_file, tmp_path / "out", src) == 0
+    err = capsys.readouterr().err
+    assert (f"{src}: 2 sub-folders not searched (add --recursive): {src / 'linked_sub'}, "
+            f"{src / 'sub'}") in err
+
+
+def test_named_broken_links_fail_as_what_they_are(weights_file, tmp_path, capsys):
+    os.symlink(tmp_path / "gone.npy", tmp_path / "dangling.npy")
+    os.symlink(tmp_path / "b.npy", tmp_path / "a.npy")
+    os.symlink(tmp_path / "a.npy", tmp_path / "b.npy")
+    assert cli(weights_file, tmp_path / "out", tmp_path / "dangling.npy",
+               tmp_path / "a.npy") == 1
+    err = capsys.readouterr().err
+    assert (f"{tmp_path / 'dangling.npy'}: a broken link (to {tmp_path / 'gone.npy'}, which "
+            f"does not exist)") in err
+    assert f"{tmp_path / 'a.npy'}: a link cycle (links that lead back to themselves)" in err
+    assert "no such file" not in err

@@ -30,6 +30,7 @@ from distributed import Client, LocalCluster, get_client  # noqa: E402
 
 from triattn_cupy import distributed as tdist, random_weights, reference  # noqa: E402
 from triattn_cupy.cli import cluster as cli_cluster, cluster_tasks, pipeline  # noqa: E402
+from triattn_cupy.cli import cluster_run  # noqa: E402
 from triattn_cupy.cli.backends import SetupError, gpu_probe  # noqa: E402
 from triattn_cupy.cli.claims import Claims, claim_path  # noqa: E402
 from triattn_cupy.cli.filejob import job_settings  # noqa: E402
@@ -330,15 +331,15 @@ def test_claim_of_a_lost_worker_of_this_run_is_taken_over(
     settings = job_settings(args, D, str(weights_file), sha(weights_file))
     claim_file = pathlib.Path(claim_path(task.output))
     claim_file.write_text("" if claim.endswith("empty") else json.dumps(
-        {"host": "elsewhere", "pid": 4321, "token": "t", "started": time.time(),
-         "output": "a.h5"}))
+        {"host": "elsewhere", "pid": 4321, "run": "lost-worker-run", "token": "t",
+         "started": time.time(), "output": "a.h5"}))
     earlier_attempt_recorded = claim.startswith("this run's")
     spec = (sha(weights_file), "cpu", "zero", None)
     with LocalCluster(n_workers=1, threads_per_worker=1, processes=False,
                       dashboard_address=":0") as lc, Client(lc) as client:
         if earlier_attempt_recorded:
             client.set_metadata([cluster_tasks.RUN_KEY, "run-2", "claims", task.output,
-                                 "elsewhere:4321"], True)
+                                 "lost-worker-run"], True)
         outcome = client.submit(cluster_tasks.file_task, task, weights, spec, settings, "run-2",
                                 600.0, pure=False).result()
     if earlier_attempt_recorded:
@@ -445,7 +446,7 @@ def _half_the_workers_have_a_gpu(dask_worker=None):  # client.run passes the wor
 
 
 def test_workers_must_agree_on_device_and_version(monkeypatch):
-    monkeypatch.setattr(tdist, "gpu_probe", _half_the_workers_have_a_gpu)
+    monkeypatch.setattr(cluster_run, "gpu_probe", _half_the_workers_have_a_gpu)
     args = argparse.Namespace(device="auto", devices=None, precision=None)
     with LocalCluster(n_workers=2, threads_per_worker=1, processes=False,
                       dashboard_address=":0") as lc, Client(lc) as client:
@@ -459,7 +460,7 @@ def test_workers_must_agree_on_device_and_version(monkeypatch):
         args.device = "cpu"
         assert tdist.resolve_cluster_device(client, args) == "cpu"
         tdist.check_worker_versions(client)  # the same version: no error
-        monkeypatch.setattr(tdist, "__version__", "0.0.other")
+        monkeypatch.setattr(cluster_run, "__version__", "0.0.other")
         with pytest.raises(SetupError, match=r"2 of 2 workers run another version of "
                                              r"triattn-cupy than this client \(0.0.other\)"):
             tdist.check_worker_versions(client)

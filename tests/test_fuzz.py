@@ -37,7 +37,12 @@ ran and how each ended.
   from 1e-3 to 1e30, float32 against float64 (relative L2 error < 1e-4, finite);
 - the batch CLI on folders that mix valid and bad inputs: exit status 1 when a file is
   bad, else 0; an output for every valid input, none for a bad one, no temporary file or
-  claim left behind.
+  claim left behind;
+- the batch CLI after runs that ended badly (`LEFTOVERS`, 9 kinds): claims naming this
+  process's id from another run or an older version (a restart that reused the id), PID 1
+  of another program, a process that has ended, temporary files of a reused process id
+  (all taken over), a folder at a claim's name and another host's claim dated in the
+  future (conflicts: exit 1, left as they are), a live process's claim (respected).
 """
 from __future__ import annotations
 
@@ -497,6 +502,91 @@ def test_cli_runs_lose_nothing(worker, tmp_path_factory, data):
     assert answer["result"]["exit"] == (1 if bad else 0), (valid, bad, answer)
     written = sorted(os.listdir(out)) if out.exists() else []
     assert written == sorted(f"{name}.h5" for name in valid), (valid, bad, written)
+
+
+# Leftovers of runs that ended badly, planted at an output before a run: what the run must
+# do with each ("computed": taken over; "conflict": reported, exit 1, left as it is;
+# "skipped": a live run's claim, respected).
+LEFTOVERS = {
+    "none": "computed",
+    "claim of this process id, another run": "computed",     # a restart reused the id
+    "claim of this process id, older version": "computed",
+    "claim of PID 1, another program": "computed",            # PID reused, start differs
+    "claim of a process that has ended": "computed",
+    "temporary file of a reused process id": "computed",      # removed by the sweep
+    "claim that is a folder": "conflict",
+    "claim of another host, dated in the future": "conflict",
+    "claim of a live process": "skipped",
+}
+
+
+def _plant(kind, out, name, worker_pid):
+    """Leave the leftover `kind` at the output `out/name.h5`."""
+    from triattn_cupy.cli import runfiles
+
+    claim = out / f".{name}.h5.claim"
+    me = runfiles.host_token()
+
+    def record(pid, **fields):
+        value = {"host": me, "boot": runfiles.boot_id(), "pid": pid,
+                 "pid_start": runfiles.process_start(pid), "run": "earlier run",
+                 "started": time.time(), "token": "t", **fields}
+        claim.write_text(json.dumps({k: v for k, v in value.items() if v is not ...}))
+
+    if kind == "claim of this process id, another run":
+        record(worker_pid)
+    elif kind == "claim of this process id, older version":
+        record(worker_pid, boot=..., pid_start=..., run=...)
+    elif kind == "claim of PID 1, another program":
+        record(1, pid_start=(runfiles.process_start(1) or 0) + 1)
+    elif kind == "claim of a process that has ended":
+        ended = subprocess.Popen([sys.executable, "-c", "pass"])
+        ended.wait()
+        record(ended.pid, pid_start=12345)
+    elif kind == "temporary file of a reused process id":
+        start = (runfiles.process_start(worker_pid) or 0) + 1
+        (out / f".{name}.h5.{me}-{worker_pid}-s{start}-0123abcd.tmp").write_bytes(b"half")
+    elif kind == "claim that is a folder":
+        claim.mkdir()
+    elif kind == "claim of another host, dated in the future":
+        record(7, host="elsewhere")
+        later = time.time() + 30 * 24 * 3600
+        os.utime(claim, (later, later))
+    elif kind == "claim of a live process":
+        record(os.getpid())  # this test's process: alive, started when the claim says
+
+
+@settings(SETTINGS, max_examples=40)
+@given(data=st.data())
+def test_cli_runs_after_a_restart_lose_nothing(worker, tmp_path_factory, data):
+    """Runs that find what earlier runs left (claims naming a reused process id, PID 1 of
+    another program, a folder or a future date at a claim's name, temporary files): every
+    output is computed, or its file reported (a conflict: exit 1), or left to a live
+    claim's run; never skipped for ever with exit 0."""
+    tmp = tmp_path_factory.mktemp("restart")
+    src, out = tmp / "in", tmp / "out"
+    src.mkdir()
+    out.mkdir()
+    weights = tmp / "w.h5"
+    save_weights(random_weights(D_IN, 2, seed=3), weights)
+    worker.run({"op": "sleep", "seconds": 0})  # started: its process id is known
+    rng = np.random.default_rng(data.draw(st.integers(0, 2 ** 32 - 1)))
+    planted = {}
+    for i in range(data.draw(st.integers(1, 4))):
+        np.save(src / f"f{i}.npy", rng.standard_normal((4, 4, D_IN)).astype(np.float32))
+        planted[f"f{i}"] = data.draw(st.sampled_from(sorted(LEFTOVERS)))
+        _plant(planted[f"f{i}"], out, f"f{i}", worker.proc.pid)
+    answer = check(worker, "cli after a restart", {"op": "cli", "argv": [
+        str(src), "-o", str(out), "--weights", str(weights), "--device", "cpu", "-q"]}, "ok")
+    for kind in planted.values():
+        TALLY[f"cli leftover: {kind}"]["seen"] += 1
+    expect = {name: LEFTOVERS[kind] for name, kind in planted.items()}
+    conflict = "conflict" in expect.values()
+    assert answer["result"]["exit"] == (1 if conflict else 0), (planted, answer)
+    left = sorted(os.listdir(out))
+    want = sorted([f"{n}.h5" for n, e in expect.items() if e == "computed"]
+                  + [f".{n}.h5.claim" for n, e in expect.items() if e != "computed"])
+    assert left == want, (planted, left)
 
 
 def test_a_hang_is_caught(monkeypatch):

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from triattn_cupy import _install, cuda_setup, distributed, export, importing
+from triattn_cupy import _install, cuda_setup, export, importing
+from triattn_cupy.cli import cluster_run
 from triattn_cupy.gpu import checks
 
 PACKAGE = Path(__file__).resolve().parents[1] / "triattn_cupy"
@@ -36,9 +37,9 @@ def _missing(module):
     (_missing("torch"), importing._import_torch, "export"),
     (_missing("safetensors"), lambda: importing._load_safetensors("w.safetensors"),
      "safetensors"),
-    (lambda monkeypatch: monkeypatch.setattr(distributed, "_IMPORT_ERROR",
+    (lambda monkeypatch: monkeypatch.setattr(cluster_run, "_IMPORT_ERROR",
                                              ImportError("No module named 'distributed'")),
-     distributed._require_dask, "distributed"),
+     cluster_run.require_dask, "distributed"),
 ], ids=["cuda_setup", "gpu.checks", "export", "importing", "safetensors", "distributed"])
 def test_missing_extra_names_a_working_command(monkeypatch, make_missing, call, extra):
     make_missing(monkeypatch)

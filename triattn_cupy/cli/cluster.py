@@ -1,8 +1,8 @@
 """`triattn-infer --scheduler ADDRESS` and `--cluster local`: the batch on a Dask cluster.
 
-The run itself is `triattn_cupy.distributed.run_batch`; this module holds the two flags
-and connects to (or starts) the cluster. Dask is imported only when one of the flags is
-given.
+The run itself is `cluster_run.run_batch`; this module holds the two flags and connects
+to (or starts) the cluster. Dask is imported only when one of the flags is given (then
+`cluster_run`, which imports it, is imported).
 """
 from __future__ import annotations
 
@@ -43,16 +43,17 @@ def wants_cluster(args) -> bool:
 
 def run_on_cluster(args):
     """The run described by `args` on the cluster its flags name; a `RunResult`."""
+    from . import cluster_run  # (imports Dask, where installed)
+
     try:
-        from .. import distributed
-        distributed._require_dask()
+        cluster_run.require_dask()
     except ImportError as exc:
         raise SetupError(f"--scheduler and --cluster need Dask: "
                          f"{pip_install('distributed')} ({exc})") from None
     with _client(args) as (client, args):
         logger.info("Dask cluster at %s: %d worker%s", client.scheduler.address,
                     _worker_count(client), "s" if _worker_count(client) != 1 else "")
-        return distributed.run_batch(client, args)
+        return cluster_run.run_batch(client, args)
 
 
 def _worker_count(client) -> int:

@@ -1,6 +1,6 @@
-"""The worker side of `triattn-infer` on a Dask cluster (`triattn_cupy.distributed`): the
-task that does one file, what a worker process keeps between files, and the record of a
-run's claims and temporary outputs on the scheduler.
+"""The worker side of `triattn-infer` on a Dask cluster (`cluster_run`): the task that does
+one file, what a worker process keeps between files, and the record of a run's claims and
+temporary outputs on the scheduler.
 
 A file's task claims its output, reads, computes and writes it through the local
 pipeline's steps (`filejob`), so its output is the one a local run writes. A worker
@@ -10,14 +10,14 @@ file to the next.
 
 The scheduler's metadata holds, per run (`RUN_KEY`, run key):
 
-    "claims", output, "host:pid" -> True   each attempt at a file, before it claims
+    "claims", output, claims run id -> True  each attempt at a file, before it claims
     "temps", temporary file -> alive       each temporary output or claim file, before
                                            it is created
 
 so that an attempt started after its worker was lost takes over that worker's claim, and
 the client removes the temporary files of workers that died writing them.
 
-This module imports Dask; only `triattn_cupy.distributed` imports it.
+This module imports Dask; only `cluster_run` imports it.
 """
 from __future__ import annotations
 
@@ -29,8 +29,8 @@ import threading
 import distributed
 
 from .backends import CpuBackend, GpuBackend, SetupError, precision_support
-from .claims import Claims, claim_path
-from .claims import _read_record as read_claim
+from .claims import ClaimConflict, Claims
+from .runfiles import claim_path, read_claim
 from .filejob import FileFailed, compute_file, read_file, write_file
 from .outputs import remove_quietly
 from .plan import Outcome
@@ -151,13 +151,13 @@ def _claim(claims: Claims, client, run_key: str, task) -> str | None:
     """Claim the task's output as the local pipeline does; None when claimed, else why the
     file is skipped.
 
-    Each attempt records its worker (host, process) under this run before claiming. A
-    claim held by an earlier attempt of this run is taken over: the scheduler starts a task
-    again only once it has lost the worker of the earlier attempt, and a claim from another
-    host would otherwise hold the file until the claim timeout."""
+    Each attempt records the run id of its worker's claims under this run before claiming.
+    A claim held by an earlier attempt of this run is taken over: the scheduler starts a
+    task again only once it has lost the worker of the earlier attempt, and a claim from
+    another host would otherwise hold the file until the claim timeout."""
     recorded = [RUN_KEY, run_key, "claims", task.output]
     earlier = client.get_metadata(recorded, default=None) or {}
-    client.set_metadata(recorded + [f"{claims.host}:{claims.pid}"], True)
+    client.set_metadata(recorded + [claims.run_id], True)
     temps = RecordedTemps(client, run_key)
     holder = claims.acquire(task.output, temps)
     if holder is not None and earlier:
@@ -167,7 +167,7 @@ def _claim(claims: Claims, client, run_key: str, task) -> str | None:
         # whose writer stopped between creating and filling it: the earlier attempt,
         # killed there (anyone else's fills it within microseconds; were it theirs, both
         # would write the same file atomically).
-        if record is None or f"{record.get('host')}:{record.get('pid')}" in earlier:
+        if record is None or record.get("run") in earlier:
             logger.info("%s: taking over the claim of a lost worker of this run", path)
             remove_quietly(path)
             holder = claims.acquire(task.output, temps)
@@ -202,6 +202,8 @@ def file_task(task, weights, spec, settings, run_key, claim_timeout):
     except OSError as exc:  # a folder that cannot be created or written
         return _failed(task, f"cannot claim the output {task.output}: "
                              f"{type(exc).__name__}: {exc}", where)
+    except ClaimConflict as exc:
+        return _failed(task, f"{exc} (conflict)", where)
     if skipped is not None:
         logger.info("%s: skipped: %s", task.input, skipped)
         return Outcome(task.input, "skipped", skipped)
@@ -222,5 +224,6 @@ def file_task(task, weights, spec, settings, run_key, claim_timeout):
 
 
 def _failed(task, reason, where):
-    logger.error("%s: %s", task.input, reason)
-    return Outcome(task.input, "failed", reason, device=where)
+    outcome = Outcome(task.input, "failed", reason, device=where)
+    logger.error("%s: %s", task.input, outcome.reason)
+    return outcome

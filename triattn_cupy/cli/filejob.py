@@ -3,7 +3,7 @@ with its provenance.
 
 The local pipeline runs the three steps in separate threads (reading the next file overlaps
 the computation of this one); a Dask worker runs them one after the other in one task
-(`triattn_cupy.distributed`). Both call these functions, so a file computed by either has
+(`cluster_tasks`). Both call these functions, so a file computed by either has
 the same data and the same attributes (but the time it was made and how long it took), and
 a run of one kind resumes a run of the other.
 

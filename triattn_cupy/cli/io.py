@@ -17,6 +17,7 @@ Outputs are written by `triattn_cupy.cli.outputs`.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import math
 import os
 import stat
@@ -29,6 +30,7 @@ from ..conventions import check_mask_shape
 from ..hdf5 import (ExternalDataError, check_local_storage, local_datasets, local_object,
                     missing_storage)
 from .outputs import OUTPUT_FORMAT, attr_str
+from .runfiles import is_run_file
 
 INPUT_SUFFIXES = {".npy": "npy", ".npz": "npz", ".h5": "hdf5", ".hdf5": "hdf5"}
 
@@ -71,12 +73,20 @@ def input_kind(path) -> str | None:
 
 def special_file_kind(path) -> str | None:
     """None for a regular file (or a link to one); else what it is ("a FIFO", "a
-    socket", "a device", "a broken link", "missing"). Looks at the inode only: opening a
-    FIFO would block until a writer comes."""
+    socket", "a device", "a broken link (to X)", "a link cycle", "missing"). Looks at
+    the inode only: opening a FIFO would block until a writer comes."""
     try:
         mode = os.stat(path).st_mode
-    except OSError:
-        return "a broken link" if os.path.islink(path) else "missing"
+    except OSError as exc:
+        if not os.path.islink(path):
+            return "missing"
+        if exc.errno == errno.ELOOP:
+            return "a link cycle (links that lead back to themselves)"
+        try:
+            target = os.readlink(path)
+        except OSError:
+            target = "?"
+        return f"a broken link (to {target}, which does not exist)"
     if stat.S_ISREG(mode):
         return None
     if stat.S_ISFIFO(mode):
@@ -90,39 +100,98 @@ def special_file_kind(path) -> str | None:
     return "not a regular file"
 
 
+def _left_out_reason(path: str) -> str | None:
+    """Why the file `path`, found in a folder, is not an input (None: it is one)."""
+    special = special_file_kind(path)
+    if special is not None:
+        if os.path.islink(path):
+            return f"{special}; not followed"
+        return f"{special}, not a regular file; not opened"
+    if os.path.basename(path).startswith("."):
+        return "hidden (its name starts with '.'); not taken as input"
+    if input_kind(path) is None:
+        return "not an input type (.npy, .npz, .h5, .hdf5)"
+    return None
+
+
 def walk_inputs(folder: str, recursive: bool, exclude: str | None = None,
                 ignore=None):
-    """(input files, skipped) under `folder`, sorted; only one level unless `recursive`.
+    """(input files, left out, sub-folders not searched) under `folder`; only its own
+    files unless `recursive`.
 
-    Input files are regular files with an input suffix; `skipped` lists (path, reason)
-    for every other visible file: another suffix, or a special file (FIFO, socket,
-    device), which is never opened. Hidden files (temporary outputs, claims) are passed
-    over silently, as are paths for which `ignore(path)` is true (the npy outputs'
-    provenance records). `exclude`: a folder whose subtree is skipped (the output folder,
-    when it lies inside an input folder, so outputs of an earlier run are not read).
+    The rule (README, docs/batch.md): a regular file with an input suffix is an input,
+    also through a link, wherever the link points; with `recursive`, every sub-folder is
+    searched, also through a link, wherever it points, each real folder once (the real
+    tree first, then the links, so a folder is named by its own path where it has one;
+    files reached without a link of their own come first, for the same reason).
+    `left out` lists (path, reason) for everything else found, never passed over in
+    silence: another suffix, special files (FIFO, socket, device: never opened), hidden
+    files (a name starting with '.'), broken links, link cycles, a link to a folder that
+    is searched already or that holds the link. Passed over without a word: a run's own
+    hidden files (claims, temporary outputs), paths for which `ignore(path)` is true (the
+    .npy outputs' provenance records), and `exclude` (the output folder, when it lies in
+    an input folder, so that outputs of an earlier run are not read).
     """
-    found, skipped = [], []
+    found, linked_files, left_out, unsearched = [], [], [], []
     exclude = os.path.realpath(exclude) if exclude else None
-    for root, dirs, files in os.walk(folder):
-        if recursive:
-            dirs[:] = sorted(d for d in dirs
-                             if os.path.realpath(os.path.join(root, d)) != exclude)
+    searched = {}  # real path of each folder listed -> the path it was listed under
+    linked = []  # links to folders, followed once the real tree is listed
+
+    def list_tree(start: str):
+        stack = [start]
+        while stack:
+            here = stack.pop()
+            real = os.path.realpath(here)
+            if real in searched:
+                left_out.append((here, f"the folder {searched[real]}, searched already; "
+                                       f"not searched twice"))
+                continue
+            searched[real] = here
+            try:
+                entries = sorted(os.scandir(here), key=lambda e: e.name)
+            except OSError as exc:
+                left_out.append((here, f"a folder that cannot be listed: {exc.strerror}"))
+                continue
+            subfolders = []
+            for entry in entries:
+                path = entry.path
+                if entry.name.startswith(".") and is_run_file(entry.name):
+                    continue
+                if ignore is not None and ignore(path):
+                    continue
+                try:
+                    is_folder = entry.is_dir()
+                except OSError:
+                    is_folder = False
+                if is_folder:
+                    if os.path.realpath(path) == exclude:
+                        continue
+                    if not recursive:
+                        unsearched.append(path)
+                    elif entry.is_symlink():
+                        linked.append(path)
+                    else:
+                        subfolders.append(path)
+                    continue
+                reason = _left_out_reason(path)
+                if reason is None:
+                    (linked_files if entry.is_symlink() else found).append(path)
+                else:
+                    left_out.append((path, reason))
+            stack.extend(reversed(subfolders))
+
+    list_tree(folder)
+    while linked:
+        link = linked.pop(0)
+        target = os.path.realpath(link)
+        holder = os.path.realpath(os.path.dirname(link))
+        if target not in searched and (holder == target or
+                                       holder.startswith(target.rstrip(os.sep) + os.sep)):
+            left_out.append((link, f"a link cycle (to {target}, a folder that holds the "
+                                   f"link); not followed"))
         else:
-            dirs[:] = []
-        for name in sorted(files):
-            if name.startswith("."):  # ".x.h5.<id>.tmp", claims, editors' files
-                continue
-            path = os.path.join(root, name)
-            if ignore is not None and ignore(path):
-                continue
-            special = special_file_kind(path)
-            if special is not None:
-                skipped.append((path, f"{special}, not a regular file; not opened"))
-            elif input_kind(name) is None:
-                skipped.append((path, "not an input type (.npy, .npz, .h5, .hdf5)"))
-            else:
-                found.append(path)
-    return found, skipped
+            list_tree(link)
+    return found + linked_files, left_out, unsearched
 
 
 # --- reading ------------------------------------------------------------------------------

@@ -73,12 +73,14 @@ def build_parser(prog: str = "triattn-infer") -> argparse.ArgumentParser:
             "the same command again skips the finished ones (resume) and removes temporary\n"
             "files whose writer has ended. Ctrl-C or SIGTERM finishes the file in hand and\n"
             "stops; a second one stops at once. A file that cannot be used is reported and\n"
-            "the run goes on. A file at an output path that this tool did not write (for\n"
-            ".npy: one without its <name>.npy.json record, or changed since) is a conflict:\n"
-            "reported, left untouched, and the exit status is 1.\n\n"
+            "the run goes on. A file at an output path that this tool did not write or\n"
+            "cannot read (for .npy: one without its <name>.npy.json record, or changed\n"
+            "since) is a conflict: reported, left untouched, and the exit status is 1.\n\n"
             "several runs (processes, or hosts sharing the filesystem) may work on the same\n"
             "inputs and output folder at once: each output is claimed before it is computed,\n"
-            "so every file is computed by one of them (see --claim-timeout).\n\n"
+            "so every file is computed by one of them (see --claim-timeout). Something at\n"
+            "a claim's name that no run can judge (a folder, a claim dated in the future)\n"
+            "is a conflict.\n\n"
             "exit status: 0 every file computed or skipped (done already, claimed by another\n"
             "run, or not an input); 1 some file failed or was a conflict, or no input was\n"
             "found; 2 usage or setup error (bad flags, no --weights, unusable weights, no\n"
@@ -91,7 +93,9 @@ def build_parser(prog: str = "triattn-infer") -> argparse.ArgumentParser:
         help="folder for the outputs, mirroring the inputs' relative paths; created if "
              "needed (required, except with --demo)")
     add("-r", "--recursive", action="store_true",
-        help="also take input files from the sub-folders of INPUT folders")
+        help="also take input files from the sub-folders of INPUT folders; links to files "
+             "and folders are followed wherever they point, each real file and folder "
+             "once; hidden files, broken links and cycles are left out and listed")
     add("--pair-key", default="pair", metavar="NAME",
         help="name of the pair array in .npz and .h5 inputs (default: %(default)s)")
     add("--mask-key", default=None, metavar="NAME",

@@ -3,8 +3,8 @@
 Outputs are written by `write_output` under a temporary name in their final folder and
 renamed into place (`os.replace`, atomic on POSIX) only when complete and flushed to
 disk, so an output file that exists is always complete. Temporary names say who writes
-them, ``.<name>.<host>-<pid>-<random>.tmp``, so that a later run can remove those whose
-writer has gone (`remove_stale_temps`), after a SIGKILL or a power cut.
+them (`runfiles.temp_path_for`), so that a later run can remove those whose writer has
+gone (`runfiles.remove_left_behind`), after a SIGKILL or a power cut.
 
 Provenance, which tells our outputs apart from files this tool never wrote:
 
@@ -14,29 +14,29 @@ Provenance, which tells our outputs apart from files this tool never wrote:
   same record goes to a sidecar ``<name>.npy.json`` with the array file's size and
   SHA-256. It is renamed into place just before the array, so an array without a valid
   record is never ours: a "foreign" file, reported and left alone.
+
+Only a file proven ours is ever replaced: an HDF5 file that cannot be opened, or has no
+``format`` attribute of ours, is foreign, whatever its name.
+
+Text attributes are stored as UTF-8 strings; a path that is not valid UTF-8 (a file name
+in another encoding, which Python holds with surrogate escapes) is stored as its bytes.
 """
 from __future__ import annotations
 
 import hashlib
 import json
 import os
-import re
 import stat
-import time
 
 import numpy as np
 
-from .claims import TEMP_SUFFIX, holder_gone, temp_path_for
+from .runfiles import temp_path_for
 
 OUTPUT_SUFFIXES = {"hdf5": ".h5", "npy": ".npy"}
 OUTPUT_FORMAT = "triattn-cupy/infer-output"
 OUTPUT_FORMAT_VERSION = 1
 OUTPUT_DATASET = "out"
 PROVENANCE_SUFFIX = ".json"  # appended to the .npy name
-_TEMP_NAME = re.compile(r"^\.(?P<name>.+)\.(?P<host>[A-Za-z0-9-]+)-(?P<pid>\d+)-"
-                        r"[0-9a-f]{8}\.tmp$")
-# Temporary names without their writer (".<name>.<12 hex>.tmp", older versions): by age.
-_ANONYMOUS_TEMP_NAME = re.compile(r"^\..+\.[0-9a-f]{12}\.tmp$")
 _SLAB_BYTES = 64 << 20
 
 
@@ -76,8 +76,9 @@ def existing_output_state(path, output_format: str, *, verify: bool = False):
     """What lies at an output path: ("missing" | "complete" | "foreign" | "broken", attrs).
 
     "complete": an output of ours that reads back (its recorded attributes are returned);
-    "foreign": a file that is not ours (an HDF5 file without our format attribute, a .npy
-    without our provenance record, anything but a regular file), never to be replaced;
+    "foreign": a file that is not proven ours (an HDF5 file that cannot be opened or has
+    no format attribute of ours, a .npy without our provenance record, anything but a
+    regular file), never to be replaced (attrs: the "reason" when it cannot be read);
     "broken": ours but incomplete or unreadable, to be recomputed. `verify`: also check
     a .npy's SHA-256 against its record (a .npy changed since we wrote it is foreign).
     """
@@ -96,8 +97,8 @@ def existing_output_state(path, output_format: str, *, verify: bool = False):
                 return "broken", {}
             return "complete", {k: attr_str(v) if isinstance(v, (bytes, str)) else v
                                 for k, v in f.attrs.items()}
-    except Exception:
-        return "broken", {}
+    except Exception as exc:  # not even an HDF5 file we could have written: not ours
+        return "foreign", {"reason": f"cannot be read as HDF5 ({_one_line(exc)})"}
 
 
 def _npy_state(path: str, verify: bool):
@@ -131,6 +132,11 @@ def _read_record(path: str):
     if not isinstance(record, dict) or record.get("format") != OUTPUT_FORMAT:
         return None
     return record
+
+
+def _one_line(exc: BaseException) -> str:
+    """An exception as one line (HDF5's messages can run over several)."""
+    return f"{type(exc).__name__}: {' '.join(str(exc).split())}"
 
 
 def _regular(path: str) -> bool:
@@ -209,11 +215,22 @@ def _write_hdf5(tmp: str, out: np.ndarray, attrs: dict) -> None:
         f.attrs["format"] = OUTPUT_FORMAT
         f.attrs["format_version"] = np.int64(OUTPUT_FORMAT_VERSION)
         for key, value in attrs.items():
-            f.attrs[key] = value
+            f.attrs[key] = _hdf5_attr(value)
         ds = f.create_dataset(OUTPUT_DATASET, shape=out.shape, dtype=out.dtype)
         step = max(1, _SLAB_BYTES // max(1, out[:1].nbytes))
         for i in range(0, out.shape[0], step):
             ds[i:i + step] = out[i:i + step]
+
+
+def _hdf5_attr(value):
+    """`value` as HDF5 stores it: text that is not valid UTF-8 (a surrogate-escaped file
+    name) as its bytes, as the filesystem has them."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return np.bytes_(os.fsencode(value))
+    return value
 
 
 def _jsonable(value):
@@ -246,37 +263,7 @@ def _fsync_dir(folder: str) -> None:
         os.close(fd)
 
 
-# --- temporary files left behind ----------------------------------------------------------
-
-def remove_stale_temps(folder: str, timeout: float) -> list:
-    """Remove the temporary outputs in `folder` whose writer has gone (a process of this
-    host that no longer exists; on another host, a file untouched for `timeout` seconds);
-    return their paths. Temporary files of a live writer are left alone."""
-    removed = []
-    try:
-        entries = list(os.scandir(folder))
-    except OSError:
-        return removed
-    now = time.time()
-    for entry in entries:
-        match = _TEMP_NAME.match(entry.name)
-        if match is None and not _ANONYMOUS_TEMP_NAME.match(entry.name):
-            continue
-        try:
-            if not entry.is_file(follow_symlinks=False):
-                continue
-            age = now - entry.stat(follow_symlinks=False).st_mtime
-        except OSError:
-            continue
-        if (holder_gone(match["host"], int(match["pid"]), age, timeout) if match
-                else age > timeout):
-            try:
-                os.remove(entry.path)
-                removed.append(entry.path)
-            except OSError:
-                pass
-    return removed
-
+# --- helpers ---------------------------------------------------------------------------
 
 def remove_quietly(path: str) -> None:
     try:

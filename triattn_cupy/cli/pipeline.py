@@ -8,11 +8,14 @@ How a run is organised (one process, threads):
      host memory)                CPU: NumPy reference)
 
 The queues are short, so reading the next file overlaps the computation of the current
-one, and writing overlaps both, while host memory stays bounded. The main thread only
+one, and writing overlaps both, while host memory stays bounded. Interrupted (the first
+Ctrl-C or SIGTERM), a run starts no other file: each worker finishes the file it is
+computing, the writer writes it and those computed already, and files read but not
+started are dropped (their outputs are left for the next run). The main thread only
 plans, shows progress and reports. A problem with one file fails that file alone; the run
 goes on, and the exit status says whether anything failed. The steps themselves (read,
 compute, write with provenance) are the functions of `filejob`, which the workers of a Dask
-cluster run too (`triattn_cupy.distributed`).
+cluster run too (`cluster_tasks`).
 """
 from __future__ import annotations
 
@@ -28,7 +31,7 @@ import time
 
 from .backends import (CpuBackend, GpuBackend, SetupError, gpu_probe,
                        precision_support)
-from .claims import DEFAULT_TIMEOUT, Claims
+from .claims import DEFAULT_TIMEOUT, ClaimConflict, Claims
 from .filejob import FileFailed, JobSettings, compute_file, job_settings, read_file, write_file
 from .outputs import remove_quietly, sha256_file
 from .plan import Outcome, plan
@@ -197,7 +200,8 @@ class _Pipeline:
         self.backends = backends
         self.claims = claims
         self.settings = settings
-        self.stop = threading.Event()
+        self.stop = threading.Event()  # the first signal: start no other file
+        self.quit = threading.Event()  # the run is over (a second signal): write no more
         self.live_temps = set()  # temporary outputs being written, for a last clean-up
         self.seen = set()  # inputs that reached an outcome
         n = len(backends)
@@ -211,8 +215,8 @@ class _Pipeline:
 
     def run(self, tasks, on_outcome) -> bool:
         """Compute `tasks`, calling `on_outcome` (in this thread) for each; True when
-        interrupted by Ctrl-C or SIGTERM (the first finishes the file in hand and starts
-        no other; a second quits at once)."""
+        interrupted by Ctrl-C or SIGTERM (the first finishes the files being computed,
+        writes them and starts no other; a second quits at once)."""
         for task in tasks:
             self.tasks.put(task)
         threads = [threading.Thread(target=self._reader, args=(i,), daemon=True,
@@ -239,6 +243,7 @@ class _Pipeline:
                 return self.stop.is_set()
             finally:
                 self.stop.set()
+                self.quit.set()
                 for t in threads:
                     if t.ident is not None:  # (started)
                         t.join(timeout=1.0)
@@ -248,9 +253,9 @@ class _Pipeline:
     @contextlib.contextmanager
     def _first_ctrl_c_stops(self):
         """While the pipeline runs, the first Ctrl-C (SIGINT) or SIGTERM sets `stop`
-        instead of ending the process; a second raises KeyboardInterrupt. The file in hand
-        is finished, no other is started, temporary files are removed and claims
-        released. Raised where it landed instead, a KeyboardInterrupt could hit any step
+        instead of ending the process; a second raises KeyboardInterrupt. The files being
+        computed are finished and written, no other is started, temporary files are
+        removed and claims released. Raised where it landed instead, a KeyboardInterrupt could hit any step
         of this thread (a thread's start, an except clause) and escape the handler,
         leaving the file in hand a temporary or hanging at exit. A signal that is
         ignored keeps being ignored; outside the main thread (signal handlers belong to
@@ -264,8 +269,9 @@ class _Pipeline:
                 raise KeyboardInterrupt
             self.stop.set()
             name = "interrupted" if signum == signal.SIGINT else "terminated (SIGTERM)"
-            logger.error("%s: finishing the file in hand, then stopping (Ctrl-C or "
-                         "SIGTERM again to quit at once)", name)
+            logger.error("%s: finishing the file in hand (its computation and its output), "
+                         "starting no other, then stopping with exit status %d (Ctrl-C or "
+                         "SIGTERM again to quit at once, losing it)", name, EXIT_INTERRUPTED)
 
         previous = {}
         for signum in (signal.SIGINT, signal.SIGTERM):
@@ -289,6 +295,9 @@ class _Pipeline:
         except OSError as exc:  # a folder that cannot be created or written
             self._fail(task, f"cannot claim the output {task.output}: "
                              f"{type(exc).__name__}: {exc}")
+            return False
+        except ClaimConflict as exc:
+            self._fail(task, f"{exc} (conflict)")
             return False
         if holder is not None:
             logger.info("%s: skipped: its output is %s", task.input, holder)
@@ -354,7 +363,7 @@ class _Pipeline:
                 if item is _END:
                     break
                 if self.stop.is_set():
-                    continue  # interrupted: drop what was read
+                    continue  # interrupted: drop what was read but not started
                 task, loaded = item
                 item = None
                 positions = loaded.positions
@@ -365,8 +374,9 @@ class _Pipeline:
                     continue
                 finally:
                     loaded = None  # give the (pinned) input buffer back
-                if not self._put(self.written, (task, meta, out, positions)):
-                    break
+                # Once computed, the file is in hand: written even if interrupted
+                # meanwhile (the writer takes everything until the workers end).
+                self.written.put((task, meta, out, positions))
         finally:
             with self.lock:
                 self.workers_left -= 1
@@ -380,10 +390,10 @@ class _Pipeline:
                 item = self.written.get()
                 if item is _END:
                     break
-                if self.stop.is_set():
-                    continue
                 task, meta, out, positions = item
                 item = None
+                if self.quit.is_set():  # quit at once: what is not written yet is lost
+                    continue
                 try:
                     write_file(task, out, meta, self.settings, self.live_temps)
                 except BaseException as exc:  # Ctrl-C included: the temp file is gone
@@ -402,5 +412,6 @@ class _Pipeline:
             self.results.put(_END)
 
     def _fail(self, task, reason):
-        logger.error("%s: %s", task.input, reason)
-        self._report(task, "failed", reason)
+        outcome = Outcome(task.input, "failed", reason)
+        logger.error("%s: %s", task.input, outcome.reason)
+        self._report(task, "failed", outcome.reason)

@@ -8,10 +8,10 @@ import dataclasses
 import logging
 import os
 
-from .claims import remove_expired_claims
 from .io import input_kind, special_file_kind, walk_inputs
-from .outputs import (existing_output_state, is_infer_output, is_provenance_record,
-                      output_path, remove_stale_temps)
+from .outputs import (PROVENANCE_SUFFIX, existing_output_state, is_infer_output,
+                      is_provenance_record, output_path)
+from .runfiles import NAME_MAX, remove_left_behind
 
 logger = logging.getLogger("triattn_cupy.cli")
 
@@ -30,6 +30,9 @@ class Task:
 
 @dataclasses.dataclass
 class Outcome:
+    """What became of one input: `reason` is one line (a multi-line message, as HDF5's,
+    is joined), so the summary keeps one line per file."""
+
     input: str
     status: str  # "done" | "skipped" | "failed"
     reason: str = ""
@@ -37,28 +40,39 @@ class Outcome:
     device: str = ""
     not_input: bool = False  # a file found in a folder that is not an input (skipped)
 
+    def __post_init__(self):
+        if "\n" in self.reason or "\r" in self.reason:
+            self.reason = " ".join(self.reason.split())
+
 
 def plan(args, output_dir: str, weights_sha: str, claim_timeout: float):
     """(tasks to compute, outcomes decided without computing: failed or skipped)."""
     outcomes = []
     found = []  # Task per input
     seen = set()
+    seen = {}  # real path -> the path it was taken under
     for given in args.inputs:
         if os.path.isdir(given):
-            files, passed_over = walk_inputs(given, args.recursive, exclude=output_dir,
-                                             ignore=is_provenance_record)
-            for path, reason in passed_over:
+            files, left_out, unsearched = walk_inputs(given, args.recursive,
+                                                      exclude=output_dir,
+                                                      ignore=is_provenance_record)
+            for path, reason in left_out:
                 logger.debug("%s: skipped: %s", path, reason)
                 outcomes.append(Outcome(path, "skipped", reason, not_input=True))
+            if unsearched:
+                logger.info("%s: %d sub-folder%s not searched (add --recursive): %s", given,
+                            len(unsearched), "s" if len(unsearched) > 1 else "",
+                            _listed(unsearched))
             if not files:
-                hint = ""
-                if not args.recursive and any(e.is_dir() for e in os.scandir(given)):
-                    hint = " (it has sub-folders: add --recursive)"
+                hint = " (it has sub-folders: add --recursive)" if unsearched else ""
                 logger.warning("%s: no input files (.npy, .npz, .h5, .hdf5) in this "
                                "folder%s", given, hint)
             entries = [(f, os.path.relpath(f, given), True) for f in files]
         elif os.path.isfile(given):
             entries = [(given, os.path.basename(given), False)]
+        elif os.path.islink(given):  # broken, or a cycle: named, so it fails
+            outcomes.append(_fail(given, f"{special_file_kind(given)}"))
+            continue
         elif os.path.exists(given):  # a FIFO, socket or device: never opened
             reason = f"{special_file_kind(given)}, not a regular file; not opened"
             logger.warning("%s: skipped: %s", given, reason)
@@ -69,9 +83,12 @@ def plan(args, output_dir: str, weights_sha: str, claim_timeout: float):
             continue
         for path, rel, from_folder in entries:
             real = os.path.realpath(path)
-            if real in seen:
-                continue  # named twice (a file and its folder): computed once
-            seen.add(real)
+            if real in seen:  # named twice, or linked: computed once
+                reason = f"the same file as {seen[real]}, taken once"
+                logger.debug("%s: skipped: %s", path, reason)
+                outcomes.append(Outcome(path, "skipped", reason, not_input=True))
+                continue
+            seen[real] = path
             kind = input_kind(path)
             if kind is None:
                 outcomes.append(_fail(path, "unsupported file type (expected .npy, .npz, "
@@ -109,6 +126,14 @@ def plan(args, output_dir: str, weights_sha: str, claim_timeout: float):
                                               f"of {first}; rename one of them"))
             continue
         destinations[real_out] = task.input
+        if (args.output_format == "npy" and len(os.fsencode(os.path.basename(
+                task.output) + PROVENANCE_SUFFIX)) > NAME_MAX):
+            outcomes.append(_fail(task.input, f"the name of its output's provenance record "
+                                              f"{os.path.basename(task.output)}"
+                                              f"{PROVENANCE_SUFFIX} is over {NAME_MAX} bytes; "
+                                              f"shorten the input's name or use "
+                                              f"--output-format hdf5"))
+            continue
         # With --overwrite a .npy is about to be replaced: its checksum must still be ours.
         state, attrs = existing_output_state(task.output, args.output_format,
                                              verify=args.overwrite)
@@ -116,6 +141,8 @@ def plan(args, output_dir: str, weights_sha: str, claim_timeout: float):
             what = ("has no provenance record of triattn-infer "
                     f"({os.path.basename(task.output)}.json) or does not match it"
                     if args.output_format == "npy" else "is not an output of triattn-infer")
+            if attrs.get("reason"):
+                what += f" (it {attrs['reason']})"
             outcomes.append(_fail(task.input, f"{task.output} exists and {what}; refusing "
                                               f"to replace it (conflict)"))
             continue
@@ -139,16 +166,21 @@ def plan(args, output_dir: str, weights_sha: str, claim_timeout: float):
                     "(--overwrite recomputes them)", len(resumed), len(found),
                     "s" if len(found) > 1 else "")
     if stale:
-        shown = ", ".join(stale[:5]) + (f" and {len(stale) - 5} more" if len(stale) > 5 else "")
         logger.warning("%d existing output%s were made with other weights or options and "
                        "were kept (--overwrite recomputes them): %s", len(stale),
-                       "s" if len(stale) > 1 else "", shown)
+                       "s" if len(stale) > 1 else "", _listed(stale))
     return tasks, outcomes
 
 
 def _fail(path, reason) -> Outcome:
-    logger.error("%s: %s", path, reason)
-    return Outcome(path, "failed", reason)
+    outcome = Outcome(path, "failed", reason)
+    logger.error("%s: %s", path, outcome.reason)
+    return outcome
+
+
+def _listed(paths, shown: int = 5) -> str:
+    more = f" and {len(paths) - shown} more" if len(paths) > shown else ""
+    return ", ".join(paths[:shown]) + more
 
 
 def _clean_up_after_ended_runs(folders, timeout: float) -> None:
@@ -156,12 +188,12 @@ def _clean_up_after_ended_runs(folders, timeout: float) -> None:
     or on a host that crashed) left in the folders this run writes to."""
     temps, claims = [], []
     for folder in sorted(folders):
-        temps += remove_stale_temps(folder, timeout)
-        claims += remove_expired_claims(folder, timeout)
+        removed = remove_left_behind(folder, timeout)
+        temps += removed[0]
+        claims += removed[1]
     if temps:
         logger.info("removed %d temporary file%s left by runs that have ended: %s",
-                    len(temps), "s" if len(temps) > 1 else "", ", ".join(temps[:5]) +
-                    (f" and {len(temps) - 5} more" if len(temps) > 5 else ""))
+                    len(temps), "s" if len(temps) > 1 else "", _listed(temps))
     if claims:
         logger.debug("removed %d expired claims: %s", len(claims), ", ".join(claims))
 
