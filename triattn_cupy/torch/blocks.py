@@ -92,7 +92,7 @@ def kind_of_class(cls) -> Kind | None:
 @dataclasses.dataclass
 class _State:
     """What a routed block holds: `accelerate`'s as the attribute `_STATE`, the routing's
-    (triattn_cupy.torch.routing) in `_routed`."""
+    (triattn_cupy.torch.routing) as `_ROUTED`."""
 
     name: str
     kind: Kind | None
@@ -111,13 +111,33 @@ class _State:
     warned: set = dataclasses.field(default_factory=set)
 
 
-# The blocks routed by their class (triattn_cupy.torch.routing): held here rather than in the
-# module's __dict__, so that a routed model pickles and a copy is routed as itself.
-_routed: "weakref.WeakKeyDictionary[torch.nn.Module, _State]" = weakref.WeakKeyDictionary()
+# A block routed by its class (triattn_cupy.torch.routing) holds its state as the attribute
+# `_ROUTED`, where torch.compile's guards see it, in a holder that a pickled or copied block
+# drops (the copy is routed as itself at its first call). `_routed` lists them for `disable`.
+_ROUTED = "_triattn_routed"
+_routed: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
+
+
+def _unrouted():
+    return None
+
+
+class _Routed:
+    __slots__ = ("state",)
+
+    def __init__(self, state: _State):
+        self.state = state
+
+    def __reduce__(self):
+        return _unrouted, ()
+
+    def __deepcopy__(self, memo):
+        return None
 
 
 def _state_of(module) -> _State | None:
-    return module.__dict__.get(_STATE) or _routed.get(module)
+    holder = module.__dict__.get(_ROUTED)
+    return module.__dict__.get(_STATE) or (holder.state if holder is not None else None)
 
 
 # --- finding and importing blocks ----------------------------------------------------------
@@ -304,24 +324,35 @@ def report(model=None) -> Report:
 def routed_state(module, name, precision: str, strict: bool) -> _State:
     """The state of a block routed by its class: made on its first call (`name()` its
     label), then following the routing's current precision and strictness."""
-    state = _routed.get(module)
-    if state is None:
-        label = name()
-        kind = kind_of_class(type(module))
-        block = next((b for b in find_blocks(module.state_dict(keep_vars=True))
-                      if b.prefix == ""), None)
-        state = _routed[module] = _make_state(module, label, kind, block, precision, strict)
-        if state.refusal is not None:
-            announce(label, state.refusal, state.warned, strict)
+    holder = module.__dict__.get(_ROUTED)
+    state = holder.state if holder is not None else _first_routed_call(module, name, precision,
+                                                                     strict)
     state.precision, state.strict = precision, strict
+    return state
+
+
+@torch.compiler.disable  # (imports weights: a graph break where torch.compile meets it)
+def _first_routed_call(module, name, precision: str, strict: bool) -> _State:
+    holder = module.__dict__.get(_ROUTED)
+    if holder is not None:  # a graph compiled before the first call calls this each time
+        return holder.state
+    label = name()
+    block = next((b for b in find_blocks(module.state_dict(keep_vars=True))
+                  if b.prefix == ""), None)
+    state = _make_state(module, label, kind_of_class(type(module)), block, precision, strict)
+    object.__setattr__(module, _ROUTED, _Routed(state))
+    _routed.add(module)
+    if state.refusal is not None:
+        announce(label, state.refusal, state.warned, strict)
     return state
 
 
 def forget_routed():
     """Drop every class-routed block's state and weights (the routing is switched off)."""
-    for state in list(_routed.values()):
-        if state.handle is not None:
-            unregister(state.handle)
+    for module in list(_routed):
+        holder = module.__dict__.pop(_ROUTED, None)
+        if holder is not None and holder.state.handle is not None:
+            unregister(holder.state.handle)
     _routed.clear()
 
 
