@@ -1,9 +1,9 @@
 """`triattn-run`: a model's own command run with its blocks routed, on the CPU.
 
 The command is `runner_target` (Boltz's own PairformerModule built inside the command) as a
-console script (a temporary dist-info), a module (-m) and a script, and Boltz's own `boltz`
-console script where boltz-community is installed (`--help`: `predict` needs downloads,
-weights and the CCD). Without a GPU every call falls back; `cpu_routed` lets CPU tensors reach
+console script (a temporary dist-info), a module (-m) and a script, and the models' own
+console scripts where they import (`--help`: predicting needs downloads, weights and the
+CCD). Without a GPU every call falls back; `cpu_routed` lets CPU tensors reach
 the op (the NumPy backend) to count calls through the kernels."""
 from __future__ import annotations
 
@@ -106,14 +106,20 @@ def test_usage_errors(argv, message, capsys):
     assert not tt.enabled()
 
 
-def test_boltz_own_console_script(capsys):
-    pytest.importorskip("click")
-    if run._console_script("boltz") is None:
-        pytest.skip("boltz-community's console script is not installed")
-    assert run.main(["boltz", "predict", "--help"]) == 0
-    out, err = capsys.readouterr()
-    assert "Run predictions with Boltz" in out
-    assert err.strip().splitlines()[-1] == REPORT.format(0, 0) + ", 0 fell back"
+@pytest.mark.parametrize("command", [["boltz", "predict", "--help"], ["protenix", "--help"],
+                                     ["run_openfold", "--help"]])
+def test_the_models_own_console_scripts(command, capsys):
+    """Offline, their help (predicting needs weights and the CCD downloaded)."""
+    entry = run._console_script(command[0])
+    if entry is None:
+        pytest.skip(f"{command[0]}: its model's package is not installed")
+    try:
+        entry.load()
+    except ImportError as error:
+        pytest.skip(f"{command[0]} does not import here: {error}")
+    assert run.main(command) == 0
+    assert capsys.readouterr().err.strip().splitlines()[-1] == \
+        REPORT.format(0, 0) + ", 0 fell back"
 
 
 def test_the_installed_entry_point_runs_in_a_fresh_process():
