@@ -212,7 +212,6 @@ def _make_state(module, name: str, kind: Kind | None, block, precision: str,
     if refusal is None:
         handle = register_weights(weights, (signature, reimport), tally=tally)
         weakref.finalize(module, unregister, handle)
-    process.count_block(name, refusal)
     return _State(
         name=name, kind=kind, handle=handle, precision=precision, strict=strict,
         pair_dim=block.pair_dim if block is not None else 0, node=node,
@@ -232,9 +231,9 @@ def accelerate(model, *, precision: str = "fp32", strict: bool = False):
     re-imported on its next call. precision: the kernels' arithmetic ("fp32", "tf32",
     "bf16"). A call the kernels do not compute runs the block's original forward, warned
     once per block and reason (`FallbackWarning`); strict=True raises `FallbackError`
-    instead, here for a block whose weights the kernels refuse, at the call for a call.
-    `report(model)` counts both; `restore(model)` undoes it; accelerating again restores
-    first.
+    instead: here for a block that cannot be routed (nothing is routed then), at the call
+    for a call. `report(model)` counts them; `restore(model)` undoes it; accelerating again
+    restores first.
     """
     check_precision(precision)
     if not isinstance(model, torch.nn.Module):
@@ -259,6 +258,7 @@ def accelerate(model, *, precision: str = "fp32", strict: bool = False):
                                        f"{state.refusal.detail}" for state in refused))
     for module, state in routed:
         _install(module, state)
+        process.count_block(state.name, state.refusal)
         if state.refusal is not None:
             announce(state.name, state.refusal, state.warned, strict=False)
     logger.info("accelerated %d triangle attention block(s) of %s (precision %s)",
@@ -342,6 +342,7 @@ def _first_routed_call(module, name, precision: str, strict: bool) -> _State:
     state = _make_state(module, label, kind_of_class(type(module)), block, precision, strict)
     object.__setattr__(module, _ROUTED, _Routed(state))
     _routed.add(module)
+    process.count_block(label, state.refusal)
     if state.refusal is not None:
         announce(label, state.refusal, state.warned, strict)
     return state
