@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import pickle
+import types
 import warnings
 
 import numpy as np
@@ -192,14 +193,35 @@ def test_every_family_is_routed_by_its_class(cpu_routed, family, rng):
     assert rel_l2(got.double().numpy(), want) < 1e-6
 
 
-def test_openfold3_transposed_bias_is_counted_as_a_fallback(cpu_routed):
-    block = mb.randomize(mb.openfold3_block(D, C, H), 0).eval()
-    pair = torch.randn(1, 6, 6, D)
-    with tt.accelerated(), every_warning() as caught, torch.no_grad():
-        block(pair, mask=torch.ones(1, 6, 6), transpose_bias=True)  # OpenFold3's tri_att_end
-        assert tt.report(block).fallbacks == {"transpose_bias=True": 1}
-    (message,) = fallback_messages(caught)
-    assert "transpose_bias=True" in message
+def test_openfold3_pairformer_stack(cpu_routed, rng):
+    """OpenFold3's own stack: tri_att_start on the op; tri_att_end runs its original forward
+    (transpose_bias=True, AlphaFold3's ending node), warned and counted."""
+    mb.openfold3_block(D, C, H)  # the package, as model_blocks imports it (skips if missing)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # no Triton, no CUDA here
+        try:
+            from openfold3.core.model.latent.pairformer import PairFormerStack
+        except ImportError as error:
+            pytest.skip(f"openfold3's pairformer does not import: {error}")
+    with tt.accelerated(), every_warning() as caught:
+        stack = PairFormerStack(
+            c_s=8, c_z=D, c_hidden_pair_bias=4, no_heads_pair_bias=2, c_hidden_mul=8,
+            c_hidden_pair_att=C, no_heads_pair=H, no_blocks=2, transition_type="swiglu",
+            transition_n=2, pair_dropout=0.25, fuse_projection_weights=False,
+            blocks_per_ckpt=None, inf=1e9)
+        stack = mb.randomize(stack, 6).eval()
+        s = torch.from_numpy(rng.standard_normal((1, 6, 8)).astype(np.float32))
+        z = torch.from_numpy(rng.standard_normal((1, 6, 6, D)).astype(np.float32))
+        with torch.no_grad():
+            got = stack(s, z, torch.ones(1, 6), torch.ones(1, 6, 6))[1]
+        report = tt.report(stack)
+    assert (report.blocks, report.kernel_calls) == (4, 2)
+    assert report.fallbacks == {"transpose_bias=True": 2}
+    assert [m.split(":")[0] for m in fallback_messages(caught)] == [
+        f"PairFormerStack.blocks.{i}.pair_stack.tri_att_end" for i in range(2)]
+    with torch.no_grad():
+        want = stack(s, z, torch.ones(1, 6), torch.ones(1, 6, 6))[1]
+    assert rel_l2(got.double().numpy(), want.double().numpy()) < 1e-5
 
 
 # --- refusals of the GPU-side checks -------------------------------------------------------
@@ -224,6 +246,34 @@ def test_weights_the_gpu_checks_refuse_fall_back(monkeypatch):
                                                "pair_dim 16 is refused here"):
         tt.accelerate(model, strict=True)
     assert tt.accelerated_blocks(model) == [] and "forward" not in model.tri_att_start.__dict__
+
+
+def test_the_gpu_checks_refuse_heads_times_width_other_than_the_pair_dim():
+    from triattn_cupy.gpu.checks import check_weights
+
+    weights = types.SimpleNamespace(pair_dim=64, num_heads=4, head_dim=32)  # Boltz-2 templates
+    with pytest.raises(UnsupportedOnGpu, match=r"heads x head width = 4 x 32 = 128 differs "
+                                                r"from pair_dim 64"):
+        check_weights(weights)
+
+
+def test_boltz_template_blocks_with_wider_heads_run_their_own_forward():
+    """Boltz-2's template stack (PairformerNoSeqModule): heads x head width != D. Refused
+    where the weights do not import or the GPU refuses them; warned, counted, not routed."""
+    pairformer = pytest.importorskip("boltz.model.layers.pairformer")
+    with tt.accelerated(), every_warning() as caught:
+        stack = pairformer.PairformerNoSeqModule(token_z=D, num_blocks=1, pairwise_head_width=8,
+                                                 pairwise_num_heads=H).eval()
+        with torch.no_grad():
+            stack(torch.randn(1, 5, 5, D), torch.ones(1, 5, 5))
+        report = tt.report(stack)
+    assert report.blocks == 0 and report.kernel_calls == 0
+    assert set(report.refused) == {f"PairformerNoSeqModule.layers.0.{name}"
+                                   for name in ("tri_att_start", "tri_att_end")}
+    assert set(report.refused.values()) <= {"parameters that do not import",
+                                            "weights the GPU refuses"}
+    messages = fallback_messages(caught)
+    assert len(messages) == 2 and all("4 x 8 = 32" in m for m in messages)
 
 
 def test_a_device_that_refuses_the_weights_at_the_first_call(cpu_routed, monkeypatch):

@@ -50,6 +50,12 @@ def check_dims(pair_dim: int, num_heads: int):
 def check_weights(weights):
     """Refuse (UnsupportedOnGpu) weights whose shapes the kernels do not compute, before
     any upload: every device-independent check of a `Weights` on the GPU side."""
+    hidden = weights.num_heads * weights.head_dim
+    if hidden != weights.pair_dim:  # the kernels project q, k, v and the gate to D channels
+        raise UnsupportedOnGpu(
+            f"heads x head width = {weights.num_heads} x {weights.head_dim} = {hidden} "
+            f"differs from pair_dim {weights.pair_dim}; the GPU kernels compute blocks whose "
+            f"projections are pair_dim wide")
     check_dims(weights.pair_dim, weights.num_heads)
 
 
