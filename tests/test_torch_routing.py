@@ -231,7 +231,7 @@ def test_weights_the_gpu_checks_refuse_fall_back(monkeypatch):
     def refuse(weights):
         raise UnsupportedOnGpu(f"pair_dim {weights.pair_dim} is refused here")
     monkeypatch.setattr(blocks, "check_weights", refuse)
-    model = torch.nn.ModuleDict({"tri_att_start": mb.boltz_block(D, C, H)})
+    model = torch.nn.ModuleDict({"tri_att_start": TriangleSelfAttention(D, H).eval()})
     with every_warning() as caught:
         tt.accelerate(model)
     assert fallback_messages(caught) == [
@@ -283,7 +283,7 @@ def test_a_device_that_refuses_the_weights_at_the_first_call(cpu_routed, monkeyp
         calls.append(args)
         raise UnsupportedOnGpu("pair_dim 16 needs more shared memory than GPU 0 allows")
     monkeypatch.setattr(ops, "_compute", refuse)
-    block = mb.randomize(mb.boltz_block(D, C, H), 0).eval()
+    block = TriangleSelfAttention(D, H).eval()
     with tt.accelerated(), every_warning() as caught, torch.no_grad():
         for _ in range(3):
             block(torch.randn(1, 5, 5, D), torch.ones(1, 5, 5))
@@ -298,21 +298,24 @@ def test_a_device_that_refuses_the_weights_at_the_first_call(cpu_routed, monkeyp
 # --- switching on and off ----------------------------------------------------------------
 
 def test_disable_gives_the_classes_their_forwards_back():
-    attention = pytest.importorskip("boltz.model.layers.triangular_attention.attention")
-    own = attention.TriangleAttention.__dict__["forward"]
+    own = TriangleSelfAttention.__dict__["forward"]
+    subclass = type("TriangleSelfAttention", (torch.nn.Module,), {})  # no forward of its own
     with tt.accelerated(precision="bf16"):
-        assert attention.TriangleAttention.forward is not own
+        assert TriangleSelfAttention.forward is not own
+        assert "forward" in subclass.__dict__  # routed where it is defined (before: a scan)
+        late = type("TriangleSelfAttention", (TriangleSelfAttention,), {})
+        assert "forward" not in late.__dict__  # a subclass inherits the routed forward
         with tt.accelerated(precision="tf32", strict=True):
             assert routing._settings[-1] == routing._Settings("tf32", True)
         assert routing._settings[-1] == routing._Settings("bf16", False)
-    assert attention.TriangleAttention.__dict__["forward"] is own
-    assert "forward" not in attention.TriangleAttentionEndingNode.__dict__
+    assert TriangleSelfAttention.__dict__["forward"] is own
+    assert "forward" not in subclass.__dict__ and "forward" not in late.__dict__
     assert "__init_subclass__" not in torch.nn.Module.__dict__
     assert not tt.enabled()
 
 
 def test_accelerate_inside_routing_falls_back_without_recursing(monkeypatch):
-    block = mb.randomize(mb.boltz_block(D, C, H), 0).eval()
+    block = TriangleSelfAttention(D, H).eval()
     with tt.accelerated():
         tt.accelerate(block)
         monkeypatch.setattr(ops, "_compute", lambda *a: pytest.fail("the op ran"))

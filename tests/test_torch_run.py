@@ -16,9 +16,6 @@ from pathlib import Path
 import pytest
 
 torch = pytest.importorskip("torch")
-pytest.importorskip("boltz.model.layers.pairformer",
-                    reason="boltz-community is not installed (pip install --no-deps "
-                           "boltz-community==2.12.0 einops scipy)")
 
 import triattn_cupy.torch as tt  # noqa: E402
 from triattn_cupy.torch import blocks, run  # noqa: E402
@@ -35,7 +32,11 @@ def cpu_routed(monkeypatch):
 
 @pytest.fixture
 def console_script(tmp_path, monkeypatch):
-    """`fake-predict`: runner_target.main as an installed console script."""
+    """`fake-predict`: runner_target.main as an installed console script (skips where
+    boltz-community, whose model it builds, is not installed)."""
+    pytest.importorskip("boltz.model.layers.pairformer",
+                        reason="boltz-community is not installed (pip install --no-deps "
+                               "boltz-community==2.12.0 einops scipy)")
     dist = tmp_path / "fake_model-0.1.dist-info"
     dist.mkdir()
     (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: fake-model\nVersion: 0.1\n")
@@ -126,7 +127,7 @@ def test_the_models_own_console_scripts(command, capsys):
         REPORT.format(0, 0) + ", 0 fell back"
 
 
-def test_the_installed_entry_point_runs_in_a_fresh_process():
+def test_the_installed_entry_point_runs_in_a_fresh_process(console_script):
     """As the console script's launcher runs it: a module of its own, then sys.exit."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(TESTS)]))
     result = subprocess.run(

@@ -102,9 +102,11 @@ def _subclasses(cls):
 
 
 def _route_class(cls):
-    """Replace the forward of `cls` if it is a known block class (not a subclass of one:
-    subclasses inherit the routed forward, or override it with their own meaning)."""
-    if cls in _patched or not any(kind.names(cls) for kind in blocks._KINDS):
+    """Replace the forward of `cls` if it is a known block class and no base class is one:
+    subclasses inherit the routed forward, or override it with their own meaning (and a
+    router is never wrapped in another)."""
+    if cls in _patched or not any(kind.names(cls) for kind in blocks._KINDS) \
+            or any(blocks.kind_of_class(base) is not None for base in cls.__bases__):
         return
     _patched[cls] = cls.__dict__.get("forward")
     cls.forward = _router(cls.forward)
