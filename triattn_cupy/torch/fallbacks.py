@@ -11,8 +11,12 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import os
+import sys
 import threading
 import warnings
+
+import torch.nn.modules.module
 
 __all__ = ["FallbackWarning", "FallbackError", "Fallback", "Report"]
 
@@ -104,7 +108,21 @@ def announce(name: str, fallback: Fallback, warned: set, strict: bool):
         return
     warned.add(fallback.reason)
     warnings.warn(f"{name}: the original forward runs, not the kernels: {fallback.detail}",
-                  FallbackWarning, stacklevel=2)
+                  FallbackWarning, stacklevel=_caller_level())
+
+
+# Frames a warning is not attributed to: this package's, and torch's Module.__call__
+_INNER_FILES = (os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,
+                torch.nn.modules.module.__file__)
+
+
+def _caller_level() -> int:
+    """The stacklevel of the code that called the block (or `accelerate`): the model's line,
+    which a warning names, rather than this package's."""
+    level, frame = 2, sys._getframe(2)  # (the caller of announce)
+    while frame is not None and frame.f_code.co_filename.startswith(_INNER_FILES):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 @dataclasses.dataclass(frozen=True)
