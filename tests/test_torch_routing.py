@@ -12,6 +12,7 @@ import copy
 import pickle
 import types
 import warnings
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -124,6 +125,9 @@ def test_blocks_are_named_by_their_path_in_their_model():
         f"PairformerModule.layers.0.{name}: the original forward runs, not the kernels: the "
         f"pair is on cpu, not on a GPU: move the model and its inputs to a CUDA device"
         for name in ("tri_att_end", "tri_att_start")]
+    # attributed to the model's line that calls the block
+    assert {Path(w.filename).as_posix().split("/boltz/")[-1] for w in caught
+            if issubclass(w.category, tt.FallbackWarning)} == {"model/layers/pairformer.py"}
 
 
 def test_cpu_calls_fall_back_warned_once_per_block_and_counted():
