@@ -34,7 +34,11 @@ def _parser() -> argparse.ArgumentParser:
         description="Run a model's own command (boltz, protenix, run_openfold, any console "
                     "script, a module or a script) in this process, with every triangle "
                     "attention block of its models on the GPU kernels. Options go before "
-                    "the command; everything after it is the command's.")
+                    "the command; everything after it is the command's.",
+        epilog="A block call the kernels do not compute runs the block's own forward, warned "
+               "once per block and reason (FallbackWarning). At exit, one line on stderr: "
+               "blocks accelerated, calls through the kernels, calls that fell back and why. "
+               "The exit status is the command's (1 after a strict failure, 2 for usage).")
     parser.add_argument("--precision", choices=PRECISIONS, default="fp32",
                         help="the kernels' arithmetic (default fp32)")
     parser.add_argument("--strict", action="store_true",
