@@ -44,7 +44,8 @@ def check_dims(pair_dim: int, num_heads: int):
             f"head dimension pair_dim/num_heads must be a multiple of 4 and at most "
             f"{MAX_HEAD_DIM} on the GPU; got {pair_dim}/{num_heads} = {d}")
     if pair_dim > MAX_PAIR_DIM:
-        raise UnsupportedOnGpu(f"pair_dim must be at most {MAX_PAIR_DIM} on the GPU; got {pair_dim}")
+        raise UnsupportedOnGpu(
+            f"pair_dim must be at most {MAX_PAIR_DIM} on the GPU; got {pair_dim}")
 
 
 def check_weights(weights):
@@ -67,9 +68,9 @@ def check_projection_fits(pair_dim: int, smem_limit: int, gpu: str = "this GPU")
     if need > smem_limit:
         fits = max((D for D in range(4, MAX_PAIR_DIM + 1, 4)
                     if project_smem_bytes(D, 64) <= smem_limit), default=0)
-        raise UnsupportedOnGpu(f"pair_dim {pair_dim} needs {need} bytes of shared memory per block "
-                         f"for the projections; {gpu} allows {smem_limit} "
-                         f"(pair_dim up to {fits} fits)")
+        raise UnsupportedOnGpu(
+            f"pair_dim {pair_dim} needs {need} bytes of shared memory per block for the "
+            f"projections; {gpu} allows {smem_limit} (pair_dim up to {fits} fits)")
 
 
 # The precision modes (the routes of each: routes.py)
