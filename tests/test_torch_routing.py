@@ -172,6 +172,22 @@ def test_compiles_before_and_after_the_first_call(cpu_routed):
         assert tt.report(model).kernel_calls == 6
 
 
+def test_accelerate_strict_raises_at_a_call_the_kernels_do_not_compute(monkeypatch):
+    model = torch.nn.ModuleDict({"pair_attention": TriangleSelfAttention(D, H).eval()})
+    tt.accelerate(model, strict=True)
+    monkeypatch.setattr(ops, "_compute", lambda *a: pytest.fail("the op ran"))
+    pair, mask = torch.randn(1, 5, 5, D), torch.ones(1, 5, 5)
+    with pytest.raises(tt.FallbackError, match=r"pair_attention: the kernels do not compute "
+                                               r"this call \(strict\): gradients are enabled"):
+        model.pair_attention(pair, mask)
+    with torch.no_grad(), pytest.raises(tt.FallbackError, match="the pair is on cpu"):
+        model.pair_attention(pair, mask)
+    tt.accelerate(model)  # not strict: the same calls fall back
+    with torch.no_grad(), every_warning() as caught:
+        model.pair_attention(pair, mask)
+    assert len(fallback_messages(caught)) == 1
+
+
 # --- the other families' own classes -----------------------------------------------------
 
 @pytest.mark.parametrize("family", ["protenix", "openfold3", "openfold", "spec"])
