@@ -91,7 +91,7 @@ class ProcessTally(Tally):
     def refuse(self, name: str, refusal: Fallback):
         """A routed block that a device refuses at its first call there."""
         with self._lock:
-            self.blocks -= 1
+            self.blocks = max(self.blocks - 1, 0)  # (it may have been counted before reset)
             self.refused[name] = refusal.reason
 
 
