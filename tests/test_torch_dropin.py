@@ -1,5 +1,5 @@
 """`triattn_cupy.torch` on the CPU: the op and its fake implementation, `accelerate` finding the
-real models' blocks and leaving the rest alone, its fallbacks (logged once), `restore`, stale
+real models' blocks and leaving the rest alone, its fallbacks (warned once), `restore`, stale
 weights, autocast dtypes and torch.compile.
 
 The accelerated path is traced without a GPU by letting CPU tensors reach the op
@@ -9,10 +9,10 @@ models' -1e9 mask bias and `fully_masked` differ by design)."""
 from __future__ import annotations
 
 import contextlib
-import logging
 import subprocess
 import sys
 import types
+import warnings
 
 import numpy as np
 import pytest
@@ -28,7 +28,6 @@ from triattn_cupy.torch import blocks as acc_module  # noqa: E402
 from triattn_cupy.torch import ops  # noqa: E402
 
 D, C, H = 16, 4, 4  # pair dim, head width, heads
-LOGGER = "triattn_cupy.torch"
 
 
 @pytest.fixture
@@ -209,40 +208,56 @@ def test_accelerate_takes_the_spec_module_itself():
     assert (state.mask_layout, state.node, state.fully_masked) == ("pair", "starting", "nan")
 
 
-def test_unknown_class_with_block_parameters_is_left_alone(caplog):
+def test_unknown_class_with_block_parameters_keeps_its_forward():
     model = torch.nn.ModuleDict({"block": mb.OpenFoldTriangleAttention(D, C, H)})
-    with caplog.at_level(logging.INFO, logger=LOGGER):
+    with pytest.warns(tt.FallbackWarning, match="block: .*a forward triattn_cupy.torch "
+                                                "does not read"):
         tt.accelerate(model)
     assert tt.accelerated_blocks(model) == []
-    assert "a forward this module does not read" in caplog.text
+    assert tt.report(model).refused == {"block": "a block class this package does not read"}
 
 
-def test_unsupported_head_width_is_left_alone(caplog):
+def test_unsupported_head_width_keeps_its_forward(monkeypatch):
     model = torch.nn.ModuleDict({"block": mb.boltz_block(12, 3, 4)})  # head width 3
-    with caplog.at_level(logging.INFO, logger=LOGGER):
+    with pytest.warns(tt.FallbackWarning, match="block: .*head dimension"):
         tt.accelerate(model)
     assert tt.accelerated_blocks(model) == []
-    assert "head dimension" in caplog.text
+    monkeypatch.setattr(ops, "_compute", lambda *a: pytest.fail("the op ran"))
+    with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model.block(torch.randn(1, 5, 5, 12), torch.ones(1, 5, 5))
+    assert caught == []  # said once, when accelerated
+    assert tt.report(model).fallbacks == {"weights the GPU refuses": 1}
 
 
 # --- fallbacks -------------------------------------------------------------------------------
 
-def _fallback_records(caplog):
-    return [r for r in caplog.records if "the original forward runs" in r.getMessage()]
+def _fallback_warnings(caught):
+    return [str(w.message) for w in caught if issubclass(w.category, tt.FallbackWarning)]
 
 
-def test_cpu_tensors_run_the_original_forward_and_log_once(caplog, monkeypatch):
+@contextlib.contextmanager
+def every_warning():
+    """The warnings raised inside, none of them filtered out as repeats."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        yield caught
+
+
+def test_cpu_tensors_run_the_original_forward_and_warn_once(monkeypatch):
     block = boltz()
     pair, mask = torch.randn(1, 6, 6, D), torch.ones(1, 6, 6)
     with torch.no_grad():
         want = block(pair, mask)
     tt.accelerate(block)
     monkeypatch.setattr(ops, "_compute", lambda *a: pytest.fail("the op ran"))
-    with caplog.at_level(logging.INFO, logger=LOGGER), torch.no_grad():
+    with every_warning() as caught, torch.no_grad():
         for _ in range(3):
             torch.testing.assert_close(block(pair, mask), want, rtol=0, atol=0)
-    records = _fallback_records(caplog)
-    assert len(records) == 1 and "the pair is on cpu" in records[0].getMessage()
+    (message,) = _fallback_warnings(caught)
+    assert "the pair is on cpu" in message and "move the model" in message
+    assert message.startswith("TriangleAttention: the original forward runs")
+    assert tt.report(block).fallbacks == {"tensors on cpu": 3}
 
 
 @pytest.mark.parametrize("reason, call", [
@@ -252,29 +267,31 @@ def test_cpu_tensors_run_the_original_forward_and_log_once(caplog, monkeypatch):
     ("argument bogus=1", lambda block, pair, mask: block(pair, mask, bogus=1)),
     ("the pair is torch.float64", lambda block, pair, mask: block(pair.double(), mask)),
 ])
-def test_unsupported_calls_fall_back(caplog, cpu_routed, monkeypatch, reason, call):
+def test_unsupported_calls_fall_back(cpu_routed, monkeypatch, reason, call):
     block = boltz()
     tt.accelerate(block)
     monkeypatch.setattr(ops, "_compute", lambda *a: pytest.fail("the op ran"))
     pair, mask = torch.randn(2, 6, 6, D), torch.ones(2, 6, 6)
     no_grad = reason != "gradients are enabled"
-    with caplog.at_level(logging.INFO, logger=LOGGER), torch.set_grad_enabled(not no_grad):
+    with every_warning() as caught, torch.set_grad_enabled(not no_grad):
         for _ in range(2):
             try:
                 call(block, pair, mask)
             except (TypeError, RuntimeError):
                 pass  # the original forward's own error for what it does not take
-    records = _fallback_records(caplog)
-    assert len(records) == 1 and reason in records[0].getMessage()
+    (message,) = _fallback_warnings(caught)
+    assert reason in message
+    assert sum(tt.report(block).fallbacks.values()) == 2
 
 
-def test_openfold3_transposed_bias_falls_back(caplog, cpu_routed):
+def test_openfold3_transposed_bias_falls_back(cpu_routed):
     block = mb.randomize(mb.openfold3_block(D, C, H), 0).eval()
     tt.accelerate(block)
     pair, mask = torch.randn(1, 6, 6, D), torch.ones(1, 6, 6)
-    with caplog.at_level(logging.INFO, logger=LOGGER), torch.no_grad():
+    with every_warning() as caught, torch.no_grad():
         block(pair, mask=mask, transpose_bias=True)
-    assert "transpose_bias=True" in caplog.text
+    assert "transpose_bias=True" in _fallback_warnings(caught)[0]
+    assert tt.report(block).fallbacks == {"transpose_bias=True": 1}
 
 
 # --- the accelerated path (on the CPU) -------------------------------------------------------
@@ -452,7 +469,6 @@ def gpu_stand_ins(monkeypatch):
     monkeypatch.setattr(cuda_setup, "require_cuda", lambda: recorder)
     monkeypatch.setattr(forward, "Forward", FakeForward)
     monkeypatch.setattr(device_weights, "DeviceWeights", lambda w, i: ("dw", i))
-    monkeypatch.setattr(ops, "_forward_parameters", None)
     monkeypatch.setattr(ops, "_streams", {})
     monkeypatch.setattr(torch.cuda, "current_stream",
                         lambda device=None: types.SimpleNamespace(cuda_stream=4242))
@@ -484,30 +500,6 @@ def test_gpu_path_views_stream_allocator_and_conventions(gpu_stand_ins):
     assert kinds == ["device", "stream", "allocator"]
     assert call["active"][1][1] == 4242
     assert call["active"][2][1] is call["allocate"]
-
-
-def test_gpu_path_refuses_half_pairs_where_the_kernels_read_float32(monkeypatch,
-                                                                    gpu_stand_ins):
-    import triattn_cupy.gpu.forward as forward
-
-    class Float32Forward:
-        def __init__(self, dw, pair, mask, fully_masked, out, precision, route=None,
-                     conventions=("pair", "starting")):
-            pass
-
-        def run(self):
-            pass
-
-    monkeypatch.setattr(forward, "Forward", Float32Forward)
-    weights = random_weights(D, H, seed=9)  # (a handle lives as long as its weights)
-    handle = ops._handle_of(weights)
-    pair = torch.randn(4, 4, D, dtype=torch.float16)
-    with pytest.raises(TypeError, match="reads float32 pairs only"):
-        ops._run_cuda(pair, None, handle, "fp32", "zero", "pair", "starting",
-                      torch.empty_like(pair))
-    pair = pair.float()  # float32 runs, without pair_dtype or allocate
-    ops._run_cuda(pair, None, handle, "fp32", "zero", "pair", "starting",
-                  torch.empty_like(pair))
 
 
 def test_gpu_path_inside_a_capture_needs_a_warm_up(gpu_stand_ins):

@@ -202,6 +202,20 @@ def test_accelerated_stack_fp32(stack, kind, precision):
     assert stack_error(got, want, z, mask) <= 2 * TOLERANCE[precision]
 
 
+def test_stack_routed_by_class_runs_the_kernels(stack):
+    """tt.accelerated (what triattn-run enables): the blocks' class routes them, every call
+    goes through the kernels, none falls back."""
+    gen = torch.Generator().manual_seed(4)
+    z, mask = pair_of(gen, 2, 97, torch.float32), row_mask(gen, 2, 97, "padding")
+    want = float64_forward(stack, z, mask)
+    with tt.accelerated(precision="bf16"):
+        with torch.inference_mode():
+            got = stack(z, mask, chunk_size=32)
+        report = tt.report(stack)
+    assert (report.blocks, report.kernel_calls, report.fallbacks) == (4, 4, {})
+    assert stack_error(got, want, z, mask) <= 2 * TOLERANCE["bf16"]
+
+
 @pytest.mark.parametrize("autocast_dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("precision", PRECISIONS)
 def test_accelerated_stack_under_autocast(stack, autocast_dtype, precision):

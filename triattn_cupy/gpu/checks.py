@@ -28,6 +28,12 @@ def gpu_available() -> bool:
         return False
 
 
+class UnsupportedOnGpu(ValueError):
+    """Input or weights the GPU kernels do not compute (the NumPy backend computes them).
+    A ValueError like every argument check; its own class so that callers with another way
+    to compute (triattn_cupy.torch's original forwards) can tell a refusal from a bug."""
+
+
 def supported_head_dims():
     return tuple(range(4, MAX_HEAD_DIM + 1, 4))
 
@@ -35,11 +41,24 @@ def supported_head_dims():
 def check_dims(pair_dim: int, num_heads: int):
     d = pair_dim // num_heads
     if d % 4 or d > MAX_HEAD_DIM:
-        raise ValueError(
+        raise UnsupportedOnGpu(
             f"head dimension pair_dim/num_heads must be a multiple of 4 and at most "
             f"{MAX_HEAD_DIM} on the GPU; got {pair_dim}/{num_heads} = {d}")
     if pair_dim > MAX_PAIR_DIM:
-        raise ValueError(f"pair_dim must be at most {MAX_PAIR_DIM} on the GPU; got {pair_dim}")
+        raise UnsupportedOnGpu(
+            f"pair_dim must be at most {MAX_PAIR_DIM} on the GPU; got {pair_dim}")
+
+
+def check_weights(weights):
+    """Refuse (UnsupportedOnGpu) weights whose shapes the kernels do not compute, before
+    any upload: every device-independent check of a `Weights` on the GPU side."""
+    hidden = weights.num_heads * weights.head_dim
+    if hidden != weights.pair_dim:  # the kernels project q, k, v and the gate to D channels
+        raise UnsupportedOnGpu(
+            f"heads x head width = {weights.num_heads} x {weights.head_dim} = {hidden} "
+            f"differs from pair_dim {weights.pair_dim}; the GPU kernels compute blocks whose "
+            f"projections are pair_dim wide")
+    check_dims(weights.pair_dim, weights.num_heads)
 
 
 def check_projection_fits(pair_dim: int, smem_limit: int, gpu: str = "this GPU"):
@@ -50,9 +69,9 @@ def check_projection_fits(pair_dim: int, smem_limit: int, gpu: str = "this GPU")
     if need > smem_limit:
         fits = max((D for D in range(4, MAX_PAIR_DIM + 1, 4)
                     if project_smem_bytes(D, 64) <= smem_limit), default=0)
-        raise ValueError(f"pair_dim {pair_dim} needs {need} bytes of shared memory per block "
-                         f"for the projections; {gpu} allows {smem_limit} "
-                         f"(pair_dim up to {fits} fits)")
+        raise UnsupportedOnGpu(
+            f"pair_dim {pair_dim} needs {need} bytes of shared memory per block for the "
+            f"projections; {gpu} allows {smem_limit} (pair_dim up to {fits} fits)")
 
 
 # The precision modes (the routes of each: routes.py)

@@ -345,10 +345,10 @@ class Forward:
 
 
 def _refuse_unsupported(node: str):
-    """A ValueError for the node the GPU kernels do not compute, ending_af3 (its pair bias
-    from the untransposed pair), rather than a result computed otherwise."""
+    """An error (UnsupportedOnGpu) for the node the GPU kernels do not compute, ending_af3
+    (its pair bias from the untransposed pair), rather than a result computed otherwise."""
     if node == "ending_af3":
-        raise ValueError(
+        raise checks.UnsupportedOnGpu(
             "node='ending_af3' (the pair bias of the untransposed pair, as AlphaFold3) is "
             "not computed on the GPU, which computes the nodes 'starting' and 'ending'. Use "
             "the NumPy backend (triattn_cupy.reference.triangle_attention, or triattn-infer "

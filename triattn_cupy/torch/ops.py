@@ -15,7 +15,6 @@ has changed its parameters since (`Registered.current`).
 """
 from __future__ import annotations
 
-import inspect
 import itertools
 import threading
 import weakref
@@ -43,11 +42,13 @@ class Registered:
     from; `current` re-imports and re-uploads when the signature (each parameter's
     identity, address and version counter) changes: a new checkpoint loaded with
     load_state_dict, an in-place edit, a parameter replaced. `weak`: hold the weights by a
-    weak reference (the functional form: the handle dies with the caller's object)."""
+    weak reference (the functional form: the handle dies with the caller's object).
+    `tally` (optional, fallbacks.Tally): counts the calls computed with these weights."""
 
-    def __init__(self, weights: Weights, source=None, weak: bool = False):
+    def __init__(self, weights: Weights, source=None, weak: bool = False, tally=None):
         self._weights = weakref.ref(weights) if weak else (lambda: weights)
         self.source = source
+        self.tally = tally
         self.signature = source[0]() if source else None
         self.device_weights: dict = {}
         self.warm: set = set()  # the call geometries run (their plans and layouts made)
@@ -107,12 +108,12 @@ _handles = itertools.count(1)
 _by_weights: "weakref.WeakKeyDictionary[Weights, int]" = weakref.WeakKeyDictionary()
 
 
-def register_weights(weights: Weights, source=None, weak: bool = False) -> int:
-    """A new handle for `weights` (see `Registered` for `source` and `weak`)."""
+def register_weights(weights: Weights, source=None, weak: bool = False, tally=None) -> int:
+    """A new handle for `weights` (see `Registered` for `source`, `weak` and `tally`)."""
     if not isinstance(weights, Weights):
         raise TypeError(f"weights must be a triattn_cupy.Weights; got {type(weights).__name__}")
     handle = next(_handles)
-    _registry[handle] = Registered(weights, source, weak)
+    _registry[handle] = Registered(weights, source, weak, tally)
     return handle
 
 
@@ -190,18 +191,6 @@ def _as_cupy(cupy, tensor: torch.Tensor):
                         strides=tuple(s * itemsize for s in tensor.stride()))
 
 
-_forward_parameters: Optional[frozenset] = None
-
-
-def _forward_accepts(name: str) -> bool:
-    global _forward_parameters
-    if _forward_parameters is None:
-        from ..gpu.forward import Forward
-
-        _forward_parameters = frozenset(inspect.signature(Forward.__init__).parameters)
-    return name in _forward_parameters
-
-
 def _run_cuda(pair, mask, handle, precision, fully_masked, mask_layout, node, out):
     from ..cuda_setup import require_cuda
     from ..gpu.forward import Forward
@@ -209,13 +198,6 @@ def _run_cuda(pair, mask, handle, precision, fully_masked, mask_layout, node, ou
     cupy = require_cuda()
     device = pair.device
     entry = _lookup(handle)
-    io_dtype = IO_DTYPES[pair.dtype]
-    # Forward's name for the pair's type (the bits of a bfloat16 pair arrive as int16)
-    dtype_arg = next((name for name in ("pair_dtype", "io_dtype") if _forward_accepts(name)),
-                     None)
-    if io_dtype != "float32" and dtype_arg is None:
-        raise TypeError(f"pair is {pair.dtype}; this build of the GPU kernels reads float32 "
-                        f"pairs only")
     if mask is not None and mask.dtype == torch.bfloat16:  # CuPy has no bfloat16: 0 or not
         mask = mask != 0
     allocate = _torch_allocator(cupy, device)
@@ -231,16 +213,13 @@ def _run_cuda(pair, mask, handle, precision, fully_masked, mask_layout, node, ou
         if capturing and geometry not in entry.warm:
             raise RuntimeError(_CAPTURE_ERROR.format(
                 what="this input geometry has not run before"))
-        kwargs = {}
-        if dtype_arg is not None:
-            kwargs[dtype_arg] = io_dtype
-        if _forward_accepts("allocate"):
-            kwargs["allocate"] = allocate
-        # Every CuPy allocation of the call (scratch, aligned copies) from torch's allocator
+        # Every CuPy allocation of the call (scratch, aligned copies) from torch's allocator;
+        # pair_dtype names the pair's type (the bits of a bfloat16 pair arrive as int16)
         with cupy.cuda.using_allocator(allocate):
             Forward(dw, _as_cupy(cupy, pair), None if mask is None else _as_cupy(cupy, mask),
                     fully_masked, _as_cupy(cupy, out), precision,
-                    conventions=(mask_layout, node), **kwargs).run()
+                    conventions=(mask_layout, node), pair_dtype=IO_DTYPES[pair.dtype],
+                    allocate=allocate).run()
     if len(entry.warm) > 256:  # geometries come and go; a forgotten one warms up again
         entry.warm.clear()
     entry.warm.add(geometry)
@@ -261,10 +240,16 @@ def _run_cpu(pair, mask, handle, fully_masked, mask_layout, node, out):
 
 def _compute(pair, mask, handle, precision, fully_masked, mask_layout, node, out):
     if pair.device.type == "cuda":
-        return _run_cuda(pair, mask, handle, precision, fully_masked, mask_layout, node, out)
-    if pair.device.type == "cpu":
-        return _run_cpu(pair, mask, handle, fully_masked, mask_layout, node, out)
-    raise ValueError(f"pair is on {pair.device}; expected a CUDA (or CPU) tensor")
+        _run_cuda(pair, mask, handle, precision, fully_masked, mask_layout, node, out)
+    elif pair.device.type == "cpu":
+        _run_cpu(pair, mask, handle, fully_masked, mask_layout, node, out)
+    else:
+        raise ValueError(f"pair is on {pair.device}; expected a CUDA (or CPU) tensor")
+    # Counted here, where every call computes (eager or compiled), not where it is traced
+    tally = _lookup(handle).tally
+    if tally is not None:
+        tally.count_kernel_call()
+    return out
 
 
 # --- the ops -----------------------------------------------------------------------------
