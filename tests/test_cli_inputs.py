@@ -240,3 +240,52 @@ def test_float16_inputs_give_float16_outputs(weights, weights_file, tmp_path):
         assert got.dtype == np.float16 and got.shape == pair.shape
         np.testing.assert_allclose(got.astype(np.float32), expected.astype(np.float32),
                                    rtol=2 ** -10, atol=1e-3)
+
+
+# The CLI in a child process whose reader shrinks one input right after its header is
+# checked (the destination is allocated then): the event, not a timer, orders the two.
+_SHRINK_DURING_READ = """
+import os, sys
+import numpy as np
+from triattn_cupy.cli import filejob, main
+
+victim, keep = sys.argv[1], int(sys.argv[2])
+real_read_input = filejob.read_input
+
+def read_input(path, *args, alloc=None, **kwargs):
+    def shrinking_alloc(shape):
+        if os.path.basename(path) == victim:
+            os.truncate(path, keep)
+        return alloc(shape) if alloc else np.empty(shape, np.float32)
+    return real_read_input(path, *args, alloc=shrinking_alloc, **kwargs)
+
+filejob.read_input = read_input
+sys.exit(main.main(sys.argv[3:]))
+"""
+
+
+@pytest.mark.parametrize("dtype,order", [(np.float32, "C"), (np.float64, "F")])
+def test_an_input_shrinking_while_read_fails_alone(weights, weights_file, tmp_path, dtype,
+                                                   order):
+    """A .npy truncated after its header check ended the whole run with SIGBUS (it was
+    read through a memory map). Now the short read is that file's error, "file changed
+    while being read", and the batch computes the other files."""
+    rng = np.random.default_rng(17)
+    src = tmp_path / "in"
+    src.mkdir()
+    pairs = {name: np.asarray(make_pair(rng, 40, 40, dtype=dtype), order=order)
+             for name in ("a", "b_shrinks", "c")}
+    for name, pair in pairs.items():
+        np.save(src / f"{name}.npy", pair)
+    out = tmp_path / "out"
+    proc = subprocess.run(
+        [sys.executable, "-c", _SHRINK_DURING_READ, "b_shrinks.npy", "4096", str(src),
+         "-o", str(out), "--weights", str(weights_file), "--device", "cpu"],
+        env=child_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1, (proc.returncode, proc.stderr)
+    assert f"{src / 'b_shrinks.npy'}: file changed while being read" in proc.stderr
+    assert "3 files: 2 computed, 0 skipped, 1 failed" in proc.stderr
+    assert all_files(out) == ["a.h5", "c.h5"]
+    for name in ("a", "c"):
+        assert_same(read_output(out / f"{name}.h5")[0],
+                    expected_output(weights, pairs[name].astype(np.float32)))

@@ -210,15 +210,6 @@ def _host_memory_bytes() -> int:
         return 0
 
 
-def _convert_into(dest: np.ndarray, src: np.ndarray):
-    """dest[...] = src in slabs along the first axis (float64 -> float32 conversion here:
-    the one conversion an input goes through)."""
-    step = _slab_rows(src)
-    with np.errstate(over="ignore"):  # float64 beyond float32's range -> inf, reported
-        for i in range(0, src.shape[0], step):
-            np.copyto(dest[i:i + step], src[i:i + step], casting="unsafe")
-
-
 def _slab_rows(arr) -> int:
     row_bytes = max(1, _count(arr.shape[1:]) * 8)
     return max(1, _SLAB_BYTES // row_bytes)
@@ -267,12 +258,12 @@ def _read_npy(path, keys: _Keys, alloc):
         if size - offset < need:
             raise InputError(f"file is truncated: its header announces {need} bytes of "
                              f"{dtype} {tuple(shape)} data, the file holds {size - offset}")
-        # The file is mapped, not read: the one copy is the conversion into `dest`.
-        src = np.memmap(f, dtype=dtype, mode="r", offset=offset, shape=tuple(shape),
-                        order="F" if fortran else "C")
+        # Read, not mapped: a mapped file that shrinks under the reader ends the process
+        # with SIGBUS; a read that comes up short is this file's error alone.
         dest = alloc(tuple(shape))
-        _convert_into(dest, src)
-        del src
+        _stream_into(dest, f, dtype, fortran,
+                     f"file changed while being read: its {dtype} {tuple(shape)} data "
+                     f"ended early")
     return dest, str(dtype), None
 
 
@@ -300,7 +291,8 @@ def _read_npz(path, keys: _Keys, alloc):
             dest = alloc(tuple(shape))
             with z.open(pair_info) as member:
                 _npy_header(member)
-                _stream_into(dest, member, dtype, fortran)
+                _stream_into(dest, member, dtype, fortran,
+                             f"the archive's data for {dtype} {tuple(shape)} end early")
             mask = None
             if mask_info is not None:
                 with z.open(mask_info) as member:
@@ -323,23 +315,39 @@ def _npz_member_header(z, info, what):
     return shape, fortran, dtype
 
 
-def _stream_into(dest: np.ndarray, stream, dtype: np.dtype, fortran: bool):
+def _stream_into(dest: np.ndarray, stream, dtype: np.dtype, fortran: bool,
+                 ended_early: str):
     """Fill `dest` from the raw array bytes of `stream` in slabs (a slab of the first axis,
-    or of the last for Fortran order, whose bytes are those of the transpose)."""
-    shape = dest.shape
+    or of the last for Fortran order, whose bytes are those of the transpose); InputError
+    `ended_early` when the stream ends first. Bytes of dest's own type (C order) are read
+    straight into it; others through one slab-sized buffer, converted from there."""
     view = dest.T if fortran else dest  # C-order view of the bytes in the file
     rows = view.shape[0]
     row_items = _count(view.shape[1:])
     step = max(1, _SLAB_BYTES // max(1, row_items * dtype.itemsize))
+    direct = dtype == dest.dtype and not fortran
+    buffer = None if direct else np.empty(min(step, rows) * row_items, dtype)
     with np.errstate(over="ignore"):
         for i in range(0, rows, step):
             n = min(step, rows - i)
-            want = n * row_items * dtype.itemsize
-            data = stream.read(want)
-            if len(data) != want:
-                raise InputError(f"the archive's data for {dtype} {tuple(shape)} end early")
-            chunk = np.frombuffer(data, dtype).reshape((n,) + view.shape[1:])
-            np.copyto(view[i:i + n], chunk, casting="unsafe")
+            target = view[i:i + n] if direct else buffer[:n * row_items]
+            if not _read_exactly(stream, target.reshape(-1).view(np.uint8)):
+                raise InputError(ended_early)
+            if not direct:
+                np.copyto(view[i:i + n], target.reshape((n,) + view.shape[1:]),
+                          casting="unsafe")
+
+
+def _read_exactly(stream, into: np.ndarray) -> bool:
+    """Fill the bytes `into` from `stream`; False when the stream ends first."""
+    memory = memoryview(into)
+    done = 0
+    while done < len(memory):
+        got = stream.readinto(memory[done:])
+        if not got:
+            return False
+        done += got
+    return True
 
 
 def _read_hdf5(path, keys: _Keys, alloc):
