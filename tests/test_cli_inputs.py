@@ -289,3 +289,38 @@ def test_an_input_shrinking_while_read_fails_alone(weights, weights_file, tmp_pa
     for name in ("a", "c"):
         assert_same(read_output(out / f"{name}.h5")[0],
                     expected_output(weights, pairs[name].astype(np.float32)))
+
+
+def _patch_lzf_to_unknown_filter(path):
+    """Rename the file's LZF filter (32000) to 32001, mandatory: a filter nobody has."""
+    raw = bytearray(path.read_bytes())
+    at = raw.find(b"lzf\0") - 8  # the pipeline entry: id, name length, flags
+    assert raw[at:at + 2] == (32000).to_bytes(2, "little")
+    raw[at:at + 2] = (32001).to_bytes(2, "little")
+    raw[at + 4:at + 6] = b"\0\0"
+    path.write_bytes(raw)
+
+
+def test_hdf5_inputs_storage_is_checked_before_reading(tmp_path):
+    """An .h5 pair whose chunks are far larger than its data (each read allocates a
+    chunk whole), one with unwritten gzip chunks (read as zeros), one naming a filter
+    no library registers (which made HDF5 load plugins): refused from the metadata."""
+    pair = make_pair(np.random.default_rng(18), 4, 4)
+    with h5py.File(tmp_path / "bomb.h5", "w") as f:
+        f.create_dataset("pair", data=pair, chunks=(256, 128, D), maxshape=(None,) * 3,
+                         compression="gzip")
+    with h5py.File(tmp_path / "holes.h5", "w") as f:
+        f.create_dataset("pair", shape=pair.shape, dtype=np.float32, chunks=(1, 4, D),
+                         compression="gzip")[0] = pair[0]
+    with h5py.File(tmp_path / "filter.h5", "w") as f:
+        f.create_dataset("pair", data=np.zeros((40, 40, D), np.float32), compression="lzf")
+    _patch_lzf_to_unknown_filter(tmp_path / "filter.h5")
+    cases = {"bomb.h5": r"'pair' is stored in chunks of shape \(256, 128, 16\) \(2097152 "
+                        r"bytes each\) for 1024 bytes of data",
+             "holes.h5": r"'pair' \(float32 \(4, 4, 16\)\) is stored in 4 chunks but the "
+                         r"file holds 1",
+             "filter.h5": r"'pair' uses HDF5 filter 32001 \(lzf\), which is not supported: "
+                          r"rewrite the file without it"}
+    for name, message in cases.items():
+        with pytest.raises(cli_io.InputError, match=message):
+            cli_io.read_input(str(tmp_path / name), "hdf5", pair_dim=D)

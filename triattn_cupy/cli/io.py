@@ -27,7 +27,7 @@ import numpy as np
 from .._checks import check_mask_dtype, pair_geometry
 from ..conventions import check_mask_shape
 from ..hdf5 import (ExternalDataError, check_local_storage, local_datasets, local_object,
-                    missing_storage)
+                    no_filter_plugins, storage_problem)
 from .outputs import OUTPUT_FORMAT, attr_str
 
 INPUT_SUFFIXES = {".npy": "npy", ".npz": "npz", ".h5": "hdf5", ".hdf5": "hdf5"}
@@ -355,7 +355,7 @@ def _read_hdf5(path, keys: _Keys, alloc):
 
     if not h5py.is_hdf5(path):  # (read_input has checked that it is a regular file)
         raise InputError("not an HDF5 file (no HDF5 signature found)")
-    with h5py.File(path, "r") as f:
+    with no_filter_plugins(), h5py.File(path, "r") as f:
         if attr_str(f.attrs.get("format")) == OUTPUT_FORMAT:
             raise InputError("this is an output of triattn-infer, not an input")
         ds = local_object(f, keys.pair_key)
@@ -376,9 +376,9 @@ def _read_hdf5(path, keys: _Keys, alloc):
         for dset, name in ((ds, keys.pair_key), (mds, keys.mask_key)):
             if dset is not None:
                 check_local_storage(dset, name)
-                short = missing_storage(dset, name)
-                if short:
-                    raise InputError(short)
+                unreadable = storage_problem(dset, name)
+                if unreadable:
+                    raise InputError(unreadable)
         if mds is not None:
             if mds.shape is None:
                 raise InputError(f"mask {keys.mask_key!r} has an empty dataspace, no array")
