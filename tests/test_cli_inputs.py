@@ -2,6 +2,7 @@
 reason before their data are read, and the run goes on (CPU backend, D=16)."""
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import sys
@@ -324,3 +325,30 @@ def test_hdf5_inputs_storage_is_checked_before_reading(tmp_path):
     for name, message in cases.items():
         with pytest.raises(cli_io.InputError, match=message):
             cli_io.read_input(str(tmp_path / name), "hdf5", pair_dim=D)
+
+
+def test_an_npz_that_expands_far_beyond_its_size_is_refused(tmp_path):
+    """A small .npz of zeros expanding ~1000 times (a 2 MB one reached 4.1 GB of memory):
+    refused from the archive's directory, before anything is decompressed. A pair of
+    real values, compressed, is read."""
+    with zipfile.ZipFile(tmp_path / "bomb.npz", "w", zipfile.ZIP_DEFLATED) as z:
+        with z.open("pair.npy", "w", force_zip64=True) as member:
+            shape = (1, 1100, 1100, D)
+            np.lib.format.write_array_header_1_0(member, {
+                "descr": "<f4", "fortran_order": False, "shape": shape})
+            zeros = bytes(1 << 20)
+            for _ in range(math.prod(shape) * 4 >> 20):
+                member.write(zeros)
+            member.write(bytes(math.prod(shape) * 4 % (1 << 20)))
+    assert (tmp_path / "bomb.npz").stat().st_size < 200_000
+
+    def read():
+        with pytest.raises(cli_io.InputError, match=r"pair: the archive stores \d+ bytes that "
+                                                    r"expand to \d+, more than 100 times; "
+                                                    r"refused as a compression bomb"):
+            cli_io.read_input(str(tmp_path / "bomb.npz"), "npz", pair_dim=D)
+    assert _peak_bytes_of(read) < 8 << 20
+    pair = make_pair(np.random.default_rng(19), 4, 4)
+    np.savez_compressed(tmp_path / "real.npz", pair=pair)
+    assert np.array_equal(cli_io.read_input(str(tmp_path / "real.npz"), "npz",
+                                            pair_dim=D).pair, pair)

@@ -37,6 +37,11 @@ INPUT_SUFFIXES = {".npy": "npy", ".npz": "npz", ".h5": "hdf5", ".hdf5": "hdf5"}
 # the writer thread take turns instead of one waiting for a whole file.
 _SLAB_BYTES = 64 << 20
 GIB = float(1 << 30)
+# An .npz array of more than NPZ_CHECKED_BYTES may expand at most this many times its
+# compressed size: real pairs compress a few times at most (padding included), while a
+# bomb of a few MB expands to GBs before anything else could stop it.
+NPZ_MAX_EXPANSION = 100
+NPZ_CHECKED_BYTES = 64 << 20
 
 
 class InputError(Exception):
@@ -302,7 +307,14 @@ def _read_npz(path, keys: _Keys, alloc):
 
 def _npz_member_header(z, info, what):
     """(shape, fortran_order, dtype) of one array of an .npz archive, read from its
-    header alone; its size must be the one the archive's directory records."""
+    header alone; its size must be the one the archive's directory records, and it may
+    not expand more than NPZ_MAX_EXPANSION times (from the directory, before reading)."""
+    if (info.file_size > NPZ_CHECKED_BYTES
+            and info.file_size > NPZ_MAX_EXPANSION * info.compress_size):
+        raise InputError(f"{what}: the archive stores {info.compress_size} bytes that expand "
+                         f"to {info.file_size}, more than {NPZ_MAX_EXPANSION} times; refused "
+                         f"as a compression bomb (save it with numpy.savez, uncompressed, "
+                         f"or as .h5)")
     with z.open(info) as member:
         shape, fortran, dtype, header = _npy_header(member)
     if dtype.hasobject:
