@@ -489,6 +489,9 @@ def save_weights(weights: Weights, path) -> None:
     eps = weights.layer_norm_eps
     if not math.isfinite(eps) or eps <= 0:
         raise ValueError(f"weights.layer_norm_eps must be a positive finite number, got {eps}")
+    if weights.pair_dim > MAX_PAIR_DIM:  # never write a file load_weights refuses
+        raise ValueError(f"weights.pair_dim {weights.pair_dim} is beyond the largest "
+                         f"load_weights reads, {MAX_PAIR_DIM}")
     path = os.fspath(path)
     folder = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(folder):
