@@ -240,9 +240,9 @@ def test_cli_fifo_checkpoint_is_refused_without_opening(tmp_path):
     from cli_support import child_env
 
     os.mkfifo(tmp_path / "model.pt")
-    proc = subprocess.run([sys.executable, "-m", "triattn_cupy.export", str(tmp_path / "model.pt"),
-                           str(tmp_path / "w.h5")], env=child_env(), capture_output=True,
-                          text=True, timeout=60)
+    proc = subprocess.run([sys.executable, "-m", "triattn_cupy.export",
+                           str(tmp_path / "model.pt"), str(tmp_path / "w.h5")],
+                          env=child_env(), capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2, proc.stderr
     assert "model.pt: not a regular file; not opened" in proc.stderr
 

@@ -391,7 +391,8 @@ def _layer_norm_params(rng, D, dtype):
        eps=st.sampled_from([1e-5, 1e-12, 1e-3]))
 def test_layer_norm_of_a_constant_row_is_its_bias(value, D, dtype, eps):
     """A row constant across D has no deviation: LayerNorm gives `bias` exactly, for every
-    finite magnitude (the mean's rounding made noise of it, or NaN once eps / s**2 underflowed)."""
+    finite magnitude (the mean's rounding made noise of it, or NaN once eps / s**2
+    underflowed)."""
     from triattn_cupy.reference import layer_norm
 
     weight, bias = _layer_norm_params(np.random.default_rng(D), D, dtype)
