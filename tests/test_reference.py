@@ -455,3 +455,21 @@ def test_layer_norm_of_narrow_rows_matches_float64(offset, spread, seed):
     want = (x64 - mean) / np.sqrt(((x64 - mean) ** 2).mean(-1, keepdims=True) + 1e-5) \
         * weight + bias
     assert rel_l2(got, want) < 1e-5
+
+
+@pytest.mark.parametrize("bad", [{"query.weight": np.zeros((4, 4))}, None, "w.h5"])
+def test_weights_of_another_type_are_a_type_error(bad):
+    """A non-Weights object ran into an AttributeError (weights.mask_layout); the GPU API
+    says the same before it looks for a GPU."""
+    import triattn_cupy as ta
+
+    pair = np.zeros((3, 3, 16))
+    with pytest.raises(TypeError, match=rf"weights must be a triattn_cupy.Weights \(see "
+                                        rf"load_weights\); got {type(bad).__name__}"):
+        triangle_attention(pair, None, bad)
+    with pytest.raises(TypeError, match=rf"weights must be a triattn_cupy.Weights \(see "
+                                        rf"load_weights\); got {type(bad).__name__}"):
+        ta.TriangleAttention(bad)
+    with pytest.raises(TypeError, match="weights must be a triattn_cupy.Weights or "
+                                        "TriangleAttention"):
+        ta.triangle_attention(pair, None, bad)

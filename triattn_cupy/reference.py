@@ -101,6 +101,9 @@ def triangle_attention(pair, mask, weights: Weights, *, fully_masked: str = "zer
     i of the first N axis for the starting node, of the second for the ending node (the
     rows of the transposed pair); the result then has len(rows) in place of that axis.
     """
+    if not isinstance(weights, Weights):
+        raise TypeError(f"weights must be a triattn_cupy.Weights (see load_weights); got "
+                        f"{type(weights).__name__}")
     check_fully_masked(fully_masked)
     mask_layout = check_mask_layout(weights.mask_layout if mask_layout is None else mask_layout)
     node = check_node(weights.node if node is None else node)
