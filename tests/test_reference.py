@@ -473,3 +473,19 @@ def test_weights_of_another_type_are_a_type_error(bad):
     with pytest.raises(TypeError, match="weights must be a triattn_cupy.Weights or "
                                         "TriangleAttention"):
         ta.triangle_attention(pair, None, bad)
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_a_non_finite_value_reaches_its_row_and_its_query_only(rng, bad):
+    """README: NaN or Inf at pair[b, i, j] makes NaN row (b, i) (its key j) and query i of
+    every row (the pair bias of (i, j)); every other output is as without it."""
+    weights = random_weights(16, 2, seed=6)
+    pair = rng.standard_normal((2, 7, 7, 16))
+    clean = triangle_attention(pair, None, weights)
+    pair[1, 2, 4, 5] = bad
+    with np.errstate(invalid="ignore"):
+        out = triangle_attention(pair, None, weights)
+    reached = np.zeros((2, 7, 7), bool)
+    reached[1, 2, :] = reached[1, :, 2] = True
+    assert np.isnan(out[reached]).all()
+    np.testing.assert_allclose(out[~reached], clean[~reached], rtol=1e-12, atol=1e-12)
