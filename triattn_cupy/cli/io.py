@@ -36,6 +36,7 @@ INPUT_SUFFIXES = {".npy": "npy", ".npz": "npz", ".h5": "hdf5", ".hdf5": "hdf5"}
 # temporary arrays, and lets h5py's global lock go between slabs, so the reader thread and
 # the writer thread take turns instead of one waiting for a whole file.
 _SLAB_BYTES = 64 << 20
+_BUFFER_BYTES = 4 << 20  # data read to be converted go through a buffer of about this
 GIB = float(1 << 30)
 # An .npz array of more than NPZ_CHECKED_BYTES may expand at most this many times its
 # compressed size: real pairs compress a few times at most (padding included), while a
@@ -336,8 +337,10 @@ def _stream_into(dest: np.ndarray, stream, dtype: np.dtype, fortran: bool,
     view = dest.T if fortran else dest  # C-order view of the bytes in the file
     rows = view.shape[0]
     row_items = _count(view.shape[1:])
-    step = max(1, _SLAB_BYTES // max(1, row_items * dtype.itemsize))
     direct = dtype == dest.dtype and not fortran
+    # (a buffer that stays in the cache between the read and the conversion)
+    step = max(1, (_SLAB_BYTES if direct else _BUFFER_BYTES)
+               // max(1, row_items * dtype.itemsize))
     buffer = None if direct else np.empty(min(step, rows) * row_items, dtype)
     with np.errstate(over="ignore"):
         for i in range(0, rows, step):
