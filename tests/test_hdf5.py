@@ -458,7 +458,9 @@ def test_named_datatype_in_place_of_an_optional_bias_is_refused(saved):
 def test_a_flipped_byte_in_an_optional_bias_never_reads_as_zeros(tmp_path_factory, offset,
                                                                  flip):
     """Any byte of query/bias's object header flipped: the load fails with
-    WeightsFormatError or gives the bias as written, never zeros in its place."""
+    WeightsFormatError, or query/bias is still a dataset and was read as one; never taken
+    for an absent bias (zeros). (A flipped data address can point the read at other bytes
+    of the file: the format has no checksums to tell.)"""
     weights = random_weights(D, H, seed=1)
     path = tmp_path_factory.mktemp("flip") / "w.h5"
     save_weights(weights, path)
@@ -471,7 +473,9 @@ def test_a_flipped_byte_in_an_optional_bias_never_reads_as_zeros(tmp_path_factor
         loaded = load_weights(path)
     except WeightsFormatError:
         return
-    assert np.array_equal(loaded["query.bias"], weights["query.bias"])
+    with h5py.File(path, "r") as f:
+        assert isinstance(f.get("query/bias"), h5py.Dataset)
+        assert np.array_equal(loaded["query.bias"], f["query/bias"][()])
 
 
 def _weights_file(path, D, h, **dataset_options):
@@ -551,6 +555,37 @@ def test_deep_nesting_is_refused_fast(saved):
     with pytest.raises(WeightsFormatError, match="groups nested more than 32 deep"):
         load_weights(saved)
     assert time.perf_counter() - start < 5.0
+
+
+def test_very_deep_nesting_does_not_crash(saved, tmp_path):
+    """HDF5's recursive link visit overflowed the C stack on 20000 nested groups (the
+    process died with SIGSEGV); the groups are walked level by level, to 32. In a child
+    process, for weights and for an input whose pair is missing (the error lists the
+    file's datasets)."""
+    import subprocess
+    import sys
+
+    from cli_support import child_env
+
+    deep = "/".join(["g"] * 20000)
+    with edit(saved) as f:
+        f.create_group(deep)
+    with h5py.File(tmp_path / "x.h5", "w") as f:
+        f.create_group(deep)
+    script = ("import sys\nfrom triattn_cupy.hdf5 import load_weights\n"
+              "from triattn_cupy.cli.io import read_input\n"
+              "for load in (lambda: load_weights(sys.argv[1]),\n"
+              "             lambda: read_input(sys.argv[2], 'hdf5', pair_dim=16)):\n"
+              "    try:\n        load()\n    except Exception as err:\n"
+              "        print(type(err).__name__, str(err).splitlines()[-1])\n")
+    proc = subprocess.run([sys.executable, "-c", script, str(saved), str(tmp_path / "x.h5")],
+                          env=child_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, (proc.returncode, proc.stderr[-2000:])
+    assert proc.stdout.splitlines() == [
+        "WeightsFormatError   - groups nested more than 32 deep (at 'g/g/g/g/g/g/g/g/g/g/g/g/"
+        "g/g/g/g/g/g/g/g/g/g/g/g/g/g/g/g/g/g/...'); refused",
+        "InputError no dataset 'pair' in the file (it holds no datasets); choose one with "
+        "--pair-key"], proc.stdout
 
 
 def _unknown_filter_file(path):

@@ -205,24 +205,17 @@ def no_filter_plugins():
 def local_datasets(f: h5py.File, problems: list) -> dict:
     """{path: Dataset} of every dataset reachable inside `f`, each of its names included
     (a dataset hard-linked under two names appears twice). External links are appended
-    to `problems` and not followed; so are groups nested deeper than `MAX_GROUP_DEPTH`,
-    where the visit stops."""
+    to `problems` and not followed; so are groups nested deeper than `MAX_GROUP_DEPTH`
+    (once), whose contents are passed over."""
     datasets = {}
-
-    def visit(raw_name):  # returns None to go on, True to stop the visit
-        # Nothing may escape: an exception raised inside HDF5's visit leaves h5py's lock
-        # in a broken state (SystemError on every later call). The low-level visit gives
-        # the names as bytes: h5py's own visititems_links fails on one that is not UTF-8.
-        if raw_name.count(b"/") >= MAX_GROUP_DEPTH:
-            shown = raw_name[:60].decode("utf-8", "replace")
-            problems.append(f"groups nested more than {MAX_GROUP_DEPTH} deep (at "
-                            f"'{shown}...'); refused")
-            return True
+    for raw_name in _link_names(f, problems):
+        # The names come as bytes: h5py's own visititems_links fails on one that is not
+        # UTF-8.
         try:
             name = raw_name.decode("utf-8")
         except UnicodeDecodeError:
             problems.append(f"link {raw_name!r}: its name is not UTF-8")
-            return None
+            continue
         try:
             link = f.get(name, getlink=True)
             obj = local_object(f, name)
@@ -234,10 +227,41 @@ def local_datasets(f: h5py.File, problems: list) -> dict:
         except Exception as err:  # a damaged link or name
             problems.append(f"link '{name}': cannot be followed ({type(err).__name__}: "
                             f"{err})")
-        return None
-
-    f.id.links.visit(visit)
     return datasets
+
+
+def _link_names(f: h5py.File, problems: list) -> list:
+    """The full name (bytes) of every link in `f`, group by group, breadth first, through
+    hard links to groups at most MAX_GROUP_DEPTH deep (a group reached twice, through
+    another hard link or a cycle, is listed once). HDF5's own recursive visit crashed
+    the process (a C stack overflow) on 20000 nested groups."""
+    names, seen = [], set()
+    level = [(b"", f.id)]
+    for depth in range(MAX_GROUP_DEPTH + 1):
+        deeper = []
+        for prefix, group in level:
+            here = []
+            # The callback only appends: an exception raised inside HDF5's iteration
+            # leaves h5py's lock in a broken state (SystemError on every later call).
+            group.links.iterate(here.append)
+            for child in here:
+                names.append(prefix + child)
+                try:
+                    if group.links.get_info(child).type != h5py.h5l.TYPE_HARD:
+                        continue  # soft and external links: followed by name, later
+                    info = h5py.h5o.get_info(group, child)
+                    if info.type != h5py.h5o.TYPE_GROUP or info.addr in seen:
+                        continue
+                    seen.add(info.addr)
+                    deeper.append((prefix + child + b"/", h5py.h5g.open(group, child)))
+                except Exception:  # damaged: its name is listed, and reported there
+                    continue
+        if deeper and depth == MAX_GROUP_DEPTH:
+            shown = deeper[0][0][:60].decode("utf-8", "replace")
+            problems.append(f"groups nested more than {MAX_GROUP_DEPTH} deep (at "
+                            f"'{shown}...'); refused")
+        level = deeper
+    return names
 
 
 def dataset_name(param: str) -> str:
