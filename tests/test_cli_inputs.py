@@ -11,6 +11,8 @@ import zipfile
 import h5py
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from triattn_cupy.cli import io as cli_io
 from cli_support import (D, all_files, assert_same, child_env, cli,  # noqa: F401
@@ -352,3 +354,33 @@ def test_an_npz_that_expands_far_beyond_its_size_is_refused(tmp_path):
     np.savez_compressed(tmp_path / "real.npz", pair=pair)
     assert np.array_equal(cli_io.read_input(str(tmp_path / "real.npz"), "npz",
                                             pair_dim=D).pair, pair)
+
+
+@settings(max_examples=150, deadline=None, database=None)
+@given(offset=st.integers(0, 299), flip=st.integers(1, 255))
+def test_a_damaged_mask_is_never_read_as_no_mask(tmp_path_factory, offset, flip):
+    """Any byte of the mask's object header flipped: the input is refused, or read with a
+    mask; an object HDF5 cannot open was taken for an absent mask (computed unmasked)."""
+    path = tmp_path_factory.mktemp("flip") / "x.h5"
+    write_h5(path, pair=make_pair(np.random.default_rng(20), 4, 4),
+             mask=padding_mask(0, 4, 3))
+    with h5py.File(path, "r") as f:
+        header = h5py.h5o.get_info(f["mask"].id).addr
+    raw = bytearray(path.read_bytes())
+    raw[header + offset] ^= flip
+    path.write_bytes(raw)
+    try:
+        loaded = cli_io.read_input(str(path), "hdf5", pair_dim=D)
+    except cli_io.InputError:
+        return
+    assert loaded.mask is not None
+
+
+def test_a_mask_that_is_not_a_dataset_is_named(tmp_path):
+    path = tmp_path / "x.h5"
+    write_h5(path, pair=make_pair(np.random.default_rng(21), 4, 4))
+    with h5py.File(path, "r+") as f:
+        f["mask"] = np.dtype("?")
+    with pytest.raises(cli_io.InputError, match=r"mask 'mask': is a Datatype \(damaged\?\), "
+                                                r"expected a dataset"):
+        cli_io.read_input(str(path), "hdf5", pair_dim=D)

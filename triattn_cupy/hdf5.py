@@ -93,6 +93,30 @@ def local_object(f: h5py.File, path: str, _depth: int = 0):
     return node
 
 
+def not_a_dataset(f: h5py.File, name: str):
+    """What is at `name` where no dataset could be reached: None when nothing is (no link;
+    or an external link, reported where it is followed), else a sentence. A damaged
+    object is never taken for an absent one (an optional bias would read as zeros, an
+    optional mask as no mask)."""
+    try:
+        link = f.get(name, getlink=True)
+    except Exception as err:  # a damaged group on the way
+        return f"cannot be reached (damaged? {type(err).__name__}: {err})"
+    if link is None or isinstance(link, h5py.ExternalLink):
+        return None
+    try:
+        obj = local_object(f, name)
+    except Exception as err:
+        return f"cannot be opened (damaged? {type(err).__name__}: {err})"
+    if obj is None and isinstance(link, h5py.SoftLink):
+        return f"missing: a soft link to {link.path!r}, where nothing is"
+    if obj is None:  # a hard link whose object HDF5 cannot open
+        return "cannot be opened (damaged?)"
+    if isinstance(obj, h5py.Group):
+        return "is a group, expected a dataset"
+    return f"is a {type(obj).__name__} (damaged?), expected a dataset"
+
+
 def check_local_storage(ds: h5py.Dataset, name: str) -> None:
     """ExternalDataError when the raw data of `ds` lives in other files."""
     if ds.is_virtual:
@@ -357,7 +381,7 @@ def _read(f: h5py.File, path: str) -> Weights:
         name = dataset_name(param)
         expected = shapes[param] if shapes else None
         if name not in datasets:
-            found = _not_a_dataset(f, name)
+            found = not_a_dataset(f, name)
             if found:  # present: damaged, or of another kind; never read as absent
                 problems.append(f"dataset '{name}': {found}")
             elif param not in OPTIONAL_BIASES:
@@ -381,29 +405,6 @@ def _read(f: h5py.File, path: str) -> Weights:
         return Weights(pair_dim, num_heads, eps, params, mask_layout=mask_layout, node=node)
     except ValueError as err:  # not expected after the checks above; keep the file name
         raise WeightsFormatError(f"{path}: {err}") from err
-
-
-def _not_a_dataset(f: h5py.File, name: str):
-    """What is at `name` where no dataset could be reached: None when nothing is (no link,
-    or an external link, which `local_datasets` reported), else a sentence. A damaged
-    object is never taken for an absent one (an optional bias would read as zeros)."""
-    try:
-        link = f.get(name, getlink=True)
-    except Exception as err:  # a damaged group on the way
-        return f"cannot be reached (damaged? {type(err).__name__}: {err})"
-    if link is None or isinstance(link, h5py.ExternalLink):
-        return None
-    try:
-        obj = local_object(f, name)
-    except Exception as err:
-        return f"cannot be opened (damaged? {type(err).__name__}: {err})"
-    if obj is None and isinstance(link, h5py.SoftLink):
-        return f"missing: a soft link to {link.path!r}, where nothing is"
-    if obj is None:  # a hard link whose object HDF5 cannot open
-        return "cannot be opened (damaged?)"
-    if isinstance(obj, h5py.Group):
-        return "is a group, expected a dataset"
-    return f"is a {type(obj).__name__} (damaged?), expected a dataset"
 
 
 def _read_dataset(ds: h5py.Dataset, name: str, expected, problems: list):

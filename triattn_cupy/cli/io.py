@@ -27,7 +27,7 @@ import numpy as np
 from .._checks import check_mask_dtype, pair_geometry
 from ..conventions import check_mask_shape
 from ..hdf5 import (ExternalDataError, check_local_storage, local_datasets, local_object,
-                    no_filter_plugins, storage_problem)
+                    no_filter_plugins, not_a_dataset, storage_problem)
 from .outputs import OUTPUT_FORMAT, attr_str
 
 INPUT_SUFFIXES = {".npy": "npy", ".npz": "npz", ".h5": "hdf5", ".hdf5": "hdf5"}
@@ -380,8 +380,11 @@ def _read_hdf5(path, keys: _Keys, alloc):
                              f"{', '.join(map(repr, names)) or 'no datasets'}); "
                              f"choose one with --pair-key")
         mds = local_object(f, keys.mask_key)
-        if mds is not None and not isinstance(mds, h5py.Dataset):
-            raise InputError(f"{keys.mask_key!r} is a group, expected the mask dataset")
+        if not isinstance(mds, h5py.Dataset):
+            found = not_a_dataset(f, keys.mask_key)  # damaged is not absent (unmasked)
+            if found:
+                raise InputError(f"mask {keys.mask_key!r}: {found}")
+            mds = None
         if mds is None and keys.mask_required:
             raise InputError(f"no mask {keys.mask_key!r} (--mask-key) in the file")
         # Metadata first: shapes, dtypes, where the data live, how much the file stores.
