@@ -43,8 +43,9 @@ _PARAM_NAMES = tuple(parameter_shapes(1, 1))  # the names; shapes depend on the 
 # beyond it is refused before anything is read.
 MAX_PAIR_DIM = 4096
 _SOFT_LINK_DEPTH = 8
-# Groups within groups: a weights file nests 2 deep, an input a few. Deeper is refused
-# (a name at depth n costs O(n) to follow, so a deep chain cost O(n^2) to list).
+# Groups within groups: a weights file nests 2 deep, an input a few. Deeper is refused,
+# and nothing below it is opened (a deep chain cost O(depth^2) to list name by name, and
+# HDF5's recursive visit overflowed the C stack).
 MAX_GROUP_DEPTH = 32
 # The filters a dataset may use: HDF5's own, and h5py's LZF (which h5py registers).
 SUPPORTED_FILTERS = {1: "deflate (gzip)", 2: "shuffle", 3: "fletcher32", 4: "szip",
@@ -259,7 +260,7 @@ def _link_names(f: h5py.File, problems: list) -> list:
     hard links to groups at most MAX_GROUP_DEPTH deep (a group reached twice, through
     another hard link or a cycle, is listed once). HDF5's own recursive visit crashed
     the process (a C stack overflow) on 20000 nested groups."""
-    names, seen = [], set()
+    names, seen = [], {h5py.h5o.get_info(f.id).addr}
     level = [(b"", f.id)]
     for depth in range(MAX_GROUP_DEPTH + 1):
         deeper = []
