@@ -356,7 +356,7 @@ def test_an_npz_that_expands_far_beyond_its_size_is_refused(tmp_path):
                                             pair_dim=D).pair, pair)
 
 
-@settings(max_examples=150, deadline=None, database=None)
+@settings(max_examples=100, deadline=None, database=None)
 @given(offset=st.integers(0, 299), flip=st.integers(1, 255))
 def test_a_damaged_mask_is_never_read_as_no_mask(tmp_path_factory, offset, flip):
     """Any byte of the mask's object header flipped: the input is refused, or read with a

@@ -453,7 +453,7 @@ def test_named_datatype_in_place_of_an_optional_bias_is_refused(saved):
         load_weights(saved)
 
 
-@settings(max_examples=150, deadline=None, database=None)
+@settings(max_examples=100, deadline=None, database=None)
 @given(offset=st.integers(0, 299), flip=st.integers(1, 255))
 def test_a_flipped_byte_in_an_optional_bias_never_reads_as_zeros(tmp_path_factory, offset,
                                                                  flip):
