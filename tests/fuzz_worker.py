@@ -4,7 +4,8 @@ a memory limit and answers in one JSON line per case.
     python fuzz_worker.py LIMIT_BYTES     then, on stdin, one JSON request per line:
 
     {"op": "load_weights", "path": P}
-    {"op": "read_input", "path": P, "kind": K, "pair_dim": D, "mask_required": bool}
+    {"op": "read_input", "path": P, "kind": K, "pair_dim": D, "mask_required": bool,
+     "shrink_to": optional size the file is cut to once its headers are checked}
     {"op": "reference", "path": NPZ, "pair_dim": D, "num_heads": h, "seed": s}
     {"op": "cli", "argv": [...]}
     {"op": "sleep", "seconds": s}
@@ -38,8 +39,14 @@ def main():
         return {"pair_dim": w.pair_dim, "num_heads": w.num_heads}
 
     def read_input(req):
+        def alloc(shape):  # called once the headers are checked, before the data are read
+            if "shrink_to" in req:
+                os.truncate(req["path"], req["shrink_to"])
+            return np.empty(shape, np.float32)
+
         loaded = cli_io.read_input(req["path"], req["kind"], pair_dim=req["pair_dim"],
-                                   mask_required=req.get("mask_required", False))
+                                   mask_required=req.get("mask_required", False),
+                                   alloc=alloc)
         return {"shape": list(loaded.pair.shape), "mask": loaded.mask is not None}
 
     def run_reference(req):

@@ -2,6 +2,7 @@
 reason before their data are read, and the run goes on (CPU backend, D=16)."""
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import sys
@@ -10,6 +11,8 @@ import zipfile
 import h5py
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from triattn_cupy.cli import io as cli_io
 from cli_support import (D, all_files, assert_same, child_env, cli, dataset,  # noqa: F401
@@ -312,3 +315,143 @@ def test_named_broken_links_fail_as_what_they_are(weights_file, tmp_path, capsys
             f"does not exist)") in err
     assert f"{tmp_path / 'a.npy'}: a link cycle (links that lead back to themselves)" in err
     assert "no such file" not in err
+
+# The CLI in a child process whose reader shrinks one input right after its header is
+# checked (the destination is allocated then): the event, not a timer, orders the two.
+_SHRINK_DURING_READ = """
+import os, sys
+import numpy as np
+from triattn_cupy.cli import filejob, main
+
+victim, keep = sys.argv[1], int(sys.argv[2])
+real_read_input = filejob.read_input
+
+def read_input(path, *args, alloc=None, **kwargs):
+    def shrinking_alloc(shape):
+        if os.path.basename(path) == victim:
+            os.truncate(path, keep)
+        return alloc(shape) if alloc else np.empty(shape, np.float32)
+    return real_read_input(path, *args, alloc=shrinking_alloc, **kwargs)
+
+filejob.read_input = read_input
+sys.exit(main.main(sys.argv[3:]))
+"""
+
+
+@pytest.mark.parametrize("dtype,order", [(np.float32, "C"), (np.float64, "F")])
+def test_an_input_shrinking_while_read_fails_alone(weights, weights_file, tmp_path, dtype,
+                                                   order):
+    """A .npy truncated after its header check ended the whole run with SIGBUS (it was
+    read through a memory map). Now the short read is that file's error, "file changed
+    while being read", and the batch computes the other files."""
+    rng = np.random.default_rng(17)
+    src = tmp_path / "in"
+    src.mkdir()
+    pairs = {name: np.asarray(make_pair(rng, 40, 40, dtype=dtype), order=order)
+             for name in ("a", "b_shrinks", "c")}
+    for name, pair in pairs.items():
+        np.save(src / f"{name}.npy", pair)
+    out = tmp_path / "out"
+    proc = subprocess.run(
+        [sys.executable, "-c", _SHRINK_DURING_READ, "b_shrinks.npy", "4096", str(src),
+         "-o", str(out), "--weights", str(weights_file), "--device", "cpu"],
+        env=child_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1, (proc.returncode, proc.stderr)
+    assert f"{src / 'b_shrinks.npy'}: file changed while being read" in proc.stderr
+    assert "3 files: 2 computed, 0 skipped, 1 failed" in proc.stderr
+    assert all_files(out) == ["a.h5", "c.h5"]
+    for name in ("a", "c"):
+        assert_same(read_output(out / f"{name}.h5")[0],
+                    expected_output(weights, pairs[name].astype(np.float32)))
+
+
+def _patch_lzf_to_unknown_filter(path):
+    """Rename the file's LZF filter (32000) to 32001, mandatory: a filter nobody has."""
+    raw = bytearray(path.read_bytes())
+    at = raw.find(b"lzf\0") - 8  # the pipeline entry: id, name length, flags
+    assert raw[at:at + 2] == (32000).to_bytes(2, "little")
+    raw[at:at + 2] = (32001).to_bytes(2, "little")
+    raw[at + 4:at + 6] = b"\0\0"
+    path.write_bytes(raw)
+
+
+def test_hdf5_inputs_storage_is_checked_before_reading(tmp_path):
+    """An .h5 pair whose chunks are far larger than its data (each read allocates a
+    chunk whole), one with unwritten gzip chunks (read as zeros), one naming a filter
+    no library registers (which made HDF5 load plugins): refused from the metadata."""
+    pair = make_pair(np.random.default_rng(18), 4, 4)
+    with h5py.File(tmp_path / "bomb.h5", "w") as f:
+        f.create_dataset("pair", data=pair, chunks=(256, 128, D), maxshape=(None,) * 3,
+                         compression="gzip")
+    with h5py.File(tmp_path / "holes.h5", "w") as f:
+        f.create_dataset("pair", shape=pair.shape, dtype=np.float32, chunks=(1, 4, D),
+                         compression="gzip")[0] = pair[0]
+    with h5py.File(tmp_path / "filter.h5", "w") as f:
+        f.create_dataset("pair", data=np.zeros((40, 40, D), np.float32), compression="lzf")
+    _patch_lzf_to_unknown_filter(tmp_path / "filter.h5")
+    cases = {"bomb.h5": r"'pair' is stored in chunks of shape \(256, 128, 16\) \(2097152 "
+                        r"bytes each\) for 1024 bytes of data",
+             "holes.h5": r"'pair' \(float32 \(4, 4, 16\)\) is stored in 4 chunks but the "
+                         r"file holds 1",
+             "filter.h5": r"'pair' uses HDF5 filter 32001 \(lzf\), which is not supported: "
+                          r"rewrite the file without it"}
+    for name, message in cases.items():
+        with pytest.raises(cli_io.InputError, match=message):
+            cli_io.read_input(str(tmp_path / name), "hdf5", pair_dim=D)
+
+
+def test_an_npz_that_expands_far_beyond_its_size_is_refused(tmp_path):
+    """A small .npz of zeros expanding ~1000 times (a 2 MB one reached 4.1 GB of memory):
+    refused from the archive's directory, before anything is decompressed. A pair of
+    real values, compressed, is read."""
+    with zipfile.ZipFile(tmp_path / "bomb.npz", "w", zipfile.ZIP_DEFLATED) as z:
+        with z.open("pair.npy", "w", force_zip64=True) as member:
+            shape = (1, 1100, 1100, D)
+            np.lib.format.write_array_header_1_0(member, {
+                "descr": "<f4", "fortran_order": False, "shape": shape})
+            zeros = bytes(1 << 20)
+            for _ in range(math.prod(shape) * 4 >> 20):
+                member.write(zeros)
+            member.write(bytes(math.prod(shape) * 4 % (1 << 20)))
+    assert (tmp_path / "bomb.npz").stat().st_size < 200_000
+
+    def read():
+        with pytest.raises(cli_io.InputError, match=r"pair: the archive stores \d+ bytes that "
+                                                    r"expand to \d+, more than 100 times; "
+                                                    r"refused as a compression bomb"):
+            cli_io.read_input(str(tmp_path / "bomb.npz"), "npz", pair_dim=D)
+    assert _peak_bytes_of(read) < 8 << 20
+    pair = make_pair(np.random.default_rng(19), 4, 4)
+    np.savez_compressed(tmp_path / "real.npz", pair=pair)
+    assert np.array_equal(cli_io.read_input(str(tmp_path / "real.npz"), "npz",
+                                            pair_dim=D).pair, pair)
+
+
+@settings(max_examples=100, deadline=None, database=None)
+@given(offset=st.integers(0, 299), flip=st.integers(1, 255))
+def test_a_damaged_mask_is_never_read_as_no_mask(tmp_path_factory, offset, flip):
+    """Any byte of the mask's object header flipped: the input is refused, or read with a
+    mask; an object HDF5 cannot open was taken for an absent mask (computed unmasked)."""
+    path = tmp_path_factory.mktemp("flip") / "x.h5"
+    write_h5(path, pair=make_pair(np.random.default_rng(20), 4, 4),
+             mask=padding_mask(0, 4, 3))
+    with h5py.File(path, "r") as f:
+        header = h5py.h5o.get_info(f["mask"].id).addr
+    raw = bytearray(path.read_bytes())
+    raw[header + offset] ^= flip
+    path.write_bytes(raw)
+    try:
+        loaded = cli_io.read_input(str(path), "hdf5", pair_dim=D)
+    except cli_io.InputError:
+        return
+    assert loaded.mask is not None
+
+
+def test_a_mask_that_is_not_a_dataset_is_named(tmp_path):
+    path = tmp_path / "x.h5"
+    write_h5(path, pair=make_pair(np.random.default_rng(21), 4, 4))
+    with h5py.File(path, "r+") as f:
+        f["mask"] = np.dtype("?")
+    with pytest.raises(cli_io.InputError, match=r"mask 'mask': is a Datatype \(damaged\?\), "
+                                                r"expected a dataset"):
+        cli_io.read_input(str(path), "hdf5", pair_dim=D)

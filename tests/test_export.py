@@ -230,3 +230,70 @@ def test_default_weights_match_their_recipe(torch):
     weights = load_default_weights()
     assert (weights.pair_dim, weights.num_heads, weights.layer_norm_eps) == (128, 4, 1e-5)
     assert_matches(weights, module.state_dict())
+
+
+# --- checkpoints that are not what they seem ----------------------------------------------
+
+def test_cli_fifo_checkpoint_is_refused_without_opening(tmp_path):
+    """Opening a FIFO blocks until a writer comes: the export hung. In a child process,
+    so that a hang fails the test instead of stalling it."""
+    import os
+
+    from cli_support import child_env
+
+    os.mkfifo(tmp_path / "model.pt")
+    proc = subprocess.run([sys.executable, "-m", "triattn_cupy.export",
+                           str(tmp_path / "model.pt"), str(tmp_path / "w.h5")],
+                          env=child_env(), capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    assert "model.pt: not a regular file; not opened" in proc.stderr
+
+
+def test_cli_meta_tensors_are_a_clear_error(tmp_path, module, torch, capsys):
+    path = tmp_path / "meta.pt"
+    torch.save({k: torch.empty_like(v, device="meta") for k, v in module.state_dict().items()},
+               path)
+    assert main([str(path), str(tmp_path / "w.h5")]) == 2
+    assert "layer_norm.weight: a meta tensor, which holds no values" in one_error_line(capsys)
+    with pytest.raises(ValueError, match=r"state_dict\['layer_norm.weight'\]: a meta tensor"):
+        export_weights(module.to("meta"), tmp_path / "w.h5")
+    assert not (tmp_path / "w.h5").exists()
+
+
+def test_cli_expanded_tensors_are_copied_with_their_values(tmp_path, module, torch):
+    """Stride-0 tensors (expand()) hold real values: exported as the full arrays."""
+    expanded = {k: v.reshape(-1)[:1].expand(v.shape) for k, v in module.state_dict().items()}
+    path = tmp_path / "expanded.pt"
+    torch.save(expanded, path)
+    assert main([str(path), str(tmp_path / "w.h5")]) == 0
+    assert_matches(load_weights(tmp_path / "w.h5"), {k: v.contiguous()
+                                                     for k, v in expanded.items()})
+
+
+def test_cli_expanded_tensors_beyond_the_loaders_limit_are_refused(tmp_path, torch, capsys):
+    """A 5 KB checkpoint of stride-0 tensors declaring D = 6000 became a 720 MB file that
+    load_weights refuses: refused before anything is copied."""
+    D_big = 6000
+    sd = {"layer_norm.weight": torch.ones(1).expand(D_big),
+          "layer_norm.bias": torch.zeros(1).expand(D_big),
+          "bias_proj.weight": torch.ones(1).expand(4, D_big)}
+    for name in ("query", "key", "value", "gate", "out_proj"):
+        sd[f"{name}.weight"] = torch.full((1,), 0.01).expand(D_big, D_big)
+        sd[f"{name}.bias"] = torch.zeros(1).expand(D_big)
+    path = tmp_path / "big.pt"
+    torch.save(sd, path)
+    assert main([str(path), str(tmp_path / "w.h5")]) == 2
+    assert ("shape (6000, 6000) holds 36000000 values, more than any parameter of a weights "
+            "file (pair_dim at most 4096)") in one_error_line(capsys)
+    assert not (tmp_path / "w.h5").exists()
+
+
+def test_save_weights_never_writes_what_load_weights_refuses(tmp_path, monkeypatch):
+    """pair_dim beyond MAX_PAIR_DIM (lowered here so that the test stays small)."""
+    from triattn_cupy import hdf5, random_weights
+
+    monkeypatch.setattr(hdf5, "MAX_PAIR_DIM", 8)
+    with pytest.raises(ValueError, match="weights.pair_dim 16 is beyond the largest "
+                                         "load_weights reads, 8"):
+        hdf5.save_weights(random_weights(16, 4), tmp_path / "w.h5")
+    assert list(tmp_path.iterdir()) == []

@@ -10,31 +10,38 @@ hang, a valid input refused, a bad input accepted, a non-finite or wrong backend
 or an output lost by the CLI fails it. Hypothesis draws the cases (no example database,
 so CI runs are independent); the whole file takes about a minute on 2 cores.
 
-Kinds of input tried: 49 kinds of bad input (22 for weights files, 27 for inputs) and 9
+Kinds of input tried: 60 kinds of bad input (27 for weights files, 33 for inputs) and 9
 of valid input; the suite prints, with -s, how many cases of each kind (per file format)
 ran and how each ended.
 
 - weights files (`triattn_cupy.hdf5.load_weights`), valid: plain, float64 / big-endian
-  / float16 datasets, a hard-linked dataset, a soft link inside the file. Bad (22):
+  / float16 datasets, a hard-linked dataset, a soft link inside the file. Bad (27):
   wrong or missing `format`, wrong `format_version`, `pair_dim` / `num_heads` of any
   integer up to 10**12 or of the wrong type, `layer_norm_eps` not a positive finite
   number, a missing dataset, a wrong shape, a wrong dtype (int, complex, bool, bytes),
   NaN / Inf, float64 beyond float32, a group where a dataset belongs, an unexpected
   dataset, an empty dataspace, shapes of up to pair_dim 4096 with no data stored,
   external raw storage, a virtual dataset, an external link, flipped bytes, a truncated
-  file, random bytes, a FIFO;
+  file, random bytes, a FIFO; chunks of 2 or 16 MiB on a small dataset (a chunk bomb), a
+  filter no library registers (HDF5 would look for a plugin), groups nested 33 to 1000
+  deep, a chunked and filtered dataset with a chunk unwritten, a named datatype in place
+  of a dataset (what a damaged header can make of it);
 - inputs (`triattn_cupy.cli.io.read_input`), valid: .npy of format 1.0 / 2.0 / 3.0 in
   C or Fortran order, .npz and .h5 with and without masks (bool, int8, float32), float32
-  and float64, batched or not. Bad (27): a wrong D, non-square, 1 / 2 / 5 axes, N = 0,
+  and float64, batched or not. Bad (33): a wrong D, non-square, 1 / 2 / 5 axes, N = 0,
   dtypes int / complex / float16 / bool / bytes, NaN / Inf, float64 beyond float32, a
   mask of the wrong shape or dtype or with NaN, a required mask missing, a header that
   declares 8e10 elements the file does not hold, flipped bytes, truncation, random
-  bytes, an empty file, a FIFO, a device (a link to /dev/zero); for .npz a missing key
-  and an archive entry whose size contradicts its header; for .h5 external storage, a
-  virtual dataset, an external link, unwritten data, a group at the key, an empty
-  dataspace, and a gzip mask of the wrong shape that decompresses to 64 MB;
+  bytes, an empty file, a FIFO, a device (a link to /dev/zero); for .npy a file cut short
+  once its header is checked (it shrinks during the read); for .npz a missing key, an
+  archive entry whose size contradicts its header, and 70 MB of zeros deflated ~1000
+  times (a bomb); for .h5 external storage, a virtual dataset, an external link,
+  unwritten data, a group at the key, an empty dataspace, a gzip mask of the wrong shape
+  that decompresses to 64 MB, and the weights' chunk bomb, unknown filter, unwritten
+  chunk and deep nesting;
 - the NumPy backend: random shapes, batches, masks with fully-masked rows, magnitudes
-  from 1e-3 to 1e30, float32 against float64 (relative L2 error < 1e-4, finite);
+  from 1e-3 to 1e30, positions constant across D (7.3 to 3e38), float32 against float64
+  (relative L2 error < 1e-4, finite);
 - the batch CLI on folders that mix valid and bad inputs: exit status 1 when a file is
   bad, else 0; an output for every valid input, none for a bad one, no temporary file or
   claim left behind;
@@ -149,7 +156,8 @@ def _weights_mutation(draw, f, path, D, h, tmp):
         "valid", "valid_float_types", "valid_hard_link", "valid_soft_link", "format",
         "format_version", "pair_dim", "num_heads", "attr_type", "eps", "missing_dataset",
         "wrong_shape", "wrong_dtype", "non_finite", "overflow", "group", "extra_dataset",
-        "empty_dataspace", "unwritten", "external_storage", "virtual", "external_link"]))
+        "empty_dataspace", "unwritten", "external_storage", "virtual", "external_link",
+        "chunk_bomb", "unknown_filter", "nesting", "unwritten_chunks", "damaged_object"]))
     shape = f[name].shape
     if kind == "valid_float_types":
         dtype = draw(st.sampled_from(["<f8", ">f4", "<f2"]))
@@ -234,7 +242,53 @@ def _weights_mutation(draw, f, path, D, h, tmp):
             o["x"] = f[name][()]
         del f[name]
         f[name] = h5py.ExternalLink(other, "/x")
+    elif kind in ("chunk_bomb", "unknown_filter", "unwritten_chunks"):
+        _replace_stored(draw, f, name, kind)
+    elif kind == "nesting":
+        f.create_group("/".join(["g"] * draw(st.integers(33, 1000))))
+    elif kind == "damaged_object":  # what a flipped header byte can make of a dataset
+        del f[name]
+        f[name] = np.dtype("<f4")
     return kind, ("ok" if kind.startswith("valid") else "refused")
+
+
+def _replace_stored(draw, f, name, kind):
+    """Replace dataset `name` of `f` (its values kept) by one stored in a hostile way:
+    chunks far larger than its data, a filter nobody registers (LZF's id changed by
+    `unknown_filters` once the file is closed), or chunked + filtered with chunks
+    unwritten."""
+    data = f[name][()]
+    del f[name]
+    filters = draw(st.sampled_from([{"compression": "gzip"}, {"shuffle": True}, {}]))
+    if kind == "chunk_bomb":
+        row_bytes = data[:1].nbytes  # chunks of 2 or 16 MiB: past 1 MiB and the data
+        rows = draw(st.sampled_from([2 << 20, 16 << 20])) // row_bytes
+        chunks = (rows,) + data.shape[1:]
+        f.create_dataset(name, data=data, chunks=chunks, maxshape=(None,) * data.ndim,
+                         **filters)
+    elif kind == "unknown_filter":
+        f.create_dataset(name, data=np.zeros_like(data), compression="lzf")
+    else:
+        half = -(-data.shape[-1] // 2)  # at least two chunks, one of them written
+        ds = f.create_dataset(name, shape=data.shape, dtype=data.dtype,
+                              chunks=(1,) * (data.ndim - 1) + (half,),
+                              **(filters or {"compression": "gzip"}))
+        first = (0,) * (data.ndim - 1) + (slice(0, half),)
+        ds[first] = data[first]
+
+
+def unknown_filters(path):
+    """Rename every LZF filter (32000) of the file at `path` to 32001, mandatory: a filter
+    that no library registers, so HDF5 looks for a plugin."""
+    raw = bytearray(open(path, "rb").read())
+    at = raw.find(b"lzf\0")
+    while at >= 0:
+        entry = at - 8  # the pipeline message's entry: id, name length, flags, ...
+        if raw[entry:entry + 2] == (32000).to_bytes(2, "little"):
+            raw[entry:entry + 2] = (32001).to_bytes(2, "little")
+            raw[entry + 4:entry + 6] = b"\0\0"
+        at = raw.find(b"lzf\0", at + 1)
+    open(path, "wb").write(raw)
 
 
 @settings(SETTINGS, max_examples=250)
@@ -249,6 +303,8 @@ def test_weights_files(worker, tmp_path_factory, data):
     if damage == "none":
         with h5py.File(path, "r+") as f:
             kind, expect = _weights_mutation(data.draw, f, path, D, h, tmp)
+        if kind == "unknown_filter":
+            unknown_filters(path)
     else:
         kind, expect = f"bytes_{damage}", "refused"
         raw = bytearray(open(path, "rb").read())
@@ -312,9 +368,10 @@ def _write_input(draw, path, fmt, pair, mask, tmp):
     kinds = ["valid", "valid", "wrong_d", "non_square", "axes", "zero_n", "dtype",
              "non_finite", "overflow", "mask_shape", "mask_dtype", "mask_nan",
              "mask_required", "declared_huge"]
-    kinds += {"npy": [], "npz": ["missing_key", "size_lie"],
+    kinds += {"npy": ["shrinking"], "npz": ["missing_key", "size_lie", "bomb"],
               "h5": ["external_storage", "virtual", "external_link", "unwritten", "group",
-                     "empty_dataspace", "compressed_mask"]}[fmt]
+                     "empty_dataspace", "compressed_mask", "chunk_bomb", "unknown_filter",
+                     "nesting", "unwritten_chunks"]}[fmt]
     kind = draw(st.sampled_from(kinds))
     if fmt == "npy" and kind.startswith("mask"):
         kind = "mask_required"  # a .npy holds no mask
@@ -352,6 +409,10 @@ def _write_input(draw, path, fmt, pair, mask, tmp):
         mask = np.ones(pair.shape[:-1], np.float32)
         mask.flat[0] = np.nan
     expect = "ok" if kind == "valid" else "refused"
+    if kind == "shrinking":  # valid as written; the worker shrinks it during the read.
+        # Larger than the reader's buffer, which the header's read fills with the data
+        # of a small file (read whole then: a consistent snapshot).
+        pair = np.ones((40, 40, D_IN), pair.dtype) * pair.flat[0]
     if fmt == "npy":
         if kind == "declared_huge":
             data = _npy_bytes(np.zeros((1, 1, D_IN), np.float32), 1)
@@ -382,6 +443,14 @@ def _write_input(draw, path, fmt, pair, mask, tmp):
                         np.lib.format.write_array(m, arr, allow_pickle=False)
                 else:
                     z.writestr(f"{key}.npy", data)
+        if kind == "bomb":  # 70 MB of zeros, deflated ~1000 times
+            with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as z:
+                with z.open("pair.npy", "w", force_zip64=True) as m:
+                    np.lib.format.write_array_header_1_0(m, {
+                        "descr": "<f4", "fortran_order": False, "shape": (1, 2100, 1050, 8)})
+                    for _ in range(2100 * 1050 * 8 * 4 >> 20):
+                        m.write(bytes(1 << 20))
+                    m.write(bytes(2100 * 1050 * 8 * 4 % (1 << 20)))
         if kind == "size_lie":  # the header announces 50 times the data stored
             with zipfile.ZipFile(path, "w") as z:
                 data = _npy_bytes(np.ascontiguousarray(pair), 1)
@@ -410,15 +479,24 @@ def _write_input(draw, path, fmt, pair, mask, tmp):
                 f.create_group(key)
             elif kind == "empty_dataspace":
                 f.create_dataset(key, data=h5py.Empty("f4"))
+            elif kind in ("chunk_bomb", "unknown_filter", "unwritten_chunks"):
+                f[key] = pair
+                _replace_stored(draw, f, key, kind)
+            elif kind == "nesting":  # no pair: the error lists what the file holds
+                f.create_group("/".join(["g"] * draw(st.integers(33, 1000))))
             elif pair.dtype.kind == "S":
                 f[key] = pair.astype("S2")
             else:
                 f[key] = pair
+            if kind == "nesting":
+                mask = None
             if kind == "compressed_mask":
                 f.create_dataset("mask", data=np.zeros((8000, 8000), bool),
                                  chunks=(1000, 1000), compression="gzip")
             elif mask is not None:
                 f["mask"] = mask
+    if kind == "unknown_filter":
+        unknown_filters(path)
     return kind, expect, required
 
 
@@ -454,9 +532,12 @@ def test_inputs(worker, tmp_path_factory, data, fmt):
         else:
             open(path, "wb").write(raw)
     kindname = {"npy": "npy", "npz": "npz", "h5": "hdf5"}[fmt]
-    check(worker, f"{'input' if kind != 'valid' else 'valid input'}:{fmt}:{kind}",
-          {"op": "read_input", "path": path, "kind": kindname, "pair_dim": D_IN,
-           "mask_required": required}, expect)
+    request = {"op": "read_input", "path": path, "kind": kindname, "pair_dim": D_IN,
+               "mask_required": required}
+    if kind == "shrinking":  # cut once the header is checked, before the data are read
+        request["shrink_to"] = data.draw(st.integers(0, os.path.getsize(path) - 1))
+    check(worker, f"{'input' if kind != 'valid' else 'valid input'}:{fmt}:{kind}", request,
+          expect)
 
 
 # --- the NumPy backend --------------------------------------------------------------------
@@ -469,6 +550,9 @@ def test_reference_backend(worker, tmp_path_factory, data):
     rng = np.random.default_rng(data.draw(st.integers(0, 2**32)))
     scale = 10.0 ** data.draw(st.integers(-3, 30))
     pair = (rng.standard_normal((B, N, N, D)) * scale).astype(np.float32)
+    if data.draw(st.booleans()):  # positions constant across D (LayerNorm gives beta)
+        constant = rng.random((B, N, N)) < 0.3
+        pair[constant] = np.float32(data.draw(st.sampled_from([-3e20, 7.3, 1e12, 3e38])))
     mask = rng.random((B, N, N)) > data.draw(st.sampled_from([0.0, 0.3, 0.9, 1.0]))
     path = str(tmp_path_factory.mktemp("ref") / "x.npz")
     np.savez(path, pair=pair, mask=mask)
@@ -495,8 +579,9 @@ def test_cli_runs_lose_nothing(worker, tmp_path_factory, data):
         pair, mask = data.draw(pairs())
         kind, expect, required = _write_input(data.draw, str(src / f"f{i}.{fmt}"), fmt,
                                               pair, mask, str(tmp))
-        # A required mask is dropped from the file: without --mask-key it is valid.
-        (valid if expect == "ok" or required else bad).append(f"f{i}")
+        # A required mask is dropped from the file: without --mask-key it is valid; so is
+        # a file that only the read_input cases shrink.
+        (valid if expect == "ok" or required or kind == "shrinking" else bad).append(f"f{i}")
     answer = check(worker, "cli", {"op": "cli", "argv": [
         str(src), "-o", str(out), "--weights", str(weights), "--device", "cpu", "-q"]}, "ok")
     assert answer["result"]["exit"] == (1 if bad else 0), (valid, bad, answer)

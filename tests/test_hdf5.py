@@ -6,6 +6,8 @@ import os
 import h5py
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from triattn_cupy import hdf5, random_weights
 from triattn_cupy.hdf5 import (WeightsFormatError, default_weights_path, load_default_weights,
@@ -436,3 +438,238 @@ def test_link_name_that_is_not_utf8_is_reported(saved):
     with edit(saved) as f:
         f.id.unlink(b"\xec\xff")
     load_weights(saved)
+
+
+# --- damaged objects, unwritten chunks, bombs, filters ------------------------------------
+
+def test_named_datatype_in_place_of_an_optional_bias_is_refused(saved):
+    """A damaged object header can make a dataset read as another kind of object (a
+    named datatype): an error, not an absent bias read as zeros."""
+    with edit(saved) as f:
+        del f["query/bias"]
+        f["query/bias"] = np.dtype("<f4")  # a committed (named) datatype
+    with pytest.raises(WeightsFormatError, match=r"'query/bias': is a Datatype \(damaged\?\), "
+                                                 r"expected a dataset"):
+        load_weights(saved)
+
+
+@settings(max_examples=100, deadline=None, database=None)
+@given(offset=st.integers(0, 299), flip=st.integers(1, 255))
+def test_a_flipped_byte_in_an_optional_bias_never_reads_as_zeros(tmp_path_factory, offset,
+                                                                 flip):
+    """Any byte of query/bias's object header flipped: the load fails with
+    WeightsFormatError, or query/bias is still a dataset and was read as one; never taken
+    for an absent bias (zeros). (A flipped data address can point the read at other bytes
+    of the file: the format has no checksums to tell.)"""
+    weights = random_weights(D, H, seed=1)
+    path = tmp_path_factory.mktemp("flip") / "w.h5"
+    save_weights(weights, path)
+    with h5py.File(path, "r") as f:
+        header = h5py.h5o.get_info(f["query/bias"].id).addr
+    raw = bytearray(path.read_bytes())
+    raw[header + offset] ^= flip
+    path.write_bytes(raw)
+    try:
+        loaded = load_weights(path)
+    except WeightsFormatError:
+        return
+    with h5py.File(path, "r") as f:
+        assert isinstance(f.get("query/bias"), h5py.Dataset)
+        assert np.array_equal(loaded["query.bias"], f["query/bias"][()])
+
+
+def _weights_file(path, D, h, **dataset_options):
+    """A weights file whose datasets are created with `dataset_options`, written whole."""
+    values = random_weights(D, h, seed=2)
+    with h5py.File(path, "w") as f:
+        f.attrs.update(format="triattn-cupy/weights", format_version=1, pair_dim=D,
+                       num_heads=h, layer_norm_eps=1e-5)
+        for name, value in values.params.items():
+            f.create_dataset(name.replace(".", "/"), data=value, **dataset_options)
+    return values
+
+
+@pytest.mark.parametrize("filters", [{"compression": "gzip"}, {"shuffle": True},
+                                     {"compression": "gzip", "shuffle": True}])
+def test_unwritten_chunks_of_a_filtered_dataset_are_refused(saved, filters):
+    """A chunked dataset with a filter stores less than its logical size, so its stored
+    size alone cannot tell unwritten chunks (read as zeros): every chunk must be there."""
+    with edit(saved) as f:
+        del f["query/weight"]
+        ds = f.create_dataset("query/weight", shape=(D, D), dtype=np.float32,
+                              chunks=(1, D), **filters)
+        ds[0] = np.arange(D, dtype=np.float32)  # one row of D written
+    with pytest.raises(WeightsFormatError, match=r"'query/weight' \(float32 \(16, 16\)\) is "
+                                                 r"stored in 16 chunks but the file holds 1"):
+        load_weights(saved)
+
+
+def test_written_chunked_and_filtered_datasets_load(tmp_path):
+    path = tmp_path / "w.h5"
+    values = _weights_file(path, D, H, chunks=True, compression="gzip", shuffle=True,
+                           fletcher32=True)
+    loaded = load_weights(path)
+    for name in values.params:
+        assert np.array_equal(loaded[name], values[name]), name
+
+
+def test_a_file_of_fill_values_declaring_pair_dim_4096_is_refused(tmp_path):
+    """67 KB of gzip chunks, one written per dataset, declaring pair_dim 4096: refused
+    from the metadata (it loaded: fill values read as weights)."""
+    path = tmp_path / "fill.h5"
+    with h5py.File(path, "w") as f:
+        f.attrs.update(format="triattn-cupy/weights", format_version=1, pair_dim=4096,
+                       num_heads=4, layer_norm_eps=1e-5)
+        for name, shape in parameter_shapes(4096, 4).items():
+            ds = f.create_dataset(name.replace(".", "/"), shape=shape, dtype=np.float32,
+                                  chunks=(1,) * (len(shape) - 1) + (4096,),
+                                  compression="gzip")
+            ds[(0,) * (len(shape) - 1)] = np.ones(4096, np.float32)
+    assert os.path.getsize(path) < 200_000
+    with pytest.raises(WeightsFormatError, match=r"'query/weight' \(float32 \(4096, 4096\)\) "
+                                                 r"is stored in 4096 chunks but the file "
+                                                 r"holds 1"):
+        load_weights(path)
+
+
+def test_chunks_far_larger_than_the_dataset_are_refused(saved):
+    """chunks=(1 << 22,) on a 16-element bias: reading it allocates the chunk whole (a
+    1.4 MB file of such chunks reached 3.6 GB). Refused from the metadata."""
+    with edit(saved) as f:
+        del f["query/bias"]
+        f.create_dataset("query/bias", data=np.ones(D, np.float32), chunks=(1 << 22,),
+                         maxshape=(None,), compression="gzip")
+    with pytest.raises(WeightsFormatError, match=r"'query/bias' is stored in chunks of shape "
+                                                 r"\(4194304,\) \(16777216 bytes each\) for 64 "
+                                                 r"bytes of data"):
+        load_weights(saved)
+
+
+def test_deep_nesting_is_refused_fast(saved):
+    """1000 nested groups took 21 s to refuse (each name followed from the root)."""
+    import time
+
+    with edit(saved) as f:
+        f.create_group("/".join(["g"] * 1000))
+    start = time.perf_counter()
+    with pytest.raises(WeightsFormatError, match="groups nested more than 32 deep"):
+        load_weights(saved)
+    assert time.perf_counter() - start < 5.0
+
+
+def test_very_deep_nesting_does_not_crash(saved, tmp_path):
+    """HDF5's recursive link visit overflowed the C stack on 20000 nested groups (the
+    process died with SIGSEGV); the groups are walked level by level, to 32. In a child
+    process, for weights and for an input whose pair is missing (the error lists the
+    file's datasets)."""
+    import subprocess
+    import sys
+
+    from cli_support import child_env
+
+    deep = "/".join(["g"] * 20000)
+    with edit(saved) as f:
+        f.create_group(deep)
+    with h5py.File(tmp_path / "x.h5", "w") as f:
+        f.create_group(deep)
+    script = ("import sys\nfrom triattn_cupy.hdf5 import load_weights\n"
+              "from triattn_cupy.cli.io import read_input\n"
+              "for load in (lambda: load_weights(sys.argv[1]),\n"
+              "             lambda: read_input(sys.argv[2], 'hdf5', pair_dim=16)):\n"
+              "    try:\n        load()\n    except Exception as err:\n"
+              "        print(type(err).__name__, str(err).splitlines()[-1])\n")
+    proc = subprocess.run([sys.executable, "-c", script, str(saved), str(tmp_path / "x.h5")],
+                          env=child_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, (proc.returncode, proc.stderr[-2000:])
+    assert proc.stdout.splitlines() == [
+        "WeightsFormatError   - groups nested more than 32 deep (at 'g/g/g/g/g/g/g/g/g/g/g/g/"
+        "g/g/g/g/g/g/g/g/g/g/g/g/g/g/g/g/g/g/...'); refused",
+        "InputError no dataset 'pair' in the file (it holds no datasets); choose one with "
+        "--pair-key"], proc.stdout
+
+
+def _unknown_filter_file(path):
+    """A weights file whose query/weight names filter 32001, a mandatory filter no
+    library registers: h5py's LZF (32000) in the file, its id changed."""
+    _weights_file(path, D, H)
+    with edit(path) as f:
+        del f["query/weight"]
+        f.create_dataset("query/weight", data=np.zeros((D, D), np.float32),
+                         compression="lzf")
+    raw = bytearray(path.read_bytes())
+    at = raw.find(b"lzf\0") - 8  # the pipeline message's entry: id, name length, flags
+    assert raw[at:at + 2] == (32000).to_bytes(2, "little")
+    raw[at:at + 2] = (32001).to_bytes(2, "little")
+    raw[at + 4:at + 6] = b"\0\0"  # mandatory
+    path.write_bytes(raw)
+
+
+def test_an_unknown_filter_is_named_and_no_plugin_is_loaded(tmp_path):
+    """A dataset naming a filter HDF5 does not know made it load plugins from
+    HDF5_PLUGIN_PATH (a planted library's constructor ran), then say "corrupt?". The
+    load runs in a child process whose HDF5 starts with that path."""
+    import shutil
+    import subprocess
+    import sys
+
+    from cli_support import child_env
+
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        pytest.skip("no C compiler to build the planted plugin")
+    plugins = tmp_path / "plugins"
+    plugins.mkdir()
+    source = tmp_path / "planted.c"
+    source.write_text(
+        "#include <stdio.h>\n#include <stdlib.h>\n"
+        "__attribute__((constructor)) static void planted(void) {\n"
+        "  FILE* f = fopen(getenv(\"PLANTED_MARKER\"), \"w\"); if (f) fclose(f); }\n"
+        "int H5PLget_plugin_type(void) { return 0; }\n"
+        "const void* H5PLget_plugin_info(void) { return 0; }\n")
+    subprocess.run([compiler, "-shared", "-fPIC", "-o", str(plugins / "libplanted.so"),
+                    str(source)], check=True)
+    path = tmp_path / "w.h5"
+    _unknown_filter_file(path)
+    marker = tmp_path / "planted_ran"
+    env = dict(child_env(), HDF5_PLUGIN_PATH=str(plugins), PLANTED_MARKER=str(marker))
+    script = ("import sys, h5py\nfrom triattn_cupy.hdf5 import load_weights\n"
+              "paths = [h5py.h5pl.get(i) for i in range(h5py.h5pl.size())]\n"
+              "try:\n    load_weights(sys.argv[1])\nexcept Exception as err:\n"
+              "    print(type(err).__name__, err)\n"
+              "assert [h5py.h5pl.get(i) for i in range(h5py.h5pl.size())] == paths\n")
+    proc = subprocess.run([sys.executable, "-c", script, str(path)], env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert ("WeightsFormatError" in proc.stdout and "dataset 'query/weight' uses HDF5 filter "
+            "32001 (lzf), which is not supported: rewrite the file without it" in proc.stdout
+            ), proc.stdout
+    assert not marker.exists()
+
+
+def test_no_filter_plugins_empties_the_search_path_and_restores_it():
+    before = [h5py.h5pl.get(i) for i in range(h5py.h5pl.size())]
+    with hdf5.no_filter_plugins():
+        with hdf5.no_filter_plugins():  # nested (another reader thread)
+            assert h5py.h5pl.size() == 0
+        assert h5py.h5pl.size() == 0
+    assert [h5py.h5pl.get(i) for i in range(h5py.h5pl.size())] == before
+
+
+def test_an_unreadable_file_is_a_weights_error(saved, monkeypatch):
+    """A raw PermissionError came out of load_weights; now a WeightsFormatError naming
+    the file and the reason."""
+    def refuse(path):
+        raise PermissionError(13, "Permission denied", str(path))
+
+    monkeypatch.setattr(h5py, "is_hdf5", refuse)
+    with pytest.raises(WeightsFormatError, match=f"{saved}: cannot be read: Permission "
+                                                 f"denied"):
+        load_weights(saved)
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root reads files without permission")
+def test_a_file_without_read_permission_is_a_weights_error(saved):
+    os.chmod(saved, 0)
+    with pytest.raises(WeightsFormatError, match=f"{saved}: cannot be read: Permission "
+                                                 f"denied"):
+        load_weights(saved)

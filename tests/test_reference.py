@@ -10,6 +10,8 @@ import math
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from helpers import rel_l2, spec_forward
 from triattn_cupy import random_weights
@@ -374,3 +376,116 @@ def test_layer_norm_of_ordinary_inputs_is_unchanged(rng):
     var = ((x - mean) ** 2).mean(axis=-1, keepdims=True)
     plain = (x - mean) / np.sqrt(var + 1e-5) * w + b
     assert np.array_equal(layer_norm(x, w, b, 1e-5), plain)
+
+
+# --- LayerNorm of narrow rows: constant across D, or nearly ------------------------------
+
+def _layer_norm_params(rng, D, dtype):
+    return (rng.standard_normal(D).astype(dtype), rng.standard_normal(D).astype(dtype))
+
+
+@settings(max_examples=200, deadline=None, database=None)
+@given(value=st.floats(allow_nan=False, allow_infinity=False, width=32),
+       D=st.sampled_from([1, 2, 3, 32, 128, 129]),
+       dtype=st.sampled_from([np.float32, np.float64]),
+       eps=st.sampled_from([1e-5, 1e-12, 1e-3]))
+def test_layer_norm_of_a_constant_row_is_its_bias(value, D, dtype, eps):
+    """A row constant across D has no deviation: LayerNorm gives `bias` exactly, for every
+    finite magnitude (the mean's rounding made noise of it, or NaN once eps / s**2
+    underflowed)."""
+    from triattn_cupy.reference import layer_norm
+
+    weight, bias = _layer_norm_params(np.random.default_rng(D), D, dtype)
+    x = np.full((2, D), value, dtype)
+    got = layer_norm(x, weight, bias, eps)
+    assert np.array_equal(got, np.broadcast_to(bias, x.shape)), (value, got)
+
+
+@pytest.mark.parametrize("value", [7.3, 1e12, 1e16, 1e20, -3e20, 3e38])
+def test_constant_pair_matches_float64_and_torch(rng, value):
+    """A pair constant across D (every position): the float32 backend matches float64 (rel.
+    error 4.4e-5 at 7.3, 0.13-0.16 at 1e12-1e20 before) and PyTorch's LayerNorm (float32
+    where its variance does not overflow, else float64)."""
+    torch = pytest.importorskip("torch")
+    from triattn_cupy.reference import layer_norm
+
+    weights = random_weights(128, 4, seed=4)
+    pair = np.full((1, 6, 6, 128), value, np.float32)
+    got = triangle_attention(pair, None, weights, dtype=np.float32)
+    want = triangle_attention(pair.astype(np.float64), None, weights)
+    assert rel_l2(got, want) < TOL32
+    ln = torch.nn.LayerNorm(128, eps=weights.layer_norm_eps)
+    with torch.no_grad():
+        ln.weight.copy_(torch.from_numpy(weights["layer_norm.weight"]))
+        ln.bias.copy_(torch.from_numpy(weights["layer_norm.bias"]))
+        expected = ln(torch.from_numpy(pair)).numpy()
+        if not np.isfinite(expected).all():  # torch's float32 variance overflows from ~1e19
+            expected = ln.double()(torch.from_numpy(pair).double()).numpy()
+    ours = layer_norm(pair, weights["layer_norm.weight"], weights["layer_norm.bias"],
+                      weights.layer_norm_eps)
+    assert rel_l2(ours, expected) < 1e-6
+
+
+def test_one_huge_constant_position_gives_no_nan(rng):
+    """One position of -3e20 across D in a 6x6x128 input gave NaN in 1408 of 4608 outputs."""
+    weights = random_weights(128, 4, seed=5)
+    pair = rng.standard_normal((6, 6, 128)).astype(np.float32)
+    pair[2, 3] = -3e20
+    got = triangle_attention(pair, None, weights, dtype=np.float32)
+    want = triangle_attention(pair.astype(np.float64), None, weights)
+    assert np.isfinite(got).all()
+    assert rel_l2(got, want) < TOL32
+
+
+@settings(max_examples=100, deadline=None, database=None)
+@given(offset=st.floats(-1e30, 1e30).filter(lambda v: abs(v) > 1e-20),
+       spread=st.sampled_from([1e-6, 1e-3, 1e-1]), seed=st.integers(0, 2**16))
+def test_layer_norm_of_narrow_rows_matches_float64(offset, spread, seed):
+    """Rows far from 0 with a small spread (offset + spread * noise): float32 LayerNorm of the
+    float32 row matches float64's of the same row (the deviations, not the mean's
+    rounding, make the result)."""
+    from triattn_cupy.reference import layer_norm
+
+    rng = np.random.default_rng(seed)
+    weight, bias = _layer_norm_params(rng, 64, np.float64)
+    x = (offset * (1 + spread * rng.standard_normal((3, 64)))).astype(np.float32)
+    got = layer_norm(x, weight.astype(np.float32), bias.astype(np.float32), 1e-5)
+    x64 = x.astype(np.float64)
+    mean = x64.mean(axis=-1, keepdims=True)
+    want = (x64 - mean) / np.sqrt(((x64 - mean) ** 2).mean(-1, keepdims=True) + 1e-5) \
+        * weight + bias
+    assert rel_l2(got, want) < 1e-5
+
+
+@pytest.mark.parametrize("bad", [{"query.weight": np.zeros((4, 4))}, None, "w.h5"])
+def test_weights_of_another_type_are_a_type_error(bad):
+    """A non-Weights object ran into an AttributeError (weights.mask_layout); the GPU API
+    says the same before it looks for a GPU."""
+    import triattn_cupy as ta
+
+    pair = np.zeros((3, 3, 16))
+    with pytest.raises(TypeError, match=rf"weights must be a triattn_cupy.Weights \(see "
+                                        rf"load_weights\); got {type(bad).__name__}"):
+        triangle_attention(pair, None, bad)
+    with pytest.raises(TypeError, match=rf"weights must be a triattn_cupy.Weights \(see "
+                                        rf"load_weights\); got {type(bad).__name__}"):
+        ta.TriangleAttention(bad)
+    with pytest.raises(TypeError, match="weights must be a triattn_cupy.Weights or "
+                                        "TriangleAttention"):
+        ta.triangle_attention(pair, None, bad)
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_a_non_finite_value_reaches_its_row_and_its_query_only(rng, bad):
+    """README: NaN or Inf at pair[b, i, j] makes NaN row (b, i) (its key j) and query i of
+    every row (the pair bias of (i, j)); every other output is as without it."""
+    weights = random_weights(16, 2, seed=6)
+    pair = rng.standard_normal((2, 7, 7, 16))
+    clean = triangle_attention(pair, None, weights)
+    pair[1, 2, 4, 5] = bad
+    with np.errstate(invalid="ignore"):
+        out = triangle_attention(pair, None, weights)
+    reached = np.zeros((2, 7, 7), bool)
+    reached[1, 2, :] = reached[1, :, 2] = True
+    assert np.isnan(out[reached]).all()
+    np.testing.assert_allclose(out[~reached], clean[~reached], rtol=1e-12, atol=1e-12)

@@ -53,10 +53,10 @@ class TriangleAttention:
     """
 
     def __init__(self, weights: Weights, *, device=None):
-        cupy = require_cuda()  # a clear error without a GPU or NVRTC
-        if not isinstance(weights, Weights):
+        if not isinstance(weights, Weights):  # (before the GPU: the same error without one)
             raise TypeError(f"weights must be a triattn_cupy.Weights (see load_weights); got "
                             f"{type(weights).__name__}")
+        cupy = require_cuda()  # a clear error without a GPU or NVRTC
         device_id = cupy.cuda.Device(device).id if device is not None else cupy.cuda.Device().id
         self.weights = weights
         self.device = device_id

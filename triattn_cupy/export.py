@@ -68,14 +68,9 @@ def export_weights(module_or_state_dict, path, num_heads=None,
     keys = list(state_dict)
     if keys and all(isinstance(k, str) and k.startswith(_PREFIX) for k in keys):
         state_dict = {k[len(_PREFIX):]: v for k, v in state_dict.items()}
-    params = {}
-    for name, value in state_dict.items():
-        tensor = torch.as_tensor(value)
-        if not tensor.is_floating_point():
-            raise ValueError(f"state_dict[{name!r}]: expected a floating-point tensor, "
-                             f"got dtype {tensor.dtype}")
-        # A copy: the Weights must not change when the module is trained further.
-        params[name] = tensor.detach().to("cpu", torch.float32).numpy().copy()
+    # Copies: the Weights must not change when the module is trained further.
+    params = {name: importing._to_float32(torch.as_tensor(value), f"state_dict[{name!r}]")
+              for name, value in state_dict.items()}
 
     if "bias_proj.weight" in params and params["bias_proj.weight"].ndim == 2:
         num_heads = _agree("num_heads", num_heads, params["bias_proj.weight"].shape[0],

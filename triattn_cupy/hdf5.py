@@ -12,14 +12,21 @@ raises one `WeightsFormatError` that lists every problem it found. Shapes, dtype
 storage come from the file's metadata and are checked before any data is read. A file
 must hold its data itself: external links, external raw storage and virtual datasets are
 refused (`ExternalDataError`), so a file can never read another file's bytes; hard links
-and soft links that stay inside the file are followed.
+and soft links that stay inside the file are followed. Only the filters HDF5 and h5py
+carry are read (`SUPPORTED_FILTERS`), and HDF5's filter plugins are never loaded while a
+file is read (`no_filter_plugins`): a plugin is a shared library run in this process.
+Chunks far larger than their dataset, unwritten chunks, and groups nested deeper than
+`MAX_GROUP_DEPTH` are refused from the metadata, before any data are read.
 """
 from __future__ import annotations
 
+import contextlib
 import importlib.resources
 import math
 import os
 import pathlib
+import stat
+import threading
 import uuid
 
 import h5py
@@ -36,6 +43,16 @@ _PARAM_NAMES = tuple(parameter_shapes(1, 1))  # the names; shapes depend on the 
 # beyond it is refused before anything is read.
 MAX_PAIR_DIM = 4096
 _SOFT_LINK_DEPTH = 8
+# Groups within groups: a weights file nests 2 deep, an input a few. Deeper is refused,
+# and nothing below it is opened (a deep chain cost O(depth^2) to list name by name, and
+# HDF5's recursive visit overflowed the C stack).
+MAX_GROUP_DEPTH = 32
+# The filters a dataset may use: HDF5's own, and h5py's LZF (which h5py registers).
+SUPPORTED_FILTERS = {1: "deflate (gzip)", 2: "shuffle", 3: "fletcher32", 4: "szip",
+                     5: "nbit", 6: "scaleoffset", 32000: "lzf"}
+# A chunk may hold up to max(its dataset's bytes, this): HDF5 reads a chunk whole, so a
+# chunk shape far beyond the dataset's would allocate its size on the first read.
+CHUNK_BYTES_FLOOR = 1 << 20
 
 
 class WeightsFormatError(ValueError):
@@ -77,6 +94,30 @@ def local_object(f: h5py.File, path: str, _depth: int = 0):
     return node
 
 
+def not_a_dataset(f: h5py.File, name: str):
+    """What is at `name` where no dataset could be reached: None when nothing is (no link;
+    or an external link, reported where it is followed), else a sentence. A damaged
+    object is never taken for an absent one (an optional bias would read as zeros, an
+    optional mask as no mask)."""
+    try:
+        link = f.get(name, getlink=True)
+    except Exception as err:  # a damaged group on the way
+        return f"cannot be reached (damaged? {type(err).__name__}: {err})"
+    if link is None or isinstance(link, h5py.ExternalLink):
+        return None
+    try:
+        obj = local_object(f, name)
+    except Exception as err:
+        return f"cannot be opened (damaged? {type(err).__name__}: {err})"
+    if obj is None and isinstance(link, h5py.SoftLink):
+        return f"missing: a soft link to {link.path!r}, where nothing is"
+    if obj is None:  # a hard link whose object HDF5 cannot open
+        return "cannot be opened (damaged?)"
+    if isinstance(obj, h5py.Group):
+        return "is a group, expected a dataset"
+    return f"is a {type(obj).__name__} (damaged?), expected a dataset"
+
+
 def check_local_storage(ds: h5py.Dataset, name: str) -> None:
     """ExternalDataError when the raw data of `ds` lives in other files."""
     if ds.is_virtual:
@@ -90,14 +131,53 @@ def check_local_storage(ds: h5py.Dataset, name: str) -> None:
             f"must hold its data itself")
 
 
+def storage_problem(ds: h5py.Dataset, name: str):
+    """A sentence saying why the data of `ds` must not be read, else None: a filter this
+    package does not read, chunks far larger than the dataset, or unwritten data (see
+    `missing_storage`). From the metadata alone; `check_local_storage` first."""
+    return unsupported_filter(ds, name) or oversized_chunks(ds, name) or \
+        missing_storage(ds, name)
+
+
+def unsupported_filter(ds: h5py.Dataset, name: str):
+    """A sentence naming the first filter of `ds` not in `SUPPORTED_FILTERS`, else None."""
+    plist = ds.id.get_create_plist()
+    for index in range(plist.get_nfilters()):
+        code, _flags, _values, label = plist.get_filter(index)
+        if code not in SUPPORTED_FILTERS:
+            label = label.decode("utf-8", "replace") if isinstance(label, bytes) else label
+            return (f"'{name}' uses HDF5 filter {code} ({label or 'no name'}), which is "
+                    f"not supported: rewrite the file without it (supported: "
+                    f"{', '.join(SUPPORTED_FILTERS.values())})")
+    return None
+
+
+def _logical_bytes(ds: h5py.Dataset) -> int:
+    return math.prod(int(n) for n in (ds.shape or ())) * ds.dtype.itemsize
+
+
+def oversized_chunks(ds: h5py.Dataset, name: str):
+    """A sentence when one chunk of `ds` is larger than max(the dataset, 1 MiB)."""
+    if not ds.chunks:
+        return None
+    chunk = math.prod(int(n) for n in ds.chunks) * ds.dtype.itemsize
+    limit = max(_logical_bytes(ds), CHUNK_BYTES_FLOOR)
+    if chunk > limit:
+        return (f"'{name}' is stored in chunks of shape {ds.chunks} ({chunk} bytes each) "
+                f"for {_logical_bytes(ds)} bytes of data ({ds.dtype} {ds.shape}); refused: "
+                f"reading a chunk allocates it whole (at most {limit} bytes are read)")
+    return None
+
+
 def missing_storage(ds: h5py.Dataset, name: str):
     """A sentence when `ds` cannot hold the data its shape declares, else None.
 
     Unwritten storage reads back as the fill value (zeros), so a dataset whose shape
     promises more bytes than the file stores for it is not data. Without filters the
-    stored size is at least the logical size; with compression it is smaller but not 0.
+    stored size is at least the logical size; with compression it is smaller, so a
+    chunked dataset must also store every one of its chunks.
     """
-    logical = int(np.prod(ds.shape or (), dtype=np.int64)) * ds.dtype.itemsize
+    logical = _logical_bytes(ds)
     if logical == 0:
         return None
     stored = ds.id.get_storage_size()
@@ -105,24 +185,62 @@ def missing_storage(ds: h5py.Dataset, name: str):
     if stored == 0 or (not filtered and stored < logical):
         return (f"'{name}' declares {logical} bytes ({ds.dtype} {ds.shape}) but the file "
                 f"stores {stored} bytes for it (unwritten data would read as zeros)")
+    if ds.chunks:
+        expected = math.prod(-(-int(n) // int(c)) for n, c in zip(ds.shape, ds.chunks))
+        written = ds.id.get_num_chunks()
+        if written < expected:
+            return (f"'{name}' ({ds.dtype} {ds.shape}) is stored in {expected} chunks but "
+                    f"the file holds {written} of them (unwritten chunks would read as "
+                    f"zeros)")
     return None
+
+
+# Filter plugins stay off while any thread reads a file: the first reader empties HDF5's
+# plugin search path, the last one puts it back (it is the process's, shared with h5py).
+_plugins_lock = threading.Lock()
+_plugins_readers = 0
+_plugin_paths: list = []
+
+
+@contextlib.contextmanager
+def no_filter_plugins():
+    """HDF5 loads no filter plugin inside this block: its plugin search path is empty.
+
+    A dataset naming a filter HDF5 does not know makes it look for a plugin, a shared
+    library whose code it runs, in HDF5_PLUGIN_PATH. Weights and inputs need none
+    (`unsupported_filter` refuses them first; this holds for any other read)."""
+    global _plugins_readers, _plugin_paths
+    with _plugins_lock:
+        if _plugins_readers == 0:
+            while h5py.h5pl.size():
+                _plugin_paths.append(h5py.h5pl.get(0))
+                h5py.h5pl.remove(0)
+        _plugins_readers += 1
+    try:
+        yield
+    finally:
+        with _plugins_lock:
+            _plugins_readers -= 1
+            if _plugins_readers == 0:
+                for path in _plugin_paths:
+                    h5py.h5pl.append(path)
+                _plugin_paths = []
 
 
 def local_datasets(f: h5py.File, problems: list) -> dict:
     """{path: Dataset} of every dataset reachable inside `f`, each of its names included
     (a dataset hard-linked under two names appears twice). External links are appended
-    to `problems` and not followed."""
+    to `problems` and not followed; so are groups nested deeper than `MAX_GROUP_DEPTH`
+    (once), whose contents are passed over."""
     datasets = {}
-
-    def visit(raw_name):  # returns None: a value would stop the visit
-        # Nothing may escape: an exception raised inside HDF5's visit leaves h5py's lock
-        # in a broken state (SystemError on every later call). The low-level visit gives
-        # the names as bytes: h5py's own visititems_links fails on one that is not UTF-8.
+    for raw_name in _link_names(f, problems):
+        # The names come as bytes: h5py's own visititems_links fails on one that is not
+        # UTF-8.
         try:
             name = raw_name.decode("utf-8")
         except UnicodeDecodeError:
             problems.append(f"link {raw_name!r}: its name is not UTF-8")
-            return None
+            continue
         try:
             link = f.get(name, getlink=True)
             obj = local_object(f, name)
@@ -134,10 +252,41 @@ def local_datasets(f: h5py.File, problems: list) -> dict:
         except Exception as err:  # a damaged link or name
             problems.append(f"link '{name}': cannot be followed ({type(err).__name__}: "
                             f"{err})")
-        return None
-
-    f.id.links.visit(visit)
     return datasets
+
+
+def _link_names(f: h5py.File, problems: list) -> list:
+    """The full name (bytes) of every link in `f`, group by group, breadth first, through
+    hard links to groups at most MAX_GROUP_DEPTH deep (a group reached twice, through
+    another hard link or a cycle, is listed once). HDF5's own recursive visit crashed
+    the process (a C stack overflow) on 20000 nested groups."""
+    names, seen = [], {h5py.h5o.get_info(f.id).addr}
+    level = [(b"", f.id)]
+    for depth in range(MAX_GROUP_DEPTH + 1):
+        deeper = []
+        for prefix, group in level:
+            here = []
+            # The callback only appends: an exception raised inside HDF5's iteration
+            # leaves h5py's lock in a broken state (SystemError on every later call).
+            group.links.iterate(here.append)
+            for child in here:
+                names.append(prefix + child)
+                try:
+                    if group.links.get_info(child).type != h5py.h5l.TYPE_HARD:
+                        continue  # soft and external links: followed by name, later
+                    info = h5py.h5o.get_info(group, child)
+                    if info.type != h5py.h5o.TYPE_GROUP or info.addr in seen:
+                        continue
+                    seen.add(info.addr)
+                    deeper.append((prefix + child + b"/", h5py.h5g.open(group, child)))
+                except Exception:  # damaged: its name is listed, and reported there
+                    continue
+        if deeper and depth == MAX_GROUP_DEPTH:
+            shown = deeper[0][0][:60].decode("utf-8", "replace")
+            problems.append(f"groups nested more than {MAX_GROUP_DEPTH} deep (at "
+                            f"'{shown}...'); refused")
+        level = deeper
+    return names
 
 
 def dataset_name(param: str) -> str:
@@ -161,10 +310,16 @@ def load_weights(path) -> Weights:
         raise WeightsFormatError(f"{path}: is a folder, expected an HDF5 weights file")
     if not os.path.isfile(path):  # a FIFO or device: opening it could block
         raise WeightsFormatError(f"{path}: not a regular file, expected an HDF5 weights file")
-    if not h5py.is_hdf5(path):
+    try:
+        _check_readable(path)
+        is_hdf5 = h5py.is_hdf5(path)
+    except OSError as err:  # permissions, I/O errors: say so, not "corrupt"
+        raise WeightsFormatError(f"{path}: cannot be read: "
+                                 f"{err.strerror or err}") from err
+    if not is_hdf5:
         raise WeightsFormatError(f"{path}: not an HDF5 file (no HDF5 signature found)")
     try:
-        with h5py.File(path, "r") as f:
+        with no_filter_plugins(), h5py.File(path, "r") as f:
             return _read(f, path)
     except WeightsFormatError:
         raise
@@ -172,6 +327,17 @@ def load_weights(path) -> Weights:
             SystemError) as err:  # a corrupt file (h5py may raise any of them)
         raise WeightsFormatError(
             f"{path}: cannot read the HDF5 file (truncated or corrupt?): {err}") from err
+
+
+def _check_readable(path: str) -> None:
+    """OSError (PermissionError, ...) when `path` cannot be opened for reading; opened
+    without blocking, and only as a regular file."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError("not a regular file")
+    finally:
+        os.close(fd)
 
 
 def _read(f: h5py.File, path: str) -> Weights:
@@ -216,9 +382,9 @@ def _read(f: h5py.File, path: str) -> Weights:
         name = dataset_name(param)
         expected = shapes[param] if shapes else None
         if name not in datasets:
-            if isinstance(f.get(name, getlink=True), h5py.HardLink) and isinstance(
-                    f.get(name), h5py.Group):
-                problems.append(f"dataset '{name}': is a group, expected a dataset")
+            found = not_a_dataset(f, name)
+            if found:  # present: damaged, or of another kind; never read as absent
+                problems.append(f"dataset '{name}': {found}")
             elif param not in OPTIONAL_BIASES:
                 detail = f"float32 of shape {expected}" if expected else "float32"
                 problems.append(f"dataset '{name}': missing (required; expected {detail})")
@@ -265,9 +431,9 @@ def _read_dataset(ds: h5py.Dataset, name: str, expected, problems: list):
     except ExternalDataError as err:
         problems.append(f"dataset {err}")
         return None
-    short = missing_storage(ds, name)
-    if short:
-        problems.append(f"dataset {short}")
+    unreadable = storage_problem(ds, name)
+    if unreadable:
+        problems.append(f"dataset {unreadable}")
         return None
     raw = np.asarray(ds[()])
     bad = ~np.isfinite(raw)
@@ -349,6 +515,9 @@ def save_weights(weights: Weights, path) -> None:
     eps = weights.layer_norm_eps
     if not math.isfinite(eps) or eps <= 0:
         raise ValueError(f"weights.layer_norm_eps must be a positive finite number, got {eps}")
+    if weights.pair_dim > MAX_PAIR_DIM:  # never write a file load_weights refuses
+        raise ValueError(f"weights.pair_dim {weights.pair_dim} is beyond the largest "
+                         f"load_weights reads, {MAX_PAIR_DIM}")
     path = os.fspath(path)
     folder = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(folder):

@@ -39,6 +39,7 @@ import numpy as np
 
 from ._install import pip_install
 from .conventions import ENDING_NODES, check_node
+from .hdf5 import MAX_PAIR_DIM
 from .weights import LINEAR_NAMES, Weights
 
 logger = logging.getLogger(__name__)
@@ -124,6 +125,8 @@ def load_checkpoint(path, *, allow_pickle: bool = False) -> dict:
         raise ValueError(f"checkpoint {path}: no such file")
     if os.path.isdir(path):
         raise ValueError(f"checkpoint {path}: is a folder, expected a checkpoint file")
+    if not os.path.isfile(path):  # a FIFO or a device: opening it could block
+        raise ValueError(f"checkpoint {path}: not a regular file; not opened")
     if path.endswith(".safetensors"):
         return _load_safetensors(path)
     torch = _import_torch()
@@ -319,7 +322,18 @@ def _select(blocks: list, prefix, state_dict) -> Block:
 # --- building Weights ------------------------------------------------------------------------
 
 def _to_float32(value, name: str) -> np.ndarray:
-    """A float32 NumPy copy of a (CPU or CUDA, any float dtype) tensor or array."""
+    """A float32 NumPy copy of a (CPU or CUDA, any float dtype) tensor or array.
+
+    Refused before anything is converted: a tensor larger than any parameter a weights
+    file holds (an expanded, stride-0 tensor of a few bytes can declare gigabytes; within
+    the bound it is copied whole, its values real), and a meta tensor (no values)."""
+    size = math.prod(int(n) for n in value.shape)
+    if size > MAX_PAIR_DIM ** 2:
+        raise ValueError(f"{name}: shape {tuple(value.shape)} holds {size} values, more than "
+                         f"any parameter of a weights file (pair_dim at most {MAX_PAIR_DIM})")
+    if getattr(value, "is_meta", False):
+        raise ValueError(f"{name}: a meta tensor, which holds no values (a model built on "
+                         f"the meta device whose weights were never loaded)")
     if hasattr(value, "detach"):  # torch.Tensor
         if not value.is_floating_point():
             raise ValueError(f"{name}: expected a floating-point tensor, got dtype {value.dtype}")

@@ -38,16 +38,35 @@ _LAYER_NORM_RESCALE_ABOVE = 2.0 ** 40
 
 
 def layer_norm(x: np.ndarray, weight, bias, eps: float) -> np.ndarray:
-    # In float32 the sum of squares overflows from |x| ~ 1e18 (D = 128). LayerNorm is
-    # unchanged by x -> x / s when eps becomes eps / s**2, so rows past 2**40 are first
-    # divided by a power of two s near their largest magnitude (exact); other rows, and
-    # every row of an input without such values, take the plain formula bit for bit.
-    amax = np.max(np.abs(x), axis=-1, keepdims=True)
+    """torch.nn.LayerNorm over the last axis, in x's dtype, for every finite x.
+
+    Two kinds of rows need more than the textbook formula, and only they get it (every
+    other row takes the plain formula bit for bit):
+
+    - Huge rows: in float32 the sum of squares overflows from |x| ~ 1e18 (D = 128).
+      LayerNorm is unchanged by x -> x / s when eps becomes eps / s**2, so rows past
+      2**40 are first divided by a power of two s near their largest magnitude (exact).
+    - Narrow rows, whose spread max - min is under a quarter of their largest magnitude
+      (a constant row among them): the rounding of their mean, ~ulp(max |x|), is as large
+      as their deviations, so a constant row came out as noise (or NaN once eps / s**2
+      underflowed). Their first element is subtracted first: every value of such a row
+      lies within a factor 4/3 of it, so the difference is exact (Sterbenz), a constant
+      row becomes exactly 0 and its LayerNorm exactly `bias`.
+    """
+    hi = np.max(x, axis=-1, keepdims=True)
+    lo = np.min(x, axis=-1, keepdims=True)
+    amax = np.maximum(hi, -lo)
     big = np.isfinite(amax) & (amax > _LAYER_NORM_RESCALE_ABOVE)
     if big.any():
         s = np.where(big, np.ldexp(1.0, np.frexp(amax)[1] - 1), 1.0)   # float64, <= amax
         x = x / s.astype(x.dtype)
-        eps = (eps / np.square(s)).astype(x.dtype)
+        # eps / s**2 underflows to 0 beyond |x| ~ 1e20 in float32: kept a normal number,
+        # so that a constant row divides 0 by sqrt(tiny), not by 0.
+        eps = np.maximum((eps / np.square(s)).astype(x.dtype), np.finfo(x.dtype).tiny)
+    with np.errstate(over="ignore", invalid="ignore"):  # hi - lo of inf / nan rows: not narrow
+        narrow = (hi - lo) < amax / 4
+    if narrow.any():
+        x = x - np.where(narrow, x[..., :1], 0).astype(x.dtype)
     mean = x.mean(axis=-1, keepdims=True)
     var = ((x - mean) ** 2).mean(axis=-1, keepdims=True)  # biased, as torch.nn.LayerNorm
     return (x - mean) / np.sqrt(var + eps) * weight + bias
@@ -82,6 +101,9 @@ def triangle_attention(pair, mask, weights: Weights, *, fully_masked: str = "zer
     i of the first N axis for the starting node, of the second for the ending node (the
     rows of the transposed pair); the result then has len(rows) in place of that axis.
     """
+    if not isinstance(weights, Weights):
+        raise TypeError(f"weights must be a triattn_cupy.Weights (see load_weights); got "
+                        f"{type(weights).__name__}")
     check_fully_masked(fully_masked)
     mask_layout = check_mask_layout(weights.mask_layout if mask_layout is None else mask_layout)
     node = check_node(weights.node if node is None else node)

@@ -28,7 +28,7 @@ import numpy as np
 from .._checks import check_mask_dtype, pair_geometry
 from ..conventions import check_mask_shape
 from ..hdf5 import (ExternalDataError, check_local_storage, local_datasets, local_object,
-                    missing_storage)
+                    no_filter_plugins, not_a_dataset, storage_problem)
 from .outputs import OUTPUT_FORMAT, attr_str
 from .runfiles import is_run_file
 
@@ -38,7 +38,13 @@ INPUT_SUFFIXES = {".npy": "npy", ".npz": "npz", ".h5": "hdf5", ".hdf5": "hdf5"}
 # temporary arrays, and lets h5py's global lock go between slabs, so the reader thread and
 # the writer thread take turns instead of one waiting for a whole file.
 _SLAB_BYTES = 64 << 20
+_BUFFER_BYTES = 4 << 20  # data read to be converted go through a buffer of about this
 GIB = float(1 << 30)
+# An .npz array of more than NPZ_CHECKED_BYTES may expand at most this many times its
+# compressed size: real pairs compress a few times at most (padding included), while a
+# bomb of a few MB expands to GBs before anything else could stop it.
+NPZ_MAX_EXPANSION = 100
+NPZ_CHECKED_BYTES = 64 << 20
 
 
 class InputError(Exception):
@@ -279,15 +285,6 @@ def _host_memory_bytes() -> int:
         return 0
 
 
-def _convert_into(dest: np.ndarray, src: np.ndarray):
-    """dest[...] = src in slabs along the first axis (float64 -> float32 conversion here:
-    the one conversion an input goes through)."""
-    step = _slab_rows(src)
-    with np.errstate(over="ignore"):  # float64 beyond float32's range -> inf, reported
-        for i in range(0, src.shape[0], step):
-            np.copyto(dest[i:i + step], src[i:i + step], casting="unsafe")
-
-
 def _slab_rows(arr) -> int:
     row_bytes = max(1, _count(arr.shape[1:]) * 8)
     return max(1, _SLAB_BYTES // row_bytes)
@@ -336,12 +333,12 @@ def _read_npy(path, keys: _Keys, alloc):
         if size - offset < need:
             raise InputError(f"file is truncated: its header announces {need} bytes of "
                              f"{dtype} {tuple(shape)} data, the file holds {size - offset}")
-        # The file is mapped, not read: the one copy is the conversion into `dest`.
-        src = np.memmap(f, dtype=dtype, mode="r", offset=offset, shape=tuple(shape),
-                        order="F" if fortran else "C")
+        # Read, not mapped: a mapped file that shrinks under the reader ends the process
+        # with SIGBUS; a read that comes up short is this file's error alone.
         dest = alloc(tuple(shape))
-        _convert_into(dest, src)
-        del src
+        _stream_into(dest, f, dtype, fortran,
+                     f"file changed while being read: its {dtype} {tuple(shape)} data "
+                     f"ended early")
     return dest, str(dtype), None
 
 
@@ -369,7 +366,8 @@ def _read_npz(path, keys: _Keys, alloc):
             dest = alloc(tuple(shape))
             with z.open(pair_info) as member:
                 _npy_header(member)
-                _stream_into(dest, member, dtype, fortran)
+                _stream_into(dest, member, dtype, fortran,
+                             f"the archive's data for {dtype} {tuple(shape)} end early")
             mask = None
             if mask_info is not None:
                 with z.open(mask_info) as member:
@@ -379,7 +377,14 @@ def _read_npz(path, keys: _Keys, alloc):
 
 def _npz_member_header(z, info, what):
     """(shape, fortran_order, dtype) of one array of an .npz archive, read from its
-    header alone; its size must be the one the archive's directory records."""
+    header alone; its size must be the one the archive's directory records, and it may
+    not expand more than NPZ_MAX_EXPANSION times (from the directory, before reading)."""
+    if (info.file_size > NPZ_CHECKED_BYTES
+            and info.file_size > NPZ_MAX_EXPANSION * info.compress_size):
+        raise InputError(f"{what}: the archive stores {info.compress_size} bytes that expand "
+                         f"to {info.file_size}, more than {NPZ_MAX_EXPANSION} times; refused "
+                         f"as a compression bomb (save it with numpy.savez, uncompressed, "
+                         f"or as .h5)")
     with z.open(info) as member:
         shape, fortran, dtype, header = _npy_header(member)
     if dtype.hasobject:
@@ -392,23 +397,41 @@ def _npz_member_header(z, info, what):
     return shape, fortran, dtype
 
 
-def _stream_into(dest: np.ndarray, stream, dtype: np.dtype, fortran: bool):
+def _stream_into(dest: np.ndarray, stream, dtype: np.dtype, fortran: bool,
+                 ended_early: str):
     """Fill `dest` from the raw array bytes of `stream` in slabs (a slab of the first axis,
-    or of the last for Fortran order, whose bytes are those of the transpose)."""
-    shape = dest.shape
+    or of the last for Fortran order, whose bytes are those of the transpose); InputError
+    `ended_early` when the stream ends first. Bytes of dest's own type (C order) are read
+    straight into it; others through one slab-sized buffer, converted from there."""
     view = dest.T if fortran else dest  # C-order view of the bytes in the file
     rows = view.shape[0]
     row_items = _count(view.shape[1:])
-    step = max(1, _SLAB_BYTES // max(1, row_items * dtype.itemsize))
+    direct = dtype == dest.dtype and not fortran
+    # (a buffer that stays in the cache between the read and the conversion)
+    step = max(1, (_SLAB_BYTES if direct else _BUFFER_BYTES)
+               // max(1, row_items * dtype.itemsize))
+    buffer = None if direct else np.empty(min(step, rows) * row_items, dtype)
     with np.errstate(over="ignore"):
         for i in range(0, rows, step):
             n = min(step, rows - i)
-            want = n * row_items * dtype.itemsize
-            data = stream.read(want)
-            if len(data) != want:
-                raise InputError(f"the archive's data for {dtype} {tuple(shape)} end early")
-            chunk = np.frombuffer(data, dtype).reshape((n,) + view.shape[1:])
-            np.copyto(view[i:i + n], chunk, casting="unsafe")
+            target = view[i:i + n] if direct else buffer[:n * row_items]
+            if not _read_exactly(stream, target.reshape(-1).view(np.uint8)):
+                raise InputError(ended_early)
+            if not direct:
+                np.copyto(view[i:i + n], target.reshape((n,) + view.shape[1:]),
+                          casting="unsafe")
+
+
+def _read_exactly(stream, into: np.ndarray) -> bool:
+    """Fill the bytes `into` from `stream`; False when the stream ends first."""
+    memory = memoryview(into)
+    done = 0
+    while done < len(memory):
+        got = stream.readinto(memory[done:])
+        if not got:
+            return False
+        done += got
+    return True
 
 
 def _read_hdf5(path, keys: _Keys, alloc):
@@ -416,7 +439,7 @@ def _read_hdf5(path, keys: _Keys, alloc):
 
     if not h5py.is_hdf5(path):  # (read_input has checked that it is a regular file)
         raise InputError("not an HDF5 file (no HDF5 signature found)")
-    with h5py.File(path, "r") as f:
+    with no_filter_plugins(), h5py.File(path, "r") as f:
         if attr_str(f.attrs.get("format")) == OUTPUT_FORMAT:
             raise InputError("this is an output of triattn-infer, not an input")
         ds = local_object(f, keys.pair_key)
@@ -426,8 +449,11 @@ def _read_hdf5(path, keys: _Keys, alloc):
                              f"{', '.join(map(repr, names)) or 'no datasets'}); "
                              f"choose one with --pair-key")
         mds = local_object(f, keys.mask_key)
-        if mds is not None and not isinstance(mds, h5py.Dataset):
-            raise InputError(f"{keys.mask_key!r} is a group, expected the mask dataset")
+        if not isinstance(mds, h5py.Dataset):
+            found = not_a_dataset(f, keys.mask_key)  # damaged is not absent (unmasked)
+            if found:
+                raise InputError(f"mask {keys.mask_key!r}: {found}")
+            mds = None
         if mds is None and keys.mask_required:
             raise InputError(f"no mask {keys.mask_key!r} (--mask-key) in the file")
         # Metadata first: shapes, dtypes, where the data live, how much the file stores.
@@ -437,9 +463,9 @@ def _read_hdf5(path, keys: _Keys, alloc):
         for dset, name in ((ds, keys.pair_key), (mds, keys.mask_key)):
             if dset is not None:
                 check_local_storage(dset, name)
-                short = missing_storage(dset, name)
-                if short:
-                    raise InputError(short)
+                unreadable = storage_problem(dset, name)
+                if unreadable:
+                    raise InputError(unreadable)
         if mds is not None:
             if mds.shape is None:
                 raise InputError(f"mask {keys.mask_key!r} has an empty dataspace, no array")
