@@ -177,8 +177,10 @@ def test_accelerate_strict_raises_at_a_call_the_kernels_do_not_compute(monkeypat
     tt.accelerate(model, strict=True)
     monkeypatch.setattr(ops, "_compute", lambda *a: pytest.fail("the op ran"))
     pair, mask = torch.randn(1, 5, 5, D), torch.ones(1, 5, 5)
-    with pytest.raises(tt.FallbackError, match=r"pair_attention: the kernels do not compute "
-                                               r"this call \(strict\): gradients are enabled"):
+    # Explicitly: a model's command run in this process earlier may have switched them off.
+    with torch.enable_grad(), pytest.raises(
+            tt.FallbackError, match=r"pair_attention: the kernels do not compute this call "
+                                    r"\(strict\): gradients are enabled"):
         model.pair_attention(pair, mask)
     with torch.no_grad(), pytest.raises(tt.FallbackError, match="the pair is on cpu"):
         model.pair_attention(pair, mask)
