@@ -55,24 +55,71 @@ def test_list(ckpt, capsys):
     assert lines[-1].startswith("5 triangle attention blocks; biases:")
 
 
-def test_list_shows_biases_and_refused_blocks(tmp_path, capsys):
+def test_list_shows_biases_head_widths_and_refused_blocks(tmp_path, capsys, rng):
     sd = {}
     for prefix, block in [("a.tri_att_end.", mb.OpenFoldTriangleAttention(D, C, H)),
                           ("b.tri_att_start.", mb.OpenFoldTriangleAttention(
                               D, C, H, pair_bias_name="linear_z")),
-                          ("c.tri_att_start.", mb.boltz_block(D, 4, H))]:
+                          ("c.tri_att_start.", mb.randomize(mb.boltz_block(D, 16, H), 3)),
+                          ("d.tri_att_start.", mb.OpenFoldTriangleAttention(D, C, H))]:
         sd.update({prefix + k: v for k, v in block.state_dict().items()})
+    for name in ("q", "k", "v", "g"):  # 30 channels: no width of 4 heads
+        sd[f"d.tri_att_start.mha.linear_{name}.weight"] = torch.zeros(30, D)
+    sd["d.tri_att_start.mha.linear_g.bias"] = torch.zeros(30)
+    sd["d.tri_att_start.mha.linear_o.weight"] = torch.zeros(D, 30)
     torch.save(sd, tmp_path / "m.pt")
+    capsys.readouterr()  # (the rng fixture's seed line)
     assert main([str(tmp_path / "m.pt"), "--list"]) == 0
     out = capsys.readouterr().out.splitlines()
     assert out[1].split() == ["a.tri_att_end.", "openfold", "32", "4", "8", "ending", "g,o"]
     assert out[2].split() == ["b.tri_att_start.", "openfold3", "32", "4", "8", "starting", "g,o"]
-    assert out[3].split() == ["c.tri_att_start.", "openfold", "32", "4", "4", "starting", "none"]
-    assert out[4].strip().startswith("cannot be exported: heads x head width = 4 x 4 = 16 "
-                                     "differs from the pair dimension D = 32")
+    # 4 heads x 16 = 64 channels at D = 32, as the template stacks (D 64, 4 x 32)
+    assert out[3].split() == ["c.tri_att_start.", "openfold", "32", "4", "16", "starting", "none"]
+    assert out[4].split() == ["d.tri_att_start.", "openfold", "32", "4", "?", "starting", "g,o"]
+    assert out[5].strip() == ("cannot be exported: the projections' width 30 is not a "
+                              "positive multiple of the 4 heads")
+    assert out[6].startswith("4 triangle attention blocks;")
+    assert main([str(tmp_path / "m.pt"), str(tmp_path / "d.h5"), "--prefix",
+                 "d.tri_att_start"]) == 2
+    assert "the projections' width 30 is not a positive multiple" in one_error_line(capsys)
     assert main([str(tmp_path / "m.pt"), str(tmp_path / "c.h5"), "--prefix",
-                 "c.tri_att_start"]) == 2
-    assert "heads x head width = 4 x 4 = 16" in one_error_line(capsys)
+                 "c.tri_att_start"]) == 0
+    weights = load_weights(tmp_path / "c.h5")
+    assert (weights.pair_dim, weights.num_heads, weights.head_dim) == (D, H, 16)
+    block = mb.boltz_block(D, 16, H)
+    block.load_state_dict({k[len("c.tri_att_start."):]: v for k, v in sd.items()
+                           if k.startswith("c.tri_att_start.")})
+    pair = rng.standard_normal((2, 9, 9, D))
+    with torch.no_grad():
+        expected = block.double()(torch.from_numpy(pair), torch.ones(2, 9, 9).double()).numpy()
+    assert rel_l2(triangle_attention(pair, None, weights), expected) < 1e-12
+
+
+def test_boltz2_template_stack_list_and_all(tmp_path, capsys, rng):
+    """Boltz-2's template stack in its own module: --list shows D 64, 4 heads of width 32;
+    --all writes both blocks, and each file computes what its block computes."""
+    model = mb.randomize(torch.nn.ModuleDict(
+        {"template_module": mb.boltz2_template_module(token_z=16, template_dim=64)}), seed=21)
+    path = tmp_path / "boltz2.ckpt"
+    torch.save({"state_dict": model.state_dict()}, path)
+    capsys.readouterr()  # (the rng fixture's seed line)
+    assert main([str(path), "--list"]) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()[1:-1]]
+    prefix = "template_module.pairformer.layers.0."
+    assert rows == [[prefix + "tri_att_start.", "openfold", "64", "4", "32", "starting", "none"],
+                    [prefix + "tri_att_end.", "openfold", "64", "4", "32", "ending", "none"]]
+    assert main([str(path), "--all", str(tmp_path / "blocks")]) == 0
+    layer = model["template_module"].pairformer.layers[0].double().eval()
+    pair = rng.standard_normal((2, 8, 8, 64))
+    keep = (rng.random((2, 8, 8)) < 0.7).astype(np.float64)
+    keep[:, :, 0] = keep[:, 0, :] = 1  # every row and column keeps a key
+    for name, block in (("tri_att_start", layer.tri_att_start),
+                        ("tri_att_end", layer.tri_att_end)):
+        weights = load_weights(tmp_path / "blocks" / f"{prefix}{name}.h5")
+        assert (weights.pair_dim, weights.num_heads, weights.head_dim) == (64, 4, 32)
+        with torch.no_grad():
+            expected = block(torch.from_numpy(pair), torch.from_numpy(keep)).numpy()
+        assert rel_l2(triangle_attention(pair, keep, weights), expected) < 1e-12, name
 
 
 def test_prefix_exports_what_the_block_computes(tmp_path, ckpt, model, rng, capsys):

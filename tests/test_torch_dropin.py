@@ -225,6 +225,29 @@ def test_unsupported_head_width_is_left_alone(caplog):
     assert "head dimension" in caplog.text
 
 
+def test_template_stack_head_width_is_left_to_its_own_forward(caplog, cpu_routed,
+                                                               monkeypatch):
+    """Boltz-2's and Protenix's template blocks (h x c = 2 D) are found, refused by the GPU
+    check with its reason, and keep their own forward."""
+    model = torch.nn.ModuleDict({"tri_att_start": mb.randomize(mb.boltz_block(D, 8, H), 0),
+                                 "tri_att_end": mb.randomize(mb.protenix_block(
+                                     D, 8, H, starting=False), 1)}).eval()
+    pair, mask = torch.randn(1, 6, 6, D), torch.ones(1, 6, 6)
+    with torch.no_grad():
+        want = [model.tri_att_start(pair, mask), model.tri_att_end(pair, mask=mask)]
+    with caplog.at_level(logging.INFO, logger=LOGGER):
+        tt.accelerate(model)
+    assert tt.accelerated_blocks(model) == []
+    for name in ("tri_att_start", "tri_att_end"):
+        assert (f"{name}: left alone: heads x head width = 4 x 8 = 32 differs from pair_dim "
+                f"16") in caplog.text
+    monkeypatch.setattr(ops, "_compute", lambda *a: pytest.fail("the op ran"))
+    with torch.no_grad():
+        got = [model.tri_att_start(pair, mask), model.tri_att_end(pair, mask=mask)]
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
 # --- fallbacks -------------------------------------------------------------------------------
 
 def _fallback_records(caplog):

@@ -20,7 +20,7 @@ class DeviceWeights:
 
     def __init__(self, weights: Weights, device_id: int):
         cupy = _cupy()
-        checks.check_dims(weights.pair_dim, weights.num_heads)
+        checks.check_dims(weights.pair_dim, weights.num_heads, weights.head_dim)
         p = weights.params
         with cupy.cuda.Device(device_id):
             def up(a):

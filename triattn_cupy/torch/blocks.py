@@ -171,7 +171,7 @@ def accelerate(model, *, precision: str = "fp32"):
             logger.info("%s: left alone: %s", label, block.problem)
             continue
         try:
-            check_dims(block.pair_dim, block.num_heads)
+            check_dims(block.pair_dim, block.num_heads, block.head_width)
         except ValueError as err:
             logger.info("%s: left alone: %s", label, err)
             continue
