@@ -2,7 +2,9 @@
 
 `boltz_block` is Boltz's own module (boltz-community 2.12:
 ``boltz.model.layers.triangular_attention.attention``), skipping the calling test where it
-is not installed (``.ci/run`` installs each model as these tests need it).
+is not installed (``.ci/run`` installs each model as these tests need it, and sets
+``TRIATTN_REQUIRE_MODELS=1``, which makes a model that does not import fail its tests
+instead: CI never passes by skipping them).
 `boltz2_template_module` is Boltz-2's own template stack (``TemplateV2Module``, whose blocks
 have 4 heads x 32 = 128 channels at D = 64). `protenix_block` is Protenix's (2.0:
 ``protenix.model.triangular.triangular``), imported with ``LAYERNORM_TYPE=torch`` so that it
@@ -17,6 +19,7 @@ settings (no biases) it must equal Boltz's module, which `test_importing.py` che
 """
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import math
 import os
@@ -31,11 +34,25 @@ torch = pytest.importorskip("torch")
 nn = torch.nn
 
 
+MODELS_REQUIRED = os.environ.get("TRIATTN_REQUIRE_MODELS") == "1"
+_INSTALL = "see .ci/run for the packages and versions"
+
+
+def model_module(name: str, distribution: str):
+    """The model's module `name`; where it does not import, the test skips (or, with
+    TRIATTN_REQUIRE_MODELS=1, fails with the import error)."""
+    try:
+        return importlib.import_module(name)
+    except ImportError as err:
+        if MODELS_REQUIRED:
+            raise
+        pytest.skip(f"{distribution} is not installed or does not import ({err}; "
+                    f"{_INSTALL})")
+
+
 def boltz_block(c_in, c_hidden, no_heads, starting=True):
-    attention = pytest.importorskip(
-        "boltz.model.layers.triangular_attention.attention",
-        reason="boltz-community is not installed (pip install --no-deps "
-               "boltz-community==2.12.0 einops scipy)")
+    attention = model_module("boltz.model.layers.triangular_attention.attention",
+                             "boltz-community")
     cls = (attention.TriangleAttentionStartingNode if starting
            else attention.TriangleAttentionEndingNode)
     return cls(c_in, c_hidden, no_heads)
@@ -43,8 +60,7 @@ def boltz_block(c_in, c_hidden, no_heads, starting=True):
 
 def boltz2_template_module(token_z, template_dim=64, template_blocks=1):
     """Boltz-2's ``TemplateV2Module`` with its default heads (4) and head width (32)."""
-    trunkv2 = pytest.importorskip("boltz.model.modules.trunkv2",
-                                  reason="boltz-community is not installed")
+    trunkv2 = model_module("boltz.model.modules.trunkv2", "boltz-community")
     return trunkv2.TemplateV2Module(token_z, template_dim, template_blocks)
 
 
@@ -54,9 +70,7 @@ def _protenix_triangular():
     # compiles a CUDA extension, which fails (or waits for nvcc) on a machine without CUDA.
     os.environ["LAYERNORM_TYPE"] = "torch"
     try:
-        return pytest.importorskip(
-            "protenix.model.triangular.triangular",
-            reason="protenix is not installed (pip install --no-deps protenix==2.0.0 optree)")
+        return model_module("protenix.model.triangular.triangular", "protenix")
     finally:
         if saved is None:
             del os.environ["LAYERNORM_TYPE"]
@@ -90,18 +104,14 @@ def openfold3_block(c_in, c_hidden, no_heads):
     if "openfold3" not in sys.modules:
         spec = importlib.util.find_spec("openfold3")
         if spec is None:
-            pytest.skip("openfold3 is not installed (pip install --no-deps openfold3==0.5.0 "
-                        "ml_collections absl-py biotite)")
+            model_module("openfold3", "openfold3")  # skips, or fails where required
         package = types.ModuleType("openfold3")  # its __init__ imports gemmi
         package.__path__ = list(spec.submodule_search_locations)
         sys.modules["openfold3"] = package
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # no Triton, no DeepSpeed here
-        try:
-            from openfold3.core.model.layers.triangular_attention import TriangleAttention
-        except ImportError as err:
-            pytest.skip(f"openfold3's triangle attention does not import: {err}")
-    return TriangleAttention(c_in, c_hidden, no_heads)
+        layers = model_module("openfold3.core.model.layers.triangular_attention", "openfold3")
+    return layers.TriangleAttention(c_in, c_hidden, no_heads)
 
 
 def openfold3_ending(block, z, mask):

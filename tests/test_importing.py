@@ -5,6 +5,9 @@ Compared where a row of the block keeps at least one key: elsewhere the models' 
 bias and this module's `fully_masked` policy differ by design (see `conventions`)."""
 from __future__ import annotations
 
+import os
+import sys
+
 import numpy as np
 import pytest
 
@@ -139,6 +142,26 @@ def test_openfold3_blocks_as_its_pair_block_runs_them(rng):
     # an older OpenFold3's ending node can be asked for by name
     assert import_weights(sd, "pairformer_stack.blocks.0.tri_att_end", node="ending").node == (
         "ending")
+
+
+def test_protenix_imports_without_building_its_cuda_layer_norm(monkeypatch):
+    """Protenix compiles a CUDA LayerNorm when its layers are imported, unless
+    LAYERNORM_TYPE says otherwise: on a machine without CUDA its blocks must import
+    without it (model_blocks sets the variable for the import, then restores it)."""
+    monkeypatch.delenv("LAYERNORM_TYPE", raising=False)
+    mb.protenix_block(D, C, H)
+    assert "protenix.model.layer_norm.layer_norm" not in sys.modules
+    assert "LAYERNORM_TYPE" not in os.environ
+
+
+def test_a_model_that_does_not_import_skips_or_fails_where_required(monkeypatch):
+    monkeypatch.setattr(mb, "MODELS_REQUIRED", False)
+    with pytest.raises(pytest.skip.Exception, match=r"not-a-model is not installed or does "
+                                                    r"not import"):
+        mb.model_module("triattn_no_such_model", "not-a-model")
+    monkeypatch.setattr(mb, "MODELS_REQUIRED", True)
+    with pytest.raises(ImportError, match=r"triattn_no_such_model"):
+        mb.model_module("triattn_no_such_model", "not-a-model")
 
 
 def test_openfold_port_is_boltz_without_biases(rng):
