@@ -97,7 +97,8 @@ def test_list_shows_biases_head_widths_and_refused_blocks(tmp_path, capsys, rng)
 
 def test_boltz2_template_stack_list_and_all(tmp_path, capsys, rng):
     """Boltz-2's template stack in its own module: --list shows D 64, 4 heads of width 32;
-    --all writes both blocks, and each file computes what its block computes."""
+    --all writes both blocks, and each file computes what its block computes, in Python and
+    through triattn-infer on the CPU."""
     model = mb.randomize(torch.nn.ModuleDict(
         {"template_module": mb.boltz2_template_module(token_z=16, template_dim=64)}), seed=21)
     path = tmp_path / "boltz2.ckpt"
@@ -113,13 +114,24 @@ def test_boltz2_template_stack_list_and_all(tmp_path, capsys, rng):
     pair = rng.standard_normal((2, 8, 8, 64))
     keep = (rng.random((2, 8, 8)) < 0.7).astype(np.float64)
     keep[:, :, 0] = keep[:, 0, :] = 1  # every row and column keeps a key
+    expected = {}
     for name, block in (("tri_att_start", layer.tri_att_start),
                         ("tri_att_end", layer.tri_att_end)):
         weights = load_weights(tmp_path / "blocks" / f"{prefix}{name}.h5")
         assert (weights.pair_dim, weights.num_heads, weights.head_dim) == (64, 4, 32)
         with torch.no_grad():
-            expected = block(torch.from_numpy(pair), torch.from_numpy(keep)).numpy()
-        assert rel_l2(triangle_attention(pair, keep, weights), expected) < 1e-12, name
+            expected[name] = block(torch.from_numpy(pair), torch.from_numpy(keep)).numpy()
+        assert rel_l2(triangle_attention(pair, keep, weights), expected[name]) < 1e-12, name
+    # and through triattn-infer on the CPU, the mask as the model takes it
+    from triattn_cupy.cli.main import main as infer_main
+
+    (tmp_path / "in").mkdir()
+    np.savez(tmp_path / "in" / "x.npz", pair=pair.astype(np.float32),
+             mask=keep.astype(np.float32))
+    assert infer_main([str(tmp_path / "in"), "-o", str(tmp_path / "out"), "--weights",
+                       str(tmp_path / "blocks" / f"{prefix}tri_att_end.h5"), "--device", "cpu",
+                       "--output-format", "npy", "-q"]) == 0
+    assert rel_l2(np.load(tmp_path / "out" / "x.npy"), expected["tri_att_end"]) < 1e-5
 
 
 def test_prefix_exports_what_the_block_computes(tmp_path, ckpt, model, rng, capsys):
