@@ -181,6 +181,14 @@ class OpenFoldTriangleAttention(nn.Module):
         return x
 
 
+def openfold_block(c_in, c_hidden, no_heads, starting=True):
+    """`OpenFoldTriangleAttention` with the class name and module path of OpenFold's own
+    (``openfold.model.triangular_attention.TriangleAttention``), as the drop-in finds it."""
+    cls = type("TriangleAttention", (OpenFoldTriangleAttention,),
+               {"__module__": "openfold.model.triangular_attention"})
+    return cls(c_in, c_hidden, no_heads, starting=starting)
+
+
 def randomize(module, seed, scale=0.5):
     """Every parameter uniform in [-scale, scale], LayerNorm weights around 1 (the models
     initialise gate and output projections to zero, which would hide them)."""

@@ -148,6 +148,61 @@ def test_prefix_exports_what_the_block_computes(tmp_path, ckpt, model, rng, caps
     assert rel_l2(triangle_attention(pair, keep, weights), expected) < 1e-12
 
 
+def _own_forward(family, node):
+    """How the model's own stack calls a block of that node: (block, z, mask) -> output."""
+    if family == "openfold3" and node == "ending":  # its pair block's tri_att_end
+        return mb.openfold3_ending
+    if family == "protenix" and node == "ending":   # its PairformerBlock's tri_att_end
+        return mb.protenix_ending
+    return lambda block, z, mask: block(z, mask=mask)
+
+
+# Boltz-1 and Boltz-2 share these classes (boltz-community 2.12). Protenix and OpenFold3
+# build every block starting=True and transpose the pair for tri_att_end, as their stacks do.
+FAMILY_BLOCKS = {
+    "boltz": lambda starting: mb.boltz_block(D, C, H, starting=starting),
+    "protenix": lambda starting: mb.protenix_attention(D, C, H),
+    "openfold3": lambda starting: mb.openfold3_block(D, C, H),
+    # OpenFold is not on the package index: its block restated to its published shapes
+    "openfold": lambda starting: mb.openfold_block(D, C, H, starting=starting),
+}
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")  # openfold3: no Triton, no CUDA here
+@pytest.mark.parametrize("node", ["starting", "ending"])
+@pytest.mark.parametrize("family", list(FAMILY_BLOCKS))
+def test_every_family_exports_what_its_block_computes(tmp_path, rng, family, node):
+    """A checkpoint of each family's own block at a pair stack's path, exported with
+    --prefix: the file computes what the model's stack computes with it, in float64,
+    masks of all ones, padding and random bits."""
+    name = "tri_att_start" if node == "starting" else "tri_att_end"
+    model = torch.nn.ModuleDict({"pairformer": torch.nn.ModuleList([torch.nn.ModuleDict(
+        {name: FAMILY_BLOCKS[family](node == "starting")})])})
+    mb.randomize(model, seed=31)
+    torch.save(model.state_dict(), tmp_path / "model.pt")
+    out = tmp_path / "block.h5"
+    assert main([str(tmp_path / "model.pt"), str(out), "--prefix", f"pairformer.0.{name}"]) == 0
+    weights = load_weights(out)
+    assert weights.node == ("ending_af3" if (family, node) == ("openfold3", "ending") else node)
+    block, forward = model["pairformer"][0][name].double().eval(), _own_forward(family, node)
+    N = 9
+    padded = np.ones((2, N), bool)
+    padded[0, 6:] = padded[1, 8:] = False
+    random_bits = rng.random((2, N, N)) < 0.6
+    random_bits[:, :, 0] = random_bits[:, 0, :] = True  # every row and column keeps a key
+    for kind, keep in (("ones", np.ones((2, N, N), bool)),
+                       ("padding", padded[:, :, None] & padded[:, None, :]),
+                       ("random", random_bits)):
+        pair = rng.standard_normal((2, N, N, D))
+        keep = keep.astype(np.float64)
+        with torch.no_grad():
+            expected = forward(block, torch.from_numpy(pair), torch.from_numpy(keep)).numpy()
+        rows = keep.any(-1)[:, :, None, None] if node == "starting" else (
+            keep.any(-2)[:, None, :, None])
+        assert rel_l2(triangle_attention(pair, keep, weights), expected, where=rows) < 1e-12, (
+            kind)
+
+
 def test_several_blocks_need_a_prefix(tmp_path, ckpt, capsys):
     assert main([str(ckpt), str(tmp_path / "w.h5")]) == 2
     line = one_error_line(capsys)

@@ -25,8 +25,11 @@ D, C, H = 32, 8, 4  # pair dim, head width, heads
 
 
 def masks(rng, kind, B, N):
-    """(B, N, N) float64 0/1 masks of three kinds, each with a fully-masked row and a
-    fully-masked column somewhere (a row without keys for either node)."""
+    """(B, N, N) float64 0/1 masks: all ones, or of three kinds that each have a
+    fully-masked row and a fully-masked column somewhere (a row without keys for either
+    node)."""
+    if kind == "ones":
+        return np.ones((B, N, N))
     if kind == "padding":
         kept = np.ones((B, N), bool)
         for b in range(B):
@@ -122,7 +125,7 @@ def test_openfold3_blocks_as_its_pair_block_runs_them(rng):
     start = import_weights(sd, "pairformer_stack.blocks.0.tri_att_start")
     end = import_weights(sd, "pairformer_stack.blocks.0.tri_att_end")
     layer = model["pairformer_stack"]["blocks"][0].double().eval()
-    for kind in ("padding", "crop", "random"):
+    for kind in ("ones", "padding", "crop", "random"):
         pair = rng.standard_normal((2, 12, 12, D))
         keep = masks(rng, kind, 2, 12)
         z, m = torch.from_numpy(pair), torch.from_numpy(keep)

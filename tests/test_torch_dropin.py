@@ -330,6 +330,42 @@ def test_accelerated_protenix_and_openfold3_blocks(rng, cpu_routed):
                 getattr(block, "starting", True))
 
 
+# Each family's block of each node as its model builds it (Boltz-1 and Boltz-2 share
+# boltz-community's classes). OpenFold3 runs its ending node with transpose_bias=True, which
+# falls back (tested above); OpenFold is not on the package index: its block restated to its
+# published shapes.
+_FAMILY_BLOCKS = {
+    ("boltz", "starting"): lambda: mb.boltz_block(D, C, H, starting=True),
+    ("boltz", "ending"): lambda: mb.boltz_block(D, C, H, starting=False),
+    ("protenix", "starting"): lambda: mb.protenix_block(D, C, H, starting=True),
+    ("protenix", "ending"): lambda: mb.protenix_block(D, C, H, starting=False),
+    ("openfold3", "starting"): lambda: mb.openfold3_block(D, C, H),
+    ("openfold", "starting"): lambda: mb.openfold_block(D, C, H, starting=True),
+    ("openfold", "ending"): lambda: mb.openfold_block(D, C, H, starting=False),
+}
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")  # openfold3: no Triton, no CUDA here
+@pytest.mark.parametrize("family, node", list(_FAMILY_BLOCKS),
+                         ids=[f"{f}-{n}" for f, n in _FAMILY_BLOCKS])
+def test_every_family_accelerated_matches_its_own_forward(rng, cpu_routed, op_calls, family,
+                                                          node):
+    """Through the op, against the block's own forward in float64: masks of all ones,
+    padding and random bits."""
+    block = mb.randomize(_FAMILY_BLOCKS[family, node](), 17).eval()
+    masks = {"ones": torch.ones(2, 9, 9), "padding": row_masks(rng, 2, 9, padding=True),
+             "random": row_masks(rng, 2, 9, padding=False)}
+    pair = torch.from_numpy(rng.standard_normal((2, 9, 9, D)).astype(np.float32))
+    want = {kind: float64_forward(block, pair, mask) for kind, mask in masks.items()}
+    tt.accelerate(block)
+    assert tt.accelerated_blocks(block) == [""]
+    for kind, mask in masks.items():
+        with torch.no_grad():
+            got = block(pair, mask=mask)
+        compare(got, want[kind], mask, node == "starting")
+    assert op_calls[0] == len(masks)
+
+
 def test_accelerated_spec_module_returns_nan_where_it_does(rng, cpu_routed):
     module = TriangleSelfAttention(D, H).eval()
     pair = torch.randn(2, 7, 7, D)
@@ -568,9 +604,7 @@ def test_compiles_under_autocast(cpu_routed, op_calls):
 def test_openfold_block_by_its_module_path(rng, cpu_routed, op_calls):
     """OpenFold is not on PyPI: its block is the restatement in model_blocks, given the
     class name and module path that OpenFold's own has."""
-    OpenFoldBlock = type("TriangleAttention", (mb.OpenFoldTriangleAttention,),
-                         {"__module__": "openfold.model.triangular_attention"})
-    model = torch.nn.ModuleDict({"tri_att_end": OpenFoldBlock(D, C, H, starting=False)})
+    model = torch.nn.ModuleDict({"tri_att_end": mb.openfold_block(D, C, H, starting=False)})
     mb.randomize(model, 3).eval()
     pair = torch.from_numpy(rng.standard_normal((2, 8, 8, D)).astype(np.float32))
     mask = row_masks(rng, 2, 8, padding=False)
