@@ -66,6 +66,7 @@ def test_heads_times_head_width_other_than_pair_dim_is_refused(fake_gpu):
                r"\(triattn_cupy.reference.triangle_attention\) computes these weights")
     with pytest.raises(gpu.checks.HeadWidthError, match=message):
         gpu.device_weights.DeviceWeights(weights, 0)
-    assert issubclass(gpu.checks.HeadWidthError, ValueError)
+    assert ta.HeadWidthError is gpu.checks.HeadWidthError
+    assert issubclass(ta.HeadWidthError, ValueError)
     gpu.checks.check_dims(64, 4, 16)  # h x c = D passes
     gpu.checks.check_dims(64, 4)
