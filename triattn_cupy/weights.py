@@ -3,11 +3,11 @@
 `Weights` holds float32 NumPy arrays keyed by the reference module's state_dict names
 (``"query.weight"``, ...), with PyTorch's (out_features, in_features) layout, and the two
 conventions of the module they came from (`triattn_cupy.conventions`): the mask layout and
-the node, which a forward uses unless the call overrides them. The projections map D channels
-to h heads of width c (``head_dim``) and back; c is D / h in the spec's module, but need not
-be (Boltz-2's and Protenix's template stacks: D = 64, 4 heads of 32). Reading and writing them as
-HDF5 lives in `triattn_cupy.hdf5`; building them from PyTorch in `triattn_cupy.export`,
-from real models' checkpoints in `triattn_cupy.importing`.
+the node, which a forward uses unless the call overrides them. The projections map D
+channels to h heads of width c (``head_dim``) and back; c is D / h in the spec's module, but
+need not be (Boltz-2's and Protenix's template stacks: D = 64, 4 heads of 32). Reading and
+writing them as HDF5 lives in `triattn_cupy.hdf5`; building them from PyTorch in
+`triattn_cupy.export`, from real models' checkpoints in `triattn_cupy.importing`.
 """
 from __future__ import annotations
 
