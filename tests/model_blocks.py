@@ -35,7 +35,6 @@ nn = torch.nn
 
 
 MODELS_REQUIRED = os.environ.get("TRIATTN_REQUIRE_MODELS") == "1"
-_INSTALL = "see .ci/run for the packages and versions"
 
 
 def model_module(name: str, distribution: str):
@@ -46,8 +45,8 @@ def model_module(name: str, distribution: str):
     except ImportError as err:
         if MODELS_REQUIRED:
             raise
-        pytest.skip(f"{distribution} is not installed or does not import ({err}; "
-                    f"{_INSTALL})")
+        pytest.skip(f"{distribution} is not installed or does not import ({err}; .ci/run "
+                    f"installs the models and the packages they import)")
 
 
 def boltz_block(c_in, c_hidden, no_heads, starting=True):
