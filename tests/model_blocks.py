@@ -2,19 +2,24 @@
 
 `boltz_block` is Boltz's own module (boltz-community 2.12:
 ``boltz.model.layers.triangular_attention.attention``), skipping the calling test where it
-is not installed (``pip install --no-deps boltz-community==2.12.0 einops scipy``).
-`protenix_block` is Protenix's (2.0: ``protenix.model.triangular.triangular``; ``pip install
---no-deps protenix==2.0.0 optree``, imported with ``LAYERNORM_TYPE=torch`` so that it does
-not build its CUDA LayerNorm). `openfold3_block` is OpenFold3's (0.5:
-``openfold3.core.model.layers.triangular_attention``; ``pip install --no-deps
-openfold3==0.5.0 ml_collections absl-py biotite``, imported without running the package's
-``__init__``, which needs gemmi). `OpenFoldTriangleAttention` restates OpenFold's block
-(``openfold/model/triangular_attention.py`` with ``primitives.Attention``; OpenFold itself is
-not on PyPI); with Boltz's settings (no biases) it must equal Boltz's module, which
-`test_importing.py` checks.
+is not installed (``.ci/run`` installs each model as these tests need it, and sets
+``TRIATTN_REQUIRE_MODELS=1``, which makes a model that does not import fail its tests
+instead: CI never passes by skipping them).
+`boltz2_template_module` is Boltz-2's own template stack (``TemplateV2Module``, whose blocks
+have 4 heads x 32 = 128 channels at D = 64). `protenix_block` is Protenix's (2.0:
+``protenix.model.triangular.triangular``), imported with ``LAYERNORM_TYPE=torch`` so that it
+does not build its CUDA LayerNorm on a machine without CUDA; `protenix_attention` is the
+class its ``PairformerBlock`` builds, the template stack's included (its ``TemplateEmbedder``
+itself imports rdkit, through ``protenix.data.constants``). `openfold3_block` is OpenFold3's
+(0.5: ``openfold3.core.model.layers.triangular_attention``), imported without running the
+package's ``__init__``, which needs gemmi. `OpenFoldTriangleAttention` restates OpenFold's
+block (``openfold/model/triangular_attention.py`` with ``primitives.Attention``) to its
+published shapes and names: OpenFold itself is not on the package index. With Boltz's
+settings (no biases) it must equal Boltz's module, which `test_importing.py` checks.
 """
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import math
 import os
@@ -29,31 +34,67 @@ torch = pytest.importorskip("torch")
 nn = torch.nn
 
 
+MODELS_REQUIRED = os.environ.get("TRIATTN_REQUIRE_MODELS") == "1"
+
+
+def model_module(name: str, distribution: str):
+    """The model's module `name`; where it does not import, the test skips (or, with
+    TRIATTN_REQUIRE_MODELS=1, fails with the import error)."""
+    try:
+        return importlib.import_module(name)
+    except ImportError as err:
+        if MODELS_REQUIRED:
+            raise
+        pytest.skip(f"{distribution} is not installed or does not import ({err}; .ci/run "
+                    f"installs the models and the packages they import)")
+
+
 def boltz_block(c_in, c_hidden, no_heads, starting=True):
-    attention = pytest.importorskip(
-        "boltz.model.layers.triangular_attention.attention",
-        reason="boltz-community is not installed (pip install --no-deps "
-               "boltz-community==2.12.0 einops scipy)")
+    attention = model_module("boltz.model.layers.triangular_attention.attention",
+                             "boltz-community")
     cls = (attention.TriangleAttentionStartingNode if starting
            else attention.TriangleAttentionEndingNode)
     return cls(c_in, c_hidden, no_heads)
 
 
-def protenix_block(c_in, c_hidden, no_heads, starting=True):
+def boltz2_template_module(token_z, template_dim=64, template_blocks=1):
+    """Boltz-2's ``TemplateV2Module`` with its default heads (4) and head width (32)."""
+    trunkv2 = model_module("boltz.model.modules.trunkv2", "boltz-community")
+    return trunkv2.TemplateV2Module(token_z, template_dim, template_blocks)
+
+
+def _protenix_triangular():
     saved = os.environ.get("LAYERNORM_TYPE")
-    os.environ["LAYERNORM_TYPE"] = "torch"  # read when the module is imported
+    # Read when protenix's layers are imported: "torch" uses torch's LayerNorm; the default
+    # compiles a CUDA extension, which fails (or waits for nvcc) on a machine without CUDA.
+    os.environ["LAYERNORM_TYPE"] = "torch"
     try:
-        triangular = pytest.importorskip(
-            "protenix.model.triangular.triangular",
-            reason="protenix is not installed (pip install --no-deps protenix==2.0.0 optree)")
+        return model_module("protenix.model.triangular.triangular", "protenix")
     finally:
         if saved is None:
             del os.environ["LAYERNORM_TYPE"]
         else:
             os.environ["LAYERNORM_TYPE"] = saved
+
+
+def protenix_block(c_in, c_hidden, no_heads, starting=True):
+    triangular = _protenix_triangular()
     cls = (triangular.TriangleAttentionStartingNode if starting
            else triangular.TriangleAttentionEndingNode)
     return cls(c_in, c_hidden, no_heads)
+
+
+def protenix_attention(c_in, c_hidden, no_heads):
+    """Protenix's ``TriangleAttention`` as its ``PairformerBlock`` builds both blocks
+    (``starting=True``; see `protenix_ending`)."""
+    return _protenix_triangular().TriangleAttention(c_in=c_in, c_hidden=c_hidden,
+                                                    no_heads=no_heads)
+
+
+def protenix_ending(block, z, mask):
+    """What Protenix's ``PairformerBlock`` adds for ``tri_att_end``: the block on the
+    transposed pair and mask, transposed back."""
+    return block(z.transpose(-2, -3), mask=mask.transpose(-1, -2)).transpose(-2, -3)
 
 
 def openfold3_block(c_in, c_hidden, no_heads):
@@ -62,18 +103,14 @@ def openfold3_block(c_in, c_hidden, no_heads):
     if "openfold3" not in sys.modules:
         spec = importlib.util.find_spec("openfold3")
         if spec is None:
-            pytest.skip("openfold3 is not installed (pip install --no-deps openfold3==0.5.0 "
-                        "ml_collections absl-py biotite)")
+            model_module("openfold3", "openfold3")  # skips, or fails where required
         package = types.ModuleType("openfold3")  # its __init__ imports gemmi
         package.__path__ = list(spec.submodule_search_locations)
         sys.modules["openfold3"] = package
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # no Triton, no DeepSpeed here
-        try:
-            from openfold3.core.model.layers.triangular_attention import TriangleAttention
-        except ImportError as err:
-            pytest.skip(f"openfold3's triangle attention does not import: {err}")
-    return TriangleAttention(c_in, c_hidden, no_heads)
+        layers = model_module("openfold3.core.model.layers.triangular_attention", "openfold3")
+    return layers.TriangleAttention(c_in, c_hidden, no_heads)
 
 
 def openfold3_ending(block, z, mask):
@@ -141,6 +178,14 @@ class OpenFoldTriangleAttention(nn.Module):
         if not self.starting:
             x = x.transpose(-2, -3)
         return x
+
+
+def openfold_block(c_in, c_hidden, no_heads, starting=True):
+    """`OpenFoldTriangleAttention` with the class name and module path of OpenFold's own
+    (``openfold.model.triangular_attention.TriangleAttention``), as the drop-in finds it."""
+    cls = type("TriangleAttention", (OpenFoldTriangleAttention,),
+               {"__module__": "openfold.model.triangular_attention"})
+    return cls(c_in, c_hidden, no_heads, starting=starting)
 
 
 def randomize(module, seed, scale=0.5):

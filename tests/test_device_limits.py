@@ -54,3 +54,19 @@ def test_small_gpu_gets_launches_that_fit(fake_gpu):
     assert gpu.tiles.project_rows(128, 10**9, dw.sm_count, dw.smem_limit) == 64
     launch = gpu.routes.attention_kernel(32, "tf32", dw.compute_capability, 4096, dw.smem_limit)
     assert launch.smem <= dw.smem_limit and launch.name == "attention_ffma_fp32"
+
+
+def test_heads_times_head_width_other_than_pair_dim_is_refused(fake_gpu):
+    """The template stacks' weights (h x c = 2 D): a HeadWidthError naming the shapes and
+    the NumPy backend, before anything is uploaded."""
+    fake_gpu(227 * 1024, "90")
+    weights = ta.random_weights(64, 4, seed=0, head_dim=32)
+    message = (r"heads x head width = 4 x 32 = 128 differs from pair_dim 64: the GPU kernels "
+               r"take only heads x head width = pair_dim; the NumPy backend "
+               r"\(triattn_cupy.reference.triangle_attention\) computes these weights")
+    with pytest.raises(gpu.checks.HeadWidthError, match=message):
+        gpu.device_weights.DeviceWeights(weights, 0)
+    assert ta.HeadWidthError is gpu.checks.HeadWidthError
+    assert issubclass(ta.HeadWidthError, ValueError)
+    gpu.checks.check_dims(64, 4, 16)  # h x c = D passes
+    gpu.checks.check_dims(64, 4)

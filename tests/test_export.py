@@ -60,6 +60,19 @@ def test_state_dict_round_trip_is_exact(tmp_path, module):
     assert_matches(loaded, module.state_dict())
 
 
+def test_state_dict_of_another_head_width(tmp_path, torch):
+    """q, k, v and the gate projected to h x c = 2 D channels: the head width comes from
+    query.weight's rows, and the file records it."""
+    from triattn_cupy import random_weights
+
+    wide = random_weights(D, H, seed=4, head_dim=2 * D // H)
+    state_dict = {name: torch.from_numpy(value) for name, value in wide.params.items()}
+    returned = export_weights(state_dict, tmp_path / "w.h5")
+    loaded = load_weights(tmp_path / "w.h5")
+    assert returned.head_dim == loaded.head_dim == 2 * D // H
+    assert_matches(loaded, state_dict)
+
+
 def test_module_prefix_is_stripped(tmp_path, module):
     state_dict = {f"module.{k}": v for k, v in module.state_dict().items()}
     export_weights(state_dict, tmp_path / "w.h5", num_heads=H, layer_norm_eps=1e-6)

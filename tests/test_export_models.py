@@ -55,24 +55,83 @@ def test_list(ckpt, capsys):
     assert lines[-1].startswith("5 triangle attention blocks; biases:")
 
 
-def test_list_shows_biases_and_refused_blocks(tmp_path, capsys):
+def test_list_shows_biases_head_widths_and_refused_blocks(tmp_path, capsys, rng):
     sd = {}
     for prefix, block in [("a.tri_att_end.", mb.OpenFoldTriangleAttention(D, C, H)),
                           ("b.tri_att_start.", mb.OpenFoldTriangleAttention(
                               D, C, H, pair_bias_name="linear_z")),
-                          ("c.tri_att_start.", mb.boltz_block(D, 4, H))]:
+                          ("c.tri_att_start.", mb.randomize(mb.boltz_block(D, 16, H), 3)),
+                          ("d.tri_att_start.", mb.OpenFoldTriangleAttention(D, C, H))]:
         sd.update({prefix + k: v for k, v in block.state_dict().items()})
+    for name in ("q", "k", "v", "g"):  # 30 channels: no width of 4 heads
+        sd[f"d.tri_att_start.mha.linear_{name}.weight"] = torch.zeros(30, D)
+    sd["d.tri_att_start.mha.linear_g.bias"] = torch.zeros(30)
+    sd["d.tri_att_start.mha.linear_o.weight"] = torch.zeros(D, 30)
     torch.save(sd, tmp_path / "m.pt")
+    capsys.readouterr()  # (the rng fixture's seed line)
     assert main([str(tmp_path / "m.pt"), "--list"]) == 0
     out = capsys.readouterr().out.splitlines()
     assert out[1].split() == ["a.tri_att_end.", "openfold", "32", "4", "8", "ending", "g,o"]
     assert out[2].split() == ["b.tri_att_start.", "openfold3", "32", "4", "8", "starting", "g,o"]
-    assert out[3].split() == ["c.tri_att_start.", "openfold", "32", "4", "4", "starting", "none"]
-    assert out[4].strip().startswith("cannot be exported: heads x head width = 4 x 4 = 16 "
-                                     "differs from the pair dimension D = 32")
+    # 4 heads x 16 = 64 channels at D = 32, as the template stacks (D 64, 4 x 32)
+    assert out[3].split() == ["c.tri_att_start.", "openfold", "32", "4", "16", "starting", "none"]
+    assert out[4].split() == ["d.tri_att_start.", "openfold", "32", "4", "?", "starting", "g,o"]
+    assert out[5].strip() == ("cannot be exported: the projections' width 30 is not a "
+                              "positive multiple of the 4 heads")
+    assert out[6].startswith("4 triangle attention blocks;")
+    assert main([str(tmp_path / "m.pt"), str(tmp_path / "d.h5"), "--prefix",
+                 "d.tri_att_start"]) == 2
+    assert "the projections' width 30 is not a positive multiple" in one_error_line(capsys)
     assert main([str(tmp_path / "m.pt"), str(tmp_path / "c.h5"), "--prefix",
-                 "c.tri_att_start"]) == 2
-    assert "heads x head width = 4 x 4 = 16" in one_error_line(capsys)
+                 "c.tri_att_start"]) == 0
+    weights = load_weights(tmp_path / "c.h5")
+    assert (weights.pair_dim, weights.num_heads, weights.head_dim) == (D, H, 16)
+    block = mb.boltz_block(D, 16, H)
+    block.load_state_dict({k[len("c.tri_att_start."):]: v for k, v in sd.items()
+                           if k.startswith("c.tri_att_start.")})
+    pair = rng.standard_normal((2, 9, 9, D))
+    with torch.no_grad():
+        expected = block.double()(torch.from_numpy(pair), torch.ones(2, 9, 9).double()).numpy()
+    assert rel_l2(triangle_attention(pair, None, weights), expected) < 1e-12
+
+
+def test_boltz2_template_stack_list_and_all(tmp_path, capsys, rng):
+    """Boltz-2's template stack in its own module: --list shows D 64, 4 heads of width 32;
+    --all writes both blocks, and each file computes what its block computes, in Python and
+    through triattn-infer on the CPU."""
+    model = mb.randomize(torch.nn.ModuleDict(
+        {"template_module": mb.boltz2_template_module(token_z=16, template_dim=64)}), seed=21)
+    path = tmp_path / "boltz2.ckpt"
+    torch.save({"state_dict": model.state_dict()}, path)
+    capsys.readouterr()  # (the rng fixture's seed line)
+    assert main([str(path), "--list"]) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()[1:-1]]
+    prefix = "template_module.pairformer.layers.0."
+    assert rows == [[prefix + "tri_att_start.", "openfold", "64", "4", "32", "starting", "none"],
+                    [prefix + "tri_att_end.", "openfold", "64", "4", "32", "ending", "none"]]
+    assert main([str(path), "--all", str(tmp_path / "blocks")]) == 0
+    layer = model["template_module"].pairformer.layers[0].double().eval()
+    pair = rng.standard_normal((2, 8, 8, 64))
+    keep = (rng.random((2, 8, 8)) < 0.7).astype(np.float64)
+    keep[:, :, 0] = keep[:, 0, :] = 1  # every row and column keeps a key
+    expected = {}
+    for name, block in (("tri_att_start", layer.tri_att_start),
+                        ("tri_att_end", layer.tri_att_end)):
+        weights = load_weights(tmp_path / "blocks" / f"{prefix}{name}.h5")
+        assert (weights.pair_dim, weights.num_heads, weights.head_dim) == (64, 4, 32)
+        with torch.no_grad():
+            expected[name] = block(torch.from_numpy(pair), torch.from_numpy(keep)).numpy()
+        assert rel_l2(triangle_attention(pair, keep, weights), expected[name]) < 1e-12, name
+    # and through triattn-infer on the CPU, the mask as the model takes it
+    from triattn_cupy.cli.main import main as infer_main
+
+    (tmp_path / "in").mkdir()
+    np.savez(tmp_path / "in" / "x.npz", pair=pair.astype(np.float32),
+             mask=keep.astype(np.float32))
+    assert infer_main([str(tmp_path / "in"), "-o", str(tmp_path / "out"), "--weights",
+                       str(tmp_path / "blocks" / f"{prefix}tri_att_end.h5"), "--device", "cpu",
+                       "--output-format", "npy", "-q"]) == 0
+    assert rel_l2(np.load(tmp_path / "out" / "x.npy"), expected["tri_att_end"]) < 1e-5
 
 
 def test_prefix_exports_what_the_block_computes(tmp_path, ckpt, model, rng, capsys):
@@ -87,6 +146,61 @@ def test_prefix_exports_what_the_block_computes(tmp_path, ckpt, model, rng, caps
     with torch.no_grad():
         expected = block(torch.from_numpy(pair), torch.from_numpy(keep)).numpy()
     assert rel_l2(triangle_attention(pair, keep, weights), expected) < 1e-12
+
+
+def _own_forward(family, node):
+    """How the model's own stack calls a block of that node: (block, z, mask) -> output."""
+    if family == "openfold3" and node == "ending":  # its pair block's tri_att_end
+        return mb.openfold3_ending
+    if family == "protenix" and node == "ending":   # its PairformerBlock's tri_att_end
+        return mb.protenix_ending
+    return lambda block, z, mask: block(z, mask=mask)
+
+
+# Boltz-1 and Boltz-2 share these classes (boltz-community 2.12). Protenix and OpenFold3
+# build every block starting=True and transpose the pair for tri_att_end, as their stacks do.
+FAMILY_BLOCKS = {
+    "boltz": lambda starting: mb.boltz_block(D, C, H, starting=starting),
+    "protenix": lambda starting: mb.protenix_attention(D, C, H),
+    "openfold3": lambda starting: mb.openfold3_block(D, C, H),
+    # OpenFold is not on the package index: its block restated to its published shapes
+    "openfold": lambda starting: mb.openfold_block(D, C, H, starting=starting),
+}
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")  # openfold3: no Triton, no CUDA here
+@pytest.mark.parametrize("node", ["starting", "ending"])
+@pytest.mark.parametrize("family", list(FAMILY_BLOCKS))
+def test_every_family_exports_what_its_block_computes(tmp_path, rng, family, node):
+    """A checkpoint of each family's own block at a pair stack's path, exported with
+    --prefix: the file computes what the model's stack computes with it, in float64,
+    masks of all ones, padding and random bits."""
+    name = "tri_att_start" if node == "starting" else "tri_att_end"
+    model = torch.nn.ModuleDict({"pairformer": torch.nn.ModuleList([torch.nn.ModuleDict(
+        {name: FAMILY_BLOCKS[family](node == "starting")})])})
+    mb.randomize(model, seed=31)
+    torch.save(model.state_dict(), tmp_path / "model.pt")
+    out = tmp_path / "block.h5"
+    assert main([str(tmp_path / "model.pt"), str(out), "--prefix", f"pairformer.0.{name}"]) == 0
+    weights = load_weights(out)
+    assert weights.node == ("ending_af3" if (family, node) == ("openfold3", "ending") else node)
+    block, forward = model["pairformer"][0][name].double().eval(), _own_forward(family, node)
+    N = 9
+    padded = np.ones((2, N), bool)
+    padded[0, 6:] = padded[1, 8:] = False
+    random_bits = rng.random((2, N, N)) < 0.6
+    random_bits[:, :, 0] = random_bits[:, 0, :] = True  # every row and column keeps a key
+    for kind, keep in (("ones", np.ones((2, N, N), bool)),
+                       ("padding", padded[:, :, None] & padded[:, None, :]),
+                       ("random", random_bits)):
+        pair = rng.standard_normal((2, N, N, D))
+        keep = keep.astype(np.float64)
+        with torch.no_grad():
+            expected = forward(block, torch.from_numpy(pair), torch.from_numpy(keep)).numpy()
+        rows = keep.any(-1)[:, :, None, None] if node == "starting" else (
+            keep.any(-2)[:, None, :, None])
+        assert rel_l2(triangle_attention(pair, keep, weights), expected, where=rows) < 1e-12, (
+            kind)
 
 
 def test_several_blocks_need_a_prefix(tmp_path, ckpt, capsys):

@@ -154,7 +154,8 @@ def _weights_mutation(draw, f, path, D, h, tmp):
     name = draw(st.sampled_from(names))
     kind = draw(st.sampled_from([
         "valid", "valid_float_types", "valid_hard_link", "valid_soft_link", "format",
-        "format_version", "pair_dim", "num_heads", "attr_type", "eps", "missing_dataset",
+        "format_version", "pair_dim", "num_heads", "head_dim", "attr_type", "eps",
+        "missing_dataset",
         "wrong_shape", "wrong_dtype", "non_finite", "overflow", "group", "extra_dataset",
         "empty_dataspace", "unwritten", "external_storage", "virtual", "external_link",
         "chunk_bomb", "unknown_filter", "nesting", "unwritten_chunks", "damaged_object"]))
@@ -180,13 +181,14 @@ def _weights_mutation(draw, f, path, D, h, tmp):
                 kind = "valid"
     elif kind == "format_version":
         f.attrs["format_version"] = draw(st.integers(-2**40, 2**40).filter(lambda v: v != 1))
-    elif kind in ("pair_dim", "num_heads"):
+    elif kind in ("pair_dim", "num_heads", "head_dim"):
         value = draw(st.integers(-10, 10**12))
         f.attrs[kind] = value
-        if value == (D if kind == "pair_dim" else h):
+        if value == {"pair_dim": D, "num_heads": h, "head_dim": D // h}[kind]:
             kind = "valid"
     elif kind == "attr_type":
-        f.attrs[draw(st.sampled_from(["pair_dim", "num_heads"]))] = draw(st.sampled_from(
+        attr = draw(st.sampled_from(["pair_dim", "num_heads", "head_dim"]))
+        f.attrs[attr] = draw(st.sampled_from(
             [1.5, "16", np.arange(2), True, b"\xff"]))
     elif kind == "eps":
         f.attrs["layer_norm_eps"] = draw(st.sampled_from(
@@ -220,7 +222,7 @@ def _weights_mutation(draw, f, path, D, h, tmp):
         _replace(f, name, data=h5py.Empty("f4"))
     elif kind == "unwritten":
         big = draw(st.sampled_from([256, 1024, 4096]))
-        f.attrs["pair_dim"], f.attrs["num_heads"] = big, 4
+        f.attrs["pair_dim"], f.attrs["num_heads"], f.attrs["head_dim"] = big, 4, big // 4
         for n, s in parameter_shapes(big, 4).items():
             if n.replace(".", "/") in f:
                 del f[n.replace(".", "/")]

@@ -271,7 +271,10 @@ def test_unknown_extra_dataset(saved):
 @pytest.mark.parametrize("attr, value, message", [
     ("pair_dim", None, "root attribute 'pair_dim': expected a positive integer, got missing"),
     ("num_heads", 0, "root attribute 'num_heads': expected a positive integer, got 0"),
-    ("num_heads", 3, "pair_dim 16 must be a multiple of num_heads 3"),
+    ("head_dim", 0, "root attribute 'head_dim': expected a positive integer, got 0"),
+    ("head_dim", 2.0, "root attribute 'head_dim': expected a positive integer, got 2.0"),
+    ("head_dim", 8, r"dataset 'query/weight': expected shape \(32, 16\), got \(16, 16\)"),
+    ("head_dim", 1025, r"num_heads x head_dim = 4 x 1025 is beyond the largest"),
     ("layer_norm_eps", -1.0, "root attribute 'layer_norm_eps': expected a positive finite "
                              "number, got -1.0"),
     ("layer_norm_eps", "1e-5", "'layer_norm_eps': expected a positive finite number, got "
@@ -285,6 +288,58 @@ def test_bad_attributes(saved, attr, value, message):
             f.attrs[attr] = value
     with pytest.raises(WeightsFormatError, match=message):
         load_weights(saved)
+
+
+# --- head width (heads x head width other than pair_dim) --------------------------------------
+
+def test_head_width_round_trip(tmp_path):
+    """The models' template stacks: h x c = 2D. The file records c; shapes follow it."""
+    weights = random_weights(D, H, seed=3, head_dim=8)
+    path = tmp_path / "template.h5"
+    save_weights(weights, path)
+    with h5py.File(path, "r") as f:
+        assert (f.attrs["pair_dim"], f.attrs["num_heads"], f.attrs["head_dim"]) == (D, H, 8)
+        assert f["query/weight"].shape == (32, D) and f["gate/bias"].shape == (32,)
+        assert f["out_proj/weight"].shape == (D, 32) and f["out_proj/bias"].shape == (D,)
+    loaded = load_weights(path)
+    assert loaded.head_dim == 8 and loaded.hidden_dim == 32
+    assert_same(loaded, weights)
+
+
+def test_head_dim_is_written_for_every_file(saved):
+    with h5py.File(saved, "r") as f:
+        assert f.attrs["head_dim"] == D // H
+
+
+def write_file_of_format_1_before_head_dim(path, weights):
+    """A file as save_weights wrote it before the head_dim attribute existed."""
+    with h5py.File(path, "w") as f:
+        f.attrs.update(format="triattn-cupy/weights", format_version=np.int64(1),
+                       pair_dim=np.int64(weights.pair_dim), num_heads=np.int64(weights.num_heads),
+                       layer_norm_eps=np.float64(weights.layer_norm_eps),
+                       mask_layout=weights.mask_layout, node=weights.node)
+        for name, value in weights.params.items():
+            f.create_dataset(name.replace(".", "/"), data=value)
+
+
+def test_files_written_before_head_dim_read_it_as_pair_dim_over_heads(tmp_path, weights):
+    path = tmp_path / "old.h5"
+    write_file_of_format_1_before_head_dim(path, weights)
+    loaded = load_weights(path)
+    assert loaded.head_dim == D // H
+    assert_same(loaded, weights)
+    with edit(path) as f:
+        f.attrs["num_heads"] = 3
+    with pytest.raises(WeightsFormatError, match=r"pair_dim 16 must be a multiple of "
+                                                 r"num_heads 3 \(or a head_dim attribute given\)"):
+        load_weights(path)
+
+
+def test_shipped_default_weights_have_no_head_dim_and_load():
+    with h5py.File(default_weights_path(), "r") as f:
+        assert "head_dim" not in f.attrs  # written before the attribute existed
+    weights = load_default_weights()
+    assert (weights.pair_dim, weights.num_heads, weights.head_dim) == (128, 4, 32)
 
 
 def test_every_problem_at_once(saved):

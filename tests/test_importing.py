@@ -5,6 +5,9 @@ Compared where a row of the block keeps at least one key: elsewhere the models' 
 bias and this module's `fully_masked` policy differ by design (see `conventions`)."""
 from __future__ import annotations
 
+import os
+import sys
+
 import numpy as np
 import pytest
 
@@ -22,8 +25,11 @@ D, C, H = 32, 8, 4  # pair dim, head width, heads
 
 
 def masks(rng, kind, B, N):
-    """(B, N, N) float64 0/1 masks of three kinds, each with a fully-masked row and a
-    fully-masked column somewhere (a row without keys for either node)."""
+    """(B, N, N) float64 0/1 masks: all ones, or of three kinds that each have a
+    fully-masked row and a fully-masked column somewhere (a row without keys for either
+    node)."""
+    if kind == "ones":
+        return np.ones((B, N, N))
     if kind == "padding":
         kept = np.ones((B, N), bool)
         for b in range(B):
@@ -59,13 +65,26 @@ def check_block(module, rng, starting, B=2, N=13):
     weights = import_weights(module, node=None)
     assert weights.mask_layout == "row"
     assert weights.node == ("starting" if starting else "ending")
+    check_weights(weights, module, rng, starting, B, N)
+
+
+def check_weights(weights, module, rng, starting, B=2, N=13, forward=None):
+    """`weights` against the block's own forward in float64 (`forward(module, z, mask)`,
+    default: the module called on them): padding, crop and random masks, all ones, None."""
+    D = weights.pair_dim
     model = module.double().eval()
+    call = forward or (lambda m, z, mask: m(z, mask))
+
+    def own_forward(pair, keep):
+        with torch.no_grad():
+            return mb.to_numpy(call(model, torch.from_numpy(pair), torch.from_numpy(keep)))
+
     for kind in ("padding", "crop", "random"):
         pair = rng.standard_normal((B, N, N, D))
         keep = masks(rng, kind, B, N)
         where = kept_rows(keep, starting)
         assert where.any() and not where.all(), kind
-        expected = model_forward(model, pair, keep)
+        expected = own_forward(pair, keep)
         out = triangle_attention(pair, keep, weights)
         assert rel_l2(out, expected, where=where) < TOL64, kind
         # the models' broadcast mask shape
@@ -73,7 +92,7 @@ def check_block(module, rng, starting, B=2, N=13):
         assert np.array_equal(out5, out)
     # a mask of all ones, and None
     pair = rng.standard_normal((1, 7, 7, D))
-    expected = model_forward(model, pair, np.ones((1, 7, 7)))
+    expected = own_forward(pair, np.ones((1, 7, 7)))
     assert rel_l2(triangle_attention(pair, None, weights), expected) < TOL64
 
 
@@ -106,7 +125,7 @@ def test_openfold3_blocks_as_its_pair_block_runs_them(rng):
     start = import_weights(sd, "pairformer_stack.blocks.0.tri_att_start")
     end = import_weights(sd, "pairformer_stack.blocks.0.tri_att_end")
     layer = model["pairformer_stack"]["blocks"][0].double().eval()
-    for kind in ("padding", "crop", "random"):
+    for kind in ("ones", "padding", "crop", "random"):
         pair = rng.standard_normal((2, 12, 12, D))
         keep = masks(rng, kind, 2, 12)
         z, m = torch.from_numpy(pair), torch.from_numpy(keep)
@@ -128,6 +147,26 @@ def test_openfold3_blocks_as_its_pair_block_runs_them(rng):
         "ending")
 
 
+def test_protenix_imports_without_building_its_cuda_layer_norm(monkeypatch):
+    """Protenix compiles a CUDA LayerNorm when its layers are imported, unless
+    LAYERNORM_TYPE says otherwise: on a machine without CUDA its blocks must import
+    without it (model_blocks sets the variable for the import, then restores it)."""
+    monkeypatch.delenv("LAYERNORM_TYPE", raising=False)
+    mb.protenix_block(D, C, H)
+    assert "protenix.model.layer_norm.layer_norm" not in sys.modules
+    assert "LAYERNORM_TYPE" not in os.environ
+
+
+def test_a_model_that_does_not_import_skips_or_fails_where_required(monkeypatch):
+    monkeypatch.setattr(mb, "MODELS_REQUIRED", False)
+    with pytest.raises(pytest.skip.Exception, match=r"not-a-model is not installed or does "
+                                                    r"not import"):
+        mb.model_module("triattn_no_such_model", "not-a-model")
+    monkeypatch.setattr(mb, "MODELS_REQUIRED", True)
+    with pytest.raises(ImportError, match=r"triattn_no_such_model"):
+        mb.model_module("triattn_no_such_model", "not-a-model")
+
+
 def test_openfold_port_is_boltz_without_biases(rng):
     boltz = mb.randomize(mb.boltz_block(D, C, H, starting=False), seed=2).double()
     port = mb.OpenFoldTriangleAttention(D, C, H, starting=False, gate_out_bias=False).double()
@@ -140,14 +179,18 @@ def test_openfold_port_is_boltz_without_biases(rng):
 @pytest.mark.parametrize("pair_bias_name,gate_out_bias", [("linear", True), ("linear_z", True),
                                                           ("linear", False)])
 @pytest.mark.parametrize("starting", [True, False])
-def test_openfold_family_blocks(rng, pair_bias_name, gate_out_bias, starting):
-    """OpenFold (biases on gate and output), OpenFold3 (linear_z), Protenix (no biases)."""
+@pytest.mark.parametrize("head_width", [C, 2 * C])  # heads x head width = D, 2 D
+def test_openfold_family_blocks(rng, pair_bias_name, gate_out_bias, starting, head_width):
+    """OpenFold (biases on gate and output), OpenFold3 (linear_z), Protenix (no biases).
+    OpenFold is not on the package index: its naming is tested on this restatement of its
+    block to its published shapes (model_blocks.OpenFoldTriangleAttention)."""
     module = mb.randomize(mb.OpenFoldTriangleAttention(
-        D, C, H, starting=starting, gate_out_bias=gate_out_bias,
+        D, head_width, H, starting=starting, gate_out_bias=gate_out_bias,
         pair_bias_name=pair_bias_name), seed=3)
     weights = import_weights(module, node="starting" if starting else "ending")
+    assert weights.head_dim == head_width
     if gate_out_bias:
-        assert not np.array_equal(weights["gate.bias"], np.zeros(D))
+        assert not np.array_equal(weights["gate.bias"], np.zeros(H * head_width))
     else:
         assert not weights["gate.bias"].any() and not weights["out_proj.bias"].any()
     assert not weights["query.bias"].any()
@@ -255,15 +298,68 @@ def test_errors(small_model):
         import_weights([])
 
 
-def test_heads_times_width_other_than_d_is_refused():
-    module = mb.boltz_block(D, 4, H)  # 4 heads x 4 = 16 channels, D = 32
+# --- heads x head width other than D: the template stacks -----------------------------------
+
+@pytest.mark.parametrize("head_width", [4, 16])  # 4 x 4 = D / 2, 4 x 16 = 2 D
+@pytest.mark.parametrize("starting", [True, False])
+def test_boltz_blocks_of_any_head_width(rng, head_width, starting):
+    module = mb.randomize(mb.boltz_block(D, head_width, H, starting=starting), seed=13)
     (block,) = find_blocks(state_dict_of(module))
-    assert block.head_width == 4
-    assert "heads x head width = 4 x 4 = 16 differs from the pair dimension D = 32" in (
-        block.problem)
-    with pytest.raises(ValueError, match=r"block '' \(openfold\): heads x head width = 4 x 4 "
-                                         r"= 16 differs from the pair dimension D = 32"):
-        import_weights(module)
+    assert (block.pair_dim, block.num_heads, block.head_width, block.problem) == (
+        D, H, head_width, None)
+    assert import_weights(module).head_dim == head_width
+    check_block(module, rng, starting)
+
+
+def test_boltz2_template_stack(rng):
+    """Boltz-2's own template stack (TemplateV2Module, template_dim 64): 4 heads x 32."""
+    module = mb.randomize(mb.boltz2_template_module(token_z=16, template_dim=64), seed=14)
+    sd = state_dict_of(module)
+    blocks = find_blocks(sd)
+    assert [(b.prefix, b.pair_dim, b.num_heads, b.head_width, b.node, b.problem)
+            for b in blocks] == [
+        ("pairformer.layers.0.tri_att_start.", 64, 4, 32, "starting", None),
+        ("pairformer.layers.0.tri_att_end.", 64, 4, 32, "ending", None)]
+    layer = module.pairformer.layers[0]
+    for block, submodule in zip(blocks, (layer.tri_att_start, layer.tri_att_end)):
+        weights = import_weights(sd, block.prefix)
+        assert (weights.head_dim, weights.hidden_dim) == (32, 128)
+        check_weights(weights, submodule, rng, block.node == "starting", N=9)
+
+
+def test_protenix_template_stack(rng):
+    """Protenix's template stack (TemplateEmbedder: c = 64, its PairformerBlock's 4 heads x
+    32), its two blocks of Protenix's own class, called as its PairformerBlock calls them
+    (TemplateEmbedder itself imports rdkit, not installed for these tests)."""
+    model = torch.nn.ModuleDict({"template_embedder": torch.nn.ModuleDict({
+        "pairformer_stack": torch.nn.ModuleDict({"blocks": torch.nn.ModuleList([
+            torch.nn.ModuleDict({"tri_att_start": mb.protenix_attention(64, 32, 4),
+                                 "tri_att_end": mb.protenix_attention(64, 32, 4)})])})})})
+    mb.randomize(model, seed=15)
+    sd = state_dict_of(model)
+    prefix = "template_embedder.pairformer_stack.blocks.0."
+    assert [(b.prefix, b.family.name, b.head_width, b.node) for b in find_blocks(sd)] == [
+        (prefix + "tri_att_start.", "openfold", 32, "starting"),
+        (prefix + "tri_att_end.", "openfold", 32, "ending")]
+    layer = model["template_embedder"]["pairformer_stack"]["blocks"][0]
+    check_weights(import_weights(sd, prefix + "tri_att_start"), layer["tri_att_start"], rng,
+                  True, N=9)
+    check_weights(import_weights(sd, prefix + "tri_att_end"), layer["tri_att_end"], rng,
+                  False, N=9, forward=mb.protenix_ending)
+
+
+def test_projection_width_that_is_no_head_width_is_refused():
+    sd = {k: v for k, v in mb.OpenFoldTriangleAttention(D, C, H).state_dict().items()}
+    for name in ("q", "k", "v", "g"):
+        sd[f"mha.linear_{name}.weight"] = torch.zeros(30, D)
+    sd["mha.linear_g.bias"] = torch.zeros(30)
+    sd["mha.linear_o.weight"] = torch.zeros(D, 30)
+    (block,) = find_blocks(sd)
+    assert block.head_width == 0
+    assert block.problem == "the projections' width 30 is not a positive multiple of the 4 heads"
+    with pytest.raises(ValueError, match=r"block '' \(openfold\): the projections' width 30 "
+                                         r"is not a positive multiple of the 4 heads"):
+        import_weights(sd, node="starting")
 
 
 def test_wrong_shapes_are_named_in_the_models_names():

@@ -489,3 +489,73 @@ def test_a_non_finite_value_reaches_its_row_and_its_query_only(rng, bad):
     reached[1, 2, :] = reached[1, :, 2] = True
     assert np.isnan(out[reached]).all()
     np.testing.assert_allclose(out[~reached], clean[~reached], rtol=1e-12, atol=1e-12)
+
+# ---------------------------------------------------------------------------- head width
+
+def widened_heads(weights, factor=2):
+    """Weights with heads `factor` times as wide that compute what `weights` computes: each
+    head's q, k, v and gate rows followed by random rows that cannot matter (zero query and
+    key rows, value rows that the output projection's zero columns drop), the query scaled
+    by sqrt(factor) so that the scores' 1 / sqrt(c) is unchanged."""
+    rng = np.random.default_rng(5)
+    D, h, d = weights.pair_dim, weights.num_heads, weights.head_dim
+    c = factor * d
+
+    def heads(rows, extra):  # (h * d, ...) -> (h * c, ...), each head padded with `extra`
+        rows = rows.reshape(h, d, *rows.shape[1:])
+        pad = extra((h, c - d, *rows.shape[2:]))
+        return np.concatenate([rows, pad], axis=1).reshape(h * c, *rows.shape[2:])
+
+    zeros, noise = np.zeros, rng.standard_normal
+    p = dict(weights.params)
+    for name, extra, scale in (("query", zeros, math.sqrt(factor)), ("key", zeros, 1.0),
+                               ("value", noise, 1.0), ("gate", noise, 1.0)):
+        p[f"{name}.weight"] = heads(p[f"{name}.weight"].astype(np.float64) * scale, extra)
+        p[f"{name}.bias"] = heads(p[f"{name}.bias"].astype(np.float64) * scale, extra)
+    out = p["out_proj.weight"].T.astype(np.float64)                  # (h * d, D)
+    p["out_proj.weight"] = heads(out, zeros).T
+    return type(weights)(D, h, weights.layer_norm_eps, p, head_dim=c)
+
+
+@pytest.mark.parametrize("node", ["starting", "ending", "ending_af3"])
+@pytest.mark.parametrize("mask_layout", ["pair", "row"])
+def test_head_width_other_than_pair_dim_over_heads(rng, node, mask_layout):
+    """h x c = 2 D (the models' template stacks) computes what the equivalent h x c = D
+    weights compute, in every convention, with masked keys and fully-masked rows."""
+    weights = random_weights(16, 4, seed=6)
+    wide = widened_heads(weights)
+    assert (wide.head_dim, wide.hidden_dim) == (8, 32)
+    assert wide["query.weight"].shape == (32, 16) and wide["out_proj.weight"].shape == (16, 32)
+    pair = make_pair(rng, 2, 9, 16)
+    keep = make_keep(rng, 2, 9)
+    kwargs = dict(mask_layout=mask_layout, node=node)
+    want = triangle_attention(pair, keep, weights, **kwargs)
+    got = triangle_attention(pair, keep, wide, **kwargs)
+    assert np.array_equal(np.isnan(got), np.isnan(want))
+    assert rel_l2(got, want, where=~np.isnan(want)) < 1e-6  # weights rounded to float32
+    rows = [0, 5]
+    assert np.array_equal(triangle_attention(pair, keep, wide, rows=rows, **kwargs),
+                          np.take(got, rows, axis=1 if node == "starting" else 2))
+
+
+def test_random_weights_of_the_default_head_width_are_unchanged():
+    a, b = random_weights(16, 4, seed=7), random_weights(16, 4, seed=7, head_dim=4)
+    assert a.head_dim == b.head_dim == 4
+    for name in a.params:
+        assert np.array_equal(a[name], b[name]), name
+
+
+def test_weights_check_head_width_shapes():
+    from triattn_cupy import Weights
+
+    params = random_weights(16, 4, seed=8).params
+    with pytest.raises(ValueError, match=r"(?s)query.weight: expected shape \(32, 16\), got "
+                                         r"\(16, 16\)\n.*out_proj.weight: expected shape "
+                                         r"\(16, 32\), got \(16, 16\)"):
+        Weights(16, 4, 1e-5, params, head_dim=8)
+    with pytest.raises(ValueError, match=r"pair_dim must be a positive multiple of num_heads "
+                                         r"\(or head_dim given\); got pair_dim=10, num_heads=4"):
+        Weights(10, 4, 1e-5, params)
+    with pytest.raises(ValueError, match=r"must be positive; got pair_dim=16, num_heads=4, "
+                                         r"head_dim=0"):
+        Weights(16, 4, 1e-5, params, head_dim=0)

@@ -230,6 +230,30 @@ def test_unsupported_head_width_keeps_its_forward(monkeypatch):
     assert tt.report(model).fallbacks == {"weights the GPU refuses": 1}
 
 
+def test_template_stack_head_width_is_left_to_its_own_forward(cpu_routed, monkeypatch):
+    """Boltz-2's and Protenix's template blocks (h x c = 2 D) are found, refused by the GPU
+    check with its reason (warned, counted), and keep their own forward."""
+    model = torch.nn.ModuleDict({"tri_att_start": mb.randomize(mb.boltz_block(D, 8, H), 0),
+                                 "tri_att_end": mb.randomize(mb.protenix_block(
+                                     D, 8, H, starting=False), 1)}).eval()
+    pair, mask = torch.randn(1, 6, 6, D), torch.ones(1, 6, 6)
+    with torch.no_grad():
+        want = [model.tri_att_start(pair, mask), model.tri_att_end(pair, mask=mask)]
+    with every_warning() as caught:
+        tt.accelerate(model)
+    assert tt.accelerated_blocks(model) == []
+    warned = _fallback_warnings(caught)
+    for name in ("tri_att_start", "tri_att_end"):
+        assert any(message.startswith(f"{name}: ") and "heads x head width = 4 x 8 = 32 "
+                   "differs from pair_dim 16" in message for message in warned), warned
+    assert set(tt.report(model).refused) == {"tri_att_start", "tri_att_end"}
+    monkeypatch.setattr(ops, "_compute", lambda *a: pytest.fail("the op ran"))
+    with torch.no_grad():
+        got = [model.tri_att_start(pair, mask), model.tri_att_end(pair, mask=mask)]
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
 # --- fallbacks -------------------------------------------------------------------------------
 
 def _fallback_warnings(caught):
@@ -322,6 +346,42 @@ def test_accelerated_protenix_and_openfold3_blocks(rng, cpu_routed):
             got = block(pair, mask=mask)
         compare(got.reshape(2, 9, 9, D), want.reshape(2, 9, 9, D), mask[0],
                 getattr(block, "starting", True))
+
+
+# Each family's block of each node as its model builds it (Boltz-1 and Boltz-2 share
+# boltz-community's classes). OpenFold3 runs its ending node with transpose_bias=True, which
+# falls back (tested above); OpenFold is not on the package index: its block restated to its
+# published shapes.
+_FAMILY_BLOCKS = {
+    ("boltz", "starting"): lambda: mb.boltz_block(D, C, H, starting=True),
+    ("boltz", "ending"): lambda: mb.boltz_block(D, C, H, starting=False),
+    ("protenix", "starting"): lambda: mb.protenix_block(D, C, H, starting=True),
+    ("protenix", "ending"): lambda: mb.protenix_block(D, C, H, starting=False),
+    ("openfold3", "starting"): lambda: mb.openfold3_block(D, C, H),
+    ("openfold", "starting"): lambda: mb.openfold_block(D, C, H, starting=True),
+    ("openfold", "ending"): lambda: mb.openfold_block(D, C, H, starting=False),
+}
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")  # openfold3: no Triton, no CUDA here
+@pytest.mark.parametrize("family, node", list(_FAMILY_BLOCKS),
+                         ids=[f"{f}-{n}" for f, n in _FAMILY_BLOCKS])
+def test_every_family_accelerated_matches_its_own_forward(rng, cpu_routed, op_calls, family,
+                                                          node):
+    """Through the op, against the block's own forward in float64: masks of all ones,
+    padding and random bits."""
+    block = mb.randomize(_FAMILY_BLOCKS[family, node](), 17).eval()
+    masks = {"ones": torch.ones(2, 9, 9), "padding": row_masks(rng, 2, 9, padding=True),
+             "random": row_masks(rng, 2, 9, padding=False)}
+    pair = torch.from_numpy(rng.standard_normal((2, 9, 9, D)).astype(np.float32))
+    want = {kind: float64_forward(block, pair, mask) for kind, mask in masks.items()}
+    tt.accelerate(block)
+    assert tt.accelerated_blocks(block) == [""]
+    for kind, mask in masks.items():
+        with torch.no_grad():
+            got = block(pair, mask=mask)
+        compare(got, want[kind], mask, node == "starting")
+    assert op_calls[0] == len(masks)
 
 
 def test_accelerated_spec_module_returns_nan_where_it_does(rng, cpu_routed):
@@ -537,9 +597,7 @@ def test_compiles_under_autocast(cpu_routed, op_calls):
 def test_openfold_block_by_its_module_path(rng, cpu_routed, op_calls):
     """OpenFold is not on PyPI: its block is the restatement in model_blocks, given the
     class name and module path that OpenFold's own has."""
-    OpenFoldBlock = type("TriangleAttention", (mb.OpenFoldTriangleAttention,),
-                         {"__module__": "openfold.model.triangular_attention"})
-    model = torch.nn.ModuleDict({"tri_att_end": OpenFoldBlock(D, C, H, starting=False)})
+    model = torch.nn.ModuleDict({"tri_att_end": mb.openfold_block(D, C, H, starting=False)})
     mb.randomize(model, 3).eval()
     pair = torch.from_numpy(rng.standard_normal((2, 8, 8, D)).astype(np.float32))
     mask = row_masks(rng, 2, 8, padding=False)

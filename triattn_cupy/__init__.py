@@ -6,7 +6,7 @@ PyTorch models) is imported.
 """
 from ._version import __version__
 from . import reference
-from .gpu.checks import PRECISIONS
+from .gpu.checks import PRECISIONS, HeadWidthError
 from .api import TriangleAttention, gpu_available, triangle_attention
 from .export import export_weights
 from .importing import import_weights
@@ -18,5 +18,5 @@ __all__ = [
     "__version__", "reference", "PRECISIONS", "Weights", "parameter_shapes", "random_weights",
     "TriangleAttention", "gpu_available", "triangle_attention",
     "load_weights", "save_weights", "load_default_weights", "default_weights_path",
-    "WeightsFormatError", "export_weights", "import_weights",
+    "WeightsFormatError", "export_weights", "import_weights", "HeadWidthError",
 ]

@@ -47,7 +47,8 @@ def export_weights(module_or_state_dict, path, num_heads=None,
     module_or_state_dict: a ``torch.nn.Module`` shaped like the reference module, or its
     state_dict (a mapping of names to tensors; a leading ``module.`` on every key is
     stripped). num_heads: taken from ``module.num_heads``, else inferred from
-    ``bias_proj.weight`` (shape (h, D)); if given it must agree. layer_norm_eps: taken from
+    ``bias_proj.weight`` (shape (h, D)); if given it must agree. The head width is
+    ``query.weight``'s rows / num_heads (D / h for the spec's module). layer_norm_eps: taken from
     ``module.layer_norm.eps``, else 1e-5; if given for a module it must agree.
     Parameters are rounded to float32. Returns the `Weights` that were written.
     """
@@ -87,12 +88,21 @@ def export_weights(module_or_state_dict, path, num_heads=None,
     if not (math.isfinite(layer_norm_eps) and layer_norm_eps > 0):
         raise ValueError(f"layer_norm_eps must be a positive finite number, got {layer_norm_eps}")
 
-    weights = Weights(pair_dim, num_heads, layer_norm_eps, params)
+    weights = Weights(pair_dim, num_heads, layer_norm_eps, params,
+                      head_dim=_head_dim(params.get("query.weight"), num_heads))
     save_weights(weights, path)
-    logger.info("wrote %s: pair_dim %d, num_heads %d, layer_norm_eps %g, %d parameters",
-                path, pair_dim, num_heads, layer_norm_eps,
+    logger.info("wrote %s: pair_dim %d, num_heads %d, head width %d, layer_norm_eps %g, "
+                "%d parameters", path, pair_dim, num_heads, weights.head_dim, layer_norm_eps,
                 sum(np.size(v) for v in weights.params.values()))
     return weights
+
+
+def _head_dim(query_weight, num_heads: int):
+    """The head width a (h x c, D) query weight gives; None where it gives none (Weights
+    then names the shape that is wrong)."""
+    if query_weight is None or query_weight.ndim != 2 or query_weight.shape[0] % num_heads:
+        return None
+    return query_weight.shape[0] // num_heads or None
 
 
 def _agree(arg: str, given, found, source: str):
@@ -231,9 +241,9 @@ def _export_all(state_dict, args) -> None:
         path = os.path.join(args.all, name)
         save_weights(imported[prefix], path)
         weights = imported[prefix]
-        logger.info("wrote %s: %s, D %d, %d heads, mask layout %s, node %s", path,
-                    prefix or "(root)", weights.pair_dim, weights.num_heads,
-                    weights.mask_layout, weights.node)
+        logger.info("wrote %s: %s, D %d, %d heads of width %d, mask layout %s, node %s",
+                    path, prefix or "(root)", weights.pair_dim, weights.num_heads,
+                    weights.head_dim, weights.mask_layout, weights.node)
 
 
 def main(argv=None) -> int:
@@ -261,9 +271,10 @@ def main(argv=None) -> int:
                 state_dict, args.prefix, args.node, num_heads=args.num_heads,
                 layer_norm_eps=args.layer_norm_eps)
             save_weights(weights, args.output)
-            logger.info("wrote %s: pair_dim %d, num_heads %d, layer_norm_eps %g, mask layout "
-                        "%s, node %s", args.output, weights.pair_dim, weights.num_heads,
-                        weights.layer_norm_eps, weights.mask_layout, weights.node)
+            logger.info("wrote %s: pair_dim %d, num_heads %d, head width %d, layer_norm_eps "
+                        "%g, mask layout %s, node %s", args.output, weights.pair_dim,
+                        weights.num_heads, weights.head_dim, weights.layer_norm_eps,
+                        weights.mask_layout, weights.node)
     except (ImportError, OSError, TypeError, ValueError) as err:
         message = " ".join(str(err).split())  # one line, even for multi-line messages
         print(f"triattn-export: error: {message}", file=sys.stderr)

@@ -3,9 +3,10 @@
 One float32 dataset per parameter, at the reference module's state_dict name with ``.``
 replaced by ``/`` (``query.weight`` -> ``query/weight``), in PyTorch's
 (out_features, in_features) layout. Root attributes: ``format``, ``format_version``,
-``pair_dim``, ``num_heads``, ``layer_norm_eps``, and the module's conventions
-``mask_layout`` and ``node`` (`triattn_cupy.conventions`; a file without them, as written
-before they existed, is read as "pair" and "starting").
+``pair_dim``, ``num_heads``, ``head_dim``, ``layer_norm_eps``, and the module's conventions
+``mask_layout`` and ``node`` (`triattn_cupy.conventions`). A file without ``head_dim``,
+``mask_layout`` or ``node``, as written before they existed, is read with head_dim
+pair_dim / num_heads, "pair" and "starting".
 
 `load_weights` checks the whole file against `parameter_shapes` before returning and
 raises one `WeightsFormatError` that lists every problem it found. Shapes, dtypes and
@@ -356,6 +357,8 @@ def _read(f: h5py.File, path: str) -> Weights:
     problems = []
     pair_dim = _positive_int_attr(f, "pair_dim", problems)
     num_heads = _positive_int_attr(f, "num_heads", problems)
+    # Absent (files written before it existed): pair_dim / num_heads, checked below.
+    head_dim = _positive_int_attr(f, "head_dim", problems) if "head_dim" in f.attrs else None
     eps = _as_float(f.attrs.get("layer_norm_eps"))
     if eps is None or not math.isfinite(eps) or eps <= 0:
         problems.append(f"root attribute 'layer_norm_eps': expected a positive finite "
@@ -370,11 +373,16 @@ def _read(f: h5py.File, path: str) -> Weights:
         problems.append(f"root attributes: num_heads {num_heads} is more than pair_dim "
                         f"{pair_dim}")
         num_heads = None
-    if pair_dim and num_heads and pair_dim % num_heads:
+    if num_heads and head_dim and num_heads * head_dim > MAX_PAIR_DIM:
+        problems.append(f"root attributes: num_heads x head_dim = {num_heads} x {head_dim} "
+                        f"is beyond the largest this package reads, {MAX_PAIR_DIM}")
+        num_heads = None
+    if pair_dim and num_heads and "head_dim" not in f.attrs and pair_dim % num_heads:
         problems.append(f"root attributes: pair_dim {pair_dim} must be a multiple of "
-                        f"num_heads {num_heads}")
+                        f"num_heads {num_heads} (or a head_dim attribute given)")
         pair_dim = None
-    shapes = parameter_shapes(pair_dim, num_heads) if pair_dim and num_heads else None
+    shapes = (parameter_shapes(pair_dim, num_heads, head_dim)
+              if pair_dim and num_heads and (head_dim or "head_dim" not in f.attrs) else None)
 
     datasets = local_datasets(f, problems)
     params = {}
@@ -403,7 +411,8 @@ def _read(f: h5py.File, path: str) -> Weights:
             f"{path}: invalid triattn-cupy weights file, {len(problems)} problem"
             f"{'s' if len(problems) > 1 else ''}{unchecked}:\n  - " + "\n  - ".join(problems))
     try:
-        return Weights(pair_dim, num_heads, eps, params, mask_layout=mask_layout, node=node)
+        return Weights(pair_dim, num_heads, eps, params, mask_layout=mask_layout, node=node,
+                       head_dim=head_dim)
     except ValueError as err:  # not expected after the checks above; keep the file name
         raise WeightsFormatError(f"{path}: {err}") from err
 
@@ -538,10 +547,11 @@ def _write(f: h5py.File, weights: Weights) -> None:
     f.attrs["format_version"] = np.int64(FORMAT_VERSION)
     f.attrs["pair_dim"] = np.int64(weights.pair_dim)
     f.attrs["num_heads"] = np.int64(weights.num_heads)
+    f.attrs["head_dim"] = np.int64(weights.head_dim)
     f.attrs["layer_norm_eps"] = np.float64(weights.layer_norm_eps)
     f.attrs["mask_layout"] = weights.mask_layout
     f.attrs["node"] = weights.node
-    for param in parameter_shapes(weights.pair_dim, weights.num_heads):
+    for param in parameter_shapes(weights.pair_dim, weights.num_heads, weights.head_dim):
         f.create_dataset(dataset_name(param),
                          data=np.ascontiguousarray(weights[param], dtype=np.float32))
 

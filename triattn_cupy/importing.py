@@ -19,8 +19,10 @@ families index the mask (b, i, k) ("row") and name the node in the module path
 (``tri_att_start`` / ``tri_att_end``, ``triangle_attention_starting_node``, ...); where the
 path does not say, the caller names it. OpenFold3's pair blocks run ``tri_att_end`` with the
 pair bias of the untransposed pair (``transpose_bias=True``, as AlphaFold3): its ending
-blocks import as node "ending_af3". A block whose heads x head width differs from its
-pair dimension D is refused: this module projects q, k, v and the gate to D channels.
+blocks import as node "ending_af3". Heads x head width need not be the pair dimension D
+(Boltz-2's and Protenix's template stacks: D = 64, 4 heads x 32); the head width is read
+from the projections' shapes and kept in `Weights.head_dim` (the NumPy backend computes any;
+the GPU kernels take h x c = D only).
 
 PyTorch is needed only for ``.pt`` / ``.pth`` / ``.ckpt`` files and modules, safetensors only
 for ``.safetensors`` files; a mapping of NumPy arrays needs neither.
@@ -93,7 +95,7 @@ class Block:
     family: Family
     pair_dim: int
     num_heads: int
-    head_width: int           # the projections' width / heads (D where supported)
+    head_width: int           # c: the projections' width / heads (0 where that is no width)
     node: str | None          # named by the module path (in the family's sense), else None
     biases: tuple             # our linear names ("query", ...) whose bias the block holds
     problem: str | None       # why it cannot be imported, None if it can
@@ -254,14 +256,9 @@ def _describe(family: Family, prefix: str, state_dict) -> Block:
             problems.append(f"{names[ours]} has shape {_shape(sd[ours])}, expected {want}")
     width = hidden // h if h and hidden % h == 0 else 0
     if not problems:
-        if hidden % h:
-            problems.append(f"the projections' width {hidden} is not a multiple of the "
-                            f"{h} heads")
-        elif hidden != D:
-            problems.append(
-                f"heads x head width = {h} x {width} = {hidden} differs from the pair "
-                f"dimension D = {D}; triattn-cupy's module projects q, k, v and the gate to "
-                f"D channels, so it cannot run this block")
+        if hidden < 1 or hidden % h:
+            problems.append(f"the projections' width {hidden} is not a positive multiple of "
+                            f"the {h} heads")
     biases = tuple(name for name in LINEAR_NAMES if f"{name}.bias" in sd)
     node = node_from_path(prefix)
     if node == "ending":
@@ -384,7 +381,7 @@ def block_weights(state_dict, block: Block, *, node=None, layer_norm_eps=None,
         logger.warning("%s: ignored %d parameters under its prefix: %s", where, len(ignored),
                        ", ".join(ignored[:5]) + (", ..." if len(ignored) > 5 else ""))
     return Weights(block.pair_dim, block.num_heads, eps, params,
-                   mask_layout=block.family.mask_layout, node=node)
+                   mask_layout=block.family.mask_layout, node=node, head_dim=block.head_width)
 
 
 def _source(state_dict_or_path, allow_pickle):

@@ -3,12 +3,15 @@
 Same semantics as the reference module (``shared/spec/reference_module.py``):
 
     x    = LayerNorm(pair)                                  # [B, N, N, D]
-    q, k, v, g = x Wq^T + bq, ..., sigmoid(x Wg^T + bg)     # [B, N, N, D] each
+    q, k, v, g = x Wq^T + bq, ..., sigmoid(x Wg^T + bg)     # [B, N, N, h*c] each
     bias = x Wb^T                                           # [B, N, N, h]
-    s[b, i, head, j, k] = q[b,i,j] . k[b,i,k] / sqrt(d) + bias[b, j, k, head]
+    s[b, i, head, j, k] = q[b,i,j] . k[b,i,k] / sqrt(c) + bias[b, j, k, head]
                           (-inf where mask[b, j, k] == 0)   # bias and mask shared by rows i
-    o    = softmax_k(s) v, heads concatenated               # [B, N, N, D]
-    out  = (g * o) Wo^T + bo
+    o    = softmax_k(s) v, heads concatenated               # [B, N, N, h*c]
+    out  = (g * o) Wo^T + bo                                # [B, N, N, D]
+
+with h heads of width c (`Weights.head_dim`): c = D / h in the spec's module, any c here
+(the models' template stacks have h*c = 2D).
 
 A query whose keys are all masked has no softmax; ``fully_masked="zero"`` makes its
 attention output zero (so ``out = bo`` there), ``"nan"`` returns NaN like the reference.
@@ -116,6 +119,7 @@ def triangle_attention(pair, mask, weights: Weights, *, fully_masked: str = "zer
     result_dtype = pair.dtype if pair.dtype.itemsize == 2 else dtype
     B, N, batched = pair_geometry(pair.shape, weights.pair_dim)
     D, h, d = weights.pair_dim, weights.num_heads, weights.head_dim
+    hidden = weights.hidden_dim                                      # h * d
     x = pair.reshape(B, N, N, D)                                     # a view of pair
     if mask is None:
         keep = np.ones((B, N, N), bool)
@@ -135,7 +139,7 @@ def triangle_attention(pair, mask, weights: Weights, *, fully_masked: str = "zer
     def linear(name, inp):
         return inp @ p[f"{name}.weight"].T + p[f"{name}.bias"]
 
-    g = _sigmoid(linear("gate", x))                                  # [B, N, N, D]
+    g = _sigmoid(linear("gate", x))                                  # [B, N, N, h*d]
     bias = np.moveaxis(x @ p["bias_proj.weight"].T, -1, 1)           # [B, h, N, N]
     if node == "ending_af3":
         bias = bias.swapaxes(-1, -2)  # [b, h, j, k] from pair[b, j, k], not from pair[b, k, j]
@@ -178,7 +182,7 @@ def triangle_attention(pair, mask, weights: Weights, *, fully_masked: str = "zer
             else:
                 dead = fully[b, picked][:, None, None, None]         # [R, 1, 1, 1] rows i
             o = np.where(dead, fill, o)
-            o = o.transpose(0, 2, 1, 3).reshape(R, N, D)             # [R, N, D]
+            o = o.transpose(0, 2, 1, 3).reshape(R, N, hidden)        # [R, N, h*d]
             out_rows[b, i0:i0 + R] = linear("out_proj", g[b, picked] * o)
     out = out.astype(result_dtype, copy=False)
     return out if batched else out[0]

@@ -38,7 +38,21 @@ def supported_head_dims():
     return tuple(range(4, MAX_HEAD_DIM + 1, 4))
 
 
-def check_dims(pair_dim: int, num_heads: int):
+class HeadWidthError(UnsupportedOnGpu):
+    """Weights whose heads x head width differs from their pair dimension (the models'
+    template stacks): the kernels project q, k, v and the gate to pair_dim channels, so the
+    GPU refuses them; the NumPy backend (triattn_cupy.reference) computes them, and the
+    PyTorch drop-in leaves such a block to its own forward."""
+
+
+def check_dims(pair_dim: int, num_heads: int, head_dim: int | None = None):
+    """The problem sizes the kernels take; head_dim None: pair_dim / num_heads."""
+    if head_dim is not None and num_heads * head_dim != pair_dim:
+        raise HeadWidthError(
+            f"heads x head width = {num_heads} x {head_dim} = {num_heads * head_dim} differs "
+            f"from pair_dim {pair_dim}: the GPU kernels take only heads x head width = "
+            f"pair_dim; the NumPy backend (triattn_cupy.reference.triangle_attention) "
+            f"computes these weights")
     d = pair_dim // num_heads
     if d % 4 or d > MAX_HEAD_DIM:
         raise UnsupportedOnGpu(
@@ -52,13 +66,7 @@ def check_dims(pair_dim: int, num_heads: int):
 def check_weights(weights):
     """Refuse (UnsupportedOnGpu) weights whose shapes the kernels do not compute, before
     any upload: every device-independent check of a `Weights` on the GPU side."""
-    hidden = weights.num_heads * weights.head_dim
-    if hidden != weights.pair_dim:  # the kernels project q, k, v and the gate to D channels
-        raise UnsupportedOnGpu(
-            f"heads x head width = {weights.num_heads} x {weights.head_dim} = {hidden} "
-            f"differs from pair_dim {weights.pair_dim}; the GPU kernels compute blocks whose "
-            f"projections are pair_dim wide")
-    check_dims(weights.pair_dim, weights.num_heads)
+    check_dims(weights.pair_dim, weights.num_heads, weights.head_dim)
 
 
 def check_projection_fits(pair_dim: int, smem_limit: int, gpu: str = "this GPU"):
