@@ -250,17 +250,17 @@ def test_mma_both_policies_on_one_input(cp, rng, variant):
 # ---- the attention on warpgroup products (kernels/attention_wgmma.cu, sm_90a) ----
 
 WGMMA_TILES = [("bf16", gpu.tiles.attention_wgmma_tiles("bf16")),
-               ("bf16", gpu.tiles.WgmmaTiles(rows=1, stages=3, min_blocks=2, bulk=1)),
-               ("bf16", gpu.tiles.WgmmaTiles(rows=2, stages=3, min_blocks=1, bulk=1)),
+               ("bf16", gpu.tiles.WgmmaTiles(rows=1, stages=3, min_blocks=2)),
+               ("bf16", gpu.tiles.WgmmaTiles(rows=2, stages=3, min_blocks=1)),
                ("f16x3", gpu.tiles.attention_wgmma_tiles("f16x3")),
-               ("f16x3", gpu.tiles.WgmmaTiles(min_blocks=1, pv_groups=2, bulk=1)),
-               ("f16x3", gpu.tiles.WgmmaTiles(rows=2, stages=2, min_blocks=1, pv_groups=1, bulk=1)),
+               ("f16x3", gpu.tiles.WgmmaTiles(min_blocks=1, pv_groups=2)),
+               ("f16x3", gpu.tiles.WgmmaTiles(rows=2, stages=2, min_blocks=1, pv_groups=1)),
                ("f16", gpu.tiles.attention_wgmma_tiles("f16")),
-               ("f16", gpu.tiles.WgmmaTiles(min_blocks=2, bulk=1)),
-               ("f16", gpu.tiles.WgmmaTiles(rows=2, stages=3, min_blocks=1, bulk=1)),
+               ("f16", gpu.tiles.WgmmaTiles(min_blocks=2)),
+               ("f16", gpu.tiles.WgmmaTiles(rows=2, stages=3, min_blocks=1)),
                ("f16s", gpu.tiles.attention_wgmma_tiles("f16s")),
-               ("f16s", gpu.tiles.WgmmaTiles(min_blocks=2, bulk=1)),
-               ("f16s", gpu.tiles.WgmmaTiles(rows=2, stages=3, min_blocks=1, bulk=1))]
+               ("f16s", gpu.tiles.WgmmaTiles(min_blocks=2)),
+               ("f16s", gpu.tiles.WgmmaTiles(rows=2, stages=3, min_blocks=1))]
 
 
 def _needs_sm_90(cp):

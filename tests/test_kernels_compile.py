@@ -76,7 +76,7 @@ def each_config(configs_of):
     """Parametrize over (config, arch): `configs_of(arch)` for each architecture checked,
     named by file and defines."""
     return pytest.mark.parametrize(
-        "config,arch", [(c, a) for a in gpu.compile.CHECK_ARCHS for c in configs_of(a)],
+        "config,arch", [(c, a) for a in gpu.gpus.CHECK_ARCHS for c in configs_of(a)],
         ids=lambda x: x if isinstance(x, str) else
         x.filename + ":" + ",".join(f"{k}={v}" for k, v in x.defines))
 
@@ -130,7 +130,7 @@ def test_16_bit_pair_configs_cover_every_route_and_both_types():
                 continue
             taken.add(name)
             for dtype in ("float16", "bfloat16"):
-                configs = [routes.project_tiles_config(route.layout, dtype)
+                configs = [routes.persistent_project_config(route.layout, dtype)
                            if engine == "tiles" else
                            routes.project_config(gpu.tiles.out_project_rows(), engine, 128,
                                                  route.layout, route.products, dtype)
@@ -189,6 +189,22 @@ def test_compile_error_points_at_the_file():
         gpu.compile.compile_offline("attention_ffma.cu", broken, "sm_90")
 
 
+@pytest.mark.parametrize("arch", ["sm_100", "sm_120"])
+def test_a_newer_gpu_compiles_its_declared_route(arch):
+    """A GPU newer than the table (gpus.gpu's declared row: the 9.0 row less wgmma) runs
+    kernels CuPy compiles for its own architecture: the declared route's smallest
+    configurations (its attention at head dim 8, its projections at D = 64) compile."""
+    route = gpu.routes.choose_route("bf16", 8, 64, 1024, int(arch.removeprefix("sm_")))
+    assert route.name == "mma_bf16"
+    attention = route.attention_launch(8, 1024).config
+    project = gpu.routes.project_config(64, route.project, 64, route.layout, route.products)
+    for config in (attention, project):
+        report = gpu.compile.ptxas_report(gpu.compile.compile_offline(
+            config.filename, config.defines, arch))
+        assert report, config
+    assert set(report) == {"ln_qkvg_project_mma_tf32", "gated_out_project_mma_tf32"}
+
+
 def test_every_supported_dimension_has_a_config():
     configs = set(gpu.kernel_catalog.all_configs())
     for d in gpu.checks.supported_head_dims():
@@ -224,7 +240,7 @@ def test_every_route_compiles_here():
                                                                    route.products)
                                 assert config in compiled[arch], (route, D, rows)
                         if "tiles" in (route.project, route.out_project):
-                            assert gpu.routes.project_tiles_config(route.layout) in compiled[arch]
+                            assert gpu.routes.persistent_project_config(route.layout) in compiled[arch]
 
 
 def test_projection_rows_per_block():
@@ -338,8 +354,8 @@ def test_a_too_small_gpu_falls_back_to_the_ffma_attention():
 
 
 # Every wgmma tile shape the tests and sweeps launch, per variant.
-_WGMMA_SHAPES = [gpu.tiles.WgmmaTiles(rows, stages, 1, 2, bulk)
-                 for rows in (1, 2) for stages in (2, 3, 4) for bulk in (0, 1)]
+_WGMMA_SHAPES = [gpu.tiles.WgmmaTiles(rows, stages, 1, 2)
+                 for rows in (1, 2) for stages in (2, 3, 4)]
 
 
 @pytest.mark.parametrize("variant", list(gpu.tiles.WGMMA_VARIANTS))
@@ -352,7 +368,7 @@ def test_wgmma_shared_memory_mirror_matches_the_kernel(variant):
     for tiles in _WGMMA_SHAPES:
         try:
             launch = gpu.routes.attention_wgmma_launch(32, tiles, variant)
-        except ValueError:  # a shape the variant does not take (bulk or not)
+        except ValueError:  # a shape the variant does not take
             continue
         compile_ptx_or_fail(gpu.compile.full_source(launch.config.filename, launch.config.defines)
                             + f'\nstatic_assert(SMEM_BYTES == {launch.smem}, "smem mirror: '

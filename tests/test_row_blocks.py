@@ -188,7 +188,7 @@ def test_every_persistent_layout_has_its_bias_pass(layout):
     """The persistent projections' bias pass is layernorm_bias_ffma.cu writing the same
     bias form, for every pair dtype, in the configurations the compile checks build
     (tests/test_kernels_compile.py)."""
-    bias_layout = row_blocks.bias_pass_layout(layout)
+    bias_layout = routes.bias_pass_layout(layout)
     assert (bias_layout.tiled, bias_layout.bias, bias_layout.scaled) == (
         layout.tiled, layout.bias, layout.scaled)
     configs = set(kernel_catalog.row_blocked_configs("sm_90"))
@@ -292,12 +292,12 @@ def test_run_writes_every_row_once_after_reading_it(monkeypatch, B, N, R, device
     monkeypatch.setattr(row_blocks.RowBlockLaunches, "of", lambda plan, dw: model)
     steps = []
     forward = types.SimpleNamespace(
-        plan=plan, dw=None, _blocked_scratch=scratch,
-        _pointers=dict(pair=1, mask=0, qkvg=base + scratch.qkvg, bias=base + scratch.bias,
+        plan=plan, dw=None, blocked_scratch=scratch,
+        pointers=dict(pair=1, mask=0, qkvg=base + scratch.qkvg, bias=base + scratch.bias,
                        vt=base + scratch.vt, extent=0, row_mask=0, out=out_base),
-        _zero_bias=lambda: steps.append("zero"), _take_out_memory=lambda: None,
-        _pack_row_mask=lambda: steps.append("row mask"),
-        _find_key_extent=lambda: steps.append("extent"))
+        zero_bias_memory=lambda: steps.append("zero"), take_out_memory=lambda: None,
+        pack_row_mask=lambda: steps.append("row mask"),
+        find_key_extent=lambda: steps.append("extent"))
     row_blocks.run(forward, R, devices)
     writes = [g for kind, g in model.events if kind == "write"]
     assert sorted(writes) == list(range(B * N))
@@ -306,4 +306,4 @@ def test_run_writes_every_row_once_after_reading_it(monkeypatch, B, N, R, device
     for position, (kind, g) in enumerate(model.events):
         if kind == "write":
             assert ("read", g) not in model.events[position + 1:], f"row {g} read after written"
-    assert steps[0] == "zero" and forward._pointers["qkvg"] == base + scratch.qkvg
+    assert steps[0] == "zero" and forward.pointers["qkvg"] == base + scratch.qkvg

@@ -50,6 +50,9 @@ _OLD_MEANS = {
     "wgmma_f16s_slots": (("wgmma", "f16s", True), False, False),
     "mma_tf32x3": (("mma", "tf32x3", False), False, False),
 }
+# Route names of the older trees that this tree calls otherwise (docs/design.md)
+ROUTE_RENAMES = {f"wgmma_{a}_tiles": f"wgmma_{a}_persistent" for a in ("f16x3", "f16", "bf16", "f16s")}
+_OLD_NAMES = {new: old for old, new in ROUTE_RENAMES.items()}
 # (B, N, masked, fully_masked): off the 64/128 tiles, at and past N = 128 (the mma.sync
 # tile table's small-N shapes), past the key extent's N = 512, B = 2
 _FORCED_CASES = [(2, 45, True, "zero"), (2, 128, False, "zero"), (1, 129, True, "nan"),
@@ -67,14 +70,15 @@ def cases():
     out = []
     for name in routes.ROUTES:
         parts = routes.route_parts(name)
-        wide = parts["project"] == "tiles" or parts["attention"].startswith("wgmma")
+        wide = parts["project"] == "persistent" or parts["attention"].startswith("wgmma")
         D, h = (128, 4) if wide else (64, 4)
         tables = [""] + (["@sm_80"] if parts["attention"].startswith("mma") else [])
         for precision in parts["precisions"]:
             for table in tables:
                 for B, N, masked, policy in _FORCED_CASES:
                     out.append(dict(name=f"{name}{table}", precision=precision,
-                                    route=name + table, old=[name, table], B=B, N=N, D=D, h=h,
+                                    route=name + table, old=[_OLD_NAMES.get(name, name), table],
+                                    B=B, N=N, D=D, h=h,
                                     masked=masked, policy=policy, aligned=True))
     for precision in ("fp32", "tf32", "bf16"):
         for D, h, Ns in ((128, 4, _DEFAULT_N), (64, 2, [383, 384, 767, 768]), (64, 4, [128, 129])):

@@ -29,11 +29,11 @@ import contextlib
 import numpy as np
 
 from .._checks import check_fully_masked, check_mask_dtype, pair_geometry
-from ..conventions import check_mask_shape
+from ..conventions import Conventions, check_mask_shape
 from . import checks, layouts, row_blocks
 from .checks import _cupy, as_device_array
 from .device_weights import DeviceWeights
-from .plan import make_plan, plan_key
+from .launch_plan import PlanKey, make_plan
 
 
 _PLANS_PER_MODULE = 64  # geometries remembered per DeviceWeights (then forgotten, all at once)
@@ -79,7 +79,7 @@ class Forward:
                  precision: str = "fp32",
                  attention: "routes.AttentionLaunch | None" = None,
                  route: "routes.Route | str | None" = None,
-                 conventions: tuple[str, str] = ("pair", "starting"),
+                 conventions: "Conventions | tuple[str, str]" = Conventions(),
                  pair_dtype: str | None = None, allocate=None,
                  row_block: int | None = None, max_scratch_bytes: int | None = None):
         cupy = _cupy()
@@ -97,6 +97,7 @@ class Forward:
             pair = pair.view(cupy.uint16)
         self.dw, self._allocate = dw, allocate
         B, N, batched = pair_geometry(pair.shape, dw.pair_dim)
+        conventions = Conventions(*conventions)  # (a (mask_layout, node) pair too)
         mask_layout, node = conventions
         if mask is not None:
             mask = as_device_array(mask, "mask", dw.device_id)
@@ -106,7 +107,7 @@ class Forward:
                 # its unit axes dropped (a view)
                 mask = mask.reshape((B, N, N) if batched else (N, N))
         _refuse_unsupported(node)
-        if node == "ending":
+        if conventions.transposed:
             # The block on the transposed pair and mask, read in place (strided views:
             # x[b, i, j] = pair[b, j, i]); the out projection writes each row back to the
             # caller's layout (Plan.out_transposed), so `out` is shaped and laid out as pair.
@@ -134,10 +135,10 @@ class Forward:
         self._out_target = None
         if out is not None and out.data.ptr % 16:
             self._out_target, out = out, None
-        key = plan_key(pair, mask, precision, fully_masked == "nan", route,
-                       out_transposed=node == "ending",
-                       row_mask=mask is not None and mask_layout == "row",
-                       pair_dtype=pair_dtype)
+        key = PlanKey.of(pair, mask, precision, fully_masked == "nan", route,
+                         out_transposed=conventions.transposed,
+                         row_mask=mask is not None and conventions.row_mask,
+                         pair_dtype=pair_dtype)
         # Whether calls must switch to the weights' device (each look-up of the current
         # device costs ~0.7 µs of host time before the first kernel: done once here)
         self.dw, self._switch = dw, cupy.cuda.runtime.getDevice() != dw.device_id
@@ -157,20 +158,20 @@ class Forward:
             # Row blocks where the single pass's scratch would pass the limit (row_blocks.py)
             self.rows_per_block = _rows_per_block(cupy, dw, plan, pair, out is None,
                                                   row_block, max_scratch_bytes)
-            self._devices = 1  # (row_blocks.emulate_devices: G devices emulated)
+            self.devices = 1  # (emulate_devices: G devices emulated)
             if self.rows_per_block is None:
                 self._scratch = self._memory(plan.scratch_bytes)  # qkvg, the bias, V^T
             else:
-                blocked = self._blocked_scratch = row_blocks.BlockedScratch(
+                blocked = self.blocked_scratch = row_blocks.BlockedScratch(
                     plan, self.rows_per_block)
                 self._scratch = self._memory(blocked.nbytes)
         scratch = self._scratch.ptr
-        # The output's memory is taken after the first launch (_take_out_memory: ~1 µs of
+        # The output's memory is taken after the first launch (take_out_memory: ~1 µs of
         # host time the first kernel need not wait on), its CuPy array after the last
         # (making an ndarray costs ~2.5 µs)
         self._out, self._out_memory = out, None if out is None else out.data
         # The call's device addresses, by the names the launches' slots give them
-        self._pointers = {"pair": pair.data.ptr, "mask": 0 if mask is None else mask.data.ptr,
+        self.pointers = {"pair": pair.data.ptr, "mask": 0 if mask is None else mask.data.ptr,
                           "qkvg": scratch, "bias": scratch + plan.qkvg_bytes,
                           "vt": (scratch + plan.qkvg_bytes + plan.bias_bytes
                                  if plan.vt_bytes else 0),
@@ -179,8 +180,8 @@ class Forward:
                                        if plan.row_mask is not None else 0),
                           "out": None if out is None else out.data.ptr}
         if self.rows_per_block is not None:  # the blocked scratch's regions
-            blocked = self._blocked_scratch
-            self._pointers.update(
+            blocked = self.blocked_scratch
+            self.pointers.update(
                 qkvg=scratch + blocked.qkvg, bias=scratch + blocked.bias,
                 vt=scratch + blocked.vt if plan.vt_bytes else 0,
                 extent=scratch + blocked.extent if plan.key_extent else 0,
@@ -216,10 +217,10 @@ class Forward:
         nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
         return _cupy().ndarray(shape, dtype, memptr=self._memory(nbytes))
 
-    def _take_out_memory(self):
+    def take_out_memory(self):
         if self._out_memory is None:
             self._out_memory = self._memory(self.pair.itemsize * self.pair.size)
-            self._pointers["out"] = self._out_memory.ptr
+            self.pointers["out"] = self._out_memory.ptr
 
     @property
     def out(self):
@@ -227,7 +228,7 @@ class Forward:
         array made for it)."""
         if self._out is None:
             with self._on_device():
-                self._take_out_memory()
+                self.take_out_memory()
             self._out = _cupy().ndarray(self.pair.shape, self.pair.dtype,
                                         memptr=self._out_memory)
             if self._out_target is not None:  # the caller's unaligned `out`
@@ -276,13 +277,13 @@ class Forward:
     # (Each stage on the weights' device: stages() hands them out to be called alone.)
     def project(self):
         with self._on_device():
-            self._zero_bias()
-            self.plan.project(self._pointers)
+            self.zero_bias_memory()
+            self.plan.project(self.pointers)
 
-    def _zero_bias(self):
+    def zero_bias_memory(self):
         if self.plan.zero_bias:
             cupy = _cupy()
-            cupy.cuda.runtime.memsetAsync(self._pointers["bias"], 0, self.plan.bias_bytes,
+            cupy.cuda.runtime.memsetAsync(self.pointers["bias"], 0, self.plan.bias_bytes,
                                           cupy.cuda.get_current_stream().ptr)
 
     def attention(self, launch: "routes.AttentionLaunch | None" = None):
@@ -291,17 +292,17 @@ class Forward:
         the same scratch): it must read k and v in the form this forward's projection
         stores them."""
         with self._on_device():
-            self._pack_row_mask()
-            self._find_key_extent()
+            self.pack_row_mask()
+            self.find_key_extent()
             if launch is None:
-                self.plan.attention(self._pointers)
+                self.plan.attention(self.pointers)
             else:
-                self.plan.attention_launch(launch, self.plan.nan_fully_masked)(self._pointers)
+                self.plan.attention_launch(launch, self.plan.nan_fully_masked)(self.pointers)
 
     def out_project(self):
         with self._on_device():
-            self._take_out_memory()
-            self.plan.out_project(self._pointers)
+            self.take_out_memory()
+            self.plan.out_project(self.pointers)
 
     def stages(self):
         if self.rows_per_block is not None:
@@ -312,35 +313,35 @@ class Forward:
         return [("layernorm+projections", self.project),
                 ("attention", self.attention), ("gate+out_proj", self.out_project)]
 
-    def _pack_row_mask(self):
+    def pack_row_mask(self):
         if self.plan.row_mask is not None:  # the row layout's key bits (row_mask.cu)
-            self.plan.row_mask(self._pointers)
+            self.plan.row_mask(self.pointers)
 
-    def _find_key_extent(self):
+    def find_key_extent(self):
         if self.plan.key_extent is not None:
             cupy = _cupy()
-            cupy.cuda.runtime.memsetAsync(self._pointers["extent"], 0, 4 * self.B,
+            cupy.cuda.runtime.memsetAsync(self.pointers["extent"], 0, 4 * self.B,
                                           cupy.cuda.get_current_stream().ptr)
-            self.plan.key_extent(self._pointers)
+            self.plan.key_extent(self.pointers)
 
     def run(self):
         if self.rows_per_block is not None:
             with self._on_device():
-                row_blocks.run(self, self.rows_per_block, self._devices)
+                row_blocks.run(self, self.rows_per_block, self.devices)
                 out = self.out
-            self._scratch = self._pointers = None
+            self._scratch = self.pointers = None
             return out
         with self._on_device():
-            self._zero_bias()
-            self.plan.project(self._pointers)
-            self._take_out_memory()
-            self._pack_row_mask()
-            self._find_key_extent()
-            self.plan.attention(self._pointers)
-            self.plan.out_project(self._pointers)
+            self.zero_bias_memory()
+            self.plan.project(self.pointers)
+            self.take_out_memory()
+            self.pack_row_mask()
+            self.find_key_extent()
+            self.plan.attention(self.pointers)
+            self.plan.out_project(self.pointers)
             out = self.out
         # Scratch back to the pool now, not at GC (the pool reuses it in stream order).
-        self._scratch = self._pointers = None
+        self._scratch = self.pointers = None
         return out
 
 
@@ -391,3 +392,22 @@ def _rows_per_block(cupy, dw, plan, pair, allocates_out: bool, row_block, max_sc
                                      max_scratch_bytes=max_scratch_bytes,
                                      device_total=total, device_free=max(free, 0)
                                      if free is not None else None)
+
+
+def emulate_devices(module, pair, mask=None, *, devices: int, row_block: int, **options):
+    """The forward of `module` (a TriangleAttention) as `devices` GPUs would compute one
+    sample, emulated on its one device: the rows split into `devices` contiguous shares;
+    each share's bias pass, then each share's blocks of `row_block` rows. Options as
+    TriangleAttention.__call__; bit-identical to module(pair, mask, **options) (tests)."""
+    if isinstance(devices, bool) or not isinstance(devices, (int, np.integer)) or devices < 1:
+        raise ValueError(f"devices must be an int of at least 1; got {devices!r}")
+    forward = Forward(module._dw, pair, mask, options.pop("fully_masked", "zero"),
+                      options.pop("out", None), options.pop("precision", "fp32"),
+                      route=options.pop("route", None),
+                      conventions=module._conventions(options.pop("mask_layout", None),
+                                                      options.pop("node", None)),
+                      row_block=row_block)
+    if options:
+        raise TypeError(f"unknown options {sorted(options)}")
+    forward.devices = int(devices)
+    return forward.run()
