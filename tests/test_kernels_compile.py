@@ -39,17 +39,17 @@ def _allowed_spill_bytes(config, arch) -> int:
     Every other kernel: none."""
     defines = dict(config.defines)
     if defines.get("ROW_BLOCK") and defines.get("ROW_MASK"):
-        if (config.filename == "attention_mma.cu" and defines["PREC"] == 0
+        if (config.filename == "attention_mma.cu" and defines["PREC"] == gpu.routes.PREC_TF32X3
                 and defines["HEAD_DIM"] == 64):
             return 16  # the oracle's row-masked form (no GPU takes it)
         if config.filename == "attention_wgmma.cu" and defines.get("F16X3"):
             return 8
-    if (config.filename == "attention_mma.cu" and defines["PREC"] == 0
+    if (config.filename == "attention_mma.cu" and defines["PREC"] == gpu.routes.PREC_TF32X3
             and defines["HEAD_DIM"] == 24 and defines["MIN_BLOCKS"] == 2 and arch == "sm_90"):
         return 32  # chosen by measurement over the spill-free shapes (tiles.py)
     if config.filename == "project_mma.cu" and defines.get("SPLIT"):
         return 72
-    if (config.filename == "attention_mma.cu" and defines["PREC"] == 0
+    if (config.filename == "attention_mma.cu" and defines["PREC"] == gpu.routes.PREC_TF32X3
             and defines.get("ROW_MASK") and defines["HEAD_DIM"] == 64):
         return 8  # the oracle's row-masked form at 255 registers (no GPU takes it)
     return 0
@@ -131,7 +131,7 @@ def test_16_bit_pair_configs_cover_every_route_and_both_types():
             taken.add(name)
             for dtype in ("float16", "bfloat16"):
                 configs = [routes.persistent_project_config(route.layout, dtype)
-                           if engine == "tiles" else
+                           if engine == "persistent" else
                            routes.project_config(gpu.tiles.out_project_rows(), engine, 128,
                                                  route.layout, route.products, dtype)
                            for engine in (route.project, route.out_project)]
@@ -233,13 +233,13 @@ def test_every_route_compiles_here():
                             continue
                         launch = route.attention_launch(d, n)
                         assert launch.config in compiled[arch], (route, d, n)
-                        for engine in {route.project, route.out_project} - {"tiles"}:
+                        for engine in {route.project, route.out_project} - {"persistent"}:
                             for rows in {gpu.tiles.project_rows(D, t, tensor_cores=engine == "mma")
                                          for t in (1, 10**9)} | {gpu.tiles.out_project_rows()}:
                                 config = gpu.routes.project_config(rows, engine, D, route.layout,
                                                                    route.products)
                                 assert config in compiled[arch], (route, D, rows)
-                        if "tiles" in (route.project, route.out_project):
+                        if "persistent" in (route.project, route.out_project):
                             assert gpu.routes.persistent_project_config(route.layout) in compiled[arch]
 
 

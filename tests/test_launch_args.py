@@ -445,7 +445,7 @@ def test_forced_routes_and_their_errors():
     choose = gpu.routes.choose_route
     for name in gpu.routes.ROUTES:  # every route forceable on an H200 where its shape allows
         parts = gpu.routes.route_parts(name)
-        d, D = (32, 128) if parts["project"] == "tiles" or "wgmma" in parts["attention"] else (16, 64)
+        d, D = (32, 128) if parts["project"] == "persistent" or "wgmma" in parts["attention"] else (16, 64)
         route = choose(parts["precisions"][0], d, D, 300, 90, force=name)
         assert route.name == name and route.attention == parts["attention"]
     a100 = choose("tf32", 32, 128, 1024, 90, force="mma_tf32@sm_80")

@@ -100,7 +100,11 @@ def with_pair_dtype(config: KernelConfig, pair_dtype: str) -> KernelConfig:
     return config.with_defines(*extra)
 
 
-_F16_TERMS = {"tf32": 0, "f16": 1, "f16x3": 3}
+# project_mma.cu F16_TERMS: the fp16 products per term of its products' arithmetic
+F16_TERMS_NONE = 0   # TF32 products (no define emitted)
+F16_TERMS_ONE = 1    # f16: one fp16 product of scaled operands (W's hi parts alone)
+F16_TERMS_SPLIT = 3  # f16x3: hi hi, hi lo and lo hi of fp16 hi + lo operands (with SPLIT)
+_F16_TERMS = {"tf32": F16_TERMS_NONE, "f16": F16_TERMS_ONE, "f16x3": F16_TERMS_SPLIT}
 
 
 @functools.lru_cache(maxsize=None)  # per call: a look-up, not a rebuild
@@ -117,7 +121,7 @@ def _project_config(rows: int, engine: str, pair_dim: int, layout: Layout,
              *layout.defines(), ("PROJECT_MIN_BLOCKS", min_blocks))
     if mma:
         terms = _F16_TERMS[products]
-        f16 = (("F16_TERMS", terms),) if terms else ()
+        f16 = (("F16_TERMS", terms),) if terms != F16_TERMS_NONE else ()
         return KernelConfig("project_mma.cu", shape + (("SPLIT", int(split)),) + f16)
     return KernelConfig("project_ffma.cu", shape + (("PAD", project_pad(pair_dim)),))
 
@@ -254,7 +258,10 @@ def attention_ffma_launch(head_dim: int) -> AttentionLaunch:
 # "f16x3": the fp32 mode's split products in fp16 (twice TF32's rate); "tf32x3" (3xTF32)
 # the oracle of its accuracy ----
 ATTENTION_MMA_VARIANTS = ("tf32x3", "tf32", "bf16", "f16x3")
-_MMA_PREC = {"tf32x3": 0, "tf32": 1, "bf16": 2, "f16x3": 3}
+# attention_mma.cu PREC: the arithmetic of its entry point attention_mma_<arithmetic>
+PREC_TF32X3, PREC_TF32, PREC_BF16, PREC_F16X3 = 0, 1, 2, 3
+_MMA_PREC = {"tf32x3": PREC_TF32X3, "tf32": PREC_TF32, "bf16": PREC_BF16,
+             "f16x3": PREC_F16X3}
 # f16x3 reads what tf32x3 reads (fp32 q, k, v and bias) and scales them into fp16 itself
 _MMA_LAYOUT = {"tf32x3": layouts.ROWS_FP32, "tf32": layouts.ROWS_TF32,
                "bf16": layouts.ROWS_BF16, "f16x3": layouts.ROWS_FP32}
