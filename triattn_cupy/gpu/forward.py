@@ -86,45 +86,10 @@ class Forward:
         row_blocks.check_row_block_args(row_block, max_scratch_bytes)
         check_fully_masked(fully_masked)
         checks.check_precision(precision)
-        pair, given_bfloat16 = checks.bfloat16_bits(pair)
-        pair = as_device_array(pair, "pair", dw.device_id)
-        self.pair_dtype = pair_dtype = checks.check_pair_dtype(
-            pair.dtype, "bfloat16" if given_bfloat16 else pair_dtype)
-        # The result's dtype: the pair's as given (a torch bfloat16 pair's: ml_dtypes')
-        self._result_dtype = (checks.bfloat16_dtype(pair.dtype) if given_bfloat16
-                              else pair.dtype)
-        if pair.dtype.name == "bfloat16":  # (ml_dtypes': CuPy copies it as its bits)
-            pair = pair.view(cupy.uint16)
         self.dw, self._allocate = dw, allocate
-        B, N, batched = pair_geometry(pair.shape, dw.pair_dim)
         conventions = Conventions(*conventions)  # (a (mask_layout, node) pair too)
-        mask_layout, node = conventions
-        if mask is not None:
-            mask = as_device_array(mask, "mask", dw.device_id)
-            check_mask_dtype(mask.dtype)
-            check_mask_shape(mask.shape, B, N, batched, mask_layout)
-            if mask.ndim != (3 if batched else 2):  # the models' (B, N, 1, 1, N) row mask,
-                # its unit axes dropped (a view)
-                mask = mask.reshape((B, N, N) if batched else (N, N))
-        _refuse_unsupported(node)
-        if conventions.transposed:
-            # The block on the transposed pair and mask, read in place (strided views:
-            # x[b, i, j] = pair[b, j, i]); the out projection writes each row back to the
-            # caller's layout (Plan.out_transposed), so `out` is shaped and laid out as pair.
-            pair = pair.swapaxes(-2, -3)
-            if mask is not None:
-                mask = mask.swapaxes(-1, -2)
-        # The caller's own `out` object is what a call returns (a bfloat16 one is carried
-        # as its bits inside)
-        self._caller_out = out if isinstance(out, cupy.ndarray) else None
-        if out is not None:
-            out, out_bfloat16 = checks.bfloat16_bits(out)
-            out = as_device_array(out, "out", dw.device_id)
-            checks.check_out(out, pair.shape, pair_dtype, out_bfloat16)
-            self._result_dtype = (checks.bfloat16_dtype(out.dtype) if out_bfloat16
-                                  else out.dtype)
-            if out.dtype.name == "bfloat16":
-                out = out.view(cupy.uint16)
+        pair, mask = self._take_inputs(cupy, pair, mask, pair_dtype, conventions)
+        out = self._take_out(cupy, out, pair.shape)
         # Rows whose vector loads would be misaligned (an odd offset, a channel stride) are
         # read from an aligned copy, and an unaligned `out` is written through one: the
         # route, and so the bits, must not depend on where the arrays lie.
@@ -138,23 +103,13 @@ class Forward:
         key = PlanKey.of(pair, mask, precision, fully_masked == "nan", route,
                          out_transposed=conventions.transposed,
                          row_mask=mask is not None and conventions.row_mask,
-                         pair_dtype=pair_dtype)
+                         pair_dtype=self.pair_dtype)
         # Whether calls must switch to the weights' device (each look-up of the current
         # device costs ~0.7 µs of host time before the first kernel: done once here)
-        self.dw, self._switch = dw, cupy.cuda.runtime.getDevice() != dw.device_id
+        self._switch = cupy.cuda.runtime.getDevice() != dw.device_id
         with self._on_device():  # one device switch: kernels, allocations
-            if attention is None:
-                plan = dw.plans.get(key)
-                if plan is None:
-                    with dw.lock:  # one thread makes it; the others wait and share it
-                        plan = dw.plans.get(key)
-                        if plan is None:
-                            if len(dw.plans) >= _PLANS_PER_MODULE:
-                                dw.plans.clear()
-                            plan = dw.plans[key] = make_plan(dw, key)
-            else:
-                plan = make_plan(dw, key, attention)
-            self.plan, self.pair, self.mask = plan, pair, mask
+            self.plan = plan = self._plan(key, attention)
+            self.pair, self.mask = pair, mask
             # Row blocks where the single pass's scratch would pass the limit (row_blocks.py)
             self.rows_per_block = _rows_per_block(cupy, dw, plan, pair, out is None,
                                                   row_block, max_scratch_bytes)
@@ -165,27 +120,90 @@ class Forward:
                 blocked = self.blocked_scratch = row_blocks.BlockedScratch(
                     plan, self.rows_per_block)
                 self._scratch = self._memory(blocked.nbytes)
-        scratch = self._scratch.ptr
         # The output's memory is taken after the first launch (take_out_memory: ~1 µs of
         # host time the first kernel need not wait on), its CuPy array after the last
         # (making an ndarray costs ~2.5 µs)
         self._out, self._out_memory = out, None if out is None else out.data
-        # The call's device addresses, by the names the launches' slots give them
-        self.pointers = {"pair": pair.data.ptr, "mask": 0 if mask is None else mask.data.ptr,
-                          "qkvg": scratch, "bias": scratch + plan.qkvg_bytes,
-                          "vt": (scratch + plan.qkvg_bytes + plan.bias_bytes
-                                 if plan.vt_bytes else 0),
-                          "extent": scratch + plan.extent_offset if plan.key_extent else 0,
-                          "row_mask": (scratch + plan.row_mask_offset
-                                       if plan.row_mask is not None else 0),
-                          "out": None if out is None else out.data.ptr}
-        if self.rows_per_block is not None:  # the blocked scratch's regions
+        self.pointers = self._addresses(out)
+
+    def _take_inputs(self, cupy, pair, mask, pair_dtype, conventions: Conventions):
+        """(pair, mask) as the kernels read them: checked, on the weights' device, the
+        pair's 16-bit types as their bits, the mask (B, N, N), both transposed for an
+        ending node. Sets pair_dtype and the result's dtype."""
+        dw = self.dw
+        pair, given_bfloat16 = checks.bfloat16_bits(pair)
+        pair = as_device_array(pair, "pair", dw.device_id)
+        self.pair_dtype = checks.check_pair_dtype(
+            pair.dtype, "bfloat16" if given_bfloat16 else pair_dtype)
+        # The result's dtype: the pair's as given (a torch bfloat16 pair's: ml_dtypes')
+        self._result_dtype = (checks.bfloat16_dtype(pair.dtype) if given_bfloat16
+                              else pair.dtype)
+        if pair.dtype.name == "bfloat16":  # (ml_dtypes': CuPy copies it as its bits)
+            pair = pair.view(cupy.uint16)
+        B, N, batched = pair_geometry(pair.shape, dw.pair_dim)
+        if mask is not None:
+            mask = as_device_array(mask, "mask", dw.device_id)
+            check_mask_dtype(mask.dtype)
+            check_mask_shape(mask.shape, B, N, batched, conventions.mask_layout)
+            if mask.ndim != (3 if batched else 2):  # the models' (B, N, 1, 1, N) row mask,
+                # its unit axes dropped (a view)
+                mask = mask.reshape((B, N, N) if batched else (N, N))
+        _refuse_unsupported(conventions.node)
+        if conventions.transposed:
+            # The block on the transposed pair and mask, read in place (strided views:
+            # x[b, i, j] = pair[b, j, i]); the out projection writes each row back to the
+            # caller's layout (Plan.out_transposed), so `out` is shaped and laid out as pair.
+            pair = pair.swapaxes(-2, -3)
+            if mask is not None:
+                mask = mask.swapaxes(-1, -2)
+        return pair, mask
+
+    def _take_out(self, cupy, out, shape):
+        """The caller's `out` checked (shaped and typed as the pair), as its bits where
+        bfloat16; None stays None. The caller's own object is what a call returns."""
+        self._caller_out = out if isinstance(out, cupy.ndarray) else None
+        if out is None:
+            return None
+        out, out_bfloat16 = checks.bfloat16_bits(out)
+        out = as_device_array(out, "out", self.dw.device_id)
+        checks.check_out(out, shape, self.pair_dtype, out_bfloat16)
+        self._result_dtype = (checks.bfloat16_dtype(out.dtype) if out_bfloat16
+                              else out.dtype)
+        return out.view(cupy.uint16) if out.dtype.name == "bfloat16" else out
+
+    def _plan(self, key: PlanKey, attention):
+        """The Plan of `key`: the module's (made once, by one thread), or one of its own
+        around a forced `attention` kernel."""
+        dw = self.dw
+        if attention is not None:
+            return make_plan(dw, key, attention)
+        plan = dw.plans.get(key)
+        if plan is None:
+            with dw.lock:  # one thread makes it; the others wait and share it
+                plan = dw.plans.get(key)
+                if plan is None:
+                    if len(dw.plans) >= _PLANS_PER_MODULE:
+                        dw.plans.clear()
+                    plan = dw.plans[key] = make_plan(dw, key)
+        return plan
+
+    def _addresses(self, out) -> dict:
+        """The call's device addresses, by the names the launches' slots give them."""
+        plan, pair, mask, scratch = self.plan, self.pair, self.mask, self._scratch.ptr
+        if self.rows_per_block is None:
+            qkvg, bias = scratch, scratch + plan.qkvg_bytes
+            vt, extent = bias + plan.bias_bytes, scratch + plan.extent_offset
+            row_mask = scratch + plan.row_mask_offset
+        else:  # the blocked scratch's regions
             blocked = self.blocked_scratch
-            self.pointers.update(
-                qkvg=scratch + blocked.qkvg, bias=scratch + blocked.bias,
-                vt=scratch + blocked.vt if plan.vt_bytes else 0,
-                extent=scratch + blocked.extent if plan.key_extent else 0,
-                row_mask=scratch + blocked.row_mask if plan.row_mask is not None else 0)
+            qkvg, bias, vt = (scratch + blocked.qkvg, scratch + blocked.bias,
+                              scratch + blocked.vt)
+            extent, row_mask = scratch + blocked.extent, scratch + blocked.row_mask
+        return {"pair": pair.data.ptr, "mask": 0 if mask is None else mask.data.ptr,
+                "qkvg": qkvg, "bias": bias, "vt": vt if plan.vt_bytes else 0,
+                "extent": extent if plan.key_extent else 0,
+                "row_mask": row_mask if plan.row_mask is not None else 0,
+                "out": None if out is None else out.data.ptr}
 
     # The geometry, as the plan has it
     B = property(lambda self: self.plan.B)

@@ -177,7 +177,8 @@ class Plan:
     def _extras(self):
         """After the rest of the scratch: each batch's key extent under the mask (B ints),
         where the attention's key loops may stop early; the row mask's key bits
-        (B N npk / 32 words)."""
+        (B N npk / 32 words). Their offsets are 0 where the plan has none."""
+        self.extent_offset = self.row_mask_offset = 0
         if self.key_extent is not None:
             self.extent_offset = self.scratch_bytes
             self.scratch_bytes += 4 * self.B
