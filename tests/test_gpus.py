@@ -65,3 +65,11 @@ def test_route_rows_name_the_engines_they_need():
     for row in routes.ROUTE_TABLE.values():
         assert row.products in routes.ARITHMETIC
         assert row.attention == "ffma" or row.attention.split("_")[1] in routes.ARITHMETIC
+
+
+def test_programmatic_dependent_launches_from_the_table():
+    """Captured forwards launch dependents programmatically where the row says the GPU
+    runs them (9.0, and the newer GPUs that take its row); never before."""
+    assert [cc for cc, row in gpus.GPUS.items() if row.dependent_launches] == [90]
+    assert gpus.gpu(120).dependent_launches and not gpus.gpu(75).dependent_launches
+    assert not gpu.dependent_launch.supported(86)  # (no driver asked)

@@ -36,13 +36,15 @@ class Gpu:
     """One compute capability: `engines` it runs, `smem_optin` bytes of dynamic shared
     memory a block may opt into (MaxSharedMemoryPerBlockOptin), `tile_table` the mma.sync
     attention's tiles (tuned_tiles.TABLES), `check_arch` its kernels' offline compile
-    target, `examples` GPUs of that capability, `declared` a row made for a capability the
-    table does not list."""
+    target, `dependent_launches` whether it runs programmatic dependent launches
+    (dependent_launch.py), `examples` GPUs of that capability, `declared` a row made for a
+    capability the table does not list."""
     compute_capability: int
     engines: tuple[str, ...]
     smem_optin: int
     tile_table: str
     check_arch: str
+    dependent_launches: bool = False
     examples: str = ""
     declared: bool = False
 
@@ -52,11 +54,12 @@ class Gpu:
 
 KIB = 1024
 GPUS = {gpu.compute_capability: gpu for gpu in (
-    Gpu(80, (FFMA, MMA), 163 * KIB, "sm_80", "sm_80", "A100, A30"),
-    Gpu(86, (FFMA, MMA), 99 * KIB, "sm_80", "sm_80", "RTX 30, A10, A40"),
-    Gpu(87, (FFMA, MMA), 163 * KIB, "sm_80", "sm_80", "Jetson Orin"),
-    Gpu(89, (FFMA, MMA), 99 * KIB, "sm_80", "sm_80", "RTX 40, L4, L40"),
-    Gpu(90, (FFMA, MMA, WGMMA), 227 * KIB, "sm_90", "sm_90", "H100, H200"),
+    Gpu(80, (FFMA, MMA), 163 * KIB, "sm_80", "sm_80", examples="A100, A30"),
+    Gpu(86, (FFMA, MMA), 99 * KIB, "sm_80", "sm_80", examples="RTX 30, A10, A40"),
+    Gpu(87, (FFMA, MMA), 163 * KIB, "sm_80", "sm_80", examples="Jetson Orin"),
+    Gpu(89, (FFMA, MMA), 99 * KIB, "sm_80", "sm_80", examples="RTX 40, L4, L40"),
+    Gpu(90, (FFMA, MMA, WGMMA), 227 * KIB, "sm_90", "sm_90", dependent_launches=True,
+        examples="H100, H200"),
 )}
 # Before 8.0: the FFMA kernels alone (compile-checked as sm_80's FFMA configurations)
 _FFMA_ONLY = Gpu(0, (FFMA,), 48 * KIB, "sm_80", "sm_80", declared=True)
