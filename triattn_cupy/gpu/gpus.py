@@ -27,8 +27,9 @@ _log = logging.getLogger("triattn_cupy")
 
 # The engines: FFMA everywhere; mma.sync from 8.0; wgmma (sm_90a) on 9.0 alone
 FFMA, MMA, WGMMA = "ffma", "mma", "wgmma"
-# Engines whose kernels run only on the architecture they are compiled for (sm_90a)
-ARCH_SPECIFIC = (WGMMA,)
+# Engines whose kernels run only on the architecture they are compiled for, and that target
+# (wgmma exists on compute capability 9.0 alone, in sm_90a, which the plain sm_90 rejects)
+ARCH_SPECIFIC = {WGMMA: "sm_90a"}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -54,7 +54,7 @@ from .tiles import (ATTENTION_MMA_THREADS, ATTENTION_THREADS, MMA_STAGED,
                     project_pad, persistent_smem_bytes, persistent_split,
                     project_weight_stages)
 
-WGMMA_ARCH = "sm_90a"  # wgmma exists only on compute capability 9.0, in this target
+WGMMA_ARCH = gpus.ARCH_SPECIFIC[gpus.WGMMA]  # the target its kernels compile for
 
 # N above which head dim 32 takes the wgmma attention on compute capability 9.0, in every
 # mode (faster from N = 129: TF32 1x384 / 1x1024 0.179 / 2.50 against 0.198 / 3.00 ms on
