@@ -39,17 +39,17 @@ def _allowed_spill_bytes(config, arch) -> int:
     Every other kernel: none."""
     defines = dict(config.defines)
     if defines.get("ROW_BLOCK") and defines.get("ROW_MASK"):
-        if (config.filename == "attention_mma.cu" and defines["PREC"] == gpu.routes.PREC_TF32X3
+        if (config.filename == "attention_mma.cu" and defines["PREC"] == gpu.kernel_configs.PREC_TF32X3
                 and defines["HEAD_DIM"] == 64):
             return 16  # the oracle's row-masked form (no GPU takes it)
         if config.filename == "attention_wgmma.cu" and defines.get("F16X3"):
             return 8
-    if (config.filename == "attention_mma.cu" and defines["PREC"] == gpu.routes.PREC_TF32X3
+    if (config.filename == "attention_mma.cu" and defines["PREC"] == gpu.kernel_configs.PREC_TF32X3
             and defines["HEAD_DIM"] == 24 and defines["MIN_BLOCKS"] == 2 and arch == "sm_90"):
         return 32  # chosen by measurement over the spill-free shapes (tiles.py)
     if config.filename == "project_mma.cu" and defines.get("SPLIT"):
         return 72
-    if (config.filename == "attention_mma.cu" and defines["PREC"] == gpu.routes.PREC_TF32X3
+    if (config.filename == "attention_mma.cu" and defines["PREC"] == gpu.kernel_configs.PREC_TF32X3
             and defines.get("ROW_MASK") and defines["HEAD_DIM"] == 64):
         return 8  # the oracle's row-masked form at 255 registers (no GPU takes it)
     return 0
@@ -130,21 +130,21 @@ def test_16_bit_pair_configs_cover_every_route_and_both_types():
                 continue
             taken.add(name)
             for dtype in ("float16", "bfloat16"):
-                configs = [routes.persistent_project_config(route.layout, dtype)
+                configs = [gpu.kernel_configs.persistent_project_config(route.layout, dtype)
                            if engine == "persistent" else
-                           routes.project_config(gpu.tiles.out_project_rows(), engine, 128,
+                           gpu.kernel_configs.project_config(gpu.tiles.out_project_rows(), engine, 128,
                                                  route.layout, route.products, dtype)
                            for engine in (route.project, route.out_project)]
                 for c in configs:
                     assert (c.filename, c.defines) in compiled, (name, dtype, c)
         assert len(taken) >= (15 if cc == 90 else 5), taken
-    config = routes.project_config(64, "mma", 128, gpu.layouts.ROWS_TF32, "tf32")
-    assert routes.project_config(64, "mma", 128, gpu.layouts.ROWS_TF32, "tf32",
+    config = gpu.kernel_configs.project_config(64, "mma", 128, gpu.layouts.ROWS_TF32, "tf32")
+    assert gpu.kernel_configs.project_config(64, "mma", 128, gpu.layouts.ROWS_TF32, "tf32",
                                  "float32") == config
     assert "PAIR_DTYPE" not in dict(config.defines)
-    assert dict(routes.with_pair_dtype(config, "bfloat16").defines)["PAIR_DTYPE"] == 2
+    assert dict(gpu.kernel_configs.with_pair_dtype(config, "bfloat16").defines)["PAIR_DTYPE"] == 2
     with pytest.raises(ValueError, match="pair_dtype must be one of"):
-        routes.pair_dtype_defines("float64")
+        gpu.kernel_configs.pair_dtype_defines("float64")
 
 
 # Row blocks (ROW_BLOCK: a launch over the rows [row_begin, row_end)): every LayerNorm
@@ -197,7 +197,7 @@ def test_a_newer_gpu_compiles_its_declared_route(arch):
     route = gpu.routes.choose_route("bf16", 8, 64, 1024, int(arch.removeprefix("sm_")))
     assert route.name == "mma_bf16"
     attention = route.attention_launch(8, 1024).config
-    project = gpu.routes.project_config(64, route.project, 64, route.layout, route.products)
+    project = gpu.kernel_configs.project_config(64, route.project, 64, route.layout, route.products)
     for config in (attention, project):
         report = gpu.compile.ptxas_report(gpu.compile.compile_offline(
             config.filename, config.defines, arch))
@@ -208,14 +208,14 @@ def test_a_newer_gpu_compiles_its_declared_route(arch):
 def test_every_supported_dimension_has_a_config():
     configs = set(gpu.kernel_catalog.all_configs())
     for d in gpu.checks.supported_head_dims():
-        assert gpu.routes.attention_config(d) in configs
+        assert gpu.kernel_configs.attention_config(d) in configs
     rows_fp32 = gpu.layouts.ROWS_FP32
     for D in (4, 64, 128, 320, 324, 768):
         for rows_total in (1, 10**9):
             for engine, products in (("ffma", "fp32"), ("mma", "tf32"), ("mma", "f16x3")):
                 rows = gpu.tiles.project_rows(D, rows_total, tensor_cores=engine == "mma")
                 for r in (rows, gpu.tiles.out_project_rows()):
-                    assert gpu.routes.project_config(r, engine, D, rows_fp32, products) in configs
+                    assert gpu.kernel_configs.project_config(r, engine, D, rows_fp32, products) in configs
 
 
 def test_every_route_compiles_here():
@@ -236,11 +236,11 @@ def test_every_route_compiles_here():
                         for engine in {route.project, route.out_project} - {"persistent"}:
                             for rows in {gpu.tiles.project_rows(D, t, tensor_cores=engine == "mma")
                                          for t in (1, 10**9)} | {gpu.tiles.out_project_rows()}:
-                                config = gpu.routes.project_config(rows, engine, D, route.layout,
+                                config = gpu.kernel_configs.project_config(rows, engine, D, route.layout,
                                                                    route.products)
                                 assert config in compiled[arch], (route, D, rows)
                         if "persistent" in (route.project, route.out_project):
-                            assert gpu.routes.persistent_project_config(route.layout) in compiled[arch]
+                            assert gpu.kernel_configs.persistent_project_config(route.layout) in compiled[arch]
 
 
 def test_projection_rows_per_block():
@@ -333,7 +333,7 @@ def test_which_attention_kernel_each_mode_takes():
     small = gpu.routes.attention_kernel(16, "fp32", 90, 128)
     assert small.layout == gpu.layouts.ROWS_FP32 and small.operand_scales
     # 3xTF32 stays as f16x3's accuracy oracle, reading the same layout, without scales
-    tf32x3 = gpu.routes.attention_mma_launch(16, "tf32x3", n=128)
+    tf32x3 = gpu.kernel_configs.attention_mma_launch(16, "tf32x3", n=128)
     assert tf32x3.name == "attention_mma_tf32x3" and tf32x3.layout == gpu.layouts.ROWS_FP32
     assert not tf32x3.operand_scales
     fp32 = gpu.routes.attention_kernel(32, "fp32", 90, 4096)
@@ -367,7 +367,7 @@ def test_wgmma_shared_memory_mirror_matches_the_kernel(variant):
     checked = 0
     for tiles in _WGMMA_SHAPES:
         try:
-            launch = gpu.routes.attention_wgmma_launch(32, tiles, variant)
+            launch = gpu.kernel_configs.attention_wgmma_launch(32, tiles, variant)
         except ValueError:  # a shape the variant does not take
             continue
         compile_ptx_or_fail(gpu.compile.full_source(launch.config.filename, launch.config.defines)
@@ -385,7 +385,7 @@ _MMA_SHAPES = [gpu.tiles.MmaTiles(*shape) for shape in
                 (16, 1, 1, 1, 2, 4), (32, 2, 2, 0, 1)]]
 
 
-@pytest.mark.parametrize("variant", list(gpu.routes.ATTENTION_MMA_VARIANTS))
+@pytest.mark.parametrize("variant", list(gpu.kernel_configs.ATTENTION_MMA_VARIANTS))
 def test_mma_shared_memory_mirror_matches_the_kernel(variant):
     """gpu.tiles.attention_mma_smem_bytes, what the host asks for at launch, equals the
     kernel's own SMEM_BYTES (compiled as a static_assert, PTX only), for every variant at
@@ -395,7 +395,7 @@ def test_mma_shared_memory_mirror_matches_the_kernel(variant):
             continue
         for tiles in _MMA_SHAPES + [gpu.tiles.attention_mma_tiles(d, variant, n, cc)
                                     for n in (128, 129) for cc in (80, 90)]:
-            launch = gpu.routes.attention_mma_launch(d, variant, tiles)
+            launch = gpu.kernel_configs.attention_mma_launch(d, variant, tiles)
             compile_ptx_or_fail(
                 gpu.compile.full_source(launch.config.filename, launch.config.defines)
                 + f'\nstatic_assert(SMEM_BYTES == {launch.smem}, "smem mirror: {variant} '

@@ -451,7 +451,7 @@ def test_forced_routes_and_their_errors():
     a100 = choose("tf32", 32, 128, 1024, 90, force="mma_tf32@sm_80")
     assert a100.tile_table == "sm_80" and a100.name == "mma_tf32@sm_80"
     assert (a100.attention_launch(32, 1024)
-            == gpu.routes.attention_mma_launch(32, "tf32", n=1024, compute_capability=80))
+            == gpu.kernel_configs.attention_mma_launch(32, "tf32", n=1024, compute_capability=80))
     with pytest.raises(ValueError, match="route must be"):
         choose("fp32", 32, 128, 300, 90, force="nope")
     with pytest.raises(ValueError, match="serves precision"):
@@ -477,8 +477,8 @@ def test_the_f16s_launch_reads_tiles_f16_with_its_own_scales():
     assert ("S16", 1) in launch.config.defines and ("F16X1", 1) in launch.config.defines
     assert gpu.routes.attention_kernel(32, "bf16", 90, 128).name == "attention_mma_bf16"
     assert gpu.routes.attention_kernel(32, "tf32", 90, 1024).name == "attention_wgmma_f16"
-    f16 = gpu.routes.attention_wgmma_launch(32, variant="f16")
-    assert gpu.routes.attention_wgmma_launch(32, variant="f16s").smem == f16.smem
+    f16 = gpu.kernel_configs.attention_wgmma_launch(32, variant="f16")
+    assert gpu.kernel_configs.attention_wgmma_launch(32, variant="f16s").smem == f16.smem
     assert gpu.routes.choose_route("tf32", 32, 64, 1024, 90).scales == "f16_biased"
 
 

@@ -78,13 +78,13 @@ def test_where_the_persistent_projections_run():
     split kernels); the routes take them on compute capability 9.0 only."""
     f16, bf16, f16x3 = gpu.layouts.TILES_F16, gpu.layouts.TILES_BF16, gpu.layouts.TILES_F16_HILO
     for layout in (f16, bf16, f16x3, gpu.layouts.TILES_F16_SLOTS):
-        assert gpu.routes.persistent_fits(layout, 128)
-        assert not gpu.routes.persistent_fits(layout, 64)
-        assert not gpu.routes.persistent_fits(layout, 128, smem_limit=163 * 1024)
-        assert gpu.routes.persistent_project_config(layout) in gpu.kernel_catalog.all_configs("sm_90")
-    assert not gpu.routes.persistent_fits(gpu.layouts.ROWS_TF32, 128)
-    assert gpu.routes.persistent_project_config(f16x3).filename == "project_wgmma_split.cu"
-    assert gpu.routes.persistent_project_config(f16).filename == "project_wgmma.cu"
+        assert gpu.kernel_configs.persistent_fits(layout, 128)
+        assert not gpu.kernel_configs.persistent_fits(layout, 64)
+        assert not gpu.kernel_configs.persistent_fits(layout, 128, smem_limit=163 * 1024)
+        assert gpu.kernel_configs.persistent_project_config(layout) in gpu.kernel_catalog.all_configs("sm_90")
+    assert not gpu.kernel_configs.persistent_fits(gpu.layouts.ROWS_TF32, 128)
+    assert gpu.kernel_configs.persistent_project_config(f16x3).filename == "project_wgmma_split.cu"
+    assert gpu.kernel_configs.persistent_project_config(f16).filename == "project_wgmma.cu"
     for precision in PRECISIONS:
         assert gpu.routes.choose_route(precision, 32, 128, 300, 90).out_project == "persistent"
         assert gpu.routes.choose_route(precision, 32, 128, 300, 80).out_project == "mma"
@@ -102,7 +102,7 @@ def test_shared_memory_mirror_matches_the_kernel(layout):
         nvrtc.getVersion()
     except Exception:
         pytest.skip("NVRTC library not found (pip install 'cupy-cuda13x[ctk]')")
-    config = gpu.routes.persistent_project_config(layout)
+    config = gpu.kernel_configs.persistent_project_config(layout)
     compile_ptx_or_fail(
         gpu.compile.full_source(config.filename, config.defines)
         + f"\nstatic_assert(PROJECT_TILES_SMEM == {gpu.tiles.persistent_smem_bytes(layout)}, \"in\");"

@@ -12,7 +12,8 @@ import triattn_cupy as ta
 from triattn_cupy import reference
 from triattn_cupy.gpu.device_weights import fold_layer_norm_into_bias
 
-from triattn_cupy.gpu import kernel_catalog, layouts, routes, row_blocks, tiles
+from triattn_cupy.gpu import kernel_catalog, kernel_configs, layouts, routes, row_blocks, tiles
+from triattn_cupy.gpu.checks import PAIR_DTYPES
 from triattn_cupy.gpu.row_blocks import ScratchSizes, rows_per_block
 
 GiB, MiB = 1 << 30, 1 << 20
@@ -188,12 +189,12 @@ def test_every_persistent_layout_has_its_bias_pass(layout):
     """The persistent projections' bias pass is layernorm_bias_ffma.cu writing the same
     bias form, for every pair dtype, in the configurations the compile checks build
     (tests/test_kernels_compile.py)."""
-    bias_layout = routes.bias_pass_layout(layout)
+    bias_layout = kernel_configs.bias_pass_layout(layout)
     assert (bias_layout.tiled, bias_layout.bias, bias_layout.scaled) == (
         layout.tiled, layout.bias, layout.scaled)
     configs = set(kernel_catalog.row_blocked_configs("sm_90"))
-    for pair_dtype in routes.PAIR_DTYPES:
-        assert routes.layernorm_bias_config(bias_layout, 128, 4, pair_dtype) in configs
+    for pair_dtype in PAIR_DTYPES:
+        assert kernel_configs.layernorm_bias_config(bias_layout, 128, 4, pair_dtype) in configs
 
 
 def test_the_bias_pass_folds_layer_norm_into_the_bias_weights():

@@ -1,7 +1,7 @@
 """One call of the GPU forward pass (Forward): arguments checked, the Plan of its input
 geometry looked up (made on first use), scratch allocated, the stages launched.
 
-Stages (one launch each; the kernels of each route: gpu/routes.py):
+Stages (one launch each; the kernels of each route: gpu/routes.py, gpu/kernel_configs.py):
   project    LayerNorm + q/k/v/gate + pair bias with the mask folded in (the mask read in
              place, in its own dtype and strides), written in the route's layout; the row
              mask layout folds no mask in
@@ -77,7 +77,7 @@ class Forward:
 
     def __init__(self, dw: DeviceWeights, pair, mask, fully_masked: str, out,
                  precision: str = "fp32",
-                 attention: "routes.AttentionLaunch | None" = None,
+                 attention: "kernel_configs.AttentionLaunch | None" = None,
                  route: "routes.Route | str | None" = None,
                  conventions: "Conventions | tuple[str, str]" = Conventions(),
                  pair_dtype: str | None = None, allocate=None,
@@ -304,7 +304,7 @@ class Forward:
             cupy.cuda.runtime.memsetAsync(self.pointers["bias"], 0, self.plan.bias_bytes,
                                           cupy.cuda.get_current_stream().ptr)
 
-    def attention(self, launch: "routes.AttentionLaunch | None" = None):
+    def attention(self, launch: "kernel_configs.AttentionLaunch | None" = None):
         """The attention stage (with the key extent before it, where the plan finds one);
         `launch` replaces the kernel chosen for this forward (tile sweeps time kernels on
         the same scratch): it must read k and v in the form this forward's projection

@@ -2,17 +2,18 @@
 compile target checks (gpus.GPUS rows by check_arch), and what each feature adds to them (OUT_TRANSPOSED, the 16-bit pair types,
 ROW_MASK, ROW_BLOCK and the bias passes). The offline compile checks
 (tests/test_kernels_compile.py) and tools/compare_kernels.py compile these lists; the
-run time builds each configuration it launches through gpu/routes.py alone.
+run time builds each configuration it launches through gpu/kernel_configs.py alone.
 """
 from __future__ import annotations
 
 from . import gpus, layouts, tuned_tiles
 from .checks import supported_head_dims
-from .routes import (ATTENTION_MMA_VARIANTS, PAIR_DTYPES, attention_config,
-                     attention_mma_config, attention_wgmma_launch, bias_only,
-                     key_extent_config, layernorm_bias_config, out_transposed,
-                     project_config, persistent_project_config, row_blocked, row_mask_config,
-                     row_masked, with_pair_dtype)
+from .checks import PAIR_DTYPES
+from .kernel_configs import (ATTENTION_MMA_VARIANTS, attention_config, attention_mma_config,
+                             attention_wgmma_launch, bias_only, key_extent_config,
+                             layernorm_bias_config, out_transposed, persistent_project_config,
+                             project_config, row_blocked, row_mask_config, row_masked,
+                             with_pair_dtype)
 from .tiles import (MAX_PAIR_DIM, SMALL_N, PERSISTENT_PAIR_DIM, WGMMA_HEAD_DIMS, WGMMA_VARIANTS,
                     attention_mma_head_dims, out_project_rows, project_rows)
 

@@ -12,7 +12,7 @@ import typing
 import numpy as np
 
 from .._checks import pair_geometry
-from . import layouts, routes, tiles
+from . import kernel_configs, layouts, routes, tiles
 from .device_weights import DeviceWeights
 from .launch import Call, Launch, Signature
 from .scales import LOG2E
@@ -86,7 +86,7 @@ class Plan:
     attention where the forward needs them; `launches` builds them (and row blocks')."""
 
     def __init__(self, dw: DeviceWeights, key: PlanKey,
-                 attention: "routes.AttentionLaunch | None" = None):
+                 attention: "kernel_configs.AttentionLaunch | None" = None):
         self._geometry(dw, key)
         self.route = _route(dw, key, self, attention)
         self.attention_kernel = attention or self.route.attention_launch(self.d, self.N)
@@ -186,7 +186,7 @@ class Plan:
             self.row_mask_offset = self.scratch_bytes
             self.scratch_bytes += 4 * self.B * self.N * (self.npk // 32)
 
-    def attention_launch(self, kernel: "routes.AttentionLaunch", nan_fully_masked: bool):
+    def attention_launch(self, kernel: "kernel_configs.AttentionLaunch", nan_fully_masked: bool):
         """The attention stage with `kernel` in place of the plan's (tile sweeps)."""
         return self.launches.attention(kernel, nan_fully_masked=nan_fully_masked)
 
@@ -204,7 +204,7 @@ class Plan:
 
 
 def _route(dw: DeviceWeights, key: PlanKey, plan: Plan,
-           attention: "routes.AttentionLaunch | None") -> "routes.Route":
+           attention: "kernel_configs.AttentionLaunch | None") -> "routes.Route":
     """The route of `key`'s forward: the one `attention` kernel forced (tile sweeps and
     tests) or key.route's, else the fastest (routes.choose_route)."""
     geometry = dict(rows_aligned=bool(plan.x_vec), smem_limit=dw.smem_limit,
@@ -238,7 +238,7 @@ class RouteLaunches:
         """mask_key_extent: each batch's last kept key (key_extent.cu)."""
         p = self.plan
         chunks = tiles.key_extent_chunks(p.N)
-        return Launch(routes.key_extent_config(), "mask_key_extent", chunks * p.B,
+        return Launch(kernel_configs.key_extent_config(), "mask_key_extent", chunks * p.B,
                       tiles.KEY_EXTENT_THREADS, 0,
                       MASK_KEY_EXTENT.bind(**_mask_args(mask_meta), N=p.N, chunks=chunks,
                                            key_extent=Call("extent")))
@@ -248,8 +248,8 @@ class RouteLaunches:
         p = self.plan
         words = p.npk // 32
         count = p.B * p.N * words
-        return Launch(routes.row_mask_config(), "row_mask_pack",
-                      -(-count // routes.ROW_MASK_THREADS), routes.ROW_MASK_THREADS, 0,
+        return Launch(kernel_configs.row_mask_config(), "row_mask_pack",
+                      -(-count // kernel_configs.ROW_MASK_THREADS), kernel_configs.ROW_MASK_THREADS, 0,
                       ROW_MASK_PACK.bind(**_mask_args(mask_meta), B=p.B, N=p.N,
                                          words_per_row=words, row_mask=Call("row_mask")))
 
@@ -260,7 +260,7 @@ class RouteLaunches:
             return self._persistent_projection(row_block)
         p, dw, r = self.plan, self.dw, self.plan.route
         rows = tiles.project_rows(p.D, p.M, dw.sm_count, dw.smem_limit, p.project_mma)
-        config = routes.project_config(rows, r.project, p.D, p.layout, r.products,
+        config = kernel_configs.project_config(rows, r.project, p.D, p.layout, r.products,
                                        p.pair_dtype)
         signature = LN_QKVG_PROJECT + (F16_TERMS_ARGS if p.project_f16 else Signature())
         sb, si, sj, sc = p.strides
@@ -274,9 +274,9 @@ class RouteLaunches:
             **_mask_args(p.projection_mask), qkvg=Call("qkvg"), bias=Call("bias"),
             npk=p.npk, vt=Call("vt"), **self._f16_projection_args())
         if row_block:
-            config = routes.row_blocked(config)
+            config = kernel_configs.row_blocked(config)
             if bias_only:
-                config = routes.bias_only(config)
+                config = kernel_configs.bias_only(config)
         return self._launch(config, f"ln_qkvg_project_{r.project}_{r.products}",
                             -(-p.M // rows), tiles.PROJECT_THREADS,
                             tiles.project_smem_bytes(p.D, rows, p.project_mma),
@@ -304,15 +304,15 @@ class RouteLaunches:
         if split:  # (row blocks' projections write no bias: the call's null "wb")
             values.update(wb=Call("wb") if row_block else
                           dw.bias_weight(False, p.scales).data.ptr, a_unscale=1.0 / s.a)
-        config = routes.persistent_project_config(p.layout, p.pair_dtype)
+        config = kernel_configs.persistent_project_config(p.layout, p.pair_dtype)
         if row_block:
-            config = routes.row_blocked(config)
+            config = kernel_configs.row_blocked(config)
         return self._launch(config, "ln_qkvg_project_wgmma_" + ("f16x3" if split else "f16"),
                             min(n_tiles, dw.sm_count), tiles.PERSISTENT_THREADS,
                             tiles.persistent_smem_bytes(p.layout), signature, values,
                             row_block)
 
-    def attention(self, kernel: "routes.AttentionLaunch", row_block: bool = False,
+    def attention(self, kernel: "kernel_configs.AttentionLaunch", row_block: bool = False,
                   nan_fully_masked: bool | None = None) -> Launch:
         """The attention `kernel` on the plan's scratch (it must read the layout and the
         scales the plan's projection writes)."""
@@ -344,12 +344,12 @@ class RouteLaunches:
         values["key_extent"] = Call("extent")
         config, smem = kernel.config, kernel.smem
         if p.row_mask is not None:  # (ROW_MASK: the key bits last)
-            config = routes.row_masked(config)
+            config = kernel_configs.row_masked(config)
             signature += Signature("ptr row_mask")
             values["row_mask"] = Call("row_mask")
-            smem += routes.row_mask_smem_bytes(kernel, p.npk)
+            smem += kernel_configs.row_mask_smem_bytes(kernel, p.npk)
         if row_block:
-            config = routes.row_blocked(config)
+            config = kernel_configs.row_blocked(config)
         return self._launch(config, kernel.name, kernel.blocks(p.B, p.N, p.H),
                             kernel.threads, smem, signature, values, row_block,
                             dependent=True)
@@ -360,7 +360,7 @@ class RouteLaunches:
         p, dw, r = self.plan, self.dw, self.plan.route
         if p.out_persistent:  # one block per SM over the tiles of 64 rows, Wo resident
             split = tiles.persistent_split(p.layout)
-            config = routes.persistent_project_config(p.layout, p.pair_dtype)
+            config = kernel_configs.persistent_project_config(p.layout, p.pair_dtype)
             name = "gated_out_project_wgmma_" + ("f16x3" if split else "f16")
             grid = min(-(-p.M // tiles.PERSISTENT_ROWS), dw.sm_count)
             threads = tiles.PERSISTENT_THREADS
@@ -368,7 +368,7 @@ class RouteLaunches:
             signature = GATED_OUT_PROJECT_PERSISTENT
             values = dict(wo_image=dw.tile_weight_image("out", split=split).data.ptr)
         else:
-            config = routes.project_config(p.out_rows, r.out_project, p.D, p.layout,
+            config = kernel_configs.project_config(p.out_rows, r.out_project, p.D, p.layout,
                                            r.products, p.pair_dtype)
             name = f"gated_out_project_{r.out_project}_{r.products}"
             grid, threads = -(-p.M // p.out_rows), tiles.PROJECT_THREADS
@@ -381,7 +381,7 @@ class RouteLaunches:
                       b_out=dw.b_out.data.ptr, out=Call("out"),
                       **self._f16_projection_args(out=True))
         if p.out_transposed:
-            config = routes.out_transposed(config)
+            config = kernel_configs.out_transposed(config)
             signature += Signature("i32 N")
             values["N"] = p.N
         # (row blocks: the out projection's configuration is the single pass's, its M per
@@ -399,13 +399,13 @@ class RouteLaunches:
         if not p.project_persistent:
             launch = self.project(row_block=True, bias_only=True)
             return launch, dict(launch.config.defines)["BM"], None
-        config = routes.layernorm_bias_config(routes.bias_pass_layout(p.layout), p.D, p.H,
+        config = kernel_configs.layernorm_bias_config(kernel_configs.bias_pass_layout(p.layout), p.D, p.H,
                                               p.pair_dtype)
         w_ln, c_ln = dw.layernorm_bias_weight(p.scales)
         sb, si, sj, _ = p.strides  # (rows contiguous: routes.choose_route)
         launch = self._launch(
-            config, "layernorm_bias_ffma", 1, routes.LAYERNORM_BIAS_THREADS,
-            routes.layernorm_bias_smem_bytes(p.D, p.pair_dtype), LAYERNORM_BIAS,
+            config, "layernorm_bias_ffma", 1, kernel_configs.LAYERNORM_BIAS_THREADS,
+            kernel_configs.layernorm_bias_smem_bytes(p.D, p.pair_dtype), LAYERNORM_BIAS,
             dict(x=Call("pair"), sb=sb, si=si, sj=sj, N=p.N, eps=dw.eps, w_ln=w_ln.data.ptr,
                  c_ln=c_ln.data.ptr, **_mask_args(p.projection_mask), bias=Call("bias"),
                  npk=p.npk), row_block=True)
@@ -438,7 +438,7 @@ class RouteLaunches:
 
 
 def make_plan(dw: "DeviceWeights", key: PlanKey,
-              attention: "routes.AttentionLaunch | None" = None) -> Plan:
+              attention: "kernel_configs.AttentionLaunch | None" = None) -> Plan:
     """The Plan of `key` (with `attention` forced: tile sweeps and tests)."""
     return Plan(dw, key, attention)
 
