@@ -12,9 +12,9 @@ import triattn_cupy as ta
 from triattn_cupy import reference
 from triattn_cupy.gpu.device_weights import fold_layer_norm_into_bias
 
-from triattn_cupy.gpu import kernel_catalog, kernel_configs, layouts, routes, row_blocks, tiles
+from triattn_cupy.gpu import kernel_catalog, kernel_configs, layouts, row_blocks, tiles
 from triattn_cupy.gpu.checks import PAIR_DTYPES
-from triattn_cupy.gpu.row_blocks import ScratchSizes, rows_per_block
+from triattn_cupy.gpu.row_blocks import rows_per_block
 
 GiB, MiB = 1 << 30, 1 << 20
 

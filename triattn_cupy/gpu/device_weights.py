@@ -9,7 +9,6 @@ from ..weights import Weights
 
 from . import checks
 from . import layouts
-from . import routes
 from . import tiles
 from .checks import _cupy
 from .scales import f16_biased_scales, f16_projection_scales, f16s_scales, f16x3_scales

@@ -14,8 +14,9 @@ from .kernel_configs import (ATTENTION_MMA_VARIANTS, attention_config, attention
                              layernorm_bias_config, out_transposed, persistent_project_config,
                              project_config, row_blocked, row_mask_config, row_masked,
                              with_pair_dtype)
-from .tiles import (MAX_PAIR_DIM, SMALL_N, PERSISTENT_PAIR_DIM, WGMMA_HEAD_DIMS, WGMMA_VARIANTS,
+from .tiles import (MAX_PAIR_DIM, PERSISTENT_PAIR_DIM, WGMMA_HEAD_DIMS, WGMMA_VARIANTS,
                     attention_mma_head_dims, out_project_rows, project_rows)
+from .tuned_tiles import SMALL_N
 
 
 def _wgmma(arch: str | None) -> bool:

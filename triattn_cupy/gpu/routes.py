@@ -46,8 +46,9 @@ from .checks import check_precision
 from .kernel_configs import (WGMMA_LAYOUTS, AttentionLaunch, attention_ffma_launch,
                              attention_mma_launch, attention_wgmma_launch, persistent_fits)
 from .layouts import Layout
-from .tiles import (SMALL_N, SMEM_LIMIT, PERSISTENT_PAIR_DIM, WGMMA_HEAD_DIMS,
-                    attention_mma_head_dims, attention_mma_smem_bytes, attention_smem_bytes)
+from .tiles import (SMEM_LIMIT, PERSISTENT_PAIR_DIM, WGMMA_HEAD_DIMS, attention_mma_head_dims,
+                    attention_mma_smem_bytes, attention_smem_bytes)
+from .tuned_tiles import SMALL_N
 
 
 # N above which head dim 32 takes the wgmma attention on compute capability 9.0, in every
@@ -68,11 +69,6 @@ F16S_SLOTS_FROM_N = 384
 # every query). Below it a trailing masked tile is too small a share to pay for the
 # memset and the launch (2x128x64x4 is host-bound).
 KEY_EXTENT_MIN_N = 512
-
-
-
-
-# ---- routes ----
 
 # What each arithmetic word of a route, a kernel entry point or Route.products means
 ARITHMETIC = {

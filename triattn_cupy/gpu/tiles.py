@@ -7,7 +7,7 @@ import functools
 
 from . import gpus, tuned_tiles
 from .layouts import TILES_F16_HILO, Layout
-from .tuned_tiles import SMALL_N, MmaTiles, WgmmaTiles
+from .tuned_tiles import MmaTiles, WgmmaTiles
 
 
 MAX_HEAD_DIM = 128
