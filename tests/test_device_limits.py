@@ -11,7 +11,9 @@ from triattn_cupy import gpu
 
 class FakeDevice:
     def __init__(self, optin, capability):
-        self.attributes = {"MultiProcessorCount": 84, "MaxSharedMemoryPerBlockOptin": optin}
+        self.attributes = {"MultiProcessorCount": 84}
+        if optin is not None:
+            self.attributes["MaxSharedMemoryPerBlockOptin"] = optin
         self.compute_capability = capability
 
     def __enter__(self):
@@ -54,3 +56,10 @@ def test_small_gpu_gets_launches_that_fit(fake_gpu):
     assert gpu.tiles.project_rows(128, 10**9, dw.sm_count, dw.smem_limit) == 64
     launch = gpu.routes.attention_kernel(32, "tf32", dw.compute_capability, 4096, dw.smem_limit)
     assert launch.smem <= dw.smem_limit and launch.name == "attention_ffma_fp32"
+
+
+
+def test_a_device_that_does_not_say_takes_the_gpu_tables_shared_memory(fake_gpu):
+    fake_gpu(None, "86")  # (no MaxSharedMemoryPerBlockOptin attribute)
+    dw = gpu.device_weights.DeviceWeights(ta.random_weights(128, 4, seed=0), 0)
+    assert dw.smem_limit == gpu.gpus.GPUS[86].smem_optin == 99 * 1024
