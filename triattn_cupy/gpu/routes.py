@@ -23,10 +23,11 @@ public API.
     wgmma_f16s_persistent     bf16        wgmma; d = 32, N >= 768, D = 128, rows unaligned   mma f16 + wgmma f16s, out persistent
     wgmma_f16s_slots          bf16        wgmma; d = 32, N >= 384, D = 128            persistent f16 + wgmma f16s (slot rows)
 
-A route is named engine_arithmetic: the engine (ARITHMETIC below for the words after it) is
-what runs, the precision mode what the caller asks for. So the bf16 mode runs bf16
-products on mma.sync but fp16 ones (f16, f16s) on wgmma, where q, k, v come scaled into
-fp16's range. The "_persistent" routes run the persistent projections (project_wgmma.cu,
+A route is named engine_arithmetic (ARITHMETIC below says what each arithmetic word
+computes): the arithmetic is what runs, the precision mode what the caller asks for. So
+the bf16 mode's wgmma routes run fp16 projections (f16, q, k and v scaled into fp16's
+range) with the bf16 attention, or the f16s one; its mma.sync routes TF32 projections. The
+"_persistent" routes run the persistent projections (project_wgmma.cu,
 project_wgmma_split.cu: one block per SM, the weights resident) for the out projection,
 and for the LayerNorm projection where the pair's rows are 16-byte aligned (it copies
 whole rows); project_mma.cu otherwise. The forward reads a pair whose rows are not
