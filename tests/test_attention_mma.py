@@ -21,7 +21,7 @@ pytestmark = pytest.mark.gpu
 
 # f16s (the bf16 mode's option: S in fp16) held to bf16's
 TOL = {"tf32x3": 1e-5, "tf32": 2e-3, "bf16": 1e-2, "f16x3": 1e-5, "f16": 2e-3, "f16s": 1e-2}
-MMA_VARIANTS = list(gpu.routes.ATTENTION_MMA_VARIANTS)  # (f16 and f16s are wgmma only; f16x3 both)
+MMA_VARIANTS = list(gpu.kernel_configs.ATTENTION_MMA_VARIANTS)  # (f16 and f16s are wgmma only; f16x3 both)
 HEAD_DIMS = [8, 16, 24, 32, 64, 128]
 SIZES_N = [1, 7, 64, 65, 130]
 
@@ -76,8 +76,8 @@ def _run_both(cp, rng, B, N, head_dim, variant, policy, tiles=None, launch=None)
         rest_kept = bool((fwd.qkvg.view(cp.uint32)[:, rest] == projected[:, rest]).all())
         return fwd.attention_output().get(), rest_kept
 
-    ref, ref_kept = run(gpu.routes.attention_ffma_launch(head_dim))
-    got, got_kept = run(launch or gpu.routes.attention_mma_launch(head_dim, variant, tiles))
+    ref, ref_kept = run(gpu.kernel_configs.attention_ffma_launch(head_dim))
+    got, got_kept = run(launch or gpu.kernel_configs.attention_mma_launch(head_dim, variant, tiles))
     return ref, got, ref_kept, got_kept
 
 
@@ -138,7 +138,7 @@ def test_f16x3_mma_as_accurate_as_tf32x3_against_float64(cp, rng, B, N, head_dim
     errors = {}
     for variant in ("tf32x3", "f16x3"):
         fwd = Forward(dw, pair, mask, "zero", None,
-                      attention=gpu.routes.attention_mma_launch(head_dim, variant, n=N))
+                      attention=gpu.kernel_configs.attention_mma_launch(head_dim, variant, n=N))
         fwd.project()
         want = _attention_float64(fwd.qkvg.get().astype(np.float64),
                                   fwd.bias.get().astype(np.float64), B, N, h, head_dim)
@@ -188,8 +188,8 @@ def test_f16x3_mma_keeps_its_accuracy_at_any_weight_scale(cp, magnitude, head_di
     rng = np.random.default_rng(11)
     B, N, h = 2, 97, 2
     dw, pair, mask = _scaled_qkv_inputs(cp, rng, B, N, head_dim, h, magnitude, seed=5)
-    outs = _attention_outputs(dw, pair, mask, (gpu.routes.attention_ffma_launch(head_dim),
-                                               gpu.routes.attention_mma_launch(head_dim, "f16x3", n=N)))
+    outs = _attention_outputs(dw, pair, mask, (gpu.kernel_configs.attention_ffma_launch(head_dim),
+                                               gpu.kernel_configs.attention_mma_launch(head_dim, "f16x3", n=N)))
     assert np.isfinite(outs[1]).all()
     err = rel_l2(outs[1], outs[0])
     print(f"f16x3 mma d={head_dim} weights x{magnitude:g}: rel L2 {err:.3g}")
@@ -250,17 +250,17 @@ def test_mma_both_policies_on_one_input(cp, rng, variant):
 # ---- the attention on warpgroup products (kernels/attention_wgmma.cu, sm_90a) ----
 
 WGMMA_TILES = [("bf16", gpu.tiles.attention_wgmma_tiles("bf16")),
-               ("bf16", gpu.tiles.WgmmaTiles(rows=1, stages=3, min_blocks=2, bulk=1)),
-               ("bf16", gpu.tiles.WgmmaTiles(rows=2, stages=3, min_blocks=1, bulk=1)),
+               ("bf16", gpu.tiles.WgmmaTiles(rows=1, stages=3, min_blocks=2)),
+               ("bf16", gpu.tiles.WgmmaTiles(rows=2, stages=3, min_blocks=1)),
                ("f16x3", gpu.tiles.attention_wgmma_tiles("f16x3")),
-               ("f16x3", gpu.tiles.WgmmaTiles(min_blocks=1, pv_groups=2, bulk=1)),
-               ("f16x3", gpu.tiles.WgmmaTiles(rows=2, stages=2, min_blocks=1, pv_groups=1, bulk=1)),
+               ("f16x3", gpu.tiles.WgmmaTiles(min_blocks=1, pv_groups=2)),
+               ("f16x3", gpu.tiles.WgmmaTiles(rows=2, stages=2, min_blocks=1, pv_groups=1)),
                ("f16", gpu.tiles.attention_wgmma_tiles("f16")),
-               ("f16", gpu.tiles.WgmmaTiles(min_blocks=2, bulk=1)),
-               ("f16", gpu.tiles.WgmmaTiles(rows=2, stages=3, min_blocks=1, bulk=1)),
+               ("f16", gpu.tiles.WgmmaTiles(min_blocks=2)),
+               ("f16", gpu.tiles.WgmmaTiles(rows=2, stages=3, min_blocks=1)),
                ("f16s", gpu.tiles.attention_wgmma_tiles("f16s")),
-               ("f16s", gpu.tiles.WgmmaTiles(min_blocks=2, bulk=1)),
-               ("f16s", gpu.tiles.WgmmaTiles(rows=2, stages=3, min_blocks=1, bulk=1))]
+               ("f16s", gpu.tiles.WgmmaTiles(min_blocks=2)),
+               ("f16s", gpu.tiles.WgmmaTiles(rows=2, stages=3, min_blocks=1))]
 
 
 def _needs_sm_90(cp):
@@ -277,7 +277,7 @@ def test_wgmma_matches_ffma(cp, rng, B, N, variant, tiles):
     block (odd N), fully masked queries under both policies (by N + B)."""
     _needs_sm_90(cp)
     _check_against_ffma(cp, rng, B, N, 32, variant, None,
-                        gpu.routes.attention_wgmma_launch(32, tiles, variant))
+                        gpu.kernel_configs.attention_wgmma_launch(32, tiles, variant))
 
 
 @pytest.mark.parametrize("N", [129, 200, 257])
@@ -287,7 +287,7 @@ def test_f16s_matches_ffma_off_the_tiles(cp, rng, B, N):
     the masks of _mask (a fully masked query; a query whose first key tile is all masked)."""
     _needs_sm_90(cp)
     _check_against_ffma(cp, rng, B, N, 32, "f16s", None,
-                        gpu.routes.attention_wgmma_launch(32, variant="f16s"))
+                        gpu.kernel_configs.attention_wgmma_launch(32, variant="f16s"))
 
 
 @pytest.mark.parametrize("variant", list(gpu.tiles.WGMMA_VARIANTS))
@@ -295,7 +295,7 @@ def test_wgmma_both_policies_on_one_input(cp, variant):
     _needs_sm_90(cp)
     for policy in ("zero", "nan"):
         ref, got, _, _ = _run_both(cp, np.random.default_rng(99), 2, 131, 32, variant, policy,
-                                   launch=gpu.routes.attention_wgmma_launch(32, variant=variant))
+                                   launch=gpu.kernel_configs.attention_wgmma_launch(32, variant=variant))
         assert np.array_equal(np.isnan(got), np.isnan(ref))
         assert np.isnan(got).any() == (policy == "nan")
         assert rel_l2(got, ref, where=~np.isnan(ref)) <= TOL[variant]
@@ -324,18 +324,18 @@ def test_f16_products_keep_their_accuracy_at_any_weight_scale(cp, magnitude, var
         assert dw.qkv_scales["f16s"] is None
         with pytest.raises(ValueError, match="fp16's range"):
             Forward(dw, pair, mask, "zero", None,
-                    attention=gpu.routes.attention_wgmma_launch(d, variant="f16s"))
+                    attention=gpu.kernel_configs.attention_wgmma_launch(d, variant="f16s"))
         with pytest.raises(ValueError, match="fp16's range"):
             Forward(dw, pair, mask, "zero", None, precision="bf16", route="wgmma_f16s")
         fwd = Forward(dw, pair, mask, "zero", None, precision="bf16")
         assert "f16s" not in fwd.plan.attention_kernel.name  # (N = 97: mma.sync bf16)
         return
-    launches = [gpu.routes.attention_ffma_launch(d), gpu.routes.attention_wgmma_launch(d, variant=variant)]
+    launches = [gpu.kernel_configs.attention_ffma_launch(d), gpu.kernel_configs.attention_wgmma_launch(d, variant=variant)]
     if variant in ("f16", "f16s"):
         # the oracle of a TF32 product's error: the mma.sync TF32 attention (f16), and of
         # bf16's the bf16 wgmma kernel (f16s)
-        launches.append(gpu.routes.attention_mma_launch(d, "tf32", n=N) if variant == "f16"
-                        else gpu.routes.attention_wgmma_launch(d, variant="bf16"))
+        launches.append(gpu.kernel_configs.attention_mma_launch(d, "tf32", n=N) if variant == "f16"
+                        else gpu.kernel_configs.attention_wgmma_launch(d, variant="bf16"))
     outs = _attention_outputs(dw, pair, mask, launches)
     assert np.isfinite(outs[1]).all()
     err = rel_l2(outs[1], outs[0])

@@ -249,3 +249,19 @@ def test_float32_path(rng, mask_layout, node):
     assert out.dtype == np.float32
     assert np.array_equal(np.isnan(out), nan)
     assert rel_l2(out, expected, where=~nan) < 1e-5
+
+
+def test_conventions_record_says_what_a_forward_does_with_them():
+    """conventions.Conventions: the (mask_layout, node) pair by name, checked, and what the
+    GPU forward makes of it (a row mask for the attention; the transposed pair)."""
+    from triattn_cupy.conventions import Conventions
+
+    given = Conventions.checked("row", "ending")
+    assert given == ("row", "ending") and given.row_mask and given.transposed
+    assert Conventions(*("pair", "ending_af3")).transposed
+    assert Conventions() == ("pair", "starting")
+    assert not Conventions().row_mask and not Conventions().transposed
+    with pytest.raises(ValueError, match="node must be one of .* got 'middle'"):
+        Conventions.checked("pair", "middle")
+    with pytest.raises(ValueError, match="mask_layout must be one of .* got 'col'"):
+        Conventions.checked("col", "starting")

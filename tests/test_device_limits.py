@@ -11,7 +11,9 @@ from triattn_cupy import gpu
 
 class FakeDevice:
     def __init__(self, optin, capability):
-        self.attributes = {"MultiProcessorCount": 84, "MaxSharedMemoryPerBlockOptin": optin}
+        self.attributes = {"MultiProcessorCount": 84}
+        if optin is not None:
+            self.attributes["MaxSharedMemoryPerBlockOptin"] = optin
         self.compute_capability = capability
 
     def __enter__(self):
@@ -70,3 +72,9 @@ def test_heads_times_head_width_other_than_pair_dim_is_refused(fake_gpu):
     assert issubclass(ta.HeadWidthError, ValueError)
     gpu.checks.check_dims(64, 4, 16)  # h x c = D passes
     gpu.checks.check_dims(64, 4)
+
+
+def test_a_device_that_does_not_say_takes_the_gpu_tables_shared_memory(fake_gpu):
+    fake_gpu(None, "86")  # (no MaxSharedMemoryPerBlockOptin attribute)
+    dw = gpu.device_weights.DeviceWeights(ta.random_weights(128, 4, seed=0), 0)
+    assert dw.smem_limit == gpu.gpus.GPUS[86].smem_optin == 99 * 1024

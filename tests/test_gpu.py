@@ -134,7 +134,7 @@ def test_every_route_forced(cp, rng, name, precision, tables):
     attention = gpu.routes.route_parts(name)["attention"]
     if tables and not attention.startswith("mma"):
         pytest.skip("the sm_80 tile tables shape the mma.sync attention only")
-    tiles = gpu.routes.route_parts(name)["project"] == "tiles"
+    tiles = gpu.routes.route_parts(name)["project"] == "persistent"
     D = 128 if tiles or attention.startswith("wgmma") else 64
     h = D // 32 if attention.startswith("wgmma") or tiles else 4
     cc = int(cp.cuda.Device().compute_capability)

@@ -103,7 +103,7 @@ def check_conventions(cp, rng, B, N, D, h, *, mask_layout, node, mask_kind="rand
 def _route_shape(name):
     """(D, h) a forced route takes (as tests/test_gpu.py test_every_route_forced)."""
     parts = gpu.routes.route_parts(name)
-    tiles = parts["project"] == "tiles"
+    tiles = parts["project"] == "persistent"
     wide = tiles or parts["attention"].startswith("wgmma")
     return (128, 4) if wide else (64, 4)
 

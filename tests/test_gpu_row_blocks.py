@@ -234,10 +234,10 @@ def test_persistent_bias_pass_writes_the_bias_the_single_pass_does(cp, rng):
     single.project()
     blocked = gpu.forward.Forward(module._dw, d_pair, d_mask, "zero", None, "fp32",
                                   row_block=50)
-    assert blocked.plan.project_tiles  # (the persistent projections' bias pass)
+    assert blocked.plan.project_persistent  # (the persistent projections' bias pass)
     launches = row_blocks.RowBlockLaunches.of(blocked.plan, module._dw)
-    blocked._zero_bias()
-    p = blocked._pointers
+    blocked.zero_bias_memory()
+    p = blocked.pointers
     p["row_begin"], p["row_end"] = 0, 200
     launches.bias_pass(p, launches.bias_grid(200))
     a = single.bias.get().view(np.float16).astype(np.float32)
@@ -269,7 +269,7 @@ def test_in_place_under_a_scratch_limit(cp, rng):
     limit = pair.nbytes // 2
     forward = gpu.forward.Forward(module._dw, cp.asarray(pair), cp.asarray(mask), "zero",
                                   None, "fp32", max_scratch_bytes=limit)
-    assert forward.rows_per_block is not None and forward._blocked_scratch.nbytes <= limit
+    assert forward.rows_per_block is not None and forward.blocked_scratch.nbytes <= limit
     got = _forward(cp, module, pair, mask, precision="fp32", out="pair",
                    max_scratch_bytes=limit)
     _assert_same_bits(got, expected, "in place under max_scratch_bytes")
@@ -306,7 +306,7 @@ def test_emulated_devices_equal_one(cp, rng, devices, R):
     for precision in ("fp32", "bf16"):
         whole = _forward(cp, module, pair, mask, precision=precision, row_block=ALL)
         poison_pool(cp)
-        got = row_blocks.emulate_devices(module, cp.asarray(pair), cp.asarray(mask),
+        got = gpu.forward.emulate_devices(module, cp.asarray(pair), cp.asarray(mask),
                                          devices=devices, row_block=R, precision=precision)
         _assert_same_bits_or_tile_rounding(got.get(), whole,
                                            f"{devices} devices R={R} {precision}",

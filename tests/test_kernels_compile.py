@@ -39,17 +39,17 @@ def _allowed_spill_bytes(config, arch) -> int:
     Every other kernel: none."""
     defines = dict(config.defines)
     if defines.get("ROW_BLOCK") and defines.get("ROW_MASK"):
-        if (config.filename == "attention_mma.cu" and defines["PREC"] == 0
+        if (config.filename == "attention_mma.cu" and defines["PREC"] == gpu.kernel_configs.PREC_TF32X3
                 and defines["HEAD_DIM"] == 64):
             return 16  # the oracle's row-masked form (no GPU takes it)
         if config.filename == "attention_wgmma.cu" and defines.get("F16X3"):
             return 8
-    if (config.filename == "attention_mma.cu" and defines["PREC"] == 0
+    if (config.filename == "attention_mma.cu" and defines["PREC"] == gpu.kernel_configs.PREC_TF32X3
             and defines["HEAD_DIM"] == 24 and defines["MIN_BLOCKS"] == 2 and arch == "sm_90"):
         return 32  # chosen by measurement over the spill-free shapes (tiles.py)
     if config.filename == "project_mma.cu" and defines.get("SPLIT"):
         return 72
-    if (config.filename == "attention_mma.cu" and defines["PREC"] == 0
+    if (config.filename == "attention_mma.cu" and defines["PREC"] == gpu.kernel_configs.PREC_TF32X3
             and defines.get("ROW_MASK") and defines["HEAD_DIM"] == 64):
         return 8  # the oracle's row-masked form at 255 registers (no GPU takes it)
     return 0
@@ -76,7 +76,7 @@ def each_config(configs_of):
     """Parametrize over (config, arch): `configs_of(arch)` for each architecture checked,
     named by file and defines."""
     return pytest.mark.parametrize(
-        "config,arch", [(c, a) for a in gpu.compile.CHECK_ARCHS for c in configs_of(a)],
+        "config,arch", [(c, a) for a in gpu.gpus.CHECK_ARCHS for c in configs_of(a)],
         ids=lambda x: x if isinstance(x, str) else
         x.filename + ":" + ",".join(f"{k}={v}" for k, v in x.defines))
 
@@ -130,21 +130,21 @@ def test_16_bit_pair_configs_cover_every_route_and_both_types():
                 continue
             taken.add(name)
             for dtype in ("float16", "bfloat16"):
-                configs = [routes.project_tiles_config(route.layout, dtype)
-                           if engine == "tiles" else
-                           routes.project_config(gpu.tiles.out_project_rows(), engine, 128,
+                configs = [gpu.kernel_configs.persistent_project_config(route.layout, dtype)
+                           if engine == "persistent" else
+                           gpu.kernel_configs.project_config(gpu.tiles.out_project_rows(), engine, 128,
                                                  route.layout, route.products, dtype)
                            for engine in (route.project, route.out_project)]
                 for c in configs:
                     assert (c.filename, c.defines) in compiled, (name, dtype, c)
         assert len(taken) >= (15 if cc == 90 else 5), taken
-    config = routes.project_config(64, "mma", 128, gpu.layouts.ROWS_TF32, "tf32")
-    assert routes.project_config(64, "mma", 128, gpu.layouts.ROWS_TF32, "tf32",
+    config = gpu.kernel_configs.project_config(64, "mma", 128, gpu.layouts.ROWS_TF32, "tf32")
+    assert gpu.kernel_configs.project_config(64, "mma", 128, gpu.layouts.ROWS_TF32, "tf32",
                                  "float32") == config
     assert "PAIR_DTYPE" not in dict(config.defines)
-    assert dict(routes.with_pair_dtype(config, "bfloat16").defines)["PAIR_DTYPE"] == 2
+    assert dict(gpu.kernel_configs.with_pair_dtype(config, "bfloat16").defines)["PAIR_DTYPE"] == 2
     with pytest.raises(ValueError, match="pair_dtype must be one of"):
-        routes.pair_dtype_defines("float64")
+        gpu.kernel_configs.pair_dtype_defines("float64")
 
 
 # Row blocks (ROW_BLOCK: a launch over the rows [row_begin, row_end)): every LayerNorm
@@ -189,17 +189,33 @@ def test_compile_error_points_at_the_file():
         gpu.compile.compile_offline("attention_ffma.cu", broken, "sm_90")
 
 
+@pytest.mark.parametrize("arch", ["sm_100", "sm_120"])
+def test_a_newer_gpu_compiles_its_declared_route(arch):
+    """A GPU newer than the table (gpus.gpu's declared row: the 9.0 row less wgmma) runs
+    kernels CuPy compiles for its own architecture: the declared route's smallest
+    configurations (its attention at head dim 8, its projections at D = 64) compile."""
+    route = gpu.routes.choose_route("bf16", 8, 64, 1024, int(arch.removeprefix("sm_")))
+    assert route.name == "mma_bf16"
+    attention = route.attention_launch(8, 1024).config
+    project = gpu.kernel_configs.project_config(64, route.project, 64, route.layout, route.products)
+    for config in (attention, project):
+        report = gpu.compile.ptxas_report(gpu.compile.compile_offline(
+            config.filename, config.defines, arch))
+        assert report, config
+    assert set(report) == {"ln_qkvg_project_mma_tf32", "gated_out_project_mma_tf32"}
+
+
 def test_every_supported_dimension_has_a_config():
     configs = set(gpu.kernel_catalog.all_configs())
     for d in gpu.checks.supported_head_dims():
-        assert gpu.routes.attention_config(d) in configs
+        assert gpu.kernel_configs.attention_config(d) in configs
     rows_fp32 = gpu.layouts.ROWS_FP32
     for D in (4, 64, 128, 320, 324, 768):
         for rows_total in (1, 10**9):
             for engine, products in (("ffma", "fp32"), ("mma", "tf32"), ("mma", "f16x3")):
                 rows = gpu.tiles.project_rows(D, rows_total, tensor_cores=engine == "mma")
                 for r in (rows, gpu.tiles.out_project_rows()):
-                    assert gpu.routes.project_config(r, engine, D, rows_fp32, products) in configs
+                    assert gpu.kernel_configs.project_config(r, engine, D, rows_fp32, products) in configs
 
 
 def test_every_route_compiles_here():
@@ -217,14 +233,14 @@ def test_every_route_compiles_here():
                             continue
                         launch = route.attention_launch(d, n)
                         assert launch.config in compiled[arch], (route, d, n)
-                        for engine in {route.project, route.out_project} - {"tiles"}:
+                        for engine in {route.project, route.out_project} - {"persistent"}:
                             for rows in {gpu.tiles.project_rows(D, t, tensor_cores=engine == "mma")
                                          for t in (1, 10**9)} | {gpu.tiles.out_project_rows()}:
-                                config = gpu.routes.project_config(rows, engine, D, route.layout,
+                                config = gpu.kernel_configs.project_config(rows, engine, D, route.layout,
                                                                    route.products)
                                 assert config in compiled[arch], (route, D, rows)
-                        if "tiles" in (route.project, route.out_project):
-                            assert gpu.routes.project_tiles_config(route.layout) in compiled[arch]
+                        if "persistent" in (route.project, route.out_project):
+                            assert gpu.kernel_configs.persistent_project_config(route.layout) in compiled[arch]
 
 
 def test_projection_rows_per_block():
@@ -317,7 +333,7 @@ def test_which_attention_kernel_each_mode_takes():
     small = gpu.routes.attention_kernel(16, "fp32", 90, 128)
     assert small.layout == gpu.layouts.ROWS_FP32 and small.operand_scales
     # 3xTF32 stays as f16x3's accuracy oracle, reading the same layout, without scales
-    tf32x3 = gpu.routes.attention_mma_launch(16, "tf32x3", n=128)
+    tf32x3 = gpu.kernel_configs.attention_mma_launch(16, "tf32x3", n=128)
     assert tf32x3.name == "attention_mma_tf32x3" and tf32x3.layout == gpu.layouts.ROWS_FP32
     assert not tf32x3.operand_scales
     fp32 = gpu.routes.attention_kernel(32, "fp32", 90, 4096)
@@ -338,8 +354,8 @@ def test_a_too_small_gpu_falls_back_to_the_ffma_attention():
 
 
 # Every wgmma tile shape the tests and sweeps launch, per variant.
-_WGMMA_SHAPES = [gpu.tiles.WgmmaTiles(rows, stages, 1, 2, bulk)
-                 for rows in (1, 2) for stages in (2, 3, 4) for bulk in (0, 1)]
+_WGMMA_SHAPES = [gpu.tiles.WgmmaTiles(rows, stages, 1, 2)
+                 for rows in (1, 2) for stages in (2, 3, 4)]
 
 
 @pytest.mark.parametrize("variant", list(gpu.tiles.WGMMA_VARIANTS))
@@ -351,8 +367,8 @@ def test_wgmma_shared_memory_mirror_matches_the_kernel(variant):
     checked = 0
     for tiles in _WGMMA_SHAPES:
         try:
-            launch = gpu.routes.attention_wgmma_launch(32, tiles, variant)
-        except ValueError:  # a shape the variant does not take (bulk or not)
+            launch = gpu.kernel_configs.attention_wgmma_launch(32, tiles, variant)
+        except ValueError:  # a shape the variant does not take
             continue
         compile_ptx_or_fail(gpu.compile.full_source(launch.config.filename, launch.config.defines)
                             + f'\nstatic_assert(SMEM_BYTES == {launch.smem}, "smem mirror: '
@@ -377,14 +393,14 @@ def _check_mma_shared_memory_mirror(variant, shapes):
         if d not in gpu.tiles.attention_mma_head_dims(variant):
             continue
         for tiles in shapes(d):
-            launch = gpu.routes.attention_mma_launch(d, variant, tiles)
+            launch = gpu.kernel_configs.attention_mma_launch(d, variant, tiles)
             compile_ptx_or_fail(
                 gpu.compile.full_source(launch.config.filename, launch.config.defines)
                 + f'\nstatic_assert(SMEM_BYTES == {launch.smem}, "smem mirror: {variant} '
                 f'd={d} {tiles}");\n', "compute_80")
 
 
-@pytest.mark.parametrize("variant", list(gpu.routes.ATTENTION_MMA_VARIANTS))
+@pytest.mark.parametrize("variant", list(gpu.kernel_configs.ATTENTION_MMA_VARIANTS))
 def test_mma_shared_memory_mirror_matches_the_kernel(variant):
     """The shared memory mirror for the tile tables' shapes: what the routes launch."""
     _check_mma_shared_memory_mirror(variant, lambda d: dict.fromkeys(
@@ -392,7 +408,7 @@ def test_mma_shared_memory_mirror_matches_the_kernel(variant):
 
 
 @pytest.mark.slow  # about 60 s on 2 cores: every listed shape at four head dims
-@pytest.mark.parametrize("variant", list(gpu.routes.ATTENTION_MMA_VARIANTS))
+@pytest.mark.parametrize("variant", list(gpu.kernel_configs.ATTENTION_MMA_VARIANTS))
 def test_mma_shared_memory_mirror_of_the_tests_tile_shapes(variant):
     """The shared memory mirror for every shape tests/test_attention_mma.py launches on the
     GPU (run it with --run-slow before those)."""

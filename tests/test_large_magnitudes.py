@@ -26,7 +26,7 @@ _ROUTE_CASES = [(name, precision) for name in gpu.routes.ROUTES
 
 def _skip_unless_runs_here(cp, name):
     attention = gpu.routes.route_parts(name)["attention"]
-    tiles = gpu.routes.route_parts(name)["project"] == "tiles"
+    tiles = gpu.routes.route_parts(name)["project"] == "persistent"
     cc = int(cp.cuda.Device().compute_capability)
     if (attention.startswith("wgmma") or tiles) and cc != 90:
         pytest.skip("wgmma runs on compute capability 9.0 only")

@@ -419,17 +419,17 @@ def test_default_routes_by_gpu_and_size():
     assert choose("tf32", 32, 128, 1024, 80, smem_limit=163 * 1024).name == "mma_tf32"
     assert choose("tf32", 128, 256, 100, 90).name == "mma_tf32_ffma"
     assert choose("bf16", 32, 128, 128, 90).name == "mma_bf16"
-    assert choose("fp32", 32, 128, 129, 90).name == "wgmma_f16x3_tiles"
+    assert choose("fp32", 32, 128, 129, 90).name == "wgmma_f16x3_persistent"
     assert choose("fp32", 32, 64, 129, 90).name == "wgmma_f16x3"
-    assert choose("tf32", 32, 128, 1024, 90).name == "wgmma_f16_tiles"
+    assert choose("tf32", 32, 128, 1024, 90).name == "wgmma_f16_persistent"
     slots_from, f16s_from = gpu.routes.F16S_SLOTS_FROM_N, gpu.routes.F16S_FROM_N
-    assert choose("bf16", 32, 128, slots_from - 1, 90).name == "wgmma_bf16_tiles"
+    assert choose("bf16", 32, 128, slots_from - 1, 90).name == "wgmma_bf16_persistent"
     assert choose("bf16", 32, 128, slots_from, 90).name == "wgmma_f16s_slots"
     # (unaligned rows: no slot rows; the persistent out projection, project_mma's LayerNorm)
     unaligned = choose("bf16", 32, 128, slots_from, 90, rows_aligned=False)
     assert (unaligned.name, unaligned.project, unaligned.out_project) == (
-        "wgmma_bf16_tiles", "mma", "tiles")
-    assert choose("bf16", 32, 128, f16s_from, 90, rows_aligned=False).name == "wgmma_f16s_tiles"
+        "wgmma_bf16_persistent", "mma", "persistent")
+    assert choose("bf16", 32, 128, f16s_from, 90, rows_aligned=False).name == "wgmma_f16s_persistent"
     assert choose("bf16", 32, 64, f16s_from - 1, 90).name == "wgmma_bf16"
     assert choose("bf16", 32, 64, f16s_from, 90).name == "wgmma_f16s"
     assert choose("bf16", 32, 64, f16s_from, 90, f16s_scales=False).name == "wgmma_bf16"
@@ -445,13 +445,13 @@ def test_forced_routes_and_their_errors():
     choose = gpu.routes.choose_route
     for name in gpu.routes.ROUTES:  # every route forceable on an H200 where its shape allows
         parts = gpu.routes.route_parts(name)
-        d, D = (32, 128) if parts["project"] == "tiles" or "wgmma" in parts["attention"] else (16, 64)
+        d, D = (32, 128) if parts["project"] == "persistent" or "wgmma" in parts["attention"] else (16, 64)
         route = choose(parts["precisions"][0], d, D, 300, 90, force=name)
         assert route.name == name and route.attention == parts["attention"]
     a100 = choose("tf32", 32, 128, 1024, 90, force="mma_tf32@sm_80")
-    assert a100.tuned_for == 80 and a100.name == "mma_tf32@sm_80"
+    assert a100.tile_table == "sm_80" and a100.name == "mma_tf32@sm_80"
     assert (a100.attention_launch(32, 1024)
-            == gpu.routes.attention_mma_launch(32, "tf32", n=1024, compute_capability=80))
+            == gpu.kernel_configs.attention_mma_launch(32, "tf32", n=1024, compute_capability=80))
     with pytest.raises(ValueError, match="route must be"):
         choose("fp32", 32, 128, 300, 90, force="nope")
     with pytest.raises(ValueError, match="serves precision"):
@@ -461,7 +461,7 @@ def test_forced_routes_and_their_errors():
     with pytest.raises(ValueError, match="head dims"):
         choose("tf32", 24, 96, 300, 90, force="wgmma_f16")
     with pytest.raises(ValueError, match="pair_dim 128"):
-        choose("tf32", 32, 64, 300, 90, force="wgmma_f16_tiles")
+        choose("tf32", 32, 64, 300, 90, force="wgmma_f16_persistent")
     with pytest.raises(ValueError, match="fp16's range"):
         choose("bf16", 32, 128, 300, 90, force="wgmma_f16s", f16s_scales=False)
     with pytest.raises(ValueError, match="8.0 or newer"):
@@ -477,8 +477,8 @@ def test_the_f16s_launch_reads_tiles_f16_with_its_own_scales():
     assert ("S16", 1) in launch.config.defines and ("F16X1", 1) in launch.config.defines
     assert gpu.routes.attention_kernel(32, "bf16", 90, 128).name == "attention_mma_bf16"
     assert gpu.routes.attention_kernel(32, "tf32", 90, 1024).name == "attention_wgmma_f16"
-    f16 = gpu.routes.attention_wgmma_launch(32, variant="f16")
-    assert gpu.routes.attention_wgmma_launch(32, variant="f16s").smem == f16.smem
+    f16 = gpu.kernel_configs.attention_wgmma_launch(32, variant="f16")
+    assert gpu.kernel_configs.attention_wgmma_launch(32, variant="f16s").smem == f16.smem
     assert gpu.routes.choose_route("tf32", 32, 64, 1024, 90).scales == "f16_biased"
 
 
@@ -514,5 +514,10 @@ def test_signature_binds_by_name():
     assert slots == ((0, "pair"),)
     with pytest.raises(TypeError, match="missing"):
         sig.bind(x=gpu.launch.Call("pair"), n=3)
-    with pytest.raises(TypeError, match="not a pointer"):
-        sig.bind(x=0, n=gpu.launch.Call("pair"), scale=1.0)
+    with pytest.raises(TypeError, match="scale is f32: a call supplies pointers and integers"):
+        sig.bind(x=0, n=3, scale=gpu.launch.Call("scale"))
+    # an integer each call supplies (row blocks' row_begin, M): a slot of its own
+    args, slots = sig.bind(x=gpu.launch.Call("pair"), n=gpu.launch.Call("n"), scale=0.5)
+    assert args[:2] == (None, None) and slots == ((0, "pair"), (1, "n"))
+    values = gpu.launch.KernelArgs(args, slots).values({"pair": 1 << 40, "n": 7})
+    assert values[1] == 7 and values[0] == 1 << 40

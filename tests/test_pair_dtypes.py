@@ -87,17 +87,18 @@ def test_a_torch_bfloat16_tensor_is_taken_as_its_bits():
     assert gpu.checks.bfloat16_dtype(np.dtype(np.int16)) == np.dtype(_bfloat16())
 
 
-def test_plan_keys_name_a_16_bit_pair_and_keep_float32s():
+def test_plan_keys_name_a_16_bit_pair_and_the_conventions():
     pair = types.SimpleNamespace(shape=(1, 8, 8, 64), strides=(8192, 1024, 128, 2),
                                  data=types.SimpleNamespace(ptr=1 << 20))
-    key = gpu.plan.plan_key(pair, None, "fp32", False)
-    assert gpu.plan.plan_key(pair, None, "fp32", False, pair_dtype="float32") == key
-    assert len(key) == 7  # the float32 keys are those without the feature
-    f16 = gpu.plan.plan_key(pair, None, "fp32", False, pair_dtype="float16")
-    assert f16[:7] == key and f16[7] == (False, False, "float16")
-    ending = gpu.plan.plan_key(pair, None, "fp32", False, out_transposed=True,
-                               pair_dtype="bfloat16")
-    assert ending[7] == (True, False, "bfloat16")
+    PlanKey = gpu.launch_plan.PlanKey
+    key = PlanKey.of(pair, None, "fp32", False)
+    assert PlanKey.of(pair, None, "fp32", False, pair_dtype="float32") == key
+    assert key.pair_dtype == "float32" and not key.out_transposed and not key.row_mask
+    f16 = PlanKey.of(pair, None, "fp32", False, pair_dtype="float16")
+    assert f16 != key and f16._replace(pair_dtype="float32") == key
+    ending = PlanKey.of(pair, None, "fp32", False, out_transposed=True, pair_dtype="bfloat16")
+    assert (ending.out_transposed, ending.row_mask, ending.pair_dtype) == (True, False,
+                                                                           "bfloat16")
 
 
 # ---- GPU ----
@@ -228,7 +229,7 @@ def _offset(cp, pair):
 def test_non_contiguous_pairs(cp, rng, dtype, form):
     """Views read as they are or through an aligned copy in their own type, on the default
     route and on a persistent projection's (D = 128)."""
-    for route in (None, "wgmma_f16x3_tiles"):
+    for route in (None, "wgmma_f16x3_persistent"):
         if route and int(cp.cuda.Device().compute_capability) != 90:
             continue
         check_dtype(cp, rng, 2, 70, 128, 4, dtype, route=route,

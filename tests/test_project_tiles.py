@@ -78,22 +78,22 @@ def test_where_the_persistent_projections_run():
     split kernels); the routes take them on compute capability 9.0 only."""
     f16, bf16, f16x3 = gpu.layouts.TILES_F16, gpu.layouts.TILES_BF16, gpu.layouts.TILES_F16_HILO
     for layout in (f16, bf16, f16x3, gpu.layouts.TILES_F16_SLOTS):
-        assert gpu.routes.project_tiles_fit(layout, 128)
-        assert not gpu.routes.project_tiles_fit(layout, 64)
-        assert not gpu.routes.project_tiles_fit(layout, 128, smem_limit=163 * 1024)
-        assert gpu.routes.project_tiles_config(layout) in gpu.kernel_catalog.all_configs("sm_90")
-    assert not gpu.routes.project_tiles_fit(gpu.layouts.ROWS_TF32, 128)
-    assert gpu.routes.project_tiles_config(f16x3).filename == "project_wgmma_split.cu"
-    assert gpu.routes.project_tiles_config(f16).filename == "project_wgmma.cu"
+        assert gpu.kernel_configs.persistent_fits(layout, 128)
+        assert not gpu.kernel_configs.persistent_fits(layout, 64)
+        assert not gpu.kernel_configs.persistent_fits(layout, 128, smem_limit=163 * 1024)
+        assert gpu.kernel_configs.persistent_project_config(layout) in gpu.kernel_catalog.all_configs("sm_90")
+    assert not gpu.kernel_configs.persistent_fits(gpu.layouts.ROWS_TF32, 128)
+    assert gpu.kernel_configs.persistent_project_config(f16x3).filename == "project_wgmma_split.cu"
+    assert gpu.kernel_configs.persistent_project_config(f16).filename == "project_wgmma.cu"
     for precision in PRECISIONS:
-        assert gpu.routes.choose_route(precision, 32, 128, 300, 90).out_project == "tiles"
+        assert gpu.routes.choose_route(precision, 32, 128, 300, 90).out_project == "persistent"
         assert gpu.routes.choose_route(precision, 32, 128, 300, 80).out_project == "mma"
 
 
 @pytest.mark.parametrize("layout", [gpu.layouts.TILES_F16, gpu.layouts.TILES_BF16,
                                        gpu.layouts.TILES_F16_HILO, gpu.layouts.TILES_F16_SLOTS])
 def test_shared_memory_mirror_matches_the_kernel(layout):
-    """gpu.tiles.project_tiles_smem_bytes and TILES_THREADS are what the host launches with;
+    """gpu.tiles.persistent_smem_bytes and PERSISTENT_THREADS are what the host launches with;
     the kernels lay their shared memory out by PROJECT_TILES_SMEM and OUT_TILES_SMEM and
     split their work for THREADS: a static_assert that they agree (PTX only). (A launch
     of 256 threads once left half the heads unwritten; the kernels now trap on it.)"""
@@ -102,12 +102,12 @@ def test_shared_memory_mirror_matches_the_kernel(layout):
         nvrtc.getVersion()
     except Exception:
         pytest.skip("NVRTC library not found (pip install 'cupy-cuda13x[ctk]')")
-    config = gpu.routes.project_tiles_config(layout)
+    config = gpu.kernel_configs.persistent_project_config(layout)
     compile_ptx_or_fail(
         gpu.compile.full_source(config.filename, config.defines)
-        + f"\nstatic_assert(PROJECT_TILES_SMEM == {gpu.tiles.project_tiles_smem_bytes(layout)}, \"in\");"
-        + f"\nstatic_assert(OUT_TILES_SMEM == {gpu.tiles.project_tiles_smem_bytes(layout, out=True)}, \"out\");"
-        + f"\nstatic_assert(THREADS == {gpu.tiles.TILES_THREADS}, \"threads\");\n")
+        + f"\nstatic_assert(PROJECT_TILES_SMEM == {gpu.tiles.persistent_smem_bytes(layout)}, \"in\");"
+        + f"\nstatic_assert(OUT_TILES_SMEM == {gpu.tiles.persistent_smem_bytes(layout, out=True)}, \"out\");"
+        + f"\nstatic_assert(THREADS == {gpu.tiles.PERSISTENT_THREADS}, \"threads\");\n")
 
 
 # ---- on the GPU ----
@@ -141,7 +141,8 @@ def _check(cp, weights, pair_dev, mask_h, precision, fully_masked="zero", expect
     got = module(pair_dev, cp.asarray(mask_h), fully_masked=fully_masked, out=out,
                  precision=precision)
     (plan,) = module._dw.plans.values()
-    assert plan.tiles and plan.project_tiles == expect_tiles, (plan.tiles, plan.project_tiles)
+    assert plan.out_persistent and plan.project_persistent == expect_tiles, (
+        plan.out_persistent, plan.project_persistent)
     expected = reference.triangle_attention(pair_h, mask_h, weights, fully_masked=fully_masked)
     got = got.get()
     if fully_masked == "nan":
@@ -225,7 +226,7 @@ def test_same_result_as_the_mma_projections(cp, rng, precision):
         outs[tiles] = module(dev, mask, precision=precision,
                              route=name + ("_tiles" if tiles else "")).get()
         (plan,) = module._dw.plans.values()
-        assert plan.project_tiles == tiles
+        assert plan.project_persistent == tiles
     expected = reference.triangle_attention(pair, keep, weights)
     for out in outs.values():
         assert rel_l2(out, expected) <= TOLERANCE[precision]

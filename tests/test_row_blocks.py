@@ -12,8 +12,9 @@ import triattn_cupy as ta
 from triattn_cupy import reference
 from triattn_cupy.gpu.device_weights import fold_layer_norm_into_bias
 
-from triattn_cupy.gpu import kernel_catalog, layouts, routes, row_blocks, tiles
-from triattn_cupy.gpu.row_blocks import ScratchSizes, rows_per_block
+from triattn_cupy.gpu import kernel_catalog, kernel_configs, layouts, row_blocks, tiles
+from triattn_cupy.gpu.checks import PAIR_DTYPES
+from triattn_cupy.gpu.row_blocks import rows_per_block
 
 GiB, MiB = 1 << 30, 1 << 20
 
@@ -188,12 +189,12 @@ def test_every_persistent_layout_has_its_bias_pass(layout):
     """The persistent projections' bias pass is layernorm_bias_ffma.cu writing the same
     bias form, for every pair dtype, in the configurations the compile checks build
     (tests/test_kernels_compile.py)."""
-    bias_layout = row_blocks.bias_pass_layout(layout)
+    bias_layout = kernel_configs.bias_pass_layout(layout)
     assert (bias_layout.tiled, bias_layout.bias, bias_layout.scaled) == (
         layout.tiled, layout.bias, layout.scaled)
     configs = set(kernel_catalog.row_blocked_configs("sm_90"))
-    for pair_dtype in routes.PAIR_DTYPES:
-        assert routes.layernorm_bias_config(bias_layout, 128, 4, pair_dtype) in configs
+    for pair_dtype in PAIR_DTYPES:
+        assert kernel_configs.layernorm_bias_config(bias_layout, 128, 4, pair_dtype) in configs
 
 
 def test_the_bias_pass_folds_layer_norm_into_the_bias_weights():
@@ -292,12 +293,12 @@ def test_run_writes_every_row_once_after_reading_it(monkeypatch, B, N, R, device
     monkeypatch.setattr(row_blocks.RowBlockLaunches, "of", lambda plan, dw: model)
     steps = []
     forward = types.SimpleNamespace(
-        plan=plan, dw=None, _blocked_scratch=scratch,
-        _pointers=dict(pair=1, mask=0, qkvg=base + scratch.qkvg, bias=base + scratch.bias,
+        plan=plan, dw=None, blocked_scratch=scratch,
+        pointers=dict(pair=1, mask=0, qkvg=base + scratch.qkvg, bias=base + scratch.bias,
                        vt=base + scratch.vt, extent=0, row_mask=0, out=out_base),
-        _zero_bias=lambda: steps.append("zero"), _take_out_memory=lambda: None,
-        _pack_row_mask=lambda: steps.append("row mask"),
-        _find_key_extent=lambda: steps.append("extent"))
+        zero_bias_memory=lambda: steps.append("zero"), take_out_memory=lambda: None,
+        pack_row_mask=lambda: steps.append("row mask"),
+        find_key_extent=lambda: steps.append("extent"))
     row_blocks.run(forward, R, devices)
     writes = [g for kind, g in model.events if kind == "write"]
     assert sorted(writes) == list(range(B * N))
@@ -306,4 +307,4 @@ def test_run_writes_every_row_once_after_reading_it(monkeypatch, B, N, R, device
     for position, (kind, g) in enumerate(model.events):
         if kind == "write":
             assert ("read", g) not in model.events[position + 1:], f"row {g} read after written"
-    assert steps[0] == "zero" and forward._pointers["qkvg"] == base + scratch.qkvg
+    assert steps[0] == "zero" and forward.pointers["qkvg"] == base + scratch.qkvg

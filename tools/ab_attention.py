@@ -78,11 +78,13 @@ class Variants:
 
     def attention_config(self, name: str, precision: str, size: str, row_block: bool):
         """The attention configuration variant `name` builds for a padded forward."""
+        from triattn_cupy.gpu import kernel_configs
+
         self.current = name
         B, N, D, h = map(int, size.split("x"))
         route = self._routes.choose_route(precision, D // h, D, N, 90, masked=True)
         config = route.attention_launch(D // h, N).config
-        return self._routes.row_blocked(config) if row_block else config
+        return kernel_configs.row_blocked(config) if row_block else config
 
 
 _VARIANTS = None

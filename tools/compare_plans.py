@@ -1,15 +1,17 @@
 """Whether this tree's forwards build the same launches as an older tree's, offline (no GPU): every kernel, grid, block, shared memory and argument byte.
 
-    python tools/compare_plans.py --old OLD_TREE     (e.g. a `git archive REV` unpacked)
+    python tools/compare_plans.py --old OLD_TREE     (a `git archive REV | tar -x -C OLD_TREE`
+                                                     of a tree from the redesign on, such as 85b05f1)
 
 Each tree runs in a process of its own with CuPy replaced by NumPy (arrays whose device
-address is a checksum of their contents, so that weight images compare by value) and the
-kernel launch replaced by a recorder. Compared: the default plans over a grid of GPUs
-(compute capability 9.0, 8.0, 8.6, 7.5 with their shared memory), shapes, N, precisions,
-alignments, masks, policies and weights (with and without the f16s attention's scales);
-and every route forced (this tree's route=, the older tree's own means as in
-tools/compare_routes.py). Kernel files and entry points are mapped as tools/compare_kernels.py
-maps them. Exit status 1 if any plan differs.
+address is a checksum of their contents, so that weight images compare by value) and each
+kernel handle by a record of what was asked for. Compared per plan: its scratch and its
+launches (key extent, row mask, the three stages) and its row blocks' launches (bias pass,
+projection, attention, out projection, rows per block); over the default plans of a grid
+of GPUs (compute capability 9.0, 8.0, 8.6, 7.5 with their shared memory), shapes, N,
+precisions, alignments, masks, policies and weights (with and without the f16s attention's
+scales), and every route forced by name (the older tree's names mapped by
+tools/compare_routes.py ROUTE_RENAMES). Exit status 1 if any plan differs.
 """
 from __future__ import annotations
 
@@ -73,7 +75,8 @@ def _fake_cupy(device):
         setattr(fake, name, value)
     fake.asarray = lambda a, dtype=None: np.asarray(a, dtype=dtype).view(_DeviceArray)
     fake.get_array_module = lambda *a: fake
-    fake.cuda = types.SimpleNamespace(Device=Device,
+    stream = types.SimpleNamespace(synchronize=lambda: None, ptr=0)
+    fake.cuda = types.SimpleNamespace(Device=Device, get_current_stream=lambda: stream,
                                       runtime=types.SimpleNamespace(getDevice=lambda: 0))
     return fake
 
@@ -99,36 +102,61 @@ def _geometries():
             yield cc, optin, D, h, big, N, precision, aligned, mask, nan
 
 
+def _plan_maker(side: str, fake):
+    """(DeviceWeights, make(dw, case, route)) of a tree:
+    this tree's through its PlanKey, an older one (from the redesign on) through its
+    positional plan_key tuple."""
+    from triattn_cupy.gpu import device_weights
+    device_weights._cupy = lambda: fake
+    if side == "new":
+        from triattn_cupy.gpu import launch_plan
+
+        def make(dw, case, route):
+            shape, strides, aligned, mask_key, precision, nan = case
+            return launch_plan.make_plan(dw, launch_plan.PlanKey(
+                shape, strides, aligned, mask_key, precision, nan, route))
+        return device_weights.DeviceWeights, make
+    from triattn_cupy.gpu import plan
+
+    def make(dw, case, route):
+        return plan.make_plan(dw, case + (route,))
+    return device_weights.DeviceWeights, make
+
+
 def run_side(tree: pathlib.Path, side: str, group: str):
     """{case: {records, scratch} or an error} of one tree (in this process)."""
     sys.path.insert(0, str(tree))
     import triattn_cupy as ta
+    from triattn_cupy.gpu import compile as compiler, row_blocks
 
     device = {"now": (90, 227 * 1024)}
-    fake = _fake_cupy(device)
-    records = []
+    DeviceWeights, make_plan = _plan_maker(side, _fake_cupy(device))
+    # Each kernel handle a record of what was asked for (no GPU, no compilation)
+    compiler.KernelConfig.get = lambda config, name, smem=0: types.SimpleNamespace(
+        kernel=types.SimpleNamespace(ptr=0), config=config, name=name)
 
-    if side == "old":
-        from triattn_cupy import _configs, _gpu
-        from triattn_cupy._launch import KernelArgs
-        _gpu._cupy = lambda: fake
-        target, DeviceWeights, make_plan = _gpu, _gpu.DeviceWeights, _gpu.make_plan
-    else:
-        from triattn_cupy.gpu import device_weights, plan
-        from triattn_cupy.gpu.launch import KernelArgs
-        device_weights._cupy = lambda: fake
-        target, DeviceWeights, make_plan = plan, device_weights.DeviceWeights, plan.make_plan
+    def described(launch):
+        """A launch (or an older tree's row-block launch) as compared."""
+        config, name = launch.kernel.config, launch.kernel.name
+        grid = getattr(launch, "grid", None)
+        return dict(file=config.filename, defines=[list(d) for d in config.defines],
+                    arch=config.arch, name=name, grid=None if grid is None else int(grid),
+                    block=int(launch.block), smem=int(launch.smem),
+                    args=[int(v) for v in launch.args.template],
+                    slots=[list(s) for s in launch.args.slots])
 
-    class Recorder:
-        def __init__(self, config, name, grid, block, smem, *rest):
-            args, slots = rest[:2] if side == "old" else rest[0]
-            kernel_args = KernelArgs(args, slots)
-            records.append(dict(file=config.filename, defines=[list(d) for d in config.defines],
-                                arch=config.arch, name=name, grid=int(grid), block=int(block),
-                                smem=int(smem), args=[int(v) for v in kernel_args.template],
-                                slots=[list(s) for s in kernel_args.slots]))
-
-    target.Launch = Recorder
+    def launches(plan, dw):
+        """The plan's launches in stage order, then its row blocks'."""
+        out = [described(getattr(plan, stage)) for stage in
+               ("key_extent", "row_mask", "project", "attention", "out_project")
+               if getattr(plan, stage) is not None]
+        blocks = row_blocks.RowBlockLaunches.of(plan, dw)
+        out += [described(getattr(blocks, stage)) for stage in
+                ("bias_pass", "project", "attention", "out_project")]
+        out.append(dict(file="(row blocks)", defines=[], arch="", name="", grid=None,
+                        block=blocks.bias_rows, smem=blocks.bias_blocks or 0,
+                        args=[blocks.project_rows or 0], slots=[]))
+        return out
 
     def weights(D, h, big):
         w = ta.random_weights(D, h, seed=3 if group == "default" else 7)
@@ -146,11 +174,10 @@ def run_side(tree: pathlib.Path, side: str, group: str):
 
     result, modules = {}, {}
 
-    def record(name, make):
-        records.clear()
+    def record(name, dw, make):
         try:
             p = make()
-            result[name] = dict(records=list(records), scratch=p.scratch_bytes)
+            result[name] = dict(records=launches(p, dw), scratch=p.scratch_bytes)
         except Exception as error:  # noqa: BLE001 (compared as such)
             result[name] = f"error: {type(error).__name__} {str(error)[:120]}"
 
@@ -168,15 +195,14 @@ def run_side(tree: pathlib.Path, side: str, group: str):
             if isinstance(dw, ValueError):
                 result[name] = f"error: {dw}"[:120]
                 continue
-            record(name, lambda: make_plan(dw, k if side == "old" else k + (None,)))
+            record(name, dw, lambda: make_plan(dw, k, None))
         return result
     routes = _tool("compare_routes")
-    for name, ((engine, variant, slot_rows), mma_projections, ffma_projections) in routes._OLD_MEANS.items():
-        if mma_projections != (group == "mma_projections"):
-            continue
+    for name, ((engine, variant, _), _, _) in routes._OLD_MEANS.items():
         wide = engine == "wgmma" or name.endswith(("_tiles", "_slots"))
         D, h = (128, 4) if wide else (64, 4)
         precisions = _PRECISIONS.get(name) or _PRECISIONS[variant]
+        route = name if side == "old" else routes.ROUTE_RENAMES.get(name, name)
         for precision, table, (B, N, masked, policy), aligned in itertools.product(
                 precisions, ["", "@sm_80"] if engine == "mma" else [""], routes._FORCED_CASES,
                 (True, False)):
@@ -184,42 +210,12 @@ def run_side(tree: pathlib.Path, side: str, group: str):
                 modules[(D, h)] = DeviceWeights(weights(D, h, False), 0)
             dw = modules[(D, h)]
             k = key((B, N, N, D), aligned, "bool" if masked else None, precision, policy == "nan")
-
-            def make():
-                if side == "new":
-                    return make_plan(dw, k + (name + table,))
-                d = D // h
-                if engine == "ffma":
-                    launch = _configs.attention_ffma_launch(d)
-                elif engine == "mma":
-                    launch = _configs.attention_mma_launch(d, variant, n=N,
-                                                           compute_capability=80 if table else 90)
-                else:
-                    launch = _configs.attention_wgmma_launch(d, variant=variant, slot_rows=slot_rows)
-                saved = _configs.project_uses_tensor_cores
-                if ffma_projections:
-                    _configs.project_uses_tensor_cores = lambda *args: False
-                try:
-                    return make_plan(dw, k, launch)
-                finally:
-                    _configs.project_uses_tensor_cores = saved
             record(f"{name}{table} {precision} {B}x{N} mask={masked} {policy} aligned={aligned}",
-                   make)
+                   dw, lambda: make_plan(dw, k, route + table))
     return result
 
 
-def _normalized_old(record, kernels):
-    """An older tree's launch record in this tree's names (compare_kernels' mapping)."""
-    defines = {name: value for name, value in record["defines"]}
-    entry = {"arch": "sm_90", "file": record["file"], "defines": record["defines"]}
-    key = kernels.normalized_key(entry, old=True)
-    filename = kernels.FILE_RENAMES.get(record["file"], record["file"])
-    defines = dict(json.loads(key.split(" ", 2)[2]))
-    return dict(record, file=filename, defines=sorted(defines.items()),
-                name=kernels.entry_rename(record["name"], key))
-
-
-def compare(old, new, kernels) -> tuple[int, list]:
+def compare(old, new) -> tuple[int, list]:
     same, differ = 0, []
     for name in old:
         o, n = old[name], new.get(name, "missing")
@@ -233,8 +229,7 @@ def compare(old, new, kernels) -> tuple[int, list]:
             differ.append((name, "scratch or stages", (o["scratch"], n["scratch"])))
             continue
         fields = ("file", "defines", "arch", "name", "grid", "block", "smem", "args", "slots")
-        bad = [(f, a["name"]) for a, b in zip((_normalized_old(r, kernels) for r in o["records"]),
-                                              n["records"])
+        bad = [(f, a["name"]) for a, b in zip(o["records"], n["records"])
                for f in fields if (sorted(map(tuple, b[f])) if f == "defines" else b[f])
                != (sorted(map(tuple, a[f])) if f == "defines" else a[f])]
         if bad:
@@ -257,21 +252,17 @@ def main(argv=None):
         return 0
     if not args.old:
         ap.error("give --old")
-    kernels = _tool("compare_kernels")
-    sys.path.insert(0, str(REPO))  # (compare_kernels' layout names: this tree's)
     total_same, total, failures = 0, 0, []
     with tempfile.TemporaryDirectory() as tmp:
-        for group, env in (("default", {}), ("forced", {}),
-                           ("mma_projections", {"TRIATTN_PROJECT_TILES": "0"})):
+        for group in ("default", "forced"):
             sides = {}
             for side in ("old", "new"):
                 out = pathlib.Path(tmp) / f"{side}_{group}.json"
                 subprocess.run([sys.executable, str(HERE), "--side", side, "--group", group,
                                 "--out", str(out), "--old", str(args.old)],
-                               env={**os.environ, **(env if side == "old" else {}),
-                                    "PYTHONPATH": ""}, check=True)
+                               env={**os.environ, "PYTHONPATH": ""}, check=True)
                 sides[side] = json.loads(out.read_text())
-            same, differ = compare(sides["old"], sides["new"], kernels)
+            same, differ = compare(sides["old"], sides["new"])
             print(f"{group}: {same} of {len(sides['old'])} plans identical")
             total_same, total = total_same + same, total + len(sides["old"])
             failures += differ

@@ -1,15 +1,16 @@
 """Whether every route of this tree gives the same bits on the GPU as an older tree's forward with the same kernels forced.
 
-    python tools/compare_routes.py --old OLD_TREE     (e.g. `git archive e82fd4a` unpacked)
+    python tools/compare_routes.py --old OLD_TREE     (e.g. `git archive 85b05f1` unpacked)
 
 For every route of the route table (triattn_cupy.gpu.routes.ROUTES, and the mma.sync
 routes with the sm_80 tile tables) and a small case list (sizes off the tiles, B = 2,
 fully masked queries under both policies, a mask and none, N on both sides of the
 thresholds that shape a forward), this tree's forward runs with the route forced through
 the public `route=` argument, and the older tree's with the same kernels forced by its own
-means (its Forward's `attention=` launch, its compute-capability argument of the tile
+means: a tree from the redesign on by its own name of the route (ROUTE_RENAMES), an older
+one by its Forward's `attention=` launch, its compute-capability argument of the tile
 table, TRIATTN_PROJECT_TILES=0 before its import for the project_mma.cu projections, its
-projection switch for the FFMA projections). The default routes are compared too, at N
+projection switch for the FFMA projections. The default routes are compared too, at N
 on both sides of every N threshold, unforced on both sides. Each side runs in its own
 process on the same inputs and weights; the report gives per route and case whether the
 outputs are bit-identical, and the largest absolute difference where not. Exit status 1
@@ -50,6 +51,9 @@ _OLD_MEANS = {
     "wgmma_f16s_slots": (("wgmma", "f16s", True), False, False),
     "mma_tf32x3": (("mma", "tf32x3", False), False, False),
 }
+# Route names of the older trees that this tree calls otherwise (docs/design.md)
+ROUTE_RENAMES = {f"wgmma_{a}_tiles": f"wgmma_{a}_persistent" for a in ("f16x3", "f16", "bf16", "f16s")}
+_OLD_NAMES = {new: old for old, new in ROUTE_RENAMES.items()}
 # (B, N, masked, fully_masked): off the 64/128 tiles, at and past N = 128 (the mma.sync
 # tile table's small-N shapes), past the key extent's N = 512, B = 2
 _FORCED_CASES = [(2, 45, True, "zero"), (2, 128, False, "zero"), (1, 129, True, "nan"),
@@ -67,14 +71,15 @@ def cases():
     out = []
     for name in routes.ROUTES:
         parts = routes.route_parts(name)
-        wide = parts["project"] == "tiles" or parts["attention"].startswith("wgmma")
+        wide = parts["project"] == "persistent" or parts["attention"].startswith("wgmma")
         D, h = (128, 4) if wide else (64, 4)
         tables = [""] + (["@sm_80"] if parts["attention"].startswith("mma") else [])
         for precision in parts["precisions"]:
             for table in tables:
                 for B, N, masked, policy in _FORCED_CASES:
                     out.append(dict(name=f"{name}{table}", precision=precision,
-                                    route=name + table, old=[name, table], B=B, N=N, D=D, h=h,
+                                    route=name + table, old=[_OLD_NAMES.get(name, name), table],
+                                    B=B, N=N, D=D, h=h,
                                     masked=masked, policy=policy, aligned=True))
     for precision in ("fp32", "tf32", "bf16"):
         for D, h, Ns in ((128, 4, _DEFAULT_N), (64, 2, [383, 384, 767, 768]), (64, 4, [128, 129])):
@@ -122,6 +127,8 @@ def run_side(tree: pathlib.Path, side: str, todo, folder: pathlib.Path):
         return memory
 
     cp.cuda.set_allocator(zeroed)
+    # A tree from the redesign on forces its routes by name too (the older names)
+    by_name = side == "new" or (tree / "triattn_cupy" / "gpu" / "routes.py").exists()
 
     weights_of = {}
     for case in todo:
@@ -139,9 +146,10 @@ def run_side(tree: pathlib.Path, side: str, todo, folder: pathlib.Path):
             # tree takes for aligned rows
             pair_d = cp.ascontiguousarray(pair_d)
         try:
-            if side == "new" or case["old"] is None:
+            if by_name or case["old"] is None:
                 module = ta.TriangleAttention(weights)
-                forced = {} if case["route"] is None else {"route": case["route"]}
+                route = case["route"] if side == "new" else "".join(case["old"] or ())
+                forced = {} if case["route"] is None else {"route": route}
                 out = module(pair_d, mask_d, fully_masked=case["policy"],
                              precision=case["precision"], **forced)
             else:

@@ -4,7 +4,7 @@ The full comparison with the peers is benchmarks/run.py; this is the fast loop f
 kernel change:
 
     python tools/time_forward.py 2x128x64x4 1x384x128x4 1x1024x128x4
-    python tools/time_forward.py --precisions bf16 --route wgmma_bf16_tiles 1x1024x128x4
+    python tools/time_forward.py --precisions bf16 --route wgmma_bf16_persistent 1x1024x128x4
     python tools/time_forward.py --route mma_tf32@sm_80 --precisions tf32 1x1024x128x4
     python tools/time_forward.py --mask-layout pair,row 1x384x128x4 1x1024x128x4
 

@@ -1,4 +1,10 @@
-"""Argument checks shared by every backend: one place that words the errors."""
+"""Argument checks shared by every backend: one place that words the errors.
+
+Argument checks live in one module per layer: here those every backend shares (the
+fully-masked policy, the pair's geometry, the mask's dtype); the conventions' own
+(mask_layout, node, a mask's shape under its layout) in triattn_cupy.conventions, beside
+what they mean; the GPU engine's (CuPy present, sizes and element types the kernels take,
+arrays on the weights' device, precision modes) in triattn_cupy.gpu.checks."""
 from __future__ import annotations
 
 FULLY_MASKED_POLICIES = ("zero", "nan")
@@ -30,13 +36,6 @@ def pair_geometry(pair_shape, pair_dim: int, arg: str = "pair"):
     if B < 1 or N < 1:
         raise ValueError(f"{arg} must have B >= 1 and N >= 1; got shape {shape}")
     return B, N, batched
-
-
-def check_mask_shape(mask_shape, B: int, N: int, batched: bool, arg: str = "mask"):
-    shape = tuple(mask_shape)
-    expected = (B, N, N) if batched else (N, N)
-    if shape != expected:
-        raise ValueError(f"{arg} must have shape {expected} to match pair; got {shape}")
 
 
 def check_mask_dtype(dtype, arg: str = "mask"):

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import weakref
 
-from .conventions import check_mask_layout, check_node
+from .conventions import Conventions
 from .cuda_setup import require_cuda
 from .gpu.checks import gpu_available
 from .gpu.device_weights import DeviceWeights
@@ -108,11 +108,11 @@ class TriangleAttention:
                        conventions=self._conventions(mask_layout, node),
                        max_scratch_bytes=_NO_SCRATCH_LIMIT).stages()
 
-    def _conventions(self, mask_layout, node):
-        """(mask layout, node): the call's, else the weights' own."""
+    def _conventions(self, mask_layout, node) -> Conventions:
+        """The call's conventions, else the weights' own."""
         w = self.weights
-        return (check_mask_layout(w.mask_layout if mask_layout is None else mask_layout),
-                check_node(w.node if node is None else node))
+        return Conventions.checked(w.mask_layout if mask_layout is None else mask_layout,
+                                   w.node if node is None else node)
 
     def __repr__(self):
         w = self.weights

@@ -23,6 +23,7 @@ import numpy as np
 from ._version import __version__
 from .conventions import NODES
 from .cuda_setup import INSTALL_HINT, GpuUnavailableError, check_cuda
+from .gpu import gpus as gpus_table
 from .gpu.checks import PRECISIONS, check_dims, check_projection_fits
 from .gpu.compile import kernel_cache_folder, raw_module
 from .gpu.tiles import SMEM_LIMIT
@@ -30,9 +31,6 @@ from .gpu.tiles import SMEM_LIMIT
 USABLE, NOT_USABLE, USAGE = 0, 1, 2
 DEFAULT_SHAPE = "1x384x128x4"
 PAIR_DTYPES = ("float32", "float16", "bfloat16")
-# Shared memory a block may opt into, by compute capability (CUDA's tables), for the
-# routes of a GPU named by --arch; a GPU present reports its own.
-_SMEM_OPTIN_KIB = {70: 96, 75: 64, 80: 163, 86: 99, 87: 163, 89: 99, 90: 227}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -251,7 +249,8 @@ def _report_routes(shape: Shape, arch: int | None, gpus: list[dict], say):
     if arch is None:
         cc, smem, where = gpus[0]["compute_capability"], gpus[0]["smem_limit"], "GPU 0, "
     else:
-        cc, smem, where = arch, _SMEM_OPTIN_KIB.get(arch, SMEM_LIMIT // 1024) * 1024, "--arch "
+        # the GPU table's shared memory: a GPU present reports its own
+        cc, smem, where = arch, gpus_table.gpu(arch).smem_optin, "--arch "
     say(_label("routes") + f"{shape} (B x N x D x heads) on {where}compute capability "
         f"{cc // 10}.{cc % 10}:")
     for precision, route in route_names(shape, cc, smem).items():

@@ -33,9 +33,34 @@ downstream; here such a query follows ``fully_masked`` (zero attention output, o
 """
 from __future__ import annotations
 
+import typing
+
 MASK_LAYOUTS = ("pair", "row")
 NODES = ("starting", "ending", "ending_af3")
 ENDING_NODES = ("ending", "ending_af3")
+
+
+class Conventions(typing.NamedTuple):
+    """A call's two conventions (the module docstring): `mask_layout` and `node`. A named
+    tuple, so that a (mask_layout, node) pair converts with Conventions(*pair)."""
+    mask_layout: str = "pair"
+    node: str = "starting"
+
+    @classmethod
+    def checked(cls, mask_layout, node) -> "Conventions":
+        """The conventions, or a ValueError naming the one that is not known."""
+        return cls(check_mask_layout(mask_layout), check_node(node))
+
+    @property
+    def row_mask(self) -> bool:
+        """The mask removes keys per row i (the "row" layout), which the pair bias shared
+        by every row cannot hold: the attention applies it."""
+        return self.mask_layout == "row"
+
+    @property
+    def transposed(self) -> bool:
+        """The block runs on the transposed pair and mask (an ending node)."""
+        return self.node in ENDING_NODES
 
 
 def check_mask_layout(mask_layout, arg: str = "mask_layout") -> str:

@@ -11,16 +11,12 @@ and `compute(loaded) -> np.ndarray` (float32, shaped like the pair), which raise
 """
 from __future__ import annotations
 
-import importlib
-import inspect
-
 import numpy as np
 
 from .. import reference
 from .._install import pip_install
 
 GIB = float(1 << 30)
-DEFAULT_PRECISIONS = ("fp32", "tf32", "bf16")
 
 
 class ComputeError(Exception):
@@ -34,56 +30,30 @@ class SetupError(Exception):
 # --- what the installed package offers ------------------------------------------------------
 
 def gpu_api():
-    """The module with `TriangleAttention` and `gpu_available`, or None where the GPU API
-    is not part of this installation. Importing it never touches the GPU."""
-    import triattn_cupy
+    """The module with `TriangleAttention` and `gpu_available` (importing it never touches
+    the GPU)."""
+    from .. import api
 
-    if hasattr(triattn_cupy, "TriangleAttention"):
-        return triattn_cupy
-    try:
-        return importlib.import_module("triattn_cupy.api")
-    except ImportError:
-        return None
+    return api
 
 
 def precision_support():
-    """(precisions, where) when `TriangleAttention` takes ``precision=``, else (None, None).
+    """(precisions, where): the precision modes `TriangleAttention` takes, and "call": its
+    call takes ``precision=``."""
+    from ..gpu.checks import PRECISIONS
 
-    `where` is "init" when the constructor takes it, "call" when the call does.
-    """
-    api = gpu_api()
-    cls = getattr(api, "TriangleAttention", None) if api else None
-    if cls is None:
-        return None, None
-    where = None
-    for name, func in (("init", cls.__init__), ("call", cls.__call__)):
-        try:
-            if "precision" in inspect.signature(func).parameters:
-                where = name
-                break
-        except (TypeError, ValueError):
-            continue
-    precisions = getattr(api, "PRECISIONS", None)
-    if precisions is None:
-        import triattn_cupy
-        precisions = getattr(triattn_cupy, "PRECISIONS", None)
-    if where is None and precisions is None:
-        return None, None
-    return tuple(precisions or DEFAULT_PRECISIONS), where or "call"
+    return PRECISIONS, "call"
 
 
 def gpu_probe() -> tuple[int, str]:
     """(number of usable CUDA devices, why there are none). Never raises."""
-    api = gpu_api()
-    if api is None or not hasattr(api, "TriangleAttention"):
-        return 0, "this installation of triattn-cupy has no GPU backend (triattn_cupy.api)"
     try:
         import cupy
     except Exception as exc:
         return 0, (f"CuPy is not importable ({type(exc).__name__}: {exc}); install it: "
                    f"{pip_install('cuda13')}, or the extra cuda12, matching your CUDA "
                    f"driver")
-    available = api.gpu_available() if hasattr(api, "gpu_available") else True
+    available = gpu_api().gpu_available()
     try:
         count = cupy.cuda.runtime.getDeviceCount()  # also when not available: the reason
     except Exception as exc:

@@ -122,8 +122,11 @@ def as_device_array(obj, arg: str, device_id: int):
     return array
 
 
-# The pair's element types the kernels read and write (routes.PAIR_DTYPES); bfloat16 also
-# as the bits of a 16-bit integer array
+# The element types of the pair the projections read and of the output the out projections
+# write (PAIR_DTYPE, kernels/project_math.cuh: the index here; float32 emits no define, so
+# its kernels are the ones without the feature)
+PAIR_DTYPES = ("float32", "float16", "bfloat16")
+# bfloat16 also as the bits of a 16-bit integer array
 _BFLOAT16_CARRIERS = ("bfloat16", "uint16", "int16")
 
 
@@ -149,24 +152,18 @@ def bfloat16_dtype(carrier):
     return np.dtype(ml_dtypes.bfloat16)
 
 
-def _pair_dtypes():
-    from .routes import PAIR_DTYPES
-
-    return PAIR_DTYPES
-
-
 def check_pair_dtype(dtype, pair_dtype: str | None) -> str:
     """The pair's element type as the kernels take it ("float32", "float16", "bfloat16"),
     from its CuPy dtype and the caller's `pair_dtype` (None: the dtype's own)."""
     name = np.dtype(dtype).name
     if pair_dtype is None:
-        if name in _pair_dtypes():
+        if name in PAIR_DTYPES:
             return name
         raise TypeError(f"pair must be float32, float16 or bfloat16 (a CuPy array of "
                         f"ml_dtypes.bfloat16, or a torch bfloat16 tensor); got {name} (convert "
                         f"with pair.astype(cupy.float32))")
-    if pair_dtype not in _pair_dtypes():
-        raise ValueError(f"pair_dtype must be one of {_pair_dtypes()} or None; got "
+    if pair_dtype not in PAIR_DTYPES:
+        raise ValueError(f"pair_dtype must be one of {PAIR_DTYPES} or None; got "
                          f"{pair_dtype!r}")
     if name != pair_dtype and not (pair_dtype == "bfloat16" and name in _BFLOAT16_CARRIERS):
         expected = "bfloat16, uint16 or int16" if pair_dtype == "bfloat16" else pair_dtype

@@ -16,8 +16,6 @@ import re
 import threading
 
 _INCLUDE = re.compile(r'^\s*#include\s+"([^"]+)"\s*$', re.MULTILINE)
-# sm_80 is the oldest target we check; every kernel also runs on older GPUs (FFMA only).
-CHECK_ARCHS = ("sm_80", "sm_90")
 NVRTC_OPTIONS = ("-std=c++17",)
 # What CuPy adds to every compilation of its own (denormals flushed), so that a kernel we
 # compile ourselves (raw_module's `arch`) computes as CuPy-compiled ones do.
@@ -211,10 +209,3 @@ def _kernel(config: KernelConfig, name: str, smem_bytes: int, device: int):
 def _function(config: KernelConfig, name: str, device: int):
     return raw_module(config.filename, config.defines, config.arch).get_function(name)
 
-
-def forget_compiled_kernels():
-    """Drop every loaded module and kernel handle, so that the next launch compiles from
-    the kernel source again."""
-    raw_module.cache_clear()
-    _function.cache_clear()
-    _smem_allowed.clear()

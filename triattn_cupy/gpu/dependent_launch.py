@@ -25,10 +25,11 @@ import ctypes
 import sys
 import threading
 
+from . import gpus
+
 _PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CUlaunchAttributeID (cuda.h)
 # Drivers from CUDA 12.3 capture a programmatic launch as a programmatic graph edge
 _MIN_DRIVER = 12030
-_MIN_COMPUTE_CAPABILITY = 90
 # Pair rows (B N N) up to which a captured forward takes them. Replayed on the H200:
 # 2x128x64x4 -2.0 to -2.7%, 1x256x128x4 -1.2 to -2.0%; at 1x1024x128x4 the gaps are
 # ~0.1% of a replay and it measured +0.7 / +0.8% (tf32 / bf16, within the rounds'
@@ -83,7 +84,7 @@ def chosen(compute_capability: int, rows: int) -> bool:
 def supported(compute_capability: int) -> bool:
     """Whether this driver and a GPU of `compute_capability` run and capture programmatic
     launches (and the driver library exports cuLaunchKernelEx)."""
-    if compute_capability < _MIN_COMPUTE_CAPABILITY:
+    if not gpus.gpu(compute_capability).dependent_launches:
         return False
     import cupy
 

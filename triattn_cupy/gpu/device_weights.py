@@ -9,8 +9,7 @@ from ..weights import Weights
 
 from . import checks
 from . import layouts
-from . import routes
-from . import tiles
+from . import gpus, tiles
 from .checks import _cupy
 from .scales import f16_biased_scales, f16_projection_scales, f16s_scales, f16x3_scales
 
@@ -62,9 +61,11 @@ class DeviceWeights:
         self.sm_count = attributes["MultiProcessorCount"]
         self.compute_capability = int(device.compute_capability)  # "90" -> 90
         # Shared memory a block may opt into: 227 KiB on sm_90 (the tables' SMEM_LIMIT),
-        # less on other GPUs, where the tables take smaller tiles or a clear error.
-        self.smem_limit = min(tiles.SMEM_LIMIT,
-                              attributes.get("MaxSharedMemoryPerBlockOptin", tiles.SMEM_LIMIT))
+        # less on other GPUs, where the tables take smaller tiles or a clear error (the
+        # GPU table's figure where the device does not say)
+        optin = attributes.get("MaxSharedMemoryPerBlockOptin",
+                               gpus.gpu(self.compute_capability).smem_optin)
+        self.smem_limit = min(tiles.SMEM_LIMIT, optin)
         checks.check_projection_fits(weights.pair_dim, self.smem_limit,
                                        f"GPU {device_id} (compute capability "
                                        f"{self.compute_capability})")

@@ -1,7 +1,7 @@
 """One call of the GPU forward pass (Forward): arguments checked, the Plan of its input
 geometry looked up (made on first use), scratch allocated, the stages launched.
 
-Stages (one launch each; the kernels of each route: gpu/routes.py):
+Stages (one launch each; the kernels of each route: gpu/routes.py, gpu/kernel_configs.py):
   project    LayerNorm + q/k/v/gate + pair bias with the mask folded in (the mask read in
              place, in its own dtype and strides), written in the route's layout; the row
              mask layout folds no mask in
@@ -29,11 +29,11 @@ import contextlib
 import numpy as np
 
 from .._checks import check_fully_masked, check_mask_dtype, pair_geometry
-from ..conventions import check_mask_shape
+from ..conventions import Conventions, check_mask_shape
 from . import checks, layouts, row_blocks
 from .checks import _cupy, as_device_array
 from .device_weights import DeviceWeights
-from .plan import make_plan, plan_key
+from .launch_plan import PlanKey, make_plan
 
 
 _PLANS_PER_MODULE = 64  # geometries remembered per DeviceWeights (then forgotten, all at once)
@@ -77,53 +77,19 @@ class Forward:
 
     def __init__(self, dw: DeviceWeights, pair, mask, fully_masked: str, out,
                  precision: str = "fp32",
-                 attention: "routes.AttentionLaunch | None" = None,
+                 attention: "kernel_configs.AttentionLaunch | None" = None,
                  route: "routes.Route | str | None" = None,
-                 conventions: tuple[str, str] = ("pair", "starting"),
+                 conventions: "Conventions | tuple[str, str]" = Conventions(),
                  pair_dtype: str | None = None, allocate=None,
                  row_block: int | None = None, max_scratch_bytes: int | None = None):
         cupy = _cupy()
         row_blocks.check_row_block_args(row_block, max_scratch_bytes)
         check_fully_masked(fully_masked)
         checks.check_precision(precision)
-        pair, given_bfloat16 = checks.bfloat16_bits(pair)
-        pair = as_device_array(pair, "pair", dw.device_id)
-        self.pair_dtype = pair_dtype = checks.check_pair_dtype(
-            pair.dtype, "bfloat16" if given_bfloat16 else pair_dtype)
-        # The result's dtype: the pair's as given (a torch bfloat16 pair's: ml_dtypes')
-        self._result_dtype = (checks.bfloat16_dtype(pair.dtype) if given_bfloat16
-                              else pair.dtype)
-        if pair.dtype.name == "bfloat16":  # (ml_dtypes': CuPy copies it as its bits)
-            pair = pair.view(cupy.uint16)
         self.dw, self._allocate = dw, allocate
-        B, N, batched = pair_geometry(pair.shape, dw.pair_dim)
-        mask_layout, node = conventions
-        if mask is not None:
-            mask = as_device_array(mask, "mask", dw.device_id)
-            check_mask_dtype(mask.dtype)
-            check_mask_shape(mask.shape, B, N, batched, mask_layout)
-            if mask.ndim != (3 if batched else 2):  # the models' (B, N, 1, 1, N) row mask,
-                # its unit axes dropped (a view)
-                mask = mask.reshape((B, N, N) if batched else (N, N))
-        _refuse_unsupported(node)
-        if node == "ending":
-            # The block on the transposed pair and mask, read in place (strided views:
-            # x[b, i, j] = pair[b, j, i]); the out projection writes each row back to the
-            # caller's layout (Plan.out_transposed), so `out` is shaped and laid out as pair.
-            pair = pair.swapaxes(-2, -3)
-            if mask is not None:
-                mask = mask.swapaxes(-1, -2)
-        # The caller's own `out` object is what a call returns (a bfloat16 one is carried
-        # as its bits inside)
-        self._caller_out = out if isinstance(out, cupy.ndarray) else None
-        if out is not None:
-            out, out_bfloat16 = checks.bfloat16_bits(out)
-            out = as_device_array(out, "out", dw.device_id)
-            checks.check_out(out, pair.shape, pair_dtype, out_bfloat16)
-            self._result_dtype = (checks.bfloat16_dtype(out.dtype) if out_bfloat16
-                                  else out.dtype)
-            if out.dtype.name == "bfloat16":
-                out = out.view(cupy.uint16)
+        conventions = Conventions(*conventions)  # (a (mask_layout, node) pair too)
+        pair, mask = self._take_inputs(cupy, pair, mask, pair_dtype, conventions)
+        out = self._take_out(cupy, out, pair.shape)
         # Rows whose vector loads would be misaligned (an odd offset, a channel stride) are
         # read from an aligned copy, and an unaligned `out` is written through one: the
         # route, and so the bits, must not depend on where the arrays lie.
@@ -134,57 +100,110 @@ class Forward:
         self._out_target = None
         if out is not None and out.data.ptr % 16:
             self._out_target, out = out, None
-        key = plan_key(pair, mask, precision, fully_masked == "nan", route,
-                       out_transposed=node == "ending",
-                       row_mask=mask is not None and mask_layout == "row",
-                       pair_dtype=pair_dtype)
+        key = PlanKey.of(pair, mask, precision, fully_masked == "nan", route,
+                         out_transposed=conventions.transposed,
+                         row_mask=mask is not None and conventions.row_mask,
+                         pair_dtype=self.pair_dtype)
         # Whether calls must switch to the weights' device (each look-up of the current
         # device costs ~0.7 µs of host time before the first kernel: done once here)
-        self.dw, self._switch = dw, cupy.cuda.runtime.getDevice() != dw.device_id
+        self._switch = cupy.cuda.runtime.getDevice() != dw.device_id
         with self._on_device():  # one device switch: kernels, allocations
-            if attention is None:
-                plan = dw.plans.get(key)
-                if plan is None:
-                    with dw.lock:  # one thread makes it; the others wait and share it
-                        plan = dw.plans.get(key)
-                        if plan is None:
-                            if len(dw.plans) >= _PLANS_PER_MODULE:
-                                dw.plans.clear()
-                            plan = dw.plans[key] = make_plan(dw, key)
-            else:
-                plan = make_plan(dw, key, attention)
-            self.plan, self.pair, self.mask = plan, pair, mask
+            self.plan = plan = self._plan(key, attention)
+            self.pair, self.mask = pair, mask
             # Row blocks where the single pass's scratch would pass the limit (row_blocks.py)
             self.rows_per_block = _rows_per_block(cupy, dw, plan, pair, out is None,
                                                   row_block, max_scratch_bytes)
-            self._devices = 1  # (row_blocks.emulate_devices: G devices emulated)
+            self.devices = 1  # (emulate_devices: G devices emulated)
             if self.rows_per_block is None:
                 self._scratch = self._memory(plan.scratch_bytes)  # qkvg, the bias, V^T
             else:
-                blocked = self._blocked_scratch = row_blocks.BlockedScratch(
+                blocked = self.blocked_scratch = row_blocks.BlockedScratch(
                     plan, self.rows_per_block)
                 self._scratch = self._memory(blocked.nbytes)
-        scratch = self._scratch.ptr
-        # The output's memory is taken after the first launch (_take_out_memory: ~1 µs of
+        # The output's memory is taken after the first launch (take_out_memory: ~1 µs of
         # host time the first kernel need not wait on), its CuPy array after the last
         # (making an ndarray costs ~2.5 µs)
         self._out, self._out_memory = out, None if out is None else out.data
-        # The call's device addresses, by the names the launches' slots give them
-        self._pointers = {"pair": pair.data.ptr, "mask": 0 if mask is None else mask.data.ptr,
-                          "qkvg": scratch, "bias": scratch + plan.qkvg_bytes,
-                          "vt": (scratch + plan.qkvg_bytes + plan.bias_bytes
-                                 if plan.vt_bytes else 0),
-                          "extent": scratch + plan.extent_offset if plan.key_extent else 0,
-                          "row_mask": (scratch + plan.row_mask_offset
-                                       if plan.row_mask is not None else 0),
-                          "out": None if out is None else out.data.ptr}
-        if self.rows_per_block is not None:  # the blocked scratch's regions
-            blocked = self._blocked_scratch
-            self._pointers.update(
-                qkvg=scratch + blocked.qkvg, bias=scratch + blocked.bias,
-                vt=scratch + blocked.vt if plan.vt_bytes else 0,
-                extent=scratch + blocked.extent if plan.key_extent else 0,
-                row_mask=scratch + blocked.row_mask if plan.row_mask is not None else 0)
+        self.pointers = self._addresses(out)
+
+    def _take_inputs(self, cupy, pair, mask, pair_dtype, conventions: Conventions):
+        """(pair, mask) as the kernels read them: checked, on the weights' device, the
+        pair's 16-bit types as their bits, the mask (B, N, N), both transposed for an
+        ending node. Sets pair_dtype and the result's dtype."""
+        dw = self.dw
+        pair, given_bfloat16 = checks.bfloat16_bits(pair)
+        pair = as_device_array(pair, "pair", dw.device_id)
+        self.pair_dtype = checks.check_pair_dtype(
+            pair.dtype, "bfloat16" if given_bfloat16 else pair_dtype)
+        # The result's dtype: the pair's as given (a torch bfloat16 pair's: ml_dtypes')
+        self._result_dtype = (checks.bfloat16_dtype(pair.dtype) if given_bfloat16
+                              else pair.dtype)
+        if pair.dtype.name == "bfloat16":  # (ml_dtypes': CuPy copies it as its bits)
+            pair = pair.view(cupy.uint16)
+        B, N, batched = pair_geometry(pair.shape, dw.pair_dim)
+        if mask is not None:
+            mask = as_device_array(mask, "mask", dw.device_id)
+            check_mask_dtype(mask.dtype)
+            check_mask_shape(mask.shape, B, N, batched, conventions.mask_layout)
+            if mask.ndim != (3 if batched else 2):  # the models' (B, N, 1, 1, N) row mask,
+                # its unit axes dropped (a view)
+                mask = mask.reshape((B, N, N) if batched else (N, N))
+        _refuse_unsupported(conventions.node)
+        if conventions.transposed:
+            # The block on the transposed pair and mask, read in place (strided views:
+            # x[b, i, j] = pair[b, j, i]); the out projection writes each row back to the
+            # caller's layout (Plan.out_transposed), so `out` is shaped and laid out as pair.
+            pair = pair.swapaxes(-2, -3)
+            if mask is not None:
+                mask = mask.swapaxes(-1, -2)
+        return pair, mask
+
+    def _take_out(self, cupy, out, shape):
+        """The caller's `out` checked (shaped and typed as the pair), as its bits where
+        bfloat16; None stays None. The caller's own object is what a call returns."""
+        self._caller_out = out if isinstance(out, cupy.ndarray) else None
+        if out is None:
+            return None
+        out, out_bfloat16 = checks.bfloat16_bits(out)
+        out = as_device_array(out, "out", self.dw.device_id)
+        checks.check_out(out, shape, self.pair_dtype, out_bfloat16)
+        self._result_dtype = (checks.bfloat16_dtype(out.dtype) if out_bfloat16
+                              else out.dtype)
+        return out.view(cupy.uint16) if out.dtype.name == "bfloat16" else out
+
+    def _plan(self, key: PlanKey, attention):
+        """The Plan of `key`: the module's (made once, by one thread), or one of its own
+        around a forced `attention` kernel."""
+        dw = self.dw
+        if attention is not None:
+            return make_plan(dw, key, attention)
+        plan = dw.plans.get(key)
+        if plan is None:
+            with dw.lock:  # one thread makes it; the others wait and share it
+                plan = dw.plans.get(key)
+                if plan is None:
+                    if len(dw.plans) >= _PLANS_PER_MODULE:
+                        dw.plans.clear()
+                    plan = dw.plans[key] = make_plan(dw, key)
+        return plan
+
+    def _addresses(self, out) -> dict:
+        """The call's device addresses, by the names the launches' slots give them."""
+        plan, pair, mask, scratch = self.plan, self.pair, self.mask, self._scratch.ptr
+        if self.rows_per_block is None:
+            qkvg, bias = scratch, scratch + plan.qkvg_bytes
+            vt, extent = bias + plan.bias_bytes, scratch + plan.extent_offset
+            row_mask = scratch + plan.row_mask_offset
+        else:  # the blocked scratch's regions
+            blocked = self.blocked_scratch
+            qkvg, bias, vt = (scratch + blocked.qkvg, scratch + blocked.bias,
+                              scratch + blocked.vt)
+            extent, row_mask = scratch + blocked.extent, scratch + blocked.row_mask
+        return {"pair": pair.data.ptr, "mask": 0 if mask is None else mask.data.ptr,
+                "qkvg": qkvg, "bias": bias, "vt": vt if plan.vt_bytes else 0,
+                "extent": extent if plan.key_extent else 0,
+                "row_mask": row_mask if plan.row_mask is not None else 0,
+                "out": None if out is None else out.data.ptr}
 
     # The geometry, as the plan has it
     B = property(lambda self: self.plan.B)
@@ -216,10 +235,10 @@ class Forward:
         nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
         return _cupy().ndarray(shape, dtype, memptr=self._memory(nbytes))
 
-    def _take_out_memory(self):
+    def take_out_memory(self):
         if self._out_memory is None:
             self._out_memory = self._memory(self.pair.itemsize * self.pair.size)
-            self._pointers["out"] = self._out_memory.ptr
+            self.pointers["out"] = self._out_memory.ptr
 
     @property
     def out(self):
@@ -227,7 +246,7 @@ class Forward:
         array made for it)."""
         if self._out is None:
             with self._on_device():
-                self._take_out_memory()
+                self.take_out_memory()
             self._out = _cupy().ndarray(self.pair.shape, self.pair.dtype,
                                         memptr=self._out_memory)
             if self._out_target is not None:  # the caller's unaligned `out`
@@ -276,32 +295,32 @@ class Forward:
     # (Each stage on the weights' device: stages() hands them out to be called alone.)
     def project(self):
         with self._on_device():
-            self._zero_bias()
-            self.plan.project(self._pointers)
+            self.zero_bias_memory()
+            self.plan.project(self.pointers)
 
-    def _zero_bias(self):
+    def zero_bias_memory(self):
         if self.plan.zero_bias:
             cupy = _cupy()
-            cupy.cuda.runtime.memsetAsync(self._pointers["bias"], 0, self.plan.bias_bytes,
+            cupy.cuda.runtime.memsetAsync(self.pointers["bias"], 0, self.plan.bias_bytes,
                                           cupy.cuda.get_current_stream().ptr)
 
-    def attention(self, launch: "routes.AttentionLaunch | None" = None):
+    def attention(self, launch: "kernel_configs.AttentionLaunch | None" = None):
         """The attention stage (with the key extent before it, where the plan finds one);
         `launch` replaces the kernel chosen for this forward (tile sweeps time kernels on
         the same scratch): it must read k and v in the form this forward's projection
         stores them."""
         with self._on_device():
-            self._pack_row_mask()
-            self._find_key_extent()
+            self.pack_row_mask()
+            self.find_key_extent()
             if launch is None:
-                self.plan.attention(self._pointers)
+                self.plan.attention(self.pointers)
             else:
-                self.plan.attention_launch(launch, self.plan.nan_fully_masked)(self._pointers)
+                self.plan.attention_launch(launch, self.plan.nan_fully_masked)(self.pointers)
 
     def out_project(self):
         with self._on_device():
-            self._take_out_memory()
-            self.plan.out_project(self._pointers)
+            self.take_out_memory()
+            self.plan.out_project(self.pointers)
 
     def stages(self):
         if self.rows_per_block is not None:
@@ -312,35 +331,35 @@ class Forward:
         return [("layernorm+projections", self.project),
                 ("attention", self.attention), ("gate+out_proj", self.out_project)]
 
-    def _pack_row_mask(self):
+    def pack_row_mask(self):
         if self.plan.row_mask is not None:  # the row layout's key bits (row_mask.cu)
-            self.plan.row_mask(self._pointers)
+            self.plan.row_mask(self.pointers)
 
-    def _find_key_extent(self):
+    def find_key_extent(self):
         if self.plan.key_extent is not None:
             cupy = _cupy()
-            cupy.cuda.runtime.memsetAsync(self._pointers["extent"], 0, 4 * self.B,
+            cupy.cuda.runtime.memsetAsync(self.pointers["extent"], 0, 4 * self.B,
                                           cupy.cuda.get_current_stream().ptr)
-            self.plan.key_extent(self._pointers)
+            self.plan.key_extent(self.pointers)
 
     def run(self):
         if self.rows_per_block is not None:
             with self._on_device():
-                row_blocks.run(self, self.rows_per_block, self._devices)
+                row_blocks.run(self, self.rows_per_block, self.devices)
                 out = self.out
-            self._scratch = self._pointers = None
+            self._scratch = self.pointers = None
             return out
         with self._on_device():
-            self._zero_bias()
-            self.plan.project(self._pointers)
-            self._take_out_memory()
-            self._pack_row_mask()
-            self._find_key_extent()
-            self.plan.attention(self._pointers)
-            self.plan.out_project(self._pointers)
+            self.zero_bias_memory()
+            self.plan.project(self.pointers)
+            self.take_out_memory()
+            self.pack_row_mask()
+            self.find_key_extent()
+            self.plan.attention(self.pointers)
+            self.plan.out_project(self.pointers)
             out = self.out
         # Scratch back to the pool now, not at GC (the pool reuses it in stream order).
-        self._scratch = self._pointers = None
+        self._scratch = self.pointers = None
         return out
 
 
@@ -391,3 +410,22 @@ def _rows_per_block(cupy, dw, plan, pair, allocates_out: bool, row_block, max_sc
                                      max_scratch_bytes=max_scratch_bytes,
                                      device_total=total, device_free=max(free, 0)
                                      if free is not None else None)
+
+
+def emulate_devices(module, pair, mask=None, *, devices: int, row_block: int, **options):
+    """The forward of `module` (a TriangleAttention) as `devices` GPUs would compute one
+    sample, emulated on its one device: the rows split into `devices` contiguous shares;
+    each share's bias pass, then each share's blocks of `row_block` rows. Options as
+    TriangleAttention.__call__; bit-identical to module(pair, mask, **options) (tests)."""
+    if isinstance(devices, bool) or not isinstance(devices, (int, np.integer)) or devices < 1:
+        raise ValueError(f"devices must be an int of at least 1; got {devices!r}")
+    forward = Forward(module._dw, pair, mask, options.pop("fully_masked", "zero"),
+                      options.pop("out", None), options.pop("precision", "fp32"),
+                      route=options.pop("route", None),
+                      conventions=module._conventions(options.pop("mask_layout", None),
+                                                      options.pop("node", None)),
+                      row_block=row_block)
+    if options:
+        raise TypeError(f"unknown options {sorted(options)}")
+    forward.devices = int(devices)
+    return forward.run()

@@ -9,8 +9,8 @@ copies the template's values for its thread, writes its pointers into their slot
 calls cuLaunchKernel (CuPy's `driver.launchKernel`) on the current CuPy stream.
 
 Arguments: `I32`, `I64`, `F32` (scalars, by value) and `Ptr` (a device address), or
-`None` for a pointer that each call supplies (`slots`: position -> the name it is given
-by in the call's dictionary of addresses).
+`None` for a pointer or integer that each call supplies (`slots`: position -> the name it
+is given by in the call's dictionary of values).
 
 Each kernel's parameters are declared once, by name and kind (`Signature`); a launch binds
 values to names, never to slot numbers.
@@ -104,8 +104,10 @@ def _cuda_api():
 
 
 class Call(str):
-    """A pointer argument that each call supplies: the name of its address in the call's
-    dictionary of addresses (Forward: pair, mask, qkvg, bias, vt, extent, out)."""
+    """An argument that each call supplies: the name of its value in the call's dictionary
+    (Forward: the addresses pair, mask, qkvg, bias, vt, extent, out; row blocks also the
+    integers row_begin, row_end and M). Pointers and integers only: a slot holds the
+    value's 8 little-endian bytes, of which the kernel reads its parameter's size."""
 
 
 _KINDS = {"i32": I32, "i64": I64, "f32": F32, "ptr": Ptr}
@@ -131,8 +133,9 @@ class Signature:
         for position, (kind, name) in enumerate(self.params):
             value = values[name]
             if isinstance(value, Call):
-                if kind != "ptr":
-                    raise TypeError(f"kernel argument {name} is {kind}, not a pointer")
+                if kind == "f32":
+                    raise TypeError(f"kernel argument {name} is f32: a call supplies "
+                                    f"pointers and integers only")
                 args.append(None)
                 slots.append((position, str(value)))
             else:
@@ -143,27 +146,29 @@ class Signature:
 class Launch:
     """One kernel launch worked out in advance: the kernel (compiled, its shared memory
     opted in), grid, block, shared memory and parameter block (`bound`: Signature.bind's
-    args and slots). Calling it with the call's {name: device address} launches it on the
-    current CuPy stream."""
+    args and slots). Calling it with the call's {name: value} launches it on the current
+    CuPy stream; a `grid` of None is given by each call (row blocks)."""
     __slots__ = ("config", "name", "kernel", "function", "grid", "block", "smem", "args",
                  "dependent")
 
     def __init__(self, config, name, grid, block, smem, bound, dependent: bool = False):
-        self.config, self.name = config, name  # (row_blocks.py derives its launches)
+        self.config, self.name = config, name
         self.kernel = config.get(name, smem)   # a cupy.RawKernel (keeps its module loaded)
         self.function = self.kernel.kernel.ptr  # its CUfunction on the current device
-        self.grid, self.block, self.smem = int(grid), int(block), int(smem)
+        self.grid = None if grid is None else int(grid)
+        self.block, self.smem = int(block), int(smem)
         self.args = KernelArgs(*bound)
         # Its kernel waits for the previous one before reading what that wrote
         # (wait_for_previous_kernel), so it may go out as a programmatic dependent
         # inside dependent_launch.launches_as_dependents()
         self.dependent = dependent
 
-    def __call__(self, pointers):
+    def __call__(self, pointers, grid: int | None = None):
         launch, current_stream = _api or _cuda_api()
+        grid = self.grid if grid is None else int(grid)
         if self.dependent and dependent_launch.active():
-            dependent_launch.launch(self.function, self.grid, self.block, self.smem,
+            dependent_launch.launch(self.function, grid, self.block, self.smem,
                                     current_stream().ptr, self.args.fill(pointers))
             return
-        launch(self.function, self.grid, 1, 1, self.block, 1, 1, self.smem,
+        launch(self.function, grid, 1, 1, self.block, 1, 1, self.smem,
                current_stream().ptr, self.args.fill(pointers), 0)

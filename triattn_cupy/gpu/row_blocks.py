@@ -41,14 +41,7 @@ import math
 
 import numpy as np
 
-from .compile import KernelConfig
-from . import launch as _launch
-from .launch import Call, KernelArgs, Launch, Signature
-from .plan import LN_QKVG_PROJECT_TILES, SPLIT_TILES_ARGS
-from .plan import _mask_args
-from .routes import (LAYERNORM_BIAS_THREADS, bias_only, layernorm_bias_config,
-                     layernorm_bias_smem_bytes, row_blocked)
-from . import layouts, tiles
+from . import tiles
 
 # Default scratch limit: half the input's bytes, but never below a floor where the blocked
 # path's extra read of the pair (and its launches) would cost time without need: the
@@ -58,16 +51,6 @@ from . import layouts, tiles
 # 1x2048 in bf16, ~1.7% at 1x4096 (docs/performance.md).
 SCRATCH_FLOOR_BYTES = 256 << 20
 DEVICE_SHARE = 16
-# layernorm_bias_ffma.cu: its parameters, pair rows a block takes per step (8 warps of 4
-# rows: ROW_LANES 8) and resident blocks per SM (BIAS_MIN_BLOCKS); it loops over its rows,
-# so a grid of that many blocks per SM covers any number of them. Its block size and shared
-# memory: routes.LAYERNORM_BIAS_THREADS, routes.layernorm_bias_smem_bytes.
-LAYERNORM_BIAS = Signature(
-    "ptr x", "i64 sb", "i64 si", "i64 sj", "i32 N", "f32 eps",
-    "ptr w_ln", "ptr c_ln", "ptr mask", "i32 mask_kind", "i64 mb", "i64 mi", "i64 mj",
-    "ptr bias", "i32 npk")
-LAYERNORM_BIAS_ROWS = 32
-LAYERNORM_BIAS_BLOCKS_PER_SM = 2
 _ALIGN = 1024  # each region of the blocked scratch (the tile copies need 16 bytes)
 
 # The out projections' tile: 64 pair rows (project_wgmma.cu, project_wgmma_split.cu ROWS;
@@ -203,90 +186,27 @@ def batch_segments(begin: int, end: int, N: int) -> list[tuple[int, int]]:
 
 # ---- the launches ----
 
-class GridLaunch:
-    """A kernel launched with the grid each call gives (blocks differ in rows), its
-    parameters laid out once as a Launch's: `launch`'s own, a slot at `named` positions
-    each call fills (row_blocks' "M"), and `extra` slots last (row_begin, row_end)."""
-    __slots__ = ("function", "kernel", "block", "smem", "args")
-
-    def __init__(self, launch, config: KernelConfig, named=None, extra=()):
-        self.kernel = config.get(launch.name, launch.smem)
-        self.function = self.kernel.kernel.ptr
-        self.block, self.smem = launch.block, launch.smem
-        slots = dict(launch.args.slots)
-        slots.update(named or {})
-        args = [None if p in slots else np.uint64(v)
-                for p, v in enumerate(launch.args.template)]
-        for name in extra:
-            slots[len(args)] = name
-            args.append(None)
-        self.args = KernelArgs(args, sorted(slots.items()))
-
-    def __call__(self, pointers, grid: int):
-        run, current_stream = _launch._api or _launch._cuda_api()
-        run(self.function, int(grid), 1, 1, self.block, 1, 1, self.smem,
-            current_stream().ptr, self.args.fill(pointers), 0)
-
-
-def bias_pass_layout(layout):
-    """The layout whose bias form the persistent projections' bias pass writes for theirs:
-    the same bias tiles (tiles_f16_slots' are tiles_f16's)."""
-    return {layouts.TILES_F16_SLOTS: layouts.TILES_F16}.get(layout, layout)
-
-
 class RowBlockLaunches:
-    """A Plan's kernels for row blocks (made once per plan: RowBlockLaunches.of): the bias
-    pass (BIAS_ONLY), a block's projection (with a null bias: none written), attention
-    (ROW_BLOCK) and out projection (its M per segment)."""
+    """A Plan's kernels for row blocks (made once per plan: RowBlockLaunches.of), as its
+    RouteLaunches build them with row_block=True: the bias pass (BIAS_ONLY, or
+    layernorm_bias_ffma.cu for the persistent projections), a block's projection (with a
+    null bias: none written), attention (ROW_BLOCK) and out projection (its M per
+    segment)."""
 
     def __init__(self, plan, dw):
         self.plan, self.sm_count = plan, dw.sm_count
-        bounds = ("row_begin", "row_end")
-        named = {}
-        if plan.project_tiles and tiles.project_tiles_split(plan.layout):
-            # the split kernel's bias weights: null in a block's projection (no bias)
-            names = [name for _, name in (LN_QKVG_PROJECT_TILES + SPLIT_TILES_ARGS).params]
-            named = {names.index("wb"): "wb"}
-        self.project = GridLaunch(plan.project, row_blocked(plan.project.config), named=named,
-                                  extra=bounds)
-        self.bias_pass, self.bias_rows, self.bias_blocks = self._bias_pass(plan, dw, bounds)
-        self.attention = GridLaunch(plan.attention, row_blocked(plan.attention.config),
-                                    extra=bounds)
-        # gated_out_project's M (argument 1 of every out projection) per segment
-        self.out_project = GridLaunch(plan.out_project, plan.out_project.config,
-                                      named={1: "M"})
-        self.project_rows = dict(plan.project.config.defines).get("BM")
-
-    @staticmethod
-    def _bias_pass(plan, dw, bounds):
-        """(GridLaunch, rows per block, most blocks) of the bias pass: the plan's own
-        project_mma.cu or project_ffma.cu projection under BIAS_ONLY (the single pass's
-        LayerNorm and bias code: the same bits), or for the persistent projections (whose
-        bias comes out of the products of q and the gate) layernorm_bias_ffma.cu, a
-        streaming kernel of a few resident blocks per SM, writing the same bias form."""
-        if not plan.project_tiles:
-            config = bias_only(row_blocked(plan.project.config))
-            return (GridLaunch(plan.project, config, extra=bounds),
-                    dict(config.defines)["BM"], None)
-        config = layernorm_bias_config(bias_pass_layout(plan.layout), plan.D, plan.H,
-                                       plan.pair_dtype)
-        w_ln, c_ln = dw.layernorm_bias_weight(plan.scales)
-        sb, si, sj, _ = plan.strides  # (rows contiguous: routes.choose_route)
-        launch = Launch(
-            config, "layernorm_bias_ffma", 1, LAYERNORM_BIAS_THREADS,
-            layernorm_bias_smem_bytes(plan.D, plan.pair_dtype),
-            LAYERNORM_BIAS.bind(
-                x=Call("pair"), sb=sb, si=si, sj=sj, N=plan.N,
-                eps=dw.eps, w_ln=w_ln.data.ptr, c_ln=c_ln.data.ptr,
-                **_mask_args(plan.projection_mask), bias=Call("bias"), npk=plan.npk))
-        return (GridLaunch(launch, config, extra=bounds), LAYERNORM_BIAS_ROWS,
-                LAYERNORM_BIAS_BLOCKS_PER_SM * dw.sm_count)
+        build = plan.launches
+        self.project = build.project(row_block=True)
+        self.bias_pass, self.bias_rows, self.bias_blocks = build.bias_pass()
+        self.attention = build.attention(plan.attention_kernel, row_block=True)
+        self.out_project = build.out_project(row_block=True)
+        self.project_rows = dict(self.project.config.defines).get("BM")
 
     @classmethod
     def of(cls, plan, dw) -> "RowBlockLaunches":
-        made = getattr(plan, "_row_block_launches", None)
+        made = plan.row_block_launches
         if made is None:
-            made = plan._row_block_launches = cls(plan, dw)
+            made = plan.row_block_launches = cls(plan, dw)
         return made
 
     def bias_grid(self, rows: int) -> int:
@@ -295,7 +215,7 @@ class RowBlockLaunches:
 
     def project_grid(self, rows: int) -> int:
         N = self.plan.N
-        if self.plan.project_tiles:  # persistent: at most one block per SM
+        if self.plan.project_persistent:  # persistent: at most one block per SM
             return min(rows * -(-N // tiles.WGMMA_KEYS), self.sm_count)
         return -(-rows * N // self.project_rows)
 
@@ -305,8 +225,8 @@ class RowBlockLaunches:
 
     def out_grid(self, rows: int) -> int:
         M = rows * self.plan.N
-        if self.plan.tiles:
-            return min(-(-M // tiles.TILES_ROWS), self.sm_count)
+        if self.plan.out_persistent:
+            return min(-(-M // tiles.PERSISTENT_ROWS), self.sm_count)
         return -(-M // self.plan.out_rows)
 
 
@@ -337,11 +257,11 @@ def run(forward, rows_per_block: int, devices: int = 1):
     """The forward's stages row block by row block (module docstring), on the forward's
     blocked scratch (Forward allocates BlockedScratch(plan, rows_per_block).nbytes).
     `devices` > 1 emulates that many devices on this one (emulate_devices)."""
-    plan, p = forward.plan, forward._pointers
+    plan, p = forward.plan, forward.pointers
     launches = RowBlockLaunches.of(plan, forward.dw)
     N, D = plan.N, plan.D
     itemsize = 4 if plan.pair_dtype == "float32" else 2  # the output's elements
-    scratch = forward._blocked_scratch
+    scratch = forward.blocked_scratch
     qkvg0, vt0, bias0 = p["qkvg"], p["vt"], p["bias"]
     shares = split_rows(plan.B * N, devices, row_unit(N, plan.out_rows))
 
@@ -349,15 +269,15 @@ def run(forward, rows_per_block: int, devices: int = 1):
         p["qkvg"] = _back(qkvg0, begin * scratch.qkvg_row_bytes)
         p["vt"] = _back(vt0, begin * scratch.vt_row_bytes) if vt0 else 0
 
-    forward._zero_bias()
+    forward.zero_bias_memory()
     # 1. the bias of every row: one launch per device's share (the bias all-gathered after)
     for begin, end in shares:
         p["row_begin"], p["row_end"] = begin, end
         launches.bias_pass(p, launches.bias_grid(end - begin))
-    forward._take_out_memory()
+    forward.take_out_memory()
     out0 = p["out"]
-    forward._pack_row_mask()
-    forward._find_key_extent()
+    forward.pack_row_mask()
+    forward.find_key_extent()
     # 2. each block: its projection (no bias: null bias and bias weights), attention, out
     #    projection
     p["wb"] = 0
@@ -383,24 +303,3 @@ def run(forward, rows_per_block: int, devices: int = 1):
                     p["out"] = out0 + s0 * N * D * itemsize
                 launches.out_project(p, launches.out_grid(s1 - s0))
     p["qkvg"], p["vt"], p["out"] = qkvg0, vt0, out0
-
-
-def emulate_devices(module, pair, mask=None, *, devices: int, row_block: int, **options):
-    """The forward of `module` (a TriangleAttention) as `devices` GPUs would compute one
-    sample, emulated on its one device: the rows split into `devices` contiguous shares;
-    each share's bias pass, then each share's blocks of `row_block` rows. Options as
-    TriangleAttention.__call__; bit-identical to module(pair, mask, **options) (tests)."""
-    from .forward import Forward
-
-    if isinstance(devices, bool) or not isinstance(devices, (int, np.integer)) or devices < 1:
-        raise ValueError(f"devices must be an int of at least 1; got {devices!r}")
-    forward = Forward(module._dw, pair, mask, options.pop("fully_masked", "zero"),
-                      options.pop("out", None), options.pop("precision", "fp32"),
-                      route=options.pop("route", None),
-                      conventions=module._conventions(options.pop("mask_layout", None),
-                                                      options.pop("node", None)),
-                      row_block=row_block)
-    if options:
-        raise TypeError(f"unknown options {sorted(options)}")
-    forward._devices = int(devices)
-    return forward.run()

@@ -1,11 +1,13 @@
-"""The tuned tile tables: block shapes, pipeline stages and shared memory of every kernel, as
-measured on an H200 within what compiles without spills for sm_80 and sm_90."""
+"""Block shapes, pipeline stages and shared memory of every kernel: the projections' rows
+and stages, the attentions' tiles (read from tuned_tiles.py, the tables per GPU) and the
+shared memory each shape takes."""
 from __future__ import annotations
 
-import dataclasses
 import functools
 
+from . import gpus, tuned_tiles
 from .layouts import TILES_F16_HILO, Layout
+from .tuned_tiles import MmaTiles, WgmmaTiles
 
 
 MAX_HEAD_DIM = 128
@@ -72,7 +74,9 @@ def project_pad(pair_dim: int) -> int:
     return 8 if pair_dim <= 640 else 4
 
 
-SMEM_LIMIT = 227 * 1024  # dynamic shared memory a block may opt into on sm_80 / sm_90
+# The most dynamic shared memory a block may opt into on any GPU of the table (sm_90's
+# 227 KiB): what the projections' stages are sized for
+SMEM_LIMIT = max(gpu.smem_optin for gpu in gpus.GPUS.values())
 
 
 def _project_smem(pair_dim: int, bm: int, weight_stages: int, tensor_cores: bool) -> int:
@@ -104,30 +108,30 @@ def project_smem_bytes(pair_dim: int, bm: int, tensor_cores: bool | None = None)
                          tensor_cores)
 
 
-TILES_PAIR_DIM = 128  # the pair dim they are written for (W in fp16: 128 KiB resident)
+PERSISTENT_PAIR_DIM = 128  # the pair dim they are written for (W in fp16: 128 KiB resident)
 
 
-TILES_ROWS = 64       # rows (keys) per tile
+PERSISTENT_ROWS = 64       # rows (keys) per tile
 
 
-TILES_THREADS = 512   # 4 warpgroups, one head each (project_wgmma.cu THREADS)
+PERSISTENT_THREADS = 512   # 4 warpgroups, one head each (project_wgmma.cu THREADS)
 
 
-def project_tiles_split(layout: Layout) -> bool:
+def persistent_split(layout: Layout) -> bool:
     """Whether the persistent projections writing `layout` split their products into fp16
     hi and lo parts (the fp32 mode's f16x3: project_wgmma_split.cu)."""
     return layout == TILES_F16_HILO
 
 
-def project_tiles_smem_bytes(layout: Layout, out: bool = False) -> int:
+def persistent_smem_bytes(layout: Layout, out: bool = False) -> int:
     """The kernels' PROJECT_TILES_SMEM (ln_qkvg_project_wgmma) or OUT_TILES_SMEM (`out`),
     each + 1024 of alignment and 64 bytes of mbarriers. project_wgmma.cu: W [4 D][D] and WB
     [8][D] fp16, A [64][D] fp16, 2 stages of 64 rows of D floats, gamma and beta; the out
     projection Wo [D][D] fp16, A, 2 stages of 64 qkvg rows, the warps' maxima (64 bytes).
     project_wgmma_split.cu: W's hi and lo for two passes [4][D][D] fp16, A hi and lo, the 2
     stages; the out projection Wo's and A's hi and lo, the 2 stages, the maxima."""
-    D = TILES_PAIR_DIM
-    parts = 2 if project_tiles_split(layout) else 1  # hi and lo, or hi
+    D = PERSISTENT_PAIR_DIM
+    parts = 2 if persistent_split(layout) else 1  # hi and lo, or hi
     a = parts * 64 * D * 2
     if out:
         row_words = D if layout.slot_rows else 2 * D
@@ -159,27 +163,6 @@ ATTENTION_MMA_THREADS = 256  # 8 warps
 MMA_STAGED = ("tf32x3", "f16x3")
 
 
-@dataclasses.dataclass(frozen=True)
-class MmaTiles:
-    """The attention_mma.cu tile shape: BK keys per tile, MT 16-query m-tiles per warp,
-    ROWS pair rows per block (sharing their bias tiles), PREFETCH the next key/value tile
-    into registers (3xTF32, whose tiles are staged through registers), MIN_BLOCKS resident
-    blocks per SM asked of the compiler (2: at most 128 registers per thread), STAGES
-    tiles in the cp.async ring (TF32 and bf16, which copy k and v as the projection wrote
-    them). The 8 warps give BQ = 16 * MT * 8 / ROWS queries per row. PREFETCH is read by
-    the staged variants (3xTF32, f16x3) only."""
-    bk: int = 64
-    mt: int = 1
-    rows: int = 1
-    prefetch: int = 1
-    min_blocks: int = 1
-    stages: int = 3
-
-    @property
-    def queries(self) -> int:
-        return 16 * self.mt * 8 // self.rows
-
-
 def attention_mma_head_dims(variant: str = "bf16"):
     """Head dims the tensor-core kernel takes for `variant`: multiples of 8 whose tiles
     fit in registers without spills (bf16 up to 128, TF32 up to 120, 3xTF32 and f16x3 up
@@ -188,59 +171,12 @@ def attention_mma_head_dims(variant: str = "bf16"):
     return tuple(range(8, top + 1, 8))
 
 
-# N at or below which the tile table takes its small-N shapes (all_configs compiles the
-# shapes on both sides of it).
-SMALL_N = 128
-
-
 def attention_mma_tiles(head_dim: int, variant: str, n: int = 1 << 30,
                         compute_capability: int = 90) -> MmaTiles:
-    """The tile shape for head dim `head_dim` and `n` keys on a GPU of `compute_capability`,
-    measured on an H200 (docs/performance.md) within what compiles
-    without spills for that architecture (tests/test_kernels_compile.py: sm_80 for 80-89,
-    sm_90 from 90) and fits the shared memory."""
-    if variant in MMA_STAGED:  # staged through registers
-        # f16x3 (not yet measured: 3xTF32's shapes where they compile without spills):
-        # its fp16 operands take fewer registers (q's hi and lo as many as q in fp32), so at
-        # d <= 16 and small N it keeps the next tile in registers too (105-127 registers,
-        # no spills; 3xTF32 spills there); at d = 24 on sm_90 3xTF32's shape spills 24-40
-        # bytes in f16x3 too, so it drops the prefetch instead (125 registers).
-        f16 = variant == "f16x3"
-        if head_dim <= 32:
-            if n <= SMALL_N and head_dim <= 16:  # (d = 24, 32 spill within 128 registers on sm_80;
-                # d = 16 with the next tile in registers too)
-                return MmaTiles(bk=32, prefetch=int(f16), min_blocks=2)
-            # 2 rows x 2 m-tiles per warp at every N (one row was faster at N > 512, 10.8
-            # against 11.8 ms at 1x1024, but spills since each k-step's P V terms are summed
-            # in fragments of their own: docs/performance.md); d = 24 without
-            # the next tile in registers, and sm_80 at d = 32 one m-tile: what fits in 255
-            # registers there.
-            if compute_capability >= 90 and head_dim == 24:
-                # 2 blocks per SM, one row, the next tile in registers: 0.55 against 0.73 ms
-                # at 1x384x96x4 and 0.080 against 0.094 at 1x160, though it spills 24-32 bytes
-                # (tests/test_kernels_compile.py bounds them)
-                return MmaTiles(bk=32, prefetch=int(not f16), min_blocks=2)
-            if compute_capability < 90 and head_dim > 24:
-                return MmaTiles(bk=32, mt=1, rows=2)
-            return MmaTiles(bk=32, mt=2, rows=2, prefetch=0 if head_dim == 24 else 1)
-        if head_dim <= 64:
-            return MmaTiles(bk=16)
-        raise ValueError(f"{variant} attention takes head dims up to 64; got {head_dim}")
-    # TF32 and bf16: the cp.async ring; 2 blocks of 8 warps per SM where their registers fit
-    if head_dim <= 16 and n <= SMALL_N:  # 3 blocks per SM (80 registers, 2-stage ring)
-        return MmaTiles(bk=32, min_blocks=3, stages=2)
-    if head_dim <= 32 and n > SMALL_N:
-        if variant == "bf16":  # 2 rows share each bias tile, 2 m-tiles per warp
-            # 32-key tiles where they fit in 128 registers: on sm_90 at d = 8, 16, 32
-            # (1x1024: 3.40 -> 3.17 ms); d = 24 and sm_80 spill them: 16-key tiles there.
-            wide = compute_capability >= 90 and head_dim in (8, 16, 32)
-            return MmaTiles(bk=32 if wide else 16, mt=2, rows=2, min_blocks=2)
-        return MmaTiles(bk=64, min_blocks=2, stages=2)
-    if head_dim <= 48 or (head_dim <= 64 and variant == "bf16"):
-        return MmaTiles(bk=32, min_blocks=2)
-    if head_dim <= 64:
-        return MmaTiles(bk=32)
-    return MmaTiles(bk=16 if variant == "tf32" else 32)
+    """The tile shape for head dim `head_dim` and `n` keys on a GPU of `compute_capability`:
+    its tile table's (gpus.Gpu.tile_table, tuned_tiles.TABLES)."""
+    return tuned_tiles.mma_tiles(gpus.gpu(compute_capability).tile_table, head_dim,
+                                 variant, n)
 
 
 def attention_mma_smem_bytes(head_dim: int, variant: str, tiles: MmaTiles | None = None
@@ -285,35 +221,12 @@ WGMMA_VARIANTS = ("bf16", "f16x3", "f16", "f16s")
 WGMMA_Q_SHARED = ("bf16", "f16", "f16s")
 
 
-@dataclasses.dataclass(frozen=True)
-class WgmmaTiles:
-    """The attention_wgmma.cu shape: ROWS pair rows per block (256 threads each, sharing
-    the bias tiles), STAGES tiles in the ring, MIN_BLOCKS per SM asked of the compiler,
-    PV_GROUPS (f16x3): fresh P V accumulators per key tile, each added to O in fp32; BULK
-    (every variant): warp 0 fills the stages with bulk copies from the K and V^T tiles of
-    a tiled layout, paced by mbarriers."""
-    rows: int = 1
-    stages: int = 2
-    min_blocks: int = 2
-    pv_groups: int = 2
-    bulk: int = 1
-
-
 def attention_wgmma_tiles(variant: str) -> WgmmaTiles:
-    """One row per block, tiles by bulk copies (BULK): the fastest measured at 1x384 and
-    1x1024 (3.14 against 3.49 ms with cp.async at 1x1024 in TF32). bf16 in three blocks per
-    SM (2.50 against 2.61 ms at 1x1024 in two; with Q in shared memory, 78 registers and
-    no spills: 2.08 ms). f16 (the tf32 mode's one fp16 product) as bf16 (2.26 against 2.70
-    ms in 2 blocks per SM). f16x3 in two (101 KiB each)."""
+    """The wgmma attention's tiles of `variant` (tuned_tiles.TABLES["sm_90"])."""
     if variant not in WGMMA_VARIANTS:
         raise ValueError(f"the wgmma attention's variant must be one of {WGMMA_VARIANTS}; "
                          f"got {variant!r}")
-    if variant == "bf16":  # 3 blocks per SM: 78 registers, no spills (Q_SHARED); faster
-        return WgmmaTiles(bulk=1, min_blocks=3)  # at 1x1024 than 2
-    if variant == "f16x3":  # 2 blocks per SM (101 KiB each), one fresh P V accumulator
-        return WgmmaTiles(bulk=1, pv_groups=1)  # per tile: 123 registers, no spills
-    if variant in ("f16", "f16s"):  # as bf16's (f16s: 80 registers, no spills)
-        return WgmmaTiles(bulk=1, min_blocks=3)
+    return tuned_tiles.wgmma_tiles(gpus.gpu(90).tile_table, variant)
 
 
 def attention_wgmma_smem_bytes(tiles: WgmmaTiles, variant: str) -> int:
@@ -325,10 +238,10 @@ def attention_wgmma_smem_bytes(tiles: WgmmaTiles, variant: str) -> int:
     parts = 2 if variant == "f16x3" else 1  # hi and lo (f16x3: every tile)
     k_tile = tiles.rows * WGMMA_KEYS * 32 * element
     k_vt = k_tile + tiles.rows * 40 * WGMMA_KEYS * element
-    bias_row = WGMMA_KEYS if tiles.bulk else WGMMA_KEYS + 8  # BULK: the swizzled tile as is
+    bias_row = WGMMA_KEYS  # the swizzled tile as the bulk copy brings it
     bias_element = 2  # fp16
     stage = (parts * k_vt
              + (2 if variant == "f16x3" else 1) * bias_element * WGMMA_QUERIES * bias_row)
     if variant in WGMMA_Q_SHARED:  # the mbarriers' 1024 bytes, then a Q tile [64][32]
         return tiles.stages * stage + 1024 + tiles.rows * 2 * 64 * 32 * 2 + 1024  # per warpgroup
-    return tiles.stages * (stage + 16 * tiles.bulk) + 1024  # BULK: 2 mbarriers per stage
+    return tiles.stages * (stage + 16) + 1024  # 2 mbarriers per stage
