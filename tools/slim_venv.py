@@ -10,6 +10,7 @@ launches a forward in each precision from an empty kernel cache and fails unless
 the CUDA headers and every CUDA library loaded (the driver aside) came from the venv.
 
     python3 tools/slim_venv.py build /tmp/slim          # cuda13-slim; --extra cuda12-slim
+    /tmp/slim/bin/python tools/slim_venv.py --compile   # every configuration; no GPU needed
     env -u CUDA_PATH -u CUDA_HOME /tmp/slim/bin/python tools/slim_venv.py --probe
     env -u CUDA_PATH -u CUDA_HOME PATH=/tmp/slim/bin:$PATH CUPY_CACHE_DIR=$(mktemp -d) \\
         TRIATTN_NO_TIMING=1 bash tools/gpu_check.sh     # the GPU suite in the slim venv
@@ -37,7 +38,7 @@ import venv
 REPO = pathlib.Path(__file__).resolve().parents[1]
 # Left out of the venv (the test extra names it): its CUDA builds bring NVIDIA libraries.
 LEFT_OUT = {"torch"}
-# CUDA libraries the kernels must not need: loaded at all, the slim extras are too slim.
+# What the slim extras leave out of [ctk]: a forward that loads one needs more than they bring.
 NOT_NEEDED = ("libcublas", "libcurand", "libcufft", "libcusolver", "libcusparse")
 # Relative L2 error against float64 that the GPU tests hold each precision to (README).
 BOUNDS = {"fp32": 1e-5, "tf32": 1e-3, "bf16": 5e-3}
@@ -137,22 +138,77 @@ def foreign_cuda_libraries(maps: str, prefix: str) -> list[str]:
                   and not os.path.realpath(path).startswith(prefix))
 
 
-def probe() -> int:
-    """One forward per precision from an empty kernel cache; 0 if everything CUDA but the
-    driver came from this venv and no library of NOT_NEEDED was loaded."""
+def _in_slim_venv() -> dict:
+    """Where NVRTC and the CUDA headers come from; stops outside a venv."""
     if sys.prefix == sys.base_prefix:
-        raise SystemExit("--probe runs in the slim venv: /path/to/venv/bin/python")
-    os.environ["CUPY_CACHE_DIR"] = tempfile.mkdtemp(prefix="slim_cache_")
-    import numpy as np
+        raise SystemExit("run this in the slim venv: /path/to/venv/bin/python")
     from cuda import pathfinder
+
+    import cupy
+
+    return {"nvrtc": pathfinder.load_nvidia_dynamic_lib("nvrtc").abs_path,
+            "cuda_headers": pathfinder.find_nvidia_header_directory("cudart"),
+            "nvrtc_version": cupy.cuda.nvrtc.getVersion()}
+
+
+def _found_inside(report: dict) -> bool:
+    return all(str(report[key]).startswith(sys.prefix) for key in ("nvrtc", "cuda_headers"))
+
+
+def compile_every_configuration() -> int:
+    """Every kernel configuration the package knows (sm_80, sm_90, sm_90a), compiled as a
+    forward compiles it, without a GPU: the plain-target ones through CuPy's own run-time
+    compilation (RawModule's options: CuPy's include folders, the CUDA headers it finds,
+    -ftz=true, --pch ...), the sm_90a ones through gpu/compile.py (_cubin_file's). 0 if
+    all compile with NVRTC and headers from this venv."""
+    report = _in_slim_venv()
+    import cupy
+    from cupy.cuda import compiler
+
+    from triattn_cupy.gpu import compile as kernels_compile
+    from triattn_cupy.gpu import kernel_catalog
+
+    # CuPy takes the target from the current device (memoized per device): give it here.
+    compiler._get_arch_for_options_for_nvrtc = lambda arch=None: (f"-arch=sm_{arch}", "cubin")
+    options = cupy._core.core.assemble_cupy_compiler_options(kernels_compile.NVRTC_OPTIONS)
+    pairs = dict.fromkeys((config, config.arch or arch)
+                          for arch in kernels_compile.CHECK_ARCHS
+                          for configs in (kernel_catalog.all_configs,
+                                          kernel_catalog.transposed_out_configs,
+                                          kernel_catalog.row_masked_configs,
+                                          kernel_catalog.pair_dtype_configs,
+                                          kernel_catalog.row_blocked_configs)
+                          for config in configs(arch))
+    failed = []
+    for config, arch in pairs:
+        try:
+            if config.arch:
+                kernels_compile._nvrtc_compile(config.filename, config.defines, config.arch,
+                                               kernels_compile._CUPY_OPTIONS)
+            else:
+                compiler._compile_using_nvrtc_no_warning(
+                    kernels_compile.full_source(config.filename, config.defines),
+                    options + ("-ftz=true",), arch[3:], cache_in_memory=True)
+        except Exception as error:  # the compiler's log, for the report
+            failed.append(f"{arch} {config.filename} {dict(config.defines)}: {error}")
+    report.update(compiled=len(pairs) - len(failed), failed=failed,
+                  through_sm_90a=sum(1 for config, _ in pairs if config.arch))
+    print(json.dumps(report, indent=1))
+    return 0 if _found_inside(report) and not failed else 1
+
+
+def probe() -> int:
+    """One forward per precision from an empty kernel cache, on the GPU; 0 if everything
+    CUDA but the driver came from this venv and no library of NOT_NEEDED was loaded."""
+    os.environ["CUPY_CACHE_DIR"] = tempfile.mkdtemp(prefix="slim_cache_")
+    report = _in_slim_venv()
+    report["errors"] = {}
+    import numpy as np
 
     import cupy
     import triattn_cupy as ta
     from triattn_cupy import reference
 
-    report = {"nvrtc": pathfinder.load_nvidia_dynamic_lib("nvrtc").abs_path,
-              "cuda_headers": pathfinder.find_nvidia_header_directory("cudart"),
-              "nvrtc_version": cupy.cuda.nvrtc.getVersion(), "errors": {}}
     weights = ta.load_default_weights()
     module = ta.TriangleAttention(weights)
     rng = np.random.default_rng(0)
@@ -171,8 +227,7 @@ def probe() -> int:
     report["foreign_cuda_libraries"] = foreign_cuda_libraries(text, sys.prefix)
     report["not_needed_but_loaded"] = sorted({name for name in NOT_NEEDED if name in text})
     print(json.dumps(report, indent=1))
-    inside = all(str(report[key]).startswith(sys.prefix) for key in ("nvrtc", "cuda_headers"))
-    return 0 if (inside and accurate and not report["foreign_cuda_libraries"]
+    return 0 if (_found_inside(report) and accurate and not report["foreign_cuda_libraries"]
                  and not report["not_needed_but_loaded"]) else 1
 
 
@@ -186,11 +241,15 @@ def main(argv=None) -> int:
                              "cuda12-slim: nvidia-curand-cu12 ml-dtypes)")
     parser.add_argument("--probe", action="store_true",
                         help="compile and launch in this venv; check where CUDA came from")
+    parser.add_argument("--compile", action="store_true",
+                        help="compile every kernel configuration in this venv (no GPU)")
     args = parser.parse_args(argv)
     if args.probe:
         return probe()
+    if args.compile:
+        return compile_every_configuration()
     if args.command != "build" or args.target is None:
-        parser.error("say `build VENV` or `--probe`")
+        parser.error("say `build VENV`, `--compile` or `--probe`")
     print(json.dumps(build(args.target, extra_requirements(args.extra) + args.also), indent=1))
     return 0
 
