@@ -1,5 +1,6 @@
 """Every kernel configuration compiles with NVRTC for sm_80 and sm_90 without a GPU, and
-ptxas reports no register spills beyond the known, bounded ones (_allowed_spill_bytes). Runs in CI (CuPy's NVRTC comes with cupy-cuda13x[ctk])."""
+ptxas reports no register spills beyond the known, bounded ones (_allowed_spill_bytes).
+Runs in CI (the cuda13-slim extra brings NVRTC and the CUDA headers)."""
 from __future__ import annotations
 
 import itertools

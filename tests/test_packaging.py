@@ -11,6 +11,7 @@ Building the wheel needs the build backend (setuptools), which pip fetches from 
 """
 from __future__ import annotations
 
+import configparser
 import email
 import json
 import os
@@ -240,3 +241,36 @@ def test_import_does_not_touch_cupy_or_cuda(tmp_path):
     info = json.loads(out.strip().splitlines()[-1])
     assert info["modules"] == [], f"import triattn_cupy imported {info['modules']}"
     assert info["cuda_libraries"] == [], f"import triattn_cupy loaded {info['cuda_libraries']}"
+
+
+def _extras():
+    """{extra: [requirement, ...]} as setup.cfg declares them (no build, no network)."""
+    config = configparser.ConfigParser()
+    config.read(REPO / "setup.cfg")
+    return {name: [line.strip() for line in value.splitlines() if line.strip()]
+            for name, value in config["options.extras_require"].items()}
+
+
+@pytest.mark.parametrize("cuda", ["12", "13"])
+def test_cuda_extras_full_and_slim(cuda):
+    """cudaXX keeps CuPy's whole toolkit ([ctk]); cudaXX-slim names only what compiling the
+    kernels needs: CuPy, NVRTC and the CUDA runtime's headers, of the same CUDA major
+    (docs/install.md: without the headers CuPy refuses to compile anything)."""
+    extras = _extras()
+    assert extras[f"cuda{cuda}"] == [f"cupy-cuda{cuda}x[ctk]>=14"]
+    assert extras[f"cuda{cuda}-slim"] == [f"cupy-cuda{cuda}x>=14",
+                                          f"cuda-toolkit[nvrtc,cudart]=={cuda}.*"]
+
+
+def test_wheel_declares_the_slim_extras(wheel):
+    """The slim extras reach the wheel's metadata under their own names."""
+    with zipfile.ZipFile(wheel) as archive:
+        name = next(n for n in archive.namelist() if n.endswith(".dist-info/METADATA"))
+        metadata = email.message_from_bytes(archive.read(name))
+    extras = metadata.get_all("Provides-Extra")
+    assert {"cuda12", "cuda13", "cuda12-slim", "cuda13-slim"} <= set(extras), extras
+    requires = metadata.get_all("Requires-Dist")
+    for cuda in ("12", "13"):
+        slim = sorted(r.split(";")[0].replace(" ", "") for r in requires
+                      if f'extra == "cuda{cuda}-slim"' in r)
+        assert slim == [f"cuda-toolkit[cudart,nvrtc]=={cuda}.*", f"cupy-cuda{cuda}x>=14"], slim

@@ -1,6 +1,7 @@
 """The developer tools' parsers, on small made-up inputs (no GPU, no ncu)."""
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
 import pathlib
 
@@ -97,3 +98,53 @@ def test_ab_captured_base_undoes_only_what_it_names(undo):
     else:
         assert chosen(90, small) is False
     assert tiles.out_project_rows(small, 132) == 128  # (the package's own, untouched)
+
+
+def test_slim_venv_takes_the_extra_and_the_tests_from_setup_cfg():
+    """tools/slim_venv.py: the package's requirements, the slim extra's and the test
+    extra's, torch left out (its CUDA builds bring NVIDIA libraries of their own)."""
+    slim = _tool("slim_venv")
+    requirements = slim.extra_requirements("cuda13-slim")
+    assert {"cupy-cuda13x>=14", "cuda-toolkit[nvrtc,cudart]==13.*", "numpy>=1.22",
+            "h5py>=3.0", "pytest>=7"} <= set(requirements), requirements
+    assert not [r for r in requirements if r.startswith("torch")], requirements
+    with pytest.raises(SystemExit, match="setup.cfg has no extra 'cuda14-slim'"):
+        slim.extra_requirements("cuda14-slim")
+
+
+def test_slim_venv_follows_requirements_and_their_extras():
+    slim = _tool("slim_venv")
+    names = {d.metadata["Name"].lower() for d in slim.closure(["pytest"])}
+    assert {"pytest", "pluggy", "iniconfig"} <= names and "numpy" not in names, names
+    with pytest.raises(SystemExit, match="no-such-dist is needed but not installed here"):
+        slim.closure(["no-such-dist"])
+    try:  # cuda-toolkit's extras name its wheels: only those asked for are followed
+        cuda = {d.metadata["Name"] for d in slim.closure(["cuda-toolkit[nvrtc]"])}
+    except SystemExit:
+        pytest.skip("cuda-toolkit[nvrtc] is not installed here")
+    assert cuda == {"cuda-toolkit", "nvidia-cuda-nvrtc"}, cuda
+
+
+def test_slim_venv_holds_only_the_distributions_named(tmp_path):
+    import subprocess
+
+    slim = _tool("slim_venv")
+    built = slim.build(tmp_path / "venv", ["iniconfig"])
+    assert built["distributions"] == [f"iniconfig {importlib.metadata.version('iniconfig')}"]
+    python = tmp_path / "venv" / "bin" / "python"
+    where = subprocess.run([python, "-c", "import iniconfig; print(iniconfig.__file__)"],
+                           capture_output=True, text=True, check=True).stdout
+    assert where.startswith(str(tmp_path / "venv")), where
+    numpy = subprocess.run([python, "-c", "import numpy"], capture_output=True, text=True)
+    assert "No module named 'numpy'" in numpy.stderr
+
+
+def test_slim_venv_names_cuda_libraries_loaded_from_elsewhere():
+    slim = _tool("slim_venv")
+    maps = "\n".join(f"7f00-7f01 r-xp 00000000 08:01 12 {path}" for path in [
+        "/venv/lib/site-packages/nvidia/cu13/lib/libnvrtc.so.13",
+        "/usr/lib/x86_64-linux-gnu/libcuda.so.580.1",         # the driver: expected outside
+        "/usr/lib/x86_64-linux-gnu/libnvidia-ptxjitcompiler.so.580.1",
+        "/usr/local/cuda/lib64/libcublas.so.13",
+        "/usr/lib/libc.so.6"]) + "\n7f02-7f03 rw-p 00000000 00:00 0 \n"
+    assert slim.foreign_cuda_libraries(maps, "/venv") == ["/usr/local/cuda/lib64/libcublas.so.13"]
