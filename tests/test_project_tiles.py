@@ -213,7 +213,7 @@ def test_saturated_gates(cp, rng, precision, gate_bias):
 @pytest.mark.gpu
 @pytest.mark.parametrize("precision", PRECISIONS)
 def test_same_result_as_the_mma_projections(cp, rng, precision):
-    """The same inputs through project_mma.cu's projections (the route without "_tiles")
+    """The same inputs through project_mma.cu's projections (the route without "_persistent")
     and through project_wgmma.cu's: each within the mode's bound, and within it of each
     other."""
     _needs_wgmma(cp)
@@ -224,7 +224,7 @@ def test_same_result_as_the_mma_projections(cp, rng, precision):
     for tiles in (False, True):
         module = ta.TriangleAttention(weights)
         outs[tiles] = module(dev, mask, precision=precision,
-                             route=name + ("_tiles" if tiles else "")).get()
+                             route=name + ("_persistent" if tiles else "")).get()
         (plan,) = module._dw.plans.values()
         assert plan.project_persistent == tiles
     expected = reference.triangle_attention(pair, keep, weights)

@@ -212,11 +212,14 @@ def _route(dw: DeviceWeights, key: PlanKey, plan: Plan,
     if attention is not None:
         if key.route is not None:
             raise ValueError("give route= or attention=, not both")
-        return routes.route_for_attention(attention, key.precision, plan.D, plan.N,
-                                          dw.compute_capability, **geometry)
-    route = routes.choose_route(key.precision, plan.d, plan.D, plan.N, dw.compute_capability,
-                                f16s_scales=dw.qkv_scales["f16s"] is not None,
-                                force=key.route, **geometry)
+        route = routes.route_for_attention(attention, key.precision, plan.D, plan.N,
+                                           dw.compute_capability, **geometry)
+    else:
+        route = routes.choose_route(key.precision, plan.d, plan.D, plan.N,
+                                    dw.compute_capability,
+                                    f16s_scales=dw.qkv_scales["f16s"] is not None,
+                                    force=key.route, **geometry)
+    # (a forced attention kernel too: the f16s one reads scales these weights may not have)
     if route.scales == "f16s" and dw.qkv_scales["f16s"] is None:
         raise ValueError(f"route {route.name!r} needs these weights' scores inside fp16's "
                          f"range (scales.f16s_scales: their bound passes 2^15 in log2 "
