@@ -87,8 +87,13 @@
 #ifndef HEAD_DIM
 #define HEAD_DIM 32     // d, a multiple of 8, at most 128
 #endif
+// The arithmetic, by name (the plan passes PREC as its number; see the header)
+#define PREC_TF32X3 0   // 3xTF32, fp32-accurate
+#define PREC_TF32 1     // TF32
+#define PREC_BF16 2     // bf16
+#define PREC_F16X3 3    // fp16 hi + lo, fp32-accurate
 #ifndef PREC
-#define PREC 0          // 0 = 3xTF32 (fp32-accurate), 1 = TF32, 2 = bf16, 3 = f16x3 (fp32-accurate)
+#define PREC PREC_TF32X3
 #endif
 #ifndef BK
 #define BK 64           // keys per tile (a multiple of 16)
@@ -115,9 +120,10 @@
 #define BQ (16 * MT * ROW_WARPS)  // queries per row and block
 #define NT (BK / 8)               // 8-key n-tiles of S
 #define DT (HEAD_DIM / 8)         // 8-column n-tiles of O
-#define TF32X3 (PREC == 0)
-#define BF16 (PREC == 2)
-#define F16X3 (PREC == 3)
+#define KS ((HEAD_DIM + 15) / 16)  // 16-wide k-steps; the last is half zero when d % 16 == 8
+#define TF32X3 (PREC == PREC_TF32X3)
+#define BF16 (PREC == PREC_BF16)
+#define F16X3 (PREC == PREC_F16X3)
 #define SPLIT (TF32X3 || F16X3)   // three products per product, hi and lo parts of K and V
 #define HALF (BF16 || F16X3)      // 16-bit operands, m16n8k16
 #define DIRECT (!SPLIT)           // k and v come from the projection in tensor-core form
@@ -131,7 +137,7 @@
 // fp16's 65504), so that its fp16 lo parts stay normal down to smaller weights.
 #define P_SHIFT 6.f
 
-#if PREC < 0 || PREC > 3
+#if PREC < PREC_TF32X3 || PREC > PREC_F16X3
 #error "attention_mma.cu: PREC must be 0, 1, 2 or 3"
 #endif
 #if HEAD_DIM % 8 != 0 || HEAD_DIM > 128
@@ -192,14 +198,14 @@ typedef float bias_elem;
 #define BIAS_TILE (BQ * BSTR)
 #define BIAS_BYTES ((int)sizeof(bias_elem))
 #define BIAS_CHUNK (16 / BIAS_BYTES)  // elements per 16-byte copy
+// The bias copier: thread tid copies 16 bytes at column BIAS_CHUNK (tid % (BK / BIAS_CHUNK))
+// of rows tid / (BK / BIAS_CHUNK) + it * RSTEP.
+#define RSTEP (THREADS / (BK / BIAS_CHUNK))
 // Shared memory: DIRECT: STAGES x (ROWS rows' K/V, one bias tile); staged: the rows' K/V,
 // then two bias tiles. Every part is a multiple of 16 bytes.
-#if DIRECT
-#define STAGE_BYTES (ROWS * ROW_ELEMS * ELEM_BYTES + BIAS_BYTES * BIAS_TILE)
-#define SMEM_BYTES (STAGES * STAGE_BYTES)
-#else
-#define SMEM_BYTES (ROWS * ROW_ELEMS * ELEM_BYTES + 2 * BIAS_BYTES * BIAS_TILE)
-#endif
+#define KV_BYTES (ROWS * ROW_ELEMS * ELEM_BYTES)  // the rows' K/V of one stage
+#define STAGE_BYTES (KV_BYTES + BIAS_BYTES * BIAS_TILE)
+#define SMEM_BYTES (DIRECT ? STAGES * STAGE_BYTES : KV_BYTES + 2 * BIAS_BYTES * BIAS_TILE)
 
 // 3xTF32: split the query fragments once (2 * MT * d/2 registers) when that is small,
 // else again for every key tile (volatile conversions, so they cannot be hoisted).
@@ -229,184 +235,108 @@ typedef float bias_elem;
 #define ENTRY attention_mma_tf32
 #endif
 
-extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
-ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int npk,
-      int nan_fully_masked
-#if F16X3
-      , float s_q, float s_k, float s_v
-#endif
-      , const int* __restrict__ key_extent
-#if ROW_MASK
-      , const unsigned* __restrict__ row_mask  // [B N][npk / 32] key bits (common.cuh)
-#endif
-      ROW_BLOCK_ARGS  // (common.cuh ROW_BLOCK: the rows [row_begin, row_end))
-      ) {
-    extern __shared__ float4 smem4[];
-    char* const smem = reinterpret_cast<char*>(smem4);
-    wait_for_previous_kernel();  // q, k, v and the bias come from it (common.cuh)
-    allow_next_kernel();
-    const u32 smem_s = smem_addr(smem);  // the same, as a shared-memory address
 
-    const int D = H * HEAD_DIM;
-    const i64 ld = 4LL * D;
-    // i_end: this batch's rows end there (N, or the row block's end: common.cuh)
-    ATTENTION_BLOCK(blk, i_end, N, H, BQ, ROWS);
-    const int qtile = blk.qtile, i0 = blk.i0, head = blk.head, b = blk.b;  // i0: first row
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    // Every key is visited here (key_extent, for attention_wgmma.cu and attention_ffma.cu, is
-    // not read): a key loop ending at a loaded value is no longer uniform, and ptxas moved
-    // the loop's address arithmetic from uniform to per-thread registers (tf32 at d = 16,
-    // 2x128x64x4: 21 -> 30 µs; in shared memory, the value's barrier and static shared
-    // memory pushed the 3xTF32 spills up and the 48 KiB bf16 tiles past the default limit:
-    // docs/performance.md).
-    (void)key_extent;
-    const int g = lane >> 2, t = lane & 3;  // fragment row group, thread in group
+// ---- the steps of one warp ----
+// Warp `warp` works on row rw = warp / ROW_WARPS of the block and its queries q0 .. q0 +
+// 16 MT - 1; lane (g, t) holds fragment rows g, g + 8 and columns 2t, 2t + 1 (or t, t + 4).
 
-    // qkvg at (b, i0 + r, j = 0), this head's q columns.
-    auto row_base = [&](int r) { return qkvg + ((i64)b * N + i0 + r) * N * ld + head * HEAD_DIM; };
+// The query fragments, read once: tf32 and 3xTF32 keep q in fp32 (f), and its TF32 hi
+// (and lo) parts where they are formed once; bf16 keeps the A fragments as stored (hi);
+// f16x3 the fp16 hi and lo parts of q s_q. The members a precision does not use are
+// never written, and take no register.
+struct QueryFragments {
+    float f[MT][DT][4];  // a0 (j0, 8kk+t) a1 (j1, ..) a2 (j0, 8kk+t+4) a3 (j1, ..)
+    u32 hi[MT][HALF ? KS : DT][4], lo[MT][HALF ? KS : DT][4];
+};
 
-    // This warp: row rw of the block, queries q0 .. q0 + 16 MT - 1.
-    const int rw = warp / ROW_WARPS;
-    const bool row_ok = i0 + rw < i_end;
-    float* const row = row_base(rw);
-    const int q0 = qtile * BQ + (warp % ROW_WARPS) * 16 * MT;
-    // Byte offset of row rw's K tile in a stage (V follows its K parts).
-    const int k_offset = rw * ROW_ELEMS * ELEM_BYTES;
-    const int v_offset = k_offset + PARTS * K_ELEMS * ELEM_BYTES;
-
-    // The bias tile of this block's BQ queries and BK keys, copied with cp.async ahead of
-    // its use and read by the warps of all ROWS rows.
-    const bias_elem* const bias_bh = bias + ((i64)b * H + head) * N * npk;
-    // Thread tid copies 16 bytes at column BIAS_CHUNK (tid % (BK / BIAS_CHUNK)) of rows
-    // tid / (BK / BIAS_CHUNK) + it * RSTEP.
-#define RSTEP (THREADS / (BK / BIAS_CHUNK))
-    const int copy_col = BIAS_CHUNK * (tid % (BK / BIAS_CHUNK)), copy_row = tid / (BK / BIAS_CHUNK);
-    const int copy_q = qtile * BQ + copy_row;
-    const bias_elem* const bias_src = bias_bh + (i64)copy_q * npk + copy_col;  // at key 0
-    const u32 bias_dst = BIAS_BYTES * (copy_row * BSTR + copy_col);  // in a bias tile
-    auto copy_bias = [&](int k0, u32 tile) {  // tile: shared address; not committed here
-        // opaque: the addresses are formed here, per tile, not hoisted out of the key loop
-        // as BQ / RSTEP live registers.
-        const bias_elem* const src = opaque(bias_src + k0);
+// q of this warp's queries (queries past N and rows past i_end are zero). `row`: qkvg at
+// (b, i0 + rw, j = 0), this head's q columns.
+__device__ __forceinline__ void load_queries(QueryFragments& q, const float* row, int D,
+                                             int head, int q0, bool row_ok, int N, i64 ld,
+                                             int g, int t) {
+    if constexpr (BF16) {
+        // q packed by the projection (bf16 index h d + c from word 2D): each A fragment
+        // register, the pair (c, c + 1), is one word as stored.
+        const u32* const qrow = reinterpret_cast<const u32*>(row - head * HEAD_DIM + 2 * D)
+                                + head * HEAD_DIM / 2;
 #pragma unroll
-        for (int it = 0; it < BQ / RSTEP; ++it)  // queries past N: zeros, never written
-            cp_async16_or_zero(tile + bias_dst + BIAS_BYTES * it * RSTEP * BSTR,
-                               src + (i64)(it * RSTEP) * npk, copy_q + it * RSTEP < N);
-    };
-    const int bias_row = (warp % ROW_WARPS) * 16 * MT + g;  // + 16 mt + 8 r: this lane's rows
-
-    // ---- the query fragments, read once (queries past N and rows past N are zero) ----
-#if BF16
-#define KS ((HEAD_DIM + 15) / 16)  // 16-wide k-steps; the last is half zero when d % 16 == 8
-    // q packed by the projection (bf16 index h d + c from word 2D): each A fragment
-    // register, the pair (c, c + 1), is one word as stored.
-    const u32* const qrow = reinterpret_cast<const u32*>(row - head * HEAD_DIM + 2 * D)
-                            + head * HEAD_DIM / 2;
-    u32 qa[MT][KS][4];
+        for (int mt = 0; mt < MT; ++mt) {
+            const int j0 = q0 + 16 * mt + g, j1 = j0 + 8;
+            const bool ok0 = row_ok && j0 < N, ok1 = row_ok && j1 < N;
 #pragma unroll
-    for (int mt = 0; mt < MT; ++mt) {
-        const int j0 = q0 + 16 * mt + g, j1 = j0 + 8;
-        const bool ok0 = row_ok && j0 < N, ok1 = row_ok && j1 < N;
+            for (int kk = 0; kk < KS; ++kk) {
+                const int c = 16 * kk + 2 * t;
+                const u32* const p0 = qrow + (i64)j0 * ld + c / 2;
+                const u32* const p1 = qrow + (i64)j1 * ld + c / 2;
+                const bool upper = 16 * kk + 16 <= HEAD_DIM;  // else past d: zero
+                q.hi[mt][kk][0] = ok0 ? __ldg(p0) : 0u;
+                q.hi[mt][kk][1] = ok1 ? __ldg(p1) : 0u;
+                q.hi[mt][kk][2] = ok0 && upper ? __ldg(p0 + 4) : 0u;
+                q.hi[mt][kk][3] = ok1 && upper ? __ldg(p1 + 4) : 0u;
+            }
+        }
+    } else {
 #pragma unroll
-        for (int kk = 0; kk < KS; ++kk) {
-            const int c = 16 * kk + 2 * t;
-            const u32* const p0 = qrow + (i64)j0 * ld + c / 2;
-            const u32* const p1 = qrow + (i64)j1 * ld + c / 2;
-            const bool upper = 16 * kk + 16 <= HEAD_DIM;  // else past d: zero
-            qa[mt][kk][0] = ok0 ? __ldg(p0) : 0u;
-            qa[mt][kk][1] = ok1 ? __ldg(p1) : 0u;
-            qa[mt][kk][2] = ok0 && upper ? __ldg(p0 + 4) : 0u;
-            qa[mt][kk][3] = ok1 && upper ? __ldg(p1 + 4) : 0u;
+        for (int mt = 0; mt < MT; ++mt) {
+            const int j0 = q0 + 16 * mt + g, j1 = j0 + 8;
+            const bool ok0 = row_ok && j0 < N, ok1 = row_ok && j1 < N;
+#pragma unroll
+            for (int kk = 0; kk < DT; ++kk) {
+                const int c = 8 * kk + t;
+                q.f[mt][kk][0] = ok0 ? row[(i64)j0 * ld + c] : 0.f;
+                q.f[mt][kk][1] = ok1 ? row[(i64)j1 * ld + c] : 0.f;
+                q.f[mt][kk][2] = ok0 ? row[(i64)j0 * ld + c + 4] : 0.f;
+                q.f[mt][kk][3] = ok1 ? row[(i64)j1 * ld + c + 4] : 0.f;
+            }
+        }
+        if constexpr (!SPLIT || QSPLIT_ONCE) {
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                for (int kk = 0; kk < DT; ++kk)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        q.hi[mt][kk][e] = to_tf32(q.f[mt][kk][e]);
+                        if constexpr (SPLIT)
+                            q.lo[mt][kk][e] = to_tf32(q.f[mt][kk][e] - __uint_as_float(q.hi[mt][kk][e]));
+                    }
         }
     }
-    // Columns d..d+7 of K are read by the last k-step when d % 16 == 8: zero them once in
-    // every stage (the tile copies never write there).
-    if (HEAD_DIM % 16 == 8)
+}
+
+// Columns d..d+7 of K (and of its lo part) are read by the last 16-wide k-step when d %
+// 16 == 8: zero them once (neither the tile copies nor the staged stores write there; the
+// q fragment is zero there too, but 0 times a NaN left in shared memory would not be).
+__device__ __forceinline__ void zero_k_padding(char* smem, int tid) {
+    if (!HALF || HEAD_DIM % 16 != 8) return;
+    if constexpr (DIRECT) {  // bf16: in every stage
         for (int idx = tid; idx < STAGES * ROWS * BK; idx += THREADS) {
             const int key = idx % BK, r = (idx / BK) % ROWS, stage = idx / (BK * ROWS);
             *reinterpret_cast<uint4*>(smem + stage * STAGE_BYTES + r * ROW_ELEMS * ELEM_BYTES
                                       + (key * KSTR + HEAD_DIM) * ELEM_BYTES) =
                 make_uint4(0u, 0u, 0u, 0u);
         }
-#elif F16X3
-#define KS ((HEAD_DIM + 15) / 16)  // 16-wide k-steps; the last is half zero when d % 16 == 8
-    // The undoing factors of the scales: powers of two, so exact, and so are the products.
-    const float qk_unscale = 1.f / (s_q * s_k), v_unscale = 1.f / s_v;
-    // q (fp32, times log2 e / sqrt(d)) times s_q, split into fp16 hi and lo A fragments once:
-    // hi and lo of the head dim take as many registers as q itself in fp32.
-    u32 qh[MT][KS][4], ql[MT][KS][4];
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt) {
-        const int j0 = q0 + 16 * mt + g, j1 = j0 + 8;
-        const bool ok0 = row_ok && j0 < N, ok1 = row_ok && j1 < N;
-#pragma unroll
-        for (int kk = 0; kk < KS; ++kk) {
-            const int c = 16 * kk + 2 * t;  // {a0,a1} (j0, c..c+1) {a2,a3} (j1, ..) {a4,a5} (j0, c+8..)
-            const float* const p0 = row + (i64)j0 * ld + c;
-            const float* const p1 = row + (i64)j1 * ld + c;
-            const bool upper = 16 * kk + 16 <= HEAD_DIM;  // else past d: zero
-            const float2 zero = make_float2(0.f, 0.f);
-            const float2 x[4] = {ok0 ? *reinterpret_cast<const float2*>(p0) : zero,
-                                 ok1 ? *reinterpret_cast<const float2*>(p1) : zero,
-                                 ok0 && upper ? *reinterpret_cast<const float2*>(p0 + 8) : zero,
-                                 ok1 && upper ? *reinterpret_cast<const float2*>(p1 + 8) : zero};
-#pragma unroll
-            for (int e = 0; e < 4; ++e)
-                split_f16(x[e].x * s_q, x[e].y * s_q, qh[mt][kk][e], ql[mt][kk][e]);
-        }
-    }
-    // Columns d..d+7 of K's hi and lo parts are read by the last k-step when d % 16 == 8:
-    // zero them once (the staged stores never write there).
-    if (HEAD_DIM % 16 == 8)
+    } else {  // f16x3: hi and lo parts
         for (int idx = tid; idx < ROWS * BK * PARTS; idx += THREADS) {
             const int key = idx % BK, part = (idx / BK) % PARTS, r = idx / (BK * PARTS);
             *reinterpret_cast<uint4*>(smem + (r * ROW_ELEMS + part * K_ELEMS + key * KSTR + HEAD_DIM)
                                       * ELEM_BYTES) = make_uint4(0u, 0u, 0u, 0u);
         }
-#else
-    float qf[MT][DT][4];  // fp32 A fragments: a0 (j0, 8kk+t) a1 (j1, ..) a2 (j0, 8kk+t+4) a3
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt) {
-        const int j0 = q0 + 16 * mt + g, j1 = j0 + 8;
-        const bool ok0 = row_ok && j0 < N, ok1 = row_ok && j1 < N;
-#pragma unroll
-        for (int kk = 0; kk < DT; ++kk) {
-            const int c = 8 * kk + t;
-            qf[mt][kk][0] = ok0 ? row[(i64)j0 * ld + c] : 0.f;
-            qf[mt][kk][1] = ok1 ? row[(i64)j1 * ld + c] : 0.f;
-            qf[mt][kk][2] = ok0 ? row[(i64)j0 * ld + c + 4] : 0.f;
-            qf[mt][kk][3] = ok1 ? row[(i64)j1 * ld + c + 4] : 0.f;
-        }
     }
-#if !SPLIT || QSPLIT_ONCE
-    u32 qh[MT][DT][4];
-#if SPLIT
-    u32 ql[MT][DT][4];
-#endif
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-        for (int kk = 0; kk < DT; ++kk)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                qh[mt][kk][e] = to_tf32(qf[mt][kk][e]);
-#if SPLIT
-                ql[mt][kk][e] = to_tf32(qf[mt][kk][e] - __uint_as_float(qh[mt][kk][e]));
-#endif
-            }
-#endif
-#endif
+}
 
-    // O (16 x d per m-tile) in C fragments: o[mt][v][0..1] row j0, [2..3] row j1, columns
-    // 8v + 2t, 8v + 2t + 1. The reference maximum m of rows j0 (index 0) and j1 (1), kept
-    // as the two forms the key loop uses: m_sub, what the scores subtract (m, or 0 while
-    // every key so far is masked and m is -inf: 2^-inf = 0 per term), and m_lim = m +
-    // RESCALE_SLACK, the bound a score must pass to move m (-inf while m is).
-    // l: their running sums, laid out as a C fragment: SUM_MMA: P times a B of ones, so
-    // every element of a row holds the row's whole sum; else l[mt][0] and l[mt][2] hold
-    // this lane's share of rows j0 and j1 (the 4 lanes of a quad hold a row's shares).
-    float o[MT][DT][4];
-    float m_sub[MT][2], m_lim[MT][2], l[MT][4];
+// The online softmax's state of rows j0 (index 0) and j1 (1) of each m-tile: the reference
+// maximum m, kept as the two forms the key loop uses: m_sub, what the scores subtract (m,
+// or 0 while every key so far is masked and m is -inf: 2^-inf = 0 per term), and m_lim =
+// m + RESCALE_SLACK, the bound a score must pass to move m (-inf while m is).
+// l: their running sums, laid out as a C fragment: SUM_MMA: P times a B of ones, so every
+// element of a row holds the row's whole sum; else l[mt][0] and l[mt][2] hold this lane's
+// share of rows j0 and j1 (the 4 lanes of a quad hold a row's shares).
+#define SOFTMAX_STATE float (&m_sub)[MT][2], float (&m_lim)[MT][2], float (&l)[MT][4]
+
+// O (16 x d per m-tile) in C fragments: o[mt][v][0..1] row j0, [2..3] row j1, columns
+// 8v + 2t, 8v + 2t + 1; all zero, and no maximum yet.
+__device__ __forceinline__ void start_rows(float (&o)[MT][DT][4], SOFTMAX_STATE) {
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
@@ -415,243 +345,214 @@ ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int 
         m_lim[mt][0] = m_lim[mt][1] = neg_inf();
         l[mt][0] = l[mt][1] = l[mt][2] = l[mt][3] = 0.f;
     }
+}
 
-#if ROW_MASK
-    // Row rw's key bits (rows past i_end: row i_end - 1's, read and never written out)
-    const unsigned* const keep_row = row_mask + ((i64)b * N + min(i0 + rw, i_end - 1)) * (npk / 32);
-    int mask_k0 = 0;  // the key tile `process` works on, set before each call
-#endif
-    // One key tile: S = bias + Q K^T, the online softmax, O += P V. `kv` is the stage (or
-    // the staged buffer) holding the rows' K and V, `bias_tile` its bias tile.
-    auto process = [&](const char* kv, const bias_elem* bias_tile_base) {
-        // S = the bias (-inf where masked and on the padded keys [N, NPK)) + Q K^T. TF32 and
-        // bf16: the products accumulate onto the bias. 3xTF32: onto zero, and the bias is
-        // added after them in fp32 (add_bias): the tensor cores' accumulation does not
-        // round to nearest, and its error is relative to the accumulator, which the bias
-        // would make larger. fp32: rows 8 bytes apart in a lane pair, BSTR = 8 mod 32
-        // words: each half-warp's float2 reads hit 32 distinct banks; fp16: rows of BSTR / 2
-        // = 4 (mod 8) words, a lane's pair one word: the warp's 32 words on 32 banks.
-        float s[MT][NT][4];
-        const bias_elem* const bias_tile = bias_tile_base + bias_row * BSTR + 2 * t;
-        auto add_bias = [&](bool onto) {  // s = bias, or s += bias
+// Copy the bias tile at key k0 into the bias tile at shared address `tile` (queries past N:
+// zeros, never written). Not committed here. src: this thread's source at key 0, dst its
+// offset in a tile, copy_q its first query.
+__device__ __forceinline__ void copy_bias_tile(const bias_elem* bias_src, u32 bias_dst,
+                                               int copy_q, int k0, u32 tile, int npk, int N) {
+    // opaque: the addresses are formed here, per tile, not hoisted out of the key loop as
+    // BQ / RSTEP live registers.
+    const bias_elem* const src = opaque(bias_src + k0);
 #pragma unroll
-            for (int mt = 0; mt < MT; ++mt)
+    for (int it = 0; it < BQ / RSTEP; ++it)
+        cp_async16_or_zero(tile + bias_dst + BIAS_BYTES * it * RSTEP * BSTR,
+                           src + (i64)(it * RSTEP) * npk, copy_q + it * RSTEP < N);
+}
+
+// s = the bias tile (onto = false), or s += it (f16x3: s in units of s_q s_k, undone in the
+// same instruction by qk_unscale). bias_tile: this lane's first element. fp32: rows 8
+// bytes apart in a lane pair, BSTR = 8 mod 32 words: each half-warp's float2 reads hit 32
+// distinct banks; fp16: rows of BSTR / 2 = 4 (mod 8) words, a lane's pair one word: the
+// warp's 32 words on 32 banks.
+__device__ __forceinline__ void add_bias(float (&s)[MT][NT][4], const bias_elem* bias_tile,
+                                         bool onto, float qk_unscale) {
 #pragma unroll
-                for (int n = 0; n < NT; ++n) {
-#if BF16
-                    const float2 x0 = half2_to_float2(*reinterpret_cast<const u32*>(bias_tile + 16 * mt * BSTR + 8 * n));
-                    const float2 x1 = half2_to_float2(*reinterpret_cast<const u32*>(bias_tile + (16 * mt + 8) * BSTR + 8 * n));
-#else
-                    const float2 x0 = *reinterpret_cast<const float2*>(bias_tile + 16 * mt * BSTR + 8 * n);
-                    const float2 x1 = *reinterpret_cast<const float2*>(bias_tile + (16 * mt + 8) * BSTR + 8 * n);
-#endif
-                    const float b[4] = {x0.x, x0.y, x1.x, x1.y};
+    for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-                    for (int e = 0; e < 4; ++e)
-#if F16X3  // the products in units of s_q s_k, undone in the same instruction
-                        s[mt][n][e] = onto ? fmaf(s[mt][n][e], qk_unscale, b[e]) : b[e];
-#else
-                        s[mt][n][e] = onto ? s[mt][n][e] + b[e] : b[e];
-#endif
-                }
-        };
-#if ROW_MASK
-        // Keys masked for every query of this warp's row i: -inf in S, as a masked bias
-        // entry: on S's start (the bias) before the products accumulate onto it, where
-        // fewer registers are live than after them (TF32 and bf16); after add_bias for the
-        // split products, which start from zero. This lane's keys kc, kc + 1 (kc even: one
-        // word) are columns 2t, 2t + 1 of n-tile n.
-        auto mask_row_keys = [&]() {
-#pragma unroll
-            for (int n = 0; n < NT; ++n) {
-                const int kc = mask_k0 + 8 * n + 2 * t;
-                const unsigned bits = __ldg(keep_row + (kc >> 5)) >> (kc & 31);
-#pragma unroll
-                for (int mt = 0; mt < MT; ++mt) {
-                    if (!(bits & 1u)) s[mt][n][0] = s[mt][n][2] = neg_inf();
-                    if (!(bits & 2u)) s[mt][n][1] = s[mt][n][3] = neg_inf();
-                }
+        for (int n = 0; n < NT; ++n) {
+            float2 x0, x1;
+            if constexpr (BF16) {
+                x0 = half2_to_float2(*reinterpret_cast<const u32*>(bias_tile + 16 * mt * BSTR + 8 * n));
+                x1 = half2_to_float2(*reinterpret_cast<const u32*>(bias_tile + (16 * mt + 8) * BSTR + 8 * n));
+            } else {
+                x0 = *reinterpret_cast<const float2*>(bias_tile + 16 * mt * BSTR + 8 * n);
+                x1 = *reinterpret_cast<const float2*>(bias_tile + (16 * mt + 8) * BSTR + 8 * n);
             }
-        };
-#endif
-#if SPLIT
+            const float b[4] = {x0.x, x0.y, x1.x, x1.y};
 #pragma unroll
-        for (int mt = 0; mt < MT; ++mt)
+            for (int e = 0; e < 4; ++e)
+                if constexpr (F16X3)
+                    s[mt][n][e] = onto ? fmaf(s[mt][n][e], qk_unscale, b[e]) : b[e];
+                else
+                    s[mt][n][e] = onto ? s[mt][n][e] + b[e] : b[e];
+        }
+}
+
+// ROW_MASK: keys masked for every query of this warp's row i get -inf in S, as a masked
+// bias entry. This lane's keys kc, kc + 1 (kc even: one word) are columns 2t, 2t + 1 of
+// n-tile n of the tile at k0.
+__device__ __forceinline__ void mask_row_keys(float (&s)[MT][NT][4], const unsigned* keep_row,
+                                              int k0, int t) {
 #pragma unroll
-            for (int n = 0; n < NT; ++n) s[mt][n][0] = s[mt][n][1] = s[mt][n][2] = s[mt][n][3] = 0.f;
-#else
-        add_bias(false);
-#endif
-#if ROW_MASK && !SPLIT
-        mask_row_keys();
-#endif
+    for (int n = 0; n < NT; ++n) {
+        const int kc = k0 + 8 * n + 2 * t;
+        const unsigned bits = __ldg(keep_row + (kc >> 5)) >> (kc & 31);
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+            if (!(bits & 1u)) s[mt][n][0] = s[mt][n][2] = neg_inf();
+            if (!(bits & 2u)) s[mt][n][1] = s[mt][n][3] = neg_inf();
+        }
+    }
+}
 
-        // This lane's ldmatrix rows in K and V (byte addresses; see opaque()).
-        const u32 k_lane = opaque(smem_addr(kv + k_offset));
-#if BF16 || SPLIT
-        const u32 v_lane = opaque(smem_addr(kv + v_offset));
-#endif
-
-        // ---- S += Q K^T ----
-#if BF16
+// S += Q K^T from the K tile at shared address k_lane (this row's; the ldmatrix matrices
+// of a step: n-tile 2 n2 (b0, b1), n-tile 2 n2 + 1 (b0, b1)). The split products add the
+// two small cross terms first, so they are not rounded away against hi.hi.
+__device__ __forceinline__ void qk_product(float (&s)[MT][NT][4], const QueryFragments& q,
+                                           u32 k_lane, int lane) {
+    if constexpr (BF16) {
 #pragma unroll
         for (int kk = 0; kk < KS; ++kk)
 #pragma unroll
             for (int n2 = 0; n2 < NT / 2; ++n2) {
-                // matrices: n-tile 2 n2 (b0, b1), n-tile 2 n2 + 1 (b0, b1)
                 u32 kb[4];
                 ldsm_x4(kb, k_lane + ELEM_BYTES * ((16 * n2 + 8 * (lane >> 4) + (lane & 7)) * KSTR
                                                    + 16 * kk + 8 * ((lane >> 3) & 1)));
 #pragma unroll
                 for (int mt = 0; mt < MT; ++mt) {
-                    mma_bf16(s[mt][2 * n2], qa[mt][kk][0], qa[mt][kk][1], qa[mt][kk][2],
-                             qa[mt][kk][3], kb[0], kb[1]);
-                    mma_bf16(s[mt][2 * n2 + 1], qa[mt][kk][0], qa[mt][kk][1], qa[mt][kk][2],
-                             qa[mt][kk][3], kb[2], kb[3]);
+                    const u32 (&qa)[4] = q.hi[mt][kk];
+                    mma_bf16(s[mt][2 * n2], qa[0], qa[1], qa[2], qa[3], kb[0], kb[1]);
+                    mma_bf16(s[mt][2 * n2 + 1], qa[0], qa[1], qa[2], qa[3], kb[2], kb[3]);
                 }
             }
-#elif F16X3
+    } else if constexpr (F16X3) {
 #pragma unroll
         for (int kk = 0; kk < KS; ++kk)
 #pragma unroll
             for (int n2 = 0; n2 < NT / 2; ++n2) {
-                // matrices: n-tile 2 n2 (b0, b1), n-tile 2 n2 + 1 (b0, b1); hi, then lo
                 const u32 a = k_lane + ELEM_BYTES * ((16 * n2 + 8 * (lane >> 4) + (lane & 7)) * KSTR
                                                      + 16 * kk + 8 * ((lane >> 3) & 1));
-                u32 kh[4], kl[4];
+                u32 kh[4], kl[4];  // hi, then lo
                 ldsm_x4(kh, a);
                 ldsm_x4(kl, a + ELEM_BYTES * K_ELEMS);
 #pragma unroll
                 for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-                    for (int h = 0; h < 2; ++h) {  // the two small cross terms first
+                    for (int h = 0; h < 2; ++h) {
                         float (&acc)[4] = s[mt][2 * n2 + h];
-                        const u32 (&ah)[4] = qh[mt][kk], (&al)[4] = ql[mt][kk];
+                        const u32 (&ah)[4] = q.hi[mt][kk], (&al)[4] = q.lo[mt][kk];
                         mma_f16(acc, al[0], al[1], al[2], al[3], kh[2 * h], kh[2 * h + 1]);
                         mma_f16(acc, ah[0], ah[1], ah[2], ah[3], kl[2 * h], kl[2 * h + 1]);
                         mma_f16(acc, ah[0], ah[1], ah[2], ah[3], kh[2 * h], kh[2 * h + 1]);
                     }
             }
-#else
+    } else {  // tf32, 3xTF32
 #pragma unroll
         for (int kk = 0; kk < DT; ++kk) {
-            u32 ah[MT][4];
-#if SPLIT
-            u32 al[MT][4];
-#endif
+            u32 ah[MT][4], al[MT][4];  // 3xTF32 split again per tile unless QSPLIT_ONCE
 #pragma unroll
             for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
-#if !SPLIT || QSPLIT_ONCE
-                    ah[mt][e] = qh[mt][kk][e];
-#if SPLIT
-                    al[mt][e] = ql[mt][kk][e];
-#endif
-#else
-                    ah[mt][e] = to_tf32_here(qf[mt][kk][e]);
-                    al[mt][e] = to_tf32_here(qf[mt][kk][e] - __uint_as_float(ah[mt][e]));
-#endif
+                    if constexpr (!SPLIT || QSPLIT_ONCE) {
+                        ah[mt][e] = q.hi[mt][kk][e];
+                        if constexpr (SPLIT) al[mt][e] = q.lo[mt][kk][e];
+                    } else {
+                        ah[mt][e] = to_tf32_here(q.f[mt][kk][e]);
+                        al[mt][e] = to_tf32_here(q.f[mt][kk][e] - __uint_as_float(ah[mt][e]));
+                    }
                 }
 #pragma unroll
             for (int n2 = 0; n2 < NT / 2; ++n2) {
-                // matrices: n-tile 2 n2 (b0, b1), n-tile 2 n2 + 1 (b0, b1)
                 const u32 a = k_lane + ELEM_BYTES * ((16 * n2 + 8 * (lane >> 4) + (lane & 7)) * KSTR
                                                      + 8 * kk + 4 * ((lane >> 3) & 1));
-                u32 kh[4];
+                u32 kh[4], kl[4];
                 ldsm_x4(kh, a);
-#if SPLIT
-                u32 kl[4];
-                ldsm_x4(kl, a + ELEM_BYTES * K_ELEMS);
-#endif
+                if constexpr (SPLIT) ldsm_x4(kl, a + ELEM_BYTES * K_ELEMS);
 #pragma unroll
                 for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
                     for (int h = 0; h < 2; ++h) {
-#if SPLIT  // the two small cross terms first, so they are not rounded away against hi.hi
-                        mma_tf32(s[mt][2 * n2 + h], al[mt][0], al[mt][1], al[mt][2], al[mt][3],
-                                 kh[2 * h], kh[2 * h + 1]);
-                        mma_tf32(s[mt][2 * n2 + h], ah[mt][0], ah[mt][1], ah[mt][2], ah[mt][3],
-                                 kl[2 * h], kl[2 * h + 1]);
-#endif
+                        if constexpr (SPLIT) {
+                            mma_tf32(s[mt][2 * n2 + h], al[mt][0], al[mt][1], al[mt][2], al[mt][3],
+                                     kh[2 * h], kh[2 * h + 1]);
+                            mma_tf32(s[mt][2 * n2 + h], ah[mt][0], ah[mt][1], ah[mt][2], ah[mt][3],
+                                     kl[2 * h], kl[2 * h + 1]);
+                        }
                         mma_tf32(s[mt][2 * n2 + h], ah[mt][0], ah[mt][1], ah[mt][2], ah[mt][3],
                                  kh[2 * h], kh[2 * h + 1]);
                     }
             }
         }
-#endif
+    }
+}
 
-#if SPLIT
-        add_bias(true);
-#endif
-#if ROW_MASK && SPLIT
-        mask_row_keys();
-#endif
-
-        // ---- online softmax of rows j0 (r = 0: s[..][0..1]) and j1 (r = 1: s[..][2..3]) ----
-        // This lane's share of the tile's row maxima (the 4 lanes of a quad hold a row's BK
-        // keys), in two interleaved chains: more operations in flight than one serial chain.
-        // Whether any exceeds m_lim needs no exchange between the lanes; only a rescale
-        // (rare) needs the row's whole maximum.
-        float mx[MT][2];
-        bool grow = false;
+// The online softmax of rows j0 (r = 0: s[..][0..1]) and j1 (r = 1: s[..][2..3]): S becomes
+// P = 2^(S - m) (f16x3: 2^(S - m + P_SHIFT)), O and l rescaled where m moves, and l takes
+// P's row sums unless the P V product forms them (SUM_MMA).
+__device__ __forceinline__ void online_softmax(float (&s)[MT][NT][4], float (&o)[MT][DT][4],
+                                               SOFTMAX_STATE) {
+    // This lane's share of the tile's row maxima (the 4 lanes of a quad hold a row's BK
+    // keys), in two interleaved chains: more operations in flight than one serial chain.
+    // Whether any exceeds m_lim needs no exchange between the lanes; only a rescale (rare)
+    // needs the row's whole maximum.
+    float mx[MT][2];
+    bool grow = false;
 #pragma unroll
-        for (int mt = 0; mt < MT; ++mt)
+    for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-            for (int r = 0; r < 2; ++r) {
-                float mx0 = neg_inf(), mx1 = neg_inf();
+        for (int r = 0; r < 2; ++r) {
+            float mx0 = neg_inf(), mx1 = neg_inf();
 #pragma unroll
-                for (int n = 0; n < NT; ++n) {
-                    mx0 = fmaxf(mx0, s[mt][n][2 * r]);
-                    mx1 = fmaxf(mx1, s[mt][n][2 * r + 1]);
-                }
-                mx[mt][r] = fmaxf(mx0, mx1);
-                grow |= mx[mt][r] > m_lim[mt][r];
+            for (int n = 0; n < NT; ++n) {
+                mx0 = fmaxf(mx0, s[mt][n][2 * r]);
+                mx1 = fmaxf(mx1, s[mt][n][2 * r + 1]);
             }
-        // Lazy rescaling: the reference maximum m moves, and O and l are rescaled, only when
-        // a row of the warp exceeds it by more than RESCALE_SLACK; below that the terms are
-        // 2^(s - m) <= 2^RESCALE_SLACK, as exact in fp32 (and bf16) as any other. After the
-        // first tiles the branch is rarely taken, and it is warp-uniform.
-        if (__any_sync(0xffffffffu, grow)) {
-#pragma unroll
-            for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-                for (int r = 0; r < 2; ++r) {
-                    float x = mx[mt][r];  // the row's maximum, from the quad's shares
-                    x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
-                    x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
-                    const float m_old = m_lim[mt][r] == neg_inf() ? neg_inf() : m_sub[mt][r];
-                    const float m_new = fmaxf(m_old, x);
-                    // m_new = -inf: every key so far masked, nothing summed to rescale
-                    // (and -inf - -inf would be NaN).
-                    const float alpha = m_new == neg_inf() ? 1.f : fast_exp2(m_old - m_new);
-                    m_sub[mt][r] = m_new == neg_inf() ? 0.f : m_new;
-                    m_lim[mt][r] = m_new + RESCALE_SLACK;  // -inf + slack = -inf
-                    l[mt][2 * r] *= alpha;
-                    l[mt][2 * r + 1] *= alpha;
-#pragma unroll
-                    for (int v = 0; v < DT; ++v) {
-                        o[mt][v][2 * r] *= alpha;
-                        o[mt][v][2 * r + 1] *= alpha;
-                    }
-                }
+            mx[mt][r] = fmaxf(mx0, mx1);
+            grow |= mx[mt][r] > m_lim[mt][r];
         }
+    // Lazy rescaling: the reference maximum m moves, and O and l are rescaled, only when a
+    // row of the warp exceeds it by more than RESCALE_SLACK; below that the terms are
+    // 2^(s - m) <= 2^RESCALE_SLACK, as exact in fp32 (and bf16) as any other. After the
+    // first tiles the branch is rarely taken, and it is warp-uniform.
+    if (__any_sync(0xffffffffu, grow)) {
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
             for (int r = 0; r < 2; ++r) {
-#if F16X3  // 2^(s - m + P_SHIFT)
-                const float m_ref = m_sub[mt][r] - P_SHIFT;
-#else
-                const float m_ref = m_sub[mt][r];
-#endif
-#if SUM_MMA
+                float x = mx[mt][r];  // the row's maximum, from the quad's shares
+                x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
+                x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+                const float m_old = m_lim[mt][r] == neg_inf() ? neg_inf() : m_sub[mt][r];
+                const float m_new = fmaxf(m_old, x);
+                // m_new = -inf: every key so far masked, nothing summed to rescale (and
+                // -inf - -inf would be NaN).
+                const float alpha = m_new == neg_inf() ? 1.f : fast_exp2(m_old - m_new);
+                m_sub[mt][r] = m_new == neg_inf() ? 0.f : m_new;
+                m_lim[mt][r] = m_new + RESCALE_SLACK;  // -inf + slack = -inf
+                l[mt][2 * r] *= alpha;
+                l[mt][2 * r + 1] *= alpha;
+#pragma unroll
+                for (int v = 0; v < DT; ++v) {
+                    o[mt][v][2 * r] *= alpha;
+                    o[mt][v][2 * r + 1] *= alpha;
+                }
+            }
+    }
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const float m_ref = F16X3 ? m_sub[mt][r] - P_SHIFT : m_sub[mt][r];
+            if constexpr (SUM_MMA) {
 #pragma unroll
                 for (int n = 0; n < NT; ++n) {
                     s[mt][n][2 * r] = fast_exp2(s[mt][n][2 * r] - m_ref);
                     s[mt][n][2 * r + 1] = fast_exp2(s[mt][n][2 * r + 1] - m_ref);
                 }
-#else
+            } else {
                 float sum0 = 0.f, sum1 = 0.f;
 #pragma unroll
                 for (int n = 0; n < NT; ++n) {
@@ -661,180 +562,154 @@ ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int 
                     sum1 += s[mt][n][2 * r + 1];
                 }
                 l[mt][2 * r] += sum0 + sum1;
-#endif
             }
-
-        // ---- O += P V, P taken from the S accumulators ----
-#if BF16
-#pragma unroll
-        for (int kk = 0; kk < NT / 2; ++kk) {
-            u32 pa[MT][4];
-#pragma unroll
-            for (int mt = 0; mt < MT; ++mt) {
-                pa[mt][0] = pack_bf16(s[mt][2 * kk][0], s[mt][2 * kk][1]);
-                pa[mt][1] = pack_bf16(s[mt][2 * kk][2], s[mt][2 * kk][3]);
-                pa[mt][2] = pack_bf16(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
-                pa[mt][3] = pack_bf16(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
-                mma_bf16(l[mt], pa[mt][0], pa[mt][1], pa[mt][2], pa[mt][3], BF16_ONES, BF16_ONES);
-            }
-            // matrices: keys 16 kk + 0..7 and + 8..15 (b0, b1) of d-tiles 2 v2 and 2 v2 + 1
-            const u32 vrow = v_lane + ELEM_BYTES * (16 * kk + 8 * ((lane >> 3) & 1) + (lane & 7)) * VSTR;
-#pragma unroll
-            for (int v2 = 0; v2 < DT / 2; ++v2) {
-                u32 vb[4];
-                ldsm_x4_trans(vb, vrow + ELEM_BYTES * 8 * (2 * v2 + (lane >> 4)));
-#pragma unroll
-                for (int mt = 0; mt < MT; ++mt) {
-                    mma_bf16(o[mt][2 * v2], pa[mt][0], pa[mt][1], pa[mt][2], pa[mt][3], vb[0], vb[1]);
-                    mma_bf16(o[mt][2 * v2 + 1], pa[mt][0], pa[mt][1], pa[mt][2], pa[mt][3], vb[2], vb[3]);
-                }
-            }
-#if DT % 2
-            u32 vb[2];
-            ldsm_x2_trans(vb, vrow + ELEM_BYTES * 8 * (DT - 1));
-#pragma unroll
-            for (int mt = 0; mt < MT; ++mt)
-                mma_bf16(o[mt][DT - 1], pa[mt][0], pa[mt][1], pa[mt][2], pa[mt][3], vb[0], vb[1]);
-#endif
         }
-#elif F16X3
+}
+
+// acc += P_lo V_hi + P_hi V_lo + P_hi V_hi (f16x3), summed in a fragment of its own and added
+// to O in fp32 (as 3xTF32's: the tensor cores' accumulation truncates).
+__device__ __forceinline__ void pv_f16x3(float (&acc)[4], const u32 (&a_hi)[4], const u32 (&a_lo)[4],
+                                         u32 h0, u32 h1, u32 l0, u32 l1) {
+    float f[4] = {0.f, 0.f, 0.f, 0.f};
+    mma_f16(f, a_lo[0], a_lo[1], a_lo[2], a_lo[3], h0, h1);
+    mma_f16(f, a_hi[0], a_hi[1], a_hi[2], a_hi[3], l0, l1);
+    mma_f16(f, a_hi[0], a_hi[1], a_hi[2], a_hi[3], h0, h1);
 #pragma unroll
-        for (int kk = 0; kk < NT / 2; ++kk) {
-            // A fragments of k-step kk (keys 16 kk ..), hi and lo: S n-tiles 2 kk and 2 kk + 1
-            u32 ph[MT][4], pl[MT][4];
+    for (int e = 0; e < 4; ++e) acc[e] += f[e];
+}
+
+// O += P V in 16-bit operands (bf16, f16x3), P from the S accumulators: the A fragment of
+// k-step kk (keys 16 kk ..) is S n-tiles 2 kk and 2 kk + 1. V [key][dim] at shared address
+// v_lane, read with ldmatrix.trans: keys 16 kk + 0..7 and + 8..15 (b0, b1) of d-tiles 2 v2
+// and 2 v2 + 1. bf16: l += P times ones (SUM_MMA).
+__device__ __forceinline__ void pv_product_16(float (&o)[MT][DT][4], float (&l)[MT][4],
+                                              const float (&s)[MT][NT][4], u32 v_lane, int lane) {
 #pragma unroll
-            for (int mt = 0; mt < MT; ++mt) {
+    for (int kk = 0; kk < NT / 2; ++kk) {
+        u32 ph[MT][4], pl[MT][4];
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+            if constexpr (F16X3) {
                 split_f16(s[mt][2 * kk][0], s[mt][2 * kk][1], ph[mt][0], pl[mt][0]);
                 split_f16(s[mt][2 * kk][2], s[mt][2 * kk][3], ph[mt][1], pl[mt][1]);
                 split_f16(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1], ph[mt][2], pl[mt][2]);
                 split_f16(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3], ph[mt][3], pl[mt][3]);
+            } else {
+                ph[mt][0] = pack_bf16(s[mt][2 * kk][0], s[mt][2 * kk][1]);
+                ph[mt][1] = pack_bf16(s[mt][2 * kk][2], s[mt][2 * kk][3]);
+                ph[mt][2] = pack_bf16(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
+                ph[mt][3] = pack_bf16(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
+                mma_bf16(l[mt], ph[mt][0], ph[mt][1], ph[mt][2], ph[mt][3], BF16_ONES, BF16_ONES);
             }
-            // O += P_lo V_hi + P_hi V_lo + P_hi V_hi, summed in a fragment of its own and added
-            // to O in fp32 (as PREC 0's: the tensor cores' accumulation truncates)
-            auto pv = [&](float (&acc)[4], const u32 (&a_hi)[4], const u32 (&a_lo)[4],
-                          u32 h0, u32 h1, u32 l0, u32 l1) {
-                float f[4] = {0.f, 0.f, 0.f, 0.f};
-                mma_f16(f, a_lo[0], a_lo[1], a_lo[2], a_lo[3], h0, h1);
-                mma_f16(f, a_hi[0], a_hi[1], a_hi[2], a_hi[3], l0, l1);
-                mma_f16(f, a_hi[0], a_hi[1], a_hi[2], a_hi[3], h0, h1);
+        }
+        const u32 vrow = v_lane + ELEM_BYTES * (16 * kk + 8 * ((lane >> 3) & 1) + (lane & 7)) * VSTR;
 #pragma unroll
-                for (int e = 0; e < 4; ++e) acc[e] += f[e];
-            };
-            // matrices: keys 16 kk + 0..7 and + 8..15 (b0, b1) of d-tiles 2 v2 and 2 v2 + 1
-            const u32 vrow = v_lane + ELEM_BYTES * (16 * kk + 8 * ((lane >> 3) & 1) + (lane & 7)) * VSTR;
-#pragma unroll
-            for (int v2 = 0; v2 < DT / 2; ++v2) {
-                u32 vh[4], vl[4];
-                ldsm_x4_trans(vh, vrow + ELEM_BYTES * 8 * (2 * v2 + (lane >> 4)));
+        for (int v2 = 0; v2 < DT / 2; ++v2) {
+            u32 vh[4], vl[4];
+            ldsm_x4_trans(vh, vrow + ELEM_BYTES * 8 * (2 * v2 + (lane >> 4)));
+            if constexpr (F16X3)
                 ldsm_x4_trans(vl, vrow + ELEM_BYTES * (V_ELEMS + 8 * (2 * v2 + (lane >> 4))));
 #pragma unroll
-                for (int mt = 0; mt < MT; ++mt) {
-                    pv(o[mt][2 * v2], ph[mt], pl[mt], vh[0], vh[1], vl[0], vl[1]);
-                    pv(o[mt][2 * v2 + 1], ph[mt], pl[mt], vh[2], vh[3], vl[2], vl[3]);
+            for (int mt = 0; mt < MT; ++mt) {
+                const u32 (&pa)[4] = ph[mt];
+                if constexpr (F16X3) {
+                    pv_f16x3(o[mt][2 * v2], ph[mt], pl[mt], vh[0], vh[1], vl[0], vl[1]);
+                    pv_f16x3(o[mt][2 * v2 + 1], ph[mt], pl[mt], vh[2], vh[3], vl[2], vl[3]);
+                } else {
+                    mma_bf16(o[mt][2 * v2], pa[0], pa[1], pa[2], pa[3], vh[0], vh[1]);
+                    mma_bf16(o[mt][2 * v2 + 1], pa[0], pa[1], pa[2], pa[3], vh[2], vh[3]);
                 }
             }
-#if DT % 2
+        }
+        if constexpr (DT % 2 == 1) {
             u32 vh[2], vl[2];
             ldsm_x2_trans(vh, vrow + ELEM_BYTES * 8 * (DT - 1));
-            ldsm_x2_trans(vl, vrow + ELEM_BYTES * (V_ELEMS + 8 * (DT - 1)));
+            if constexpr (F16X3) ldsm_x2_trans(vl, vrow + ELEM_BYTES * (V_ELEMS + 8 * (DT - 1)));
 #pragma unroll
             for (int mt = 0; mt < MT; ++mt)
-                pv(o[mt][DT - 1], ph[mt], pl[mt], vh[0], vh[1], vl[0], vl[1]);
-#endif
+                if constexpr (F16X3)
+                    pv_f16x3(o[mt][DT - 1], ph[mt], pl[mt], vh[0], vh[1], vl[0], vl[1]);
+                else
+                    mma_bf16(o[mt][DT - 1], ph[mt][0], ph[mt][1], ph[mt][2], ph[mt][3], vh[0], vh[1]);
         }
-#else
-#pragma unroll
-        for (int kk = 0; kk < NT / 2; ++kk) {
-            // A fragments of k-steps 2 kk and 2 kk + 1: (c0, c2, c1, c3) of their S n-tiles
-            u32 ph[MT][2][4];
-#if SPLIT
-            u32 pl[MT][2][4];
-#endif
-#pragma unroll
-            for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-                for (int h = 0; h < 2; ++h) {
-                    const float* c = s[mt][2 * kk + h];
-                    const float a[4] = {c[0], c[2], c[1], c[3]};
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) {
-#if SPLIT
-                        ph[mt][h][e] = to_tf32(a[e]);
-                        pl[mt][h][e] = to_tf32(a[e] - __uint_as_float(ph[mt][h][e]));
-#else
-                        // As is: the tensor cores read the top 19 bits (truncation). The
-                        // row sums come from the same truncated P (SUM_MMA), so its bias
-                        // (< 2^-10 relative, always down) cancels in O / l.
-                        ph[mt][h][e] = __float_as_uint(a[e]);
-#endif
-                    }
-                }
-#if DIRECT
-#pragma unroll
-            for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-                for (int h = 0; h < 2; ++h)
-                    mma_tf32(l[mt], ph[mt][h][0], ph[mt][h][1], ph[mt][h][2], ph[mt][h][3],
-                             TF32_ONE, TF32_ONE);
-            // B of key step 2 kk + h: V[key 2t][dim 8v + g] and V[key 2t + 1][dim 8v + g]
-            // of its 8 keys (scalar loads, conflict-free: see the header).
-            const u32* const vs = reinterpret_cast<const u32*>(kv + v_offset) + 2 * t * VSTR + g;
-#pragma unroll
-            for (int v = 0; v < DT; ++v)
-#pragma unroll
-                for (int h = 0; h < 2; ++h) {
-                    const u32* const p = vs + 8 * (2 * kk + h) * VSTR + 8 * v;
-                    const u32 b0 = p[0], b1 = p[VSTR];
-#pragma unroll
-                    for (int mt = 0; mt < MT; ++mt)
-                        mma_tf32(o[mt][v], ph[mt][h][0], ph[mt][h][1], ph[mt][h][2], ph[mt][h][3],
-                                 b0, b1);
-                }
-#else  // staged: 3xTF32
-            // matrices: positions 16 kk + 0..3, 4..7 (b0, b1 of k-step 2 kk), 8..11, 12..15
-            const u32 a = v_lane + ELEM_BYTES * ((lane & 7) * VSTR + 16 * kk + 4 * (lane >> 3));
-#pragma unroll
-            for (int v = 0; v < DT; ++v) {
-                u32 vh[4], vl[4];
-                ldsm_x4(vh, a + ELEM_BYTES * 8 * v * VSTR);
-                ldsm_x4(vl, a + ELEM_BYTES * (V_ELEMS + 8 * v * VSTR));
-                // Each k-step's three terms summed in a fragment of their own, then added to O
-                // in fp32: chained through O over every key (3 N / 8 mma), the tensor cores'
-                // accumulation, which does not round to nearest, made the fp32 mode's error
-                // grow with N, to 2-2.6x PyTorch's fp32 error at N = 64-75 (the projections'
-                // grew with D the same way; docs/performance.md).
-#pragma unroll
-                for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-                    for (int h = 0; h < 2; ++h) {
-                        float t[4] = {0.f, 0.f, 0.f, 0.f};
-                        mma_tf32(t, pl[mt][h][0], pl[mt][h][1], pl[mt][h][2], pl[mt][h][3],
-                                 vh[2 * h], vh[2 * h + 1]);
-                        mma_tf32(t, ph[mt][h][0], ph[mt][h][1], ph[mt][h][2], ph[mt][h][3],
-                                 vl[2 * h], vl[2 * h + 1]);
-                        mma_tf32(t, ph[mt][h][0], ph[mt][h][1], ph[mt][h][2], ph[mt][h][3],
-                                 vh[2 * h], vh[2 * h + 1]);
-#pragma unroll
-                        for (int e = 0; e < 4; ++e) o[mt][v][e] += t[e];
-                    }
-            }
-#endif
-        }
-#endif
-    };
+    }
+}
 
-#if DIRECT
-    // ---- the ring: tile `tile` lives in stage tile % STAGES ----
-    // This thread's copies, the same in every tile: chunk c of k or v (kv) of key `key` of
-    // row r, from its source at key 0 (k at column D + h d, v at 2D + h d in fp32 / tf32;
-    // at bf16 index h d, v at D + h d, from column D in bf16) to its place in a stage.
-    // copy_key is N where the row is past i_end (never copied: zero-filled).
-    // Sources as 32-bit byte offsets from the block's first row at key 0, one register
-    // each instead of a 64-bit pointer: ROWS <= 8 rows of N keys of 4D <= 3072 floats stay
-    // under 2^32 bytes unless N > 43000, where qkvg alone would need petabytes.
-    const char* const copy_base = reinterpret_cast<const char*>(row_base(0) - head * HEAD_DIM + D);
-    u32 copy_src[COPIES_PER_THREAD], copy_dst[COPIES_PER_THREAD];
-    int copy_end[COPIES_PER_THREAD];  // tiles with k0 < copy_end copy this key (else zeros)
+// O += P V in TF32 (tf32, 3xTF32), P from the S accumulators, one pair of k-steps kk at
+// a time (keys 16 kk ..; the kernel forms P's fragments).
+
+// tf32 (DIRECT): l += P times ones (SUM_MMA); O += P V with V [key][dim] at kv_v, B of key
+// step 2 kk + h: V[key 2t][dim 8v + g] and V[key 2t + 1][dim 8v + g] of its 8 keys (scalar
+// loads, conflict-free: see the header).
+__device__ __forceinline__ void pv_step_tf32(float (&o)[MT][DT][4], float (&l)[MT][4],
+                                             const u32 (&ph)[MT][2][4], const char* kv_v,
+                                             int kk, int g, int t) {
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+            mma_tf32(l[mt], ph[mt][h][0], ph[mt][h][1], ph[mt][h][2], ph[mt][h][3],
+                     TF32_ONE, TF32_ONE);
+    const u32* const vs = reinterpret_cast<const u32*>(kv_v) + 2 * t * VSTR + g;
+#pragma unroll
+    for (int v = 0; v < DT; ++v)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const u32* const p = vs + 8 * (2 * kk + h) * VSTR + 8 * v;
+            const u32 b0 = p[0], b1 = p[VSTR];
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt)
+                mma_tf32(o[mt][v], ph[mt][h][0], ph[mt][h][1], ph[mt][h][2], ph[mt][h][3],
+                         b0, b1);
+        }
+}
+
+// 3xTF32: O += P_lo V_hi + P_hi V_lo + P_hi V_hi, V^T [dim][key position] at shared
+// address v_lane, read with ldmatrix (matrices: positions 16 kk + 0..3, 4..7 (b0, b1 of
+// k-step 2 kk), 8..11, 12..15).
+__device__ __forceinline__ void pv_step_tf32x3(float (&o)[MT][DT][4], const u32 (&ph)[MT][2][4],
+                                               const u32 (&pl)[MT][2][4], u32 v_lane, int kk,
+                                               int lane) {
+    const u32 a = v_lane + ELEM_BYTES * ((lane & 7) * VSTR + 16 * kk + 4 * (lane >> 3));
+#pragma unroll
+    for (int v = 0; v < DT; ++v) {
+        u32 vh[4], vl[4];
+        ldsm_x4(vh, a + ELEM_BYTES * 8 * v * VSTR);
+        ldsm_x4(vl, a + ELEM_BYTES * (V_ELEMS + 8 * v * VSTR));
+        // Each k-step's three terms summed in a fragment of their own, then added to O in
+        // fp32: chained through O over every key (3 N / 8 mma), the tensor cores'
+        // accumulation, which does not round to nearest, made the fp32 mode's error grow
+        // with N, to 2-2.6x PyTorch's fp32 error at N = 64-75 (the projections' grew with
+        // D the same way; docs/performance.md).
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                float f[4] = {0.f, 0.f, 0.f, 0.f};
+                mma_tf32(f, pl[mt][h][0], pl[mt][h][1], pl[mt][h][2], pl[mt][h][3],
+                         vh[2 * h], vh[2 * h + 1]);
+                mma_tf32(f, ph[mt][h][0], ph[mt][h][1], ph[mt][h][2], ph[mt][h][3],
+                         vl[2 * h], vl[2 * h + 1]);
+                mma_tf32(f, ph[mt][h][0], ph[mt][h][1], ph[mt][h][2], ph[mt][h][3],
+                         vh[2 * h], vh[2 * h + 1]);
+#pragma unroll
+                for (int e = 0; e < 4; ++e) o[mt][v][e] += f[e];
+            }
+    }
+}
+
+// DIRECT: this thread's copies of a K/V tile into a ring stage, the same in every tile:
+// chunk c of k or v (kv) of key `key` of row r, from its source at key 0 (k at column D + h
+// d, v at 2D + h d in fp32 / tf32; at bf16 index h d, v at D + h d, from column D in bf16)
+// to its place in a stage. Sources as 32-bit byte offsets from the block's first row at
+// key 0 (qkvg at row i0, key 0, column D), one register each instead of a 64-bit pointer:
+// ROWS <= 8 rows of N keys of 4D <= 3072 floats stay under 2^32 bytes unless N > 43000,
+// where qkvg alone would need petabytes. Tiles with k0 < copy_end copy this key, the others
+// zeros (copy_end is 0 where the row is past i_end).
+__device__ __forceinline__ void plan_ring_copies(u32 (&copy_src)[COPIES_PER_THREAD],
+                                                 u32 (&copy_dst)[COPIES_PER_THREAD],
+                                                 int (&copy_end)[COPIES_PER_THREAD], int tid,
+                                                 int i0, int i_end, int head, int D, int N, i64 ld) {
 #pragma unroll
     for (int it = 0; it < COPIES_PER_THREAD; ++it) {
         const int idx = tid + it * THREADS;
@@ -845,69 +720,62 @@ ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int 
                        + (kv ? (K_ELEMS + key * VSTR) * ELEM_BYTES : key * KSTR * ELEM_BYTES);
         copy_end[it] = i0 + r < i_end ? N - key : 0;
     }
-    // Copy the tile at k0 into stage `stage` (nothing past the last tile), then commit a
-    // group either way, so that the group count stays in step with the tiles.
-    auto issue = [&](int k0, int stage) {
-        if (k0 < N) {
-            const u32 st = smem_s + stage * STAGE_BYTES;
-            const char* const tile_base = copy_base + (i64)k0 * ld * 4;  // key k0 of row i0
+}
+
+// Copies the K/V tile at k0 into the stage at shared address st (plan_ring_copies);
+// not committed here.
+__device__ __forceinline__ void copy_kv_tile(u32 st, const char* copy_base,
+                                             const u32 (&copy_src)[COPIES_PER_THREAD],
+                                             const u32 (&copy_dst)[COPIES_PER_THREAD],
+                                             const int (&copy_end)[COPIES_PER_THREAD], int k0,
+                                             i64 ld, int tid) {
+    const char* const tile_base = copy_base + (i64)k0 * ld * 4;  // key k0 of row i0
 #pragma unroll
-            for (int it = 0; it < COPIES_PER_THREAD; ++it) {
-                if (COPIES % THREADS != 0 && tid + it * THREADS >= COPIES) break;
-                const bool ok = k0 < copy_end[it];
-                cp_async16_or_zero(st + copy_dst[it], ok ? tile_base + copy_src[it] : copy_base, ok);
-            }
-            copy_bias(k0, st + ROWS * ROW_ELEMS * ELEM_BYTES);
-        }
-        cp_async_commit();
-    };
-#pragma unroll
-    for (int s = 0; s < STAGES - 1; ++s) issue(s * BK, s);
-    int stage = 0;
-    for (int k0 = 0; k0 < N; k0 += BK) {
-        cp_async_wait<STAGES - 2>();  // this thread's copies of this tile landed
-        __syncthreads();  // everyone's copies visible; every warp is done with the last tile
-        // The stage freed by the last tile takes the tile STAGES - 1 ahead.
-        issue(k0 + (STAGES - 1) * BK, stage == 0 ? STAGES - 1 : stage - 1);
-        const char* const st = smem + stage * STAGE_BYTES;
-#if ROW_MASK
-        mask_k0 = k0;
-#endif
-        process(st, reinterpret_cast<const bias_elem*>(st + ROWS * ROW_ELEMS * ELEM_BYTES));
-        stage = stage == STAGES - 1 ? 0 : stage + 1;
+    for (int it = 0; it < COPIES_PER_THREAD; ++it) {
+        if (COPIES % THREADS != 0 && tid + it * THREADS >= COPIES) break;
+        const bool ok = k0 < copy_end[it];
+        cp_async16_or_zero(st + copy_dst[it], ok ? tile_base + copy_src[it] : copy_base, ok);
     }
-#else
-    // ---- staged: key/value tiles global -> registers (one tile ahead) -> shared memory ----
-    bias_elem* const bias_tiles = reinterpret_cast<bias_elem*>(smem + ROWS * ROW_ELEMS * ELEM_BYTES);
-    const u32 bias_tiles_s = smem_s + ROWS * ROW_ELEMS * ELEM_BYTES;
-    float4 kv[LOADS_PER_THREAD][4];  // k dims 0..3, k dims 4..7, v dims 0..3, v dims 4..7
-    auto fetch = [&](int k0) {
+}
+
+// Staged (3xTF32, f16x3) key/value tiles, global -> registers -> shared memory: each
+// thread moves 8 consecutive dims (a whole 32-byte sector) of one key, the 32 lanes of a
+// warp 32 consecutive keys. kv[it]: k dims 0..3, k dims 4..7, v dims 0..3, v dims 4..7.
+// Loads the tile at k0 (zeros past N and for rows past i_end). row_base(r): qkvg at row
+// i0 + r, key 0, this head's q columns.
+template <class RowBase>
+__device__ __forceinline__ void fetch_kv(float4 (&kv)[LOADS_PER_THREAD][4], int k0,
+                                         const RowBase& row_base, int i0, int i_end, int D,
+                                         int N, i64 ld, int tid) {
 #pragma unroll
-        for (int it = 0; it < LOADS_PER_THREAD; ++it) {
-            const int idx = tid + it * THREADS;
-            const int key = idx % BK, c = (idx / BK) % CHUNKS, r = idx / (BK * CHUNKS);
-            const bool ok = (LOADS % THREADS == 0 || idx < LOADS) && i0 + r < i_end && k0 + key < N;
-            const float* src = row_base(r) + (i64)(k0 + key) * ld + D + 8 * c;
-            kv[it][0] = ok ? ld4(src) : zero4();
-            kv[it][1] = ok ? ld4(src + 4) : zero4();
-            kv[it][2] = ok ? ld4(src + D) : zero4();
-            kv[it][3] = ok ? ld4(src + D + 4) : zero4();
-        }
-    };
-    auto store = [&]() {
+    for (int it = 0; it < LOADS_PER_THREAD; ++it) {
+        const int idx = tid + it * THREADS;
+        const int key = idx % BK, c = (idx / BK) % CHUNKS, r = idx / (BK * CHUNKS);
+        const bool ok = (LOADS % THREADS == 0 || idx < LOADS) && i0 + r < i_end && k0 + key < N;
+        const float* src = row_base(r) + (i64)(k0 + key) * ld + D + 8 * c;
+        kv[it][0] = ok ? ld4(src) : zero4();
+        kv[it][1] = ok ? ld4(src + 4) : zero4();
+        kv[it][2] = ok ? ld4(src + D) : zero4();
+        kv[it][3] = ok ? ld4(src + D + 4) : zero4();
+    }
+}
+
+// Stores the fetched tile as hi and lo parts into the rows' K and V in shared memory.
+__device__ __forceinline__ void store_kv(char* smem, const float4 (&kv)[LOADS_PER_THREAD][4],
+                                         int tid, float s_k, float s_v) {
 #pragma unroll
-        for (int it = 0; it < LOADS_PER_THREAD; ++it) {
-            const int idx = tid + it * THREADS;
-            if (LOADS % THREADS != 0 && idx >= LOADS) break;
-            const int key = idx % BK, c = (idx / BK) % CHUNKS, r = idx / (BK * CHUNKS);
-            elem_t* const K = reinterpret_cast<elem_t*>(smem) + r * ROW_ELEMS;
-            elem_t* const V = K + PARTS * K_ELEMS;
-            const float x[2][8] = {
-                {kv[it][0].x, kv[it][0].y, kv[it][0].z, kv[it][0].w,
-                 kv[it][1].x, kv[it][1].y, kv[it][1].z, kv[it][1].w},
-                {kv[it][2].x, kv[it][2].y, kv[it][2].z, kv[it][2].w,
-                 kv[it][3].x, kv[it][3].y, kv[it][3].z, kv[it][3].w}};
-#if F16X3
+    for (int it = 0; it < LOADS_PER_THREAD; ++it) {
+        const int idx = tid + it * THREADS;
+        if (LOADS % THREADS != 0 && idx >= LOADS) break;
+        const int key = idx % BK, c = (idx / BK) % CHUNKS, r = idx / (BK * CHUNKS);
+        elem_t* const K = reinterpret_cast<elem_t*>(smem) + r * ROW_ELEMS;
+        elem_t* const V = K + PARTS * K_ELEMS;
+        const float x[2][8] = {
+            {kv[it][0].x, kv[it][0].y, kv[it][0].z, kv[it][0].w,
+             kv[it][1].x, kv[it][1].y, kv[it][1].z, kv[it][1].w},
+            {kv[it][2].x, kv[it][2].y, kv[it][2].z, kv[it][2].w,
+             kv[it][3].x, kv[it][3].y, kv[it][3].z, kv[it][3].w}};
+        if constexpr (F16X3) {
             // k times s_k and v times s_v as fp16 hi and lo: 16 bytes of each part per row
             // (K and V both [key][dim]); the 8 lanes of a store phase write 8 consecutive
             // keys, rows (d + 8) * 2 bytes = 16 * odd apart (d % 16 == 0): no bank conflict.
@@ -923,8 +791,9 @@ ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int 
                 *reinterpret_cast<uint4*>(dst + (m2 ? V_ELEMS : K_ELEMS)) =
                     make_uint4(lo[0], lo[1], lo[2], lo[3]);
             }
-#else
-            // hi parts stored before the lo parts are formed: fewer live registers
+        } else {
+            // TF32 hi parts stored before the lo parts are formed: fewer live registers. V
+            // transposed, at its key position (vt_position).
             u32 hi[2][8];
 #pragma unroll
             for (int m2 = 0; m2 < 2; ++m2)
@@ -946,52 +815,30 @@ ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int 
             kdst_lo[1] = make_uint4(lo[0][4], lo[0][5], lo[0][6], lo[0][7]);
 #pragma unroll
             for (int e = 0; e < 8; ++e) V[V_ELEMS + (8 * c + e) * VSTR + p] = lo[1][e];
-#endif
         }
-    };
-
-    if (PREFETCH) fetch(0);
-    copy_bias(0, bias_tiles_s);
-    cp_async_commit();
-    for (int k0 = 0, tile = 0; k0 < N; k0 += BK, ++tile) {
-        const bool more = k0 + BK < N;
-        if (!PREFETCH) fetch(k0);
-        __syncthreads();  // every warp is done with the previous tile (and bias buffer)
-        store();
-        if (more) {
-            copy_bias(k0 + BK, bias_tiles_s + BIAS_BYTES * ((tile + 1) & 1) * BIAS_TILE);
-            cp_async_commit();
-        }
-        if (more) cp_async_wait<1>(); else cp_async_wait<0>();  // this tile's bias landed
-        __syncthreads();  // K, V and bias tiles visible to every warp
-        if (PREFETCH && more) fetch(k0 + BK);  // in flight while this tile is multiplied
-#if ROW_MASK
-        mask_k0 = k0;
-#endif
-        process(smem, bias_tiles + (tile & 1) * BIAS_TILE);
     }
-#endif
+}
 
-    // o / l, written over q. l = 0 only when every key was masked (the maximum term of a
-    // row with any unmasked key is 2^0 = 1).
-    if (!row_ok) return;
+// o / l of this warp's rows, written over q (`row`: qkvg at (b, i0 + rw, j = 0), this
+// head's columns). l = 0 only when every key was masked (the maximum term of a row with
+// any unmasked key is 2^0 = 1): then 0, or NaN where nan_fully_masked. f16x3: O in units
+// of s_v, undone by v_unscale.
+__device__ __forceinline__ void write_output(const float (&o)[MT][DT][4], const float (&l)[MT][4],
+                                             float* row, int q0, int N, i64 ld, int g, int t,
+                                             int nan_fully_masked, float v_unscale) {
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
             float total = l[mt][2 * r];
-#if !SUM_MMA  // the quad's shares
-            total += __shfl_xor_sync(0xffffffffu, total, 1);
-            total += __shfl_xor_sync(0xffffffffu, total, 2);
-#endif
+            if constexpr (!SUM_MMA) {  // the quad's shares
+                total += __shfl_xor_sync(0xffffffffu, total, 1);
+                total += __shfl_xor_sync(0xffffffffu, total, 2);
+            }
             const int j = q0 + 16 * mt + 8 * r + g;
             if (j >= N) continue;
             const bool fully_masked = total == 0.f;
-#if F16X3  // O in units of s_v
             const float inv = fully_masked ? 0.f : v_unscale / total;
-#else
-            const float inv = fully_masked ? 0.f : 1.0f / total;
-#endif
             const float fill = nan_fully_masked ? quiet_nan() : 0.f;
             float* out = row + (i64)j * ld + 2 * t;
 #pragma unroll
@@ -1001,4 +848,231 @@ ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int 
                 *reinterpret_cast<float2*>(out + 8 * v) = x;
             }
         }
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
+ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int npk,
+      int nan_fully_masked
+#if F16X3
+      , float s_q, float s_k, float s_v
+#endif
+      , const int* __restrict__ key_extent
+#if ROW_MASK
+      , const unsigned* __restrict__ row_mask  // [B N][npk / 32] key bits (common.cuh)
+#endif
+      ROW_BLOCK_ARGS  // (common.cuh ROW_BLOCK: the rows [row_begin, row_end))
+      ) {
+#if !F16X3
+    const float s_q = 1.f, s_k = 1.f, s_v = 1.f;  // (unscaled)
+#endif
+    extern __shared__ float4 smem4[];
+    char* const smem = reinterpret_cast<char*>(smem4);
+    wait_for_previous_kernel();  // q, k, v and the bias come from it (common.cuh)
+    allow_next_kernel();
+    const u32 smem_s = smem_addr(smem);  // the same, as a shared-memory address
+
+    const int D = H * HEAD_DIM;
+    const i64 ld = 4LL * D;
+    // i_end: this batch's rows end there (N, or the row block's end: common.cuh)
+    ATTENTION_BLOCK(blk, i_end, N, H, BQ, ROWS);
+    const int qtile = blk.qtile, i0 = blk.i0, head = blk.head, b = blk.b;  // i0: first row
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    // Every key is visited here (key_extent, for attention_wgmma.cu and attention_ffma.cu,
+    // is not read): a key loop ending at a loaded value is no longer uniform, and ptxas
+    // moved the loop's address arithmetic from uniform to per-thread registers (tf32 at d =
+    // 16, 2x128x64x4: 21 -> 30 µs; in shared memory, the value's barrier and static shared
+    // memory pushed the 3xTF32 spills up and the 48 KiB bf16 tiles past the default limit:
+    // docs/performance.md).
+    (void)key_extent;
+    const int g = lane >> 2, t = lane & 3;  // fragment row group, thread in group
+
+    // qkvg at (b, i0 + r, j = 0), this head's q columns.
+    auto row_base = [&](int r) { return qkvg + ((i64)b * N + i0 + r) * N * ld + head * HEAD_DIM; };
+
+    // This warp: row rw of the block, queries q0 .. q0 + 16 MT - 1.
+    const int rw = warp / ROW_WARPS;
+    const bool row_ok = i0 + rw < i_end;
+    float* const row = row_base(rw);
+    const int q0 = qtile * BQ + (warp % ROW_WARPS) * 16 * MT;
+    const int k_offset = rw * ROW_ELEMS * ELEM_BYTES;  // row rw's K and V in a stage
+    const int v_offset = k_offset + PARTS * K_ELEMS * ELEM_BYTES;
+
+    // The bias tile of this block's BQ queries and BK keys, copied with cp.async ahead of
+    // its use and read by the warps of all ROWS rows.
+    const bias_elem* const bias_bh = bias + ((i64)b * H + head) * N * npk;
+    const int copy_col = BIAS_CHUNK * (tid % (BK / BIAS_CHUNK)), copy_row = tid / (BK / BIAS_CHUNK);
+    const int copy_q = qtile * BQ + copy_row;
+    const bias_elem* const bias_src = bias_bh + (i64)copy_q * npk + copy_col;  // at key 0
+    const u32 bias_dst = BIAS_BYTES * (copy_row * BSTR + copy_col);  // in a bias tile
+    auto copy_bias = [&](int k0, u32 tile) {
+        copy_bias_tile(bias_src, bias_dst, copy_q, k0, tile, npk, N);
+    };
+    const int bias_row = (warp % ROW_WARPS) * 16 * MT + g;  // + 16 mt + 8 r: this lane's rows
+
+    // The undoing factors of the scales: powers of two, so exact, and so are the products.
+    const float qk_unscale = 1.f / (s_q * s_k), v_unscale = 1.f / s_v;
+    QueryFragments q;
+    if constexpr (F16X3) {
+        // (Written out here: as part of load_queries the two halves of each float2 load
+        // swapped registers, and the machine code changed.)
+        // q (fp32, times log2 e / sqrt(d)) times s_q, split into fp16 hi and lo A fragments
+        // once: hi and lo of the head dim take as many registers as q itself in fp32.
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+            const int j0 = q0 + 16 * mt + g, j1 = j0 + 8;
+            const bool ok0 = row_ok && j0 < N, ok1 = row_ok && j1 < N;
+#pragma unroll
+            for (int kk = 0; kk < KS; ++kk) {
+                const int c = 16 * kk + 2 * t;  // {a0,a1} (j0, c..c+1) {a2,a3} (j1, ..) {a4,a5} (j0, c+8..)
+                const float* const p0 = row + (i64)j0 * ld + c;
+                const float* const p1 = row + (i64)j1 * ld + c;
+                const bool upper = 16 * kk + 16 <= HEAD_DIM;  // else past d: zero
+                const float2 zero = make_float2(0.f, 0.f);
+                const float2 x[4] = {ok0 ? *reinterpret_cast<const float2*>(p0) : zero,
+                                     ok1 ? *reinterpret_cast<const float2*>(p1) : zero,
+                                     ok0 && upper ? *reinterpret_cast<const float2*>(p0 + 8) : zero,
+                                     ok1 && upper ? *reinterpret_cast<const float2*>(p1 + 8) : zero};
+#pragma unroll
+                for (int e = 0; e < 4; ++e)
+                    split_f16(x[e].x * s_q, x[e].y * s_q, q.hi[mt][kk][e], q.lo[mt][kk][e]);
+            }
+        }
+    } else {
+        load_queries(q, row, D, head, q0, row_ok, N, ld, g, t);
+    }
+    zero_k_padding(smem, tid);
+
+    float o[MT][DT][4];
+    float m_sub[MT][2], m_lim[MT][2], l[MT][4];
+    start_rows(o, m_sub, m_lim, l);
+    const unsigned* keep_row = nullptr;
+#if ROW_MASK
+    // Row rw's key bits (rows past i_end: row i_end - 1's, read and never written out)
+    keep_row = row_mask + ((i64)b * N + min(i0 + rw, i_end - 1)) * (npk / 32);
+#endif
+
+    // One key tile at k0: S = bias + Q K^T, the online softmax, O += P V. `kv` is the stage
+    // (or the staged buffer) holding the rows' K and V, `bias_tile_base` its bias tile.
+    // (A lambda, and the key loops below written out in the kernel: as functions of their
+    // own they changed the order the compiler keeps o, m and l in, and so the machine code.)
+    auto process = [&](const char* kv, const bias_elem* bias_tile_base, int k0) {
+        // S = the bias (-inf where masked and on the padded keys [N, NPK)) + Q K^T. TF32
+        // and bf16: the products accumulate onto the bias, and the row's masked keys are
+        // set on it, where fewer registers are live than after the products. The split
+        // products onto zero, and the bias is added after them in fp32: the tensor cores'
+        // accumulation does not round to nearest, and its error is relative to the
+        // accumulator, which the bias would make larger.
+        float s[MT][NT][4];
+        const bias_elem* const bias_tile = bias_tile_base + bias_row * BSTR + 2 * t;
+        if constexpr (SPLIT) {
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                for (int n = 0; n < NT; ++n) s[mt][n][0] = s[mt][n][1] = s[mt][n][2] = s[mt][n][3] = 0.f;
+        } else {
+            add_bias(s, bias_tile, false, qk_unscale);
+            if constexpr (ROW_MASK) mask_row_keys(s, keep_row, k0, t);
+        }
+        // This lane's ldmatrix rows in K and V (byte addresses; see opaque()).
+        const u32 k_lane = opaque(smem_addr(kv + k_offset));
+        u32 v_lane = 0;
+        if constexpr (BF16 || SPLIT) v_lane = opaque(smem_addr(kv + v_offset));
+        qk_product(s, q, k_lane, lane);
+        if constexpr (SPLIT) {
+            add_bias(s, bias_tile, true, qk_unscale);
+            if constexpr (ROW_MASK) mask_row_keys(s, keep_row, k0, t);
+        }
+        online_softmax(s, o, m_sub, m_lim, l);
+        if constexpr (HALF)
+            pv_product_16(o, l, s, v_lane, lane);
+        else {
+#pragma unroll
+            for (int kk = 0; kk < NT / 2; ++kk) {
+                // P's A fragments of k-steps 2 kk and 2 kk + 1: (c0, c2, c1, c3) of their S
+                // n-tiles (3xTF32: hi and lo). (Formed here: in a function of their own,
+                // the tf32 kernel's machine code changed.)
+                u32 ph[MT][2][4], pl[MT][2][4];
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                    for (int h = 0; h < 2; ++h) {
+                        const float* c = s[mt][2 * kk + h];
+                        const float a[4] = {c[0], c[2], c[1], c[3]};
+#pragma unroll
+                        for (int e = 0; e < 4; ++e) {
+                            if constexpr (SPLIT) {
+                                ph[mt][h][e] = to_tf32(a[e]);
+                                pl[mt][h][e] = to_tf32(a[e] - __uint_as_float(ph[mt][h][e]));
+                            } else {
+                                // As is: the tensor cores read the top 19 bits (truncation).
+                                // The row sums come from the same truncated P (SUM_MMA), so
+                                // its bias (< 2^-10 relative, always down) cancels in O / l.
+                                ph[mt][h][e] = __float_as_uint(a[e]);
+                            }
+                        }
+                    }
+                if constexpr (DIRECT)
+                    pv_step_tf32(o, l, ph, kv + v_offset, kk, g, t);
+                else
+                    pv_step_tf32x3(o, ph, pl, v_lane, kk, lane);
+            }
+        }
+    };
+
+    if constexpr (DIRECT) {
+        // ---- the ring: tile `tile` lives in stage tile % STAGES, copied STAGES - 1 ahead ----
+        const char* const copy_base = reinterpret_cast<const char*>(row_base(0) - head * HEAD_DIM + D);
+        u32 copy_src[COPIES_PER_THREAD], copy_dst[COPIES_PER_THREAD];
+        int copy_end[COPIES_PER_THREAD];
+        plan_ring_copies(copy_src, copy_dst, copy_end, tid, i0, i_end, head, D, N, ld);
+        // Copy the tile at k0 into stage `stage` (nothing past the last tile), then commit
+        // a group either way, so that the group count stays in step with the tiles.
+        auto issue = [&](int k0, int stage) {
+            if (k0 < N) {
+                const u32 st = smem_s + stage * STAGE_BYTES;
+                copy_kv_tile(st, copy_base, copy_src, copy_dst, copy_end, k0, ld, tid);
+                copy_bias(k0, st + KV_BYTES);
+            }
+            cp_async_commit();
+        };
+#pragma unroll
+        for (int s = 0; s < STAGES - 1; ++s) issue(s * BK, s);
+        int stage = 0;
+        for (int k0 = 0; k0 < N; k0 += BK) {
+            cp_async_wait<STAGES - 2>();  // this thread's copies of this tile landed
+            __syncthreads();  // everyone's copies visible; every warp is done with the last tile
+            // The stage freed by the last tile takes the tile STAGES - 1 ahead.
+            issue(k0 + (STAGES - 1) * BK, stage == 0 ? STAGES - 1 : stage - 1);
+            const char* const st = smem + stage * STAGE_BYTES;
+            process(st, reinterpret_cast<const bias_elem*>(st + KV_BYTES), k0);
+            stage = stage == STAGES - 1 ? 0 : stage + 1;
+        }
+    } else {
+        // ---- staged: K/V tiles through registers (one tile ahead), bias tiles in two
+        // buffers copied one tile ahead ----
+        const bias_elem* const bias_tiles = reinterpret_cast<const bias_elem*>(smem + KV_BYTES);
+        const u32 bias_tiles_s = smem_s + KV_BYTES;
+        float4 kv[LOADS_PER_THREAD][4];
+        if (PREFETCH) fetch_kv(kv, 0, row_base, i0, i_end, D, N, ld, tid);
+        copy_bias(0, bias_tiles_s);
+        cp_async_commit();
+        for (int k0 = 0, tile = 0; k0 < N; k0 += BK, ++tile) {
+            const bool more = k0 + BK < N;
+            if (!PREFETCH) fetch_kv(kv, k0, row_base, i0, i_end, D, N, ld, tid);
+            __syncthreads();  // every warp is done with the previous tile (and bias buffer)
+            store_kv(smem, kv, tid, s_k, s_v);
+            if (more) {
+                copy_bias(k0 + BK, bias_tiles_s + BIAS_BYTES * ((tile + 1) & 1) * BIAS_TILE);
+                cp_async_commit();
+            }
+            if (more) cp_async_wait<1>(); else cp_async_wait<0>();  // this tile's bias landed
+            __syncthreads();  // K, V and bias tiles visible to every warp
+            // in flight while this tile is multiplied
+            if (PREFETCH && more) fetch_kv(kv, k0 + BK, row_base, i0, i_end, D, N, ld, tid);
+            process(smem, bias_tiles + (tile & 1) * BIAS_TILE, k0);
+        }
+    }
+
+    if (!row_ok) return;
+    write_output(o, l, row, q0, N, ld, g, t, nan_fully_masked, v_unscale);
 }
