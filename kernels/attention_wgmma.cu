@@ -199,10 +199,7 @@ typedef unsigned short bias_elem;  // fp16 bits (F16X3: the hi tile, then the lo
 // SMEM_BYTES counts
 #define ROW_MASK_OFFSET (SMEM_BYTES - 1024)
 
-// Per row and tile, 512 16-byte chunks each of K (8 per key: 4 dims each) and of V^T.
-#define COPIES (ROWS * BK * 8)
-#define COPIES_PER_THREAD (COPIES / THREADS)
-#if COPIES % THREADS != 0 || BIAS_TILE % 1024 != 0 || VT_COLUMN % 1024 != 0
+#if BIAS_TILE % 1024 != 0 || VT_COLUMN % 1024 != 0
 #error "attention_wgmma.cu: the tile shapes must give whole copies and 1024-byte parts"
 #endif
 #if PV_GROUPS != 1 && PV_GROUPS != 2 && PV_GROUPS != 4
@@ -384,16 +381,6 @@ ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int 
     const u32 q_tile = smem_s + Q_OFFSET + wg * Q_TILE;
     if constexpr (Q_SHARED) store_q_tile(smem, qa, wg, warp, g, t);
 
-    // ---- this thread's copies of a tile: K chunk c (4 dims) of key `key` of row r0, and
-    // V^T chunk `vq` (16 bytes of the tile's 8 KiB as the projection wrote it) of row r0;
-    // its copy `it` is it * THREADS / 8 keys further: 32 keys on in the same row (ROWS 1)
-    // or the same key of the next row (ROWS 2), so every address below is the first
-    // copy's plus a constant (kept as one value each: arrays of them cost registers) ----
-#define KEY_STEP ((THREADS / 8) % BK)
-#define ROW_STEP ((THREADS / 8) / BK)
-#if KEY_STEP % 32 != 0 || COPIES_PER_THREAD * KEY_STEP > BK
-#error "attention_wgmma.cu: a thread's copies must keep its key position in a 32-key column"
-#endif
     const int ntiles = npk / BK;  // key tiles per row of V^T (and of K and the bias)
 
     write_ones_rows(smem, tid);
