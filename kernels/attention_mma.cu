@@ -615,10 +615,11 @@ ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int 
     int mask_k0 = 0;  // the key tile `process` works on, set before each call
 #endif
 
-    // One key tile at k0: S = bias + Q K^T, the online softmax, O += P V. `kv` is the stage
-    // (or the staged buffer) holding the rows' K and V, `bias_tile_base` its bias tile.
-    // (A lambda, and the key loops below written out in the kernel: as functions of their
-    // own they changed the order the compiler keeps o, m and l in, and so the machine code.)
+    // One key tile (at mask_k0): S = bias + Q K^T, the online softmax, O += P V. `kv` is the
+    // stage (or the staged buffer) holding the rows' K and V, `bias_tile_base` its bias
+    // tile. (Its steps and the key loops below are written out in the kernel: as functions
+    // of their own, which the compiler optimizes before inlining them, they changed the
+    // order of S's and O's instructions, and so the machine code.)
     auto process = [&](const char* kv, const bias_elem* bias_tile_base) {
         // S = the bias (-inf where masked and on the padded keys [N, NPK)) + Q K^T. TF32 and
         // bf16: the products accumulate onto the bias. 3xTF32: onto zero, and the bias is
