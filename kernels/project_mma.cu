@@ -607,14 +607,7 @@ __device__ __forceinline__ SmemLayout smem_layout(int dpad) {
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS, PROJECT_MIN_BLOCKS)
-LN_QKVG_ENTRY(const pair_t* __restrict__ x, i64 sb, i64 si, i64 sj, i64 sc, int x_vec,
-                int B, int N, int D, int H, float eps, float q_scale,
-                const float* __restrict__ gamma, const float* __restrict__ beta,
-                const float* __restrict__ W, const float* __restrict__ b_qkvg,
-                const float* __restrict__ Wb,
-                const void* __restrict__ mask, int mask_kind, i64 mb, i64 mi, i64 mj,
-                float* __restrict__ qkvg, float* __restrict__ bias, int npk,
-                float* __restrict__ vt
+LN_QKVG_ENTRY(LN_QKVG_PARAMS(W)  // (project_epilogue.cuh)
 #if F16_TERMS
                 , float a_scale, float unscale
 #endif
@@ -867,9 +860,7 @@ LN_QKVG_ENTRY(const pair_t* __restrict__ x, i64 sb, i64 si, i64 sj, i64 sc, int 
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS, OUT_MIN_BLOCKS)
-GATED_OUT_ENTRY(const float* __restrict__ qkvg, i64 M, int D,
-                  const float* __restrict__ W, const float* __restrict__ b_out,
-                  pair_t* __restrict__ out
+GATED_OUT_ENTRY(GATED_OUT_PARAMS(W)  // (project_epilogue.cuh)
 #if F16_TERMS
                   , float w_unscale  // 1 / Wo's scale (the block scales g o itself)
 #endif
