@@ -87,8 +87,13 @@
 #ifndef HEAD_DIM
 #define HEAD_DIM 32     // d, a multiple of 8, at most 128
 #endif
+// The arithmetic, by name (the plan passes PREC as its number; see the header)
+#define PREC_TF32X3 0   // 3xTF32, fp32-accurate
+#define PREC_TF32 1     // TF32
+#define PREC_BF16 2     // bf16
+#define PREC_F16X3 3    // fp16 hi + lo, fp32-accurate
 #ifndef PREC
-#define PREC 0          // 0 = 3xTF32 (fp32-accurate), 1 = TF32, 2 = bf16, 3 = f16x3 (fp32-accurate)
+#define PREC PREC_TF32X3
 #endif
 #ifndef BK
 #define BK 64           // keys per tile (a multiple of 16)
@@ -115,9 +120,10 @@
 #define BQ (16 * MT * ROW_WARPS)  // queries per row and block
 #define NT (BK / 8)               // 8-key n-tiles of S
 #define DT (HEAD_DIM / 8)         // 8-column n-tiles of O
-#define TF32X3 (PREC == 0)
-#define BF16 (PREC == 2)
-#define F16X3 (PREC == 3)
+#define KS ((HEAD_DIM + 15) / 16)  // 16-wide k-steps; the last is half zero when d % 16 == 8
+#define TF32X3 (PREC == PREC_TF32X3)
+#define BF16 (PREC == PREC_BF16)
+#define F16X3 (PREC == PREC_F16X3)
 #define SPLIT (TF32X3 || F16X3)   // three products per product, hi and lo parts of K and V
 #define HALF (BF16 || F16X3)      // 16-bit operands, m16n8k16
 #define DIRECT (!SPLIT)           // k and v come from the projection in tensor-core form
@@ -131,7 +137,7 @@
 // fp16's 65504), so that its fp16 lo parts stay normal down to smaller weights.
 #define P_SHIFT 6.f
 
-#if PREC < 0 || PREC > 3
+#if PREC < PREC_TF32X3 || PREC > PREC_F16X3
 #error "attention_mma.cu: PREC must be 0, 1, 2 or 3"
 #endif
 #if HEAD_DIM % 8 != 0 || HEAD_DIM > 128
@@ -192,14 +198,14 @@ typedef float bias_elem;
 #define BIAS_TILE (BQ * BSTR)
 #define BIAS_BYTES ((int)sizeof(bias_elem))
 #define BIAS_CHUNK (16 / BIAS_BYTES)  // elements per 16-byte copy
+// The bias copier: thread tid copies 16 bytes at column BIAS_CHUNK (tid % (BK / BIAS_CHUNK))
+// of rows tid / (BK / BIAS_CHUNK) + it * RSTEP.
+#define RSTEP (THREADS / (BK / BIAS_CHUNK))
 // Shared memory: DIRECT: STAGES x (ROWS rows' K/V, one bias tile); staged: the rows' K/V,
 // then two bias tiles. Every part is a multiple of 16 bytes.
-#if DIRECT
-#define STAGE_BYTES (ROWS * ROW_ELEMS * ELEM_BYTES + BIAS_BYTES * BIAS_TILE)
-#define SMEM_BYTES (STAGES * STAGE_BYTES)
-#else
-#define SMEM_BYTES (ROWS * ROW_ELEMS * ELEM_BYTES + 2 * BIAS_BYTES * BIAS_TILE)
-#endif
+#define KV_BYTES (ROWS * ROW_ELEMS * ELEM_BYTES)  // the rows' K/V of one stage
+#define STAGE_BYTES (KV_BYTES + BIAS_BYTES * BIAS_TILE)
+#define SMEM_BYTES (DIRECT ? STAGES * STAGE_BYTES : KV_BYTES + 2 * BIAS_BYTES * BIAS_TILE)
 
 // 3xTF32: split the query fragments once (2 * MT * d/2 registers) when that is small,
 // else again for every key tile (volatile conversions, so they cannot be hoisted).
@@ -229,6 +235,291 @@ typedef float bias_elem;
 #define ENTRY attention_mma_tf32
 #endif
 
+
+// ---- the steps of one warp ----
+// Warp `warp` works on row rw = warp / ROW_WARPS of the block and its queries q0 .. q0 +
+// 16 MT - 1; lane (g, t) holds fragment rows g, g + 8 and columns 2t, 2t + 1 (or t, t + 4).
+
+// The query fragments, read once: tf32 and 3xTF32 keep q in fp32 (f), and its TF32 hi
+// (and lo) parts where they are formed once; bf16 keeps the A fragments as stored (hi);
+// f16x3 the fp16 hi and lo parts of q s_q. The members a precision does not use are
+// never written, and take no register.
+struct QueryFragments {
+    float f[MT][DT][4];  // a0 (j0, 8kk+t) a1 (j1, ..) a2 (j0, 8kk+t+4) a3 (j1, ..)
+    u32 hi[MT][HALF ? KS : DT][4], lo[MT][HALF ? KS : DT][4];
+};
+
+// q of this warp's queries (queries past N and rows past i_end are zero). `row`: qkvg at
+// (b, i0 + rw, j = 0), this head's q columns.
+__device__ __forceinline__ void load_queries(QueryFragments& q, const float* row, int D,
+                                             int head, int q0, bool row_ok, int N, i64 ld,
+                                             int g, int t) {
+    if constexpr (BF16) {
+        // q packed by the projection (bf16 index h d + c from word 2D): each A fragment
+        // register, the pair (c, c + 1), is one word as stored.
+        const u32* const qrow = reinterpret_cast<const u32*>(row - head * HEAD_DIM + 2 * D)
+                                + head * HEAD_DIM / 2;
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+            const int j0 = q0 + 16 * mt + g, j1 = j0 + 8;
+            const bool ok0 = row_ok && j0 < N, ok1 = row_ok && j1 < N;
+#pragma unroll
+            for (int kk = 0; kk < KS; ++kk) {
+                const int c = 16 * kk + 2 * t;
+                const u32* const p0 = qrow + (i64)j0 * ld + c / 2;
+                const u32* const p1 = qrow + (i64)j1 * ld + c / 2;
+                const bool upper = 16 * kk + 16 <= HEAD_DIM;  // else past d: zero
+                q.hi[mt][kk][0] = ok0 ? __ldg(p0) : 0u;
+                q.hi[mt][kk][1] = ok1 ? __ldg(p1) : 0u;
+                q.hi[mt][kk][2] = ok0 && upper ? __ldg(p0 + 4) : 0u;
+                q.hi[mt][kk][3] = ok1 && upper ? __ldg(p1 + 4) : 0u;
+            }
+        }
+    } else {
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+            const int j0 = q0 + 16 * mt + g, j1 = j0 + 8;
+            const bool ok0 = row_ok && j0 < N, ok1 = row_ok && j1 < N;
+#pragma unroll
+            for (int kk = 0; kk < DT; ++kk) {
+                const int c = 8 * kk + t;
+                q.f[mt][kk][0] = ok0 ? row[(i64)j0 * ld + c] : 0.f;
+                q.f[mt][kk][1] = ok1 ? row[(i64)j1 * ld + c] : 0.f;
+                q.f[mt][kk][2] = ok0 ? row[(i64)j0 * ld + c + 4] : 0.f;
+                q.f[mt][kk][3] = ok1 ? row[(i64)j1 * ld + c + 4] : 0.f;
+            }
+        }
+        if constexpr (!SPLIT || QSPLIT_ONCE) {
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                for (int kk = 0; kk < DT; ++kk)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        q.hi[mt][kk][e] = to_tf32(q.f[mt][kk][e]);
+                        if constexpr (SPLIT)
+                            q.lo[mt][kk][e] = to_tf32(q.f[mt][kk][e] - __uint_as_float(q.hi[mt][kk][e]));
+                    }
+        }
+    }
+}
+
+// Columns d..d+7 of K (and of its lo part) are read by the last 16-wide k-step when d %
+// 16 == 8: zero them once (neither the tile copies nor the staged stores write there; the
+// q fragment is zero there too, but 0 times a NaN left in shared memory would not be).
+__device__ __forceinline__ void zero_k_padding(char* smem, int tid) {
+    if (!HALF || HEAD_DIM % 16 != 8) return;
+    if constexpr (DIRECT) {  // bf16: in every stage
+        for (int idx = tid; idx < STAGES * ROWS * BK; idx += THREADS) {
+            const int key = idx % BK, r = (idx / BK) % ROWS, stage = idx / (BK * ROWS);
+            *reinterpret_cast<uint4*>(smem + stage * STAGE_BYTES + r * ROW_ELEMS * ELEM_BYTES
+                                      + (key * KSTR + HEAD_DIM) * ELEM_BYTES) =
+                make_uint4(0u, 0u, 0u, 0u);
+        }
+    } else {  // f16x3: hi and lo parts
+        for (int idx = tid; idx < ROWS * BK * PARTS; idx += THREADS) {
+            const int key = idx % BK, part = (idx / BK) % PARTS, r = idx / (BK * PARTS);
+            *reinterpret_cast<uint4*>(smem + (r * ROW_ELEMS + part * K_ELEMS + key * KSTR + HEAD_DIM)
+                                      * ELEM_BYTES) = make_uint4(0u, 0u, 0u, 0u);
+        }
+    }
+}
+
+// The online softmax's state of rows j0 (index 0) and j1 (1) of each m-tile: the reference
+// maximum m, kept as the two forms the key loop uses: m_sub, what the scores subtract (m,
+// or 0 while every key so far is masked and m is -inf: 2^-inf = 0 per term), and m_lim =
+// m + RESCALE_SLACK, the bound a score must pass to move m (-inf while m is).
+// l: their running sums, laid out as a C fragment: SUM_MMA: P times a B of ones, so every
+// element of a row holds the row's whole sum; else l[mt][0] and l[mt][2] hold this lane's
+// share of rows j0 and j1 (the 4 lanes of a quad hold a row's shares).
+// O (16 x d per m-tile) in C fragments: o[mt][v][0..1] row j0, [2..3] row j1, columns
+// 8v + 2t, 8v + 2t + 1. All start at zero, with no maximum yet.
+__device__ __forceinline__ void start_rows(float (&o)[MT][DT][4], float (&m_sub)[MT][2],
+                                           float (&m_lim)[MT][2], float (&l)[MT][4]) {
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+        for (int v = 0; v < DT; ++v) o[mt][v][0] = o[mt][v][1] = o[mt][v][2] = o[mt][v][3] = 0.f;
+        m_sub[mt][0] = m_sub[mt][1] = 0.f;
+        m_lim[mt][0] = m_lim[mt][1] = neg_inf();
+        l[mt][0] = l[mt][1] = l[mt][2] = l[mt][3] = 0.f;
+    }
+}
+
+// Copy the bias tile at key k0 into the bias tile at shared address `tile` (queries past N:
+// zeros, never written). Not committed here. src: this thread's source at key 0, dst its
+// offset in a tile, copy_q its first query.
+__device__ __forceinline__ void copy_bias_tile(const bias_elem* bias_src, u32 bias_dst,
+                                               int copy_q, int k0, u32 tile, int npk, int N) {
+    // opaque: the addresses are formed here, per tile, not hoisted out of the key loop as
+    // BQ / RSTEP live registers.
+    const bias_elem* const src = opaque(bias_src + k0);
+#pragma unroll
+    for (int it = 0; it < BQ / RSTEP; ++it)
+        cp_async16_or_zero(tile + bias_dst + BIAS_BYTES * it * RSTEP * BSTR,
+                           src + (i64)(it * RSTEP) * npk, copy_q + it * RSTEP < N);
+}
+
+// DIRECT: this thread's copies of a K/V tile into a ring stage, the same in every tile:
+// chunk c of k or v (kv) of key `key` of row r, from its source at key 0 (k at column D + h
+// d, v at 2D + h d in fp32 / tf32; at bf16 index h d, v at D + h d, from column D in bf16)
+// to its place in a stage. Sources as 32-bit byte offsets from the block's first row at
+// key 0 (qkvg at row i0, key 0, column D), one register each instead of a 64-bit pointer:
+// ROWS <= 8 rows of N keys of 4D <= 3072 floats stay under 2^32 bytes unless N > 43000,
+// where qkvg alone would need petabytes. Tiles with k0 < copy_end copy this key, the others
+// zeros (copy_end is 0 where the row is past i_end).
+__device__ __forceinline__ void plan_ring_copies(u32 (&copy_src)[COPIES_PER_THREAD],
+                                                 u32 (&copy_dst)[COPIES_PER_THREAD],
+                                                 int (&copy_end)[COPIES_PER_THREAD], int tid,
+                                                 int i0, int i_end, int head, int D, int N, i64 ld) {
+#pragma unroll
+    for (int it = 0; it < COPIES_PER_THREAD; ++it) {
+        const int idx = tid + it * THREADS;
+        const int c = idx % CHUNKS16, key = (idx / CHUNKS16) % BK;
+        const int kv = (idx / (CHUNKS16 * BK)) & 1, r = min(idx / (CHUNKS16 * BK * 2), ROWS - 1);
+        copy_src[it] = (u32)(((i64)r * N + key) * ld * 4) + (kv * D + head * HEAD_DIM) * ELEM_BYTES + 16 * c;
+        copy_dst[it] = r * ROW_ELEMS * ELEM_BYTES + 16 * c
+                       + (kv ? (K_ELEMS + key * VSTR) * ELEM_BYTES : key * KSTR * ELEM_BYTES);
+        copy_end[it] = i0 + r < i_end ? N - key : 0;
+    }
+}
+
+// Copies the K/V tile at k0 into the stage at shared address st (plan_ring_copies);
+// not committed here.
+__device__ __forceinline__ void copy_kv_tile(u32 st, const char* copy_base,
+                                             const u32 (&copy_src)[COPIES_PER_THREAD],
+                                             const u32 (&copy_dst)[COPIES_PER_THREAD],
+                                             const int (&copy_end)[COPIES_PER_THREAD], int k0,
+                                             i64 ld, int tid) {
+    const char* const tile_base = copy_base + (i64)k0 * ld * 4;  // key k0 of row i0
+#pragma unroll
+    for (int it = 0; it < COPIES_PER_THREAD; ++it) {
+        if (COPIES % THREADS != 0 && tid + it * THREADS >= COPIES) break;
+        const bool ok = k0 < copy_end[it];
+        cp_async16_or_zero(st + copy_dst[it], ok ? tile_base + copy_src[it] : copy_base, ok);
+    }
+}
+
+// Staged (3xTF32, f16x3) key/value tiles, global -> registers -> shared memory: each
+// thread moves 8 consecutive dims (a whole 32-byte sector) of one key, the 32 lanes of a
+// warp 32 consecutive keys. kv[it]: k dims 0..3, k dims 4..7, v dims 0..3, v dims 4..7.
+// Loads the tile at k0 (zeros past N and for rows past i_end). row_base(r): qkvg at row
+// i0 + r, key 0, this head's q columns.
+template <class RowBase>
+__device__ __forceinline__ void fetch_kv(float4 (&kv)[LOADS_PER_THREAD][4], int k0,
+                                         const RowBase& row_base, int i0, int i_end, int D,
+                                         int N, i64 ld, int tid) {
+#pragma unroll
+    for (int it = 0; it < LOADS_PER_THREAD; ++it) {
+        const int idx = tid + it * THREADS;
+        const int key = idx % BK, c = (idx / BK) % CHUNKS, r = idx / (BK * CHUNKS);
+        const bool ok = (LOADS % THREADS == 0 || idx < LOADS) && i0 + r < i_end && k0 + key < N;
+        const float* src = row_base(r) + (i64)(k0 + key) * ld + D + 8 * c;
+        kv[it][0] = ok ? ld4(src) : zero4();
+        kv[it][1] = ok ? ld4(src + 4) : zero4();
+        kv[it][2] = ok ? ld4(src + D) : zero4();
+        kv[it][3] = ok ? ld4(src + D + 4) : zero4();
+    }
+}
+
+// Stores the fetched tile as hi and lo parts into the rows' K and V in shared memory.
+__device__ __forceinline__ void store_kv(char* smem, const float4 (&kv)[LOADS_PER_THREAD][4],
+                                         int tid, float s_k, float s_v) {
+#pragma unroll
+    for (int it = 0; it < LOADS_PER_THREAD; ++it) {
+        const int idx = tid + it * THREADS;
+        if (LOADS % THREADS != 0 && idx >= LOADS) break;
+        const int key = idx % BK, c = (idx / BK) % CHUNKS, r = idx / (BK * CHUNKS);
+        elem_t* const K = reinterpret_cast<elem_t*>(smem) + r * ROW_ELEMS;
+        elem_t* const V = K + PARTS * K_ELEMS;
+        const float x[2][8] = {
+            {kv[it][0].x, kv[it][0].y, kv[it][0].z, kv[it][0].w,
+             kv[it][1].x, kv[it][1].y, kv[it][1].z, kv[it][1].w},
+            {kv[it][2].x, kv[it][2].y, kv[it][2].z, kv[it][2].w,
+             kv[it][3].x, kv[it][3].y, kv[it][3].z, kv[it][3].w}};
+        if constexpr (F16X3) {
+            // k times s_k and v times s_v as fp16 hi and lo: 16 bytes of each part per row
+            // (K and V both [key][dim]); the 8 lanes of a store phase write 8 consecutive
+            // keys, rows (d + 8) * 2 bytes = 16 * odd apart (d % 16 == 0): no bank conflict.
+#pragma unroll
+            for (int m2 = 0; m2 < 2; ++m2) {
+                const float scale = m2 ? s_v : s_k;
+                u32 hi[4], lo[4];
+#pragma unroll
+                for (int e = 0; e < 4; ++e)
+                    split_f16(x[m2][2 * e] * scale, x[m2][2 * e + 1] * scale, hi[e], lo[e]);
+                elem_t* const dst = (m2 ? V : K) + key * KSTR + 8 * c;  // KSTR = VSTR
+                *reinterpret_cast<uint4*>(dst) = make_uint4(hi[0], hi[1], hi[2], hi[3]);
+                *reinterpret_cast<uint4*>(dst + (m2 ? V_ELEMS : K_ELEMS)) =
+                    make_uint4(lo[0], lo[1], lo[2], lo[3]);
+            }
+        } else {
+            // TF32 hi parts stored before the lo parts are formed: fewer live registers. V
+            // transposed, at its key position (vt_position).
+            u32 hi[2][8];
+#pragma unroll
+            for (int m2 = 0; m2 < 2; ++m2)
+#pragma unroll
+                for (int e = 0; e < 8; ++e) hi[m2][e] = to_tf32(x[m2][e]);
+            uint4* const kdst = reinterpret_cast<uint4*>(K + key * KSTR + 8 * c);
+            kdst[0] = make_uint4(hi[0][0], hi[0][1], hi[0][2], hi[0][3]);
+            kdst[1] = make_uint4(hi[0][4], hi[0][5], hi[0][6], hi[0][7]);
+            const int p = vt_position(key);
+#pragma unroll
+            for (int e = 0; e < 8; ++e) V[(8 * c + e) * VSTR + p] = hi[1][e];
+            u32 lo[2][8];
+#pragma unroll
+            for (int m2 = 0; m2 < 2; ++m2)
+#pragma unroll
+                for (int e = 0; e < 8; ++e) lo[m2][e] = to_tf32(x[m2][e] - __uint_as_float(hi[m2][e]));
+            uint4* const kdst_lo = reinterpret_cast<uint4*>(K + K_ELEMS + key * KSTR + 8 * c);
+            kdst_lo[0] = make_uint4(lo[0][0], lo[0][1], lo[0][2], lo[0][3]);
+            kdst_lo[1] = make_uint4(lo[0][4], lo[0][5], lo[0][6], lo[0][7]);
+#pragma unroll
+            for (int e = 0; e < 8; ++e) V[V_ELEMS + (8 * c + e) * VSTR + p] = lo[1][e];
+        }
+    }
+}
+
+// o / l of this warp's rows, written over q (`row`: qkvg at (b, i0 + rw, j = 0), this
+// head's columns). l = 0 only when every key was masked (the maximum term of a row with
+// any unmasked key is 2^0 = 1): then 0, or NaN where nan_fully_masked. f16x3: O in units
+// of s_v, undone by v_unscale.
+__device__ __forceinline__ void write_output(const float (&o)[MT][DT][4], const float (&l)[MT][4],
+                                             float* row, int q0, int N, i64 ld, int g, int t,
+                                             int nan_fully_masked, float v_unscale) {
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            float total = l[mt][2 * r];
+            if constexpr (!SUM_MMA) {  // the quad's shares
+                total += __shfl_xor_sync(0xffffffffu, total, 1);
+                total += __shfl_xor_sync(0xffffffffu, total, 2);
+            }
+            const int j = q0 + 16 * mt + 8 * r + g;
+            if (j >= N) continue;
+            const bool fully_masked = total == 0.f;
+            const float inv = fully_masked ? 0.f : v_unscale / total;
+            const float fill = nan_fully_masked ? quiet_nan() : 0.f;
+            float* out = row + (i64)j * ld + 2 * t;
+#pragma unroll
+            for (int v = 0; v < DT; ++v) {
+                float2 x = make_float2(o[mt][v][2 * r] * inv, o[mt][v][2 * r + 1] * inv);
+                if (fully_masked) x = make_float2(fill, fill);
+                *reinterpret_cast<float2*>(out + 8 * v) = x;
+            }
+        }
+}
+
+// The kernel: each warp loads its queries, then for every key tile (the DIRECT ring or
+// the staged loop) forms S, runs the online softmax and accumulates P V; it writes o / l.
+// Every key is visited here (key_extent, for attention_wgmma.cu and attention_ffma.cu, is
+// not read): a key loop ending at a loaded value is no longer uniform, and ptxas moved the
+// loop's address arithmetic from uniform to per-thread registers (tf32 at d = 16,
+// 2x128x64x4: 21 -> 30 µs; in shared memory, the value's barrier and static shared memory
+// pushed the 3xTF32 spills up and the 48 KiB bf16 tiles past the default limit:
+// docs/performance.md).
 extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
 ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int npk,
       int nan_fully_masked
@@ -241,6 +532,9 @@ ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int 
 #endif
       ROW_BLOCK_ARGS  // (common.cuh ROW_BLOCK: the rows [row_begin, row_end))
       ) {
+#if !F16X3
+    const float s_q = 1.f, s_k = 1.f, s_v = 1.f;  // (unscaled)
+#endif
     extern __shared__ float4 smem4[];
     char* const smem = reinterpret_cast<char*>(smem4);
     wait_for_previous_kernel();  // q, k, v and the bias come from it (common.cuh)
@@ -253,13 +547,7 @@ ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int 
     ATTENTION_BLOCK(blk, i_end, N, H, BQ, ROWS);
     const int qtile = blk.qtile, i0 = blk.i0, head = blk.head, b = blk.b;  // i0: first row
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    // Every key is visited here (key_extent, for attention_wgmma.cu and attention_ffma.cu, is
-    // not read): a key loop ending at a loaded value is no longer uniform, and ptxas moved
-    // the loop's address arithmetic from uniform to per-thread registers (tf32 at d = 16,
-    // 2x128x64x4: 21 -> 30 µs; in shared memory, the value's barrier and static shared
-    // memory pushed the 3xTF32 spills up and the 48 KiB bf16 tiles past the default limit:
-    // docs/performance.md).
-    (void)key_extent;
+    (void)key_extent;  // every key is visited (see above)
     const int g = lane >> 2, t = lane & 3;  // fragment row group, thread in group
 
     // qkvg at (b, i0 + r, j = 0), this head's q columns.
@@ -270,159 +558,68 @@ ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int 
     const bool row_ok = i0 + rw < i_end;
     float* const row = row_base(rw);
     const int q0 = qtile * BQ + (warp % ROW_WARPS) * 16 * MT;
-    // Byte offset of row rw's K tile in a stage (V follows its K parts).
-    const int k_offset = rw * ROW_ELEMS * ELEM_BYTES;
+    const int k_offset = rw * ROW_ELEMS * ELEM_BYTES;  // row rw's K and V in a stage
     const int v_offset = k_offset + PARTS * K_ELEMS * ELEM_BYTES;
 
     // The bias tile of this block's BQ queries and BK keys, copied with cp.async ahead of
     // its use and read by the warps of all ROWS rows.
     const bias_elem* const bias_bh = bias + ((i64)b * H + head) * N * npk;
-    // Thread tid copies 16 bytes at column BIAS_CHUNK (tid % (BK / BIAS_CHUNK)) of rows
-    // tid / (BK / BIAS_CHUNK) + it * RSTEP.
-#define RSTEP (THREADS / (BK / BIAS_CHUNK))
     const int copy_col = BIAS_CHUNK * (tid % (BK / BIAS_CHUNK)), copy_row = tid / (BK / BIAS_CHUNK);
     const int copy_q = qtile * BQ + copy_row;
     const bias_elem* const bias_src = bias_bh + (i64)copy_q * npk + copy_col;  // at key 0
     const u32 bias_dst = BIAS_BYTES * (copy_row * BSTR + copy_col);  // in a bias tile
-    auto copy_bias = [&](int k0, u32 tile) {  // tile: shared address; not committed here
-        // opaque: the addresses are formed here, per tile, not hoisted out of the key loop
-        // as BQ / RSTEP live registers.
-        const bias_elem* const src = opaque(bias_src + k0);
-#pragma unroll
-        for (int it = 0; it < BQ / RSTEP; ++it)  // queries past N: zeros, never written
-            cp_async16_or_zero(tile + bias_dst + BIAS_BYTES * it * RSTEP * BSTR,
-                               src + (i64)(it * RSTEP) * npk, copy_q + it * RSTEP < N);
+    auto copy_bias = [&](int k0, u32 tile) {
+        copy_bias_tile(bias_src, bias_dst, copy_q, k0, tile, npk, N);
     };
     const int bias_row = (warp % ROW_WARPS) * 16 * MT + g;  // + 16 mt + 8 r: this lane's rows
 
-    // ---- the query fragments, read once (queries past N and rows past N are zero) ----
-#if BF16
-#define KS ((HEAD_DIM + 15) / 16)  // 16-wide k-steps; the last is half zero when d % 16 == 8
-    // q packed by the projection (bf16 index h d + c from word 2D): each A fragment
-    // register, the pair (c, c + 1), is one word as stored.
-    const u32* const qrow = reinterpret_cast<const u32*>(row - head * HEAD_DIM + 2 * D)
-                            + head * HEAD_DIM / 2;
-    u32 qa[MT][KS][4];
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt) {
-        const int j0 = q0 + 16 * mt + g, j1 = j0 + 8;
-        const bool ok0 = row_ok && j0 < N, ok1 = row_ok && j1 < N;
-#pragma unroll
-        for (int kk = 0; kk < KS; ++kk) {
-            const int c = 16 * kk + 2 * t;
-            const u32* const p0 = qrow + (i64)j0 * ld + c / 2;
-            const u32* const p1 = qrow + (i64)j1 * ld + c / 2;
-            const bool upper = 16 * kk + 16 <= HEAD_DIM;  // else past d: zero
-            qa[mt][kk][0] = ok0 ? __ldg(p0) : 0u;
-            qa[mt][kk][1] = ok1 ? __ldg(p1) : 0u;
-            qa[mt][kk][2] = ok0 && upper ? __ldg(p0 + 4) : 0u;
-            qa[mt][kk][3] = ok1 && upper ? __ldg(p1 + 4) : 0u;
-        }
-    }
-    // Columns d..d+7 of K are read by the last k-step when d % 16 == 8: zero them once in
-    // every stage (the tile copies never write there).
-    if (HEAD_DIM % 16 == 8)
-        for (int idx = tid; idx < STAGES * ROWS * BK; idx += THREADS) {
-            const int key = idx % BK, r = (idx / BK) % ROWS, stage = idx / (BK * ROWS);
-            *reinterpret_cast<uint4*>(smem + stage * STAGE_BYTES + r * ROW_ELEMS * ELEM_BYTES
-                                      + (key * KSTR + HEAD_DIM) * ELEM_BYTES) =
-                make_uint4(0u, 0u, 0u, 0u);
-        }
-#elif F16X3
-#define KS ((HEAD_DIM + 15) / 16)  // 16-wide k-steps; the last is half zero when d % 16 == 8
     // The undoing factors of the scales: powers of two, so exact, and so are the products.
     const float qk_unscale = 1.f / (s_q * s_k), v_unscale = 1.f / s_v;
-    // q (fp32, times log2 e / sqrt(d)) times s_q, split into fp16 hi and lo A fragments once:
-    // hi and lo of the head dim take as many registers as q itself in fp32.
-    u32 qh[MT][KS][4], ql[MT][KS][4];
+    QueryFragments q;
+    if constexpr (F16X3) {
+        // (Written out here: as part of load_queries the two halves of each float2 load
+        // swapped registers, and the machine code changed.)
+        // q (fp32, times log2 e / sqrt(d)) times s_q, split into fp16 hi and lo A fragments
+        // once: hi and lo of the head dim take as many registers as q itself in fp32.
 #pragma unroll
-    for (int mt = 0; mt < MT; ++mt) {
-        const int j0 = q0 + 16 * mt + g, j1 = j0 + 8;
-        const bool ok0 = row_ok && j0 < N, ok1 = row_ok && j1 < N;
+        for (int mt = 0; mt < MT; ++mt) {
+            const int j0 = q0 + 16 * mt + g, j1 = j0 + 8;
+            const bool ok0 = row_ok && j0 < N, ok1 = row_ok && j1 < N;
 #pragma unroll
-        for (int kk = 0; kk < KS; ++kk) {
-            const int c = 16 * kk + 2 * t;  // {a0,a1} (j0, c..c+1) {a2,a3} (j1, ..) {a4,a5} (j0, c+8..)
-            const float* const p0 = row + (i64)j0 * ld + c;
-            const float* const p1 = row + (i64)j1 * ld + c;
-            const bool upper = 16 * kk + 16 <= HEAD_DIM;  // else past d: zero
-            const float2 zero = make_float2(0.f, 0.f);
-            const float2 x[4] = {ok0 ? *reinterpret_cast<const float2*>(p0) : zero,
-                                 ok1 ? *reinterpret_cast<const float2*>(p1) : zero,
-                                 ok0 && upper ? *reinterpret_cast<const float2*>(p0 + 8) : zero,
-                                 ok1 && upper ? *reinterpret_cast<const float2*>(p1 + 8) : zero};
+            for (int kk = 0; kk < KS; ++kk) {
+                const int c = 16 * kk + 2 * t;  // {a0,a1} (j0, c..c+1) {a2,a3} (j1, ..) {a4,a5} (j0, c+8..)
+                const float* const p0 = row + (i64)j0 * ld + c;
+                const float* const p1 = row + (i64)j1 * ld + c;
+                const bool upper = 16 * kk + 16 <= HEAD_DIM;  // else past d: zero
+                const float2 zero = make_float2(0.f, 0.f);
+                const float2 x[4] = {ok0 ? *reinterpret_cast<const float2*>(p0) : zero,
+                                     ok1 ? *reinterpret_cast<const float2*>(p1) : zero,
+                                     ok0 && upper ? *reinterpret_cast<const float2*>(p0 + 8) : zero,
+                                     ok1 && upper ? *reinterpret_cast<const float2*>(p1 + 8) : zero};
 #pragma unroll
-            for (int e = 0; e < 4; ++e)
-                split_f16(x[e].x * s_q, x[e].y * s_q, qh[mt][kk][e], ql[mt][kk][e]);
-        }
-    }
-    // Columns d..d+7 of K's hi and lo parts are read by the last k-step when d % 16 == 8:
-    // zero them once (the staged stores never write there).
-    if (HEAD_DIM % 16 == 8)
-        for (int idx = tid; idx < ROWS * BK * PARTS; idx += THREADS) {
-            const int key = idx % BK, part = (idx / BK) % PARTS, r = idx / (BK * PARTS);
-            *reinterpret_cast<uint4*>(smem + (r * ROW_ELEMS + part * K_ELEMS + key * KSTR + HEAD_DIM)
-                                      * ELEM_BYTES) = make_uint4(0u, 0u, 0u, 0u);
-        }
-#else
-    float qf[MT][DT][4];  // fp32 A fragments: a0 (j0, 8kk+t) a1 (j1, ..) a2 (j0, 8kk+t+4) a3
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt) {
-        const int j0 = q0 + 16 * mt + g, j1 = j0 + 8;
-        const bool ok0 = row_ok && j0 < N, ok1 = row_ok && j1 < N;
-#pragma unroll
-        for (int kk = 0; kk < DT; ++kk) {
-            const int c = 8 * kk + t;
-            qf[mt][kk][0] = ok0 ? row[(i64)j0 * ld + c] : 0.f;
-            qf[mt][kk][1] = ok1 ? row[(i64)j1 * ld + c] : 0.f;
-            qf[mt][kk][2] = ok0 ? row[(i64)j0 * ld + c + 4] : 0.f;
-            qf[mt][kk][3] = ok1 ? row[(i64)j1 * ld + c + 4] : 0.f;
-        }
-    }
-#if !SPLIT || QSPLIT_ONCE
-    u32 qh[MT][DT][4];
-#if SPLIT
-    u32 ql[MT][DT][4];
-#endif
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-        for (int kk = 0; kk < DT; ++kk)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                qh[mt][kk][e] = to_tf32(qf[mt][kk][e]);
-#if SPLIT
-                ql[mt][kk][e] = to_tf32(qf[mt][kk][e] - __uint_as_float(qh[mt][kk][e]));
-#endif
+                for (int e = 0; e < 4; ++e)
+                    split_f16(x[e].x * s_q, x[e].y * s_q, q.hi[mt][kk][e], q.lo[mt][kk][e]);
             }
-#endif
-#endif
+        }
+    } else {
+        load_queries(q, row, D, head, q0, row_ok, N, ld, g, t);
+    }
+    zero_k_padding(smem, tid);
 
-    // O (16 x d per m-tile) in C fragments: o[mt][v][0..1] row j0, [2..3] row j1, columns
-    // 8v + 2t, 8v + 2t + 1. The reference maximum m of rows j0 (index 0) and j1 (1), kept
-    // as the two forms the key loop uses: m_sub, what the scores subtract (m, or 0 while
-    // every key so far is masked and m is -inf: 2^-inf = 0 per term), and m_lim = m +
-    // RESCALE_SLACK, the bound a score must pass to move m (-inf while m is).
-    // l: their running sums, laid out as a C fragment: SUM_MMA: P times a B of ones, so
-    // every element of a row holds the row's whole sum; else l[mt][0] and l[mt][2] hold
-    // this lane's share of rows j0 and j1 (the 4 lanes of a quad hold a row's shares).
     float o[MT][DT][4];
     float m_sub[MT][2], m_lim[MT][2], l[MT][4];
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt) {
-#pragma unroll
-        for (int v = 0; v < DT; ++v) o[mt][v][0] = o[mt][v][1] = o[mt][v][2] = o[mt][v][3] = 0.f;
-        m_sub[mt][0] = m_sub[mt][1] = 0.f;
-        m_lim[mt][0] = m_lim[mt][1] = neg_inf();
-        l[mt][0] = l[mt][1] = l[mt][2] = l[mt][3] = 0.f;
-    }
-
+    start_rows(o, m_sub, m_lim, l);
 #if ROW_MASK
     // Row rw's key bits (rows past i_end: row i_end - 1's, read and never written out)
     const unsigned* const keep_row = row_mask + ((i64)b * N + min(i0 + rw, i_end - 1)) * (npk / 32);
     int mask_k0 = 0;  // the key tile `process` works on, set before each call
 #endif
-    // One key tile: S = bias + Q K^T, the online softmax, O += P V. `kv` is the stage (or
-    // the staged buffer) holding the rows' K and V, `bias_tile` its bias tile.
+
+    // One key tile (at mask_k0): S = bias + Q K^T, the online softmax, O += P V. `kv` is the
+    // stage (or the staged buffer) holding the rows' K and V, `bias_tile_base` its bias
+    // tile. (Its steps and the key loops below are written out in the kernel: as functions
+    // of their own, which the compiler optimizes before inlining them, they changed the
+    // order of S's and O's instructions, and so the machine code.)
     auto process = [&](const char* kv, const bias_elem* bias_tile_base) {
         // S = the bias (-inf where masked and on the padded keys [N, NPK)) + Q K^T. TF32 and
         // bf16: the products accumulate onto the bias. 3xTF32: onto zero, and the bias is
@@ -504,10 +701,10 @@ ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int 
                                                    + 16 * kk + 8 * ((lane >> 3) & 1)));
 #pragma unroll
                 for (int mt = 0; mt < MT; ++mt) {
-                    mma_bf16(s[mt][2 * n2], qa[mt][kk][0], qa[mt][kk][1], qa[mt][kk][2],
-                             qa[mt][kk][3], kb[0], kb[1]);
-                    mma_bf16(s[mt][2 * n2 + 1], qa[mt][kk][0], qa[mt][kk][1], qa[mt][kk][2],
-                             qa[mt][kk][3], kb[2], kb[3]);
+                    mma_bf16(s[mt][2 * n2], q.hi[mt][kk][0], q.hi[mt][kk][1], q.hi[mt][kk][2],
+                             q.hi[mt][kk][3], kb[0], kb[1]);
+                    mma_bf16(s[mt][2 * n2 + 1], q.hi[mt][kk][0], q.hi[mt][kk][1], q.hi[mt][kk][2],
+                             q.hi[mt][kk][3], kb[2], kb[3]);
                 }
             }
 #elif F16X3
@@ -526,7 +723,7 @@ ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int 
 #pragma unroll
                     for (int h = 0; h < 2; ++h) {  // the two small cross terms first
                         float (&acc)[4] = s[mt][2 * n2 + h];
-                        const u32 (&ah)[4] = qh[mt][kk], (&al)[4] = ql[mt][kk];
+                        const u32 (&ah)[4] = q.hi[mt][kk], (&al)[4] = q.lo[mt][kk];
                         mma_f16(acc, al[0], al[1], al[2], al[3], kh[2 * h], kh[2 * h + 1]);
                         mma_f16(acc, ah[0], ah[1], ah[2], ah[3], kl[2 * h], kl[2 * h + 1]);
                         mma_f16(acc, ah[0], ah[1], ah[2], ah[3], kh[2 * h], kh[2 * h + 1]);
@@ -544,13 +741,13 @@ ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int 
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
 #if !SPLIT || QSPLIT_ONCE
-                    ah[mt][e] = qh[mt][kk][e];
+                    ah[mt][e] = q.hi[mt][kk][e];
 #if SPLIT
-                    al[mt][e] = ql[mt][kk][e];
+                    al[mt][e] = q.lo[mt][kk][e];
 #endif
 #else
-                    ah[mt][e] = to_tf32_here(qf[mt][kk][e]);
-                    al[mt][e] = to_tf32_here(qf[mt][kk][e] - __uint_as_float(ah[mt][e]));
+                    ah[mt][e] = to_tf32_here(q.f[mt][kk][e]);
+                    al[mt][e] = to_tf32_here(q.f[mt][kk][e] - __uint_as_float(ah[mt][e]));
 #endif
                 }
 #pragma unroll
@@ -823,182 +1020,66 @@ ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int 
 #endif
     };
 
-#if DIRECT
-    // ---- the ring: tile `tile` lives in stage tile % STAGES ----
-    // This thread's copies, the same in every tile: chunk c of k or v (kv) of key `key` of
-    // row r, from its source at key 0 (k at column D + h d, v at 2D + h d in fp32 / tf32;
-    // at bf16 index h d, v at D + h d, from column D in bf16) to its place in a stage.
-    // copy_key is N where the row is past i_end (never copied: zero-filled).
-    // Sources as 32-bit byte offsets from the block's first row at key 0, one register
-    // each instead of a 64-bit pointer: ROWS <= 8 rows of N keys of 4D <= 3072 floats stay
-    // under 2^32 bytes unless N > 43000, where qkvg alone would need petabytes.
-    const char* const copy_base = reinterpret_cast<const char*>(row_base(0) - head * HEAD_DIM + D);
-    u32 copy_src[COPIES_PER_THREAD], copy_dst[COPIES_PER_THREAD];
-    int copy_end[COPIES_PER_THREAD];  // tiles with k0 < copy_end copy this key (else zeros)
-#pragma unroll
-    for (int it = 0; it < COPIES_PER_THREAD; ++it) {
-        const int idx = tid + it * THREADS;
-        const int c = idx % CHUNKS16, key = (idx / CHUNKS16) % BK;
-        const int kv = (idx / (CHUNKS16 * BK)) & 1, r = min(idx / (CHUNKS16 * BK * 2), ROWS - 1);
-        copy_src[it] = (u32)(((i64)r * N + key) * ld * 4) + (kv * D + head * HEAD_DIM) * ELEM_BYTES + 16 * c;
-        copy_dst[it] = r * ROW_ELEMS * ELEM_BYTES + 16 * c
-                       + (kv ? (K_ELEMS + key * VSTR) * ELEM_BYTES : key * KSTR * ELEM_BYTES);
-        copy_end[it] = i0 + r < i_end ? N - key : 0;
-    }
-    // Copy the tile at k0 into stage `stage` (nothing past the last tile), then commit a
-    // group either way, so that the group count stays in step with the tiles.
-    auto issue = [&](int k0, int stage) {
-        if (k0 < N) {
-            const u32 st = smem_s + stage * STAGE_BYTES;
-            const char* const tile_base = copy_base + (i64)k0 * ld * 4;  // key k0 of row i0
-#pragma unroll
-            for (int it = 0; it < COPIES_PER_THREAD; ++it) {
-                if (COPIES % THREADS != 0 && tid + it * THREADS >= COPIES) break;
-                const bool ok = k0 < copy_end[it];
-                cp_async16_or_zero(st + copy_dst[it], ok ? tile_base + copy_src[it] : copy_base, ok);
+    if constexpr (DIRECT) {
+        // ---- the ring: tile `tile` lives in stage tile % STAGES, copied STAGES - 1 ahead ----
+        const char* const copy_base = reinterpret_cast<const char*>(row_base(0) - head * HEAD_DIM + D);
+        u32 copy_src[COPIES_PER_THREAD], copy_dst[COPIES_PER_THREAD];
+        int copy_end[COPIES_PER_THREAD];
+        plan_ring_copies(copy_src, copy_dst, copy_end, tid, i0, i_end, head, D, N, ld);
+        // Copy the tile at k0 into stage `stage` (nothing past the last tile), then commit
+        // a group either way, so that the group count stays in step with the tiles.
+        auto issue = [&](int k0, int stage) {
+            if (k0 < N) {
+                const u32 st = smem_s + stage * STAGE_BYTES;
+                copy_kv_tile(st, copy_base, copy_src, copy_dst, copy_end, k0, ld, tid);
+                copy_bias(k0, st + KV_BYTES);
             }
-            copy_bias(k0, st + ROWS * ROW_ELEMS * ELEM_BYTES);
-        }
-        cp_async_commit();
-    };
-#pragma unroll
-    for (int s = 0; s < STAGES - 1; ++s) issue(s * BK, s);
-    int stage = 0;
-    for (int k0 = 0; k0 < N; k0 += BK) {
-        cp_async_wait<STAGES - 2>();  // this thread's copies of this tile landed
-        __syncthreads();  // everyone's copies visible; every warp is done with the last tile
-        // The stage freed by the last tile takes the tile STAGES - 1 ahead.
-        issue(k0 + (STAGES - 1) * BK, stage == 0 ? STAGES - 1 : stage - 1);
-        const char* const st = smem + stage * STAGE_BYTES;
-#if ROW_MASK
-        mask_k0 = k0;
-#endif
-        process(st, reinterpret_cast<const bias_elem*>(st + ROWS * ROW_ELEMS * ELEM_BYTES));
-        stage = stage == STAGES - 1 ? 0 : stage + 1;
-    }
-#else
-    // ---- staged: key/value tiles global -> registers (one tile ahead) -> shared memory ----
-    bias_elem* const bias_tiles = reinterpret_cast<bias_elem*>(smem + ROWS * ROW_ELEMS * ELEM_BYTES);
-    const u32 bias_tiles_s = smem_s + ROWS * ROW_ELEMS * ELEM_BYTES;
-    float4 kv[LOADS_PER_THREAD][4];  // k dims 0..3, k dims 4..7, v dims 0..3, v dims 4..7
-    auto fetch = [&](int k0) {
-#pragma unroll
-        for (int it = 0; it < LOADS_PER_THREAD; ++it) {
-            const int idx = tid + it * THREADS;
-            const int key = idx % BK, c = (idx / BK) % CHUNKS, r = idx / (BK * CHUNKS);
-            const bool ok = (LOADS % THREADS == 0 || idx < LOADS) && i0 + r < i_end && k0 + key < N;
-            const float* src = row_base(r) + (i64)(k0 + key) * ld + D + 8 * c;
-            kv[it][0] = ok ? ld4(src) : zero4();
-            kv[it][1] = ok ? ld4(src + 4) : zero4();
-            kv[it][2] = ok ? ld4(src + D) : zero4();
-            kv[it][3] = ok ? ld4(src + D + 4) : zero4();
-        }
-    };
-    auto store = [&]() {
-#pragma unroll
-        for (int it = 0; it < LOADS_PER_THREAD; ++it) {
-            const int idx = tid + it * THREADS;
-            if (LOADS % THREADS != 0 && idx >= LOADS) break;
-            const int key = idx % BK, c = (idx / BK) % CHUNKS, r = idx / (BK * CHUNKS);
-            elem_t* const K = reinterpret_cast<elem_t*>(smem) + r * ROW_ELEMS;
-            elem_t* const V = K + PARTS * K_ELEMS;
-            const float x[2][8] = {
-                {kv[it][0].x, kv[it][0].y, kv[it][0].z, kv[it][0].w,
-                 kv[it][1].x, kv[it][1].y, kv[it][1].z, kv[it][1].w},
-                {kv[it][2].x, kv[it][2].y, kv[it][2].z, kv[it][2].w,
-                 kv[it][3].x, kv[it][3].y, kv[it][3].z, kv[it][3].w}};
-#if F16X3
-            // k times s_k and v times s_v as fp16 hi and lo: 16 bytes of each part per row
-            // (K and V both [key][dim]); the 8 lanes of a store phase write 8 consecutive
-            // keys, rows (d + 8) * 2 bytes = 16 * odd apart (d % 16 == 0): no bank conflict.
-#pragma unroll
-            for (int m2 = 0; m2 < 2; ++m2) {
-                const float scale = m2 ? s_v : s_k;
-                u32 hi[4], lo[4];
-#pragma unroll
-                for (int e = 0; e < 4; ++e)
-                    split_f16(x[m2][2 * e] * scale, x[m2][2 * e + 1] * scale, hi[e], lo[e]);
-                elem_t* const dst = (m2 ? V : K) + key * KSTR + 8 * c;  // KSTR = VSTR
-                *reinterpret_cast<uint4*>(dst) = make_uint4(hi[0], hi[1], hi[2], hi[3]);
-                *reinterpret_cast<uint4*>(dst + (m2 ? V_ELEMS : K_ELEMS)) =
-                    make_uint4(lo[0], lo[1], lo[2], lo[3]);
-            }
-#else
-            // hi parts stored before the lo parts are formed: fewer live registers
-            u32 hi[2][8];
-#pragma unroll
-            for (int m2 = 0; m2 < 2; ++m2)
-#pragma unroll
-                for (int e = 0; e < 8; ++e) hi[m2][e] = to_tf32(x[m2][e]);
-            uint4* const kdst = reinterpret_cast<uint4*>(K + key * KSTR + 8 * c);
-            kdst[0] = make_uint4(hi[0][0], hi[0][1], hi[0][2], hi[0][3]);
-            kdst[1] = make_uint4(hi[0][4], hi[0][5], hi[0][6], hi[0][7]);
-            const int p = vt_position(key);
-#pragma unroll
-            for (int e = 0; e < 8; ++e) V[(8 * c + e) * VSTR + p] = hi[1][e];
-            u32 lo[2][8];
-#pragma unroll
-            for (int m2 = 0; m2 < 2; ++m2)
-#pragma unroll
-                for (int e = 0; e < 8; ++e) lo[m2][e] = to_tf32(x[m2][e] - __uint_as_float(hi[m2][e]));
-            uint4* const kdst_lo = reinterpret_cast<uint4*>(K + K_ELEMS + key * KSTR + 8 * c);
-            kdst_lo[0] = make_uint4(lo[0][0], lo[0][1], lo[0][2], lo[0][3]);
-            kdst_lo[1] = make_uint4(lo[0][4], lo[0][5], lo[0][6], lo[0][7]);
-#pragma unroll
-            for (int e = 0; e < 8; ++e) V[V_ELEMS + (8 * c + e) * VSTR + p] = lo[1][e];
-#endif
-        }
-    };
-
-    if (PREFETCH) fetch(0);
-    copy_bias(0, bias_tiles_s);
-    cp_async_commit();
-    for (int k0 = 0, tile = 0; k0 < N; k0 += BK, ++tile) {
-        const bool more = k0 + BK < N;
-        if (!PREFETCH) fetch(k0);
-        __syncthreads();  // every warp is done with the previous tile (and bias buffer)
-        store();
-        if (more) {
-            copy_bias(k0 + BK, bias_tiles_s + BIAS_BYTES * ((tile + 1) & 1) * BIAS_TILE);
             cp_async_commit();
-        }
-        if (more) cp_async_wait<1>(); else cp_async_wait<0>();  // this tile's bias landed
-        __syncthreads();  // K, V and bias tiles visible to every warp
-        if (PREFETCH && more) fetch(k0 + BK);  // in flight while this tile is multiplied
+        };
+#pragma unroll
+        for (int s = 0; s < STAGES - 1; ++s) issue(s * BK, s);
+        int stage = 0;
+        for (int k0 = 0; k0 < N; k0 += BK) {
+            cp_async_wait<STAGES - 2>();  // this thread's copies of this tile landed
+            __syncthreads();  // everyone's copies visible; every warp is done with the last tile
+            // The stage freed by the last tile takes the tile STAGES - 1 ahead.
+            issue(k0 + (STAGES - 1) * BK, stage == 0 ? STAGES - 1 : stage - 1);
+            const char* const st = smem + stage * STAGE_BYTES;
 #if ROW_MASK
-        mask_k0 = k0;
+            mask_k0 = k0;
 #endif
-        process(smem, bias_tiles + (tile & 1) * BIAS_TILE);
-    }
-#endif
-
-    // o / l, written over q. l = 0 only when every key was masked (the maximum term of a
-    // row with any unmasked key is 2^0 = 1).
-    if (!row_ok) return;
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            float total = l[mt][2 * r];
-#if !SUM_MMA  // the quad's shares
-            total += __shfl_xor_sync(0xffffffffu, total, 1);
-            total += __shfl_xor_sync(0xffffffffu, total, 2);
-#endif
-            const int j = q0 + 16 * mt + 8 * r + g;
-            if (j >= N) continue;
-            const bool fully_masked = total == 0.f;
-#if F16X3  // O in units of s_v
-            const float inv = fully_masked ? 0.f : v_unscale / total;
-#else
-            const float inv = fully_masked ? 0.f : 1.0f / total;
-#endif
-            const float fill = nan_fully_masked ? quiet_nan() : 0.f;
-            float* out = row + (i64)j * ld + 2 * t;
-#pragma unroll
-            for (int v = 0; v < DT; ++v) {
-                float2 x = make_float2(o[mt][v][2 * r] * inv, o[mt][v][2 * r + 1] * inv);
-                if (fully_masked) x = make_float2(fill, fill);
-                *reinterpret_cast<float2*>(out + 8 * v) = x;
-            }
+            process(st, reinterpret_cast<const bias_elem*>(st + KV_BYTES));
+            stage = stage == STAGES - 1 ? 0 : stage + 1;
         }
+    } else {
+        // ---- staged: K/V tiles through registers (one tile ahead), bias tiles in two
+        // buffers copied one tile ahead ----
+        const bias_elem* const bias_tiles = reinterpret_cast<const bias_elem*>(smem + KV_BYTES);
+        const u32 bias_tiles_s = smem_s + KV_BYTES;
+        float4 kv[LOADS_PER_THREAD][4];
+        if (PREFETCH) fetch_kv(kv, 0, row_base, i0, i_end, D, N, ld, tid);
+        copy_bias(0, bias_tiles_s);
+        cp_async_commit();
+        for (int k0 = 0, tile = 0; k0 < N; k0 += BK, ++tile) {
+            const bool more = k0 + BK < N;
+            if (!PREFETCH) fetch_kv(kv, k0, row_base, i0, i_end, D, N, ld, tid);
+            __syncthreads();  // every warp is done with the previous tile (and bias buffer)
+            store_kv(smem, kv, tid, s_k, s_v);
+            if (more) {
+                copy_bias(k0 + BK, bias_tiles_s + BIAS_BYTES * ((tile + 1) & 1) * BIAS_TILE);
+                cp_async_commit();
+            }
+            if (more) cp_async_wait<1>(); else cp_async_wait<0>();  // this tile's bias landed
+            __syncthreads();  // K, V and bias tiles visible to every warp
+            // in flight while this tile is multiplied
+            if (PREFETCH && more) fetch_kv(kv, k0 + BK, row_base, i0, i_end, D, N, ld, tid);
+#if ROW_MASK
+            mask_k0 = k0;
+#endif
+            process(smem, bias_tiles + (tile & 1) * BIAS_TILE);
+        }
+    }
+
+    if (!row_ok) return;
+    write_output(o, l, row, q0, N, ld, g, t, nan_fully_masked, v_unscale);
 }

@@ -162,21 +162,18 @@ static_assert(HEAD_DIM == 32, "O16: a lane's o values of a row are one 16-byte s
 #define K_PART (BK * K_ROW)               // bytes of one K tile (F16X3: hi, then lo)
 #define K_TILE ((1 + F16X3) * K_PART)     // bytes
 // V^T columns per tile: rows of 128 bytes of keys (F16X3: the hi column, then the lo)
-#define VT_COLUMNS (BF16 || F16X1 ? 1 : F16X3 ? 2 : BK / 32)
+#define VT_COLUMNS (F16X3 ? 2 : 1)
 #define VT_COLUMN (ON * 128)              // one column of V^T: 64 16-bit keys
 #define VT_TILE (VT_COLUMNS * VT_COLUMN)
 #define VT_COPIED (VT_COLUMNS * HEAD_DIM * 128)  // bytes of a V^T tile the projection wrote
+typedef unsigned short bias_elem;  // fp16 bits (F16X3: the hi tile, then the lo)
 #if BF16
-typedef unsigned short bias_elem;  // fp16 bits
 #define ENTRY attention_wgmma_bf16
 #elif F16X3
-typedef unsigned short bias_elem;  // fp16 bits: the hi tile, then the lo
 #define ENTRY attention_wgmma_f16x3
-#elif F16X1 && S16
-typedef unsigned short bias_elem;  // fp16 bits
+#elif S16
 #define ENTRY attention_wgmma_f16s
 #else
-typedef unsigned short bias_elem;  // fp16 bits
 #define ENTRY attention_wgmma_f16
 #endif
 #define BIAS_BYTES 2                     // sizeof(bias_elem), for the preprocessor
@@ -202,10 +199,7 @@ typedef unsigned short bias_elem;  // fp16 bits
 // SMEM_BYTES counts
 #define ROW_MASK_OFFSET (SMEM_BYTES - 1024)
 
-// Per row and tile, 512 16-byte chunks each of K (8 per key: 4 dims each) and of V^T.
-#define COPIES (ROWS * BK * 8)
-#define COPIES_PER_THREAD (COPIES / THREADS)
-#if COPIES % THREADS != 0 || BIAS_TILE % 1024 != 0 || VT_COLUMN % 1024 != 0
+#if BIAS_TILE % 1024 != 0 || VT_COLUMN % 1024 != 0
 #error "attention_wgmma.cu: the tile shapes must give whole copies and 1024-byte parts"
 #endif
 #if PV_GROUPS != 1 && PV_GROUPS != 2 && PV_GROUPS != 4
@@ -229,9 +223,114 @@ __device__ __forceinline__ void three_terms(Acc& d, const Frags& ah, const Frags
     for (int kk = k0; kk < k1; ++kk) product(d, ah[kk], kk, false, false);
 }
 
-#define TF32_ONE 0x3f800000u
 #define BF16_ONES 0x3f803f80u  // two bf16 ones
 #define F16_ONES 0x3c003c00u   // two fp16 ones
+
+// ---- the steps of one warp (warpgroup wg, row rw, queries q0 .. q0 + 15) ----
+
+// Q's A fragments (zero past N), per 16-dim k-step: packed 16-bit pairs as the projection
+// stored them, the head's 16 words where its o goes (F16X3: hi, then the 16 lo words in ql).
+__device__ __forceinline__ void load_queries(u32 (&qa)[HEAD_DIM / 16][4], u32 (&ql)[HEAD_DIM / 16][4],
+                                             const float* row, int q0, bool row_ok, int N,
+                                             i64 ld, int g, int t) {
+    const int j0 = q0 + g, j1 = j0 + 8;
+    const bool ok0 = row_ok && j0 < N, ok1 = row_ok && j1 < N;
+    const u32* const q_packed = reinterpret_cast<const u32*>(row);
+#pragma unroll
+    for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {  // dims 16kk + 2t, +1 in word 8kk + t
+        const int w = 8 * kk + t;
+        qa[kk][0] = ok0 ? q_packed[(i64)j0 * ld + w] : 0u;
+        qa[kk][1] = ok1 ? q_packed[(i64)j1 * ld + w] : 0u;
+        qa[kk][2] = ok0 ? q_packed[(i64)j0 * ld + w + 4] : 0u;
+        qa[kk][3] = ok1 ? q_packed[(i64)j1 * ld + w + 4] : 0u;
+        if constexpr (F16X3) {
+            const u32* const q_lo = q_packed + HEAD_DIM / 2;
+            ql[kk][0] = ok0 ? q_lo[(i64)j0 * ld + w] : 0u;
+            ql[kk][1] = ok1 ? q_lo[(i64)j1 * ld + w] : 0u;
+            ql[kk][2] = ok0 ? q_lo[(i64)j0 * ld + w + 4] : 0u;
+            ql[kk][3] = ok1 ? q_lo[(i64)j1 * ld + w + 4] : 0u;
+        }
+    }
+}
+
+// Q_SHARED: this warp's 16 rows of its warpgroup's Q tile, once: fragment word e of k-step
+// kk holds row g (+ 8 for e odd), bytes 32 kk + 4t (+ 16 for e >= 2). Published to the
+// tensor cores by the fence and barrier before the key loop.
+__device__ __forceinline__ void store_q_tile(char* smem, const u32 (&qa)[HEAD_DIM / 16][4],
+                                             int wg, int warp, int g, int t) {
+#pragma unroll
+    for (int kk = 0; kk < HEAD_DIM / 16; ++kk)
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+            *reinterpret_cast<u32*>(smem + Q_OFFSET + wg * Q_TILE
+                                    + sw64(16 * (warp % 4) + g + 8 * (e & 1),
+                                           32 * kk + 4 * t + 16 * (e >> 1))) = qa[kk][e];
+}
+
+// The ones row (d) and zero rows (d + 1 .. d + 7) of every V^T column, once (F16X3: the
+// same rows of the lo columns all zero: the ones are hi parts).
+__device__ __forceinline__ void write_ones_rows(char* smem, int tid) {
+    for (int idx = tid; idx < STAGES * ROWS * VT_COLUMNS * 8 * 32; idx += THREADS) {
+        const int k32 = idx % 32, n = HEAD_DIM + (idx / 32) % 8, column = idx / 256;
+        const int stage = column / (ROWS * VT_COLUMNS), in_stage = column % (ROWS * VT_COLUMNS);
+        const u32 one = BF16 ? BF16_ONES : F16X3 && in_stage % 2 ? 0u : F16_ONES;
+        *reinterpret_cast<u32*>(smem + stage * STAGE_BYTES + VT_OFFSET + in_stage * VT_COLUMN
+                                + sw128(n, 4 * k32)) = n == HEAD_DIM ? one : 0u;
+    }
+}
+
+// The fp16 -inf (0xfc00) in half `half` of the fp16 pair w.
+__device__ __forceinline__ void set_f16_neg_inf(u32& w, int half) {
+    w = half ? (w & 0xffffu) | 0xfc000000u : (w & 0xffff0000u) | 0xfc00u;
+}
+
+// ROW_MASK: keys masked for every query of this warp's row i get -inf in S, as a masked
+// bias entry (applied to S's start, the bias, before the products accumulate onto it:
+// fewer registers live than after them, where the 80-register kernels spilled; F16X3:
+// after add_bias). The tile's 64 keys (k0 a multiple of BK = 64) are words k0 / 32 and
+// k0 / 32 + 1 of the row's bits; S's register 4n + e (S16: half e & 1 of register 2n + e /
+// 2) holds key 8n + 2t + (e & 1). The words come from the block's copy of its rows' bits
+// in shared memory (ROW_MASK_OFFSET, filled before the key loop): read from global memory,
+// the row's 64-bit pointer stayed live through the loop and spilled the 80-register
+// kernels, which then ran 2 blocks per SM instead of 3. A tile whose 64 keys are all kept
+// (every tile of a padding mask's kept rows) skips the selects: the branch is
+// warp-uniform, a warp's queries sharing their row.
+template <class S>
+__device__ __forceinline__ void mask_row_keys(S& s, const char* smem, int rw, int npk, int k0,
+                                              int t) {
+    const uint2 words = *reinterpret_cast<const uint2*>(
+        smem + ROW_MASK_OFFSET + 4 * (rw * (npk / 32) + (k0 >> 5)));
+    const unsigned w0 = words.x, w1 = words.y;
+    if ((w0 & w1) == 0xffffffffu) return;
+#pragma unroll
+    for (int n = 0; n < NT; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int kl = 8 * n + 2 * t + (e & 1);  // (n < NT / 2: in word w0)
+            if (!((((n < NT / 2) ? w0 : w1) >> (kl & 31)) & 1u)) {
+                if constexpr (S16)
+                    set_f16_neg_inf(s[2 * n + (e >> 1)], e & 1);
+                else
+                    s[4 * n + e] = neg_inf();
+            }
+        }
+}
+
+// Keys past N of the last tile (at k0): -inf in S, their K rows were never written (may be
+// NaN).
+template <class S>
+__device__ __forceinline__ void mask_keys_past_n(S& s, int k0, int N, int t) {
+#pragma unroll
+    for (int n = 0; n < NT; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+            if (k0 + 8 * n + 2 * t + (e & 1) >= N) {
+                if constexpr (S16)  // half e & 1 of register 2n + row
+                    set_f16_neg_inf(s[2 * n + (e >> 1)], e & 1);
+                else
+                    s[4 * n + e] = neg_inf();
+            }
+}
 
 extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
 ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int npk,
@@ -276,74 +375,15 @@ ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int 
     const int q_in_tile = (wg % ROW_GROUPS) * 64 + (warp % 4) * 16;
     const int q0 = qtile * BQ + q_in_tile;
 
-    // ---- the bias tile of the block's BQ queries, shared by its rows (attention_mma.cu) ----
-
-    // ---- Q: A fragments (zero past N); BF16: per 16-dim k-step, packed bf16 pairs as the projection
-    // stored them (in the head's slot: project_epilogue.cuh BF16_SLOTS) ----
-    u32 qa[HEAD_DIM / 16][4];
-#if F16X3
-    u32 ql[HEAD_DIM / 16][4];  // the lo parts, HEAD_DIM / 2 words after the hi
-#endif
-    {
-        const int j0 = q0 + g, j1 = j0 + 8;
-        const bool ok0 = row_ok && j0 < N, ok1 = row_ok && j1 < N;
-        // the head's 16 words (F16X3: hi, then its 16 lo words), where o goes
-        const u32* const q_packed = reinterpret_cast<const u32*>(row);
-#pragma unroll
-        for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {  // dims 16kk + 2t, +1 in word 8kk + t
-            const int w = 8 * kk + t;
-            qa[kk][0] = ok0 ? q_packed[(i64)j0 * ld + w] : 0u;
-            qa[kk][1] = ok1 ? q_packed[(i64)j1 * ld + w] : 0u;
-            qa[kk][2] = ok0 ? q_packed[(i64)j0 * ld + w + 4] : 0u;
-            qa[kk][3] = ok1 ? q_packed[(i64)j1 * ld + w + 4] : 0u;
-#if F16X3
-            const u32* const q_lo = q_packed + HEAD_DIM / 2;
-            ql[kk][0] = ok0 ? q_lo[(i64)j0 * ld + w] : 0u;
-            ql[kk][1] = ok1 ? q_lo[(i64)j1 * ld + w] : 0u;
-            ql[kk][2] = ok0 ? q_lo[(i64)j0 * ld + w + 4] : 0u;
-            ql[kk][3] = ok1 ? q_lo[(i64)j1 * ld + w + 4] : 0u;
-#endif
-        }
-    }
-#if Q_SHARED
-    // This warp's 16 rows of its warpgroup's Q tile, once: fragment word e of k-step kk
-    // holds row g (+ 8 for e odd), bytes 32 kk + 4t (+ 16 for e >= 2). Published to the
-    // tensor cores by the fence and barrier before the key loop.
+    // ---- Q: A fragments, and Q_SHARED its tile in shared memory ----
+    u32 qa[HEAD_DIM / 16][4], ql[HEAD_DIM / 16][4];  // (ql: F16X3's lo parts)
+    load_queries(qa, ql, row, q0, row_ok, N, ld, g, t);
     const u32 q_tile = smem_s + Q_OFFSET + wg * Q_TILE;
-#pragma unroll
-    for (int kk = 0; kk < HEAD_DIM / 16; ++kk)
-#pragma unroll
-        for (int e = 0; e < 4; ++e)
-            *reinterpret_cast<u32*>(smem + Q_OFFSET + wg * Q_TILE
-                                    + sw64(16 * (warp % 4) + g + 8 * (e & 1),
-                                           32 * kk + 4 * t + 16 * (e >> 1))) = qa[kk][e];
-#endif
+    if constexpr (Q_SHARED) store_q_tile(smem, qa, wg, warp, g, t);
 
-    // ---- this thread's copies of a tile: K chunk c (4 dims) of key `key` of row r0, and
-    // V^T chunk `vq` (16 bytes of the tile's 8 KiB as the projection wrote it) of row r0;
-    // its copy `it` is it * THREADS / 8 keys further: 32 keys on in the same row (ROWS 1)
-    // or the same key of the next row (ROWS 2), so every address below is the first
-    // copy's plus a constant (kept as one value each: arrays of them cost registers) ----
-#define KEY_STEP ((THREADS / 8) % BK)
-#define ROW_STEP ((THREADS / 8) / BK)
-#if KEY_STEP % 32 != 0 || COPIES_PER_THREAD * KEY_STEP > BK
-#error "attention_wgmma.cu: a thread's copies must keep its key position in a 32-key column"
-#endif
     const int ntiles = npk / BK;  // key tiles per row of V^T (and of K and the bias)
 
-
-
-    // The ones row (d) and zero rows (d + 1 .. d + 7) of every V^T column, once (F16X3:
-    // the same rows of the lo columns all zero: the ones are hi parts).
-    for (int idx = tid; idx < STAGES * ROWS * VT_COLUMNS * 8 * 32; idx += THREADS) {
-        const int k32 = idx % 32, n = HEAD_DIM + (idx / 32) % 8, column = idx / 256;
-        const int stage = column / (ROWS * VT_COLUMNS), in_stage = column % (ROWS * VT_COLUMNS);
-        // (F16X3: the ones in the hi column, zeros in the lo)
-        const u32 one = BF16 ? BF16_ONES : F16X3 ? (in_stage % 2 ? 0u : F16_ONES)
-                        : F16X1 ? F16_ONES : TF32_ONE;
-        *reinterpret_cast<u32*>(smem + stage * STAGE_BYTES + VT_OFFSET + in_stage * VT_COLUMN
-                                + sw128(n, 4 * k32)) = n == HEAD_DIM ? one : 0u;
-    }
+    write_ones_rows(smem, tid);
 
     // [O | l] in wgmma's accumulator layout (wgmma.cuh): o[4v + 0..1] row g, o[4v + 2..3]
     // row g + 8, columns 8v + 2t, + 1; the row sums at column d (lanes t = 0: o[4 DT],
@@ -370,43 +410,7 @@ ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int 
         ldsm_x4(r, ((bias_rows + stage * STAGE_BYTES) ^ (32 * j)) + part * BIAS_PART);
     };
 #if ROW_MASK
-    // Keys masked for every query of this warp's row i: -inf in S, as a masked bias entry
-    // (applied to S's start, the bias, before the products accumulate onto it: fewer
-    // registers live than after them, where the 80-register kernels spilled; F16X3: after
-    // add_bias). The tile's 64 keys are words mask_k0 / 32 and mask_k0 / 32 + 1 of the
-    // row's bits (mask_k0 a multiple of BK = 64, set before each tile); S's register 4n + e
-    // (S16: half e & 1 of register 2n + e / 2) holds key 8n + 2t + (e & 1).
-    // The words come from the block's copy of its rows' bits in shared memory
-    // (ROW_MASK_OFFSET, filled before the key loop): read from global memory, the row's
-    // 64-bit pointer stayed live through the loop and spilled the 80-register kernels, which
-    // then ran 2 blocks per SM instead of 3. A tile whose 64 keys are all kept (every tile
-    // of a padding mask's kept rows) skips the selects: the branch is warp-uniform, a
-    // warp's queries sharing their row.
-    int mask_k0 = 0;
-#if S16
-    auto mask_row_keys = [&](u32 (&s)[2 * NT]) {
-#else
-    auto mask_row_keys = [&](float (&s)[4 * NT]) {
-#endif
-        const uint2 words = *reinterpret_cast<const uint2*>(
-            smem + ROW_MASK_OFFSET + 4 * (rw * (npk / 32) + (mask_k0 >> 5)));
-        const unsigned w0 = words.x, w1 = words.y;
-        if ((w0 & w1) == 0xffffffffu) return;
-#pragma unroll
-        for (int n = 0; n < NT; ++n)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int kl = 8 * n + 2 * t + (e & 1);  // (n < NT / 2: in word w0)
-                if (!((((n < NT / 2) ? w0 : w1) >> (kl & 31)) & 1u)) {
-#if S16  // fp16 -inf (0xfc00)
-                    u32& w = s[2 * n + (e >> 1)];
-                    w = e & 1 ? (w & 0xffffu) | 0xfc000000u : (w & 0xffff0000u) | 0xfc00u;
-#else
-                    s[4 * n + e] = neg_inf();
-#endif
-                }
-            }
-    };
+    int mask_k0 = 0;  // the tile `issue_s` works on, set before each
 #endif
 #if S16
     // S16: S = bias + Q K^T in fp16 accumulators (wgmma_m64n64k16_f16acc_ss), 16 registers
@@ -428,7 +432,7 @@ ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int 
             s[4 * j] = r[0], s[4 * j + 1] = r[1], s[4 * j + 2] = r[2], s[4 * j + 3] = r[3];
         }
 #if ROW_MASK
-        mask_row_keys(s);
+        mask_row_keys(s, smem, rw, npk, mask_k0, t);
 #endif
         const u64 k_desc = sw64_desc(smem_s + stage * STAGE_BYTES + rw * K_TILE);
         wgmma_fence();
@@ -465,7 +469,7 @@ ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int 
             }
         }
 #if ROW_MASK
-        mask_row_keys(s);
+        mask_row_keys(s, smem, rw, npk, mask_k0, t);
 #endif
 #endif
 #if !F16X3  // Q from shared memory (Q_SHARED)
@@ -796,23 +800,10 @@ ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int 
 #if F16X3
         add_bias(s, stage);
 #if ROW_MASK
-        mask_row_keys(s);
+        mask_row_keys(s, smem, rw, npk, mask_k0, t);
 #endif
 #endif
-        if (k0 + BK > N) {  // keys past N: their K rows were never written (may be NaN)
-#pragma unroll
-            for (int n = 0; n < NT; ++n)
-#pragma unroll
-                for (int e = 0; e < 4; ++e)
-                    if (k0 + 8 * n + 2 * t + (e & 1) >= N) {
-#if S16  // fp16 -inf (0xfc00) in half e & 1 of register 2n + row
-                        u32& w = s[2 * n + (e >> 1)];
-                        w = e & 1 ? (w & 0xffffu) | 0xfc000000u : (w & 0xffff0000u) | 0xfc00u;
-#else
-                        s[4 * n + e] = neg_inf();
-#endif
-                    }
-        }
+        if (k0 + BK > N) mask_keys_past_n(s, k0, N, t);
         rescale(s);
 #if F16X3
         exponentiate(s, pa, pl);

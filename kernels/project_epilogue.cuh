@@ -13,6 +13,24 @@
 #include "layout_features.cuh"
 #include "pair_bias_store.cuh"
 
+// The arguments both kernels' entry points take, in the order the plan passes them
+// (gpu/plan.py); W_NAME names the weight as the kernel reads it (project_ffma.cu: WT, [D,
+// NO] transposed; project_mma.cu: W, [NO, D]). Each kernel appends its own (scales, and
+// the row block's rows or N).
+#define LN_QKVG_PARAMS(W_NAME)                                                              \
+    const pair_t* __restrict__ x, i64 sb, i64 si, i64 sj, i64 sc, int x_vec,                \
+    int B, int N, int D, int H, float eps, float q_scale,                                   \
+    const float* __restrict__ gamma, const float* __restrict__ beta,                        \
+    const float* __restrict__ W_NAME, const float* __restrict__ b_qkvg,                     \
+    const float* __restrict__ Wb,                                                           \
+    const void* __restrict__ mask, int mask_kind, i64 mb, i64 mi, i64 mj,                   \
+    float* __restrict__ qkvg, float* __restrict__ bias, int npk,                            \
+    float* __restrict__ vt
+#define GATED_OUT_PARAMS(W_NAME)                                                            \
+    const float* __restrict__ qkvg, i64 M, int D,                                           \
+    const float* __restrict__ W_NAME, const float* __restrict__ b_out,                      \
+    pair_t* __restrict__ out
+
 // Where each of the block's BM rows (from m0) starts in x, an element offset into
 // rowoff[t] by threads t < BM (64-bit: B*N*N*D passes 2^31 at N ~ 4096); rows past the
 // last (M) repeat it. The caller makes it visible (barrier) before the row loads.

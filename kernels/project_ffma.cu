@@ -223,14 +223,7 @@ __device__ __forceinline__ SmemLayout smem_layout(int dpad) {
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS, PROJECT_MIN_BLOCKS)
-ln_qkvg_project_ffma_fp32(const pair_t* __restrict__ x, i64 sb, i64 si, i64 sj, i64 sc, int x_vec,
-                int B, int N, int D, int H, float eps, float q_scale,
-                const float* __restrict__ gamma, const float* __restrict__ beta,
-                const float* __restrict__ WT, const float* __restrict__ b_qkvg,
-                const float* __restrict__ Wb,
-                const void* __restrict__ mask, int mask_kind, i64 mb, i64 mi, i64 mj,
-                float* __restrict__ qkvg, float* __restrict__ bias, int npk,
-                float* __restrict__ vt
+ln_qkvg_project_ffma_fp32(LN_QKVG_PARAMS(WT)  // (project_epilogue.cuh)
                 ROW_BLOCK_ARGS  // (common.cuh ROW_BLOCK: the rows [row_begin, row_end))
                 ) {
     allow_next_kernel();  // the attention may launch (it waits for this kernel: common.cuh)
@@ -359,9 +352,7 @@ ln_qkvg_project_ffma_fp32(const pair_t* __restrict__ x, i64 sb, i64 si, i64 sj, 
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS, PROJECT_MIN_BLOCKS)
-gated_out_project_ffma_fp32(const float* __restrict__ qkvg, i64 M, int D,
-                  const float* __restrict__ WT, const float* __restrict__ b_out,
-                  pair_t* __restrict__ out
+gated_out_project_ffma_fp32(GATED_OUT_PARAMS(WT)  // (project_epilogue.cuh)
 #if OUT_TRANSPOSED
                   , int N  // the pair's N: rows go to caller_row (common.cuh)
 #endif

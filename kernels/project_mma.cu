@@ -99,16 +99,21 @@
 #ifndef SPLIT
 #define SPLIT 0         // 1: fp32-accurate split products (the fp32 mode: F16_TERMS 3)
 #endif
+// The products' operands, by name (the plan passes F16_TERMS as its number)
+#define F16_TERMS_TF32 0   // TF32 (or, with SPLIT, fp32 split into TF32 parts)
+#define F16_TERMS_HI 1     // fp16 hi parts, one product
+#define F16_TERMS_HI_LO 3  // fp16 hi and lo parts, three products (with SPLIT: fp32-accurate)
 #ifndef F16_TERMS
-#define F16_TERMS 0     // 3 (with SPLIT) or 1 (without): products on fp16 operands, below
+#define F16_TERMS F16_TERMS_TF32  // products on fp16 operands, below
 #endif
-#if (SPLIT && F16_TERMS != 3) || (!SPLIT && F16_TERMS != 0 && F16_TERMS != 1)
+#if (SPLIT && F16_TERMS != F16_TERMS_HI_LO) \
+    || (!SPLIT && F16_TERMS != F16_TERMS_TF32 && F16_TERMS != F16_TERMS_HI)
 #error "project_mma.cu: F16_TERMS is 3 with SPLIT, 1 or 0 without"
 #endif
 // k values per ring chunk: the WSTR words of a chunk row hold BK fp32 values, or BK fp16 hi
 // then BK lo (F16_TERMS 3), or 2 BK fp16 hi (F16_TERMS 1, whose products never read a lo
 // part of W: the ring carries none).
-#define RING_K (F16_TERMS == 1 ? 2 * BK : BK)
+#define RING_K (F16_TERMS == F16_TERMS_HI ? 2 * BK : BK)
 
 // This thread's share of one BM x BN output tile: the C fragments of its warp's
 // BM/2 x 32 corner, [m-tile][8-column n-tile][fragment].
@@ -142,10 +147,10 @@ __device__ __forceinline__ float* pair_at(Tile& acc, int s, int j) {
 }
 
 // Entry points by arithmetic: fp16 hi + lo (F16_TERMS 3), one fp16 product (1), TF32 (0)
-#if F16_TERMS == 3
+#if F16_TERMS == F16_TERMS_HI_LO
 #define LN_QKVG_ENTRY ln_qkvg_project_mma_f16x3
 #define GATED_OUT_ENTRY gated_out_project_mma_f16x3
-#elif F16_TERMS == 1
+#elif F16_TERMS == F16_TERMS_HI
 #define LN_QKVG_ENTRY ln_qkvg_project_mma_f16
 #define GATED_OUT_ENTRY gated_out_project_mma_f16
 #else
@@ -211,7 +216,7 @@ __device__ __forceinline__ u32 w_piece(int r, int c) { return r * 64 + (((c ^ (r
 // dim 32 only; gpu/device_weights.py f16_hi_chunks checks it on the host): with dpad an odd multiple of 16
 // the last 16 columns would be dropped, so the kernel stops with an error instead.
 __device__ __forceinline__ int ring_chunks(int dpad) {
-#if F16_TERMS == 1
+#if F16_TERMS == F16_TERMS_HI
     if (dpad % RING_K != 0) __trap();
 #endif
     return dpad / RING_K;
@@ -300,7 +305,7 @@ __device__ __forceinline__ u32 w_lane_offset() {
 template <int F16>
 __device__ __forceinline__ void multiply_chunk(u32 a_lane, int astr, u32 w_stage, u32 w_lane,
                                                Tile& acc) {
-    if constexpr (F16 == 1) {
+    if constexpr (F16 == F16_TERMS_HI) {
 #pragma unroll
         for (int s = 0; s < 2; ++s) {
             u32 b[4][2];
@@ -321,7 +326,7 @@ __device__ __forceinline__ void multiply_chunk(u32 a_lane, int astr, u32 w_stage
         }
         return;
     }
-    if constexpr (F16 == 3) {
+    if constexpr (F16 == F16_TERMS_HI_LO) {
         u32 bh[4][2], bl[4][2];
 #pragma unroll
         for (int jp = 0; jp < 2; ++jp) {
@@ -388,7 +393,7 @@ __device__ __forceinline__ void project_columns(const float* As, int astr, const
         }
         __syncthreads();  // every thread done with the ring
         if (n0 + BN < ring.NO) ring.prime(n0 + BN);
-        if constexpr (F16 != 0) {
+        if constexpr (F16 != F16_TERMS_TF32) {
 #pragma unroll
             for (int i = 0; i < MT; ++i)
 #pragma unroll
@@ -454,7 +459,7 @@ __device__ __noinline__ void pair_bias(const float* As, int astr, const float* _
             for (int k0 = 0; k0 < dpad; k0 += 16) {
                 u32 ah[4], bh[2], bl[2];
                 ldsm_x4(ah, a_row + 4 * k0);
-#if F16_TERMS == 3
+#if F16_TERMS == F16_TERMS_HI_LO
                 u32 al[4];
                 ldsm_x4(al, a_row + 4 * k0 + 32);
 #endif
@@ -463,7 +468,7 @@ __device__ __noinline__ void pair_bias(const float* As, int astr, const float* _
                 const float2 w1 = head_ok && k0 + 2 * t + 8 < D ? ld2(w2 + k0 + 8) : make_float2(0.f, 0.f);
                 split_f16(w0.x, w0.y, bh[0], bl[0]);
                 split_f16(w1.x, w1.y, bh[1], bl[1]);
-#if F16_TERMS == 3
+#if F16_TERMS == F16_TERMS_HI_LO
                 split_terms<mma_f16>(c, ah, al, bh, bl);
 #else
                 mma_f16(c, ah[0], ah[1], ah[2], ah[3], bh[0], bh[1]);
@@ -568,7 +573,7 @@ __device__ __noinline__ float load_gated_tile_f16(const float* __restrict__ qkvg
         float* const piece = As + (idx / per_row) * astr + (idx % per_row) * 4;
         const float4 x = *reinterpret_cast<const float4*>(piece);
         u32 hi[2], lo[2];
-        if (F16_TERMS == 1) {  // (its products read the hi parts alone)
+        if (F16_TERMS == F16_TERMS_HI) {  // (its products read the hi parts alone)
             hi[0] = pack_f16(x.x * a, x.y * a), hi[1] = pack_f16(x.z * a, x.w * a);
         } else {
             split_f16(x.x * a, x.y * a, hi[0], lo[0]);
@@ -578,7 +583,7 @@ __device__ __noinline__ float load_gated_tile_f16(const float* __restrict__ qkvg
         const int q = idx % 4;  // (per_row % 4 == 0: the piece's place in its chunk)
         u32* const chunk = reinterpret_cast<u32*>(piece - 4 * q);
         *reinterpret_cast<uint2*>(chunk + 2 * q) = make_uint2(hi[0], hi[1]);
-        if (F16_TERMS == 3) *reinterpret_cast<uint2*>(chunk + 8 + 2 * q) = make_uint2(lo[0], lo[1]);
+        if (F16_TERMS == F16_TERMS_HI_LO) *reinterpret_cast<uint2*>(chunk + 8 + 2 * q) = make_uint2(lo[0], lo[1]);
     }
     return 1.f / a;
 }
@@ -602,14 +607,7 @@ __device__ __forceinline__ SmemLayout smem_layout(int dpad) {
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS, PROJECT_MIN_BLOCKS)
-LN_QKVG_ENTRY(const pair_t* __restrict__ x, i64 sb, i64 si, i64 sj, i64 sc, int x_vec,
-                int B, int N, int D, int H, float eps, float q_scale,
-                const float* __restrict__ gamma, const float* __restrict__ beta,
-                const float* __restrict__ W, const float* __restrict__ b_qkvg,
-                const float* __restrict__ Wb,
-                const void* __restrict__ mask, int mask_kind, i64 mb, i64 mi, i64 mj,
-                float* __restrict__ qkvg, float* __restrict__ bias, int npk,
-                float* __restrict__ vt
+LN_QKVG_ENTRY(LN_QKVG_PARAMS(W)  // (project_epilogue.cuh)
 #if F16_TERMS
                 , float a_scale, float unscale
 #endif
@@ -797,7 +795,7 @@ LN_QKVG_ENTRY(const pair_t* __restrict__ x, i64 sb, i64 si, i64 sj, i64 sc, int 
             u32 hi[8], lo[8];
 #pragma unroll
             for (int p = 0; p < 8; ++p) {
-                if (F16_TERMS == 1)  // (its products read the hi parts alone)
+                if (F16_TERMS == F16_TERMS_HI)  // (its products read the hi parts alone)
                     hi[p] = pack_f16(y[2 * p], y[2 * p + 1]);
                 else
                     split_f16(y[2 * p], y[2 * p + 1], hi[p], lo[p]);
@@ -805,7 +803,7 @@ LN_QKVG_ENTRY(const pair_t* __restrict__ x, i64 sb, i64 si, i64 sj, i64 sc, int 
             uint4* const chunk = reinterpret_cast<uint4*>(row + c0);
             chunk[0] = make_uint4(hi[0], hi[1], hi[2], hi[3]);
             chunk[1] = make_uint4(hi[4], hi[5], hi[6], hi[7]);
-            if (F16_TERMS == 3) {
+            if (F16_TERMS == F16_TERMS_HI_LO) {
                 chunk[2] = make_uint4(lo[0], lo[1], lo[2], lo[3]);
                 chunk[3] = make_uint4(lo[4], lo[5], lo[6], lo[7]);
             }
@@ -856,15 +854,13 @@ LN_QKVG_ENTRY(const pair_t* __restrict__ x, i64 sb, i64 si, i64 sj, i64 sc, int 
 #if F16_TERMS
     project_columns<F16_TERMS>(s.As, astr, ring, store, unscale);
 #else
-    project_columns<0>(s.As, astr, ring, store);
+    project_columns<F16_TERMS_TF32>(s.As, astr, ring, store);
 #endif
 #endif  // BIAS_ONLY
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS, OUT_MIN_BLOCKS)
-GATED_OUT_ENTRY(const float* __restrict__ qkvg, i64 M, int D,
-                  const float* __restrict__ W, const float* __restrict__ b_out,
-                  pair_t* __restrict__ out
+GATED_OUT_ENTRY(GATED_OUT_PARAMS(W)  // (project_epilogue.cuh)
 #if F16_TERMS
                   , float w_unscale  // 1 / Wo's scale (the block scales g o itself)
 #endif
@@ -907,6 +903,6 @@ GATED_OUT_ENTRY(const float* __restrict__ qkvg, i64 M, int D,
     // ~2^-96, its own scale a past 2^110: every output of the block 0, relative error 1)
     project_columns<F16_TERMS>(s.As, astr, ring, store, w_unscale, a_unscale);
 #else
-    project_columns<0>(s.As, astr, ring, store);
+    project_columns<F16_TERMS_TF32>(s.As, astr, ring, store);
 #endif
 }
