@@ -7,10 +7,10 @@ Each tree lists its own kernel configurations (gpu/kernel_catalog.py's `all_conf
 and sm_90) with their full source text, in a process of its own. Both are compiled here
 with the same NVRTC options the run-time loader uses, and each kernel's machine code (the
 ELF section `.text.<entry>`, with its register count and flags) is compared byte for byte.
-Configurations are paired by their normalized description: the old tree's layout numbers
-(KV_FORMAT) become the layouts' feature #defines, file and entry point names are mapped
-by the tables below, and defines equal to the kernels' defaults are dropped. Symbol names
-are the only thing ignored.
+Configurations are paired by their file and #defines, less the defines whose value is the
+kernels' default or that a kernel no longer reads (DEFAULTS). Symbol names are the only
+thing ignored. The older tree is one from the layouts' redesign on (85b05f1 and later): its
+kernel files and entry points have the names they have here.
 
 Prints "N of N configurations identical", the configurations only in the old tree
 (dropped routes) and any only here; exit status 1 if any kernel differs or a
@@ -33,33 +33,6 @@ from concurrent.futures import ProcessPoolExecutor
 HERE = pathlib.Path(__file__).resolve()
 REPO = HERE.parent.parent
 
-# The older trees' names for kernel files and entry points, and their numbered layouts
-FILE_RENAMES = {"attention.cu": "attention_ffma.cu", "project.cu": "project_ffma.cu",
-                "project_tiles.cu": "project_wgmma.cu",
-                "project_tiles_split.cu": "project_wgmma_split.cu"}
-ENTRY_RENAMES = {
-    "attention_fp32": "attention_ffma_fp32",
-    **{f"attention_{v}": f"attention_mma_{v}" for v in ("tf32x3", "tf32", "bf16", "f16x3")},
-    **{f"attention_{v}_wgmma": f"attention_wgmma_{v}" for v in ("bf16", "f16x3", "f16", "f16s")},
-}
-
-
-def entry_rename(name: str, key: str) -> str:
-    """The entry point an older tree's kernel `name` has here, in the configuration `key`
-    (normalized_key: the projections' names carry their engine and arithmetic)."""
-    if name.startswith(("ln_qkvg_project", "gated_out_project")):
-        stage = "ln_qkvg_project" if name.startswith("ln") else "gated_out_project"
-        if "project_ffma.cu" in key:
-            return f"{stage}_ffma_fp32"
-        if "project_wgmma_split.cu" in key:
-            return f"{stage}_wgmma_f16x3"
-        if "project_wgmma.cu" in key:
-            return f"{stage}_wgmma_f16"
-        terms = {'["F16_TERMS", 3]': "f16x3", '["F16_TERMS", 1]': "f16"}
-        return f"{stage}_mma_" + next((v for k, v in terms.items() if k in key), "tf32")
-    return ENTRY_RENAMES.get(name, name)
-OLD_LAYOUTS = {0: "rows_fp32", 1: "rows_tf32", 2: "rows_bf16", 6: "tiles_bf16",
-               7: "tiles_f16_hilo", 8: "tiles_f16", 9: "tiles_f16_slots"}
 # Defines whose value is the kernel's own default, or which it no longer reads (dropped from
 # either side's key)
 DEFAULTS = {("PINGPONG", 0), ("BULK", 1)}
@@ -71,15 +44,8 @@ def list_configs(root: pathlib.Path):
     """[{arch, file, defines, target, source}] of the tree at `root` (run in a process of
     its own, with `root` first on sys.path)."""
     sys.path.insert(0, str(root))
-    try:
-        from triattn_cupy.gpu import compile as compiler, routes
-        try:
-            from triattn_cupy.gpu.kernel_catalog import all_configs as configs_of
-        except ImportError:  # a tree whose routes list them
-            configs_of = routes.all_configs
-    except ImportError:  # an older tree
-        from triattn_cupy import _compile as compiler, _configs
-        configs_of = _configs.all_configs
+    from triattn_cupy.gpu import compile as compiler
+    from triattn_cupy.gpu.kernel_catalog import all_configs as configs_of
     # The kernel sources of that tree (a package installed elsewhere must not serve them)
     compiler._kernels_folder = lambda: root / "kernels"
     compiler.kernel_source.cache_clear()
@@ -93,23 +59,10 @@ def list_configs(root: pathlib.Path):
     return out
 
 
-def normalized_key(entry, old: bool) -> str:
-    defines = {name: value for name, value in entry["defines"]}
-    filename = entry["file"]
-    if old:
-        number = defines.pop("KV_FORMAT", None)
-        if number is not None and number not in OLD_LAYOUTS:  # a layout no route writes now
-            defines["KV_FORMAT"] = number
-        elif number is not None:
-            from triattn_cupy.gpu import layouts  # (this tree's)
-
-            features = dict(layouts.BY_NAME[OLD_LAYOUTS[number]].defines())
-            if filename == "project_tiles.cu":  # (the features it reads)
-                features = {k: v for k, v in features.items() if k in ("TILES_BF16", "SLOT_ROWS")}
-            defines.update(features)
-        filename = FILE_RENAMES.get(filename, filename)
-    defines = {k: v for k, v in defines.items() if (k, v) not in DEFAULTS}
-    return f"{entry['arch']} {filename} {json.dumps(sorted(defines.items()))}"
+def normalized_key(entry) -> str:
+    defines = {name: value for name, value in entry["defines"]
+               if (name, value) not in DEFAULTS}
+    return f"{entry['arch']} {entry['file']} {json.dumps(sorted(defines.items()))}"
 
 
 def _elf_kernels(cubin: bytes) -> dict:
@@ -178,7 +131,7 @@ def main(argv=None):
                 tar.extractall(pathlib.Path(tmp) / "old")
             old_root = pathlib.Path(tmp) / "old"
         sides = {"old": tree_configs(old_root.resolve()), "new": tree_configs(REPO)}
-    keyed = {side: {normalized_key(e, side == "old"): e for e in entries}
+    keyed = {side: {normalized_key(e): e for e in entries}
              for side, entries in sides.items()}
     common = sorted(k for k in set(keyed["old"]) & set(keyed["new"])
                     if not args.files or keyed["new"][k]["file"] in args.files)
@@ -189,7 +142,6 @@ def main(argv=None):
     identical, differ = 0, []
     for index, key in enumerate(common):
         old, new = compiled[2 * index], compiled[2 * index + 1]
-        old = {entry_rename(name, key): digest for name, digest in old.items()}
         if old == new and "<compile error>" not in new:
             identical += 1
         else:
