@@ -215,11 +215,7 @@ ln_qkvg_project_wgmma_f16x3(const pair_t* __restrict__ x, i64 sb, i64 si, i64 sj
                       ) {
     BLOCK_PROLOGUE();
     allow_next_kernel();  // the attention may launch (it waits for this kernel: common.cuh)
-#if ROW_BLOCK  // the key tiles of rows (b, i) in [row_begin, row_end) only (common.cuh)
-    const int nc = (N + 63) / 64, t0 = (int)row_begin * nc, ntiles = (int)row_end * nc;
-#else
-    const int nc = (N + 63) / 64, t0 = 0, ntiles = B * N * nc;
-#endif
+    KEY_TILE_RANGE();
     // This block's tiles blockIdx.x + n gridDim.x (n < mine; the grid is at most ntiles), each
     // in half 0, then each in half 1: step s takes tile n = s % mine in half s / mine.
     const int mine = (ntiles - t0 - 1 - (int)blockIdx.x) / (int)gridDim.x + 1, steps = 2 * mine;
@@ -410,9 +406,7 @@ gated_out_project_wgmma_f16x3(const float* __restrict__ qkvg, i64 M,
 
     // Tile T's rows into IN stage s (thread 0).
     auto load_tile = [&](i64 T, int s) {
-        const u32 bytes = (u32)min((i64)ROWS, M - T * ROWS) * QKVG_WORDS * 4;
-        mbar_arrive_expect(bar_in + 8 * s, bytes);
-        bulk_copy(smem_s + OFF_IN + s * IN_BYTES, qkvg + T * ROWS * QKVG_WORDS, bytes, bar_in + 8 * s);
+        load_out_tile(qkvg, M, T, s, smem_s + OFF_IN, IN_BYTES, QKVG_WORDS, bar_in);
     };
     init_barriers(bar_in);
     __syncthreads();  // the mbarriers initialised before thread 0 counts copies on them
@@ -475,21 +469,6 @@ gated_out_project_wgmma_f16x3(const float* __restrict__ qkvg, i64 M,
         wgmma_wait<0>();
         fold(products, acc);
         const float a_unscale = 1.f / a;
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            const int rr = 16 * w4 + g + 8 * h;
-            if (rr >= rows_here) continue;
-#if OUT_TRANSPOSED  // the ending node: the caller's row (common.cuh)
-            pair_t* const dst = out + caller_row(T * ROWS + rr, N) * PD + col0;
-#else
-            pair_t* const dst = out + (T * ROWS + rr) * PD + col0;
-#endif
-#pragma unroll
-            for (int n = 0; n < 4; ++n) {
-                const int e = 4 * n + 2 * h;
-                st_global_pair2(dst + 8 * n, acc[e] * w_unscale * a_unscale + bo[n].x,
-                                acc[e + 1] * w_unscale * a_unscale + bo[n].y);
-            }
-        }
+        store_out_rows(out, T, rows_here, OUT_N, col0, w4, g, acc, w_unscale, a_unscale, bo);
     }
 }
