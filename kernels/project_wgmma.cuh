@@ -265,6 +265,28 @@ __device__ __forceinline__ float tile_scale(float top, float* red) {
     return top > 0.f ? ldexpf(1.f, min(14 - e, 126)) : 1.f;
 }
 
+// What both out projections start with: BLOCK_PROLOGUE, ntiles (of ROWS rows), the
+// mbarriers bar_in (IN stage s at + 8 s) and bar_w (Wo) initialised, red (RED), and
+// load_tile(T, s) (load_out_tile into IN stage s). A macro, as BLOCK_PROLOGUE; it reads
+// the file's OFF_OBAR, OFF_RED, OFF_IN, IN_BYTES, QKVG_WORDS and the arguments M and qkvg.
+#define OUT_PROLOGUE()                                                                     \
+    BLOCK_PROLOGUE();                                                                      \
+    const i64 ntiles = (M + ROWS - 1) / ROWS;                                              \
+    const u32 bar_w = smem_s + OFF_OBAR + 16, bar_in = smem_s + OFF_OBAR;                  \
+    float* const red = reinterpret_cast<float*>(smem + OFF_RED);                           \
+    check_block();                                                                         \
+    auto load_tile = [&](i64 T, int s) {                                                   \
+        load_out_tile(qkvg, M, T, s, smem_s + OFF_IN, IN_BYTES, QKVG_WORDS, bar_in);       \
+    };                                                                                     \
+    init_barriers(bar_in);                                                                 \
+    __syncthreads()  // the mbarriers initialised before thread 0 counts copies on them
+
+// The out projections' column biases of this thread's columns col0 + 8n, + 1.
+__device__ __forceinline__ void out_column_biases(float2 (&bo)[4], const float* b_out, int col0) {
+#pragma unroll
+    for (int n = 0; n < 4; ++n) bo[n] = ld2(b_out + col0 + 8 * n);
+}
+
 // The out projections' tile T of qkvg rows (row_words words each) into the IN stage s at
 // `in_s` + s in_bytes (one thread), counted on the mbarrier bar_in + 8 s.
 __device__ __forceinline__ void load_out_tile(const float* qkvg, i64 M, i64 T, int s, u32 in_s, u32 in_bytes,

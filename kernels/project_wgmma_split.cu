@@ -398,18 +398,7 @@ gated_out_project_wgmma_f16x3(const float* __restrict__ qkvg, i64 M,
                         , int N  // the pair's N: rows go to caller_row (common.cuh)
 #endif
                         ) {
-    BLOCK_PROLOGUE();
-    const i64 ntiles = (M + ROWS - 1) / ROWS;
-    const u32 bar_w = smem_s + OFF_OBAR + 16, bar_in = smem_s + OFF_OBAR;
-    float* const red = reinterpret_cast<float*>(smem + OFF_RED);
-    check_block();
-
-    // Tile T's rows into IN stage s (thread 0).
-    auto load_tile = [&](i64 T, int s) {
-        load_out_tile(qkvg, M, T, s, smem_s + OFF_IN, IN_BYTES, QKVG_WORDS, bar_in);
-    };
-    init_barriers(bar_in);
-    __syncthreads();  // the mbarriers initialised before thread 0 counts copies on them
+    OUT_PROLOGUE();
     if (tid == 0) {
         mbar_arrive_expect(bar_w, 2 * W_PART);
         for (u32 off = 0; off < 2 * W_PART; off += 16384)
@@ -420,8 +409,7 @@ gated_out_project_wgmma_f16x3(const float* __restrict__ qkvg, i64 M,
     }
     const int col0 = NW * wg + 2 * t;
     float2 bo[4];
-#pragma unroll
-    for (int n = 0; n < 4; ++n) bo[n] = ld2(b_out + col0 + 8 * n);
+    out_column_biases(bo, b_out, col0);
 
     const int r = tid / PARTS, p = tid % PARTS;
     int k = 0;
