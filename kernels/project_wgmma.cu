@@ -422,9 +422,7 @@ gated_out_project_wgmma_f16(const float* __restrict__ qkvg, i64 M,
     if (tid == 0) {
         mbar_arrive_expect(bar_w, WO_BYTES);
         bulk_copy(smem_s + OFF_WO, wo_image, WO_BYTES, bar_w);
-        wait_for_previous_kernel();  // o comes from the attention (common.cuh); Wo need not wait
-        for (int s = 0; s < 2; ++s)
-            if (blockIdx.x + s * gridDim.x < ntiles) load_tile(blockIdx.x + s * gridDim.x, s);
+        load_first_out_tiles(ntiles, load_tile);
     }
     const int col0 = NW * wg + 2 * t;
     float2 bo[4];
@@ -463,7 +461,7 @@ gated_out_project_wgmma_f16(const float* __restrict__ qkvg, i64 M,
             const float4 o = make_float4(o0.x, o0.y, o1.x, o1.y);
 #endif
             go[j] = make_float4(gate.x * o.x, gate.y * o.y, gate.z * o.z, gate.w * o.w);
-            top = fmaxf(top, fmaxf(fmaxf(fabsf(go[j].x), fabsf(go[j].y)), fmaxf(fabsf(go[j].z), fabsf(go[j].w))));
+            top = abs_max4(top, go[j]);
         }
         // (rows past M: whatever the stage held; the barrier inside: also every thread is
         // past the previous tile's products)
@@ -475,10 +473,7 @@ gated_out_project_wgmma_f16(const float* __restrict__ qkvg, i64 M,
                 h = make_uint2(pack_f16(go[j].x * a, go[j].y * a), pack_f16(go[j].z * a, go[j].w * a));
             *reinterpret_cast<uint2*>(smem + OFF_AO + a_offset(r, 4 * row_piece(r, p, j))) = h;
         }
-        fence_async_shared();
-        __syncthreads();  // A complete (and RED read by everyone); the IN stage read
-        if (k == 0) mbar_wait(bar_w, 0);
-        if (tid == 0 && T + 2 * gridDim.x < ntiles) load_tile(T + 2 * gridDim.x, stage);
+        out_tile_written(k, T, ntiles, stage, bar_w, load_tile);
 
         // 2. out = (A Wo^T) w_unscale / a + bo: this warpgroup's 32 columns.
         float acc[16];

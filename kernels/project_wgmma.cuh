@@ -281,6 +281,32 @@ __device__ __forceinline__ float tile_scale(float top, float* red) {
     init_barriers(bar_in);                                                                 \
     __syncthreads()  // the mbarriers initialised before thread 0 counts copies on them
 
+// After the Wo copy (thread 0): the attention's o awaited (common.cuh; Wo need not wait),
+// then the block's first two tiles into IN stages 0 and 1 by `load_tile`.
+template <class LoadTile>
+__device__ __forceinline__ void load_first_out_tiles(i64 ntiles, LoadTile load_tile) {
+    wait_for_previous_kernel();
+    for (int s = 0; s < 2; ++s)
+        if (blockIdx.x + s * gridDim.x < ntiles) load_tile(blockIdx.x + s * gridDim.x, s);
+}
+
+// `top` and the largest |element| of `v` (NaN drops out of fmaxf).
+__device__ __forceinline__ float abs_max4(float top, float4 v) {
+    return fmaxf(top, fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w))));
+}
+
+// Tile T's A written (k: the block's count of tiles): A made visible to the tensor cores,
+// every thread past the barrier (A complete, RED read, the IN stage read), Wo awaited at
+// the first tile, and the IN stage refilled with tile T + 2 gridDim.x (thread 0).
+template <class LoadTile>
+__device__ __forceinline__ void out_tile_written(int k, i64 T, i64 ntiles, int stage, u32 bar_w,
+                                                 LoadTile load_tile) {
+    fence_async_shared();
+    __syncthreads();
+    if (k == 0) mbar_wait(bar_w, 0);
+    if (threadIdx.x == 0 && T + 2 * gridDim.x < ntiles) load_tile(T + 2 * gridDim.x, stage);
+}
+
 // The out projections' column biases of this thread's columns col0 + 8n, + 1.
 __device__ __forceinline__ void out_column_biases(float2 (&bo)[4], const float* b_out, int col0) {
 #pragma unroll

@@ -403,9 +403,7 @@ gated_out_project_wgmma_f16x3(const float* __restrict__ qkvg, i64 M,
         mbar_arrive_expect(bar_w, 2 * W_PART);
         for (u32 off = 0; off < 2 * W_PART; off += 16384)
             bulk_copy(smem_s + OFF_WO + off, reinterpret_cast<const char*>(wo_image) + off, 16384, bar_w);
-        wait_for_previous_kernel();  // o comes from the attention (common.cuh); Wo need not wait
-        for (int s = 0; s < 2; ++s)
-            if (blockIdx.x + s * gridDim.x < ntiles) load_tile(blockIdx.x + s * gridDim.x, s);
+        load_first_out_tiles(ntiles, load_tile);
     }
     const int col0 = NW * wg + 2 * t;
     float2 bo[4];
@@ -429,7 +427,7 @@ gated_out_project_wgmma_f16x3(const float* __restrict__ qkvg, i64 M,
             const float4 o = *reinterpret_cast<const float4*>(row + 4 * P);
             const float4 gate = *reinterpret_cast<const float4*>(row + PD + 4 * P);
             go[j] = make_float4(gate.x * o.x, gate.y * o.y, gate.z * o.z, gate.w * o.w);
-            top = fmaxf(top, fmaxf(fmaxf(fabsf(go[j].x), fabsf(go[j].y)), fmaxf(fabsf(go[j].z), fabsf(go[j].w))));
+            top = abs_max4(top, go[j]);
         }
         // (rows past M: whatever the stage held; the barrier inside: also every thread is
         // past the previous tile's products)
@@ -443,10 +441,7 @@ gated_out_project_wgmma_f16x3(const float* __restrict__ qkvg, i64 M,
             *reinterpret_cast<uint2*>(smem + OFF_AO + at) = hi;
             *reinterpret_cast<uint2*>(smem + OFF_AO + A_PART + at) = lo;
         }
-        fence_async_shared();
-        __syncthreads();  // A complete (and RED read by everyone); the IN stage read
-        if (k == 0) mbar_wait(bar_w, 0);
-        if (tid == 0 && T + 2 * gridDim.x < ntiles) load_tile(T + 2 * gridDim.x, stage);
+        out_tile_written(k, T, ntiles, stage, bar_w, load_tile);
 
         // 2. out = (A Wo^T) w_unscale / a + bo: this warpgroup's 32 columns.
         SplitAcc products;
