@@ -128,6 +128,14 @@ __device__ __forceinline__ int row_piece(int r, int p, int k) { return 8 * (k ^ 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;                         \
     const int wg = warpgroup(), w4 = warp % 4, g = lane >> 2, t = lane & 3
 
+// The key tiles [t0, ntiles) of ln_qkvg_project_wgmma (nc per pair row): under ROW_BLOCK those
+// of the rows (b, i) in [row_begin, row_end) only (common.cuh). A macro, as BLOCK_PROLOGUE.
+#if ROW_BLOCK
+#define KEY_TILE_RANGE() const int nc = (N + 63) / 64, t0 = (int)row_begin * nc, ntiles = (int)row_end * nc
+#else
+#define KEY_TILE_RANGE() const int nc = (N + 63) / 64, t0 = 0, ntiles = B * N * nc
+#endif
+
 // One tile of ln_qkvg_project_wgmma: pair row (b, i), keys key0 .. key0 + valid - 1.
 struct KeyTile {
     int b, i, c, key0, valid;
@@ -256,3 +264,88 @@ __device__ __forceinline__ float tile_scale(float top, float* red) {
     frexpf(top, &e);  // top < 2^e
     return top > 0.f ? ldexpf(1.f, min(14 - e, 126)) : 1.f;
 }
+
+// What both out projections start with: BLOCK_PROLOGUE, ntiles (of ROWS rows), the
+// mbarriers bar_in (IN stage s at + 8 s) and bar_w (Wo) initialised, red (RED), and
+// load_tile(T, s) (load_out_tile into IN stage s). A macro, as BLOCK_PROLOGUE; it reads
+// the file's OFF_OBAR, OFF_RED, OFF_IN, IN_BYTES, QKVG_WORDS and the arguments M and qkvg.
+#define OUT_PROLOGUE()                                                                     \
+    BLOCK_PROLOGUE();                                                                      \
+    const i64 ntiles = (M + ROWS - 1) / ROWS;                                              \
+    const u32 bar_w = smem_s + OFF_OBAR + 16, bar_in = smem_s + OFF_OBAR;                  \
+    float* const red = reinterpret_cast<float*>(smem + OFF_RED);                           \
+    check_block();                                                                         \
+    auto load_tile = [&](i64 T, int s) {                                                   \
+        load_out_tile(qkvg, M, T, s, smem_s + OFF_IN, IN_BYTES, QKVG_WORDS, bar_in);       \
+    };                                                                                     \
+    init_barriers(bar_in);                                                                 \
+    __syncthreads()  // the mbarriers initialised before thread 0 counts copies on them
+
+// After the Wo copy (thread 0): the attention's o awaited (common.cuh; Wo need not wait),
+// then the block's first two tiles into IN stages 0 and 1 by `load_tile`.
+template <class LoadTile>
+__device__ __forceinline__ void load_first_out_tiles(i64 ntiles, LoadTile load_tile) {
+    wait_for_previous_kernel();
+    for (int s = 0; s < 2; ++s)
+        if (blockIdx.x + s * gridDim.x < ntiles) load_tile(blockIdx.x + s * gridDim.x, s);
+}
+
+// `top` and the largest |element| of `v` (NaN drops out of fmaxf).
+__device__ __forceinline__ float abs_max4(float top, float4 v) {
+    return fmaxf(top, fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w))));
+}
+
+// Tile T's A written (k: the block's count of tiles): A made visible to the tensor cores,
+// every thread past the barrier (A complete, RED read, the IN stage read), Wo awaited at
+// the first tile, and the IN stage refilled with tile T + 2 gridDim.x (thread 0).
+template <class LoadTile>
+__device__ __forceinline__ void out_tile_written(int k, i64 T, i64 ntiles, int stage, u32 bar_w,
+                                                 LoadTile load_tile) {
+    fence_async_shared();
+    __syncthreads();
+    if (k == 0) mbar_wait(bar_w, 0);
+    if (threadIdx.x == 0 && T + 2 * gridDim.x < ntiles) load_tile(T + 2 * gridDim.x, stage);
+}
+
+// The out projections' column biases of this thread's columns col0 + 8n, + 1.
+__device__ __forceinline__ void out_column_biases(float2 (&bo)[4], const float* b_out, int col0) {
+#pragma unroll
+    for (int n = 0; n < 4; ++n) bo[n] = ld2(b_out + col0 + 8 * n);
+}
+
+// The out projections' tile T of qkvg rows (row_words words each) into the IN stage s at
+// `in_s` + s in_bytes (one thread), counted on the mbarrier bar_in + 8 s.
+__device__ __forceinline__ void load_out_tile(const float* qkvg, i64 M, i64 T, int s, u32 in_s, u32 in_bytes,
+                                              int row_words, u32 bar_in) {
+    const u32 bytes = (u32)min((i64)ROWS, M - T * ROWS) * row_words * 4;
+    mbar_arrive_expect(bar_in + 8 * s, bytes);
+    bulk_copy(in_s + s * in_bytes, qkvg + T * ROWS * row_words, bytes, bar_in + 8 * s);
+}
+
+// The out projections' result for this thread's two rows of tile T (16 w4 + g + 8h, those
+// below rows_here), columns col0 + 8n and + 1: acc w_unscale, then a_unscale (one after the
+// other: their product may fall below fp32's range), + bo. `N`: the pair's N under
+// OUT_TRANSPOSED (rows to caller_row, common.cuh), else unused.
+__device__ __forceinline__ void store_out_rows(pair_t* out, i64 T, int rows_here, int N, int col0, int w4, int g,
+                                               const float (&acc)[16], float w_unscale, float a_unscale,
+                                               const float2 (&bo)[4]) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const int rr = 16 * w4 + g + 8 * h;
+        if (rr >= rows_here) continue;
+#if OUT_TRANSPOSED  // the ending node: the caller's row (common.cuh)
+        pair_t* const dst = out + caller_row(T * ROWS + rr, N) * PD + col0;
+#else
+        pair_t* const dst = out + (T * ROWS + rr) * PD + col0;
+#endif
+#pragma unroll
+        for (int n = 0; n < 4; ++n)
+            st_global_pair2(dst + 8 * n, acc[4 * n + 2 * h] * w_unscale * a_unscale + bo[n].x,
+                            acc[4 * n + 2 * h + 1] * w_unscale * a_unscale + bo[n].y);
+    }
+}
+#if OUT_TRANSPOSED
+#define OUT_N N  // the out projections' N argument to store_out_rows
+#else
+#define OUT_N 0
+#endif

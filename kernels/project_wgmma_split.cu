@@ -215,11 +215,7 @@ ln_qkvg_project_wgmma_f16x3(const pair_t* __restrict__ x, i64 sb, i64 si, i64 sj
                       ) {
     BLOCK_PROLOGUE();
     allow_next_kernel();  // the attention may launch (it waits for this kernel: common.cuh)
-#if ROW_BLOCK  // the key tiles of rows (b, i) in [row_begin, row_end) only (common.cuh)
-    const int nc = (N + 63) / 64, t0 = (int)row_begin * nc, ntiles = (int)row_end * nc;
-#else
-    const int nc = (N + 63) / 64, t0 = 0, ntiles = B * N * nc;
-#endif
+    KEY_TILE_RANGE();
     // This block's tiles blockIdx.x + n gridDim.x (n < mine; the grid is at most ntiles), each
     // in half 0, then each in half 1: step s takes tile n = s % mine in half s / mine.
     const int mine = (ntiles - t0 - 1 - (int)blockIdx.x) / (int)gridDim.x + 1, steps = 2 * mine;
@@ -402,32 +398,16 @@ gated_out_project_wgmma_f16x3(const float* __restrict__ qkvg, i64 M,
                         , int N  // the pair's N: rows go to caller_row (common.cuh)
 #endif
                         ) {
-    BLOCK_PROLOGUE();
-    const i64 ntiles = (M + ROWS - 1) / ROWS;
-    const u32 bar_w = smem_s + OFF_OBAR + 16, bar_in = smem_s + OFF_OBAR;
-    float* const red = reinterpret_cast<float*>(smem + OFF_RED);
-    check_block();
-
-    // Tile T's rows into IN stage s (thread 0).
-    auto load_tile = [&](i64 T, int s) {
-        const u32 bytes = (u32)min((i64)ROWS, M - T * ROWS) * QKVG_WORDS * 4;
-        mbar_arrive_expect(bar_in + 8 * s, bytes);
-        bulk_copy(smem_s + OFF_IN + s * IN_BYTES, qkvg + T * ROWS * QKVG_WORDS, bytes, bar_in + 8 * s);
-    };
-    init_barriers(bar_in);
-    __syncthreads();  // the mbarriers initialised before thread 0 counts copies on them
+    OUT_PROLOGUE();
     if (tid == 0) {
         mbar_arrive_expect(bar_w, 2 * W_PART);
         for (u32 off = 0; off < 2 * W_PART; off += 16384)
             bulk_copy(smem_s + OFF_WO + off, reinterpret_cast<const char*>(wo_image) + off, 16384, bar_w);
-        wait_for_previous_kernel();  // o comes from the attention (common.cuh); Wo need not wait
-        for (int s = 0; s < 2; ++s)
-            if (blockIdx.x + s * gridDim.x < ntiles) load_tile(blockIdx.x + s * gridDim.x, s);
+        load_first_out_tiles(ntiles, load_tile);
     }
     const int col0 = NW * wg + 2 * t;
     float2 bo[4];
-#pragma unroll
-    for (int n = 0; n < 4; ++n) bo[n] = ld2(b_out + col0 + 8 * n);
+    out_column_biases(bo, b_out, col0);
 
     const int r = tid / PARTS, p = tid % PARTS;
     int k = 0;
@@ -447,7 +427,7 @@ gated_out_project_wgmma_f16x3(const float* __restrict__ qkvg, i64 M,
             const float4 o = *reinterpret_cast<const float4*>(row + 4 * P);
             const float4 gate = *reinterpret_cast<const float4*>(row + PD + 4 * P);
             go[j] = make_float4(gate.x * o.x, gate.y * o.y, gate.z * o.z, gate.w * o.w);
-            top = fmaxf(top, fmaxf(fmaxf(fabsf(go[j].x), fabsf(go[j].y)), fmaxf(fabsf(go[j].z), fabsf(go[j].w))));
+            top = abs_max4(top, go[j]);
         }
         // (rows past M: whatever the stage held; the barrier inside: also every thread is
         // past the previous tile's products)
@@ -461,10 +441,7 @@ gated_out_project_wgmma_f16x3(const float* __restrict__ qkvg, i64 M,
             *reinterpret_cast<uint2*>(smem + OFF_AO + at) = hi;
             *reinterpret_cast<uint2*>(smem + OFF_AO + A_PART + at) = lo;
         }
-        fence_async_shared();
-        __syncthreads();  // A complete (and RED read by everyone); the IN stage read
-        if (k == 0) mbar_wait(bar_w, 0);
-        if (tid == 0 && T + 2 * gridDim.x < ntiles) load_tile(T + 2 * gridDim.x, stage);
+        out_tile_written(k, T, ntiles, stage, bar_w, load_tile);
 
         // 2. out = (A Wo^T) w_unscale / a + bo: this warpgroup's 32 columns.
         SplitAcc products;
@@ -475,21 +452,6 @@ gated_out_project_wgmma_f16x3(const float* __restrict__ qkvg, i64 M,
         wgmma_wait<0>();
         fold(products, acc);
         const float a_unscale = 1.f / a;
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            const int rr = 16 * w4 + g + 8 * h;
-            if (rr >= rows_here) continue;
-#if OUT_TRANSPOSED  // the ending node: the caller's row (common.cuh)
-            pair_t* const dst = out + caller_row(T * ROWS + rr, N) * PD + col0;
-#else
-            pair_t* const dst = out + (T * ROWS + rr) * PD + col0;
-#endif
-#pragma unroll
-            for (int n = 0; n < 4; ++n) {
-                const int e = 4 * n + 2 * h;
-                st_global_pair2(dst + 8 * n, acc[e] * w_unscale * a_unscale + bo[n].x,
-                                acc[e + 1] * w_unscale * a_unscale + bo[n].y);
-            }
-        }
+        store_out_rows(out, T, rows_here, OUT_N, col0, w4, g, acc, w_unscale, a_unscale, bo);
     }
 }
