@@ -6,7 +6,9 @@ shapes, a NaN or Inf on either side, or an empty comparison.
 """
 from __future__ import annotations
 
+import contextlib
 import math
+import warnings
 
 import numpy as np
 
@@ -104,3 +106,29 @@ def compile_ptx_or_fail(source: str, arch: str = "compute_90a"):
             pytest.fail(nvrtc.getProgramLog(program)[-800:])
     finally:
         nvrtc.destroyProgram(program)
+
+
+@contextlib.contextmanager
+def every_warning():
+    """The warnings raised inside, none of them filtered out as repeats."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        yield caught
+
+
+def fallback_messages(caught) -> list:
+    """The texts of the drop-in's FallbackWarnings among `caught` warnings."""
+    from triattn_cupy.torch import FallbackWarning
+
+    return [str(w.message) for w in caught if issubclass(w.category, FallbackWarning)]
+
+
+def flip_header_byte(path, name: str, offset: int, flip: int):
+    """XOR `flip` into the byte `offset` past the object header of HDF5 object `name`."""
+    import h5py
+
+    with h5py.File(path, "r") as f:
+        header = h5py.h5o.get_info(f[name].id).addr
+    raw = bytearray(path.read_bytes())
+    raw[header + offset] ^= flip
+    path.write_bytes(raw)

@@ -15,6 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from triattn_cupy.cli import io as cli_io
+from helpers import flip_header_byte
 from cli_support import (D, all_files, assert_same, child_env, cli, dataset,  # noqa: F401
                          expected_output, make_pair, padding_mask, read_output, weights,
                          weights_file, write_h5)
@@ -435,11 +436,7 @@ def test_a_damaged_mask_is_never_read_as_no_mask(tmp_path_factory, offset, flip)
     path = tmp_path_factory.mktemp("flip") / "x.h5"
     write_h5(path, pair=make_pair(np.random.default_rng(20), 4, 4),
              mask=padding_mask(0, 4, 3))
-    with h5py.File(path, "r") as f:
-        header = h5py.h5o.get_info(f["mask"].id).addr
-    raw = bytearray(path.read_bytes())
-    raw[header + offset] ^= flip
-    path.write_bytes(raw)
+    flip_header_byte(path, "mask", offset, flip)
     try:
         loaded = cli_io.read_input(str(path), "hdf5", pair_dim=D)
     except cli_io.InputError:

@@ -13,6 +13,7 @@ from triattn_cupy import hdf5, random_weights
 from triattn_cupy.hdf5 import (WeightsFormatError, default_weights_path, load_default_weights,
                                load_weights, save_weights)
 from triattn_cupy.weights import OPTIONAL_BIASES, parameter_shapes
+from helpers import flip_header_byte
 
 D, H = 16, 4
 
@@ -519,11 +520,7 @@ def test_a_flipped_byte_in_an_optional_bias_never_reads_as_zeros(tmp_path_factor
     weights = random_weights(D, H, seed=1)
     path = tmp_path_factory.mktemp("flip") / "w.h5"
     save_weights(weights, path)
-    with h5py.File(path, "r") as f:
-        header = h5py.h5o.get_info(f["query/bias"].id).addr
-    raw = bytearray(path.read_bytes())
-    raw[header + offset] ^= flip
-    path.write_bytes(raw)
+    flip_header_byte(path, "query/bias", offset, flip)
     try:
         loaded = load_weights(path)
     except WeightsFormatError:

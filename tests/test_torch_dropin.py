@@ -19,7 +19,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 import model_blocks as mb  # noqa: E402  (needs torch)
-from helpers import rel_l2  # noqa: E402
+from helpers import every_warning, fallback_messages, rel_l2  # noqa: E402
 from torch_spec import TriangleSelfAttention  # noqa: E402
 
 import triattn_cupy.torch as tt  # noqa: E402
@@ -242,7 +242,7 @@ def test_template_stack_head_width_is_left_to_its_own_forward(cpu_routed, monkey
     with every_warning() as caught:
         tt.accelerate(model)
     assert tt.accelerated_blocks(model) == []
-    warned = _fallback_warnings(caught)
+    warned = fallback_messages(caught)
     for name in ("tri_att_start", "tri_att_end"):
         assert any(message.startswith(f"{name}: ") and "heads x head width = 4 x 8 = 32 "
                    "differs from pair_dim 16" in message for message in warned), warned
@@ -256,18 +256,6 @@ def test_template_stack_head_width_is_left_to_its_own_forward(cpu_routed, monkey
 
 # --- fallbacks -------------------------------------------------------------------------------
 
-def _fallback_warnings(caught):
-    return [str(w.message) for w in caught if issubclass(w.category, tt.FallbackWarning)]
-
-
-@contextlib.contextmanager
-def every_warning():
-    """The warnings raised inside, none of them filtered out as repeats."""
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        yield caught
-
-
 def test_cpu_tensors_run_the_original_forward_and_warn_once(monkeypatch):
     block = boltz()
     pair, mask = torch.randn(1, 6, 6, D), torch.ones(1, 6, 6)
@@ -278,7 +266,7 @@ def test_cpu_tensors_run_the_original_forward_and_warn_once(monkeypatch):
     with every_warning() as caught, torch.no_grad():
         for _ in range(3):
             torch.testing.assert_close(block(pair, mask), want, rtol=0, atol=0)
-    (message,) = _fallback_warnings(caught)
+    (message,) = fallback_messages(caught)
     assert "the pair is on cpu" in message and "move the model" in message
     assert message.startswith("TriangleAttention: the original forward runs")
     assert tt.report(block).fallbacks == {"tensors on cpu": 3}
@@ -303,7 +291,7 @@ def test_unsupported_calls_fall_back(cpu_routed, monkeypatch, reason, call):
                 call(block, pair, mask)
             except (TypeError, RuntimeError):
                 pass  # the original forward's own error for what it does not take
-    (message,) = _fallback_warnings(caught)
+    (message,) = fallback_messages(caught)
     assert reason in message
     assert sum(tt.report(block).fallbacks.values()) == 2
 
@@ -314,7 +302,7 @@ def test_openfold3_transposed_bias_falls_back(cpu_routed):
     pair, mask = torch.randn(1, 6, 6, D), torch.ones(1, 6, 6)
     with every_warning() as caught, torch.no_grad():
         block(pair, mask=mask, transpose_bias=True)
-    assert "transpose_bias=True" in _fallback_warnings(caught)[0]
+    assert "transpose_bias=True" in fallback_messages(caught)[0]
     assert tt.report(block).fallbacks == {"transpose_bias=True": 1}
 
 

@@ -7,7 +7,6 @@ Without a GPU every call falls back (tensors on cpu); the calls through the kern
 by letting CPU tensors reach the op (`cpu_routed`), where it runs the NumPy backend."""
 from __future__ import annotations
 
-import contextlib
 import copy
 import pickle
 import types
@@ -19,7 +18,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 import model_blocks as mb  # noqa: E402  (needs torch)
-from helpers import rel_l2  # noqa: E402
+from helpers import every_warning, fallback_messages, rel_l2  # noqa: E402
 from torch_spec import TriangleSelfAttention  # noqa: E402
 
 import triattn_cupy.torch as tt  # noqa: E402
@@ -40,17 +39,6 @@ def routing_off():
 @pytest.fixture
 def cpu_routed(monkeypatch):
     monkeypatch.setattr(blocks, "_ACCELERATED_DEVICES", {"cuda", "cpu"})
-
-
-@contextlib.contextmanager
-def every_warning():
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        yield caught
-
-
-def fallback_messages(caught):
-    return [str(w.message) for w in caught if issubclass(w.category, tt.FallbackWarning)]
 
 
 def boltz_pairformer(layers=2, seed=0):
