@@ -48,8 +48,7 @@ def run_on_cluster(args):
     try:
         cluster_run.require_dask()
     except ImportError as exc:
-        raise SetupError(f"--scheduler and --cluster need Dask: "
-                         f"{pip_install('distributed')} ({exc})") from None
+        raise SetupError(f"--scheduler and --cluster: {exc}") from None  # (names the extra)
     with _client(args) as (client, args):
         logger.info("Dask cluster at %s: %d worker%s", client.scheduler.address,
                     _worker_count(client), "s" if _worker_count(client) != 1 else "")
