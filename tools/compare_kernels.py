@@ -12,6 +12,13 @@ kernels' default or that a kernel no longer reads (DEFAULTS). Symbol names are t
 thing ignored. The older tree is one from the layouts' redesign on (85b05f1 and later): its
 kernel files and entry points have the names they have here.
 
+With --variants, the configurations each feature adds (kernel_catalog's OUT_TRANSPOSED,
+16-bit pair, ROW_MASK and ROW_BLOCK / BIAS_ONLY lists) are compared too. With --cache DIR,
+each compiled source is kept under DIR by the hash of its text, target and options, so a
+tree compared again compiles only what changed. With --quick, each variant (file, target
+and defines other than the tile shape and head dim) keeps only its first and last
+configuration: a fast check while editing, before the full comparison.
+
 Prints "N of N configurations identical", the configurations only in the old tree
 (dropped routes) and any only here; exit status 1 if any kernel differs or a
 configuration exists only here.
@@ -19,6 +26,7 @@ configuration exists only here.
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import json
 import os
@@ -40,12 +48,21 @@ ARCHS = ("sm_80", "sm_90")
 OPTIONS = ("-std=c++17", "-ftz=true")  # what the run-time loader passes (gpu/compile.py)
 
 
-def list_configs(root: pathlib.Path):
+def list_configs(root: pathlib.Path, variants: bool = False):
     """[{arch, file, defines, target, source}] of the tree at `root` (run in a process of
-    its own, with `root` first on sys.path)."""
+    its own, with `root` first on sys.path); with `variants`, each feature's too."""
     sys.path.insert(0, str(root))
     from triattn_cupy.gpu import compile as compiler
-    from triattn_cupy.gpu.kernel_catalog import all_configs as configs_of
+    from triattn_cupy.gpu import kernel_catalog as catalog
+
+    def configs_of(arch):
+        configs = set(catalog.all_configs(arch))
+        if variants:
+            configs.update(catalog.transposed_out_configs(arch))
+            configs.update(catalog.pair_dtype_configs(arch))
+            configs.update(catalog.row_masked_configs(arch, every=True))
+            configs.update(catalog.row_blocked_configs(arch))
+        return sorted(configs, key=lambda c: (c.filename, c.defines, c.arch))
     # The kernel sources of that tree (a package installed elsewhere must not serve them)
     compiler._kernels_folder = lambda: root / "kernels"
     compiler.kernel_source.cache_clear()
@@ -57,6 +74,21 @@ def list_configs(root: pathlib.Path):
                         "target": config.arch or arch,
                         "source": compiler.full_source(config.filename, config.defines)})
     return out
+
+
+# Defines that size a configuration rather than choose its code path (--quick)
+SHAPE = {"HEAD_DIM", "HEADS", "PAIR_DIM", "BM", "BQ", "BK", "MT", "ROWS", "PAD", "STAGES",
+         "WSTAGES", "BIAS_STAGES", "MIN_BLOCKS", "PROJECT_MIN_BLOCKS", "PREFETCH", "PV_GROUPS"}
+
+
+def quick_keys(keyed: dict) -> list:
+    """The first and last configuration of each variant among `keyed`'s keys."""
+    variants: dict = {}
+    for key, entry in sorted(keyed.items()):
+        variant = (entry["arch"], entry["file"],
+                   tuple(d for d in map(tuple, entry["defines"]) if d[0] not in SHAPE))
+        variants.setdefault(variant, []).append(key)
+    return sorted({k for keys in variants.values() for k in (keys[0], keys[-1])})
 
 
 def normalized_key(entry) -> str:
@@ -88,9 +120,20 @@ def _elf_kernels(cubin: bytes) -> dict:
     return kernels
 
 
-def compile_entry(entry) -> dict:
+def compile_entry(entry, cache: pathlib.Path | None = None) -> dict:
     from cupy_backends.cuda.libs import nvrtc
 
+    if cache is not None:
+        key = hashlib.sha256(json.dumps([entry["source"], entry["target"], OPTIONS,
+                                         nvrtc.getVersion()]).encode()).hexdigest()
+        kept = cache / f"{key}.json"
+        if kept.is_file():
+            return json.loads(kept.read_text())
+        kernels = compile_entry(entry)
+        partial = cache / f"{key}.{os.getpid()}.tmp"
+        partial.write_text(json.dumps(kernels))
+        os.replace(partial, kept)  # whole or absent, when several comparisons share DIR
+        return kernels
     program = nvrtc.createProgram(entry["source"], entry["file"], [], [])
     try:
         nvrtc.compileProgram(program, [f"-arch={entry['target']}", *OPTIONS])
@@ -101,8 +144,9 @@ def compile_entry(entry) -> dict:
         nvrtc.destroyProgram(program)
 
 
-def tree_configs(root: pathlib.Path):
-    out = subprocess.run([sys.executable, str(HERE), "--list", str(root)], check=True,
+def tree_configs(root: pathlib.Path, variants: bool):
+    out = subprocess.run([sys.executable, str(HERE), "--list", str(root)]
+                         + ["--variants"] * variants, check=True,
                          capture_output=True, text=True).stdout
     return json.loads(out)
 
@@ -114,10 +158,17 @@ def main(argv=None):
     side.add_argument("--rev", help="a git revision of this repository (archived to a temporary folder)")
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--files", nargs="*", help="compare only these kernel files (this tree's names)")
+    ap.add_argument("--variants", action="store_true",
+                    help="also each feature's configurations (OUT_TRANSPOSED, 16-bit pair, "
+                         "ROW_MASK, ROW_BLOCK, BIAS_ONLY)")
+    ap.add_argument("--cache", type=pathlib.Path,
+                    help="a folder that keeps each compiled source's result by its hash")
+    ap.add_argument("--quick", action="store_true",
+                    help="only each variant's first and last configuration")
     ap.add_argument("--list", type=pathlib.Path, help=argparse.SUPPRESS)  # internal
     args = ap.parse_args(argv)
     if args.list:
-        json.dump(list_configs(args.list.resolve()), sys.stdout)
+        json.dump(list_configs(args.list.resolve(), args.variants), sys.stdout)
         return 0
     if not (args.old or args.rev):
         ap.error("give --old or --rev")
@@ -130,15 +181,20 @@ def main(argv=None):
             with tarfile.open(archive) as tar:
                 tar.extractall(pathlib.Path(tmp) / "old")
             old_root = pathlib.Path(tmp) / "old"
-        sides = {"old": tree_configs(old_root.resolve()), "new": tree_configs(REPO)}
+        sides = {side: tree_configs(root.resolve(), args.variants)
+                 for side, root in (("old", old_root), ("new", REPO))}
     keyed = {side: {normalized_key(e): e for e in entries}
              for side, entries in sides.items()}
     common = sorted(k for k in set(keyed["old"]) & set(keyed["new"])
                     if not args.files or keyed["new"][k]["file"] in args.files)
+    if args.quick:
+        common = quick_keys({k: keyed["new"][k] for k in common})
     pairs = [(keyed["old"][k], keyed["new"][k]) for k in common]
     with ProcessPoolExecutor(max(1, args.jobs)) as pool:
-        compiled = list(pool.map(compile_entry, [e for pair in pairs for e in pair],
-                                 chunksize=4))
+        if args.cache:
+            args.cache.mkdir(parents=True, exist_ok=True)
+        compiled = list(pool.map(functools.partial(compile_entry, cache=args.cache),
+                                 [e for pair in pairs for e in pair], chunksize=4))
     identical, differ = 0, []
     for index, key in enumerate(common):
         old, new = compiled[2 * index], compiled[2 * index + 1]
