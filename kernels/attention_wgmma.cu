@@ -332,6 +332,34 @@ __device__ __forceinline__ void mask_keys_past_n(S& s, int k0, int N, int t) {
             }
 }
 
+// Warp 0: key tile j into ring stage j % STAGES by bulk copies that complete on the stage's
+// `full` mbarrier (announced first, by lane 0): lanes 0 .. (1 + VT_COLUMNS) rows_here - 1
+// copy row r's K tile, then its V^T columns; lane 31 the bias tile (project_epilogue.cuh
+// bias_element), shared by the block's rows. kv_row0: the block's first row's K and V^T
+// tiles of this head, kv_rstride apart per row; bias_tiles: this query tile's bias tiles.
+// (`lane` by reference, as the closure this step was read it: by value the compiler
+// writes the lane test the other way round, and the machine code changes.)
+__device__ __forceinline__ void produce_tile(int j, u32 smem_s, u32 full_bar, const char* kv_row0,
+                                             i64 kv_rstride, const char* bias_tiles,
+                                             int rows_here, const int& lane) {
+    const int s = j % STAGES;
+    const u32 st = smem_s + s * STAGE_BYTES, full = full_bar + 8 * s;
+    if (lane == 0) mbar_arrive_expect(full, rows_here * (K_TILE + VT_COPIED) + BIAS_TILE);
+    __syncwarp();
+    if (lane < (1 + VT_COLUMNS) * rows_here) {  // K, then V^T's columns, of row r
+        const int r = lane / (1 + VT_COLUMNS), part = lane % (1 + VT_COLUMNS);
+        const char* const src = kv_row0 + r * kv_rstride + (i64)j * KV_TILES;
+        if (part == 0)
+            bulk_copy(st + r * K_TILE, src, K_TILE, full);
+        else
+            bulk_copy(st + VT_OFFSET + r * VT_TILE + (part - 1) * VT_COLUMN,
+                      src + K_TILE + (part - 1) * (VT_COPIED / VT_COLUMNS),
+                      VT_COPIED / VT_COLUMNS, full);
+    }
+    if (lane == 31)
+        bulk_copy(st + BIAS_OFFSET, bias_tiles + (i64)j * BIAS_TILE, BIAS_TILE, full);
+}
+
 extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
 ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int npk,
       int nan_fully_masked
@@ -735,23 +763,8 @@ ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int 
 #endif
     const char* const bias_tiles = reinterpret_cast<const char*>(bias)
         + ((((i64)b * H + head) * ((N + BQ - 1) / BQ) + qtile) * ntiles) * BIAS_TILE;
-    auto produce = [&](int j) {  // warp 0: tile j into stage j % STAGES
-        const int s = j % STAGES;
-        const u32 st = smem_s + s * STAGE_BYTES, full = full_bar + 8 * s;
-        if (lane == 0) mbar_arrive_expect(full, rows_here * (K_TILE + VT_COPIED) + BIAS_TILE);
-        __syncwarp();
-        if (lane < (1 + VT_COLUMNS) * rows_here) {  // K, then V^T's columns, of row r
-            const int r = lane / (1 + VT_COLUMNS), part = lane % (1 + VT_COLUMNS);
-            const char* const src = kv_row0 + r * kv_rstride + (i64)j * KV_TILES;
-            if (part == 0)
-                bulk_copy(st + r * K_TILE, src, K_TILE, full);
-            else
-                bulk_copy(st + VT_OFFSET + r * VT_TILE + (part - 1) * VT_COLUMN,
-                          src + K_TILE + (part - 1) * (VT_COPIED / VT_COLUMNS),
-                          VT_COPIED / VT_COLUMNS, full);
-        }
-        if (lane == 31)  // the bias tile (project_epilogue.cuh bias_element)
-            bulk_copy(st + BIAS_OFFSET, bias_tiles + (i64)j * BIAS_TILE, BIAS_TILE, full);
+    auto produce = [&](int j) {
+        produce_tile(j, smem_s, full_bar, kv_row0, kv_rstride, bias_tiles, rows_here, lane);
     };
     if (tid == 0) {
         for (int s = 0; s < STAGES; ++s) {
