@@ -279,9 +279,14 @@ __device__ __forceinline__ void write_ones_rows(char* smem, int tid) {
     }
 }
 
-// The fp16 -inf (0xfc00) in half `half` of the fp16 pair w.
-__device__ __forceinline__ void set_f16_neg_inf(u32& w, int half) {
-    w = half ? (w & 0xffffu) | 0xfc000000u : (w & 0xffff0000u) | 0xfc00u;
+// Key 8n + 2t + (e & 1) of row g + 8 (e >> 1) of S masked: -inf in S's register 4n + e
+// (fp32), or in half e & 1 of register 2n + (e >> 1) (S16's fp16 pairs: 0xfc00).
+__device__ __forceinline__ void set_key_neg_inf(float (&s)[4 * NT], int n, int e) {
+    s[4 * n + e] = neg_inf();
+}
+__device__ __forceinline__ void set_key_neg_inf(u32 (&s)[2 * NT], int n, int e) {
+    u32& w = s[2 * n + (e >> 1)];
+    w = e & 1 ? (w & 0xffffu) | 0xfc000000u : (w & 0xffff0000u) | 0xfc00u;
 }
 
 // ROW_MASK: keys masked for every query of this warp's row i get -inf in S, as a masked
@@ -307,12 +312,7 @@ __device__ __forceinline__ void mask_row_keys(S& s, const char* smem, int rw, in
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
             const int kl = 8 * n + 2 * t + (e & 1);  // (n < NT / 2: in word w0)
-            if (!((((n < NT / 2) ? w0 : w1) >> (kl & 31)) & 1u)) {
-                if constexpr (S16)
-                    set_f16_neg_inf(s[2 * n + (e >> 1)], e & 1);
-                else
-                    s[4 * n + e] = neg_inf();
-            }
+            if (!((((n < NT / 2) ? w0 : w1) >> (kl & 31)) & 1u)) set_key_neg_inf(s, n, e);
         }
 }
 
@@ -324,12 +324,134 @@ __device__ __forceinline__ void mask_keys_past_n(S& s, int k0, int N, int t) {
     for (int n = 0; n < NT; ++n)
 #pragma unroll
         for (int e = 0; e < 4; ++e)
-            if (k0 + 8 * n + 2 * t + (e & 1) >= N) {
-                if constexpr (S16)  // half e & 1 of register 2n + row
-                    set_f16_neg_inf(s[2 * n + (e >> 1)], e & 1);
-                else
-                    s[4 * n + e] = neg_inf();
+            if (k0 + 8 * n + 2 * t + (e & 1) >= N) set_key_neg_inf(s, n, e);
+}
+
+// ---- S = bias + Q K^T of the key tile in ring stage `stage` ----
+
+// This lane's ldmatrix address in stage 0's bias tile, for bias_pairs (S16: for
+// issue_scores' accumulator start). One ldmatrix.x4 per two bias pairs (its 8x8 matrices of
+// 16-bit elements are the pairs' fragment layout: lane l gets row l / 4, elements 2 (l % 4),
+// + 1): lane L names row (L & 7) + 8 (L >> 4) of the warp's 16 and chunk c = (L >> 3) & 1 of
+// two, stored at chunk c ^ (row % 8) of the swizzled tile; the stage and row offsets leave
+// bits 4-6 (the chunk) clear, so chunks 2j + c are the same address XOR 32 j. (16 scalar
+// loads and their ~20 address instructions per tile otherwise: ptxas.)
+// S16: its lanes name the matrices in the accumulator's order (matrix q: rows g + 8 (q &
+// 1), chunk q >> 1; lane L names row (L & 7) + 8 ((L >> 3) & 1), chunk L >> 4), so that
+// each ldmatrix writes s[4j .. 4j + 3] directly (in bias_pairs' order ptxas moved all 16
+// registers into place: 16 more instructions per tile).
+__device__ __forceinline__ u32 bias_lane_address(u32 bias_tile, int q_in_tile, int lane) {
+    if constexpr (S16)
+        return bias_tile + (q_in_tile + (lane & 7) + 8 * ((lane >> 3) & 1)) * 128
+               + 16 * ((lane >> 4) ^ (lane & 7));
+    else
+        return bias_tile + (q_in_tile + (lane & 7) + 8 * (lane >> 4)) * 128
+               + 16 * (((lane >> 3) & 1) ^ (lane & 7));
+}
+
+// This lane's bias pairs (rows g, g + 8; keys 8n + 2t, + 1) as fp16 pairs: r[0], r[1]
+// pairs 2j, 2j + 1 of row g and r[2], r[3] those of row g + 8, of the tile in `stage`
+// (F16X3: part 1 its lo tile). bias_rows: bias_lane_address.
+__device__ __forceinline__ void bias_pairs(u32 (&r)[4], const u32& bias_rows, int stage, int j,
+                                           int part) {
+    ldsm_x4(r, ((bias_rows + stage * STAGE_BYTES) ^ (32 * j)) + part * BIAS_PART);
+}
+// Where bias_pairs' r[q] goes in S (pairs 2j, 2j + 1 of rows g, g + 8): s[8j + slot(q)], + 1
+__device__ __forceinline__ int pair_slot(int q) { return 4 * (q & 1) + 2 * (q >> 1); }
+
+// The scores' arguments after S and its stage, as the key loop holds them: bias_rows
+// (bias_lane_address), the aligned shared memory's address and pointer, the warpgroup's Q
+// tile (Q_SHARED) or Q's A fragments qa (F16X3: hi, ql lo), row rw of the block, npk, the
+// tile's first key k0 and t = lane & 3 (ROW_MASK). (All but k0 by reference: this keeps
+// the machine code of these steps as tuned; the compiler canonicalizes a comparison or an
+// address sum of arguments differently from one of loaded values.)
+#define SCORE_ARGS const u32 &bias_rows, const u32 &smem_s, const u32 &q_tile,        \
+                   const u32 (&qa)[HEAD_DIM / 16][4], const u32 (&ql)[HEAD_DIM / 16][4], \
+                   char* const &smem, const int &rw, const int &npk, int k0, const int &t
+
+// S16: S = bias + Q K^T issued (not waited for) in fp16 accumulators
+// (wgmma_m64n64k16_f16acc_ss), 16 registers of pairs: s[2n] row g, s[2n + 1] row g + 8,
+// columns 8n + 2t, + 1. The bias tile's fp16 pairs start the accumulator as they are, no
+// conversions (bias_lane_address' S16 order). Every partial sum stays inside fp16: |bias| +
+// |q . k| <= S16_TOP in S's units by the scales' bound (gpu/scales.py f16s_scales), and a
+// partial dot product is bounded as the whole one. ROW_MASK: the row's masked keys set to
+// -inf in the bias first.
+__device__ __forceinline__ void issue_scores(u32 (&s)[2 * NT], int stage, SCORE_ARGS) {
+#pragma unroll
+    for (int j = 0; j < NT / 2; ++j) {
+        u32 r[4];
+        ldsm_x4(r, (bias_rows + stage * STAGE_BYTES) ^ (32 * j));
+        s[4 * j] = r[0], s[4 * j + 1] = r[1], s[4 * j + 2] = r[2], s[4 * j + 3] = r[3];
+    }
+    if constexpr (ROW_MASK) mask_row_keys(s, smem, rw, npk, k0, t);
+    const u64 k_desc = sw64_desc(smem_s + stage * STAGE_BYTES + rw * K_TILE);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < HEAD_DIM / 16; ++kk)
+        wgmma_m64n64k16_f16acc_ss(s, sw64_desc(q_tile) + 2 * kk, k_desc + 2 * kk);
+    wgmma_commit();
+}
+
+// The same in fp32 accumulators (wgmma.cuh's layout), issued. BF16, F16X1: S starts as the
+// bias tile (F16X1's holds bias s_q s_k, S's units), ROW_MASK's masked keys set to -inf in
+// it, and the products (Q from shared memory, Q_SHARED) accumulate onto it (as
+// attention_mma_tf32). F16X3: the first product overwrites S, small terms first
+// (three_terms); the bias is added in fp32 after the wait (add_bias).
+__device__ __forceinline__ void issue_scores(float (&s)[4 * NT], int stage, SCORE_ARGS) {
+    if constexpr (F16X3) {
+        const u32 k_tile = smem_s + stage * STAGE_BYTES + rw * K_TILE;
+        const u64 k_desc = sw64_desc(k_tile), k_lo_desc = sw64_desc(k_tile + K_PART);
+        wgmma_fence();
+        three_terms(s, qa, ql, 0, HEAD_DIM / 16,
+                    [&](float (&d)[4 * NT], const u32 (&a)[4], int kk, bool lo, bool first) {
+            if (first)
+                wgmma_m64n64k16_f16_first(d, a, (lo ? k_lo_desc : k_desc) + 2 * kk);
+            else
+                wgmma_m64n64k16_f16(d, a, (lo ? k_lo_desc : k_desc) + 2 * kk);
+        });
+    } else {
+#pragma unroll
+        for (int j = 0; j < NT / 2; ++j) {
+            u32 r[4];
+            bias_pairs(r, bias_rows, stage, j, 0);
+#pragma unroll
+            for (int q = 0; q < 4; ++q) {
+                const float2 x = half2_to_float2(r[q]);
+                s[8 * j + pair_slot(q)] = x.x, s[8 * j + pair_slot(q) + 1] = x.y;
             }
+        }
+        if constexpr (ROW_MASK) mask_row_keys(s, smem, rw, npk, k0, t);
+        const u64 k_desc = sw64_desc(smem_s + stage * STAGE_BYTES + rw * K_TILE);
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
+            if constexpr (F16X1)
+                wgmma_m64n64k16_f16_ss(s, sw64_desc(q_tile) + 2 * kk, k_desc + 2 * kk);
+            else
+                wgmma_m64n64k16_bf16_ss(s, sw64_desc(q_tile) + 2 * kk, k_desc + 2 * kk);
+        }
+    }
+    wgmma_commit();
+}
+
+// F16X3: S = products qk_unscale + bias, once the products are done: the bias's hi and lo
+// tiles summed (exact in fp32; -inf + 0 where masked).
+__device__ __forceinline__ void add_bias(float (&s)[4 * NT], int stage, const u32& bias_rows,
+                                         const float& qk_unscale) {
+#pragma unroll
+    for (int j = 0; j < NT / 2; ++j) {
+        u32 hi[4], lo[4];
+        bias_pairs(hi, bias_rows, stage, j, 0);
+        bias_pairs(lo, bias_rows, stage, j, 1);
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+            const float2 h = half2_to_float2(hi[q]), l = half2_to_float2(lo[q]);
+            const float2 b = make_float2(h.x + l.x, h.y + l.y);
+            float* const at = s + 8 * j + pair_slot(q);
+            at[0] = fmaf(at[0], qk_unscale, b.x);
+            at[1] = fmaf(at[1], qk_unscale, b.y);
+        }
+    }
 }
 
 // Warp 0: key tile j into ring stage j % STAGES by bulk copies that complete on the stage's
@@ -421,120 +543,7 @@ ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int 
     for (int i = 0; i < 4 * ON / 8; ++i) o[i] = 0.f;
     float m_sub[2] = {0.f, 0.f}, m_lim[2] = {neg_inf(), neg_inf()};
 
-    // S = bias + Q K^T of the tile in ring stage `stage`, issued (not waited for): S starts
-    // as the bias tile and the products accumulate onto it (as attention_mma_tf32).
-    // This lane's bias pairs (rows g, g + 8; keys 8n + 2t, + 1) as fp16 pairs:
-    // bias_pairs(r, stage, j, part) sets r[0], r[1] to pairs 2j, 2j + 1 of row g and r[2],
-    // r[3] to those of row g + 8, of the tile in `stage` (F16X3: part 1 its lo tile).
-    // One ldmatrix.x4 per two pairs (its 8x8 matrices of 16-bit elements are the pairs'
-    // fragment layout: lane l gets row l / 4, elements 2 (l % 4), + 1): lane L names row
-    // (L & 7) + 8 (L >> 4) of the warp's 16 and chunk c = (L >> 3) & 1 of two, stored at
-    // chunk c ^ (row % 8) of the swizzled tile; the stage and row offsets leave bits 4-6 (the
-    // chunk) clear, so chunks 2j + c are the same address XOR 32 j. (16 scalar loads and
-    // their ~20 address instructions per tile before: ptxas.)
-    const u32 bias_rows = smem_s + BIAS_OFFSET
-        + (q_in_tile + (lane & 7) + 8 * (lane >> 4)) * 128 + 16 * (((lane >> 3) & 1) ^ (lane & 7));
-    auto bias_pairs = [&](u32 (&r)[4], int stage, int j, int part) {
-        ldsm_x4(r, ((bias_rows + stage * STAGE_BYTES) ^ (32 * j)) + part * BIAS_PART);
-    };
-#if ROW_MASK
-    int mask_k0 = 0;  // the tile `issue_s` works on, set before each
-#endif
-#if S16
-    // S16: S = bias + Q K^T in fp16 accumulators (wgmma_m64n64k16_f16acc_ss), 16 registers
-    // of pairs: s[2n] row g, s[2n + 1] row g + 8, columns 8n + 2t, + 1. The bias tile's
-    // fp16 pairs start the accumulator as they are, no conversions: one ldmatrix.x4 per
-    // two pairs as bias_pairs', its lanes naming the matrices in the accumulator's order
-    // (matrix q: rows g + 8 (q & 1), chunk q >> 1; lane L names row (L & 7) + 8 ((L >> 3) &
-    // 1), chunk L >> 4), so that it writes s[4j .. 4j + 3] directly (in bias_pairs' order
-    // ptxas moved all 16 registers into place: 16 more instructions per tile). Every
-    // partial sum stays inside fp16: |bias| + |q . k| <= S16_TOP in S's units by the scales'
-    // bound (gpu/scales.py f16s_scales), and a partial dot product is bounded as the whole one.
-    const u32 bias_acc_rows = smem_s + BIAS_OFFSET
-        + (q_in_tile + (lane & 7) + 8 * ((lane >> 3) & 1)) * 128 + 16 * ((lane >> 4) ^ (lane & 7));
-    auto issue_s = [&](u32 (&s)[2 * NT], int stage) {
-#pragma unroll
-        for (int j = 0; j < NT / 2; ++j) {
-            u32 r[4];
-            ldsm_x4(r, (bias_acc_rows + stage * STAGE_BYTES) ^ (32 * j));
-            s[4 * j] = r[0], s[4 * j + 1] = r[1], s[4 * j + 2] = r[2], s[4 * j + 3] = r[3];
-        }
-#if ROW_MASK
-        mask_row_keys(s, smem, rw, npk, mask_k0, t);
-#endif
-        const u64 k_desc = sw64_desc(smem_s + stage * STAGE_BYTES + rw * K_TILE);
-        wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < HEAD_DIM / 16; ++kk)
-            wgmma_m64n64k16_f16acc_ss(s, sw64_desc(q_tile) + 2 * kk, k_desc + 2 * kk);
-        wgmma_commit();
-    };
-#else
-    // Where bias_pairs' r[q] goes in S (pairs 2j, 2j + 1 of rows g, g + 8): s[8j + slot(q)], + 1
-    auto pair_slot = [](int q) { return 4 * (q & 1) + 2 * (q >> 1); };
-    auto issue_s = [&](float (&s)[4 * NT], int stage) {
-#if F16X3  // the first product overwrites S, small terms first; the bias is added in fp32
-        // after (add_bias)
-        const u32 k_tile = smem_s + stage * STAGE_BYTES + rw * K_TILE;
-        const u64 k_desc = sw64_desc(k_tile), k_lo_desc = sw64_desc(k_tile + K_PART);
-        wgmma_fence();
-        three_terms(s, qa, ql, 0, HEAD_DIM / 16,
-                    [&](float (&d)[4 * NT], const u32 (&a)[4], int kk, bool lo, bool first) {
-            if (first)
-                wgmma_m64n64k16_f16_first(d, a, (lo ? k_lo_desc : k_desc) + 2 * kk);
-            else
-                wgmma_m64n64k16_f16(d, a, (lo ? k_lo_desc : k_desc) + 2 * kk);
-        });
-#else  // (F16X1: the bias tile holds bias s_q s_k, S's units)
-#pragma unroll
-        for (int j = 0; j < NT / 2; ++j) {
-            u32 r[4];
-            bias_pairs(r, stage, j, 0);
-#pragma unroll
-            for (int q = 0; q < 4; ++q) {
-                const float2 x = half2_to_float2(r[q]);
-                s[8 * j + pair_slot(q)] = x.x, s[8 * j + pair_slot(q) + 1] = x.y;
-            }
-        }
-#if ROW_MASK
-        mask_row_keys(s, smem, rw, npk, mask_k0, t);
-#endif
-#endif
-#if !F16X3  // Q from shared memory (Q_SHARED)
-        const u64 k_desc = sw64_desc(smem_s + stage * STAGE_BYTES + rw * K_TILE);
-        wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
-#if F16X1
-            wgmma_m64n64k16_f16_ss(s, sw64_desc(q_tile) + 2 * kk, k_desc + 2 * kk);
-#else
-            wgmma_m64n64k16_bf16_ss(s, sw64_desc(q_tile) + 2 * kk, k_desc + 2 * kk);
-#endif
-        }
-#endif
-        wgmma_commit();
-    };
-#endif  // S16
-#if F16X3
-    // S = products qk_unscale + bias, once the products are done: the bias's hi and lo
-    // tiles summed (exact in fp32; -inf + 0 where masked).
-    auto add_bias = [&](float (&s)[4 * NT], int stage) {
-#pragma unroll
-        for (int j = 0; j < NT / 2; ++j) {
-            u32 hi[4], lo[4];
-            bias_pairs(hi, stage, j, 0);
-            bias_pairs(lo, stage, j, 1);
-#pragma unroll
-            for (int q = 0; q < 4; ++q) {
-                const float2 h = half2_to_float2(hi[q]), l = half2_to_float2(lo[q]);
-                const float2 b = make_float2(h.x + l.x, h.y + l.y);
-                float* const at = s + 8 * j + pair_slot(q);
-                at[0] = fmaf(at[0], qk_unscale, b.x);
-                at[1] = fmaf(at[1], qk_unscale, b.y);
-            }
-        }
-    };
-#endif
+    const u32 bias_rows = bias_lane_address(smem_s + BIAS_OFFSET, q_in_tile, lane);
 
     // The online softmax of S (its product done), in two parts. rescale: the reference
     // maximum m of rows g and g + 8 moves (lazily, as attention_mma.cu) and O is rescaled
@@ -803,17 +812,14 @@ ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int 
 #else
         float s[4 * NT];
 #endif
-#if ROW_MASK
-        mask_k0 = k0;
-#endif
-        issue_s(s, stage);
+        issue_scores(s, stage, bias_rows, smem_s, q_tile, qa, ql, smem, rw, npk, k0, t);
         wgmma_wait<0>();
         pin(s);
         pin(o);
 #if F16X3
-        add_bias(s, stage);
+        add_bias(s, stage, bias_rows, qk_unscale);
 #if ROW_MASK
-        mask_row_keys(s, smem, rw, npk, mask_k0, t);
+        mask_row_keys(s, smem, rw, npk, k0, t);
 #endif
 #endif
         if (k0 + BK > N) mask_keys_past_n(s, k0, N, t);
