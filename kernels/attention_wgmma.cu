@@ -207,6 +207,16 @@ typedef unsigned short bias_elem;  // fp16 bits (F16X3: the hi tile, then the lo
 #endif
 #define KV_TILES (K_TILE + VT_COPIED)  // bytes per (b, i, head, 64 keys): K's tile, then V^T's
 
+// The entry's scale arguments, which only the F16 variants take, as values every variant
+// can pass to the steps (the others read neither).
+#if F16
+#define QK_UNSCALE qk_unscale
+#define V_UNSCALE v_unscale
+#else
+#define QK_UNSCALE 1.f
+#define V_UNSCALE 1.f
+#endif
+
 // d += a_hi b_lo + a_lo b_hi + a_hi b_hi over the k-steps kk in [k0, k1), small terms
 // first (F16X3): product(d, a, kk, lo, first) issues k-step kk's wgmma of A
 // fragment a against B's lo (or hi) part; `first` for the first of the chain (which may
@@ -454,6 +464,162 @@ __device__ __forceinline__ void add_bias(float (&s)[4 * NT], int stage, const u3
     }
 }
 
+// ---- the online softmax of S (its product done), in two parts ----
+// rescale: the reference maximum m of rows g and g + 8 (m_sub; m_lim = m + RESCALE_SLACK,
+// the bound past which it moves) moves, lazily as attention_mma.cu, and O is rescaled with
+// it. exponentiate: P = 2^(S - m) as the A fragments of the k-steps of P V.
+// F16X1: S is in units of s_q s_k (log2): log2_per_s converts it back (exact, a power of
+// two; s_per_log2 its inverse), folded into the exponent's FFMA (in place of its FADD).
+// (The state by reference, as the key loop holds it; log2_per_s and s_per_log2 too, which
+// keeps the machine code as tuned.)
+#define SOFTMAX_ARGS float (&o)[4 * ON / 8], float (&m_sub)[2], float (&m_lim)[2], \
+                     const float &log2_per_s, const float &s_per_log2, u32 (&ms2)[2], float (&msf)[2]
+// exponentiate's after S: P's A fragments pa (F16X3: hi, pl lo) and the state it reads
+#define EXPONENT_ARGS u32 (&pa)[NT / 2][4], u32 (&pl)[NT / 2][4], const float (&m_sub)[2], \
+                      const float &log2_per_s, const u32 &inv_c2, const u32 (&ms2)[2]
+
+// S16: the same on S's fp16 pairs. The maximum: a max.f16x2 tree over each row's 8
+// pairs (S's values, exact), its two candidates per row paired across the rows by two
+// byte permutes and one more max; compared in fp32 with m_lim (fp32, S's units, as
+// F16X1's). P = 2^x, x = S / c + ms[r] in one fma.rn.f16x2 per pair (S / c exact, one
+// rounding), ex2.approx.f16x2 giving P already packed as P V's A fragment (register
+// 4kk + e of S is word e of k-step kk's fragment). ms[r] = P16_SHIFT - m_sub / c rounded
+// to fp16 once per move of m (ms2; msf the same in fp32, exact), and O's rescale factor
+// taken from the rounded offsets (2^(ms_new - ms_old)), so all of a row's P share one
+// reference exactly however ms rounded; x <= RESCALE_SLACK + P16_SHIFT (+ that rounding):
+// P <= ~2^10. fp16 keeps x's rounding small where P is large: half an ulp of x at the
+// row's largest keys (x near P16_SHIFT = 2) is 2^-11..2^-10 (P16_SHIFT 6, F16X1's, would
+// put them in [4, 8): 2^-9), under ex2.approx.f16's own error; P below 2^-14 is subnormal
+// (x < -14, keys 2^16 below the row's largest: negligible in the sum). Masked keys: S =
+// -inf, x = -inf, P = 0; rows with every key so far masked keep m_sub 0, ms P16_SHIFT
+// (finite: no -inf - (-inf)). ms cannot overflow: |m_sub / c| <= the scores' bound <= 2^15
+// (c >= 1, gpu/scales.py f16s_scales).
+__device__ __forceinline__ u32 hmax2(u32 a, u32 b) {
+    u32 d;
+    asm("max.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+    return d;
+}
+__device__ __forceinline__ void rescale(const u32 (&s)[2 * NT], SOFTMAX_ARGS) {
+    u32 a = s[0], b = s[1];  // rows g, g + 8
+#pragma unroll
+    for (int n = 1; n < NT; ++n) a = hmax2(a, s[2 * n]), b = hmax2(b, s[2 * n + 1]);
+    // (a.lo, b.lo) against (a.hi, b.hi): the two rows' maxima in one pair
+    const float2 mx = half2_to_float2(hmax2(__byte_perm(a, b, 0x5410), __byte_perm(a, b, 0x7632)));
+    const bool grow = mx.x > m_lim[0] || mx.y > m_lim[1];
+    if (__any_sync(0xffffffffu, grow)) {
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            float x = r ? mx.y : mx.x;
+            x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
+            x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+            const float m_old = m_lim[r] == neg_inf() ? neg_inf() : m_sub[r];
+            const float m_new = fmaxf(m_old, x);
+            m_sub[r] = m_new == neg_inf() ? 0.f : m_new;
+            m_lim[r] = m_new + RESCALE_SLACK * s_per_log2;
+            ms2[r] = pack_f16(P16_SHIFT - m_sub[r] * log2_per_s, P16_SHIFT - m_sub[r] * log2_per_s);
+            const float ms_new = half2_to_float2(ms2[r]).x;
+            // (m_old -inf: O and l are still 0, and ms_new - msf may be large)
+            const float alpha = m_old == neg_inf() ? 0.f : fast_exp2(ms_new - msf[r]);
+            msf[r] = ms_new;
+#pragma unroll
+            for (int v = 0; v < ON / 8; ++v) {
+                o[4 * v + 2 * r] *= alpha;
+                o[4 * v + 2 * r + 1] *= alpha;
+            }
+        }
+    }
+}
+__device__ __forceinline__ void exponentiate(const u32 (&s)[2 * NT], EXPONENT_ARGS) {
+#pragma unroll
+    for (int kk = 0; kk < NT / 2; ++kk)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {  // row e & 1
+            u32 x;
+            asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(x) : "r"(s[4 * kk + e]), "r"(inv_c2), "r"(ms2[e & 1]));
+            asm("ex2.approx.f16x2 %0, %1;" : "=r"(pa[kk][e]) : "r"(x));
+        }
+}
+
+// fp32 S: each row's maximum over its 16 values in this lane (two chains), then over the
+// row's 4 lanes.
+__device__ __forceinline__ void rescale(const float (&s)[4 * NT], SOFTMAX_ARGS) {
+    float mx[2];
+    bool grow = false;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {  // rows g (r = 0: s[4n + 0..1]) and g + 8 (r = 1)
+        float mx0 = neg_inf(), mx1 = neg_inf();
+#pragma unroll
+        for (int n = 0; n < NT; ++n) {
+            mx0 = fmaxf(mx0, s[4 * n + 2 * r]);
+            mx1 = fmaxf(mx1, s[4 * n + 2 * r + 1]);
+        }
+        mx[r] = fmaxf(mx0, mx1);
+        grow |= mx[r] > m_lim[r];
+    }
+    if (__any_sync(0xffffffffu, grow)) {
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            float x = mx[r];
+            x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
+            x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+            const float m_old = m_lim[r] == neg_inf() ? neg_inf() : m_sub[r];
+            const float m_new = fmaxf(m_old, x);
+            const float alpha = m_new == neg_inf() ? 1.f : fast_exp2((m_old - m_new) * log2_per_s);
+            m_sub[r] = m_new == neg_inf() ? 0.f : m_new;
+            m_lim[r] = m_new + RESCALE_SLACK * s_per_log2;
+#pragma unroll
+            for (int v = 0; v < ON / 8; ++v) {
+                o[4 * v + 2 * r] *= alpha;
+                o[4 * v + 2 * r + 1] *= alpha;
+            }
+        }
+    }
+}
+
+// P's A fragments from fp32 S: k-step kk takes S's column groups 2kk (a0, a1) and 2kk + 1
+// (a2, a3); p(c, r) packs 2^(S - m) of S's values c[0], c[1] of row g + 8r.
+template <class Pack>
+__device__ __forceinline__ void packed_fragments(u32 (&pa)[NT / 2][4], const float (&s)[4 * NT],
+                                                 Pack p) {
+#pragma unroll
+    for (int kk = 0; kk < NT / 2; ++kk) {
+        const float* const lo = s + 8 * kk;  // column group 2kk: keys 16kk + 2t, +1
+        const float* const hi = lo + 4;      // 2kk + 1: 8 keys further
+        pa[kk][0] = p(lo, 0), pa[kk][1] = p(lo + 2, 1);
+        pa[kk][2] = p(hi, 0), pa[kk][3] = p(hi + 2, 1);
+    }
+}
+
+// fp32 S (BF16): the A fragments of the 4 16-key k-steps, packed bf16 (packed_fragments),
+// keys in the V^T tile's own order. F16X1: the same in fp16, each value 2^(S - m + P_SHIFT) (S in its units: 2^((S - m)
+// log2_per_s + P_SHIFT), one FFMA each). F16X3: 2^(S - m + P_SHIFT) split into fp16 hi
+// (pa) and lo (pl).
+__device__ __forceinline__ void exponentiate(const float (&s)[4 * NT], EXPONENT_ARGS) {
+    if constexpr (F16X3) {
+        const float ms[2] = {m_sub[0] - P_SHIFT, m_sub[1] - P_SHIFT};
+        auto p = [&](const float* c, int r, u32& hi, u32& lo) {
+            split_f16(fast_exp2(c[0] - ms[r]), fast_exp2(c[1] - ms[r]), hi, lo);
+        };
+#pragma unroll
+        for (int kk = 0; kk < NT / 2; ++kk) {
+            const float* const lo = s + 8 * kk;
+            const float* const hi = lo + 4;
+            p(lo, 0, pa[kk][0], pl[kk][0]), p(lo + 2, 1, pa[kk][1], pl[kk][1]);
+            p(hi, 0, pa[kk][2], pl[kk][2]), p(hi + 2, 1, pa[kk][3], pl[kk][3]);
+        }
+    } else if constexpr (F16X1) {
+        const float ms[2] = {P_SHIFT - m_sub[0] * log2_per_s, P_SHIFT - m_sub[1] * log2_per_s};
+        packed_fragments(pa, s, [&](const float* c, int r) {
+            return pack_f16(fast_exp2(fmaf(c[0], log2_per_s, ms[r])),
+                            fast_exp2(fmaf(c[1], log2_per_s, ms[r])));
+        });
+    } else {
+        packed_fragments(pa, s, [&](const float* c, int r) {
+            return pack_bf16(fast_exp2(c[0] - m_sub[r]), fast_exp2(c[1] - m_sub[r]));
+        });
+    }
+}
+
 // Warp 0: key tile j into ring stage j % STAGES by bulk copies that complete on the stage's
 // `full` mbarrier (announced first, by lane 0): lanes 0 .. (1 + VT_COLUMNS) rows_here - 1
 // copy row r's K tile, then its V^T columns; lane 31 the bias tile (project_epilogue.cuh
@@ -545,158 +711,13 @@ ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int 
 
     const u32 bias_rows = bias_lane_address(smem_s + BIAS_OFFSET, q_in_tile, lane);
 
-    // The online softmax of S (its product done), in two parts. rescale: the reference
-    // maximum m of rows g and g + 8 moves (lazily, as attention_mma.cu) and O is rescaled
-    // with it. exponentiate: P = 2^(S - m) as the A fragments of the 8 k-steps of P V,
-    // (c0, c2, c1, c3) of S's column group kk.
-    // F16X1: S is in units of s_q s_k (log2): log2_per_s converts it back (exact, a power of
-    // two), folded into the exponent's FFMA (in place of its FADD).
-#if F16X1
-    const float log2_per_s = qk_unscale, s_per_log2 = 1.f / qk_unscale;
-#else
-    const float log2_per_s = 1.f, s_per_log2 = 1.f;
-#endif
-#if S16
-    // S16: the same on S's fp16 pairs. The maximum: a max.f16x2 tree over each row's 8
-    // pairs (S's values, exact), its two candidates per row paired across the rows by two
-    // byte permutes and one more max; compared in fp32 with m_lim (fp32, S's units, as
-    // F16X1's). P = 2^x, x = S / c + ms[r] in one fma.rn.f16x2 per pair (S / c exact, one
-    // rounding), ex2.approx.f16x2 giving P already packed as P V's A fragment (register
-    // 4kk + e of S is word e of k-step kk's fragment). ms[r] = P16_SHIFT - m_sub / c rounded
-    // to fp16 once per move of m, and O's rescale factor taken from the rounded offsets
-    // (2^(ms_new - ms_old)), so all of a row's P share one reference exactly however ms
-    // rounded; x <= RESCALE_SLACK + P16_SHIFT (+ that rounding): P <= ~2^10. fp16 keeps x's
-    // rounding small where P is large: half an ulp of x at the row's largest keys (x near
-    // P16_SHIFT = 2) is 2^-11..2^-10 (P16_SHIFT 6, F16X1's, would put them in [4, 8): 2^-9),
-    // under ex2.approx.f16's own error; P below 2^-14 is subnormal (x < -14, keys 2^16
-    // below the row's largest: negligible in the sum). Masked keys: S = -inf, x = -inf,
-    // P = 0; rows with every key so far masked keep m_sub 0, ms P16_SHIFT (finite: no
-    // -inf - (-inf)). ms cannot overflow: |m_sub / c| <= the scores' bound <= 2^15 (c >= 1,
-    // gpu/scales.py f16s_scales).
-    const u32 inv_c2 = pack_f16(qk_unscale, qk_unscale);  // 1 / c (a power of two: exact)
-    float msf[2] = {P16_SHIFT, P16_SHIFT};                 // ms as fp32 (exact)
+    // The online softmax's state (online_softmax_*). F16X1: S is in units of s_q s_k
+    // (log2): log2_per_s converts it back (exact, a power of two). S16: P's offsets ms2 (as
+    // fp16 pairs) and msf (as fp32), and 1 / c as an fp16 pair.
+    const float log2_per_s = F16X1 ? QK_UNSCALE : 1.f, s_per_log2 = F16X1 ? 1.f / QK_UNSCALE : 1.f;
+    const u32 inv_c2 = pack_f16(QK_UNSCALE, QK_UNSCALE);  // (S16) 1 / c (a power of two: exact)
+    float msf[2] = {P16_SHIFT, P16_SHIFT};
     u32 ms2[2] = {pack_f16(P16_SHIFT, P16_SHIFT), pack_f16(P16_SHIFT, P16_SHIFT)};
-    auto hmax2 = [](u32 a, u32 b) {
-        u32 d;
-        asm("max.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
-        return d;
-    };
-    auto rescale = [&](const u32 (&s)[2 * NT]) {
-        u32 a = s[0], b = s[1];  // rows g, g + 8
-#pragma unroll
-        for (int n = 1; n < NT; ++n) a = hmax2(a, s[2 * n]), b = hmax2(b, s[2 * n + 1]);
-        // (a.lo, b.lo) against (a.hi, b.hi): the two rows' maxima in one pair
-        const float2 mx = half2_to_float2(hmax2(__byte_perm(a, b, 0x5410), __byte_perm(a, b, 0x7632)));
-        const bool grow = mx.x > m_lim[0] || mx.y > m_lim[1];
-        if (__any_sync(0xffffffffu, grow)) {
-#pragma unroll
-            for (int r = 0; r < 2; ++r) {
-                float x = r ? mx.y : mx.x;
-                x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
-                x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
-                const float m_old = m_lim[r] == neg_inf() ? neg_inf() : m_sub[r];
-                const float m_new = fmaxf(m_old, x);
-                m_sub[r] = m_new == neg_inf() ? 0.f : m_new;
-                m_lim[r] = m_new + RESCALE_SLACK * s_per_log2;
-                ms2[r] = pack_f16(P16_SHIFT - m_sub[r] * log2_per_s, P16_SHIFT - m_sub[r] * log2_per_s);
-                const float ms_new = half2_to_float2(ms2[r]).x;
-                // (m_old -inf: O and l are still 0, and ms_new - msf may be large)
-                const float alpha = m_old == neg_inf() ? 0.f : fast_exp2(ms_new - msf[r]);
-                msf[r] = ms_new;
-#pragma unroll
-                for (int v = 0; v < ON / 8; ++v) {
-                    o[4 * v + 2 * r] *= alpha;
-                    o[4 * v + 2 * r + 1] *= alpha;
-                }
-            }
-        }
-    };
-    auto exponentiate = [&](const u32 (&s)[2 * NT], u32 (&pa)[NT / 2][4]) {
-#pragma unroll
-        for (int kk = 0; kk < NT / 2; ++kk)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {  // row e & 1
-                u32 x;
-                asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(x) : "r"(s[4 * kk + e]), "r"(inv_c2), "r"(ms2[e & 1]));
-                asm("ex2.approx.f16x2 %0, %1;" : "=r"(pa[kk][e]) : "r"(x));
-            }
-    };
-#else
-    auto rescale = [&](const float (&s)[4 * NT]) {
-        float mx[2];
-        bool grow = false;
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {  // rows g (r = 0: s[4n + 0..1]) and g + 8 (r = 1)
-            float mx0 = neg_inf(), mx1 = neg_inf();
-#pragma unroll
-            for (int n = 0; n < NT; ++n) {
-                mx0 = fmaxf(mx0, s[4 * n + 2 * r]);
-                mx1 = fmaxf(mx1, s[4 * n + 2 * r + 1]);
-            }
-            mx[r] = fmaxf(mx0, mx1);
-            grow |= mx[r] > m_lim[r];
-        }
-        if (__any_sync(0xffffffffu, grow)) {
-#pragma unroll
-            for (int r = 0; r < 2; ++r) {
-                float x = mx[r];
-                x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
-                x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
-                const float m_old = m_lim[r] == neg_inf() ? neg_inf() : m_sub[r];
-                const float m_new = fmaxf(m_old, x);
-                const float alpha = m_new == neg_inf() ? 1.f : fast_exp2((m_old - m_new) * log2_per_s);
-                m_sub[r] = m_new == neg_inf() ? 0.f : m_new;
-                m_lim[r] = m_new + RESCALE_SLACK * s_per_log2;
-#pragma unroll
-                for (int v = 0; v < ON / 8; ++v) {
-                    o[4 * v + 2 * r] *= alpha;
-                    o[4 * v + 2 * r + 1] *= alpha;
-                }
-            }
-        }
-    };
-#if F16X3
-    // F16X3: as BF16's, each value 2^(S - m + P_SHIFT) split into fp16 hi (pa) and lo (pl).
-    auto exponentiate = [&](const float (&s)[4 * NT], u32 (&pa)[NT / 2][4], u32 (&pl)[NT / 2][4]) {
-        const float ms[2] = {m_sub[0] - P_SHIFT, m_sub[1] - P_SHIFT};
-        auto p = [&](const float* c, int r, u32& hi, u32& lo) {
-            split_f16(fast_exp2(c[0] - ms[r]), fast_exp2(c[1] - ms[r]), hi, lo);
-        };
-#pragma unroll
-        for (int kk = 0; kk < NT / 2; ++kk) {
-            const float* const lo = s + 8 * kk;
-            const float* const hi = lo + 4;
-            p(lo, 0, pa[kk][0], pl[kk][0]), p(lo + 2, 1, pa[kk][1], pl[kk][1]);
-            p(hi, 0, pa[kk][2], pl[kk][2]), p(hi + 2, 1, pa[kk][3], pl[kk][3]);
-        }
-    };
-#else
-    // BF16: the A fragments of the 4 16-key k-steps, packed bf16: k-step kk takes S's
-    // column groups 2kk (a0, a1) and 2kk + 1 (a2, a3), keys in the V^T tile's own order.
-    // F16X1: the same in fp16, each value 2^(S - m + P_SHIFT) as F16X3's (S in its units).
-    auto exponentiate = [&](const float (&s)[4 * NT], u32 (&pa)[NT / 2][4]) {
-        // p(c, r): 2^(S - m) of S's values c[0], c[1] of row g + 8r, packed
-#if F16X1  // 2^((S - m) log2_per_s + P_SHIFT), one FFMA each
-        const float ms[2] = {P_SHIFT - m_sub[0] * log2_per_s, P_SHIFT - m_sub[1] * log2_per_s};
-        auto p = [&](const float* c, int r) {
-            return pack_f16(fast_exp2(fmaf(c[0], log2_per_s, ms[r])),
-                            fast_exp2(fmaf(c[1], log2_per_s, ms[r])));
-        };
-#else
-        auto p = [&](const float* c, int r) {
-            return pack_bf16(fast_exp2(c[0] - m_sub[r]), fast_exp2(c[1] - m_sub[r]));
-        };
-#endif
-#pragma unroll
-        for (int kk = 0; kk < NT / 2; ++kk) {
-            const float* const lo = s + 8 * kk;  // column group 2kk: keys 16kk + 2t, +1
-            const float* const hi = lo + 4;      // 2kk + 1: 8 keys further
-            pa[kk][0] = p(lo, 0), pa[kk][1] = p(lo + 2, 1);
-            pa[kk][2] = p(hi, 0), pa[kk][3] = p(hi + 2, 1);
-        }
-    };
-#endif
-#endif  // S16
 
     // [O | l] += P [V | 1 | 0], issued: k-step kk takes keys 8kk .. 8kk + 7 of the V^T tile
     // in ring stage `stage`, 32 bytes along the rows of its 32-key column.
@@ -796,9 +817,7 @@ ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int 
     int tile = 0;
 #define PA_STEPS (HALF16 ? NT / 2 : NT)  // k-steps of P V
     u32 pa[PA_STEPS][4];
-#if F16X3
-    u32 pl[PA_STEPS][4];
-#endif
+    u32 pl[PA_STEPS][4];  // (F16X3)
     int stage = 0;
     for (int k0 = 0; k0 < keys; k0 += BK) {
         if (warp == 0 && tile + STAGES - 1 < tiles) {  // refill the stage the last tile used
@@ -823,16 +842,15 @@ ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int 
 #endif
 #endif
         if (k0 + BK > N) mask_keys_past_n(s, k0, N, t);
-        rescale(s);
+        rescale(s, o, m_sub, m_lim, log2_per_s, s_per_log2, ms2, msf);
+        exponentiate(s, pa, pl, m_sub, log2_per_s, inv_c2, ms2);
 #if F16X3
-        exponentiate(s, pa, pl);
         issue_pv(pa, pl, stage);
         wgmma_wait<0>();  // before the barrier that lets this stage be refilled
         add_pv();
 #pragma unroll
         for (int n = 0; n < PA_STEPS; ++n) pin(pl[n]);
 #else
-        exponentiate(s, pa);
         issue_pv(pa, stage);
         wgmma_wait<0>();  // before the barrier that lets this stage be refilled
 #endif
