@@ -620,6 +620,63 @@ __device__ __forceinline__ void exponentiate(const float (&s)[4 * NT], EXPONENT_
     }
 }
 
+// ---- [O | l] += P [V | 1 | 0] ----
+
+// Issued (not waited for), from the V^T tile of row rw in ring stage `stage`: k-step kk
+// takes keys 16kk .. 16kk + 15 of its 64-key column, 32 bytes along its rows. BF16, F16X1:
+// straight into O. F16X3: P_hi V_lo + P_lo V_hi + P_hi V_hi into ot[grp], fresh, for the
+// keys of group grp (GROUP_STEPS k-steps each), added to O after the wait (finish_pv).
+#define GROUP_STEPS (NT / 2 / PV_GROUPS)
+__device__ __forceinline__ void issue_pv(float (&o)[4 * ON / 8], float (&ot)[PV_GROUPS][4 * ON / 8],
+                                         const u32 (&pa)[NT / 2][4], const u32 (&pl)[NT / 2][4],
+                                         int stage, const u32& smem_s, const int& rw) {
+    if constexpr (F16X3) {
+        const u32 vt_tile = smem_s + stage * STAGE_BYTES + VT_OFFSET + rw * VT_TILE;
+        const u64 vt_hi_desc = sw128_desc(vt_tile), vt_lo_desc = sw128_desc(vt_tile + VT_COLUMN);
+        wgmma_fence();  // (the first product of each group overwrites its accumulator)
+#pragma unroll
+        for (int grp = 0; grp < PV_GROUPS; ++grp)
+            three_terms(ot[grp], pa, pl, grp * GROUP_STEPS, (grp + 1) * GROUP_STEPS,
+                        [&](float (&d)[4 * ON / 8], const u32 (&a)[4], int kk, bool lo, bool first) {
+                if (first)
+                    wgmma_m64n40k16_f16_first(d, a, (lo ? vt_lo_desc : vt_hi_desc) + 2 * kk);
+                else
+                    wgmma_m64n40k16_f16(d, a, (lo ? vt_lo_desc : vt_hi_desc) + 2 * kk);
+            });
+        wgmma_commit();
+    } else {
+        const u64 vt_desc = sw128_desc(smem_s + stage * STAGE_BYTES + VT_OFFSET + rw * VT_TILE);
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < NT / 2; ++kk) {
+            if constexpr (F16X1)
+                wgmma_m64n40k16_f16(o, pa[kk], vt_desc + 2 * kk);
+            else
+                wgmma_m64n40k16_bf16(o, pa[kk], vt_desc + 2 * kk);
+        }
+        wgmma_commit();
+    }
+}
+
+// After P V's wait: F16X3's group sums added to O; the registers the products read or wrote
+// pinned after the wait (wgmma.cuh pin).
+__device__ __forceinline__ void finish_pv(float (&o)[4 * ON / 8], float (&ot)[PV_GROUPS][4 * ON / 8],
+                                          u32 (&pa)[NT / 2][4], u32 (&pl)[NT / 2][4]) {
+    if constexpr (F16X3) {
+#pragma unroll
+        for (int grp = 0; grp < PV_GROUPS; ++grp) {
+            pin(ot[grp]);
+#pragma unroll
+            for (int i = 0; i < 4 * ON / 8; ++i) o[i] += ot[grp][i];
+        }
+#pragma unroll
+        for (int n = 0; n < NT / 2; ++n) pin(pl[n]);
+    }
+    pin(o);
+#pragma unroll
+    for (int n = 0; n < NT / 2; ++n) pin(pa[n]);
+}
+
 // Warp 0: key tile j into ring stage j % STAGES by bulk copies that complete on the stage's
 // `full` mbarrier (announced first, by lane 0): lanes 0 .. (1 + VT_COLUMNS) rows_here - 1
 // copy row r's K tile, then its V^T columns; lane 31 the bias tile (project_epilogue.cuh
@@ -719,56 +776,7 @@ ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int 
     float msf[2] = {P16_SHIFT, P16_SHIFT};
     u32 ms2[2] = {pack_f16(P16_SHIFT, P16_SHIFT), pack_f16(P16_SHIFT, P16_SHIFT)};
 
-    // [O | l] += P [V | 1 | 0], issued: k-step kk takes keys 8kk .. 8kk + 7 of the V^T tile
-    // in ring stage `stage`, 32 bytes along the rows of its 32-key column.
-    auto vt_desc = [&](u32 vt_tile, int kk) {
-        return sw128_desc(vt_tile + (kk / 4) * VT_COLUMN) + 2 * (kk % 4);
-    };
-#if F16X3
-    // F16X3: P_hi V_lo + P_lo V_hi + P_hi V_hi into ot[grp], fresh, for the keys of group
-    // grp, issued; added to O after the wait (add_pv).
-#define GROUP_STEPS (NT / 2 / PV_GROUPS)
-    float ot[PV_GROUPS][4 * ON / 8];
-    auto issue_pv = [&](const u32 (&pa)[NT / 2][4], const u32 (&pl)[NT / 2][4], int stage) {
-        const u32 vt_tile = smem_s + stage * STAGE_BYTES + VT_OFFSET + rw * VT_TILE;
-        const u64 vt_hi_desc = sw128_desc(vt_tile), vt_lo_desc = sw128_desc(vt_tile + VT_COLUMN);
-        wgmma_fence();  // (the first product of each group overwrites its accumulator)
-#pragma unroll
-        for (int grp = 0; grp < PV_GROUPS; ++grp)
-            three_terms(ot[grp], pa, pl, grp * GROUP_STEPS, (grp + 1) * GROUP_STEPS,
-                        [&](float (&d)[4 * ON / 8], const u32 (&a)[4], int kk, bool lo, bool first) {
-                if (first)
-                    wgmma_m64n40k16_f16_first(d, a, (lo ? vt_lo_desc : vt_hi_desc) + 2 * kk);
-                else
-                    wgmma_m64n40k16_f16(d, a, (lo ? vt_lo_desc : vt_hi_desc) + 2 * kk);
-            });
-        wgmma_commit();
-    };
-#else
-    auto issue_pv = [&](const u32 (&pa)[NT / 2][4], int stage) {  // one 64-key column
-        const u64 vt_desc = sw128_desc(smem_s + stage * STAGE_BYTES + VT_OFFSET + rw * VT_TILE);
-        wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < NT / 2; ++kk) {
-#if F16X1
-            wgmma_m64n40k16_f16(o, pa[kk], vt_desc + 2 * kk);
-#else
-            wgmma_m64n40k16_bf16(o, pa[kk], vt_desc + 2 * kk);
-#endif
-        }
-        wgmma_commit();
-    };
-#endif
-#if F16X3
-    auto add_pv = [&]() {
-#pragma unroll
-        for (int grp = 0; grp < PV_GROUPS; ++grp) {
-            pin(ot[grp]);
-#pragma unroll
-            for (int i = 0; i < 4 * ON / 8; ++i) o[i] += ot[grp][i];
-        }
-    };
-#endif
+    float ot[PV_GROUPS][4 * ON / 8];  // (F16X3: issue_pv's fresh accumulators)
 
     // ---- the key loop: one tile at a time, each product waited for where it is issued
     // (a loop keeping the next tile's Q K^T running during this tile's softmax needed
@@ -844,19 +852,9 @@ ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int 
         if (k0 + BK > N) mask_keys_past_n(s, k0, N, t);
         rescale(s, o, m_sub, m_lim, log2_per_s, s_per_log2, ms2, msf);
         exponentiate(s, pa, pl, m_sub, log2_per_s, inv_c2, ms2);
-#if F16X3
-        issue_pv(pa, pl, stage);
+        issue_pv(o, ot, pa, pl, stage, smem_s, rw);
         wgmma_wait<0>();  // before the barrier that lets this stage be refilled
-        add_pv();
-#pragma unroll
-        for (int n = 0; n < PA_STEPS; ++n) pin(pl[n]);
-#else
-        issue_pv(pa, stage);
-        wgmma_wait<0>();  // before the barrier that lets this stage be refilled
-#endif
-        pin(o);
-#pragma unroll
-        for (int n = 0; n < PA_STEPS; ++n) pin(pa[n]);
+        finish_pv(o, ot, pa, pl);
         __syncwarp();
         if (lane == 0) mbar_arrive(empty_bar + 8 * stage);  // this warp is done with it
         ++tile;
