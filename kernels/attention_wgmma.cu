@@ -207,6 +207,14 @@ typedef unsigned short bias_elem;  // fp16 bits (F16X3: the hi tile, then the lo
 #endif
 #define KV_TILES (K_TILE + VT_COPIED)  // bytes per (b, i, head, 64 keys): K's tile, then V^T's
 
+// S of one key tile, in wgmma's accumulator layout (wgmma.cuh): fp32, or S16's fp16 pairs
+// (issue_scores)
+#if S16
+typedef u32 Scores[2 * NT];
+#else
+typedef float Scores[4 * NT];
+#endif
+
 // The entry's scale arguments, which only the F16 variants take, as values every variant
 // can pass to the steps (the others read neither).
 #if F16
@@ -462,6 +470,22 @@ __device__ __forceinline__ void add_bias(float (&s)[4 * NT], int stage, const u3
             at[1] = fmaf(at[1], qk_unscale, b.y);
         }
     }
+}
+
+// Once S's products are done: S and O pinned after the wait (wgmma.cuh pin); F16X3: the
+// bias added (add_bias) and ROW_MASK's masked keys set to -inf after it (the other variants
+// mask in issue_scores); keys past N of the last tile masked.
+template <class S>
+__device__ __forceinline__ void finish_scores(S& s, float (&o)[4 * ON / 8], int stage,
+                                              u32 bias_rows, float qk_unscale, const char* smem,
+                                              int rw, int npk, int k0, int N, int t) {
+    pin(s);
+    pin(o);
+    if constexpr (F16X3) {
+        add_bias(s, stage, bias_rows, qk_unscale);
+        if constexpr (ROW_MASK) mask_row_keys(s, smem, rw, npk, k0, t);
+    }
+    if (k0 + BK > N) mask_keys_past_n(s, k0, N, t);
 }
 
 // ---- the online softmax of S (its product done), in two parts ----
@@ -794,11 +818,8 @@ ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int 
     const char* const kv_row0 = reinterpret_cast<const char*>(vt)
                                 + (((i64)b * N + i0) * H + head) * ntiles * KV_TILES;
     const i64 kv_rstride = (i64)H * ntiles * KV_TILES;
-#if ROW_BLOCK  // (one row: always 1, kept out of the registers the row mask needs)
-    const int rows_here = ROWS == 1 ? 1 : min(ROWS, i_end - i0);
-#else
-    const int rows_here = min(ROWS, i_end - i0);
-#endif
+    // (ROW_BLOCK, one row: always 1, kept out of the registers the row mask needs)
+    const int rows_here = ROW_BLOCK && ROWS == 1 ? 1 : min(ROWS, i_end - i0);
     const char* const bias_tiles = reinterpret_cast<const char*>(bias)
         + ((((i64)b * H + head) * ((N + BQ - 1) / BQ) + qtile) * ntiles) * BIAS_TILE;
     auto produce = [&](int j) {
@@ -834,22 +855,10 @@ ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int 
             produce(j);
         }
         mbar_wait(full_bar + 8 * stage, (tile / STAGES) & 1);
-#if S16
-        u32 s[2 * NT];
-#else
-        float s[4 * NT];
-#endif
+        Scores s;
         issue_scores(s, stage, bias_rows, smem_s, q_tile, qa, ql, smem, rw, npk, k0, t);
         wgmma_wait<0>();
-        pin(s);
-        pin(o);
-#if F16X3
-        add_bias(s, stage, bias_rows, qk_unscale);
-#if ROW_MASK
-        mask_row_keys(s, smem, rw, npk, k0, t);
-#endif
-#endif
-        if (k0 + BK > N) mask_keys_past_n(s, k0, N, t);
+        finish_scores(s, o, stage, bias_rows, QK_UNSCALE, smem, rw, npk, k0, N, t);
         rescale(s, o, m_sub, m_lim, log2_per_s, s_per_log2, ms2, msf);
         exponentiate(s, pa, pl, m_sub, log2_per_s, inv_c2, ms2);
         issue_pv(o, ot, pa, pl, stage, smem_s, rw);
