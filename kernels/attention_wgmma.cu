@@ -215,14 +215,20 @@ typedef u32 Scores[2 * NT];
 typedef float Scores[4 * NT];
 #endif
 
-// The entry's scale arguments, which only the F16 variants take, as values every variant
-// can pass to the steps (the others read neither).
+// The entry's arguments which only some variants take, as values every variant can pass
+// to the steps (the others read none): the F16 variants' scales,
 #if F16
 #define QK_UNSCALE qk_unscale
 #define V_UNSCALE v_unscale
 #else
 #define QK_UNSCALE 1.f
 #define V_UNSCALE 1.f
+#endif
+// ROW_MASK's key bits, null for the others
+#if ROW_MASK
+#define ROW_MASK_BITS row_mask
+#else
+#define ROW_MASK_BITS nullptr
 #endif
 
 // d += a_hi b_lo + a_lo b_hi + a_hi b_hi over the k-steps kk in [k0, k1), small terms
@@ -729,6 +735,37 @@ __device__ __forceinline__ void produce_tile(int j, u32 smem_s, u32 full_bar, co
         bulk_copy(st + BIAS_OFFSET, bias_tiles + (i64)j * BIAS_TILE, BIAS_TILE, full);
 }
 
+// Warp 0, at tile j - STAGES + 1: tile j into the stage the last tile used, once every warp
+// has arrived on that stage's `empty` mbarrier (its products of it done).
+__device__ __forceinline__ void refill_stage(int j, u32 smem_s, u32 full_bar, u32 empty_bar,
+                                             const char* kv_row0, i64 kv_rstride,
+                                             const char* bias_tiles, int rows_here,
+                                             const int& lane) {
+    if (j >= STAGES) mbar_wait(empty_bar + 8 * (j % STAGES), (j / STAGES - 1) & 1);
+    produce_tile(j, smem_s, full_bar, kv_row0, kv_rstride, bias_tiles, rows_here, lane);
+}
+
+// Thread 0: the ring's mbarriers. full[s] completes on warp 0's one arrival (with the bytes
+// it announces) and the copies' bytes; empty[s] on one arrival per warp.
+__device__ __forceinline__ void init_ring(u32 full_bar, u32 empty_bar, int tid) {
+    if (tid == 0) {
+        for (int s = 0; s < STAGES; ++s) {
+            mbar_init(full_bar + 8 * s, 1);
+            mbar_init(empty_bar + 8 * s, THREADS / 32);
+        }
+    }
+}
+
+// ROW_MASK: the block's rows' key bits into shared memory (ROW_MASK_OFFSET), npk / 32 words
+// per row (rows past i_end: row i_end - 1's, read, never written out).
+__device__ __forceinline__ void copy_row_mask(char* smem, const unsigned* __restrict__ row_mask,
+                                              int b, int N, int i0, int i_end, int npk, int tid) {
+    const int words = npk / 32;
+    unsigned* const keep = reinterpret_cast<unsigned*>(smem + ROW_MASK_OFFSET);
+    for (int w = tid; w < ROWS * words; w += THREADS)
+        keep[w] = row_mask[((i64)b * N + min(i0 + w / words, i_end - 1)) * words + w % words];
+}
+
 extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
 ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int npk,
       int nan_fully_masked
@@ -822,38 +859,22 @@ ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int 
     const int rows_here = ROW_BLOCK && ROWS == 1 ? 1 : min(ROWS, i_end - i0);
     const char* const bias_tiles = reinterpret_cast<const char*>(bias)
         + ((((i64)b * H + head) * ((N + BQ - 1) / BQ) + qtile) * ntiles) * BIAS_TILE;
-    auto produce = [&](int j) {
-        produce_tile(j, smem_s, full_bar, kv_row0, kv_rstride, bias_tiles, rows_here, lane);
-    };
-    if (tid == 0) {
-        for (int s = 0; s < STAGES; ++s) {
-            mbar_init(full_bar + 8 * s, 1);
-            mbar_init(empty_bar + 8 * s, THREADS / 32);
-        }
-    }
-#if ROW_MASK
-    {   // the block's rows' key bits (rows past i_end: row i_end - 1's, read, never written out)
-        const int words = npk / 32;
-        unsigned* const keep = reinterpret_cast<unsigned*>(smem + ROW_MASK_OFFSET);
-        for (int w = tid; w < ROWS * words; w += THREADS)
-            keep[w] = row_mask[((i64)b * N + min(i0 + w / words, i_end - 1)) * words + w % words];
-    }
-#endif
+    init_ring(full_bar, empty_bar, tid);
+    if constexpr (ROW_MASK) copy_row_mask(smem, ROW_MASK_BITS, b, N, i0, i_end, npk, tid);
     fence_async_shared();  // the ones rows, before any wgmma reads them
     __syncthreads();       // they, the key bits and the mbarriers initialised, for every warp
     if (warp == 0)
-        for (int j = 0; j < STAGES - 1 && j < tiles; ++j) produce(j);
+        for (int j = 0; j < STAGES - 1 && j < tiles; ++j)
+            produce_tile(j, smem_s, full_bar, kv_row0, kv_rstride, bias_tiles, rows_here, lane);
     int tile = 0;
 #define PA_STEPS (HALF16 ? NT / 2 : NT)  // k-steps of P V
     u32 pa[PA_STEPS][4];
     u32 pl[PA_STEPS][4];  // (F16X3)
     int stage = 0;
     for (int k0 = 0; k0 < keys; k0 += BK) {
-        if (warp == 0 && tile + STAGES - 1 < tiles) {  // refill the stage the last tile used
-            const int j = tile + STAGES - 1;
-            if (j >= STAGES) mbar_wait(empty_bar + 8 * (j % STAGES), (j / STAGES - 1) & 1);
-            produce(j);
-        }
+        if (warp == 0 && tile + STAGES - 1 < tiles)  // refill the stage the last tile used
+            refill_stage(tile + STAGES - 1, smem_s, full_bar, empty_bar, kv_row0, kv_rstride,
+                         bias_tiles, rows_here, lane);
         mbar_wait(full_bar + 8 * stage, (tile / STAGES) & 1);
         Scores s;
         issue_scores(s, stage, bias_rows, smem_s, q_tile, qa, ql, smem, rw, npk, k0, t);
