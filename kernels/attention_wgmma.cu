@@ -766,6 +766,41 @@ __device__ __forceinline__ void copy_row_mask(char* smem, const unsigned* __rest
         keep[w] = row_mask[((i64)b * N + min(i0 + w / words, i_end - 1)) * words + w % words];
 }
 
+// The epilogue of this warp's query row r (query q0 + 8r + g; rows g, g + 8 of O): o = O / l
+// (F16X3: O v_unscale / l, the projection's scale of v undone; F16X1's o stays in v's
+// units, which the out projection undoes), written to `row` (qkvg at query 0 of this warp's
+// row, this head's columns) unless past N. total: l, 0 only where every key was masked:
+// those queries get 0, or NaN with nan_fully_masked. O16: a lane's 4 pairs packed in one
+// 16-byte store, word 4t + v holding dims 8v + 2t, + 1 (load_o4 gathers them); otherwise 4
+// float2 stores. (O16's pair computed x1 first and the fp32 pair as a float2, and the
+// words without an array: the instruction order the tuned machine code has.)
+__device__ __forceinline__ void store_o_row(const float (&o)[4 * ON / 8], int r, float total,
+                                            float* row, int q0, int N, i64 ld, int g, int t,
+                                            int nan_fully_masked, float v_unscale) {
+    const int j = q0 + 8 * r + g;
+    if (j >= N) return;
+    const bool fully_masked = total == 0.f;
+    const float inv = fully_masked ? 0.f : (F16X3 ? v_unscale : 1.0f) / total;
+    const float fill = nan_fully_masked ? quiet_nan() : 0.f;
+    float* const out = row + (i64)j * ld + (O16 ? DT * t : 2 * t);
+    if constexpr (O16) {  // word v: dims 8v + 2t, + 1
+        auto word = [&](int v) {
+            const float x1 = fully_masked ? fill : o[4 * v + 2 * r + 1] * inv;
+            const float x0 = fully_masked ? fill : o[4 * v + 2 * r] * inv;
+            return BF16 ? pack_bf16(x0, x1) : pack_f16(x0, x1);
+        };
+        const u32 w0 = word(0), w1 = word(1), w2 = word(2), w3 = word(3);
+        *reinterpret_cast<uint4*>(out) = make_uint4(w0, w1, w2, w3);
+    } else {
+#pragma unroll
+        for (int v = 0; v < DT; ++v) {  // dims 8v + 2t, + 1
+            float2 x = make_float2(o[4 * v + 2 * r] * inv, o[4 * v + 2 * r + 1] * inv);
+            if (fully_masked) x = make_float2(fill, fill);
+            *reinterpret_cast<float2*>(out + 8 * v) = x;
+        }
+    }
+}
+
 extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
 ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int npk,
       int nan_fully_masked
@@ -891,37 +926,12 @@ ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int 
         stage = stage == STAGES - 1 ? 0 : stage + 1;
     }
 
-    // o / l over q; l = 0 only where every key was masked. The sums are in lanes t = 0.
+    // o = O / l. The row sums l are in lanes t = 0 (column d of [O | l]): every lane takes
+    // its rows' before the rows past the block's end return.
     const float total[2] = {__shfl_sync(0xffffffffu, o[4 * DT], lane & ~3),
                             __shfl_sync(0xffffffffu, o[4 * DT + 2], lane & ~3)};
     if (!row_ok) return;
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        const int j = q0 + 8 * r + g;
-        if (j >= N) continue;
-        const bool fully_masked = total[r] == 0.f;
-#if F16X3  // (F16X1: o stays in v's units, O16)
-        const float inv = fully_masked ? 0.f : v_unscale / total[r];
-#else
-        const float inv = fully_masked ? 0.f : 1.0f / total[r];
-#endif
-        const float fill = nan_fully_masked ? quiet_nan() : 0.f;
-#if O16
-        u32 packed[DT];
-#endif
-        float* const out = row + (i64)j * ld + (O16 ? DT * t : 2 * t);
-#pragma unroll
-        for (int v = 0; v < DT; ++v) {  // dims 8v + 2t, + 1
-            float2 x = make_float2(o[4 * v + 2 * r] * inv, o[4 * v + 2 * r + 1] * inv);
-            if (fully_masked) x = make_float2(fill, fill);
-#if O16
-            packed[v] = BF16 ? pack_bf16(x.x, x.y) : pack_f16(x.x, x.y);
-#else
-            *reinterpret_cast<float2*>(out + 8 * v) = x;
-#endif
-        }
-#if O16  // word 4t + v: dims 8v + 2t, + 1 (load_o4 gathers them)
-        *reinterpret_cast<uint4*>(out) = make_uint4(packed[0], packed[1], packed[2], packed[3]);
-#endif
-    }
+    for (int r = 0; r < 2; ++r)
+        store_o_row(o, r, total[r], row, q0, N, ld, g, t, nan_fully_masked, V_UNSCALE);
 }
