@@ -120,7 +120,6 @@
 #define P16_SHIFT 2.f   // S16: P = 2^((S - m) / c + P16_SHIFT), at most 2^(RESCALE_SLACK + 2)
 #endif
 #define F16 (F16X3 || F16X1)  // fp16 operands, scaled by the projection (qk_unscale, v_unscale)
-#define HALF16 (BF16 || F16)  // 16-bit operands: k16 products, K rows of 64 bytes
 // Q K^T with Q from shared memory (both operands by descriptor; BF16, F16X1): Q's 8
 // registers of A fragments, held for the whole key loop, pushed the 80-register kernels
 // (3 blocks per SM) into spills and made ptxas serialize their wgmmas.
@@ -158,7 +157,7 @@ static_assert(HEAD_DIM == 32, "O16: a lane's o values of a row are one 16-byte s
 #error "attention_wgmma.cu: ROWS must be 1 or 2"
 #endif
 
-#define K_ROW (HALF16 ? 64 : 128)         // bytes per key of a K tile: 32 dims
+#define K_ROW 64                          // bytes per key of a K tile: 32 16-bit dims
 #define K_PART (BK * K_ROW)               // bytes of one K tile (F16X3: hi, then lo)
 #define K_TILE ((1 + F16X3) * K_PART)     // bytes
 // V^T columns per tile: rows of 128 bytes of keys (F16X3: the hi column, then the lo)
@@ -176,11 +175,6 @@ typedef unsigned short bias_elem;  // fp16 bits (F16X3: the hi tile, then the lo
 #else
 #define ENTRY attention_wgmma_f16
 #endif
-#define BIAS_BYTES 2                     // sizeof(bias_elem), for the preprocessor
-#define BIAS_CHUNK (16 / BIAS_BYTES)      // bias elements per 16-byte copy
-// Elements per bias row: the 8 rows g of a fragment read (8 g + 2t) words apart for fp32
-// pairs, (4 g + t) for fp16 pairs: on distinct banks either way.
-#define BSTR (BK + 8)
 #define BIAS_PART (BQ * BK * 2)
 #define BIAS_TILE ((1 + F16X3) * BIAS_PART)  // F16X3: the hi part, then the lo
 #define VT_OFFSET (ROWS * K_TILE)         // in a stage
@@ -707,6 +701,15 @@ __device__ __forceinline__ void finish_pv(float (&o)[4 * ON / 8], float (&ot)[PV
     for (int n = 0; n < NT / 2; ++n) pin(pa[n]);
 }
 
+// ---- the ring of STAGES key tiles ----
+// Warp 0 fills the stages with bulk copies (one instruction per K or V^T column tile, one
+// per bias tile) that complete on the stage's `full` mbarrier; each warp arrives on its
+// `empty` mbarrier when its products of the stage are done, and warp 0 refills a stage once
+// all have. No block barrier in the key loop: the warpgroups (four with ROWS 2, sharing
+// each bias tile) drift apart by up to STAGES - 2 tiles. The projection writes K as tiles
+// too (per (b, i, head, 64 keys) the K tile then the V^T tile, as shared memory holds
+// them); keys past N are left unwritten in K (S is masked to -inf there) and zero in V^T.
+
 // Warp 0: key tile j into ring stage j % STAGES by bulk copies that complete on the stage's
 // `full` mbarrier (announced first, by lane 0): lanes 0 .. (1 + VT_COLUMNS) rows_here - 1
 // copy row r's K tile, then its V^T columns; lane 31 the bias tile (project_epilogue.cuh
@@ -831,16 +834,13 @@ ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int g = lane >> 2, t = lane & 3;
 
-    // qkvg at (b, i0 + r, j = 0), this head's q columns.
-    auto row_base = [&](int r) { return qkvg + ((i64)b * N + i0 + r) * N * ld + head * HEAD_DIM; };
-
     // This warp: warpgroup wg, row rw of the block, queries q0 .. q0 + 15.
     // (ROWS 1: rw a constant 0, so the descriptors of the products stay in uniform
     // registers: ~26-50 fewer instructions per tile, ptxas; not for F16X3, whose 128
     // registers it pushed into spills)
     const int wg = warp / 4, rw = ROWS == 1 && !F16X3 ? 0 : wg / ROW_GROUPS;
     const bool row_ok = i0 + rw < i_end;
-    float* const row = row_base(rw);
+    float* const row = qkvg + ((i64)b * N + i0 + rw) * N * ld + head * HEAD_DIM;  // (j = 0, q's columns)
     const int q_in_tile = (wg % ROW_GROUPS) * 64 + (warp % 4) * 16;
     const int q0 = qtile * BQ + q_in_tile;
 
@@ -876,15 +876,8 @@ ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int 
 
     // ---- the key loop: one tile at a time, each product waited for where it is issued
     // (a loop keeping the next tile's Q K^T running during this tile's softmax needed
-    // ~220 registers, so one block of 8 warps per SM, and was slower: docs/performance.md) ----
-    // Warp 0 fills the stages with bulk copies (one instruction per K or V^T column
-    // tile, one per bias row) that complete on the stage's `full` mbarrier; each warp
-    // arrives on its `empty` mbarrier when its products of the stage are done, and warp 0
-    // refills a stage once all have. No block barrier in the loop: the warpgroups (four
-    // with ROWS 2, sharing each bias tile) drift apart by up to STAGES - 2 tiles. The
-    // projection writes K as tiles too (per (b, i, head, 64 keys) the K tile then the V^T
-    // tile, as shared memory holds them); keys past N are left unwritten in
-    // K (S is masked to -inf there) and zero in V^T.
+    // ~220 registers, so one block of 8 warps per SM, and was slower: docs/performance.md),
+    // the tiles coming through the ring of STAGES stages that warp 0 fills ----
     const u32 full_bar = smem_s + STAGES * STAGE_BYTES, empty_bar = full_bar + 8 * STAGES;
     const int tiles = (keys + BK - 1) / BK;
     const char* const kv_row0 = reinterpret_cast<const char*>(vt)
@@ -902,9 +895,7 @@ ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int 
         for (int j = 0; j < STAGES - 1 && j < tiles; ++j)
             produce_tile(j, smem_s, full_bar, kv_row0, kv_rstride, bias_tiles, rows_here, lane);
     int tile = 0;
-#define PA_STEPS (HALF16 ? NT / 2 : NT)  // k-steps of P V
-    u32 pa[PA_STEPS][4];
-    u32 pl[PA_STEPS][4];  // (F16X3)
+    u32 pa[NT / 2][4], pl[NT / 2][4];  // P's A fragments, per 16-key k-step of P V (pl: F16X3's lo)
     int stage = 0;
     for (int k0 = 0; k0 < keys; k0 += BK) {
         if (warp == 0 && tile + STAGES - 1 < tiles)  // refill the stage the last tile used
