@@ -370,7 +370,7 @@ __device__ __forceinline__ u32 bias_lane_address(u32 bias_tile, int q_in_tile, i
 // This lane's bias pairs (rows g, g + 8; keys 8n + 2t, + 1) as fp16 pairs: r[0], r[1]
 // pairs 2j, 2j + 1 of row g and r[2], r[3] those of row g + 8, of the tile in `stage`
 // (F16X3: part 1 its lo tile). bias_rows: bias_lane_address.
-__device__ __forceinline__ void bias_pairs(u32 (&r)[4], const u32& bias_rows, int stage, int j,
+__device__ __forceinline__ void bias_pairs(u32 (&r)[4], u32 bias_rows, int stage, int j,
                                            int part) {
     ldsm_x4(r, ((bias_rows + stage * STAGE_BYTES) ^ (32 * j)) + part * BIAS_PART);
 }
@@ -380,12 +380,10 @@ __device__ __forceinline__ int pair_slot(int q) { return 4 * (q & 1) + 2 * (q >>
 // The scores' arguments after S and its stage, as the key loop holds them: bias_rows
 // (bias_lane_address), the aligned shared memory's address and pointer, the warpgroup's Q
 // tile (Q_SHARED) or Q's A fragments qa (F16X3: hi, ql lo), row rw of the block, npk, the
-// tile's first key k0 and t = lane & 3 (ROW_MASK). (All but k0 by reference: this keeps
-// the machine code of these steps as tuned; the compiler canonicalizes a comparison or an
-// address sum of arguments differently from one of loaded values.)
-#define SCORE_ARGS const u32 &bias_rows, const u32 &smem_s, const u32 &q_tile,        \
+// tile's first key k0 and t = lane & 3 (ROW_MASK).
+#define SCORE_ARGS u32 bias_rows, u32 smem_s, u32 q_tile,        \
                    const u32 (&qa)[HEAD_DIM / 16][4], const u32 (&ql)[HEAD_DIM / 16][4], \
-                   char* const &smem, const int &rw, const int &npk, int k0, const int &t
+                   const char* smem, int rw, int npk, int k0, int t
 
 // S16: S = bias + Q K^T issued (not waited for) in fp16 accumulators
 // (wgmma_m64n64k16_f16acc_ss), 16 registers of pairs: s[2n] row g, s[2n + 1] row g + 8,
@@ -454,8 +452,8 @@ __device__ __forceinline__ void issue_scores(float (&s)[4 * NT], int stage, SCOR
 
 // F16X3: S = products qk_unscale + bias, once the products are done: the bias's hi and lo
 // tiles summed (exact in fp32; -inf + 0 where masked).
-__device__ __forceinline__ void add_bias(float (&s)[4 * NT], int stage, const u32& bias_rows,
-                                         const float& qk_unscale) {
+__device__ __forceinline__ void add_bias(float (&s)[4 * NT], int stage, u32 bias_rows,
+                                         float qk_unscale) {
 #pragma unroll
     for (int j = 0; j < NT / 2; ++j) {
         u32 hi[4], lo[4];
@@ -494,13 +492,12 @@ __device__ __forceinline__ void finish_scores(S& s, float (&o)[4 * ON / 8], int 
 // it. exponentiate: P = 2^(S - m) as the A fragments of the k-steps of P V.
 // F16X1: S is in units of s_q s_k (log2): log2_per_s converts it back (exact, a power of
 // two; s_per_log2 its inverse), folded into the exponent's FFMA (in place of its FADD).
-// (The state by reference, as the key loop holds it; log2_per_s and s_per_log2 too, which
-// keeps the machine code as tuned.)
+// The state (o, m_sub, m_lim; S16's ms2, msf) is the key loop's, updated in place.
 #define SOFTMAX_ARGS float (&o)[4 * ON / 8], float (&m_sub)[2], float (&m_lim)[2], \
-                     const float &log2_per_s, const float &s_per_log2, u32 (&ms2)[2], float (&msf)[2]
+                     float log2_per_s, float s_per_log2, u32 (&ms2)[2], float (&msf)[2]
 // exponentiate's after S: P's A fragments pa (F16X3: hi, pl lo) and the state it reads
 #define EXPONENT_ARGS u32 (&pa)[NT / 2][4], u32 (&pl)[NT / 2][4], const float (&m_sub)[2], \
-                      const float &log2_per_s, const u32 &inv_c2, const u32 (&ms2)[2]
+                      float log2_per_s, u32 inv_c2, const u32 (&ms2)[2]
 
 // S16: the same on S's fp16 pairs. The maximum: a max.f16x2 tree over each row's 8
 // pairs (S's values, exact), its two candidates per row paired across the rows by two
@@ -653,7 +650,7 @@ __device__ __forceinline__ void exponentiate(const float (&s)[4 * NT], EXPONENT_
 #define GROUP_STEPS (NT / 2 / PV_GROUPS)
 __device__ __forceinline__ void issue_pv(float (&o)[4 * ON / 8], float (&ot)[PV_GROUPS][4 * ON / 8],
                                          const u32 (&pa)[NT / 2][4], const u32 (&pl)[NT / 2][4],
-                                         int stage, const u32& smem_s, const int& rw) {
+                                         int stage, u32 smem_s, int rw) {
     if constexpr (F16X3) {
         const u32 vt_tile = smem_s + stage * STAGE_BYTES + VT_OFFSET + rw * VT_TILE;
         const u64 vt_hi_desc = sw128_desc(vt_tile), vt_lo_desc = sw128_desc(vt_tile + VT_COLUMN);
@@ -715,8 +712,8 @@ __device__ __forceinline__ void finish_pv(float (&o)[4 * ON / 8], float (&ot)[PV
 // copy row r's K tile, then its V^T columns; lane 31 the bias tile (project_epilogue.cuh
 // bias_element), shared by the block's rows. kv_row0: the block's first row's K and V^T
 // tiles of this head, kv_rstride apart per row; bias_tiles: this query tile's bias tiles.
-// (`lane` by reference, as the closure this step was read it: by value the compiler
-// writes the lane test the other way round, and the machine code changes.)
+// (`lane` by reference: as an argument, the compiler writes the lane test the other way
+// round, and ptxas schedules the loop differently.)
 __device__ __forceinline__ void produce_tile(int j, u32 smem_s, u32 full_bar, const char* kv_row0,
                                              i64 kv_rstride, const char* bias_tiles,
                                              int rows_here, const int& lane) {
