@@ -93,7 +93,7 @@
 #define ROWS 1          // pair rows per block (1 or 2), sharing the bias tiles
 #endif
 #ifndef STAGES
-#define STAGES 2        // tiles in the cp.async ring
+#define STAGES 2        // key tiles in the ring of bulk copies
 #endif
 #ifndef MIN_BLOCKS
 #define MIN_BLOCKS 2    // __launch_bounds__ occupancy hint
@@ -210,7 +210,7 @@ typedef float Scores[4 * NT];
 #endif
 
 // The entry's arguments which only some variants take, as values every variant can pass
-// to the steps (the others read none): the F16 variants' scales,
+// to the steps (the others read none): the F16 variants' scales
 #if F16
 #define QK_UNSCALE qk_unscale
 #define V_UNSCALE v_unscale
@@ -381,7 +381,7 @@ __device__ __forceinline__ int pair_slot(int q) { return 4 * (q & 1) + 2 * (q >>
 // (bias_lane_address), the aligned shared memory's address and pointer, the warpgroup's Q
 // tile (Q_SHARED) or Q's A fragments qa (F16X3: hi, ql lo), row rw of the block, npk, the
 // tile's first key k0 and t = lane & 3 (ROW_MASK).
-#define SCORE_ARGS u32 bias_rows, u32 smem_s, u32 q_tile,        \
+#define SCORE_ARGS u32 bias_rows, u32 smem_s, u32 q_tile,                              \
                    const u32 (&qa)[HEAD_DIM / 16][4], const u32 (&ql)[HEAD_DIM / 16][4], \
                    const char* smem, int rw, int npk, int k0, int t
 
