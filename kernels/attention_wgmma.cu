@@ -499,6 +499,13 @@ __device__ __forceinline__ void finish_scores(S& s, float (&o)[4 * ON / 8], int 
 #define EXPONENT_ARGS u32 (&pa)[NT / 2][4], u32 (&pl)[NT / 2][4], const float (&m_sub)[2], \
                       float log2_per_s, u32 inv_c2, const u32 (&ms2)[2]
 
+// The maximum of two fp16 pairs, pair by pair (S16)
+__device__ __forceinline__ u32 hmax2(u32 a, u32 b) {
+    u32 d;
+    asm("max.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+    return d;
+}
+
 // S16: the same on S's fp16 pairs. The maximum: a max.f16x2 tree over each row's 8
 // pairs (S's values, exact), its two candidates per row paired across the rows by two
 // byte permutes and one more max; compared in fp32 with m_lim (fp32, S's units, as
@@ -515,11 +522,6 @@ __device__ __forceinline__ void finish_scores(S& s, float (&o)[4 * ON / 8], int 
 // -inf, x = -inf, P = 0; rows with every key so far masked keep m_sub 0, ms P16_SHIFT
 // (finite: no -inf - (-inf)). ms cannot overflow: |m_sub / c| <= the scores' bound <= 2^15
 // (c >= 1, gpu/scales.py f16s_scales).
-__device__ __forceinline__ u32 hmax2(u32 a, u32 b) {
-    u32 d;
-    asm("max.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
-    return d;
-}
 __device__ __forceinline__ void rescale(const u32 (&s)[2 * NT], SOFTMAX_ARGS) {
     u32 a = s[0], b = s[1];  // rows g, g + 8
 #pragma unroll
@@ -766,6 +768,8 @@ __device__ __forceinline__ void copy_row_mask(char* smem, const unsigned* __rest
         keep[w] = row_mask[((i64)b * N + min(i0 + w / words, i_end - 1)) * words + w % words];
 }
 
+// ---- the epilogue ----
+
 // The epilogue of this warp's query row r (query q0 + 8r + g; rows g, g + 8 of O): o = O / l
 // (F16X3: O v_unscale / l, the projection's scale of v undone; F16X1's o stays in v's
 // units, which the out projection undoes), written to `row` (qkvg at query 0 of this warp's
@@ -861,9 +865,9 @@ ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int 
 
     const u32 bias_rows = bias_lane_address(smem_s + BIAS_OFFSET, q_in_tile, lane);
 
-    // The online softmax's state (online_softmax_*). F16X1: S is in units of s_q s_k
-    // (log2): log2_per_s converts it back (exact, a power of two). S16: P's offsets ms2 (as
-    // fp16 pairs) and msf (as fp32), and 1 / c as an fp16 pair.
+    // The rest of the online softmax's state (rescale, exponentiate). F16X1: S is in units
+    // of s_q s_k (log2): log2_per_s converts it back (exact, a power of two). S16: P's
+    // offsets ms2 (as fp16 pairs) and msf (as fp32), and 1 / c as an fp16 pair.
     const float log2_per_s = F16X1 ? QK_UNSCALE : 1.f, s_per_log2 = F16X1 ? 1.f / QK_UNSCALE : 1.f;
     const u32 inv_c2 = pack_f16(QK_UNSCALE, QK_UNSCALE);  // (S16) 1 / c (a power of two: exact)
     float msf[2] = {P16_SHIFT, P16_SHIFT};
