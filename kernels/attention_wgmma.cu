@@ -558,7 +558,8 @@ __device__ __forceinline__ void exponentiate(const u32 (&s)[2 * NT], EXPONENT_AR
 #pragma unroll
         for (int e = 0; e < 4; ++e) {  // row e & 1
             u32 x;
-            asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(x) : "r"(s[4 * kk + e]), "r"(inv_c2), "r"(ms2[e & 1]));
+            asm("fma.rn.f16x2 %0, %1, %2, %3;"
+                : "=r"(x) : "r"(s[4 * kk + e]), "r"(inv_c2), "r"(ms2[e & 1]));
             asm("ex2.approx.f16x2 %0, %1;" : "=r"(pa[kk][e]) : "r"(x));
         }
 }
@@ -614,9 +615,9 @@ __device__ __forceinline__ void packed_fragments(u32 (&pa)[NT / 2][4], const flo
 }
 
 // fp32 S (BF16): the A fragments of the 4 16-key k-steps, packed bf16 (packed_fragments),
-// keys in the V^T tile's own order. F16X1: the same in fp16, each value 2^(S - m + P_SHIFT) (S in its units: 2^((S - m)
-// log2_per_s + P_SHIFT), one FFMA each). F16X3: 2^(S - m + P_SHIFT) split into fp16 hi
-// (pa) and lo (pl).
+// keys in the V^T tile's own order. F16X1: the same in fp16, each value 2^(S - m + P_SHIFT)
+// (S in its units: 2^((S - m) log2_per_s + P_SHIFT), one FFMA each). F16X3: 2^(S - m +
+// P_SHIFT) split into fp16 hi (pa) and lo (pl).
 __device__ __forceinline__ void exponentiate(const float (&s)[4 * NT], EXPONENT_ARGS) {
     if constexpr (F16X3) {
         const float ms[2] = {m_sub[0] - P_SHIFT, m_sub[1] - P_SHIFT};
@@ -650,7 +651,8 @@ __device__ __forceinline__ void exponentiate(const float (&s)[4 * NT], EXPONENT_
 // straight into O. F16X3: P_hi V_lo + P_lo V_hi + P_hi V_hi into ot[grp], fresh, for the
 // keys of group grp (GROUP_STEPS k-steps each), added to O after the wait (finish_pv).
 #define GROUP_STEPS (NT / 2 / PV_GROUPS)
-__device__ __forceinline__ void issue_pv(float (&o)[4 * ON / 8], float (&ot)[PV_GROUPS][4 * ON / 8],
+__device__ __forceinline__ void issue_pv(float (&o)[4 * ON / 8],
+                                         float (&ot)[PV_GROUPS][4 * ON / 8],
                                          const u32 (&pa)[NT / 2][4], const u32 (&pl)[NT / 2][4],
                                          int stage, u32 smem_s, int rw) {
     if constexpr (F16X3) {
@@ -683,7 +685,8 @@ __device__ __forceinline__ void issue_pv(float (&o)[4 * ON / 8], float (&ot)[PV_
 
 // After P V's wait: F16X3's group sums added to O; the registers the products read or wrote
 // pinned after the wait (wgmma.cuh pin).
-__device__ __forceinline__ void finish_pv(float (&o)[4 * ON / 8], float (&ot)[PV_GROUPS][4 * ON / 8],
+__device__ __forceinline__ void finish_pv(float (&o)[4 * ON / 8],
+                                          float (&ot)[PV_GROUPS][4 * ON / 8],
                                           u32 (&pa)[NT / 2][4], u32 (&pl)[NT / 2][4]) {
     if constexpr (F16X3) {
 #pragma unroll
@@ -709,23 +712,31 @@ __device__ __forceinline__ void finish_pv(float (&o)[4 * ON / 8], float (&ot)[PV
 // too (per (b, i, head, 64 keys) the K tile then the V^T tile, as shared memory holds
 // them); keys past N are left unwritten in K (S is masked to -inf there) and zero in V^T.
 
+// Where the block's tiles come from: kv_row0 the block's first row's K and V^T tiles of
+// this head, kv_rstride bytes apart per row, for rows_here rows; bias_tiles this query
+// tile's bias tiles (shared by the block's rows).
+struct TileSources {
+    const char* kv_row0;
+    i64 kv_rstride;
+    int rows_here;
+    const char* bias_tiles;
+};
+
 // Warp 0: key tile j into ring stage j % STAGES by bulk copies that complete on the stage's
 // `full` mbarrier (announced first, by lane 0): lanes 0 .. (1 + VT_COLUMNS) rows_here - 1
 // copy row r's K tile, then its V^T columns; lane 31 the bias tile (project_epilogue.cuh
-// bias_element), shared by the block's rows. kv_row0: the block's first row's K and V^T
-// tiles of this head, kv_rstride apart per row; bias_tiles: this query tile's bias tiles.
+// bias_element).
 // (`lane` by reference: as an argument, the compiler writes the lane test the other way
 // round, and ptxas schedules the loop differently.)
-__device__ __forceinline__ void produce_tile(int j, u32 smem_s, u32 full_bar, const char* kv_row0,
-                                             i64 kv_rstride, const char* bias_tiles,
-                                             int rows_here, const int& lane) {
+__device__ __forceinline__ void produce_tile(int j, u32 smem_s, u32 full_bar,
+                                             const TileSources& from, const int& lane) {
     const int s = j % STAGES;
     const u32 st = smem_s + s * STAGE_BYTES, full = full_bar + 8 * s;
-    if (lane == 0) mbar_arrive_expect(full, rows_here * (K_TILE + VT_COPIED) + BIAS_TILE);
+    if (lane == 0) mbar_arrive_expect(full, from.rows_here * (K_TILE + VT_COPIED) + BIAS_TILE);
     __syncwarp();
-    if (lane < (1 + VT_COLUMNS) * rows_here) {  // K, then V^T's columns, of row r
+    if (lane < (1 + VT_COLUMNS) * from.rows_here) {  // K, then V^T's columns, of row r
         const int r = lane / (1 + VT_COLUMNS), part = lane % (1 + VT_COLUMNS);
-        const char* const src = kv_row0 + r * kv_rstride + (i64)j * KV_TILES;
+        const char* const src = from.kv_row0 + r * from.kv_rstride + (i64)j * KV_TILES;
         if (part == 0)
             bulk_copy(st + r * K_TILE, src, K_TILE, full);
         else
@@ -734,17 +745,15 @@ __device__ __forceinline__ void produce_tile(int j, u32 smem_s, u32 full_bar, co
                       VT_COPIED / VT_COLUMNS, full);
     }
     if (lane == 31)
-        bulk_copy(st + BIAS_OFFSET, bias_tiles + (i64)j * BIAS_TILE, BIAS_TILE, full);
+        bulk_copy(st + BIAS_OFFSET, from.bias_tiles + (i64)j * BIAS_TILE, BIAS_TILE, full);
 }
 
 // Warp 0, at tile j - STAGES + 1: tile j into the stage the last tile used, once every warp
 // has arrived on that stage's `empty` mbarrier (its products of it done).
 __device__ __forceinline__ void refill_stage(int j, u32 smem_s, u32 full_bar, u32 empty_bar,
-                                             const char* kv_row0, i64 kv_rstride,
-                                             const char* bias_tiles, int rows_here,
-                                             const int& lane) {
+                                             const TileSources& src, const int& lane) {
     if (j >= STAGES) mbar_wait(empty_bar + 8 * (j % STAGES), (j / STAGES - 1) & 1);
-    produce_tile(j, smem_s, full_bar, kv_row0, kv_rstride, bias_tiles, rows_here, lane);
+    produce_tile(j, smem_s, full_bar, src, lane);
 }
 
 // Thread 0: the ring's mbarriers. full[s] completes on warp 0's one arrival (with the bytes
@@ -841,7 +850,8 @@ ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int 
     // registers it pushed into spills)
     const int wg = warp / 4, rw = ROWS == 1 && !F16X3 ? 0 : wg / ROW_GROUPS;
     const bool row_ok = i0 + rw < i_end;
-    float* const row = qkvg + ((i64)b * N + i0 + rw) * N * ld + head * HEAD_DIM;  // (j = 0, q's columns)
+    // qkvg at (b, i0 + rw, j = 0), this head's q columns
+    float* const row = qkvg + ((i64)b * N + i0 + rw) * N * ld + head * HEAD_DIM;
     const int q_in_tile = (wg % ROW_GROUPS) * 64 + (warp % 4) * 16;
     const int q0 = qtile * BQ + q_in_tile;
 
@@ -881,27 +891,26 @@ ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int 
     // the tiles coming through the ring of STAGES stages that warp 0 fills ----
     const u32 full_bar = smem_s + STAGES * STAGE_BYTES, empty_bar = full_bar + 8 * STAGES;
     const int tiles = (keys + BK - 1) / BK;
-    const char* const kv_row0 = reinterpret_cast<const char*>(vt)
-                                + (((i64)b * N + i0) * H + head) * ntiles * KV_TILES;
-    const i64 kv_rstride = (i64)H * ntiles * KV_TILES;
-    // (ROW_BLOCK, one row: always 1, kept out of the registers the row mask needs)
-    const int rows_here = ROW_BLOCK && ROWS == 1 ? 1 : min(ROWS, i_end - i0);
-    const char* const bias_tiles = reinterpret_cast<const char*>(bias)
-        + ((((i64)b * H + head) * ((N + BQ - 1) / BQ) + qtile) * ntiles) * BIAS_TILE;
+    const TileSources src = {
+        reinterpret_cast<const char*>(vt) + (((i64)b * N + i0) * H + head) * ntiles * KV_TILES,
+        (i64)H * ntiles * KV_TILES,
+        // (ROW_BLOCK, one row: always 1, kept out of the registers the row mask needs)
+        ROW_BLOCK && ROWS == 1 ? 1 : min(ROWS, i_end - i0),
+        reinterpret_cast<const char*>(bias)
+            + ((((i64)b * H + head) * ((N + BQ - 1) / BQ) + qtile) * ntiles) * BIAS_TILE};
     init_ring(full_bar, empty_bar, tid);
     if constexpr (ROW_MASK) copy_row_mask(smem, ROW_MASK_BITS, b, N, i0, i_end, npk, tid);
     fence_async_shared();  // the ones rows, before any wgmma reads them
     __syncthreads();       // they, the key bits and the mbarriers initialised, for every warp
     if (warp == 0)
         for (int j = 0; j < STAGES - 1 && j < tiles; ++j)
-            produce_tile(j, smem_s, full_bar, kv_row0, kv_rstride, bias_tiles, rows_here, lane);
+            produce_tile(j, smem_s, full_bar, src, lane);
     int tile = 0;
     u32 pa[NT / 2][4], pl[NT / 2][4];  // P's A fragments, per 16-key k-step of P V (pl: F16X3's lo)
     int stage = 0;
     for (int k0 = 0; k0 < keys; k0 += BK) {
         if (warp == 0 && tile + STAGES - 1 < tiles)  // refill the stage the last tile used
-            refill_stage(tile + STAGES - 1, smem_s, full_bar, empty_bar, kv_row0, kv_rstride,
-                         bias_tiles, rows_here, lane);
+            refill_stage(tile + STAGES - 1, smem_s, full_bar, empty_bar, src, lane);
         mbar_wait(full_bar + 8 * stage, (tile / STAGES) & 1);
         Scores s;
         issue_scores(s, stage, bias_rows, smem_s, q_tile, qa, ql, smem, rw, npk, k0, t);
