@@ -6,19 +6,21 @@
 // "Asynchronous Warpgroup Level Matrix Multiply-Accumulate Instructions".
 //
 // Register fragments (g = lane >> 2, t = lane & 3, rows within the warp's 16):
-//   A, tf32 k8:  a0 (g, t) a1 (g+8, t) a2 (g, t+4) a3 (g+8, t+4)   (as mma.sync m16n8k8)
-//   D, f32:      d[4n + 0] (g, 8n+2t) d[4n+1] (g, 8n+2t+1) d[4n+2] (g+8, 8n+2t)
-//                d[4n+3] (g+8, 8n+2t+1), n = 0 .. N/8 - 1   (mma.sync's C, per 8 columns)
-// tf32 operands must be K-major in shared memory (K fastest along a row).
+//   A, 16-bit k16: a0 (g, 2t..2t+1) a1 (g+8, 2t..2t+1) a2 (g, 2t+8..2t+9)
+//                  a3 (g+8, 2t+8..2t+9), two values per register, the lower column in the
+//                  low half   (as mma.sync m16n8k16)
+//   D, f32:        d[4n + 0] (g, 8n+2t) d[4n+1] (g, 8n+2t+1) d[4n+2] (g+8, 8n+2t)
+//                  d[4n+3] (g+8, 8n+2t+1), n = 0 .. N/8 - 1   (mma.sync's C, per 8 columns)
+// Operands in shared memory are K-major (K fastest along a row).
 #pragma once
 #include "mma.cuh"
 
 typedef unsigned long long u64;
 
-// K-major tiles in the 128-byte swizzle: rows of 128 bytes (32 tf32 along K), grouped in
-// atoms of 8 rows (1024 bytes, 1024-byte aligned); the 16-byte chunk c of row r is stored
-// at chunk c ^ (r % 8), so the 8 rows of a column of chunks fall on all 32 banks. Byte
-// offset of (row, byte within the row) from the tile's start:
+// K-major tiles in the 128-byte swizzle: rows of 128 bytes (64 16-bit values along K),
+// grouped in atoms of 8 rows (1024 bytes, 1024-byte aligned); the 16-byte chunk c of row r
+// is stored at chunk c ^ (r % 8), so the 8 rows of a column of chunks fall on all 32 banks.
+// Byte offset of (row, byte within the row) from the tile's start:
 __device__ __forceinline__ u32 sw128(int row, int byte) {
     return row * 128 + ((((byte >> 4) ^ row) & 7) << 4) + (byte & 15);
 }
@@ -26,9 +28,9 @@ __device__ __forceinline__ u32 sw128(int row, int byte) {
 // The matrix descriptor of such a tile starting at shared address `tile` (1024-aligned):
 // start address >> 4 (bits 0-13), leading byte offset (unused by swizzled K-major tiles,
 // 1 by convention; bits 16-29), stride byte offset 1024 >> 4 between 8-row atoms (bits
-// 32-45), swizzle mode 1 = 128 bytes (bits 62-63). Each 8-wide k-step of tf32 starts 32
-// bytes further along the row: add 2 (32 >> 4) per k-step; the hardware applies the
-// swizzle to the address it forms, so the 1024-byte alignment is all the atoms need.
+// 32-45), swizzle mode 1 = 128 bytes (bits 62-63). Each 16-wide k-step of 16-bit values
+// starts 32 bytes further along the row: add 2 (32 >> 4) per k-step; the hardware applies
+// the swizzle to the address it forms, so the 1024-byte alignment is all the atoms need.
 __device__ __forceinline__ u64 sw128_desc(u32 tile) {
     return (u64)((tile & 0x3ffff) >> 4) | ((u64)1 << 16) | ((u64)(1024 >> 4) << 32)
            | ((u64)1 << 62);
@@ -110,19 +112,7 @@ __device__ __forceinline__ void fence_async_shared() {
         : WGMMA_D32(c, d, 0)                                                                 \
         : "l"(a), "l"(b))
 
-// D (64 x 64, f32) += A (64 x 8, tf32, registers) B (8 x 64, tf32, descriptor).
-__device__ __forceinline__ void wgmma_m64n64k8_tf32(float (&d)[32], const u32 (&a)[4], u64 b) {
-    WGMMA_N64("wgmma.mma_async.sync.aligned.m64n64k8.f32.tf32.tf32", "1, 1, 1", "+f", d, a, b);
-}
-// D (64 x 40, f32) += A (64 x 8, tf32, registers) B (8 x 40, tf32, descriptor).
-__device__ __forceinline__ void wgmma_m64n40k8_tf32(float (&d)[20], const u32 (&a)[4], u64 b) {
-    WGMMA_N40("wgmma.mma_async.sync.aligned.m64n40k8.f32.tf32.tf32", "1, 1, 1", "+f", d, a, b);
-}
-
-// The bf16 products (fp32 accumulation). A fragment, bf16 k16 (two values per register,
-// the lower column in the low half; as mma.sync m16n8k16): a0 (g, 2t..2t+1) a1 (g+8,
-// 2t..2t+1) a2 (g, 2t+8..2t+9) a3 (g+8, 2t+8..2t+9). B K-major (the last operand 0: not
-// transposed).
+// The bf16 products (fp32 accumulation), B K-major (the last operand 0: not transposed).
 // D (64 x 64, f32) += A (64 x 16, bf16, descriptor) B (16 x 64, bf16, descriptor); the
 // immediates: scale-d, the A and B scales, A and B not transposed.
 __device__ __forceinline__ void wgmma_m64n64k16_bf16_ss(float (&d)[32], u64 a, u64 b) {
