@@ -100,7 +100,6 @@
 #define W_BYTES (4 * PD * PD * 2)
 #define WB_BYTES (KBLK * 8 * 128)
 #define A_BYTES (KBLK * ROWS * 128)
-#define RAW_BYTES (ROWS * PD * 4)
 #define OFF_W 0
 #define OFF_WB (OFF_W + W_BYTES)
 #define OFF_A (OFF_WB + WB_BYTES)
@@ -160,6 +159,107 @@ __device__ __forceinline__ void layernorm_tile(char* smem, const pair_t* raw, in
 }
 
 
+// This thread's column pairs col0 + 8n (n < 4) of head wg: their biases, folded with the
+// scales as the epilogues apply them (q: (acc unscale + bq) q_scale as acc uq + bq q_scale;
+// the gate's exponent -(acc unscale + bg) log2 e as acc ug + bg').
+__device__ __forceinline__ void load_column_biases(float2 (&bq)[4], float2 (&bg)[4], float2 (&bk)[4],
+                                                   float2 (&bv)[4], const float* __restrict__ col_bias,
+                                                   int col0, float q_scale) {
+#pragma unroll
+    for (int n = 0; n < 4; ++n) {
+        const int col = col0 + 8 * n;
+        const float2 q = ld2(col_bias + col), k = ld2(col_bias + PD + col),
+                     v = ld2(col_bias + 2 * PD + col), gb = ld2(col_bias + 3 * PD + col);
+        bq[n] = make_float2(q.x * q_scale, q.y * q_scale);
+        bk[n] = k, bv[n] = v;
+        bg[n] = make_float2(-gb.x * LOG2E_F, -gb.y * LOG2E_F);
+    }
+}
+
+// Whether the mask keeps this thread's keys r0 and r1 of the tile, where they are keys of
+// it (keep0, keep1 true): the elements (b, i, key) that the pair bias reads, loaded by
+// warpgroup 0 (which stores the bias) before the products run.
+__device__ __forceinline__ void mask_keeps_rows(bool& keep0, bool& keep1, int r0, int r1, const KeyTile& kt,
+                                                const void* __restrict__ mask, int mask_kind, i64 mb, i64 mi,
+                                                i64 mj) {
+    const i64 base = kt.b * mb + kt.i * mi + (i64)kt.key0 * mj;
+    if (keep0) keep0 = mask_keeps(mask, mask_kind, base + r0 * mj);
+    if (keep1) keep1 = mask_keeps(mask, mask_kind, base + r1 * mj);
+}
+
+// q: acc uq + bq', packed 16-bit, into w for the head's q words.
+__device__ __forceinline__ void q_words(u32 (&w)[4][2], const float (&acc)[16], float uq, const float2 (&bq)[4]) {
+#pragma unroll
+    for (int n = 0; n < 4; ++n)
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+            w[n][h] = pack16(fmaf(acc[4 * n + 2 * h], uq, bq[n].x), fmaf(acc[4 * n + 2 * h + 1], uq, bq[n].y));
+}
+
+// The pair bias (warpgroup 0): heads 2t, 2t + 1 of keys r0, r1 (accumulator accb), log2 e
+// units, -inf where masked and on the keys past N (its tile's padded keys: npk is N
+// rounded up to 64), into row i % 128 of their fp16 tiles.
+__device__ __forceinline__ void store_bias_tile_rows(unsigned short* bias, const KeyTile& kt, int N, int H, int npk,
+                                                int t, int r0, int r1, bool keep0, bool keep1,
+                                                const float (&accb)[4], float unscale) {
+    const int qt = kt.i / 128;
+    char* const tiles = reinterpret_cast<char*>(bias);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+        const int head = 2 * t + (e & 1), r = e < 2 ? r0 : r1;
+        if (head >= H) continue;
+        const i64 tile = (((i64)kt.b * H + head) * ((N + 127) / 128) + qt) * (npk / 64) + kt.c;
+        *reinterpret_cast<unsigned short*>(tiles + tile * BIAS_TILE_BYTES + sw128(kt.i % 128, 2 * r)) =
+            f16_bias_bits((e < 2 ? keep0 : keep1) ? accb[e] * unscale * LOG2E_F : neg_inf());
+    }
+}
+
+// The gate: 1 / (1 + 2^(-(acc unscale + bg) log2 e)) = 1 / (1 + 2^(acc ug + bg')).
+__device__ __forceinline__ void gate_values(float (&s)[4][4], const float (&acc)[16], float ug,
+                                            const float2 (&bg)[4]) {
+#pragma unroll
+    for (int n = 0; n < 4; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+            s[n][e] = __fdividef(1.0f, 1.0f + fast_exp2(fmaf(acc[4 * n + e], ug, e & 1 ? bg[n].y : bg[n].x)));
+}
+
+// k: acc unscale + bk, packed, into the head's K tile at raw + wg KV_BYTES (k_tile_offset;
+// the offset written out here: through that function the machine code came out otherwise).
+__device__ __forceinline__ void stage_k_tile(u32 raw, int wg, const float (&acc)[16], float unscale,
+                                             const float2 (&bk)[4], int w4, int jm, int jr) {
+#pragma unroll
+    for (int u = 0; u < 2; ++u) {
+        u32 w[4];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const int n = 2 * u + j / 2, h = j % 2;
+            w[j] = pack16(fmaf(acc[4 * n + 2 * h], unscale, bk[n].x), fmaf(acc[4 * n + 2 * h + 1], unscale, bk[n].y));
+        }
+        const int n = 2 * u + jm / 2, key = 16 * w4 + 8 * (jm % 2) + jr;
+        stsm_x4(raw + wg * KV_BYTES + sw64(key, 16 * n), w[0], w[1], w[2], w[3]);
+    }
+}
+
+// v: acc unscale + bv (0 on the keys past N: rows r0, r1 from `valid` on), transposed into
+// the head's V^T tile at vt_tile (vt_tile_offset).
+__device__ __forceinline__ void stage_vt_tile(u32 vt_tile, const float (&acc)[16], float unscale,
+                                              const float2 (&bv)[4], int r0, int r1, int valid, int w4, int jm,
+                                              int jr) {
+#pragma unroll
+    for (int u = 0; u < 2; ++u) {
+        u32 w[4];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const int n = 2 * u + j / 2, h = j % 2;
+            w[j] = (h ? r1 : r0) < valid ? pack16(fmaf(acc[4 * n + 2 * h], unscale, bv[n].x),
+                                                  fmaf(acc[4 * n + 2 * h + 1], unscale, bv[n].y))
+                                         : 0u;
+        }
+        stsm_x4_trans(vt_tile + vt_tile_offset(w4, u, jm, jr), w[0], w[1], w[2], w[3]);
+    }
+}
+
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
 ln_qkvg_project_wgmma_f16(const pair_t* __restrict__ x, i64 sb, i64 si, i64 sj, int B, int N, int H,
                       float eps, const float* __restrict__ gamma_beta,  // [2][D], times a_scale
@@ -181,12 +281,7 @@ ln_qkvg_project_wgmma_f16(const pair_t* __restrict__ x, i64 sb, i64 si, i64 sj, 
         reinterpret_cast<float4*>(smem + OFF_GB)[e] = ld4(gamma_beta + 4 * e);
     __syncthreads();  // the mbarriers initialised, GB written
     if (warp == 0) {
-        if (lane == 0) {
-            mbar_arrive_expect(bar_w, W_BYTES + WB_BYTES);
-            for (u32 off = 0; off < W_BYTES + WB_BYTES; off += 16384)
-                bulk_copy(smem_s + OFF_W + off, reinterpret_cast<const char*>(w_image) + off,
-                          min(16384u, (u32)(W_BYTES + WB_BYTES) - off), bar_w);
-        }
+        if (lane == 0) load_weights<W_BYTES + WB_BYTES>(smem_s + OFF_W, reinterpret_cast<const char*>(w_image), bar_w);
         for (int s = 0; s < 2; ++s) {
             const int T = t0 + blockIdx.x + s * gridDim.x;
             if (T < ntiles)
@@ -195,20 +290,10 @@ ln_qkvg_project_wgmma_f16(const pair_t* __restrict__ x, i64 sb, i64 si, i64 sj, 
         }
     }
 
-    // This thread's column pairs 32 wg + 8n + 2t (n < 4) of head wg: their biases, folded
-    // with the scales as the epilogues apply them (q: (acc unscale + bq) q_scale as acc
-    // uq + bq q_scale; the gate's exponent -(acc unscale + bg) log2 e as acc ug + bg').
+    // This thread's column pairs 32 wg + 8n + 2t (n < 4) of head wg, and their biases.
     const int col0 = NW * wg + 2 * t;
     float2 bq[4], bg[4], bk[4], bv[4];
-#pragma unroll
-    for (int n = 0; n < 4; ++n) {
-        const int col = col0 + 8 * n;
-        const float2 q = ld2(col_bias + col), k = ld2(col_bias + PD + col),
-                     v = ld2(col_bias + 2 * PD + col), gb = ld2(col_bias + 3 * PD + col);
-        bq[n] = make_float2(q.x * q_scale, q.y * q_scale);
-        bk[n] = k, bv[n] = v;
-        bg[n] = make_float2(-gb.x * LOG2E_F, -gb.y * LOG2E_F);
-    }
+    load_column_biases(bq, bg, bk, bv, col_bias, col0, q_scale);
     const float uq = unscale * q_scale, ug = -unscale * LOG2E_F;
     const u32 a_tile = smem_s + OFF_A;
     const u32 w_head = smem_s + OFF_W + wg * NW * 128;  // this warpgroup's rows of each pass
@@ -221,15 +306,11 @@ ln_qkvg_project_wgmma_f16(const pair_t* __restrict__ x, i64 sb, i64 si, i64 sj, 
         const u32 raw = smem_s + OFF_RAW + stage * RAW_BYTES;
         char* const raw_g = smem + OFF_RAW + stage * RAW_BYTES;
         const i64 m_first = kt.bi * N + kt.key0;  // qkvg row of the tile's first key
-        // This thread's two rows (keys) of the accumulators, and their mask elements for
-        // the pair bias (warpgroup 0), loaded before the products run.
+        // This thread's two rows (keys) of the accumulators, and whether the pair bias
+        // keeps them.
         const int r0 = 16 * w4 + g, r1 = r0 + 8, rows_left = kt.valid - 16 * w4;
         bool keep0 = r0 < kt.valid, keep1 = r1 < kt.valid;
-        if (wg == 0) {
-            const i64 base = kt.b * mb + kt.i * mi + (i64)kt.key0 * mj;
-            if (keep0) keep0 = mask_keeps(mask, mask_kind, base + r0 * mj);
-            if (keep1) keep1 = mask_keeps(mask, mask_kind, base + r1 * mj);
-        }
+        if (wg == 0) mask_keeps_rows(keep0, keep1, r0, r1, kt, mask, mask_kind, mb, mi, mj);
 
         // This warp's 16 rows of 32 packed 16-bit columns w, through its staging, into
         // their qkvg rows from word `word` (q: the head's slot; tiles_bf16's gate: its half).
@@ -245,12 +326,9 @@ ln_qkvg_project_wgmma_f16(const pair_t* __restrict__ x, i64 sb, i64 si, i64 sj, 
         fence_async_shared();  // A's generic stores, before the tensor cores read it
         __syncthreads();       // A complete; the RAW stage free for the staging
         if (k == 0) mbar_wait(bar_w, 0);
-        // The previous tile's stage, read by LayerNorm and (its bulk copies waited for
-        // here, long done) by the copy engine, takes the next tile: one tile ahead, without
-        // the wait at the end of a tile (it held every warp at this tile's barrier).
+        // The previous tile's stage takes the next tile's rows (wait_stage_reads).
         if (warp == 0 && k > 0) {
-            if (lane == 0) bulk_wait_read();
-            __syncwarp();  // lane 0 past its wait before the warp issues the copies
+            wait_stage_reads();
             const int next = T + gridDim.x;
             if (next < ntiles)
                 load_rows(x, sb, si, sj, KeyTile(next, N, nc), smem_s + OFF_RAW + (stage ^ 1) * RAW_BYTES,
@@ -273,114 +351,53 @@ ln_qkvg_project_wgmma_f16(const pair_t* __restrict__ x, i64 sb, i64 si, i64 sj, 
         pin(accb);
         {
             u32 w[4][2];
-#pragma unroll
-            for (int n = 0; n < 4; ++n)
-#pragma unroll
-                for (int h = 0; h < 2; ++h)
-                    w[n][h] = pack16(fmaf(acc0[4 * n + 2 * h], uq, bq[n].x),
-                                     fmaf(acc0[4 * n + 2 * h + 1], uq, bq[n].y));
+            q_words(w, acc0, uq, bq);
             store_slot(w, 32 * wg);
         }
-        // the pair bias (warpgroup 0): heads 2t, 2t + 1 of keys r0, r1; -inf where masked
-        // and on the keys past N (its tile's padded keys: npk is N rounded up to 64);
-        // none with a null bias under ROW_BLOCK (after the bias pass: common.cuh)
-        if (wg == 0 && (!ROW_BLOCK || bias != nullptr)) {
-            const int qt = kt.i / 128;
-            char* const tiles = reinterpret_cast<char*>(bias);
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int head = 2 * t + (e & 1), r = e < 2 ? r0 : r1;
-                if (head >= H) continue;
-                const i64 tile = (((i64)kt.b * H + head) * ((N + 127) / 128) + qt) * (npk / 64) + kt.c;
-                *reinterpret_cast<unsigned short*>(tiles + tile * BIAS_TILE_BYTES
-                                                   + sw128(kt.i % 128, 2 * r)) =
-                    f16_bias_bits((e < 2 ? keep0 : keep1) ? accb[e] * unscale * LOG2E_F : neg_inf());
-            }
-        }
+        // the pair bias (warpgroup 0); none with a null bias under ROW_BLOCK (after the bias
+        // pass: common.cuh)
+        if (wg == 0 && (!ROW_BLOCK || bias != nullptr))
+            store_bias_tile_rows(bias, kt, N, H, npk, t, r0, r1, keep0, keep1, accb, unscale);
         wgmma_fence();
         product32(acc0, a_tile, w_head + PASS_K * KBLK * PD * 128, PD * 128);
         wgmma_commit();
 
-        // gate: 1 / (1 + 2^(-(acc unscale + bg) log2 e)): fp32 at [D, 2D) (tiles_f16), or
-        // packed bf16 at the head's words [32 h + 16, 32 h + 32) (tiles_bf16 and tiles_f16_slots, staged as
-        // q).
+        // the gate: fp32 at [D, 2D) (tiles_f16), or packed bf16 at the head's words [32 h +
+        // 16, 32 h + 32) (tiles_bf16 and tiles_f16_slots, staged as q).
         wgmma_wait<1>();
         pin(acc1);
         {
             float s[4][4];
+            gate_values(s, acc1, ug, bg);
+            if constexpr (SLOT_ROWS) {
+                u32 w[4][2];
 #pragma unroll
-            for (int n = 0; n < 4; ++n)
+                for (int n = 0; n < 4; ++n)
 #pragma unroll
-                for (int e = 0; e < 4; ++e)
-                    s[n][e] = __fdividef(1.0f, 1.0f + fast_exp2(fmaf(acc1[4 * n + e], ug,
-                                                                     e & 1 ? bg[n].y : bg[n].x)));
-#if SLOT_ROWS
-            u32 w[4][2];
-#pragma unroll
-            for (int n = 0; n < 4; ++n)
-#pragma unroll
-                for (int h = 0; h < 2; ++h) w[n][h] = pack_bf16(s[n][2 * h], s[n][2 * h + 1]);
-            store_slot(w, 32 * wg + 16);
-#else
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                if ((h ? r1 : r0) >= kt.valid) continue;
-                float* const row = qkvg + (m_first + (h ? r1 : r0)) * QKVG_WORDS + PD + col0;
-#pragma unroll
-                for (int n = 0; n < 4; ++n) st_global2(row + 8 * n, s[n][2 * h], s[n][2 * h + 1]);
+                    for (int h = 0; h < 2; ++h) w[n][h] = pack_bf16(s[n][2 * h], s[n][2 * h + 1]);
+                store_slot(w, 32 * wg + 16);
+            } else {
+                store_gate_f32(qkvg, m_first, QKVG_WORDS, r0, r1, kt.valid, col0,
+                               [&](int n, int e) { return s[n][e]; });
             }
-#endif
         }
         wgmma_fence();
         product32(acc1, a_tile, w_head + PASS_V * KBLK * PD * 128, PD * 128);
         wgmma_commit();
 
         const int jm = lane >> 3, jr = lane & 7;  // the matrix and row this lane addresses
-        // k: acc unscale + bk, into the head's K tile [64 keys][32 dims] (sw64): matrix j of
-        // stmatrix u is column group n = 2u + j / 2, the warp's rows + 8 (j % 2).
+        // k and v into the head's K and V^T tiles in the stage.
         wgmma_wait<1>();
         pin(acc0);
-#pragma unroll
-        for (int u = 0; u < 2; ++u) {
-            u32 w[4];
-#pragma unroll
-            for (int j = 0; j < 4; ++j) {
-                const int n = 2 * u + j / 2, h = j % 2;
-                w[j] = pack16(fmaf(acc0[4 * n + 2 * h], unscale, bk[n].x),
-                              fmaf(acc0[4 * n + 2 * h + 1], unscale, bk[n].y));
-            }
-            const int n = 2 * u + jm / 2, key = 16 * w4 + 8 * (jm % 2) + jr;
-            stsm_x4(raw + wg * KV_BYTES + sw64(key, 16 * n), w[0], w[1], w[2], w[3]);
-        }
-        // v: acc unscale + bv (0 on the keys past N), transposed into the head's V^T tile
-        // [32 dims][64 keys] (sw128): matrix j's rows are the dims 8n + row.
+        stage_k_tile(raw, wg, acc0, unscale, bk, w4, jm, jr);
         wgmma_wait<0>();
         pin(acc1);
-#pragma unroll
-        for (int u = 0; u < 2; ++u) {
-            u32 w[4];
-#pragma unroll
-            for (int j = 0; j < 4; ++j) {
-                const int n = 2 * u + j / 2, h = j % 2;
-                w[j] = (h ? r1 : r0) < kt.valid
-                           ? pack16(fmaf(acc1[4 * n + 2 * h], unscale, bv[n].x),
-                                    fmaf(acc1[4 * n + 2 * h + 1], unscale, bv[n].y))
-                           : 0u;
-            }
-            const int n = 2 * u + jm / 2, key = 16 * w4 + 8 * (jm % 2);
-            stsm_x4_trans(raw + wg * KV_BYTES + VT_IN_TILE + sw128(8 * n + jr, 2 * key),
-                          w[0], w[1], w[2], w[3]);
-        }
+        stage_vt_tile(raw + wg * KV_BYTES + VT_IN_TILE, acc1, unscale, bv, r0, r1, kt.valid, w4, jm, jr);
         // Every head's K and V^T tile complete in the stage, and A's products done: out in
         // one bulk copy each (the stage is refilled after the next tile's LayerNorm).
         fence_async_shared();
         __syncthreads();  // every warp's K and V^T rows staged, every warpgroup's products done
-        if (tid == 0) {
-            for (int head = 0; head < HEADS; ++head)
-                bulk_store(vt + ((kt.bi * H + head) * (npk / 64) + kt.c) * KV_BYTES,
-                           raw + head * KV_BYTES, KV_BYTES);
-            bulk_commit();
-        }
+        if (tid == 0) store_head_tiles(vt, kt, H, npk, raw, KV_BYTES, 0, KV_BYTES);
     }
     if (tid == 0) bulk_wait_all();  // the last tile's copies complete before the block ends
 }

@@ -16,6 +16,7 @@
 #define KSTEPS (PD / 16)         // k16 steps of a product
 #define NW 32                    // columns of a pass per warpgroup: one head
 #define HEADS (PD / 32)
+#define RAW_BYTES (ROWS * PD * 4)  // a RAW stage: a tile's 64 rows of x, fp32 (or 16-bit pairs)
 #if PD != 128
 #error "project_wgmma.cuh: written for D = 128 (4 heads of 32, one per warpgroup)"
 #endif
@@ -187,6 +188,64 @@ __device__ __forceinline__ void store_rows16(const u32 (&w)[4][2], u32 stage, ch
         if (row < valid_rows) st_global4(dst(row) + 16 * chunk, v);
     }
     __syncwarp();  // read out before the warp writes its staging again
+}
+
+// BYTES of weights (an image laid out by the host) from src into shared memory at dst (one
+// thread), 16 KiB a bulk copy, counted on the mbarrier bar.
+template <u32 BYTES>
+__device__ __forceinline__ void load_weights(u32 dst, const char* src, u32 bar) {
+    mbar_arrive_expect(bar, BYTES);
+    for (u32 off = 0; off < BYTES; off += 16384)
+        bulk_copy(dst + off, src + off, BYTES % 16384 ? min(16384u, BYTES - off) : 16384u, bar);
+}
+
+// Warp 0, from a block's second tile on, past the barrier after LayerNorm, before it
+// refills the RAW stage the previous tile used (one tile ahead, without a wait at the end
+// of a tile: that held every warp at its barrier): lane 0 waits for the reads of that
+// stage by the previous tile's bulk copies out (long done), then the warp for lane 0.
+__device__ __forceinline__ void wait_stage_reads() {
+    if ((threadIdx.x & 31) == 0) bulk_wait_read();
+    __syncwarp();  // lane 0 past its wait before the warp issues the copies
+}
+
+// Where this lane's row of stmatrix u goes in a tile of 64 keys x 32 dims staged for the
+// attention (jm = lane / 8 the matrix it addresses, jr = lane % 8 the row): matrix j holds
+// column group n = 2u + j / 2 of the warp's keys 16 w4 + 8 (j % 2) on (a C fragment's
+// words, as the epilogues pack them). In a K tile [64 keys][32 dims] (sw64), the rows are
+// keys; in a V^T tile [32 dims][64 keys] (sw128), stored transposed, the dims 8n + row.
+__device__ __forceinline__ u32 k_tile_offset(int w4, int u, int jm, int jr) {
+    const int n = 2 * u + jm / 2, key = 16 * w4 + 8 * (jm % 2) + jr;
+    return sw64(key, 16 * n);
+}
+__device__ __forceinline__ u32 vt_tile_offset(int w4, int u, int jm, int jr) {
+    const int n = 2 * u + jm / 2, key = 16 * w4 + 8 * (jm % 2);
+    return sw128(8 * n + jr, 2 * key);
+}
+
+// The gate in fp32 at words [D, 2D) of its qkvg rows (row_words words a row, the tile's
+// first at m_first): this thread's rows r0 and r1 = r0 + 8 (those below `valid`), columns
+// col0 + 8n and + 1, the values gate(n, e) of accumulator element 4n + e.
+template <class Gate>
+__device__ __forceinline__ void store_gate_f32(float* qkvg, i64 m_first, int row_words, int r0, int r1, int valid,
+                                               int col0, Gate gate) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        if ((h ? r1 : r0) >= valid) continue;
+        float* const row = qkvg + (m_first + (h ? r1 : r0)) * row_words + PD + col0;
+#pragma unroll
+        for (int n = 0; n < 4; ++n) st_global2(row + 8 * n, gate(n, 2 * h), gate(n, 2 * h + 1));
+    }
+}
+
+// Thread 0, once a tile's K and V^T tiles (or one part of them) are staged and every warp
+// is past the barrier: each head's part_bytes at raw + head part_bytes to its tile in vt
+// (tile_bytes per (b, i, head, 64 keys); this part at + part_offset), one commit group.
+__device__ __forceinline__ void store_head_tiles(char* vt, const KeyTile& kt, int H, int npk, u32 raw,
+                                                 int tile_bytes, int part_offset, int part_bytes) {
+    for (int head = 0; head < HEADS; ++head)
+        bulk_store(vt + ((kt.bi * H + head) * (npk / 64) + kt.c) * tile_bytes + part_offset,
+                   raw + head * part_bytes, part_bytes);
+    bulk_commit();
 }
 
 // Row r of a RAW stage of 64 x D floats: this thread's (part p's) PD / 32 float4 pieces of

@@ -69,7 +69,6 @@
 
 #define W_PART (PD * PD * 2)        // one pass's W, hi or lo
 #define A_PART (KBLK * ROWS * 128)  // the tile's xn, hi or lo
-#define RAW_BYTES (ROWS * PD * 4)
 #define OFF_W 0
 #define OFF_A (OFF_W + 4 * W_PART)
 #define OFF_RAW (OFF_A + 2 * A_PART)
