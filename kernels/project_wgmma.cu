@@ -224,8 +224,9 @@ __device__ __forceinline__ void gate_values(float (&s)[4][4], const float (&acc)
             s[n][e] = __fdividef(1.0f, 1.0f + fast_exp2(fmaf(acc[4 * n + e], ug, e & 1 ? bg[n].y : bg[n].x)));
 }
 
-// k: acc unscale + bk, packed, into the head's K tile at raw + wg KV_BYTES (k_tile_offset;
-// the offset written out here: through that function the machine code came out otherwise).
+// k: acc unscale + bk, packed, into the head's K tile [64 keys][32 dims] (sw64) at raw +
+// wg KV_BYTES: matrix j of stmatrix u is column group n = 2u + j / 2, the warp's keys + 8
+// (j % 2).
 __device__ __forceinline__ void stage_k_tile(u32 raw, int wg, const float (&acc)[16], float unscale,
                                              const float2 (&bk)[4], int w4, int jm, int jr) {
 #pragma unroll
@@ -242,7 +243,8 @@ __device__ __forceinline__ void stage_k_tile(u32 raw, int wg, const float (&acc)
 }
 
 // v: acc unscale + bv (0 on the keys past N: rows r0, r1 from `valid` on), transposed into
-// the head's V^T tile at vt_tile (vt_tile_offset).
+// the head's V^T tile [32 dims][64 keys] (sw128) at vt_tile: matrix j's rows are the dims
+// 8n + row.
 __device__ __forceinline__ void stage_vt_tile(u32 vt_tile, const float (&acc)[16], float unscale,
                                               const float2 (&bv)[4], int r0, int r1, int valid, int w4, int jm,
                                               int jr) {
@@ -256,7 +258,8 @@ __device__ __forceinline__ void stage_vt_tile(u32 vt_tile, const float (&acc)[16
                                                   fmaf(acc[4 * n + 2 * h + 1], unscale, bv[n].y))
                                          : 0u;
         }
-        stsm_x4_trans(vt_tile + vt_tile_offset(w4, u, jm, jr), w[0], w[1], w[2], w[3]);
+        const int n = 2 * u + jm / 2, key = 16 * w4 + 8 * (jm % 2);
+        stsm_x4_trans(vt_tile + sw128(8 * n + jr, 2 * key), w[0], w[1], w[2], w[3]);
     }
 }
 
@@ -443,7 +446,7 @@ gated_out_project_wgmma_f16(const float* __restrict__ qkvg, i64 M,
     }
     const int col0 = NW * wg + 2 * t;
     float2 bo[4];
-    out_column_biases(bo, b_out, col0);
+    column_biases(bo, b_out, col0);
 
     const int r = tid / PARTS, p = tid % PARTS;
     int k = 0;

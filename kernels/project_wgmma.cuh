@@ -208,20 +208,6 @@ __device__ __forceinline__ void wait_stage_reads() {
     __syncwarp();  // lane 0 past its wait before the warp issues the copies
 }
 
-// Where this lane's row of stmatrix u goes in a tile of 64 keys x 32 dims staged for the
-// attention (jm = lane / 8 the matrix it addresses, jr = lane % 8 the row): matrix j holds
-// column group n = 2u + j / 2 of the warp's keys 16 w4 + 8 (j % 2) on (a C fragment's
-// words, as the epilogues pack them). In a K tile [64 keys][32 dims] (sw64), the rows are
-// keys; in a V^T tile [32 dims][64 keys] (sw128), stored transposed, the dims 8n + row.
-__device__ __forceinline__ u32 k_tile_offset(int w4, int u, int jm, int jr) {
-    const int n = 2 * u + jm / 2, key = 16 * w4 + 8 * (jm % 2) + jr;
-    return sw64(key, 16 * n);
-}
-__device__ __forceinline__ u32 vt_tile_offset(int w4, int u, int jm, int jr) {
-    const int n = 2 * u + jm / 2, key = 16 * w4 + 8 * (jm % 2);
-    return sw128(8 * n + jr, 2 * key);
-}
-
 // The gate in fp32 at words [D, 2D) of its qkvg rows (row_words words a row, the tile's
 // first at m_first): this thread's rows r0 and r1 = r0 + 8 (those below `valid`), columns
 // col0 + 8n and + 1, the values gate(n, e) of accumulator element 4n + e.
@@ -366,8 +352,8 @@ __device__ __forceinline__ void out_tile_written(int k, i64 T, i64 ntiles, int s
     if (threadIdx.x == 0 && T + 2 * gridDim.x < ntiles) load_tile(T + 2 * gridDim.x, stage);
 }
 
-// The out projections' column biases of this thread's columns col0 + 8n, + 1.
-__device__ __forceinline__ void out_column_biases(float2 (&bo)[4], const float* b_out, int col0) {
+// The column biases of this thread's columns col0 + 8n, + 1 (b_out: a projection's [D]).
+__device__ __forceinline__ void column_biases(float2 (&bo)[4], const float* b_out, int col0) {
 #pragma unroll
     for (int n = 0; n < 4; ++n) bo[n] = ld2(b_out + col0 + 8 * n);
 }

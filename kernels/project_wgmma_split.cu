@@ -201,6 +201,48 @@ __device__ __forceinline__ void layernorm_split_tile(char* smem, const pair_t* r
     *reinterpret_cast<unsigned short*>(at + BIAS_LO) = lo;
 }
 
+// q: (acc unscale + bq) q_scale as fp16 hi and lo words (column pair 8n + 2t of rows g + 8h).
+__device__ __forceinline__ void q_split_words(u32 (&hi)[4][2], u32 (&lo)[4][2], const float (&acc)[16],
+                                              float unscale, const float2 (&bq)[4], float q_scale) {
+#pragma unroll
+    for (int n = 0; n < 4; ++n)
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+            split_f16(fmaf(acc[4 * n + 2 * h], unscale, bq[n].x) * q_scale,
+                      fmaf(acc[4 * n + 2 * h + 1], unscale, bq[n].y) * q_scale, hi[n][h], lo[n][h]);
+}
+
+// Half 0's second pass k, or half 1's v: acc unscale + b as fp16 hi and lo, into the head's
+// K tiles [64 keys][32 dims] (sw64) or, transposed, its V^T tiles [32 dims][64 keys]
+// (sw128, 0 on the keys past N: rows r0, r1 from `valid` on), hi at head_stage and lo
+// PART_BYTES on (stmatrix u's matrix j: column group n = 2u + j / 2, the warp's keys + 8
+// (j % 2)). hi and lo are the caller's scratch: declared here, the compiler took them up in
+// another order and the machine code changed.
+__device__ __forceinline__ void stage_split_tiles(u32 (&hi)[4], u32 (&lo)[4], u32 head_stage, int half, const float (&acc)[16], float unscale,
+                                                  const float2 (&b)[4], int r0, int r1, int valid, int w4, int jm,
+                                                  int jr) {
+#pragma unroll
+    for (int u = 0; u < 2; ++u) {
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {  // matrix j of stmatrix u: column group n, rows + 8 h
+            const int n = 2 * u + j / 2, h = j % 2;
+            split_f16(fmaf(acc[4 * n + 2 * h], unscale, b[n].x), fmaf(acc[4 * n + 2 * h + 1], unscale, b[n].y),
+                      hi[j], lo[j]);
+            if (half && (h ? r1 : r0) >= valid) hi[j] = lo[j] = 0u;  // V^T: 0 past N
+        }
+        const int n = 2 * u + jm / 2;
+        if (half == 0) {
+            const int key = 16 * w4 + 8 * (jm % 2) + jr;
+            stsm_x4(head_stage + sw64(key, 16 * n), hi[0], hi[1], hi[2], hi[3]);
+            stsm_x4(head_stage + PART_BYTES + sw64(key, 16 * n), lo[0], lo[1], lo[2], lo[3]);
+        } else {
+            const int key = 16 * w4 + 8 * (jm % 2);
+            stsm_x4_trans(head_stage + sw128(8 * n + jr, 2 * key), hi[0], hi[1], hi[2], hi[3]);
+            stsm_x4_trans(head_stage + PART_BYTES + sw128(8 * n + jr, 2 * key), lo[0], lo[1], lo[2], lo[3]);
+        }
+    }
+}
+
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
 ln_qkvg_project_wgmma_f16x3(const pair_t* __restrict__ x, i64 sb, i64 si, i64 sj, int B, int N, int H,
                       float eps, const float* __restrict__ gamma_beta,  // [2][D], times a_scale
@@ -225,10 +267,7 @@ ln_qkvg_project_wgmma_f16x3(const pair_t* __restrict__ x, i64 sb, i64 si, i64 sj
     auto step_tile = [&](int s) { return KeyTile(t0 + (int)blockIdx.x + (s % mine) * (int)gridDim.x, N, nc); };
     // Half `half`'s W into shared memory (one thread), counted on bar_w's phase `half`.
     auto load_w = [&](int half) {
-        mbar_arrive_expect(bar_w, 4 * W_PART);
-        for (u32 off = 0; off < 4 * W_PART; off += 16384)
-            bulk_copy(smem_s + OFF_W + off, reinterpret_cast<const char*>(w_image) + half * 4 * W_PART + off,
-                      16384, bar_w);
+        load_weights<4 * W_PART>(smem_s + OFF_W, reinterpret_cast<const char*>(w_image) + half * 4 * W_PART, bar_w);
     };
     if (warp == 0) {
         if (lane == 0) load_w(0);
@@ -263,8 +302,7 @@ ln_qkvg_project_wgmma_f16x3(const pair_t* __restrict__ x, i64 sb, i64 si, i64 sj
         // The previous step's stage (its bulk copies' reads waited for here, long done)
         // takes the next step's rows: one step ahead.
         if (warp == 0 && s > 0) {
-            if (lane == 0) bulk_wait_read();
-            __syncwarp();  // lane 0 past its wait before the warp issues the copies
+            wait_stage_reads();
             if (s + 1 < steps)
                 load_rows(x, sb, si, sj, step_tile(s + 1), smem_s + OFF_RAW + (stage ^ 1) * RAW_BYTES,
                           bar_raw + 8 * (stage ^ 1));
@@ -278,27 +316,20 @@ ln_qkvg_project_wgmma_f16x3(const pair_t* __restrict__ x, i64 sb, i64 si, i64 sj
         wgmma_fence();
         split_product32(pass0, a_tile, w_head, W_PART);
         wgmma_commit();
-#if PASSES_IN_FLIGHT == 2
-        split_product32(pass1, a_tile, w_head + 2 * W_PART, W_PART);
-        wgmma_commit();
-        wgmma_wait<1>();
-#else
-        wgmma_wait<0>();
-#endif
+        if constexpr (PASSES_IN_FLIGHT == 2) {
+            split_product32(pass1, a_tile, w_head + 2 * W_PART, W_PART);
+            wgmma_commit();
+            wgmma_wait<1>();
+        } else {
+            wgmma_wait<0>();
+        }
         fold(pass0, acc0);
-#pragma unroll
-        for (int n = 0; n < 4; ++n) b0[n] = ld2(col_bias + (half ? 3 * PD : 0) + col0 + 8 * n);  // bq, bg
+        column_biases(b0, col_bias + (half ? 3 * PD : 0), col0);  // bq, bg
         if (half == 0) {
             // q: (acc unscale + bq) q_scale, fp16 hi words then lo words into the head's slot
             // (through the staging: 64 bytes a row each).
             u32 hi[4][2], lo[4][2];
-#pragma unroll
-            for (int n = 0; n < 4; ++n)
-#pragma unroll
-                for (int h = 0; h < 2; ++h)
-                    split_f16(fmaf(acc0[4 * n + 2 * h], unscale, b0[n].x) * q_scale,
-                              fmaf(acc0[4 * n + 2 * h + 1], unscale, b0[n].y) * q_scale,
-                              hi[n][h], lo[n][h]);
+            q_split_words(hi, lo, acc0, unscale, b0, q_scale);
             auto q_words = [&](int word) {  // where row `row` of this warp's 16 takes them
                 return [&, word](int row) {
                     return reinterpret_cast<char*>(qkvg + (m_first + 16 * w4 + row) * QKVG_WORDS + word);
@@ -308,59 +339,27 @@ ln_qkvg_project_wgmma_f16x3(const pair_t* __restrict__ x, i64 sb, i64 si, i64 sj
             store_rows16(lo, raw + k_rows, raw_g + k_rows, rows_left, q_words(32 * wg + Q_LO_WORDS));
         } else {
             // the gate: sigmoid(acc unscale + bg), fp32 at [D, 2D)
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                if ((h ? r1 : r0) >= kt.valid) continue;
-                float* const row = qkvg + (m_first + (h ? r1 : r0)) * QKVG_WORDS + PD + col0;
-#pragma unroll
-                for (int n = 0; n < 4; ++n)
-                    st_global2(row + 8 * n, sigmoid(fmaf(acc0[4 * n + 2 * h], unscale, b0[n].x)),
-                               sigmoid(fmaf(acc0[4 * n + 2 * h + 1], unscale, b0[n].y)));
-            }
+            store_gate_f32(qkvg, m_first, QKVG_WORDS, r0, r1, kt.valid, col0, [&](int n, int e) {
+                return sigmoid(fmaf(acc0[4 * n + e], unscale, e & 1 ? b0[n].y : b0[n].x));
+            });
         }
 
-#if PASSES_IN_FLIGHT == 1
-        wgmma_fence();
-        split_product32(pass1, a_tile, w_head + 2 * W_PART, W_PART);
-        wgmma_commit();
-#endif
+        if constexpr (PASSES_IN_FLIGHT == 1) {
+            wgmma_fence();
+            split_product32(pass1, a_tile, w_head + 2 * W_PART, W_PART);
+            wgmma_commit();
+        }
         wgmma_wait<0>();
         fold(pass1, acc1);
-#pragma unroll
-        for (int n = 0; n < 4; ++n) b1[n] = ld2(col_bias + (half ? 2 * PD : PD) + col0 + 8 * n);  // bk, bv
+        column_biases(b1, col_bias + (half ? 2 * PD : PD), col0);  // bk, bv
         const int jm = lane >> 3, jr = lane & 7;  // the matrix and row this lane addresses
         const u32 head_stage = raw + wg * HALF_KV;
-#pragma unroll
-        for (int u = 0; u < 2; ++u) {
-            u32 hi[4], lo[4];
-#pragma unroll
-            for (int j = 0; j < 4; ++j) {  // matrix j of stmatrix u: column group n, rows + 8 h
-                const int n = 2 * u + j / 2, h = j % 2;
-                split_f16(fmaf(acc1[4 * n + 2 * h], unscale, b1[n].x),
-                          fmaf(acc1[4 * n + 2 * h + 1], unscale, b1[n].y), hi[j], lo[j]);
-                if (half && (h ? r1 : r0) >= kt.valid) hi[j] = lo[j] = 0u;  // V^T: 0 past N
-            }
-            const int n = 2 * u + jm / 2;
-            if (half == 0) {
-                // k into the head's K tiles [64 keys][32 dims] (sw64)
-                const int key = 16 * w4 + 8 * (jm % 2) + jr;
-                stsm_x4(head_stage + sw64(key, 16 * n), hi[0], hi[1], hi[2], hi[3]);
-                stsm_x4(head_stage + PART_BYTES + sw64(key, 16 * n), lo[0], lo[1], lo[2], lo[3]);
-            } else {
-                // v transposed into the head's V^T tiles [32 dims][64 keys] (sw128)
-                const int key = 16 * w4 + 8 * (jm % 2);
-                stsm_x4_trans(head_stage + sw128(8 * n + jr, 2 * key), hi[0], hi[1], hi[2], hi[3]);
-                stsm_x4_trans(head_stage + PART_BYTES + sw128(8 * n + jr, 2 * key), lo[0], lo[1], lo[2],
-                              lo[3]);
-            }
-        }
+        u32 hi[4], lo[4];
+        stage_split_tiles(hi, lo, head_stage, half, acc1, unscale, b1, r0, r1, kt.valid, w4, jm, jr);
         fence_async_shared();
         __syncthreads();  // every warp's K or V^T rows staged, every warpgroup's products done
         if (tid == 0) {
-            for (int head = 0; head < HEADS; ++head)
-                bulk_store(vt + ((kt.bi * H + head) * (npk / 64) + kt.c) * KV_BYTES + half * HALF_KV,
-                           raw + head * HALF_KV, HALF_KV);
-            bulk_commit();
+            store_head_tiles(vt, kt, H, npk, raw, KV_BYTES, half * HALF_KV, HALF_KV);
             // The last tile of half 0 is done with W (the barrier above): half 1's replaces it.
             if (s == mine - 1) load_w(1);
         }
@@ -406,7 +405,7 @@ gated_out_project_wgmma_f16x3(const float* __restrict__ qkvg, i64 M,
     }
     const int col0 = NW * wg + 2 * t;
     float2 bo[4];
-    out_column_biases(bo, b_out, col0);
+    column_biases(bo, b_out, col0);
 
     const int r = tid / PARTS, p = tid % PARTS;
     int k = 0;
