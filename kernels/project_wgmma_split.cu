@@ -387,6 +387,48 @@ ln_qkvg_project_wgmma_f16x3(const pair_t* __restrict__ x, i64 sb, i64 si, i64 sj
 #define OFF_OBAR (OFF_RED + 64)
 #define OUT_TILES_SMEM (OFF_OBAR + 64 + 1024)
 
+// g o of this thread's pieces (columns 4P .. 4P + 3) of row r of an IN stage, and their
+// largest |g o| (NaN, where a fully masked query's o is, drops out of fmaxf).
+__device__ __forceinline__ float gated_pieces(float4 (&go)[PD / 32], const char* in_stage, int r, int p) {
+    const float* const row = reinterpret_cast<const float*>(in_stage) + r * QKVG_WORDS;
+    float top = 0.f;
+#pragma unroll
+    for (int j = 0; j < PD / 32; ++j) {
+        const int P = row_piece(r, p, j);
+        const float4 o = *reinterpret_cast<const float4*>(row + 4 * P);
+        const float4 gate = *reinterpret_cast<const float4*>(row + PD + 4 * P);
+        go[j] = make_float4(gate.x * o.x, gate.y * o.y, gate.z * o.z, gate.w * o.w);
+        top = abs_max4(top, go[j]);
+    }
+    return top;
+}
+
+// g o times a (the tile's power of two) into A's hi and lo tiles, row r's pieces; zero
+// from rows_here on (rows past M, whatever the stage held). hi, lo: the caller's scratch
+// (as stage_split_tiles's).
+__device__ __forceinline__ void write_a_split(uint2& hi, uint2& lo, char* smem, const float4 (&go)[PD / 32], float a,
+                                              int r, int p, int rows_here) {
+#pragma unroll
+    for (int j = 0; j < PD / 32; ++j) {
+        hi = make_uint2(0u, 0u), lo = hi;
+        if (r < rows_here) split4(make_float4(go[j].x * a, go[j].y * a, go[j].z * a, go[j].w * a), hi, lo);
+        const u32 at = a_offset(r, 4 * row_piece(r, p, j));
+        *reinterpret_cast<uint2*>(smem + OFF_AO + at) = hi;
+        *reinterpret_cast<uint2*>(smem + OFF_AO + A_PART + at) = lo;
+    }
+}
+
+// acc = A Wo^T, split, this warpgroup's 32 columns, waited for (products: the caller's,
+// declared there: here, the compiler hoisted the descriptors out of the tile loop and the
+// machine code changed).
+__device__ __forceinline__ void split_out_product(SplitAcc& products, float (&acc)[16], u32 smem_s, int wg) {
+    wgmma_fence();
+    split_product32(products, smem_s + OFF_AO, smem_s + OFF_WO + wg * NW * 128, W_PART);
+    wgmma_commit();
+    wgmma_wait<0>();
+    fold(products, acc);
+}
+
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
 gated_out_project_wgmma_f16x3(const float* __restrict__ qkvg, i64 M,
                         const uint4* __restrict__ wo_image,  // 2 W_PART
@@ -398,9 +440,7 @@ gated_out_project_wgmma_f16x3(const float* __restrict__ qkvg, i64 M,
                         ) {
     OUT_PROLOGUE();
     if (tid == 0) {
-        mbar_arrive_expect(bar_w, 2 * W_PART);
-        for (u32 off = 0; off < 2 * W_PART; off += 16384)
-            bulk_copy(smem_s + OFF_WO + off, reinterpret_cast<const char*>(wo_image) + off, 16384, bar_w);
+        load_weights<2 * W_PART>(smem_s + OFF_WO, reinterpret_cast<const char*>(wo_image), bar_w);
         load_first_out_tiles(ntiles, load_tile);
     }
     const int col0 = NW * wg + 2 * t;
@@ -414,41 +454,20 @@ gated_out_project_wgmma_f16x3(const float* __restrict__ qkvg, i64 M,
         const int rows_here = (int)min((i64)ROWS, M - T * ROWS);
         mbar_wait(bar_in + 8 * stage, (k >> 1) & 1);
 
-        // 1. g o of this thread's pieces (columns 4P .. 4P + 3), and the tile's largest |g o|.
-        const float* const row = reinterpret_cast<const float*>(smem + OFF_IN + stage * IN_BYTES)
-                                 + r * QKVG_WORDS;
+        // 1. g o of this thread's pieces, the tile's power of two a (rows past M: whatever
+        //    the stage held; the barrier inside tile_scale: also every thread is past the
+        //    previous tile's products), g o a into A.
         float4 go[PD / 32];
-        float top = 0.f;  // (NaN, where a fully masked query's o is, drops out of fmaxf)
-#pragma unroll
-        for (int j = 0; j < PD / 32; ++j) {
-            const int P = row_piece(r, p, j);
-            const float4 o = *reinterpret_cast<const float4*>(row + 4 * P);
-            const float4 gate = *reinterpret_cast<const float4*>(row + PD + 4 * P);
-            go[j] = make_float4(gate.x * o.x, gate.y * o.y, gate.z * o.z, gate.w * o.w);
-            top = abs_max4(top, go[j]);
-        }
-        // (rows past M: whatever the stage held; the barrier inside: also every thread is
-        // past the previous tile's products)
+        const float top = gated_pieces(go, smem + OFF_IN + stage * IN_BYTES, r, p);
         const float a = tile_scale(r < rows_here ? top : 0.f, red);
-#pragma unroll
-        for (int j = 0; j < PD / 32; ++j) {
-            uint2 hi = make_uint2(0u, 0u), lo = hi;
-            if (r < rows_here)
-                split4(make_float4(go[j].x * a, go[j].y * a, go[j].z * a, go[j].w * a), hi, lo);
-            const u32 at = a_offset(r, 4 * row_piece(r, p, j));
-            *reinterpret_cast<uint2*>(smem + OFF_AO + at) = hi;
-            *reinterpret_cast<uint2*>(smem + OFF_AO + A_PART + at) = lo;
-        }
+        uint2 hi, lo;
+        write_a_split(hi, lo, smem, go, a, r, p, rows_here);
         out_tile_written(k, T, ntiles, stage, bar_w, load_tile);
 
         // 2. out = (A Wo^T) w_unscale / a + bo: this warpgroup's 32 columns.
         SplitAcc products;
         float acc[16];
-        wgmma_fence();
-        split_product32(products, smem_s + OFF_AO, smem_s + OFF_WO + wg * NW * 128, W_PART);
-        wgmma_commit();
-        wgmma_wait<0>();
-        fold(products, acc);
+        split_out_product(products, acc, smem_s, wg);
         const float a_unscale = 1.f / a;
         store_out_rows(out, T, rows_here, OUT_N, col0, w4, g, acc, w_unscale, a_unscale, bo);
     }
