@@ -224,29 +224,14 @@ __device__ __forceinline__ void gate_values(float (&s)[4][4], const float (&acc)
             s[n][e] = __fdividef(1.0f, 1.0f + fast_exp2(fmaf(acc[4 * n + e], ug, e & 1 ? bg[n].y : bg[n].x)));
 }
 
-// k: acc unscale + bk, packed, into the head's K tile [64 keys][32 dims] (sw64) at raw +
-// wg KV_BYTES: matrix j of stmatrix u is column group n = 2u + j / 2, the warp's keys + 8
-// (j % 2).
-__device__ __forceinline__ void stage_k_tile(u32 raw, int wg, const float (&acc)[16], float unscale,
-                                             const float2 (&bk)[4], int w4, int jm, int jr) {
-#pragma unroll
-    for (int u = 0; u < 2; ++u) {
-        u32 w[4];
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-            const int n = 2 * u + j / 2, h = j % 2;
-            w[j] = pack16(fmaf(acc[4 * n + 2 * h], unscale, bk[n].x), fmaf(acc[4 * n + 2 * h + 1], unscale, bk[n].y));
-        }
-        const int n = 2 * u + jm / 2, key = 16 * w4 + 8 * (jm % 2) + jr;
-        stsm_x4(raw + wg * KV_BYTES + sw64(key, 16 * n), w[0], w[1], w[2], w[3]);
-    }
-}
-
-// v: acc unscale + bv (0 on the keys past N: rows r0, r1 from `valid` on), transposed into
-// the head's V^T tile [32 dims][64 keys] (sw128) at vt_tile: matrix j's rows are the dims
-// 8n + row.
-__device__ __forceinline__ void stage_vt_tile(u32 vt_tile, const float (&acc)[16], float unscale,
-                                              const float2 (&bv)[4], int r0, int r1, int valid, int w4, int jm,
+// k or v (VT): acc unscale + b, packed, into the head's K tile [64 keys][32 dims] (sw64)
+// at raw + wg KV_BYTES, or transposed into its V^T tile [32 dims][64 keys] (sw128) VT_IN_TILE
+// further, 0 on the keys past N (rows r0, r1 from `valid` on). Matrix j of stmatrix u is
+// column group n = 2u + j / 2 of the warp's keys + 8 (j % 2); in V^T its rows are the
+// dims 8n + row.
+template <bool VT>
+__device__ __forceinline__ void stage_kv_tile(u32 raw, int wg, const float (&acc)[16], float unscale,
+                                              const float2 (&b)[4], int r0, int r1, int valid, int w4, int jm,
                                               int jr) {
 #pragma unroll
     for (int u = 0; u < 2; ++u) {
@@ -254,12 +239,17 @@ __device__ __forceinline__ void stage_vt_tile(u32 vt_tile, const float (&acc)[16
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
             const int n = 2 * u + j / 2, h = j % 2;
-            w[j] = (h ? r1 : r0) < valid ? pack16(fmaf(acc[4 * n + 2 * h], unscale, bv[n].x),
-                                                  fmaf(acc[4 * n + 2 * h + 1], unscale, bv[n].y))
-                                         : 0u;
+            w[j] = !VT || (h ? r1 : r0) < valid ? pack16(fmaf(acc[4 * n + 2 * h], unscale, b[n].x),
+                                                         fmaf(acc[4 * n + 2 * h + 1], unscale, b[n].y))
+                                                : 0u;
         }
-        const int n = 2 * u + jm / 2, key = 16 * w4 + 8 * (jm % 2);
-        stsm_x4_trans(vt_tile + sw128(8 * n + jr, 2 * key), w[0], w[1], w[2], w[3]);
+        if constexpr (VT) {
+            const int n = 2 * u + jm / 2, key = 16 * w4 + 8 * (jm % 2);
+            stsm_x4_trans(raw + wg * KV_BYTES + VT_IN_TILE + sw128(8 * n + jr, 2 * key), w[0], w[1], w[2], w[3]);
+        } else {
+            const int n = 2 * u + jm / 2, key = 16 * w4 + 8 * (jm % 2) + jr;
+            stsm_x4(raw + wg * KV_BYTES + sw64(key, 16 * n), w[0], w[1], w[2], w[3]);
+        }
     }
 }
 
@@ -392,10 +382,10 @@ ln_qkvg_project_wgmma_f16(const pair_t* __restrict__ x, i64 sb, i64 si, i64 sj, 
         // k and v into the head's K and V^T tiles in the stage.
         wgmma_wait<1>();
         pin(acc0);
-        stage_k_tile(raw, wg, acc0, unscale, bk, w4, jm, jr);
+        stage_kv_tile<false>(raw, wg, acc0, unscale, bk, r0, r1, kt.valid, w4, jm, jr);
         wgmma_wait<0>();
         pin(acc1);
-        stage_vt_tile(raw + wg * KV_BYTES + VT_IN_TILE, acc1, unscale, bv, r0, r1, kt.valid, w4, jm, jr);
+        stage_kv_tile<true>(raw, wg, acc1, unscale, bv, r0, r1, kt.valid, w4, jm, jr);
         // Every head's K and V^T tile complete in the stage, and A's products done: out in
         // one bulk copy each (the stage is refilled after the next tile's LayerNorm).
         fence_async_shared();
