@@ -132,8 +132,8 @@ __device__ __forceinline__ float sum_over_row_lanes(float x) {
 // time: the words of the whole tile held through the bias loop pushed the 255-register
 // kernels into spills). This thread's keys k0 + 32 u + 4 tx + e are bits 4 tx + e of word
 // (k0 + 32 u) / 32 (BK a multiple of 32). keep_row: this row's key bits (common.cuh).
-__device__ __forceinline__ void mask_row_keys(float (&s)[TM][TN], const unsigned* __restrict__ keep_row,
-                                              int k0, int tx) {
+__device__ __forceinline__ void mask_row_keys(float (&s)[TM][TN], const unsigned* __restrict__ keep_row, int k0,
+                                              int tx) {
 #pragma unroll
     for (int u = 0; u < TN / 4; ++u) {
         const unsigned keep = __ldg(keep_row + (k0 >> 5) + u) >> (4 * tx);
@@ -175,8 +175,8 @@ __device__ __forceinline__ void bias_and_online_softmax_row(float (&s)[TN], cons
 
 // Every query of this thread: bias_and_online_softmax_row, with its row of the pair bias
 // bias_bh [N][npk] of this (b, head) (queries past N: row N - 1, any finite row).
-__device__ __forceinline__ void bias_and_online_softmax(float (&s)[TM][TN], const float* bias_bh, int npk, int q0,
-                                                        int k0, int ty, int tx, int N, float (&m)[TM],
+__device__ __forceinline__ void bias_and_online_softmax(float (&s)[TM][TN], const float* bias_bh, int npk,
+                                                        int q0, int k0, int ty, int tx, int N, float (&m)[TM],
                                                         float (&l)[TM], float (&o)[TM][CW]) {
 #pragma unroll
     for (int r = 0; r < TM; ++r) {

@@ -199,9 +199,9 @@ __device__ __forceinline__ void q_words(u32 (&w)[4][2], const float (&acc)[16], 
 // The pair bias (warpgroup 0): heads 2t, 2t + 1 of keys r0, r1 (accumulator accb), log2 e
 // units, -inf where masked and on the keys past N (its tile's padded keys: npk is N
 // rounded up to 64), into row i % 128 of their fp16 tiles.
-__device__ __forceinline__ void store_bias_tile_rows(unsigned short* bias, const KeyTile& kt, int N, int H, int npk,
-                                                int t, int r0, int r1, bool keep0, bool keep1,
-                                                const float (&accb)[4], float unscale) {
+__device__ __forceinline__ void store_bias_tile_rows(unsigned short* bias, const KeyTile& kt, int N, int H,
+                                                     int npk, int t, int r0, int r1, bool keep0, bool keep1,
+                                                     const float (&accb)[4], float unscale) {
     const int qt = kt.i / 128;
     char* const tiles = reinterpret_cast<char*>(bias);
 #pragma unroll
@@ -274,7 +274,8 @@ ln_qkvg_project_wgmma_f16(const pair_t* __restrict__ x, i64 sb, i64 si, i64 sj, 
         reinterpret_cast<float4*>(smem + OFF_GB)[e] = ld4(gamma_beta + 4 * e);
     __syncthreads();  // the mbarriers initialised, GB written
     if (warp == 0) {
-        if (lane == 0) load_weights<W_BYTES + WB_BYTES>(smem_s + OFF_W, reinterpret_cast<const char*>(w_image), bar_w);
+        if (lane == 0)
+            load_weights<W_BYTES + WB_BYTES>(smem_s + OFF_W, reinterpret_cast<const char*>(w_image), bar_w);
         for (int s = 0; s < 2; ++s) {
             const int T = t0 + blockIdx.x + s * gridDim.x;
             if (T < ntiles)

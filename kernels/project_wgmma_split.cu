@@ -218,9 +218,9 @@ __device__ __forceinline__ void q_split_words(u32 (&hi)[4][2], u32 (&lo)[4][2], 
 // PART_BYTES on (stmatrix u's matrix j: column group n = 2u + j / 2, the warp's keys + 8
 // (j % 2)). hi and lo are the caller's scratch: declared here, the compiler took them up in
 // another order and the machine code changed.
-__device__ __forceinline__ void stage_split_tiles(u32 (&hi)[4], u32 (&lo)[4], u32 head_stage, int half, const float (&acc)[16], float unscale,
-                                                  const float2 (&b)[4], int r0, int r1, int valid, int w4, int jm,
-                                                  int jr) {
+__device__ __forceinline__ void stage_split_tiles(u32 (&hi)[4], u32 (&lo)[4], u32 head_stage, int half,
+                                                  const float (&acc)[16], float unscale, const float2 (&b)[4], int r0,
+                                                  int r1, int valid, int w4, int jm, int jr) {
 #pragma unroll
     for (int u = 0; u < 2; ++u) {
 #pragma unroll
@@ -267,7 +267,8 @@ ln_qkvg_project_wgmma_f16x3(const pair_t* __restrict__ x, i64 sb, i64 si, i64 sj
     auto step_tile = [&](int s) { return KeyTile(t0 + (int)blockIdx.x + (s % mine) * (int)gridDim.x, N, nc); };
     // Half `half`'s W into shared memory (one thread), counted on bar_w's phase `half`.
     auto load_w = [&](int half) {
-        load_weights<4 * W_PART>(smem_s + OFF_W, reinterpret_cast<const char*>(w_image) + half * 4 * W_PART, bar_w);
+        load_weights<4 * W_PART>(smem_s + OFF_W, reinterpret_cast<const char*>(w_image) + half * 4 * W_PART,
+                                 bar_w);
     };
     if (warp == 0) {
         if (lane == 0) load_w(0);
@@ -406,8 +407,8 @@ __device__ __forceinline__ float gated_pieces(float4 (&go)[PD / 32], const char*
 // g o times a (the tile's power of two) into A's hi and lo tiles, row r's pieces; zero
 // from rows_here on (rows past M, whatever the stage held). hi, lo: the caller's scratch
 // (as stage_split_tiles's).
-__device__ __forceinline__ void write_a_split(uint2& hi, uint2& lo, char* smem, const float4 (&go)[PD / 32], float a,
-                                              int r, int p, int rows_here) {
+__device__ __forceinline__ void write_a_split(uint2& hi, uint2& lo, char* smem, const float4 (&go)[PD / 32],
+                                              float a, int r, int p, int rows_here) {
 #pragma unroll
     for (int j = 0; j < PD / 32; ++j) {
         hi = make_uint2(0u, 0u), lo = hi;
