@@ -224,6 +224,14 @@ __device__ __forceinline__ void gate_values(float (&s)[4][4], const float (&acc)
             s[n][e] = __fdividef(1.0f, 1.0f + fast_exp2(fmaf(acc[4 * n + e], ug, e & 1 ? bg[n].y : bg[n].x)));
 }
 
+// The gate's values s, packed bf16, into w for the head's gate words (SLOT_ROWS).
+__device__ __forceinline__ void gate_words(u32 (&w)[4][2], const float (&s)[4][4]) {
+#pragma unroll
+    for (int n = 0; n < 4; ++n)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) w[n][h] = pack_bf16(s[n][2 * h], s[n][2 * h + 1]);
+}
+
 // k or v (VT): acc unscale + b, packed, into the head's K tile [64 keys][32 dims] (sw64)
 // at raw + wg KV_BYTES, or transposed into its V^T tile [32 dims][64 keys] (sw128) VT_IN_TILE
 // further, 0 on the keys past N (rows r0, r1 from `valid` on). Matrix j of stmatrix u is
@@ -365,10 +373,7 @@ ln_qkvg_project_wgmma_f16(const pair_t* __restrict__ x, i64 sb, i64 si, i64 sj, 
             gate_values(s, acc1, ug, bg);
             if constexpr (SLOT_ROWS) {
                 u32 w[4][2];
-#pragma unroll
-                for (int n = 0; n < 4; ++n)
-#pragma unroll
-                    for (int h = 0; h < 2; ++h) w[n][h] = pack_bf16(s[n][2 * h], s[n][2 * h + 1]);
+                gate_words(w, s);
                 store_slot(w, 32 * wg + 16);
             } else {
                 store_gate_f32(qkvg, m_first, QKVG_WORDS, r0, r1, kt.valid, col0,
