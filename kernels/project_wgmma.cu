@@ -425,59 +425,75 @@ ln_qkvg_project_wgmma_f16(const pair_t* __restrict__ x, i64 sb, i64 si, i64 sj, 
 #define OFF_OBAR (OFF_RED + 64)
 #define OUT_TILES_SMEM (OFF_OBAR + 64 + 1024)
 
-// g o of this thread's pieces of row r of an IN stage (o's dims 4p .. 4p + 3 of a head are
-// its dim pairs 2p, 2p + 1, in words 8 (p % 2) + p / 2 and 4 on), and their largest |g o|
-// (NaN, where a fully masked query's o is, drops out of fmaxf).
-__device__ __forceinline__ float gated_pieces(float4 (&go)[PD / 32], const char* in_stage, int r, int p) {
-    const u32* const row = reinterpret_cast<const u32*>(in_stage) + r * QKVG_WORDS;
-    float top = 0.f;
-#pragma unroll
-    for (int j = 0; j < PD / 32; ++j) {
-        const int P = row_piece(r, p, j), head = P / 8;
-        const u32* const slot = row + 32 * head;
-        const u32 o01 = slot[8 * (p % 2) + p / 2], o23 = slot[8 * (p % 2) + p / 2 + 4];
-        float4 gate, o;
-        if constexpr (SLOT_ROWS) {
-            const uint2 gw = *reinterpret_cast<const uint2*>(slot + 16 + 2 * p);
-            gate = make_float4(__uint_as_float(gw.x << 16), __uint_as_float(gw.x & 0xffff0000u),
-                               __uint_as_float(gw.y << 16), __uint_as_float(gw.y & 0xffff0000u));
-        } else {
-            gate = *reinterpret_cast<const float4*>(reinterpret_cast<const float*>(row) + PD + 4 * P);
-        }
-        if constexpr (TILES_BF16) {
-            o = make_float4(__uint_as_float(o01 << 16), __uint_as_float(o01 & 0xffff0000u),
-                            __uint_as_float(o23 << 16), __uint_as_float(o23 & 0xffff0000u));
-        } else {
-            const float2 o0 = half2_to_float2(o01), o1 = half2_to_float2(o23);
-            o = make_float4(o0.x, o0.y, o1.x, o1.y);
-        }
-        go[j] = make_float4(gate.x * o.x, gate.y * o.y, gate.z * o.z, gate.w * o.w);
-        top = abs_max4(top, go[j]);
-    }
-    return top;
-}
+// gated_out_projection's steps for the tf32 and bf16 modes: A in fp16, one product (no
+// scratch for the steps).
+struct OutSteps {
+    enum : int { off_bar = OFF_OBAR, off_red = OFF_RED, off_in = OFF_IN, in_bytes = IN_BYTES,
+                 row_words = QKVG_WORDS, off_a = OFF_AO, off_wo = OFF_WO };
+    struct AScratch {};
+    struct Products {};
 
-// g o times a (the tile's power of two) into A in fp16, row r's pieces; zero from rows_here
-// on (rows past M, whatever the stage held).
-__device__ __forceinline__ void write_a_f16(char* smem, const float4 (&go)[PD / 32], float a, int r, int p,
-                                            int rows_here) {
-#pragma unroll
-    for (int j = 0; j < PD / 32; ++j) {
-        uint2 h = make_uint2(0u, 0u);
-        if (r < rows_here)
-            h = make_uint2(pack_f16(go[j].x * a, go[j].y * a), pack_f16(go[j].z * a, go[j].w * a));
-        *reinterpret_cast<uint2*>(smem + OFF_AO + a_offset(r, 4 * row_piece(r, p, j))) = h;
+    // Wo's image into WO (thread 0), one bulk copy.
+    static __device__ __forceinline__ void load_wo(u32 smem_s, const uint4* wo_image, u32 bar_w) {
+        mbar_arrive_expect(bar_w, WO_BYTES);
+        bulk_copy(smem_s + OFF_WO, wo_image, WO_BYTES, bar_w);
     }
-}
 
-// acc = A Wo^T, this warpgroup's 32 columns, waited for.
-__device__ __forceinline__ void out_product(float (&acc)[16], u32 smem_s, int wg) {
-    wgmma_fence();
-    product32(acc, smem_s + OFF_AO, smem_s + OFF_WO + wg * NW * 128, PD * 128);
-    wgmma_commit();
-    wgmma_wait<0>();
-    pin(acc);
-}
+    // g o of this thread's pieces of row r of an IN stage (o's dims 4p .. 4p + 3 of a head
+    // are its dim pairs 2p, 2p + 1, in words 8 (p % 2) + p / 2 and 4 on), and their largest
+    // |g o| (NaN, where a fully masked query's o is, drops out of fmaxf).
+    static __device__ __forceinline__ float gated_pieces(float4 (&go)[PD / 32], const char* in_stage, int r,
+                                                         int p) {
+        const u32* const row = reinterpret_cast<const u32*>(in_stage) + r * QKVG_WORDS;
+        float top = 0.f;
+#pragma unroll
+        for (int j = 0; j < PD / 32; ++j) {
+            const int P = row_piece(r, p, j), head = P / 8;
+            const u32* const slot = row + 32 * head;
+            const u32 o01 = slot[8 * (p % 2) + p / 2], o23 = slot[8 * (p % 2) + p / 2 + 4];
+            float4 gate, o;
+            if constexpr (SLOT_ROWS) {
+                const uint2 gw = *reinterpret_cast<const uint2*>(slot + 16 + 2 * p);
+                gate = make_float4(__uint_as_float(gw.x << 16), __uint_as_float(gw.x & 0xffff0000u),
+                                   __uint_as_float(gw.y << 16), __uint_as_float(gw.y & 0xffff0000u));
+            } else {
+                gate = *reinterpret_cast<const float4*>(reinterpret_cast<const float*>(row) + PD + 4 * P);
+            }
+            if constexpr (TILES_BF16) {
+                o = make_float4(__uint_as_float(o01 << 16), __uint_as_float(o01 & 0xffff0000u),
+                                __uint_as_float(o23 << 16), __uint_as_float(o23 & 0xffff0000u));
+            } else {
+                const float2 o0 = half2_to_float2(o01), o1 = half2_to_float2(o23);
+                o = make_float4(o0.x, o0.y, o1.x, o1.y);
+            }
+            go[j] = make_float4(gate.x * o.x, gate.y * o.y, gate.z * o.z, gate.w * o.w);
+            top = abs_max4(top, go[j]);
+        }
+        return top;
+    }
+
+    // g o times a (the tile's power of two) into A in fp16, row r's pieces; zero from
+    // rows_here on (rows past M, whatever the stage held).
+    static __device__ __forceinline__ void write_a(AScratch&, AScratch&, char* smem, const float4 (&go)[PD / 32],
+                                                   float a, int r, int p, int rows_here) {
+#pragma unroll
+        for (int j = 0; j < PD / 32; ++j) {
+            uint2 h = make_uint2(0u, 0u);
+            if (r < rows_here)
+                h = make_uint2(pack_f16(go[j].x * a, go[j].y * a), pack_f16(go[j].z * a, go[j].w * a));
+            *reinterpret_cast<uint2*>(smem + OFF_AO + a_offset(r, 4 * row_piece(r, p, j))) = h;
+        }
+    }
+
+    // acc = A Wo^T (this warpgroup's rows of Wo at wo_rows), waited for.
+    static __device__ __forceinline__ void product(Products&, float (&acc)[16], u32 a_tile, u32 wo_rows) {
+        wgmma_fence();
+        product32(acc, a_tile, wo_rows, PD * 128);
+        wgmma_commit();
+        wgmma_wait<0>();
+        pin(acc);
+    }
+};
 
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
 gated_out_project_wgmma_f16(const float* __restrict__ qkvg, i64 M,
@@ -488,36 +504,5 @@ gated_out_project_wgmma_f16(const float* __restrict__ qkvg, i64 M,
                         , int N  // the pair's N: rows go to caller_row (common.cuh)
 #endif
                         ) {
-    OUT_PROLOGUE();
-    if (tid == 0) {
-        mbar_arrive_expect(bar_w, WO_BYTES);
-        bulk_copy(smem_s + OFF_WO, wo_image, WO_BYTES, bar_w);
-        load_first_out_tiles(ntiles, load_tile);
-    }
-    const int col0 = NW * wg + 2 * t;
-    float2 bo[4];
-    column_biases(bo, b_out, col0);
-
-    const int r = tid / PARTS, p = tid % PARTS;
-    int k = 0;
-    for (i64 T = blockIdx.x; T < ntiles; T += gridDim.x, ++k) {
-        const int stage = k & 1;
-        const int rows_here = (int)min((i64)ROWS, M - T * ROWS);
-        mbar_wait(bar_in + 8 * stage, (k >> 1) & 1);
-
-        // 1. g o of this thread's pieces, the tile's power of two a (rows past M: whatever
-        //    the stage held; the barrier inside tile_scale: also every thread is past the
-        //    previous tile's products), g o a into A.
-        float4 go[PD / 32];
-        const float top = gated_pieces(go, smem + OFF_IN + stage * IN_BYTES, r, p);
-        const float a = tile_scale(r < rows_here ? top : 0.f, red);
-        write_a_f16(smem, go, a, r, p, rows_here);
-        out_tile_written(k, T, ntiles, stage, bar_w, load_tile);
-
-        // 2. out = (A Wo^T) w_unscale / a + bo: this warpgroup's 32 columns.
-        float acc[16];
-        out_product(acc, smem_s, wg);
-        const float a_unscale = 1.f / a;
-        store_out_rows(out, T, rows_here, OUT_N, col0, w4, g, acc, w_unscale, a_unscale, bo);
-    }
+    gated_out_projection<OutSteps>(qkvg, M, wo_image, b_out, out, w_unscale, OUT_N);
 }

@@ -2,8 +2,10 @@
 // modes, one fp16 product; project_wgmma_split.cu: the fp32 mode, fp16 hi + lo products):
 // the block's shape and work split, the wgmma of a warpgroup's 32 columns from shared
 // memory, the tiles of 64 keys of one pair row and their rows' bulk copies, the stores
-// through shared memory (stmatrix, bulk copies out) and the block's prologue. A kernel file
-// defines PAIR_DIM (128) and includes project_math.cuh (EXACT_FP32 set) before this.
+// through shared memory (stmatrix, bulk copies out), the block's prologue, the steps of
+// the LayerNorm projections alike in both, and the out projection's whole body
+// (gated_out_projection, each file giving its format's steps). A kernel file defines
+// PAIR_DIM (128) and includes project_math.cuh (EXACT_FP32 set) before this.
 #pragma once
 #include "common.cuh"
 #include "wgmma.cuh"
@@ -310,22 +312,6 @@ __device__ __forceinline__ float tile_scale(float top, float* red) {
     return top > 0.f ? ldexpf(1.f, min(14 - e, 126)) : 1.f;
 }
 
-// What both out projections start with: BLOCK_PROLOGUE, ntiles (of ROWS rows), the
-// mbarriers bar_in (IN stage s at + 8 s) and bar_w (Wo) initialised, red (RED), and
-// load_tile(T, s) (load_out_tile into IN stage s). A macro, as BLOCK_PROLOGUE; it reads
-// the file's OFF_OBAR, OFF_RED, OFF_IN, IN_BYTES, QKVG_WORDS and the arguments M and qkvg.
-#define OUT_PROLOGUE()                                                                     \
-    BLOCK_PROLOGUE();                                                                      \
-    const i64 ntiles = (M + ROWS - 1) / ROWS;                                              \
-    const u32 bar_w = smem_s + OFF_OBAR + 16, bar_in = smem_s + OFF_OBAR;                  \
-    float* const red = reinterpret_cast<float*>(smem + OFF_RED);                           \
-    check_block();                                                                         \
-    auto load_tile = [&](i64 T, int s) {                                                   \
-        load_out_tile(qkvg, M, T, s, smem_s + OFF_IN, IN_BYTES, QKVG_WORDS, bar_in);       \
-    };                                                                                     \
-    init_barriers(bar_in);                                                                 \
-    __syncthreads()  // the mbarriers initialised before thread 0 counts copies on them
-
 // After the Wo copy (thread 0): the attention's o awaited (common.cuh; Wo need not wait),
 // then the block's first two tiles into IN stages 0 and 1 by `load_tile`.
 template <class LoadTile>
@@ -394,3 +380,61 @@ __device__ __forceinline__ void store_out_rows(pair_t* out, i64 T, int rows_here
 #else
 #define OUT_N 0
 #endif
+
+// An out projection's whole body, both formats: out = (g o) Wo^T + bo over tiles of 64 qkvg
+// rows (Steps: the kernel's layout of shared memory, off_* and in_bytes, row_words, and
+// its format's steps). The prologue (BLOCK_PROLOGUE, the mbarriers bar_in (IN stage s at
+// + 8 s) and bar_w (Wo), RED, load_tile: load_out_tile into IN stage s), Wo's copy
+// (Steps::load_wo) and the block's first two tiles (load_first_out_tiles);
+// then each tile T of this block (k its count, in IN stage k % 2), once its rows are in:
+// g o of this thread's pieces of row r (Steps::gated_pieces), the tile's power of two a
+// (tile_scale; rows past M: whatever the stage held, counted as 0; the barrier inside:
+// also every thread is past the previous tile's products), g o a into A
+// (Steps::write_a), out_tile_written, A Wo^T (Steps::product, this warpgroup's 32 columns,
+// waited for) and store_out_rows. The scratch the steps take (Steps::AScratch, Products)
+// is declared here, in this order: declared in the steps, the compiler took it up
+// otherwise and the machine code changed.
+template <class Steps>
+__device__ __forceinline__ void gated_out_projection(const float* __restrict__ qkvg, i64 M,
+                                                     const uint4* __restrict__ wo_image,
+                                                     const float* __restrict__ b_out, pair_t* __restrict__ out,
+                                                     float w_unscale, int N) {
+    BLOCK_PROLOGUE();
+    const i64 ntiles = (M + ROWS - 1) / ROWS;
+    const u32 bar_w = smem_s + Steps::off_bar + 16, bar_in = smem_s + Steps::off_bar;
+    float* const red = reinterpret_cast<float*>(smem + Steps::off_red);
+    check_block();
+    auto load_tile = [&](i64 T, int s) {
+        load_out_tile(qkvg, M, T, s, smem_s + Steps::off_in, Steps::in_bytes, Steps::row_words, bar_in);
+    };
+    init_barriers(bar_in);
+    __syncthreads();  // the mbarriers initialised before thread 0 counts copies on them
+    if (tid == 0) {
+        Steps::load_wo(smem_s, wo_image, bar_w);
+        load_first_out_tiles(ntiles, load_tile);
+    }
+    const int col0 = NW * wg + 2 * t;
+    float2 bo[4];
+    column_biases(bo, b_out, col0);
+
+    const int r = tid / PARTS, p = tid % PARTS;
+    int k = 0;
+    for (i64 T = blockIdx.x; T < ntiles; T += gridDim.x, ++k) {
+        const int stage = k & 1;
+        const int rows_here = (int)min((i64)ROWS, M - T * ROWS);
+        mbar_wait(bar_in + 8 * stage, (k >> 1) & 1);
+
+        float4 go[PD / 32];
+        const float top = Steps::gated_pieces(go, smem + Steps::off_in + stage * Steps::in_bytes, r, p);
+        const float a = tile_scale(r < rows_here ? top : 0.f, red);
+        typename Steps::AScratch hi, lo;
+        Steps::write_a(hi, lo, smem, go, a, r, p, rows_here);
+        out_tile_written(k, T, ntiles, stage, bar_w, load_tile);
+
+        typename Steps::Products products;
+        float acc[16];
+        Steps::product(products, acc, smem_s + Steps::off_a, smem_s + Steps::off_wo + wg * NW * 128);
+        const float a_unscale = 1.f / a;
+        store_out_rows(out, T, rows_here, N, col0, w4, g, acc, w_unscale, a_unscale, bo);
+    }
+}

@@ -219,8 +219,8 @@ __device__ __forceinline__ void q_split_words(u32 (&hi)[4][2], u32 (&lo)[4][2], 
 // (j % 2)). hi and lo are the caller's scratch: declared here, the compiler took them up in
 // another order and the machine code changed.
 __device__ __forceinline__ void stage_split_tiles(u32 (&hi)[4], u32 (&lo)[4], u32 head_stage, int half,
-                                                  const float (&acc)[16], float unscale, const float2 (&b)[4], int r0,
-                                                  int r1, int valid, int w4, int jm, int jr) {
+                                                  const float (&acc)[16], float unscale, const float2 (&b)[4],
+                                                  int r0, int r1, int valid, int w4, int jm, int jr) {
 #pragma unroll
     for (int u = 0; u < 2; ++u) {
 #pragma unroll
@@ -388,47 +388,60 @@ ln_qkvg_project_wgmma_f16x3(const pair_t* __restrict__ x, i64 sb, i64 si, i64 sj
 #define OFF_OBAR (OFF_RED + 64)
 #define OUT_TILES_SMEM (OFF_OBAR + 64 + 1024)
 
-// g o of this thread's pieces (columns 4P .. 4P + 3) of row r of an IN stage, and their
-// largest |g o| (NaN, where a fully masked query's o is, drops out of fmaxf).
-__device__ __forceinline__ float gated_pieces(float4 (&go)[PD / 32], const char* in_stage, int r, int p) {
-    const float* const row = reinterpret_cast<const float*>(in_stage) + r * QKVG_WORDS;
-    float top = 0.f;
-#pragma unroll
-    for (int j = 0; j < PD / 32; ++j) {
-        const int P = row_piece(r, p, j);
-        const float4 o = *reinterpret_cast<const float4*>(row + 4 * P);
-        const float4 gate = *reinterpret_cast<const float4*>(row + PD + 4 * P);
-        go[j] = make_float4(gate.x * o.x, gate.y * o.y, gate.z * o.z, gate.w * o.w);
-        top = abs_max4(top, go[j]);
-    }
-    return top;
-}
+// gated_out_projection's steps for the fp32 mode: o fp32 at [0, D) of a qkvg row (the
+// attention's f16x3 writes it over q), the gate fp32 at [D, 2D); A in fp16 hi and lo, Wo
+// split on the host (split_product32).
+struct SplitOutSteps {
+    enum : int { off_bar = OFF_OBAR, off_red = OFF_RED, off_in = OFF_IN, in_bytes = IN_BYTES,
+                 row_words = QKVG_WORDS, off_a = OFF_AO, off_wo = OFF_WO };
+    using AScratch = uint2;  // hi and lo of a piece of A (write_a)
+    using Products = SplitAcc;
 
-// g o times a (the tile's power of two) into A's hi and lo tiles, row r's pieces; zero
-// from rows_here on (rows past M, whatever the stage held). hi, lo: the caller's scratch
-// (as stage_split_tiles's).
-__device__ __forceinline__ void write_a_split(uint2& hi, uint2& lo, char* smem, const float4 (&go)[PD / 32],
-                                              float a, int r, int p, int rows_here) {
-#pragma unroll
-    for (int j = 0; j < PD / 32; ++j) {
-        hi = make_uint2(0u, 0u), lo = hi;
-        if (r < rows_here) split4(make_float4(go[j].x * a, go[j].y * a, go[j].z * a, go[j].w * a), hi, lo);
-        const u32 at = a_offset(r, 4 * row_piece(r, p, j));
-        *reinterpret_cast<uint2*>(smem + OFF_AO + at) = hi;
-        *reinterpret_cast<uint2*>(smem + OFF_AO + A_PART + at) = lo;
+    // Wo's hi and lo images into WO (thread 0).
+    static __device__ __forceinline__ void load_wo(u32 smem_s, const uint4* wo_image, u32 bar_w) {
+        load_weights<2 * W_PART>(smem_s + OFF_WO, reinterpret_cast<const char*>(wo_image), bar_w);
     }
-}
 
-// acc = A Wo^T, split, this warpgroup's 32 columns, waited for (products: the caller's,
-// declared there: here, the compiler hoisted the descriptors out of the tile loop and the
-// machine code changed).
-__device__ __forceinline__ void split_out_product(SplitAcc& products, float (&acc)[16], u32 smem_s, int wg) {
-    wgmma_fence();
-    split_product32(products, smem_s + OFF_AO, smem_s + OFF_WO + wg * NW * 128, W_PART);
-    wgmma_commit();
-    wgmma_wait<0>();
-    fold(products, acc);
-}
+    // g o of this thread's pieces (columns 4P .. 4P + 3) of row r of an IN stage, and their
+    // largest |g o| (NaN, where a fully masked query's o is, drops out of fmaxf).
+    static __device__ __forceinline__ float gated_pieces(float4 (&go)[PD / 32], const char* in_stage, int r,
+                                                         int p) {
+        const float* const row = reinterpret_cast<const float*>(in_stage) + r * QKVG_WORDS;
+        float top = 0.f;
+#pragma unroll
+        for (int j = 0; j < PD / 32; ++j) {
+            const int P = row_piece(r, p, j);
+            const float4 o = *reinterpret_cast<const float4*>(row + 4 * P);
+            const float4 gate = *reinterpret_cast<const float4*>(row + PD + 4 * P);
+            go[j] = make_float4(gate.x * o.x, gate.y * o.y, gate.z * o.z, gate.w * o.w);
+            top = abs_max4(top, go[j]);
+        }
+        return top;
+    }
+
+    // g o times a (the tile's power of two) into A's hi and lo tiles, row r's pieces; zero
+    // from rows_here on (rows past M, whatever the stage held).
+    static __device__ __forceinline__ void write_a(uint2& hi, uint2& lo, char* smem, const float4 (&go)[PD / 32],
+                                                   float a, int r, int p, int rows_here) {
+#pragma unroll
+        for (int j = 0; j < PD / 32; ++j) {
+            hi = make_uint2(0u, 0u), lo = hi;
+            if (r < rows_here) split4(make_float4(go[j].x * a, go[j].y * a, go[j].z * a, go[j].w * a), hi, lo);
+            const u32 at = a_offset(r, 4 * row_piece(r, p, j));
+            *reinterpret_cast<uint2*>(smem + OFF_AO + at) = hi;
+            *reinterpret_cast<uint2*>(smem + OFF_AO + A_PART + at) = lo;
+        }
+    }
+
+    // acc = A Wo^T, split (this warpgroup's rows of Wo at wo_rows), waited for.
+    static __device__ __forceinline__ void product(SplitAcc& products, float (&acc)[16], u32 a_tile, u32 wo_rows) {
+        wgmma_fence();
+        split_product32(products, a_tile, wo_rows, W_PART);
+        wgmma_commit();
+        wgmma_wait<0>();
+        fold(products, acc);
+    }
+};
 
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
 gated_out_project_wgmma_f16x3(const float* __restrict__ qkvg, i64 M,
@@ -439,37 +452,5 @@ gated_out_project_wgmma_f16x3(const float* __restrict__ qkvg, i64 M,
                         , int N  // the pair's N: rows go to caller_row (common.cuh)
 #endif
                         ) {
-    OUT_PROLOGUE();
-    if (tid == 0) {
-        load_weights<2 * W_PART>(smem_s + OFF_WO, reinterpret_cast<const char*>(wo_image), bar_w);
-        load_first_out_tiles(ntiles, load_tile);
-    }
-    const int col0 = NW * wg + 2 * t;
-    float2 bo[4];
-    column_biases(bo, b_out, col0);
-
-    const int r = tid / PARTS, p = tid % PARTS;
-    int k = 0;
-    for (i64 T = blockIdx.x; T < ntiles; T += gridDim.x, ++k) {
-        const int stage = k & 1;
-        const int rows_here = (int)min((i64)ROWS, M - T * ROWS);
-        mbar_wait(bar_in + 8 * stage, (k >> 1) & 1);
-
-        // 1. g o of this thread's pieces, the tile's power of two a (rows past M: whatever
-        //    the stage held; the barrier inside tile_scale: also every thread is past the
-        //    previous tile's products), g o a into A.
-        float4 go[PD / 32];
-        const float top = gated_pieces(go, smem + OFF_IN + stage * IN_BYTES, r, p);
-        const float a = tile_scale(r < rows_here ? top : 0.f, red);
-        uint2 hi, lo;
-        write_a_split(hi, lo, smem, go, a, r, p, rows_here);
-        out_tile_written(k, T, ntiles, stage, bar_w, load_tile);
-
-        // 2. out = (A Wo^T) w_unscale / a + bo: this warpgroup's 32 columns.
-        SplitAcc products;
-        float acc[16];
-        split_out_product(products, acc, smem_s, wg);
-        const float a_unscale = 1.f / a;
-        store_out_rows(out, T, rows_here, OUT_N, col0, w4, g, acc, w_unscale, a_unscale, bo);
-    }
+    gated_out_projection<SplitOutSteps>(qkvg, M, wo_image, b_out, out, w_unscale, OUT_N);
 }
