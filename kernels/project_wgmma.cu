@@ -100,7 +100,6 @@
 #define W_BYTES (4 * PD * PD * 2)
 #define WB_BYTES (KBLK * 8 * 128)
 #define A_BYTES (KBLK * ROWS * 128)
-#define RAW_BYTES (ROWS * PD * 4)
 #define OFF_W 0
 #define OFF_WB (OFF_W + W_BYTES)
 #define OFF_A (OFF_WB + WB_BYTES)
@@ -160,6 +159,108 @@ __device__ __forceinline__ void layernorm_tile(char* smem, const pair_t* raw, in
 }
 
 
+// This thread's column pairs col0 + 8n (n < 4) of head wg: their biases, folded with the
+// scales as the epilogues apply them (q: (acc unscale + bq) q_scale as acc uq + bq q_scale;
+// the gate's exponent -(acc unscale + bg) log2 e as acc ug + bg').
+__device__ __forceinline__ void load_column_biases(float2 (&bq)[4], float2 (&bg)[4], float2 (&bk)[4],
+                                                   float2 (&bv)[4], const float* __restrict__ col_bias,
+                                                   int col0, float q_scale) {
+#pragma unroll
+    for (int n = 0; n < 4; ++n) {
+        const int col = col0 + 8 * n;
+        const float2 q = ld2(col_bias + col), k = ld2(col_bias + PD + col),
+                     v = ld2(col_bias + 2 * PD + col), gb = ld2(col_bias + 3 * PD + col);
+        bq[n] = make_float2(q.x * q_scale, q.y * q_scale);
+        bk[n] = k, bv[n] = v;
+        bg[n] = make_float2(-gb.x * LOG2E_F, -gb.y * LOG2E_F);
+    }
+}
+
+// Whether the mask keeps this thread's keys r0 and r1 of the tile, where they are keys of
+// it (keep0, keep1 true): the elements (b, i, key) that the pair bias reads, loaded by
+// warpgroup 0 (which stores the bias) before the products run.
+__device__ __forceinline__ void mask_keeps_rows(bool& keep0, bool& keep1, int r0, int r1, const KeyTile& kt,
+                                                const void* __restrict__ mask, int mask_kind, i64 mb, i64 mi,
+                                                i64 mj) {
+    const i64 base = kt.b * mb + kt.i * mi + (i64)kt.key0 * mj;
+    if (keep0) keep0 = mask_keeps(mask, mask_kind, base + r0 * mj);
+    if (keep1) keep1 = mask_keeps(mask, mask_kind, base + r1 * mj);
+}
+
+// q: acc uq + bq', packed 16-bit, into w for the head's q words.
+__device__ __forceinline__ void q_words(u32 (&w)[4][2], const float (&acc)[16], float uq, const float2 (&bq)[4]) {
+#pragma unroll
+    for (int n = 0; n < 4; ++n)
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+            w[n][h] = pack16(fmaf(acc[4 * n + 2 * h], uq, bq[n].x), fmaf(acc[4 * n + 2 * h + 1], uq, bq[n].y));
+}
+
+// The pair bias (warpgroup 0): heads 2t, 2t + 1 of keys r0, r1 (accumulator accb), log2 e
+// units, -inf where masked and on the keys past N (its tile's padded keys: npk is N
+// rounded up to 64), into row i % 128 of their fp16 tiles.
+__device__ __forceinline__ void store_bias_tile_rows(unsigned short* bias, const KeyTile& kt, int N, int H,
+                                                     int npk, int t, int r0, int r1, bool keep0, bool keep1,
+                                                     const float (&accb)[4], float unscale) {
+    const int qt = kt.i / 128;
+    char* const tiles = reinterpret_cast<char*>(bias);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+        const int head = 2 * t + (e & 1), r = e < 2 ? r0 : r1;
+        if (head >= H) continue;
+        const i64 tile = (((i64)kt.b * H + head) * ((N + 127) / 128) + qt) * (npk / 64) + kt.c;
+        *reinterpret_cast<unsigned short*>(tiles + tile * BIAS_TILE_BYTES + sw128(kt.i % 128, 2 * r)) =
+            f16_bias_bits((e < 2 ? keep0 : keep1) ? accb[e] * unscale * LOG2E_F : neg_inf());
+    }
+}
+
+// The gate: 1 / (1 + 2^(-(acc unscale + bg) log2 e)) = 1 / (1 + 2^(acc ug + bg')).
+__device__ __forceinline__ void gate_values(float (&s)[4][4], const float (&acc)[16], float ug,
+                                            const float2 (&bg)[4]) {
+#pragma unroll
+    for (int n = 0; n < 4; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+            s[n][e] = __fdividef(1.0f, 1.0f + fast_exp2(fmaf(acc[4 * n + e], ug, e & 1 ? bg[n].y : bg[n].x)));
+}
+
+// The gate's values s, packed bf16, into w for the head's gate words (SLOT_ROWS).
+__device__ __forceinline__ void gate_words(u32 (&w)[4][2], const float (&s)[4][4]) {
+#pragma unroll
+    for (int n = 0; n < 4; ++n)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) w[n][h] = pack_bf16(s[n][2 * h], s[n][2 * h + 1]);
+}
+
+// k or v (VT): acc unscale + b, packed, into the head's K tile [64 keys][32 dims] (sw64)
+// at raw + wg KV_BYTES, or transposed into its V^T tile [32 dims][64 keys] (sw128) VT_IN_TILE
+// further, 0 on the keys past N (rows r0, r1 from `valid` on). Matrix j of stmatrix u is
+// column group n = 2u + j / 2 of the warp's keys + 8 (j % 2); in V^T its rows are the
+// dims 8n + row.
+template <bool VT>
+__device__ __forceinline__ void stage_kv_tile(u32 raw, int wg, const float (&acc)[16], float unscale,
+                                              const float2 (&b)[4], int r0, int r1, int valid, int w4, int jm,
+                                              int jr) {
+#pragma unroll
+    for (int u = 0; u < 2; ++u) {
+        u32 w[4];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const int n = 2 * u + j / 2, h = j % 2;
+            w[j] = !VT || (h ? r1 : r0) < valid ? pack16(fmaf(acc[4 * n + 2 * h], unscale, b[n].x),
+                                                         fmaf(acc[4 * n + 2 * h + 1], unscale, b[n].y))
+                                                : 0u;
+        }
+        if constexpr (VT) {
+            const int n = 2 * u + jm / 2, key = 16 * w4 + 8 * (jm % 2);
+            stsm_x4_trans(raw + wg * KV_BYTES + VT_IN_TILE + sw128(8 * n + jr, 2 * key), w[0], w[1], w[2], w[3]);
+        } else {
+            const int n = 2 * u + jm / 2, key = 16 * w4 + 8 * (jm % 2) + jr;
+            stsm_x4(raw + wg * KV_BYTES + sw64(key, 16 * n), w[0], w[1], w[2], w[3]);
+        }
+    }
+}
+
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
 ln_qkvg_project_wgmma_f16(const pair_t* __restrict__ x, i64 sb, i64 si, i64 sj, int B, int N, int H,
                       float eps, const float* __restrict__ gamma_beta,  // [2][D], times a_scale
@@ -181,12 +282,8 @@ ln_qkvg_project_wgmma_f16(const pair_t* __restrict__ x, i64 sb, i64 si, i64 sj, 
         reinterpret_cast<float4*>(smem + OFF_GB)[e] = ld4(gamma_beta + 4 * e);
     __syncthreads();  // the mbarriers initialised, GB written
     if (warp == 0) {
-        if (lane == 0) {
-            mbar_arrive_expect(bar_w, W_BYTES + WB_BYTES);
-            for (u32 off = 0; off < W_BYTES + WB_BYTES; off += 16384)
-                bulk_copy(smem_s + OFF_W + off, reinterpret_cast<const char*>(w_image) + off,
-                          min(16384u, (u32)(W_BYTES + WB_BYTES) - off), bar_w);
-        }
+        if (lane == 0)
+            load_weights<W_BYTES + WB_BYTES>(smem_s + OFF_W, reinterpret_cast<const char*>(w_image), bar_w);
         for (int s = 0; s < 2; ++s) {
             const int T = t0 + blockIdx.x + s * gridDim.x;
             if (T < ntiles)
@@ -195,20 +292,10 @@ ln_qkvg_project_wgmma_f16(const pair_t* __restrict__ x, i64 sb, i64 si, i64 sj, 
         }
     }
 
-    // This thread's column pairs 32 wg + 8n + 2t (n < 4) of head wg: their biases, folded
-    // with the scales as the epilogues apply them (q: (acc unscale + bq) q_scale as acc
-    // uq + bq q_scale; the gate's exponent -(acc unscale + bg) log2 e as acc ug + bg').
+    // This thread's column pairs 32 wg + 8n + 2t (n < 4) of head wg, and their biases.
     const int col0 = NW * wg + 2 * t;
     float2 bq[4], bg[4], bk[4], bv[4];
-#pragma unroll
-    for (int n = 0; n < 4; ++n) {
-        const int col = col0 + 8 * n;
-        const float2 q = ld2(col_bias + col), k = ld2(col_bias + PD + col),
-                     v = ld2(col_bias + 2 * PD + col), gb = ld2(col_bias + 3 * PD + col);
-        bq[n] = make_float2(q.x * q_scale, q.y * q_scale);
-        bk[n] = k, bv[n] = v;
-        bg[n] = make_float2(-gb.x * LOG2E_F, -gb.y * LOG2E_F);
-    }
+    load_column_biases(bq, bg, bk, bv, col_bias, col0, q_scale);
     const float uq = unscale * q_scale, ug = -unscale * LOG2E_F;
     const u32 a_tile = smem_s + OFF_A;
     const u32 w_head = smem_s + OFF_W + wg * NW * 128;  // this warpgroup's rows of each pass
@@ -221,15 +308,11 @@ ln_qkvg_project_wgmma_f16(const pair_t* __restrict__ x, i64 sb, i64 si, i64 sj, 
         const u32 raw = smem_s + OFF_RAW + stage * RAW_BYTES;
         char* const raw_g = smem + OFF_RAW + stage * RAW_BYTES;
         const i64 m_first = kt.bi * N + kt.key0;  // qkvg row of the tile's first key
-        // This thread's two rows (keys) of the accumulators, and their mask elements for
-        // the pair bias (warpgroup 0), loaded before the products run.
+        // This thread's two rows (keys) of the accumulators, and whether the pair bias
+        // keeps them.
         const int r0 = 16 * w4 + g, r1 = r0 + 8, rows_left = kt.valid - 16 * w4;
         bool keep0 = r0 < kt.valid, keep1 = r1 < kt.valid;
-        if (wg == 0) {
-            const i64 base = kt.b * mb + kt.i * mi + (i64)kt.key0 * mj;
-            if (keep0) keep0 = mask_keeps(mask, mask_kind, base + r0 * mj);
-            if (keep1) keep1 = mask_keeps(mask, mask_kind, base + r1 * mj);
-        }
+        if (wg == 0) mask_keeps_rows(keep0, keep1, r0, r1, kt, mask, mask_kind, mb, mi, mj);
 
         // This warp's 16 rows of 32 packed 16-bit columns w, through its staging, into
         // their qkvg rows from word `word` (q: the head's slot; tiles_bf16's gate: its half).
@@ -245,12 +328,9 @@ ln_qkvg_project_wgmma_f16(const pair_t* __restrict__ x, i64 sb, i64 si, i64 sj, 
         fence_async_shared();  // A's generic stores, before the tensor cores read it
         __syncthreads();       // A complete; the RAW stage free for the staging
         if (k == 0) mbar_wait(bar_w, 0);
-        // The previous tile's stage, read by LayerNorm and (its bulk copies waited for
-        // here, long done) by the copy engine, takes the next tile: one tile ahead, without
-        // the wait at the end of a tile (it held every warp at this tile's barrier).
+        // The previous tile's stage takes the next tile's rows (wait_stage_reads).
         if (warp == 0 && k > 0) {
-            if (lane == 0) bulk_wait_read();
-            __syncwarp();  // lane 0 past its wait before the warp issues the copies
+            wait_stage_reads();
             const int next = T + gridDim.x;
             if (next < ntiles)
                 load_rows(x, sb, si, sj, KeyTile(next, N, nc), smem_s + OFF_RAW + (stage ^ 1) * RAW_BYTES,
@@ -273,114 +353,50 @@ ln_qkvg_project_wgmma_f16(const pair_t* __restrict__ x, i64 sb, i64 si, i64 sj, 
         pin(accb);
         {
             u32 w[4][2];
-#pragma unroll
-            for (int n = 0; n < 4; ++n)
-#pragma unroll
-                for (int h = 0; h < 2; ++h)
-                    w[n][h] = pack16(fmaf(acc0[4 * n + 2 * h], uq, bq[n].x),
-                                     fmaf(acc0[4 * n + 2 * h + 1], uq, bq[n].y));
+            q_words(w, acc0, uq, bq);
             store_slot(w, 32 * wg);
         }
-        // the pair bias (warpgroup 0): heads 2t, 2t + 1 of keys r0, r1; -inf where masked
-        // and on the keys past N (its tile's padded keys: npk is N rounded up to 64);
-        // none with a null bias under ROW_BLOCK (after the bias pass: common.cuh)
-        if (wg == 0 && (!ROW_BLOCK || bias != nullptr)) {
-            const int qt = kt.i / 128;
-            char* const tiles = reinterpret_cast<char*>(bias);
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int head = 2 * t + (e & 1), r = e < 2 ? r0 : r1;
-                if (head >= H) continue;
-                const i64 tile = (((i64)kt.b * H + head) * ((N + 127) / 128) + qt) * (npk / 64) + kt.c;
-                *reinterpret_cast<unsigned short*>(tiles + tile * BIAS_TILE_BYTES
-                                                   + sw128(kt.i % 128, 2 * r)) =
-                    f16_bias_bits((e < 2 ? keep0 : keep1) ? accb[e] * unscale * LOG2E_F : neg_inf());
-            }
-        }
+        // the pair bias (warpgroup 0); none with a null bias under ROW_BLOCK (after the bias
+        // pass: common.cuh)
+        if (wg == 0 && (!ROW_BLOCK || bias != nullptr))
+            store_bias_tile_rows(bias, kt, N, H, npk, t, r0, r1, keep0, keep1, accb, unscale);
         wgmma_fence();
         product32(acc0, a_tile, w_head + PASS_K * KBLK * PD * 128, PD * 128);
         wgmma_commit();
 
-        // gate: 1 / (1 + 2^(-(acc unscale + bg) log2 e)): fp32 at [D, 2D) (tiles_f16), or
-        // packed bf16 at the head's words [32 h + 16, 32 h + 32) (tiles_bf16 and tiles_f16_slots, staged as
-        // q).
+        // the gate: fp32 at [D, 2D) (tiles_f16), or packed bf16 at the head's words [32 h +
+        // 16, 32 h + 32) (tiles_bf16 and tiles_f16_slots, staged as q).
         wgmma_wait<1>();
         pin(acc1);
         {
             float s[4][4];
-#pragma unroll
-            for (int n = 0; n < 4; ++n)
-#pragma unroll
-                for (int e = 0; e < 4; ++e)
-                    s[n][e] = __fdividef(1.0f, 1.0f + fast_exp2(fmaf(acc1[4 * n + e], ug,
-                                                                     e & 1 ? bg[n].y : bg[n].x)));
-#if SLOT_ROWS
-            u32 w[4][2];
-#pragma unroll
-            for (int n = 0; n < 4; ++n)
-#pragma unroll
-                for (int h = 0; h < 2; ++h) w[n][h] = pack_bf16(s[n][2 * h], s[n][2 * h + 1]);
-            store_slot(w, 32 * wg + 16);
-#else
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                if ((h ? r1 : r0) >= kt.valid) continue;
-                float* const row = qkvg + (m_first + (h ? r1 : r0)) * QKVG_WORDS + PD + col0;
-#pragma unroll
-                for (int n = 0; n < 4; ++n) st_global2(row + 8 * n, s[n][2 * h], s[n][2 * h + 1]);
+            gate_values(s, acc1, ug, bg);
+            if constexpr (SLOT_ROWS) {
+                u32 w[4][2];
+                gate_words(w, s);
+                store_slot(w, 32 * wg + 16);
+            } else {
+                store_gate_f32(qkvg, m_first, QKVG_WORDS, r0, r1, kt.valid, col0,
+                               [&](int n, int e) { return s[n][e]; });
             }
-#endif
         }
         wgmma_fence();
         product32(acc1, a_tile, w_head + PASS_V * KBLK * PD * 128, PD * 128);
         wgmma_commit();
 
         const int jm = lane >> 3, jr = lane & 7;  // the matrix and row this lane addresses
-        // k: acc unscale + bk, into the head's K tile [64 keys][32 dims] (sw64): matrix j of
-        // stmatrix u is column group n = 2u + j / 2, the warp's rows + 8 (j % 2).
+        // k and v into the head's K and V^T tiles in the stage.
         wgmma_wait<1>();
         pin(acc0);
-#pragma unroll
-        for (int u = 0; u < 2; ++u) {
-            u32 w[4];
-#pragma unroll
-            for (int j = 0; j < 4; ++j) {
-                const int n = 2 * u + j / 2, h = j % 2;
-                w[j] = pack16(fmaf(acc0[4 * n + 2 * h], unscale, bk[n].x),
-                              fmaf(acc0[4 * n + 2 * h + 1], unscale, bk[n].y));
-            }
-            const int n = 2 * u + jm / 2, key = 16 * w4 + 8 * (jm % 2) + jr;
-            stsm_x4(raw + wg * KV_BYTES + sw64(key, 16 * n), w[0], w[1], w[2], w[3]);
-        }
-        // v: acc unscale + bv (0 on the keys past N), transposed into the head's V^T tile
-        // [32 dims][64 keys] (sw128): matrix j's rows are the dims 8n + row.
+        stage_kv_tile<false>(raw, wg, acc0, unscale, bk, r0, r1, kt.valid, w4, jm, jr);
         wgmma_wait<0>();
         pin(acc1);
-#pragma unroll
-        for (int u = 0; u < 2; ++u) {
-            u32 w[4];
-#pragma unroll
-            for (int j = 0; j < 4; ++j) {
-                const int n = 2 * u + j / 2, h = j % 2;
-                w[j] = (h ? r1 : r0) < kt.valid
-                           ? pack16(fmaf(acc1[4 * n + 2 * h], unscale, bv[n].x),
-                                    fmaf(acc1[4 * n + 2 * h + 1], unscale, bv[n].y))
-                           : 0u;
-            }
-            const int n = 2 * u + jm / 2, key = 16 * w4 + 8 * (jm % 2);
-            stsm_x4_trans(raw + wg * KV_BYTES + VT_IN_TILE + sw128(8 * n + jr, 2 * key),
-                          w[0], w[1], w[2], w[3]);
-        }
+        stage_kv_tile<true>(raw, wg, acc1, unscale, bv, r0, r1, kt.valid, w4, jm, jr);
         // Every head's K and V^T tile complete in the stage, and A's products done: out in
         // one bulk copy each (the stage is refilled after the next tile's LayerNorm).
         fence_async_shared();
         __syncthreads();  // every warp's K and V^T rows staged, every warpgroup's products done
-        if (tid == 0) {
-            for (int head = 0; head < HEADS; ++head)
-                bulk_store(vt + ((kt.bi * H + head) * (npk / 64) + kt.c) * KV_BYTES,
-                           raw + head * KV_BYTES, KV_BYTES);
-            bulk_commit();
-        }
+        if (tid == 0) store_head_tiles(vt, kt, H, npk, raw, KV_BYTES, 0, KV_BYTES);
     }
     if (tid == 0) bulk_wait_all();  // the last tile's copies complete before the block ends
 }
@@ -409,6 +425,76 @@ ln_qkvg_project_wgmma_f16(const pair_t* __restrict__ x, i64 sb, i64 si, i64 sj, 
 #define OFF_OBAR (OFF_RED + 64)
 #define OUT_TILES_SMEM (OFF_OBAR + 64 + 1024)
 
+// gated_out_projection's steps for the tf32 and bf16 modes: A in fp16, one product (no
+// scratch for the steps).
+struct OutSteps {
+    enum : int { off_bar = OFF_OBAR, off_red = OFF_RED, off_in = OFF_IN, in_bytes = IN_BYTES,
+                 row_words = QKVG_WORDS, off_a = OFF_AO, off_wo = OFF_WO };
+    struct AScratch {};
+    struct Products {};
+
+    // Wo's image into WO (thread 0), one bulk copy.
+    static __device__ __forceinline__ void load_wo(u32 smem_s, const uint4* wo_image, u32 bar_w) {
+        mbar_arrive_expect(bar_w, WO_BYTES);
+        bulk_copy(smem_s + OFF_WO, wo_image, WO_BYTES, bar_w);
+    }
+
+    // g o of this thread's pieces of row r of an IN stage (o's dims 4p .. 4p + 3 of a head
+    // are its dim pairs 2p, 2p + 1, in words 8 (p % 2) + p / 2 and 4 on), and their largest
+    // |g o| (NaN, where a fully masked query's o is, drops out of fmaxf).
+    static __device__ __forceinline__ float gated_pieces(float4 (&go)[PD / 32], const char* in_stage, int r,
+                                                         int p) {
+        const u32* const row = reinterpret_cast<const u32*>(in_stage) + r * QKVG_WORDS;
+        float top = 0.f;
+#pragma unroll
+        for (int j = 0; j < PD / 32; ++j) {
+            const int P = row_piece(r, p, j), head = P / 8;
+            const u32* const slot = row + 32 * head;
+            const u32 o01 = slot[8 * (p % 2) + p / 2], o23 = slot[8 * (p % 2) + p / 2 + 4];
+            float4 gate, o;
+            if constexpr (SLOT_ROWS) {
+                const uint2 gw = *reinterpret_cast<const uint2*>(slot + 16 + 2 * p);
+                gate = make_float4(__uint_as_float(gw.x << 16), __uint_as_float(gw.x & 0xffff0000u),
+                                   __uint_as_float(gw.y << 16), __uint_as_float(gw.y & 0xffff0000u));
+            } else {
+                gate = *reinterpret_cast<const float4*>(reinterpret_cast<const float*>(row) + PD + 4 * P);
+            }
+            if constexpr (TILES_BF16) {
+                o = make_float4(__uint_as_float(o01 << 16), __uint_as_float(o01 & 0xffff0000u),
+                                __uint_as_float(o23 << 16), __uint_as_float(o23 & 0xffff0000u));
+            } else {
+                const float2 o0 = half2_to_float2(o01), o1 = half2_to_float2(o23);
+                o = make_float4(o0.x, o0.y, o1.x, o1.y);
+            }
+            go[j] = make_float4(gate.x * o.x, gate.y * o.y, gate.z * o.z, gate.w * o.w);
+            top = abs_max4(top, go[j]);
+        }
+        return top;
+    }
+
+    // g o times a (the tile's power of two) into A in fp16, row r's pieces; zero from
+    // rows_here on (rows past M, whatever the stage held).
+    static __device__ __forceinline__ void write_a(AScratch&, AScratch&, char* smem, const float4 (&go)[PD / 32],
+                                                   float a, int r, int p, int rows_here) {
+#pragma unroll
+        for (int j = 0; j < PD / 32; ++j) {
+            uint2 h = make_uint2(0u, 0u);
+            if (r < rows_here)
+                h = make_uint2(pack_f16(go[j].x * a, go[j].y * a), pack_f16(go[j].z * a, go[j].w * a));
+            *reinterpret_cast<uint2*>(smem + OFF_AO + a_offset(r, 4 * row_piece(r, p, j))) = h;
+        }
+    }
+
+    // acc = A Wo^T (this warpgroup's rows of Wo at wo_rows), waited for.
+    static __device__ __forceinline__ void product(Products&, float (&acc)[16], u32 a_tile, u32 wo_rows) {
+        wgmma_fence();
+        product32(acc, a_tile, wo_rows, PD * 128);
+        wgmma_commit();
+        wgmma_wait<0>();
+        pin(acc);
+    }
+};
+
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
 gated_out_project_wgmma_f16(const float* __restrict__ qkvg, i64 M,
                         const uint4* __restrict__ wo_image,  // WO_BYTES
@@ -418,71 +504,5 @@ gated_out_project_wgmma_f16(const float* __restrict__ qkvg, i64 M,
                         , int N  // the pair's N: rows go to caller_row (common.cuh)
 #endif
                         ) {
-    OUT_PROLOGUE();
-    if (tid == 0) {
-        mbar_arrive_expect(bar_w, WO_BYTES);
-        bulk_copy(smem_s + OFF_WO, wo_image, WO_BYTES, bar_w);
-        load_first_out_tiles(ntiles, load_tile);
-    }
-    const int col0 = NW * wg + 2 * t;
-    float2 bo[4];
-    out_column_biases(bo, b_out, col0);
-
-    const int r = tid / PARTS, p = tid % PARTS;
-    int k = 0;
-    for (i64 T = blockIdx.x; T < ntiles; T += gridDim.x, ++k) {
-        const int stage = k & 1;
-        const int rows_here = (int)min((i64)ROWS, M - T * ROWS);
-        mbar_wait(bar_in + 8 * stage, (k >> 1) & 1);
-
-        // 1. g o of this thread's pieces, and the tile's largest |g o|. o's dims 4p .. 4p + 3
-        //    of a head are its dim pairs 2p, 2p + 1, in words 8 (p % 2) + p / 2 and 4 on.
-        const u32* const row = reinterpret_cast<const u32*>(smem + OFF_IN + stage * IN_BYTES)
-                               + r * QKVG_WORDS;
-        float4 go[PD / 32];
-        float top = 0.f;  // (NaN, where a fully masked query's o is, drops out of fmaxf)
-#pragma unroll
-        for (int j = 0; j < PD / 32; ++j) {
-            const int P = row_piece(r, p, j), head = P / 8;
-            const u32* const slot = row + 32 * head;
-            const u32 o01 = slot[8 * (p % 2) + p / 2], o23 = slot[8 * (p % 2) + p / 2 + 4];
-#if SLOT_ROWS
-            const uint2 gw = *reinterpret_cast<const uint2*>(slot + 16 + 2 * p);
-            const float4 gate = make_float4(__uint_as_float(gw.x << 16), __uint_as_float(gw.x & 0xffff0000u),
-                                            __uint_as_float(gw.y << 16), __uint_as_float(gw.y & 0xffff0000u));
-#else
-            const float4 gate = *reinterpret_cast<const float4*>(reinterpret_cast<const float*>(row) + PD + 4 * P);
-#endif
-#if TILES_BF16
-            const float4 o = make_float4(__uint_as_float(o01 << 16), __uint_as_float(o01 & 0xffff0000u),
-                                         __uint_as_float(o23 << 16), __uint_as_float(o23 & 0xffff0000u));
-#else
-            const float2 o0 = half2_to_float2(o01), o1 = half2_to_float2(o23);
-            const float4 o = make_float4(o0.x, o0.y, o1.x, o1.y);
-#endif
-            go[j] = make_float4(gate.x * o.x, gate.y * o.y, gate.z * o.z, gate.w * o.w);
-            top = abs_max4(top, go[j]);
-        }
-        // (rows past M: whatever the stage held; the barrier inside: also every thread is
-        // past the previous tile's products)
-        const float a = tile_scale(r < rows_here ? top : 0.f, red);
-#pragma unroll
-        for (int j = 0; j < PD / 32; ++j) {
-            uint2 h = make_uint2(0u, 0u);
-            if (r < rows_here)
-                h = make_uint2(pack_f16(go[j].x * a, go[j].y * a), pack_f16(go[j].z * a, go[j].w * a));
-            *reinterpret_cast<uint2*>(smem + OFF_AO + a_offset(r, 4 * row_piece(r, p, j))) = h;
-        }
-        out_tile_written(k, T, ntiles, stage, bar_w, load_tile);
-
-        // 2. out = (A Wo^T) w_unscale / a + bo: this warpgroup's 32 columns.
-        float acc[16];
-        wgmma_fence();
-        product32(acc, smem_s + OFF_AO, smem_s + OFF_WO + wg * NW * 128, PD * 128);
-        wgmma_commit();
-        wgmma_wait<0>();
-        pin(acc);
-        const float a_unscale = 1.f / a;
-        store_out_rows(out, T, rows_here, OUT_N, col0, w4, g, acc, w_unscale, a_unscale, bo);
-    }
+    gated_out_projection<OutSteps>(qkvg, M, wo_image, b_out, out, w_unscale, OUT_N);
 }

@@ -2,8 +2,10 @@
 // modes, one fp16 product; project_wgmma_split.cu: the fp32 mode, fp16 hi + lo products):
 // the block's shape and work split, the wgmma of a warpgroup's 32 columns from shared
 // memory, the tiles of 64 keys of one pair row and their rows' bulk copies, the stores
-// through shared memory (stmatrix, bulk copies out) and the block's prologue. A kernel file
-// defines PAIR_DIM (128) and includes project_math.cuh (EXACT_FP32 set) before this.
+// through shared memory (stmatrix, bulk copies out), the block's prologue, the steps of
+// the LayerNorm projections alike in both, and the out projection's whole body
+// (gated_out_projection, each file giving its format's steps). A kernel file defines
+// PAIR_DIM (128) and includes project_math.cuh (EXACT_FP32 set) before this.
 #pragma once
 #include "common.cuh"
 #include "wgmma.cuh"
@@ -16,6 +18,7 @@
 #define KSTEPS (PD / 16)         // k16 steps of a product
 #define NW 32                    // columns of a pass per warpgroup: one head
 #define HEADS (PD / 32)
+#define RAW_BYTES (ROWS * PD * 4)  // a RAW stage: a tile's 64 rows of x, fp32 (or 16-bit pairs)
 #if PD != 128
 #error "project_wgmma.cuh: written for D = 128 (4 heads of 32, one per warpgroup)"
 #endif
@@ -189,6 +192,50 @@ __device__ __forceinline__ void store_rows16(const u32 (&w)[4][2], u32 stage, ch
     __syncwarp();  // read out before the warp writes its staging again
 }
 
+// BYTES of weights (an image laid out by the host) from src into shared memory at dst (one
+// thread), 16 KiB a bulk copy, counted on the mbarrier bar.
+template <u32 BYTES>
+__device__ __forceinline__ void load_weights(u32 dst, const char* src, u32 bar) {
+    mbar_arrive_expect(bar, BYTES);
+    for (u32 off = 0; off < BYTES; off += 16384)
+        bulk_copy(dst + off, src + off, BYTES % 16384 ? min(16384u, BYTES - off) : 16384u, bar);
+}
+
+// Warp 0, from a block's second tile on, past the barrier after LayerNorm, before it
+// refills the RAW stage the previous tile used (one tile ahead, without a wait at the end
+// of a tile: that held every warp at its barrier): lane 0 waits for the reads of that
+// stage by the previous tile's bulk copies out (long done), then the warp for lane 0.
+__device__ __forceinline__ void wait_stage_reads() {
+    if ((threadIdx.x & 31) == 0) bulk_wait_read();
+    __syncwarp();  // lane 0 past its wait before the warp issues the copies
+}
+
+// The gate in fp32 at words [D, 2D) of its qkvg rows (row_words words a row, the tile's
+// first at m_first): this thread's rows r0 and r1 = r0 + 8 (those below `valid`), columns
+// col0 + 8n and + 1, the values gate(n, e) of accumulator element 4n + e.
+template <class Gate>
+__device__ __forceinline__ void store_gate_f32(float* qkvg, i64 m_first, int row_words, int r0, int r1, int valid,
+                                               int col0, Gate gate) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        if ((h ? r1 : r0) >= valid) continue;
+        float* const row = qkvg + (m_first + (h ? r1 : r0)) * row_words + PD + col0;
+#pragma unroll
+        for (int n = 0; n < 4; ++n) st_global2(row + 8 * n, gate(n, 2 * h), gate(n, 2 * h + 1));
+    }
+}
+
+// Thread 0, once a tile's K and V^T tiles (or one part of them) are staged and every warp
+// is past the barrier: each head's part_bytes at raw + head part_bytes to its tile in vt
+// (tile_bytes per (b, i, head, 64 keys); this part at + part_offset), one commit group.
+__device__ __forceinline__ void store_head_tiles(char* vt, const KeyTile& kt, int H, int npk, u32 raw,
+                                                 int tile_bytes, int part_offset, int part_bytes) {
+    for (int head = 0; head < HEADS; ++head)
+        bulk_store(vt + ((kt.bi * H + head) * (npk / 64) + kt.c) * tile_bytes + part_offset,
+                   raw + head * part_bytes, part_bytes);
+    bulk_commit();
+}
+
 // Row r of a RAW stage of 64 x D floats: this thread's (part p's) PD / 32 float4 pieces of
 // it (row_piece) in v, and the row's LayerNorm statistics, combined over its PARTS threads
 // (consecutive lanes): the mean, then the squared deviations from it (two passes: no
@@ -265,22 +312,6 @@ __device__ __forceinline__ float tile_scale(float top, float* red) {
     return top > 0.f ? ldexpf(1.f, min(14 - e, 126)) : 1.f;
 }
 
-// What both out projections start with: BLOCK_PROLOGUE, ntiles (of ROWS rows), the
-// mbarriers bar_in (IN stage s at + 8 s) and bar_w (Wo) initialised, red (RED), and
-// load_tile(T, s) (load_out_tile into IN stage s). A macro, as BLOCK_PROLOGUE; it reads
-// the file's OFF_OBAR, OFF_RED, OFF_IN, IN_BYTES, QKVG_WORDS and the arguments M and qkvg.
-#define OUT_PROLOGUE()                                                                     \
-    BLOCK_PROLOGUE();                                                                      \
-    const i64 ntiles = (M + ROWS - 1) / ROWS;                                              \
-    const u32 bar_w = smem_s + OFF_OBAR + 16, bar_in = smem_s + OFF_OBAR;                  \
-    float* const red = reinterpret_cast<float*>(smem + OFF_RED);                           \
-    check_block();                                                                         \
-    auto load_tile = [&](i64 T, int s) {                                                   \
-        load_out_tile(qkvg, M, T, s, smem_s + OFF_IN, IN_BYTES, QKVG_WORDS, bar_in);       \
-    };                                                                                     \
-    init_barriers(bar_in);                                                                 \
-    __syncthreads()  // the mbarriers initialised before thread 0 counts copies on them
-
 // After the Wo copy (thread 0): the attention's o awaited (common.cuh; Wo need not wait),
 // then the block's first two tiles into IN stages 0 and 1 by `load_tile`.
 template <class LoadTile>
@@ -307,8 +338,8 @@ __device__ __forceinline__ void out_tile_written(int k, i64 T, i64 ntiles, int s
     if (threadIdx.x == 0 && T + 2 * gridDim.x < ntiles) load_tile(T + 2 * gridDim.x, stage);
 }
 
-// The out projections' column biases of this thread's columns col0 + 8n, + 1.
-__device__ __forceinline__ void out_column_biases(float2 (&bo)[4], const float* b_out, int col0) {
+// The column biases of this thread's columns col0 + 8n, + 1 (b_out: a projection's [D]).
+__device__ __forceinline__ void column_biases(float2 (&bo)[4], const float* b_out, int col0) {
 #pragma unroll
     for (int n = 0; n < 4; ++n) bo[n] = ld2(b_out + col0 + 8 * n);
 }
@@ -349,3 +380,61 @@ __device__ __forceinline__ void store_out_rows(pair_t* out, i64 T, int rows_here
 #else
 #define OUT_N 0
 #endif
+
+// An out projection's whole body, both formats: out = (g o) Wo^T + bo over tiles of 64 qkvg
+// rows (Steps: the kernel's layout of shared memory, off_* and in_bytes, row_words, and
+// its format's steps). The prologue (BLOCK_PROLOGUE, the mbarriers bar_in (IN stage s at
+// + 8 s) and bar_w (Wo), RED, load_tile: load_out_tile into IN stage s), Wo's copy
+// (Steps::load_wo) and the block's first two tiles (load_first_out_tiles);
+// then each tile T of this block (k its count, in IN stage k % 2), once its rows are in:
+// g o of this thread's pieces of row r (Steps::gated_pieces), the tile's power of two a
+// (tile_scale; rows past M: whatever the stage held, counted as 0; the barrier inside:
+// also every thread is past the previous tile's products), g o a into A
+// (Steps::write_a), out_tile_written, A Wo^T (Steps::product, this warpgroup's 32 columns,
+// waited for) and store_out_rows. The scratch the steps take (Steps::AScratch, Products)
+// is declared here, in this order: declared in the steps, the compiler took it up
+// otherwise and the machine code changed.
+template <class Steps>
+__device__ __forceinline__ void gated_out_projection(const float* __restrict__ qkvg, i64 M,
+                                                     const uint4* __restrict__ wo_image,
+                                                     const float* __restrict__ b_out, pair_t* __restrict__ out,
+                                                     float w_unscale, int N) {
+    BLOCK_PROLOGUE();
+    const i64 ntiles = (M + ROWS - 1) / ROWS;
+    const u32 bar_w = smem_s + Steps::off_bar + 16, bar_in = smem_s + Steps::off_bar;
+    float* const red = reinterpret_cast<float*>(smem + Steps::off_red);
+    check_block();
+    auto load_tile = [&](i64 T, int s) {
+        load_out_tile(qkvg, M, T, s, smem_s + Steps::off_in, Steps::in_bytes, Steps::row_words, bar_in);
+    };
+    init_barriers(bar_in);
+    __syncthreads();  // the mbarriers initialised before thread 0 counts copies on them
+    if (tid == 0) {
+        Steps::load_wo(smem_s, wo_image, bar_w);
+        load_first_out_tiles(ntiles, load_tile);
+    }
+    const int col0 = NW * wg + 2 * t;
+    float2 bo[4];
+    column_biases(bo, b_out, col0);
+
+    const int r = tid / PARTS, p = tid % PARTS;
+    int k = 0;
+    for (i64 T = blockIdx.x; T < ntiles; T += gridDim.x, ++k) {
+        const int stage = k & 1;
+        const int rows_here = (int)min((i64)ROWS, M - T * ROWS);
+        mbar_wait(bar_in + 8 * stage, (k >> 1) & 1);
+
+        float4 go[PD / 32];
+        const float top = Steps::gated_pieces(go, smem + Steps::off_in + stage * Steps::in_bytes, r, p);
+        const float a = tile_scale(r < rows_here ? top : 0.f, red);
+        typename Steps::AScratch hi, lo;
+        Steps::write_a(hi, lo, smem, go, a, r, p, rows_here);
+        out_tile_written(k, T, ntiles, stage, bar_w, load_tile);
+
+        typename Steps::Products products;
+        float acc[16];
+        Steps::product(products, acc, smem_s + Steps::off_a, smem_s + Steps::off_wo + wg * NW * 128);
+        const float a_unscale = 1.f / a;
+        store_out_rows(out, T, rows_here, N, col0, w4, g, acc, w_unscale, a_unscale, bo);
+    }
+}

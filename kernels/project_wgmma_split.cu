@@ -69,7 +69,6 @@
 
 #define W_PART (PD * PD * 2)        // one pass's W, hi or lo
 #define A_PART (KBLK * ROWS * 128)  // the tile's xn, hi or lo
-#define RAW_BYTES (ROWS * PD * 4)
 #define OFF_W 0
 #define OFF_A (OFF_W + 4 * W_PART)
 #define OFF_RAW (OFF_A + 2 * A_PART)
@@ -202,6 +201,48 @@ __device__ __forceinline__ void layernorm_split_tile(char* smem, const pair_t* r
     *reinterpret_cast<unsigned short*>(at + BIAS_LO) = lo;
 }
 
+// q: (acc unscale + bq) q_scale as fp16 hi and lo words (column pair 8n + 2t of rows g + 8h).
+__device__ __forceinline__ void q_split_words(u32 (&hi)[4][2], u32 (&lo)[4][2], const float (&acc)[16],
+                                              float unscale, const float2 (&bq)[4], float q_scale) {
+#pragma unroll
+    for (int n = 0; n < 4; ++n)
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+            split_f16(fmaf(acc[4 * n + 2 * h], unscale, bq[n].x) * q_scale,
+                      fmaf(acc[4 * n + 2 * h + 1], unscale, bq[n].y) * q_scale, hi[n][h], lo[n][h]);
+}
+
+// Half 0's second pass k, or half 1's v: acc unscale + b as fp16 hi and lo, into the head's
+// K tiles [64 keys][32 dims] (sw64) or, transposed, its V^T tiles [32 dims][64 keys]
+// (sw128, 0 on the keys past N: rows r0, r1 from `valid` on), hi at head_stage and lo
+// PART_BYTES on (stmatrix u's matrix j: column group n = 2u + j / 2, the warp's keys + 8
+// (j % 2)). hi and lo are the caller's scratch: declared here, the compiler took them up in
+// another order and the machine code changed.
+__device__ __forceinline__ void stage_split_tiles(u32 (&hi)[4], u32 (&lo)[4], u32 head_stage, int half,
+                                                  const float (&acc)[16], float unscale, const float2 (&b)[4],
+                                                  int r0, int r1, int valid, int w4, int jm, int jr) {
+#pragma unroll
+    for (int u = 0; u < 2; ++u) {
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {  // matrix j of stmatrix u: column group n, rows + 8 h
+            const int n = 2 * u + j / 2, h = j % 2;
+            split_f16(fmaf(acc[4 * n + 2 * h], unscale, b[n].x), fmaf(acc[4 * n + 2 * h + 1], unscale, b[n].y),
+                      hi[j], lo[j]);
+            if (half && (h ? r1 : r0) >= valid) hi[j] = lo[j] = 0u;  // V^T: 0 past N
+        }
+        const int n = 2 * u + jm / 2;
+        if (half == 0) {
+            const int key = 16 * w4 + 8 * (jm % 2) + jr;
+            stsm_x4(head_stage + sw64(key, 16 * n), hi[0], hi[1], hi[2], hi[3]);
+            stsm_x4(head_stage + PART_BYTES + sw64(key, 16 * n), lo[0], lo[1], lo[2], lo[3]);
+        } else {
+            const int key = 16 * w4 + 8 * (jm % 2);
+            stsm_x4_trans(head_stage + sw128(8 * n + jr, 2 * key), hi[0], hi[1], hi[2], hi[3]);
+            stsm_x4_trans(head_stage + PART_BYTES + sw128(8 * n + jr, 2 * key), lo[0], lo[1], lo[2], lo[3]);
+        }
+    }
+}
+
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
 ln_qkvg_project_wgmma_f16x3(const pair_t* __restrict__ x, i64 sb, i64 si, i64 sj, int B, int N, int H,
                       float eps, const float* __restrict__ gamma_beta,  // [2][D], times a_scale
@@ -226,10 +267,8 @@ ln_qkvg_project_wgmma_f16x3(const pair_t* __restrict__ x, i64 sb, i64 si, i64 sj
     auto step_tile = [&](int s) { return KeyTile(t0 + (int)blockIdx.x + (s % mine) * (int)gridDim.x, N, nc); };
     // Half `half`'s W into shared memory (one thread), counted on bar_w's phase `half`.
     auto load_w = [&](int half) {
-        mbar_arrive_expect(bar_w, 4 * W_PART);
-        for (u32 off = 0; off < 4 * W_PART; off += 16384)
-            bulk_copy(smem_s + OFF_W + off, reinterpret_cast<const char*>(w_image) + half * 4 * W_PART + off,
-                      16384, bar_w);
+        load_weights<4 * W_PART>(smem_s + OFF_W, reinterpret_cast<const char*>(w_image) + half * 4 * W_PART,
+                                 bar_w);
     };
     if (warp == 0) {
         if (lane == 0) load_w(0);
@@ -264,8 +303,7 @@ ln_qkvg_project_wgmma_f16x3(const pair_t* __restrict__ x, i64 sb, i64 si, i64 sj
         // The previous step's stage (its bulk copies' reads waited for here, long done)
         // takes the next step's rows: one step ahead.
         if (warp == 0 && s > 0) {
-            if (lane == 0) bulk_wait_read();
-            __syncwarp();  // lane 0 past its wait before the warp issues the copies
+            wait_stage_reads();
             if (s + 1 < steps)
                 load_rows(x, sb, si, sj, step_tile(s + 1), smem_s + OFF_RAW + (stage ^ 1) * RAW_BYTES,
                           bar_raw + 8 * (stage ^ 1));
@@ -279,27 +317,20 @@ ln_qkvg_project_wgmma_f16x3(const pair_t* __restrict__ x, i64 sb, i64 si, i64 sj
         wgmma_fence();
         split_product32(pass0, a_tile, w_head, W_PART);
         wgmma_commit();
-#if PASSES_IN_FLIGHT == 2
-        split_product32(pass1, a_tile, w_head + 2 * W_PART, W_PART);
-        wgmma_commit();
-        wgmma_wait<1>();
-#else
-        wgmma_wait<0>();
-#endif
+        if constexpr (PASSES_IN_FLIGHT == 2) {
+            split_product32(pass1, a_tile, w_head + 2 * W_PART, W_PART);
+            wgmma_commit();
+            wgmma_wait<1>();
+        } else {
+            wgmma_wait<0>();
+        }
         fold(pass0, acc0);
-#pragma unroll
-        for (int n = 0; n < 4; ++n) b0[n] = ld2(col_bias + (half ? 3 * PD : 0) + col0 + 8 * n);  // bq, bg
+        column_biases(b0, col_bias + (half ? 3 * PD : 0), col0);  // bq, bg
         if (half == 0) {
             // q: (acc unscale + bq) q_scale, fp16 hi words then lo words into the head's slot
             // (through the staging: 64 bytes a row each).
             u32 hi[4][2], lo[4][2];
-#pragma unroll
-            for (int n = 0; n < 4; ++n)
-#pragma unroll
-                for (int h = 0; h < 2; ++h)
-                    split_f16(fmaf(acc0[4 * n + 2 * h], unscale, b0[n].x) * q_scale,
-                              fmaf(acc0[4 * n + 2 * h + 1], unscale, b0[n].y) * q_scale,
-                              hi[n][h], lo[n][h]);
+            q_split_words(hi, lo, acc0, unscale, b0, q_scale);
             auto q_words = [&](int word) {  // where row `row` of this warp's 16 takes them
                 return [&, word](int row) {
                     return reinterpret_cast<char*>(qkvg + (m_first + 16 * w4 + row) * QKVG_WORDS + word);
@@ -309,59 +340,27 @@ ln_qkvg_project_wgmma_f16x3(const pair_t* __restrict__ x, i64 sb, i64 si, i64 sj
             store_rows16(lo, raw + k_rows, raw_g + k_rows, rows_left, q_words(32 * wg + Q_LO_WORDS));
         } else {
             // the gate: sigmoid(acc unscale + bg), fp32 at [D, 2D)
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                if ((h ? r1 : r0) >= kt.valid) continue;
-                float* const row = qkvg + (m_first + (h ? r1 : r0)) * QKVG_WORDS + PD + col0;
-#pragma unroll
-                for (int n = 0; n < 4; ++n)
-                    st_global2(row + 8 * n, sigmoid(fmaf(acc0[4 * n + 2 * h], unscale, b0[n].x)),
-                               sigmoid(fmaf(acc0[4 * n + 2 * h + 1], unscale, b0[n].y)));
-            }
+            store_gate_f32(qkvg, m_first, QKVG_WORDS, r0, r1, kt.valid, col0, [&](int n, int e) {
+                return sigmoid(fmaf(acc0[4 * n + e], unscale, e & 1 ? b0[n].y : b0[n].x));
+            });
         }
 
-#if PASSES_IN_FLIGHT == 1
-        wgmma_fence();
-        split_product32(pass1, a_tile, w_head + 2 * W_PART, W_PART);
-        wgmma_commit();
-#endif
+        if constexpr (PASSES_IN_FLIGHT == 1) {
+            wgmma_fence();
+            split_product32(pass1, a_tile, w_head + 2 * W_PART, W_PART);
+            wgmma_commit();
+        }
         wgmma_wait<0>();
         fold(pass1, acc1);
-#pragma unroll
-        for (int n = 0; n < 4; ++n) b1[n] = ld2(col_bias + (half ? 2 * PD : PD) + col0 + 8 * n);  // bk, bv
+        column_biases(b1, col_bias + (half ? 2 * PD : PD), col0);  // bk, bv
         const int jm = lane >> 3, jr = lane & 7;  // the matrix and row this lane addresses
         const u32 head_stage = raw + wg * HALF_KV;
-#pragma unroll
-        for (int u = 0; u < 2; ++u) {
-            u32 hi[4], lo[4];
-#pragma unroll
-            for (int j = 0; j < 4; ++j) {  // matrix j of stmatrix u: column group n, rows + 8 h
-                const int n = 2 * u + j / 2, h = j % 2;
-                split_f16(fmaf(acc1[4 * n + 2 * h], unscale, b1[n].x),
-                          fmaf(acc1[4 * n + 2 * h + 1], unscale, b1[n].y), hi[j], lo[j]);
-                if (half && (h ? r1 : r0) >= kt.valid) hi[j] = lo[j] = 0u;  // V^T: 0 past N
-            }
-            const int n = 2 * u + jm / 2;
-            if (half == 0) {
-                // k into the head's K tiles [64 keys][32 dims] (sw64)
-                const int key = 16 * w4 + 8 * (jm % 2) + jr;
-                stsm_x4(head_stage + sw64(key, 16 * n), hi[0], hi[1], hi[2], hi[3]);
-                stsm_x4(head_stage + PART_BYTES + sw64(key, 16 * n), lo[0], lo[1], lo[2], lo[3]);
-            } else {
-                // v transposed into the head's V^T tiles [32 dims][64 keys] (sw128)
-                const int key = 16 * w4 + 8 * (jm % 2);
-                stsm_x4_trans(head_stage + sw128(8 * n + jr, 2 * key), hi[0], hi[1], hi[2], hi[3]);
-                stsm_x4_trans(head_stage + PART_BYTES + sw128(8 * n + jr, 2 * key), lo[0], lo[1], lo[2],
-                              lo[3]);
-            }
-        }
+        u32 hi[4], lo[4];
+        stage_split_tiles(hi, lo, head_stage, half, acc1, unscale, b1, r0, r1, kt.valid, w4, jm, jr);
         fence_async_shared();
         __syncthreads();  // every warp's K or V^T rows staged, every warpgroup's products done
         if (tid == 0) {
-            for (int head = 0; head < HEADS; ++head)
-                bulk_store(vt + ((kt.bi * H + head) * (npk / 64) + kt.c) * KV_BYTES + half * HALF_KV,
-                           raw + head * HALF_KV, HALF_KV);
-            bulk_commit();
+            store_head_tiles(vt, kt, H, npk, raw, KV_BYTES, half * HALF_KV, HALF_KV);
             // The last tile of half 0 is done with W (the barrier above): half 1's replaces it.
             if (s == mine - 1) load_w(1);
         }
@@ -389,6 +388,61 @@ ln_qkvg_project_wgmma_f16x3(const pair_t* __restrict__ x, i64 sb, i64 si, i64 sj
 #define OFF_OBAR (OFF_RED + 64)
 #define OUT_TILES_SMEM (OFF_OBAR + 64 + 1024)
 
+// gated_out_projection's steps for the fp32 mode: o fp32 at [0, D) of a qkvg row (the
+// attention's f16x3 writes it over q), the gate fp32 at [D, 2D); A in fp16 hi and lo, Wo
+// split on the host (split_product32).
+struct SplitOutSteps {
+    enum : int { off_bar = OFF_OBAR, off_red = OFF_RED, off_in = OFF_IN, in_bytes = IN_BYTES,
+                 row_words = QKVG_WORDS, off_a = OFF_AO, off_wo = OFF_WO };
+    using AScratch = uint2;  // hi and lo of a piece of A (write_a)
+    using Products = SplitAcc;
+
+    // Wo's hi and lo images into WO (thread 0).
+    static __device__ __forceinline__ void load_wo(u32 smem_s, const uint4* wo_image, u32 bar_w) {
+        load_weights<2 * W_PART>(smem_s + OFF_WO, reinterpret_cast<const char*>(wo_image), bar_w);
+    }
+
+    // g o of this thread's pieces (columns 4P .. 4P + 3) of row r of an IN stage, and their
+    // largest |g o| (NaN, where a fully masked query's o is, drops out of fmaxf).
+    static __device__ __forceinline__ float gated_pieces(float4 (&go)[PD / 32], const char* in_stage, int r,
+                                                         int p) {
+        const float* const row = reinterpret_cast<const float*>(in_stage) + r * QKVG_WORDS;
+        float top = 0.f;
+#pragma unroll
+        for (int j = 0; j < PD / 32; ++j) {
+            const int P = row_piece(r, p, j);
+            const float4 o = *reinterpret_cast<const float4*>(row + 4 * P);
+            const float4 gate = *reinterpret_cast<const float4*>(row + PD + 4 * P);
+            go[j] = make_float4(gate.x * o.x, gate.y * o.y, gate.z * o.z, gate.w * o.w);
+            top = abs_max4(top, go[j]);
+        }
+        return top;
+    }
+
+    // g o times a (the tile's power of two) into A's hi and lo tiles, row r's pieces; zero
+    // from rows_here on (rows past M, whatever the stage held).
+    static __device__ __forceinline__ void write_a(uint2& hi, uint2& lo, char* smem, const float4 (&go)[PD / 32],
+                                                   float a, int r, int p, int rows_here) {
+#pragma unroll
+        for (int j = 0; j < PD / 32; ++j) {
+            hi = make_uint2(0u, 0u), lo = hi;
+            if (r < rows_here) split4(make_float4(go[j].x * a, go[j].y * a, go[j].z * a, go[j].w * a), hi, lo);
+            const u32 at = a_offset(r, 4 * row_piece(r, p, j));
+            *reinterpret_cast<uint2*>(smem + OFF_AO + at) = hi;
+            *reinterpret_cast<uint2*>(smem + OFF_AO + A_PART + at) = lo;
+        }
+    }
+
+    // acc = A Wo^T, split (this warpgroup's rows of Wo at wo_rows), waited for.
+    static __device__ __forceinline__ void product(SplitAcc& products, float (&acc)[16], u32 a_tile, u32 wo_rows) {
+        wgmma_fence();
+        split_product32(products, a_tile, wo_rows, W_PART);
+        wgmma_commit();
+        wgmma_wait<0>();
+        fold(products, acc);
+    }
+};
+
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
 gated_out_project_wgmma_f16x3(const float* __restrict__ qkvg, i64 M,
                         const uint4* __restrict__ wo_image,  // 2 W_PART
@@ -398,60 +452,5 @@ gated_out_project_wgmma_f16x3(const float* __restrict__ qkvg, i64 M,
                         , int N  // the pair's N: rows go to caller_row (common.cuh)
 #endif
                         ) {
-    OUT_PROLOGUE();
-    if (tid == 0) {
-        mbar_arrive_expect(bar_w, 2 * W_PART);
-        for (u32 off = 0; off < 2 * W_PART; off += 16384)
-            bulk_copy(smem_s + OFF_WO + off, reinterpret_cast<const char*>(wo_image) + off, 16384, bar_w);
-        load_first_out_tiles(ntiles, load_tile);
-    }
-    const int col0 = NW * wg + 2 * t;
-    float2 bo[4];
-    out_column_biases(bo, b_out, col0);
-
-    const int r = tid / PARTS, p = tid % PARTS;
-    int k = 0;
-    for (i64 T = blockIdx.x; T < ntiles; T += gridDim.x, ++k) {
-        const int stage = k & 1;
-        const int rows_here = (int)min((i64)ROWS, M - T * ROWS);
-        mbar_wait(bar_in + 8 * stage, (k >> 1) & 1);
-
-        // 1. g o of this thread's pieces (columns 4P .. 4P + 3), and the tile's largest |g o|.
-        const float* const row = reinterpret_cast<const float*>(smem + OFF_IN + stage * IN_BYTES)
-                                 + r * QKVG_WORDS;
-        float4 go[PD / 32];
-        float top = 0.f;  // (NaN, where a fully masked query's o is, drops out of fmaxf)
-#pragma unroll
-        for (int j = 0; j < PD / 32; ++j) {
-            const int P = row_piece(r, p, j);
-            const float4 o = *reinterpret_cast<const float4*>(row + 4 * P);
-            const float4 gate = *reinterpret_cast<const float4*>(row + PD + 4 * P);
-            go[j] = make_float4(gate.x * o.x, gate.y * o.y, gate.z * o.z, gate.w * o.w);
-            top = abs_max4(top, go[j]);
-        }
-        // (rows past M: whatever the stage held; the barrier inside: also every thread is
-        // past the previous tile's products)
-        const float a = tile_scale(r < rows_here ? top : 0.f, red);
-#pragma unroll
-        for (int j = 0; j < PD / 32; ++j) {
-            uint2 hi = make_uint2(0u, 0u), lo = hi;
-            if (r < rows_here)
-                split4(make_float4(go[j].x * a, go[j].y * a, go[j].z * a, go[j].w * a), hi, lo);
-            const u32 at = a_offset(r, 4 * row_piece(r, p, j));
-            *reinterpret_cast<uint2*>(smem + OFF_AO + at) = hi;
-            *reinterpret_cast<uint2*>(smem + OFF_AO + A_PART + at) = lo;
-        }
-        out_tile_written(k, T, ntiles, stage, bar_w, load_tile);
-
-        // 2. out = (A Wo^T) w_unscale / a + bo: this warpgroup's 32 columns.
-        SplitAcc products;
-        float acc[16];
-        wgmma_fence();
-        split_product32(products, smem_s + OFF_AO, smem_s + OFF_WO + wg * NW * 128, W_PART);
-        wgmma_commit();
-        wgmma_wait<0>();
-        fold(products, acc);
-        const float a_unscale = 1.f / a;
-        store_out_rows(out, T, rows_here, OUT_N, col0, w4, g, acc, w_unscale, a_unscale, bo);
-    }
+    gated_out_projection<SplitOutSteps>(qkvg, M, wo_image, b_out, out, w_unscale, OUT_N);
 }
