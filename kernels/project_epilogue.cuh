@@ -31,6 +31,29 @@
     const float* __restrict__ W_NAME, const float* __restrict__ b_out,                      \
     pair_t* __restrict__ out
 
+// The block's rows: the first, m0, and the end M of the launch's rows (the last block's
+// rows from M on are padding: zero in, nothing out). ROW_BLOCK (common.cuh): the pair rows
+// of (b, i) in [row_begin, row_end) only, else all B N N (NN = N N, from the caller: its
+// product there is the one the row offsets and the bias share); an entry point passes its
+// own range as ROW_RANGE (unused without ROW_BLOCK).
+struct BlockRows {
+    i64 m0, M;
+    // the block's rows below M: BM, or fewer in the last block
+    __device__ __forceinline__ int here() const { return (int)min((i64)BM, M - m0); }
+};
+__device__ __forceinline__ BlockRows block_rows(int B, int N, i64 NN, i64 row_begin,
+                                                i64 row_end) {
+    const i64 M = ROW_BLOCK ? row_end * N : (i64)B * NN;  // (M, then m0: as the compiler
+    const i64 m0 = ROW_BLOCK ? row_begin * N + (i64)blockIdx.x * BM  // had them, its
+                             : (i64)blockIdx.x * BM;                  // result the same)
+    return BlockRows{m0, M};
+}
+#if ROW_BLOCK
+#define ROW_RANGE row_begin, row_end  // (ROW_BLOCK_ARGS, common.cuh)
+#else
+#define ROW_RANGE 0, 0
+#endif
+
 // Where each of the block's BM rows (from m0) starts in x, an element offset into
 // rowoff[t] by threads t < BM (64-bit: B*N*N*D passes 2^31 at N ~ 4096); rows past the
 // last (M) repeat it. The caller makes it visible (barrier) before the row loads.

@@ -230,14 +230,9 @@ ln_qkvg_project_ffma_fp32(LN_QKVG_PARAMS(WT)  // (project_epilogue.cuh)
     const int dpad = (D + BK - 1) / BK * BK;
     const SmemLayout s = smem_layout(dpad);
     const int t = threadIdx.x;
-#if ROW_BLOCK  // the pair rows of (b, i) in [row_begin, row_end) only (common.cuh)
-    const i64 NN = (i64)N * N, M = row_end * N;
-    const i64 m0 = row_begin * N + (i64)blockIdx.x * BM;
-    (void)NN;
-#else
-    const i64 NN = (i64)N * N, M = (i64)B * NN;
-    const i64 m0 = (i64)blockIdx.x * BM;
-#endif
+    const i64 NN = (i64)N * N;
+    const BlockRows rows = block_rows(B, N, NN, ROW_RANGE);
+    const i64 M = rows.M, m0 = rows.m0;
 
     // 1. Where each row starts in x.
     row_offsets(s.rowoff, m0, M, N, sb, si, sj);

@@ -617,14 +617,8 @@ LN_QKVG_ENTRY(LN_QKVG_PARAMS(W)  // (project_epilogue.cuh)
     const int dpad = (D + BK - 1) / BK * BK, astr = dpad + 4;
     const SmemLayout s = smem_layout(dpad);
     const int t = threadIdx.x, lane = t & 31, warp = t >> 5;
-#if ROW_BLOCK  // the pair rows of (b, i) in [row_begin, row_end) only (common.cuh)
-    const i64 NN = (i64)N * N, M = row_end * N;
-    const i64 m0 = row_begin * N + (i64)blockIdx.x * BM;
-    (void)NN;
-#else
-    const i64 NN = (i64)N * N, M = (i64)B * NN;
-    const i64 m0 = (i64)blockIdx.x * BM;
-#endif
+    const BlockRows rows = block_rows(B, N, (i64)N * N, ROW_RANGE);
+    const i64 M = rows.M, m0 = rows.m0;
     const int NO = 4 * D;
     const WeightRing ring{smem_addr(s.Ws), s.cbias, W, b_qkvg, D, NO, ring_chunks(dpad)};
 
