@@ -30,6 +30,15 @@
     const float* __restrict__ qkvg, i64 M, int D,                                           \
     const float* __restrict__ W_NAME, const float* __restrict__ b_out,                      \
     pair_t* __restrict__ out
+// OUT_TRANSPOSED (common.cuh): the out projections' last argument, the pair's N (rows go
+// to caller_row); OUT_N passes it on (0, unused, without).
+#if OUT_TRANSPOSED
+#define OUT_TRANSPOSED_ARGS , int N
+#define OUT_N N
+#else
+#define OUT_TRANSPOSED_ARGS
+#define OUT_N 0
+#endif
 
 // The block's rows: the first, m0, and the end M of the launch's rows (the last block's
 // rows from M on are padding: zero in, nothing out). ROW_BLOCK (common.cuh): the pair rows
@@ -551,3 +560,22 @@ __device__ __forceinline__ void store_out_transposed(Tile& acc, int n0, const fl
     }
 }
 #endif
+
+// gated_out_project's store of a pass (store(acc, n0, cb), as project_columns calls it):
+// into the block's rows of out (store_out; `out` its first row), or (OUT_TRANSPOSED) each
+// into the caller's row (store_out_transposed; `out` the whole output). out_rows makes one.
+struct OutRows {
+    pair_t* out;
+    i64 m0;
+    int D, N, rows_here;
+    __device__ __forceinline__ void operator()(Tile& acc, int n0, const float2 (&cb)[4]) const {
+#if OUT_TRANSPOSED
+        store_out_transposed(acc, n0, cb, D, out, m0, N, rows_here);
+#else
+        store_out(acc, n0, cb, D, out, rows_here);
+#endif
+    }
+};
+__device__ __forceinline__ OutRows out_rows(pair_t* out, i64 m0, int D, int N, int rows_here) {
+    return OutRows{OUT_TRANSPOSED ? out : out + m0 * D, m0, D, N, rows_here};
+}

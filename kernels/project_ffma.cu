@@ -373,11 +373,7 @@ ln_qkvg_project_ffma_fp32(LN_QKVG_PARAMS(WT)  // (project_epilogue.cuh)
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS, PROJECT_MIN_BLOCKS)
-gated_out_project_ffma_fp32(GATED_OUT_PARAMS(WT)  // (project_epilogue.cuh)
-#if OUT_TRANSPOSED
-                  , int N  // the pair's N: rows go to caller_row (common.cuh)
-#endif
-                  ) {
+gated_out_project_ffma_fp32(GATED_OUT_PARAMS(WT) OUT_TRANSPOSED_ARGS) {  // (project_epilogue.cuh)
     const int dpad = (D + BK - 1) / BK * BK;
     const SmemLayout s = smem_layout(dpad);
     const i64 m0 = (i64)blockIdx.x * BM, ld = 4LL * D;
@@ -395,16 +391,5 @@ gated_out_project_ffma_fp32(GATED_OUT_PARAMS(WT)  // (project_epilogue.cuh)
 
     // 2. out = A Wo^T + bo.
     const int rows_here = (int)min((i64)BM, M - m0);
-#if OUT_TRANSPOSED
-    project_columns(s.As, WT, D, dpad, D, b_out, s.Ws,
-                    [&](Tile& acc, int n0, const float2 (&cb)[4]) {
-        store_out_transposed(acc, n0, cb, D, out, m0, N, rows_here);
-    });
-#else
-    pair_t* const block_out = out + m0 * D;
-    project_columns(s.As, WT, D, dpad, D, b_out, s.Ws,
-                    [&](Tile& acc, int n0, const float2 (&cb)[4]) {
-        store_out(acc, n0, cb, D, block_out, rows_here);
-    });
-#endif
+    project_columns(s.As, WT, D, dpad, D, b_out, s.Ws, out_rows(out, m0, D, OUT_N, rows_here));
 }

@@ -864,15 +864,34 @@ LN_QKVG_ENTRY(LN_QKVG_PARAMS(W)  // (project_epilogue.cuh)
         project_qkvg(s.As, astr, ring, rows, D, N, H, npk, q_scale, qkvg, vt, scales.un);
 }
 
+// gated_out_project's A = op(g * o) (load_gated_tile: TF32; F16_TERMS: load_gated_tile_f16,
+// scaled fp16 hi and lo, hi only for F16_TERMS 1; its maximum in rowoff, which is free
+// here: a word per warp). Returns 1 / the block's scale a (F16_TERMS), else 1.
+__device__ __forceinline__ float load_gated_operands(const float* __restrict__ qkvg, i64 M, int D,
+                                                     int dpad, int astr, i64 m0,
+                                                     const SmemLayout& s) {
+#if F16_TERMS
+    return load_gated_tile_f16(qkvg, M, D, dpad, astr, m0, s.As,
+                               reinterpret_cast<float*>(s.rowoff));
+#else
+    load_gated_tile(qkvg, M, D, dpad, astr, m0, s.As);
+    return 1.f;
+#endif
+}
+
+// F16_TERMS: gated_out_project's w_unscale, 1 / Wo's scale (the block scales g o itself);
+// F16_OUT_SCALE passes it on (TF32: none, 1).
+#if F16_TERMS
+#define F16_OUT_SCALE_PARAMS , float w_unscale
+#define F16_OUT_SCALE w_unscale
+#else
+#define F16_OUT_SCALE_PARAMS
+#define F16_OUT_SCALE 1.f
+#endif
+
 extern "C" __global__ void __launch_bounds__(THREADS, OUT_MIN_BLOCKS)
 GATED_OUT_ENTRY(GATED_OUT_PARAMS(W)  // (project_epilogue.cuh)
-#if F16_TERMS
-                  , float w_unscale  // 1 / Wo's scale (the block scales g o itself)
-#endif
-#if OUT_TRANSPOSED
-                  , int N  // the pair's N: rows go to caller_row (common.cuh)
-#endif
-                  ) {
+                F16_OUT_SCALE_PARAMS OUT_TRANSPOSED_ARGS) {
     const int dpad = (D + BK - 1) / BK * BK, astr = dpad + 4;
     const SmemLayout s = smem_layout(dpad);
     const i64 m0 = (i64)blockIdx.x * BM;
@@ -880,34 +899,14 @@ GATED_OUT_ENTRY(GATED_OUT_PARAMS(W)  // (project_epilogue.cuh)
     ring.prime(0);  // the first weight chunks and biases travel while the row tile loads
     wait_for_previous_kernel();  // (and while the attention drains: o comes from it, common.cuh)
 
-    // 1. A = g * o (operand4; F16_TERMS: scaled fp16 hi and lo, hi only for F16_TERMS 1),
-    //    row-major: the gated intermediate exists only here.
-#if F16_TERMS
-    // (rowoff, ln_qkvg_project's, is free here: a word per warp for the block maximum)
-    const float a_unscale = load_gated_tile_f16(qkvg, M, D, dpad, astr, m0, s.As,
-                                                reinterpret_cast<float*>(s.rowoff));
-#else
-    load_gated_tile(qkvg, M, D, dpad, astr, m0, s.As);
-#endif
+    // 1. A = g * o, row-major: the gated intermediate exists only here.
+    const float a_unscale = load_gated_operands(qkvg, M, D, dpad, astr, m0, s);
     __syncthreads();  // tile complete before the products read it
 
-    // 2. out = A Wo^T + bo.
+    // 2. out = A Wo^T + bo. (F16_TERMS: w_unscale * a_unscale underflowed to 0 where a
+    //    block's largest |g o| was below ~2^-96, its own scale a past 2^110: every output
+    //    of the block 0, relative error 1; so the two factors one after the other.)
     const int rows_here = (int)min((i64)BM, M - m0);
-#if OUT_TRANSPOSED
-    auto store = [&](Tile& acc, int n0, const float2 (&cb)[4]) {
-        store_out_transposed(acc, n0, cb, D, out, m0, N, rows_here);
-    };
-#else
-    pair_t* const block_out = out + m0 * D;
-    auto store = [&](Tile& acc, int n0, const float2 (&cb)[4]) {
-        store_out(acc, n0, cb, D, block_out, rows_here);
-    };
-#endif
-#if F16_TERMS
-    // (w_unscale * a_unscale underflowed to 0 where a block's largest |g o| was below
-    // ~2^-96, its own scale a past 2^110: every output of the block 0, relative error 1)
-    project_columns<F16_TERMS>(s.As, astr, ring, store, w_unscale, a_unscale);
-#else
-    project_columns<F16_TERMS_TF32>(s.As, astr, ring, store);
-#endif
+    project_columns<F16_TERMS>(s.As, astr, ring, out_rows(out, m0, D, OUT_N, rows_here),
+                               F16_OUT_SCALE, a_unscale);
 }
