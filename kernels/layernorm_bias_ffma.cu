@@ -213,11 +213,12 @@ __device__ __forceinline__ void take_row(float4 (&v)[PIECES], const piece_t* slo
 __device__ __forceinline__ void store_head_bias(bias_t* __restrict__ bias, const PairRow& row,
                                                 int head, int N, int npk, bool keep,
                                                 float value) {
-    if constexpr (KV_TILED)
-        store_pair_bias_tiled(bias, (i64)row.b * HEADS + head, row.i, row.j, N, npk, keep, value);
-    else
-        store_pair_bias(bias + (((i64)row.b * HEADS + head) * N + row.i) * npk, row.j, N, npk,
-                        keep, value);
+#if KV_TILED  // (store_pair_bias_tiled exists only then)
+    store_pair_bias_tiled(bias, (i64)row.b * HEADS + head, row.i, row.j, N, npk, keep, value);
+#else
+    store_pair_bias(bias + (((i64)row.b * HEADS + head) * N + row.i) * npk, row.j, N, npk,
+                    keep, value);
+#endif
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS, BIAS_MIN_BLOCKS)
