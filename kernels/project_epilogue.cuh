@@ -1,7 +1,8 @@
 // What the two projection kernels (project_ffma.cu: FFMA, project_mma.cu: tensor cores) share:
-// where each row starts in x and the epilogues that turn a block's output tile into q, k,
-// v, gate or the output (the mask reader and the gate's sigmoid: project_math.cuh). Included after the kernel
-// file has defined its tile (and BM, its rows per block):
+// their entry points' arguments, a block's rows (block_rows) and where each starts in x,
+// and the epilogues that turn a block's output tile into q, k, v, gate or the output
+// (store_qkvg, OutRows; the mask reader and the gate's sigmoid: project_math.cuh).
+// Included after the kernel file has defined its tile (and BM, its rows per block):
 //   Tile (acc.c), TROWS, SLOT_RUN and
 //   pair_column(n0, j)  column of this thread's j-th value pair (j < 4) of the pass at n0
 //   thread_row(s)       block row of this thread's row slot s < TROWS

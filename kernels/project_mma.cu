@@ -198,8 +198,8 @@ __device__ __forceinline__ void split_terms(float (&acc)[4], const u32 (&ah)[4],
     for (int e = 0; e < 4; ++e) acc[e] += t[e];
 }
 
-// acc += a b for one m16n8k8 fragment pair as loaded: TF32 values as they are, or (SPLIT)
-// fp32 values split here into three TF32 products.
+// acc += a b for one m16n8k8 fragment pair of TF32 values (pair_bias's TF32 products; the
+// split products of SPLIT are fp16 ones: split_terms).
 __device__ __forceinline__ void mma_product(float (&acc)[4], const u32 (&a)[4], const u32 (&b)[2]) {
     mma_tf32(acc, a[0], a[1], a[2], a[3], b[0], b[1]);
 }
