@@ -210,7 +210,6 @@ __device__ __forceinline__ void store_vt(Tile& acc, int vcol0, const VtTarget& t
         d0 = reinterpret_cast<vt_t*>(column + sw128(c, byte));
         d1 = reinterpret_cast<vt_t*>(column + sw128(c + 1, byte));
     };
-#if KV_TILED
     if (to.N % 2 == 0) {
         // N even: a block row and its key have the same parity (m0 and N are even), so
         // lanes g and g ^ 1 (4 apart) hold keys k, k + 1 of one pair (b, i): the even lane
@@ -243,9 +242,7 @@ __device__ __forceinline__ void store_vt(Tile& acc, int vcol0, const VtTarget& t
 #endif
             }
         }
-    } else
-#endif
-    {
+    } else {
         rows.each_slot(rows_here, [&](int s, unsigned bi, unsigned k) {
             vt_t *d0, *d1;
             at(bi, (int)k, d0, d1);
@@ -285,9 +282,7 @@ __device__ __forceinline__ void store_vt(Tile& acc, int vcol0, const VtTarget& t
         }
     }
 }
-#endif
 
-#if KV_TILED
 // K tiles (the tiled layouts): key k of pair (b, i) = bi, dims c + 8j, c + 8j + 1 of head h
 // (kcol0 = 32 h + c, as store_vt) at row k % 64 of its tile, packed 16-bit at byte 2 (c +
 // 8j) in the 64-byte swizzle (tiles_f16_hilo: the hi tile, then the lo one).
@@ -414,8 +409,6 @@ __device__ __forceinline__ void store_qkvg(Tile& acc, int n0, const float2 (&cb)
     bool packed[4];
 #if KV_TILED
     int vcol0 = -1;  // the v column of this thread's first pair, where this pass holds v
-#endif
-#if KV_TILED
     int kcol0 = -1;  // the same for k
 #endif
 #pragma unroll
@@ -483,8 +476,6 @@ __device__ __forceinline__ void store_qkvg(Tile& acc, int n0, const float2 (&cb)
                 if (j == 0) vcol0 = n - 2 * D;
                 col[j] = -1;
             }
-#endif
-#if KV_TILED
             if (n < 2 * D) {  // k: into its tiles (store_kt)
                 if (j == 0) kcol0 = n - D;
                 col[j] = -1;
@@ -496,8 +487,6 @@ __device__ __forceinline__ void store_qkvg(Tile& acc, int n0, const float2 (&cb)
     store_pairs<STORE_RUNS>(acc, block_out, col, packed, QKVG_LD(D), rows_here);
 #if KV_TILED
     store_kt(acc, kcol0, vt, rows_here);
-#endif
-#if KV_TILED
     store_vt(acc, vcol0, vt, rows_here);
 #else
     (void)vt;
