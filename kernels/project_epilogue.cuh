@@ -407,10 +407,8 @@ __device__ __forceinline__ void store_qkvg(Tile& acc, int n0, const float2 (&cb)
     const int NO = 4 * D;
     int col[4];
     bool packed[4];
-#if KV_TILED
-    int vcol0 = -1;  // the v column of this thread's first pair, where this pass holds v
-    int kcol0 = -1;  // the same for k
-#endif
+    int vcol0 = -1;  // KV_TILED: the v column of this thread's first pair, where this pass
+    int kcol0 = -1;  // holds v; the same for k
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
         const int n = pair_column(n0, j);
@@ -419,77 +417,72 @@ __device__ __forceinline__ void store_qkvg(Tile& acc, int n0, const float2 (&cb)
         // n even, D % 4 == 0: no pair straddles two of q (n < D), k, v, gate (n >= 3D).
         if (n >= NO) continue;
         if (n < D) {
-#if QG_PACKED  // packed bf16 from Q_WORD, or in head n / 32's slot (n even: a whole word)
-            map_column(acc, j, cb[j], [&](float2 v) {
-                return make_float2(__uint_as_float(pack_bf16(v.x * q_scale, v.y * q_scale)), 0.f);
-            });
-            col[j] = SLOT_ROWS ? n / 32 * 32 + n % 32 / 2 : Q_WORD(D) + n / 2;
-            packed[j] = true;
-#elif F16_QKV  // head n / 32's fp16 hi word (tiles_f16_hilo: its lo Q_LO_WORDS further, store_pairs)
-            map_column(acc, j, cb[j], [&](float2 v) {
-                u32 hi, lo = 0u;
-#if HI_LO
-                split_f16(v.x * q_scale, v.y * q_scale, hi, lo);
-#else
-                hi = pack_f16(v.x * q_scale, v.y * q_scale);
-#endif
-                return make_float2(__uint_as_float(hi), __uint_as_float(lo));
-            });
-            col[j] = n / 32 * 32 + n % 32 / 2;
-            packed[j] = true;
-#else
-            map_column(acc, j, cb[j], [&](float2 v) {
-                return make_float2(v.x * q_scale, v.y * q_scale);
-            });
-#endif
+            if constexpr (QG_PACKED) {  // packed bf16 from Q_WORD, or in head n / 32's slot
+                map_column(acc, j, cb[j], [&](float2 v) {  // (n even: a whole word)
+                    return make_float2(__uint_as_float(pack_bf16(v.x * q_scale, v.y * q_scale)), 0.f);
+                });
+                col[j] = SLOT_ROWS ? n / 32 * 32 + n % 32 / 2 : Q_WORD(D) + n / 2;
+                packed[j] = true;
+            } else if constexpr (F16_QKV) {  // head n / 32's fp16 hi word (tiles_f16_hilo:
+                // its lo Q_LO_WORDS further, store_pairs)
+                map_column(acc, j, cb[j], [&](float2 v) {
+                    u32 hi, lo = 0u;
+                    if constexpr (HI_LO) split_f16(v.x * q_scale, v.y * q_scale, hi, lo);
+                    else hi = pack_f16(v.x * q_scale, v.y * q_scale);
+                    return make_float2(__uint_as_float(hi), __uint_as_float(lo));
+                });
+                col[j] = n / 32 * 32 + n % 32 / 2;
+                packed[j] = true;
+            } else {
+                map_column(acc, j, cb[j], [&](float2 v) {
+                    return make_float2(v.x * q_scale, v.y * q_scale);
+                });
+            }
         } else if (n >= 3 * D) {
-#if QG_PACKED  // packed bf16 from GATE_WORD, or in the head's slot after its q
-            map_column(acc, j, cb[j], [](float2 v) {
-                return make_float2(__uint_as_float(pack_bf16(sigmoid(v.x), sigmoid(v.y))), 0.f);
-            });
-            col[j] = SLOT_ROWS ? GATE_SLOT_WORD(n - 3 * D) : GATE_WORD(D) + (n - 3 * D) / 2;
-            packed[j] = true;
-#else
-            map_column(acc, j, cb[j], [](float2 v) {
-                return make_float2(sigmoid(v.x), sigmoid(v.y));
-            });
-#if F16_QKV
-            col[j] = GATE_WORD(D) + (n - 3 * D);
-#endif
-#endif
+            if constexpr (QG_PACKED) {  // packed bf16 from GATE_WORD, or in the head's slot after its q
+                map_column(acc, j, cb[j], [](float2 v) {
+                    return make_float2(__uint_as_float(pack_bf16(sigmoid(v.x), sigmoid(v.y))), 0.f);
+                });
+                col[j] = SLOT_ROWS ? GATE_SLOT_WORD(n - 3 * D) : GATE_WORD(D) + (n - 3 * D) / 2;
+                packed[j] = true;
+            } else {
+                map_column(acc, j, cb[j], [](float2 v) {
+                    return make_float2(sigmoid(v.x), sigmoid(v.y));
+                });
+                if constexpr (F16_QKV) col[j] = GATE_WORD(D) + (n - 3 * D);
+            }
         } else {
-#if KV_BF16_ROWS  // bf16 index n - D from column D; a row is NO words
-            map_column(acc, j, cb[j], [](float2 v) {
-                return make_float2(__uint_as_float(pack_bf16(v.x, v.y)), 0.f);
-            });
-            col[j] = D + (n - D) / 2;  // n - D even: a whole word
-            packed[j] = true;
-#else
-            map_column(acc, j, cb[j], [](float2 v) {
-#if KV_TF32  // (tiles_bf16: rounded to bf16 where stored)
-                v = make_float2(__uint_as_float(to_tf32(v.x)), __uint_as_float(to_tf32(v.y)));
-#endif
-                return v;
-            });
-#if KV_TILED
-            if (n >= 2 * D) {  // v: into vt, transposed (store_vt)
-                if (j == 0) vcol0 = n - 2 * D;
-                col[j] = -1;
+            if constexpr (KV_BF16_ROWS) {  // bf16 index n - D from column D; a row is NO words
+                map_column(acc, j, cb[j], [](float2 v) {
+                    return make_float2(__uint_as_float(pack_bf16(v.x, v.y)), 0.f);
+                });
+                col[j] = D + (n - D) / 2;  // n - D even: a whole word
+                packed[j] = true;
+            } else {
+                map_column(acc, j, cb[j], [](float2 v) {
+                    if constexpr (KV_TF32)  // (tiles_bf16: rounded to bf16 where stored)
+                        v = make_float2(__uint_as_float(to_tf32(v.x)), __uint_as_float(to_tf32(v.y)));
+                    return v;
+                });
+                if constexpr (KV_TILED) {
+                    if (n >= 2 * D) {  // v: into vt, transposed (store_vt)
+                        if (j == 0) vcol0 = n - 2 * D;
+                        col[j] = -1;
+                    }
+                    if (n < 2 * D) {  // k: into its tiles (store_kt)
+                        if (j == 0) kcol0 = n - D;
+                        col[j] = -1;
+                    }
+                }
             }
-            if (n < 2 * D) {  // k: into its tiles (store_kt)
-                if (j == 0) kcol0 = n - D;
-                col[j] = -1;
-            }
-#endif
-#endif
         }
     }
     store_pairs<STORE_RUNS>(acc, block_out, col, packed, QKVG_LD(D), rows_here);
-#if KV_TILED
+#if KV_TILED  // (store_kt and store_vt exist only then)
     store_kt(acc, kcol0, vt, rows_here);
     store_vt(acc, vcol0, vt, rows_here);
 #else
-    (void)vt;
+    (void)vt, (void)kcol0, (void)vcol0;
 #endif
 }
 
