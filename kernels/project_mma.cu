@@ -444,12 +444,12 @@ __device__ __noinline__ void pair_bias(const float* As, int astr, const float* _
             ok[h] = m < M;
             const i64 mc = ok[h] ? m : M - 1, b = mc / NN, r = mc - b * NN, i = r / N;
             j[h] = (int)(r - i * N);
-#if KV_TILED  // tiles: where they start is worked out per value (store_pair_bias_tiled)
-            brow[h] = bias + b * H;  // only to carry b H: brow[h] - bias + head = b H + head
-            rows[h] = (int)i;
-#else
-            brow[h] = bias + (b * H * N + i) * (i64)npk;
-#endif
+            if constexpr (KV_TILED) {  // tiles: where they start is worked out per value
+                brow[h] = bias + b * H;  // (store_pair_bias_tiled): only to carry b H,
+                rows[h] = (int)i;        // brow[h] - bias + head = b H + head
+            } else {
+                brow[h] = bias + (b * H * N + i) * (i64)npk;
+            }
             keep[h] = mask_keeps(mask, mask_kind, b * mb + i * mi + j[h] * mj);
         }
         for (int h0 = 0; h0 < H; h0 += 8) {
@@ -460,22 +460,18 @@ __device__ __noinline__ void pair_bias(const float* As, int astr, const float* _
             const float* const w2 = w + t;  // this lane's k pairs: 2t, 2t + 1 (+ 8)
 #pragma unroll 2
             for (int k0 = 0; k0 < dpad; k0 += 16) {
-                u32 ah[4], bh[2], bl[2];
+                u32 ah[4], al[4], bh[2], bl[2];  // (al: F16_TERMS 3's lo parts)
                 ldsm_x4(ah, a_row + 4 * k0);
-#if F16_TERMS == F16_TERMS_HI_LO
-                u32 al[4];
-                ldsm_x4(al, a_row + 4 * k0 + 32);
-#endif
+                if constexpr (F16_TERMS == F16_TERMS_HI_LO) ldsm_x4(al, a_row + 4 * k0 + 32);
                 // D % 4 == 0: k0 + 2t < D covers k0 + 2t + 1
                 const float2 w0 = head_ok && k0 + 2 * t < D ? ld2(w2 + k0) : make_float2(0.f, 0.f);
                 const float2 w1 = head_ok && k0 + 2 * t + 8 < D ? ld2(w2 + k0 + 8) : make_float2(0.f, 0.f);
                 split_f16(w0.x, w0.y, bh[0], bl[0]);
                 split_f16(w1.x, w1.y, bh[1], bl[1]);
-#if F16_TERMS == F16_TERMS_HI_LO
-                split_terms<mma_f16>(c, ah, al, bh, bl);
-#else
-                mma_f16(c, ah[0], ah[1], ah[2], ah[3], bh[0], bh[1]);
-#endif
+                if constexpr (F16_TERMS == F16_TERMS_HI_LO)
+                    split_terms<mma_f16>(c, ah, al, bh, bl);
+                else
+                    mma_f16(c, ah[0], ah[1], ah[2], ah[3], bh[0], bh[1]);
             }
 #pragma unroll
             for (int e = 0; e < 4; ++e) c[e] *= unscale;
@@ -493,12 +489,11 @@ __device__ __noinline__ void pair_bias(const float* As, int astr, const float* _
 #pragma unroll
             for (int e = 0; e < 4; ++e) {  // c0 (g, 2t) c1 (g, 2t+1) c2 (g+8, 2t) c3 (g+8, 2t+1)
                 const int h = e / 2, head = h0 + 2 * t + e % 2;
-#if KV_TILED
                 if (ok[h] && head < H)
+#if KV_TILED  // (store_pair_bias_tiled exists only then)
                     store_pair_bias_tiled(bias, brow[h] - bias + head, rows[h], j[h], N, npk,
                                           keep[h], c[e]);
 #else
-                if (ok[h] && head < H)
                     store_pair_bias(brow[h] + (i64)head * N * npk, j[h], N, npk, keep[h], c[e]);
 #endif
             }
