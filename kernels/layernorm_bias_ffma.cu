@@ -131,6 +131,96 @@ __device__ __forceinline__ void fetch_row(piece_t* slot, const pair_t* __restric
     cp_async_commit();
 }
 
+// This warp's rows [begin, end) of the launch's pair rows [row_begin N, row_end N =
+// m_end): one contiguous run per warp, a multiple of WARP_ROWS long (its bias stores then
+// fill consecutive keys j); empty (begin >= end) for the warps past the last row.
+struct WarpRun {
+    i64 begin, end, m_end;
+};
+__device__ __forceinline__ WarpRun warp_run(int N, i64 row_begin, i64 row_end) {
+    const i64 m_begin = row_begin * N, m_end = row_end * N;
+    const i64 warps = (i64)gridDim.x * WARPS, warp = (i64)blockIdx.x * WARPS + threadIdx.x / 32;
+    const i64 run = (m_end - m_begin + warps * WARP_ROWS - 1) / (warps * WARP_ROWS) * WARP_ROWS;
+    const i64 run_begin = m_begin + warp * run;
+    return WarpRun{run_begin, min(run_begin + run, m_end), m_end};
+}
+
+// LayerNorm's statistics of the row whose pieces v this lane holds (its ROW_LANES lanes,
+// `group`, hold the rest): the mean subtracted from v in place, 1 / sigma returned. Two
+// passes (no cancellation); a row past 2^40 scaled first (project_math.cuh: its result
+// unchanged, its sums finite).
+__device__ __forceinline__ float center_row(float4 (&v)[PIECES], unsigned group, float eps) {
+    float s = 0.f, amax = 0.f;
+#pragma unroll
+    for (int p = 0; p < PIECES; ++p) {
+        s += sum4(v[p]);
+        amax = absmax4(amax, v[p]);
+    }
+    amax = row_max(amax, group);
+    const float eps_row = ln_rescale_huge(amax, eps, s, [&](float f) {  // (the row's lanes alike)
+        float sum = 0.f;
+#pragma unroll
+        for (int p = 0; p < PIECES; ++p) {
+            v[p] = scale4(v[p], f);
+            sum += sum4(v[p]);
+        }
+        return sum;
+    });
+    const float mean = row_sum(s, group) / PAIR_DIM;
+    float sq = 0.f;
+#pragma unroll
+    for (int p = 0; p < PIECES; ++p) {
+        v[p] = minus4(v[p], mean);
+        sq = sum_squares4(sq, v[p]);
+    }
+    return inverse_sqrt(row_sum(sq, group) / PAIR_DIM + eps_row);
+}
+
+// The h bias values of the centred row v (rstd its 1 / sigma): rstd (v . w[h]) + c[h],
+// each reduced over the row's lanes; lane l of the row gets head l's (others: 0).
+__device__ __forceinline__ float head_bias(const float4 (&v)[PIECES],
+                                           const float (&w)[HEADS][PIECES][4],
+                                           const float (&c)[HEADS], float rstd,
+                                           unsigned group, int l) {
+    float mine = 0.f;
+#pragma unroll
+    for (int h = 0; h < HEADS; ++h) {
+        float dot = 0.f;
+#pragma unroll
+        for (int p = 0; p < PIECES; ++p)
+            dot = fmaf(v[p].x, w[h][p][0], fmaf(v[p].y, w[h][p][1],
+                  fmaf(v[p].z, w[h][p][2], fmaf(v[p].w, w[h][p][3], dot))));
+        dot = fmaf(row_sum(dot, group), rstd, c[h]);
+        if (l == h) mine = dot;
+    }
+    return mine;
+}
+
+// This step's row: waits for the oldest stage's copies (this lane's own), then reads its
+// pieces from `stage` of the slots, widened. The copies are asm the compiler cannot see
+// into: a memory clobber keeps the reads after the wait, and every read before the
+// caller refills the stage.
+__device__ __forceinline__ void take_row(float4 (&v)[PIECES], const piece_t* slots, int stage) {
+    cp_async_wait<BIAS_STAGES - 2>();
+    asm volatile("" ::: "memory");
+#pragma unroll
+    for (int p = 0; p < PIECES; ++p) v[p] = piece_value(slots[(stage * PIECES + p) * 32]);
+    asm volatile("" ::: "memory");
+}
+
+// bias[b, head, i, j] of pair row `row` = value, or -inf where the mask drops it (`keep`
+// false), in the layout's form (pair_bias_store.cuh: rows, or KV_TILED tiles).
+__device__ __forceinline__ void store_head_bias(bias_t* __restrict__ bias, const PairRow& row,
+                                                int head, int N, int npk, bool keep,
+                                                float value) {
+#if KV_TILED  // (store_pair_bias_tiled exists only then)
+    store_pair_bias_tiled(bias, (i64)row.b * HEADS + head, row.i, row.j, N, npk, keep, value);
+#else
+    store_pair_bias(bias + (((i64)row.b * HEADS + head) * N + row.i) * npk, row.j, N, npk,
+                    keep, value);
+#endif
+}
+
 extern "C" __global__ void __launch_bounds__(THREADS, BIAS_MIN_BLOCKS)
 layernorm_bias_ffma(const pair_t* __restrict__ x, i64 sb, i64 si, i64 sj,
                     int N, float eps,
@@ -141,14 +231,12 @@ layernorm_bias_ffma(const pair_t* __restrict__ x, i64 sb, i64 si, i64 sj,
     const int lane = threadIdx.x & 31, l = lane % ROW_LANES, slot = lane / ROW_LANES;
     const unsigned group = (ROW_LANES == 32 ? 0xffffffffu : (1u << ROW_LANES) - 1u)
                            << (ROW_LANES * slot);
-    // Each warp takes one contiguous run of rows, WARP_ROWS at a time (its bias stores
-    // then fill consecutive keys j).
-    const i64 m_begin = row_begin * N, m_end = row_end * N;
-    const i64 warps = (i64)gridDim.x * WARPS, warp = (i64)blockIdx.x * WARPS + threadIdx.x / 32;
-    const i64 run = (m_end - m_begin + warps * WARP_ROWS - 1) / (warps * WARP_ROWS) * WARP_ROWS;
-    const i64 run_begin = m_begin + warp * run, run_end = min(run_begin + run, m_end);
-    if (run_begin >= run_end) return;  // (whole warps: no shuffle misses a lane)
+    const WarpRun run = warp_run(N, row_begin, row_end);
+    if (run.begin >= run.end) return;  // (whole warps: no shuffle misses a lane)
 
+    // This lane's columns (4 l + 4 ROW_LANES p .. + 3) of the folded weights of every
+    // head, and their constants, in registers for the whole run. (Here, not in a function:
+    // there, the compiler ordered the loads' address arithmetic otherwise.)
     float w[HEADS][PIECES][4], c[HEADS];
 #pragma unroll
     for (int h = 0; h < HEADS; ++h) {
@@ -165,84 +253,36 @@ layernorm_bias_ffma(const pair_t* __restrict__ x, i64 sb, i64 si, i64 sj,
     extern __shared__ piece_t ring[];
     piece_t* const slots = ring + (threadIdx.x / 32) * (BIAS_STAGES * PIECES * 32) + lane;
 
-    i64 m = run_begin + slot;  // this lane's row; `ahead` the one asked for last
-    PairRow row = pair_row(min(m, m_end - 1), N, sb, si, sj), ahead = row;
+    i64 m = run.begin + slot;  // this lane's row; `ahead` the one asked for last
+    PairRow row = pair_row(min(m, run.m_end - 1), N, sb, si, sj), ahead = row;
 #pragma unroll
     for (int s = 0; s < BIAS_STAGES - 1; ++s) {
-        fetch_row(slots + s * PIECES * 32, x, m + s * WARP_ROWS < run_end, ahead.offset, l);
+        fetch_row(slots + s * PIECES * 32, x, m + s * WARP_ROWS < run.end, ahead.offset, l);
         advance(ahead, WARP_ROWS, N, sb, si, sj);
     }
     // (the loop's test is the warp's first row: every lane of the warp takes each step, so
     // the shuffles see their whole row)
-    for (int stage = 0; m - slot < run_end; m += WARP_ROWS) {
-        cp_async_wait<BIAS_STAGES - 2>();  // this step's row is in
-        // (the copies are asm the compiler cannot see into: a memory clobber keeps the
-        // slots' reads after the wait, and every read before the refill below)
-        asm volatile("" ::: "memory");
+    for (int stage = 0; m - slot < run.end; m += WARP_ROWS) {
+        // This step's row in, and the row BIAS_STAGES - 1 steps on asked for.
         float4 v[PIECES];
-#pragma unroll
-        for (int p = 0; p < PIECES; ++p) v[p] = piece_value(slots[(stage * PIECES + p) * 32]);
-        asm volatile("" ::: "memory");
+        take_row(v, slots, stage);
         // the row BIAS_STAGES - 1 steps on, into the stage the last step read
         const int refill = stage == 0 ? BIAS_STAGES - 1 : stage - 1;
-        fetch_row(slots + refill * PIECES * 32, x, m + (BIAS_STAGES - 1) * WARP_ROWS < run_end,
+        fetch_row(slots + refill * PIECES * 32, x, m + (BIAS_STAGES - 1) * WARP_ROWS < run.end,
                   ahead.offset, l);
         advance(ahead, WARP_ROWS, N, sb, si, sj);
         stage = stage == BIAS_STAGES - 1 ? 0 : stage + 1;
 
-        // LayerNorm's mean and 1 / sigma, two passes (no cancellation); a row past 2^40
-        // scaled first (project_math.cuh: its result unchanged, its sums finite).
-        float s = 0.f, amax = 0.f;
-#pragma unroll
-        for (int p = 0; p < PIECES; ++p) {
-            s += (v[p].x + v[p].y) + (v[p].z + v[p].w);
-            amax = fmaxf(amax, fmaxf(fmaxf(fabsf(v[p].x), fabsf(v[p].y)),
-                                     fmaxf(fabsf(v[p].z), fabsf(v[p].w))));
-        }
-        amax = row_max(amax, group);
-        float eps_row = eps;
-        if (ln_row_is_huge(amax)) {  // (the row's lanes alike)
-            const float f = ln_row_scale(amax);
-            eps_row = ln_scaled_eps(eps, f);
-            s = 0.f;
-#pragma unroll
-            for (int p = 0; p < PIECES; ++p) {
-                v[p] = make_float4(v[p].x * f, v[p].y * f, v[p].z * f, v[p].w * f);
-                s += (v[p].x + v[p].y) + (v[p].z + v[p].w);
-            }
-        }
-        const float mean = row_sum(s, group) / PAIR_DIM;
-        float sq = 0.f;
-#pragma unroll
-        for (int p = 0; p < PIECES; ++p) {
-            v[p] = make_float4(v[p].x - mean, v[p].y - mean, v[p].z - mean, v[p].w - mean);
-            sq = fmaf(v[p].x, v[p].x, fmaf(v[p].y, v[p].y, fmaf(v[p].z, v[p].z, fmaf(v[p].w, v[p].w, sq))));
-        }
-        const float rstd = inverse_sqrt(row_sum(sq, group) / PAIR_DIM + eps_row);
-
-        // The h dot products; lane l of the row keeps head l's.
-        float mine = 0.f;
-#pragma unroll
-        for (int h = 0; h < HEADS; ++h) {
-            float dot = 0.f;
-#pragma unroll
-            for (int p = 0; p < PIECES; ++p)
-                dot = fmaf(v[p].x, w[h][p][0], fmaf(v[p].y, w[h][p][1],
-                      fmaf(v[p].z, w[h][p][2], fmaf(v[p].w, w[h][p][3], dot))));
-            dot = fmaf(row_sum(dot, group), rstd, c[h]);
-            if (l == h) mine = dot;
-        }
-        if (l < HEADS && m < run_end) {
-            const bool keep = mask_keeps(mask, mask_kind,
-                                         row.b * mb + row.i * mi + row.j * mj);
-#if KV_TILED
-            store_pair_bias_tiled(bias, (i64)row.b * HEADS + l, row.i, row.j, N, npk, keep, mine);
-#else
-            store_pair_bias(bias + (((i64)row.b * HEADS + l) * N + row.i) * npk, row.j, N, npk,
-                            keep, mine);
-#endif
-        }
+        // LayerNorm's mean and 1 / sigma, then the h dot products: lane l of the row keeps
+        // head l's, and stores it.
+        const float rstd = center_row(v, group, eps);
+        const float mine = head_bias(v, w, c, rstd, group, l);
+        if (l < HEADS && m < run.end)
+            store_head_bias(bias, row, l, N, npk,
+                            mask_keeps(mask, mask_kind, row.b * mb + row.i * mi + row.j * mj),
+                            mine);
         advance(row, WARP_ROWS, N, sb, si, sj);
     }
     cp_async_wait<0>();  // (none left in flight at exit)
 }
+

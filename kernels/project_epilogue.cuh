@@ -1,7 +1,8 @@
 // What the two projection kernels (project_ffma.cu: FFMA, project_mma.cu: tensor cores) share:
-// where each row starts in x and the epilogues that turn a block's output tile into q, k,
-// v, gate or the output (the mask reader and the gate's sigmoid: project_math.cuh). Included after the kernel
-// file has defined its tile (and BM, its rows per block):
+// their entry points' arguments, a block's rows (block_rows) and where each starts in x,
+// and the epilogues that turn a block's output tile into q, k, v, gate or the output
+// (store_qkvg, OutRows; the mask reader and the gate's sigmoid: project_math.cuh).
+// Included after the kernel file has defined its tile (and BM, its rows per block):
 //   Tile (acc.c), TROWS, SLOT_RUN and
 //   pair_column(n0, j)  column of this thread's j-th value pair (j < 4) of the pass at n0
 //   thread_row(s)       block row of this thread's row slot s < TROWS
@@ -30,6 +31,38 @@
     const float* __restrict__ qkvg, i64 M, int D,                                           \
     const float* __restrict__ W_NAME, const float* __restrict__ b_out,                      \
     pair_t* __restrict__ out
+// OUT_TRANSPOSED (common.cuh): the out projections' last argument, the pair's N (rows go
+// to caller_row); OUT_N passes it on (0, unused, without).
+#if OUT_TRANSPOSED
+#define OUT_TRANSPOSED_ARGS , int N
+#define OUT_N N
+#else
+#define OUT_TRANSPOSED_ARGS
+#define OUT_N 0
+#endif
+
+// The block's rows: the first, m0, and the end M of the launch's rows (the last block's
+// rows from M on are padding: zero in, nothing out). ROW_BLOCK (common.cuh): the pair rows
+// of (b, i) in [row_begin, row_end) only, else all B N N (NN = N N, from the caller: its
+// product there is the one the row offsets and the bias share); an entry point passes its
+// own range as ROW_RANGE (unused without ROW_BLOCK).
+struct BlockRows {
+    i64 m0, M;
+    // the block's rows below M: BM, or fewer in the last block
+    __device__ __forceinline__ int here() const { return (int)min((i64)BM, M - m0); }
+};
+__device__ __forceinline__ BlockRows block_rows(int B, int N, i64 NN, i64 row_begin,
+                                                i64 row_end) {
+    const i64 M = ROW_BLOCK ? row_end * N : (i64)B * NN;  // (M, then m0: as the compiler
+    const i64 m0 = ROW_BLOCK ? row_begin * N + (i64)blockIdx.x * BM  // had them, its
+                             : (i64)blockIdx.x * BM;                  // result the same)
+    return BlockRows{m0, M};
+}
+#if ROW_BLOCK
+#define ROW_RANGE row_begin, row_end  // (ROW_BLOCK_ARGS, common.cuh)
+#else
+#define ROW_RANGE 0, 0
+#endif
 
 // Where each of the block's BM rows (from m0) starts in x, an element offset into
 // rowoff[t] by threads t < BM (64-bit: B*N*N*D passes 2^31 at N ~ 4096); rows past the
@@ -177,7 +210,6 @@ __device__ __forceinline__ void store_vt(Tile& acc, int vcol0, const VtTarget& t
         d0 = reinterpret_cast<vt_t*>(column + sw128(c, byte));
         d1 = reinterpret_cast<vt_t*>(column + sw128(c + 1, byte));
     };
-#if KV_TILED
     if (to.N % 2 == 0) {
         // N even: a block row and its key have the same parity (m0 and N are even), so
         // lanes g and g ^ 1 (4 apart) hold keys k, k + 1 of one pair (b, i): the even lane
@@ -210,9 +242,7 @@ __device__ __forceinline__ void store_vt(Tile& acc, int vcol0, const VtTarget& t
 #endif
             }
         }
-    } else
-#endif
-    {
+    } else {
         rows.each_slot(rows_here, [&](int s, unsigned bi, unsigned k) {
             vt_t *d0, *d1;
             at(bi, (int)k, d0, d1);
@@ -252,9 +282,7 @@ __device__ __forceinline__ void store_vt(Tile& acc, int vcol0, const VtTarget& t
         }
     }
 }
-#endif
 
-#if KV_TILED
 // K tiles (the tiled layouts): key k of pair (b, i) = bi, dims c + 8j, c + 8j + 1 of head h
 // (kcol0 = 32 h + c, as store_vt) at row k % 64 of its tile, packed 16-bit at byte 2 (c +
 // 8j) in the 64-byte swizzle (tiles_f16_hilo: the hi tile, then the lo one).
@@ -379,12 +407,8 @@ __device__ __forceinline__ void store_qkvg(Tile& acc, int n0, const float2 (&cb)
     const int NO = 4 * D;
     int col[4];
     bool packed[4];
-#if KV_TILED
-    int vcol0 = -1;  // the v column of this thread's first pair, where this pass holds v
-#endif
-#if KV_TILED
-    int kcol0 = -1;  // the same for k
-#endif
+    int vcol0 = -1;  // KV_TILED: the v column of this thread's first pair, where this pass
+    int kcol0 = -1;  // holds v; the same for k
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
         const int n = pair_column(n0, j);
@@ -393,81 +417,72 @@ __device__ __forceinline__ void store_qkvg(Tile& acc, int n0, const float2 (&cb)
         // n even, D % 4 == 0: no pair straddles two of q (n < D), k, v, gate (n >= 3D).
         if (n >= NO) continue;
         if (n < D) {
-#if QG_PACKED  // packed bf16 from Q_WORD, or in head n / 32's slot (n even: a whole word)
-            map_column(acc, j, cb[j], [&](float2 v) {
-                return make_float2(__uint_as_float(pack_bf16(v.x * q_scale, v.y * q_scale)), 0.f);
-            });
-            col[j] = SLOT_ROWS ? n / 32 * 32 + n % 32 / 2 : Q_WORD(D) + n / 2;
-            packed[j] = true;
-#elif F16_QKV  // head n / 32's fp16 hi word (tiles_f16_hilo: its lo Q_LO_WORDS further, store_pairs)
-            map_column(acc, j, cb[j], [&](float2 v) {
-                u32 hi, lo = 0u;
-#if HI_LO
-                split_f16(v.x * q_scale, v.y * q_scale, hi, lo);
-#else
-                hi = pack_f16(v.x * q_scale, v.y * q_scale);
-#endif
-                return make_float2(__uint_as_float(hi), __uint_as_float(lo));
-            });
-            col[j] = n / 32 * 32 + n % 32 / 2;
-            packed[j] = true;
-#else
-            map_column(acc, j, cb[j], [&](float2 v) {
-                return make_float2(v.x * q_scale, v.y * q_scale);
-            });
-#endif
+            if constexpr (QG_PACKED) {  // packed bf16 from Q_WORD, or in head n / 32's slot
+                map_column(acc, j, cb[j], [&](float2 v) {  // (n even: a whole word)
+                    return make_float2(__uint_as_float(pack_bf16(v.x * q_scale, v.y * q_scale)), 0.f);
+                });
+                col[j] = SLOT_ROWS ? n / 32 * 32 + n % 32 / 2 : Q_WORD(D) + n / 2;
+                packed[j] = true;
+            } else if constexpr (F16_QKV) {  // head n / 32's fp16 hi word (tiles_f16_hilo:
+                // its lo Q_LO_WORDS further, store_pairs)
+                map_column(acc, j, cb[j], [&](float2 v) {
+                    u32 hi, lo = 0u;
+                    if constexpr (HI_LO) split_f16(v.x * q_scale, v.y * q_scale, hi, lo);
+                    else hi = pack_f16(v.x * q_scale, v.y * q_scale);
+                    return make_float2(__uint_as_float(hi), __uint_as_float(lo));
+                });
+                col[j] = n / 32 * 32 + n % 32 / 2;
+                packed[j] = true;
+            } else {
+                map_column(acc, j, cb[j], [&](float2 v) {
+                    return make_float2(v.x * q_scale, v.y * q_scale);
+                });
+            }
         } else if (n >= 3 * D) {
-#if QG_PACKED  // packed bf16 from GATE_WORD, or in the head's slot after its q
-            map_column(acc, j, cb[j], [](float2 v) {
-                return make_float2(__uint_as_float(pack_bf16(sigmoid(v.x), sigmoid(v.y))), 0.f);
-            });
-            col[j] = SLOT_ROWS ? GATE_SLOT_WORD(n - 3 * D) : GATE_WORD(D) + (n - 3 * D) / 2;
-            packed[j] = true;
-#else
-            map_column(acc, j, cb[j], [](float2 v) {
-                return make_float2(sigmoid(v.x), sigmoid(v.y));
-            });
-#if F16_QKV
-            col[j] = GATE_WORD(D) + (n - 3 * D);
-#endif
-#endif
+            if constexpr (QG_PACKED) {  // packed bf16 from GATE_WORD, or in the head's slot after its q
+                map_column(acc, j, cb[j], [](float2 v) {
+                    return make_float2(__uint_as_float(pack_bf16(sigmoid(v.x), sigmoid(v.y))), 0.f);
+                });
+                col[j] = SLOT_ROWS ? GATE_SLOT_WORD(n - 3 * D) : GATE_WORD(D) + (n - 3 * D) / 2;
+                packed[j] = true;
+            } else {
+                map_column(acc, j, cb[j], [](float2 v) {
+                    return make_float2(sigmoid(v.x), sigmoid(v.y));
+                });
+                if constexpr (F16_QKV) col[j] = GATE_WORD(D) + (n - 3 * D);
+            }
         } else {
-#if KV_BF16_ROWS  // bf16 index n - D from column D; a row is NO words
-            map_column(acc, j, cb[j], [](float2 v) {
-                return make_float2(__uint_as_float(pack_bf16(v.x, v.y)), 0.f);
-            });
-            col[j] = D + (n - D) / 2;  // n - D even: a whole word
-            packed[j] = true;
-#else
-            map_column(acc, j, cb[j], [](float2 v) {
-#if KV_TF32  // (tiles_bf16: rounded to bf16 where stored)
-                v = make_float2(__uint_as_float(to_tf32(v.x)), __uint_as_float(to_tf32(v.y)));
-#endif
-                return v;
-            });
-#if KV_TILED
-            if (n >= 2 * D) {  // v: into vt, transposed (store_vt)
-                if (j == 0) vcol0 = n - 2 * D;
-                col[j] = -1;
+            if constexpr (KV_BF16_ROWS) {  // bf16 index n - D from column D; a row is NO words
+                map_column(acc, j, cb[j], [](float2 v) {
+                    return make_float2(__uint_as_float(pack_bf16(v.x, v.y)), 0.f);
+                });
+                col[j] = D + (n - D) / 2;  // n - D even: a whole word
+                packed[j] = true;
+            } else {
+                map_column(acc, j, cb[j], [](float2 v) {
+                    if constexpr (KV_TF32)  // (tiles_bf16: rounded to bf16 where stored)
+                        v = make_float2(__uint_as_float(to_tf32(v.x)), __uint_as_float(to_tf32(v.y)));
+                    return v;
+                });
+                if constexpr (KV_TILED) {
+                    if (n >= 2 * D) {  // v: into vt, transposed (store_vt)
+                        if (j == 0) vcol0 = n - 2 * D;
+                        col[j] = -1;
+                    }
+                    if (n < 2 * D) {  // k: into its tiles (store_kt)
+                        if (j == 0) kcol0 = n - D;
+                        col[j] = -1;
+                    }
+                }
             }
-#endif
-#if KV_TILED
-            if (n < 2 * D) {  // k: into its tiles (store_kt)
-                if (j == 0) kcol0 = n - D;
-                col[j] = -1;
-            }
-#endif
-#endif
         }
     }
     store_pairs<STORE_RUNS>(acc, block_out, col, packed, QKVG_LD(D), rows_here);
-#if KV_TILED
+#if KV_TILED  // (store_kt and store_vt exist only then)
     store_kt(acc, kcol0, vt, rows_here);
-#endif
-#if KV_TILED
     store_vt(acc, vcol0, vt, rows_here);
 #else
-    (void)vt;
+    (void)vt, (void)kcol0, (void)vcol0;
 #endif
 }
 
@@ -528,3 +543,22 @@ __device__ __forceinline__ void store_out_transposed(Tile& acc, int n0, const fl
     }
 }
 #endif
+
+// gated_out_project's store of a pass (store(acc, n0, cb), as project_columns calls it):
+// into the block's rows of out (store_out; `out` its first row), or (OUT_TRANSPOSED) each
+// into the caller's row (store_out_transposed; `out` the whole output). out_rows makes one.
+struct OutRows {
+    pair_t* out;
+    i64 m0;
+    int D, N, rows_here;
+    __device__ __forceinline__ void operator()(Tile& acc, int n0, const float2 (&cb)[4]) const {
+#if OUT_TRANSPOSED
+        store_out_transposed(acc, n0, cb, D, out, m0, N, rows_here);
+#else
+        store_out(acc, n0, cb, D, out, rows_here);
+#endif
+    }
+};
+__device__ __forceinline__ OutRows out_rows(pair_t* out, i64 m0, int D, int N, int rows_here) {
+    return OutRows{OUT_TRANSPOSED ? out : out + m0 * D, m0, D, N, rows_here};
+}

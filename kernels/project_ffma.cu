@@ -222,6 +222,117 @@ __device__ __forceinline__ SmemLayout smem_layout(int dpad) {
     return s;
 }
 
+// LayerNorm of the row tile in place, THREADS / BM threads per row (thread t: row t % BM,
+// columns k = t / BM + p * parts), partial sums combined through `red`: the mean, then the
+// squared deviations (two passes: no cancellation), then normalisation in place: xn =
+// (x - mean) * rstd * gamma + beta (pad rows k >= D stay 0). The row's mean and rstd stay
+// in registers. Rows past 2^40 are scaled first (project_math.cuh); whether any row of the
+// block may be is block-uniform (a barrier), and rare. The caller's barrier makes the
+// tile visible.
+__device__ __forceinline__ void layernorm_columns(float* As, float* red, int D, float eps,
+                                                  const float* __restrict__ gamma,
+                                                  const float* __restrict__ beta) {
+    const int t = threadIdx.x;
+    const int ml = t % BM, part = t / BM, parts = THREADS / BM;
+    float* const col = As + ml;
+    float acc = 0.f, amax = 0.f;
+#pragma unroll 8  // the loads of 8 trips in flight, not one trip's latency per trip
+    for (int k = part; k < D; k += parts) {
+        const float v = col[k * ASTR];
+        acc += v;
+        amax = fmaxf(amax, fabsf(v));
+    }
+    red[t] = acc;
+    float eps_row = eps;  // eps f^2 for a row scaled by f (project_math.cuh)
+    // Partial sums visible, and whether any row of the block may pass 2^40 (this
+    // thread's part of it does). Then each thread finds its row's largest magnitude, and
+    // a row past 2^40 is scaled in place, its sums again.
+    if (__syncthreads_or(ln_row_is_huge(amax))) {
+        float row_max = 0.f;
+        for (int k = 0; k < D; ++k) row_max = fmaxf(row_max, fabsf(col[k * ASTR]));
+        __syncthreads();  // every row read whole before any is scaled
+        if (ln_row_is_huge(row_max)) {
+            const float f = ln_row_scale(row_max);
+            eps_row = ln_scaled_eps(eps, f);
+            acc = 0.f;
+            for (int k = part; k < D; k += parts) {
+                const float v = col[k * ASTR] * f;
+                col[k * ASTR] = v;
+                acc += v;
+            }
+            red[t] = acc;
+        }
+        __syncthreads();  // scaled rows and their partial sums visible
+    }
+    float tot = 0.f;
+    for (int p = 0; p < parts; ++p) tot += red[p * BM + ml];
+    const float mu = tot / D;
+    __syncthreads();  // every row's sums read; red free again
+    acc = 0.f;
+#pragma unroll 8
+    for (int k = part; k < D; k += parts) {
+        const float dev = col[k * ASTR] - mu;
+        acc = fmaf(dev, dev, acc);
+    }
+    red[t] = acc;
+    __syncthreads();  // partial sums visible
+    tot = 0.f;
+    for (int p = 0; p < parts; ++p) tot += red[p * BM + ml];
+    const float rstd = inverse_sqrt(tot / D + eps_row);  // biased variance, as torch.nn.LayerNorm
+    // gamma[k], beta[k]: one address per warp, a broadcast load; unrolled, so that the
+    // loads of several trips are in flight together (one at a time, their latency was 8%
+    // of the kernel's stall samples).
+#pragma unroll 4
+    for (int k = part; k < D; k += parts)
+        col[k * ASTR] = (col[k * ASTR] - mu) * rstd * __ldg(gamma + k) + __ldg(beta + k);
+}
+
+// The pair bias with the mask folded in: one dot product of length D per (row, head) of
+// the block, log2(e) folded into Wb, -inf where the mask drops the row
+// (store_pair_bias). A thread per (row, head), rows fastest.
+__device__ __forceinline__ void pair_bias(const float* As, const float* __restrict__ Wb, int D,
+                                          int H, BlockRows rows, int N, i64 NN,
+                                          const void* __restrict__ mask, int mask_kind, i64 mb,
+                                          i64 mi, i64 mj, bias_t* __restrict__ bias, int npk) {
+    // (ROW_BLOCK: none with a null bias, a block's projection after the bias pass)
+    for (int p = threadIdx.x; p < (ROW_BLOCK && bias == nullptr ? 0 : BM * H); p += THREADS) {
+        const int ml = p % BM, head = p / BM;
+        const i64 m = rows.m0 + ml;
+        if (m >= rows.M) continue;
+        const i64 b = m / NN, r = m - b * NN, i = r / N, j = r - i * N;
+        // The mask element first: its load is in flight during the dot product.
+        const bool keep = mask_keeps(mask, mask_kind, b * mb + i * mi + j * mj);
+        const float* w = Wb + (i64)head * D;  // one address per warp: a broadcast
+        float4 part = zero4();  // four chains in flight (D % 4 == 0)
+        // Unrolled: 4 trips' weight loads in flight together (loaded one trip ahead, each
+        // trip waited on its load: 20% of the kernel's stall samples).
+#pragma unroll 4
+        for (int k = 0; k < D; k += 4) {
+            const float4 wk = ld4(w + k);
+            part.x = fmaf(As[(k + 0) * ASTR + ml], wk.x, part.x);
+            part.y = fmaf(As[(k + 1) * ASTR + ml], wk.y, part.y);
+            part.z = fmaf(As[(k + 2) * ASTR + ml], wk.z, part.z);
+            part.w = fmaf(As[(k + 3) * ASTR + ml], wk.w, part.w);
+        }
+        const float dot = (part.x + part.y) + (part.z + part.w);
+        store_pair_bias(bias + ((b * H + head) * N + i) * (i64)npk, j, N, npk, keep, dot);
+    }
+}
+
+// The raw row tile of the block's rows (rowoff: where each starts in x), transposed into
+// As[k][m]; zero past M and past D.
+__device__ __forceinline__ void load_row_tile(float* As, int dpad, const i64* rowoff,
+                                              const pair_t* __restrict__ x, i64 sc, int x_vec,
+                                              int D, BlockRows rows) {
+    load_tile_transposed<8>(As, dpad, [&](int ml, int k) {
+        if (rows.m0 + ml >= rows.M || k >= D) return zero4();
+        const pair_t* p = x + rowoff[ml];
+        if (x_vec) return pair_ld4(p + k);
+        return make_float4(pair_value(p[k * sc]), pair_value(p[(k + 1) * sc]),
+                           pair_value(p[(k + 2) * sc]), pair_value(p[(k + 3) * sc]));
+    });
+}
+
 extern "C" __global__ void __launch_bounds__(THREADS, PROJECT_MIN_BLOCKS)
 ln_qkvg_project_ffma_fp32(LN_QKVG_PARAMS(WT)  // (project_epilogue.cuh)
                 ROW_BLOCK_ARGS  // (common.cuh ROW_BLOCK: the rows [row_begin, row_end))
@@ -229,134 +340,40 @@ ln_qkvg_project_ffma_fp32(LN_QKVG_PARAMS(WT)  // (project_epilogue.cuh)
     allow_next_kernel();  // the attention may launch (it waits for this kernel: common.cuh)
     const int dpad = (D + BK - 1) / BK * BK;
     const SmemLayout s = smem_layout(dpad);
-    const int t = threadIdx.x;
-#if ROW_BLOCK  // the pair rows of (b, i) in [row_begin, row_end) only (common.cuh)
-    const i64 NN = (i64)N * N, M = row_end * N;
-    const i64 m0 = row_begin * N + (i64)blockIdx.x * BM;
-    (void)NN;
-#else
-    const i64 NN = (i64)N * N, M = (i64)B * NN;
-    const i64 m0 = (i64)blockIdx.x * BM;
-#endif
+    const i64 NN = (i64)N * N;  // (N N: rows per batch)
+    const BlockRows rows = block_rows(B, N, NN, ROW_RANGE);
 
     // 1. Where each row starts in x.
-    row_offsets(s.rowoff, m0, M, N, sb, si, sj);
+    row_offsets(s.rowoff, rows.m0, rows.M, N, sb, si, sj);
     __syncthreads();  // rowoff visible to every loader
 
     // 2. The raw row tile, transposed into As[k][m]; zero past M and past D.
-    load_tile_transposed<8>(s.As, dpad, [&](int ml, int k) {
-        if (m0 + ml >= M || k >= D) return zero4();
-        const pair_t* p = x + s.rowoff[ml];
-        if (x_vec) return pair_ld4(p + k);
-        return make_float4(pair_value(p[k * sc]), pair_value(p[(k + 1) * sc]),
-                           pair_value(p[(k + 2) * sc]), pair_value(p[(k + 3) * sc]));
-    });
+    load_row_tile(s.As, dpad, s.rowoff, x, sc, x_vec, D, rows);
     __syncthreads();  // tile complete before the statistics read it
 
-    // 3. LayerNorm, THREADS / BM threads per row (thread t: row t % BM, columns
-    //    k = t / BM + p * parts), partial sums combined through `red`: the mean, then the
-    //    squared deviations (two passes: no cancellation), then normalisation in place:
-    //    xn = (x - mean) * rstd * gamma + beta (pad rows k >= D stay 0). The row's mean
-    //    and rstd stay in registers.
-    {
-        const int ml = t % BM, part = t / BM, parts = THREADS / BM;
-        float* const col = s.As + ml;
-        float acc = 0.f, amax = 0.f;
-#pragma unroll 8  // the loads of 8 trips in flight, not one trip's latency per trip
-        for (int k = part; k < D; k += parts) {
-            const float v = col[k * ASTR];
-            acc += v;
-            amax = fmaxf(amax, fabsf(v));
-        }
-        s.red[t] = acc;
-        float eps_row = eps;  // eps f^2 for a row scaled by f (project_math.cuh)
-        // Partial sums visible, and whether any row of the block may pass 2^40 (this
-        // thread's part of it does). Then, block-uniform and rare: each thread finds its
-        // row's largest magnitude, and a row past 2^40 is scaled in place, its sums again.
-        if (__syncthreads_or(ln_row_is_huge(amax))) {
-            float row_max = 0.f;
-            for (int k = 0; k < D; ++k) row_max = fmaxf(row_max, fabsf(col[k * ASTR]));
-            __syncthreads();  // every row read whole before any is scaled
-            if (ln_row_is_huge(row_max)) {
-                const float f = ln_row_scale(row_max);
-                eps_row = ln_scaled_eps(eps, f);
-                acc = 0.f;
-                for (int k = part; k < D; k += parts) {
-                    const float v = col[k * ASTR] * f;
-                    col[k * ASTR] = v;
-                    acc += v;
-                }
-                s.red[t] = acc;
-            }
-            __syncthreads();  // scaled rows and their partial sums visible
-        }
-        float tot = 0.f;
-        for (int p = 0; p < parts; ++p) tot += s.red[p * BM + ml];
-        const float mu = tot / D;
-        __syncthreads();  // every row's sums read; red free again
-        acc = 0.f;
-#pragma unroll 8
-        for (int k = part; k < D; k += parts) {
-            const float dev = col[k * ASTR] - mu;
-            acc = fmaf(dev, dev, acc);
-        }
-        s.red[t] = acc;
-        __syncthreads();  // partial sums visible
-        tot = 0.f;
-        for (int p = 0; p < parts; ++p) tot += s.red[p * BM + ml];
-        const float rstd = inverse_sqrt(tot / D + eps_row);  // biased variance, as torch.nn.LayerNorm
-        // gamma[k], beta[k]: one address per warp, a broadcast load; unrolled, so that
-        // the loads of several trips are in flight together (one at a time, their
-        // latency was 8% of the kernel's stall samples).
-#pragma unroll 4
-        for (int k = part; k < D; k += parts)
-            col[k * ASTR] = (col[k * ASTR] - mu) * rstd * __ldg(gamma + k) + __ldg(beta + k);
-    }
+    // 3. LayerNorm, in place (xn as the products take it).
+    layernorm_columns(s.As, s.red, D, eps, gamma, beta);
     __syncthreads();  // normalised tile complete
 
-    // 5. Pair bias with the mask folded in: one dot product of length D per (row, head).
-    //    (ROW_BLOCK: none with a null bias, a block's projection after the bias pass)
-    for (int p = t; p < (ROW_BLOCK && bias == nullptr ? 0 : BM * H); p += THREADS) {
-        const int ml = p % BM, head = p / BM;
-        const i64 m = m0 + ml;
-        if (m >= M) continue;
-        const i64 b = m / NN, r = m - b * NN, i = r / N, j = r - i * N;
-        // The mask element first: its load is in flight during the dot product.
-        const bool keep = mask_keeps(mask, mask_kind, b * mb + i * mi + j * mj);
-        const float* w = Wb + (i64)head * D;  // one address per warp: a broadcast
-        float part[4] = {0.f, 0.f, 0.f, 0.f};  // four chains in flight (D % 4 == 0)
-        // Unrolled: 4 trips' weight loads in flight together (loaded one trip ahead, each
-        // trip waited on its load: 20% of the kernel's stall samples).
-#pragma unroll 4
-        for (int k = 0; k < D; k += 4) {
-            const float4 wk = ld4(w + k);
-            part[0] = fmaf(s.As[(k + 0) * ASTR + ml], wk.x, part[0]);
-            part[1] = fmaf(s.As[(k + 1) * ASTR + ml], wk.y, part[1]);
-            part[2] = fmaf(s.As[(k + 2) * ASTR + ml], wk.z, part[2]);
-            part[3] = fmaf(s.As[(k + 3) * ASTR + ml], wk.w, part[3]);
-        }
-        const float dot = (part[0] + part[1]) + (part[2] + part[3]);
-        store_pair_bias(reinterpret_cast<bias_t*>(bias) + ((b * H + head) * N + i) * (i64)npk,
-                        j, N, npk, keep, dot);
-    }
+    // 4. The pair bias with the mask folded in (ROW_BLOCK: none with a null bias, a
+    //    block's projection after the bias pass: common.cuh).
+    pair_bias(s.As, Wb, D, H, rows, N, NN, mask, mask_kind, mb, mi, mj,
+              reinterpret_cast<bias_t*>(bias), npk);
 
-    // 6. q, k, v and gate: every 4D output column of these rows, BN at a time.
-#if !BIAS_ONLY
-    const int NO = 4 * D, rows_here = (int)min((i64)BM, M - m0);
-    float* const block_out = qkvg + m0 * NO;  // row r at r * NO (< 2^31: BM * 4D)
-    project_columns(s.As, WT, D, dpad, NO, b_qkvg, s.Ws,
-                    [&](Tile& acc, int n0, const float2 (&cb)[4]) {
-        store_qkvg(acc, n0, cb, D, q_scale, block_out, rows_here, VtTarget{vt, m0, N, H, npk});
-    });
-#endif
+    // 5. q, k, v and gate: every 4D output column of these rows, BN at a time.
+    if constexpr (!BIAS_ONLY) {
+        const int NO = 4 * D, rows_here = rows.here();
+        float* const block_out = qkvg + rows.m0 * NO;  // row r at r NO (< 2^31: BM 4D)
+        project_columns(s.As, WT, D, dpad, NO, b_qkvg, s.Ws,
+                        [&](Tile& acc, int n0, const float2 (&cb)[4]) {
+            store_qkvg(acc, n0, cb, D, q_scale, block_out, rows_here,
+                       VtTarget{vt, rows.m0, N, H, npk});
+        });
+    }
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS, PROJECT_MIN_BLOCKS)
-gated_out_project_ffma_fp32(GATED_OUT_PARAMS(WT)  // (project_epilogue.cuh)
-#if OUT_TRANSPOSED
-                  , int N  // the pair's N: rows go to caller_row (common.cuh)
-#endif
-                  ) {
+gated_out_project_ffma_fp32(GATED_OUT_PARAMS(WT) OUT_TRANSPOSED_ARGS) {  // (project_epilogue.cuh)
     const int dpad = (D + BK - 1) / BK * BK;
     const SmemLayout s = smem_layout(dpad);
     const i64 m0 = (i64)blockIdx.x * BM, ld = 4LL * D;
@@ -374,16 +391,5 @@ gated_out_project_ffma_fp32(GATED_OUT_PARAMS(WT)  // (project_epilogue.cuh)
 
     // 2. out = A Wo^T + bo.
     const int rows_here = (int)min((i64)BM, M - m0);
-#if OUT_TRANSPOSED
-    project_columns(s.As, WT, D, dpad, D, b_out, s.Ws,
-                    [&](Tile& acc, int n0, const float2 (&cb)[4]) {
-        store_out_transposed(acc, n0, cb, D, out, m0, N, rows_here);
-    });
-#else
-    pair_t* const block_out = out + m0 * D;
-    project_columns(s.As, WT, D, dpad, D, b_out, s.Ws,
-                    [&](Tile& acc, int n0, const float2 (&cb)[4]) {
-        store_out(acc, n0, cb, D, block_out, rows_here);
-    });
-#endif
+    project_columns(s.As, WT, D, dpad, D, b_out, s.Ws, out_rows(out, m0, D, OUT_N, rows_here));
 }

@@ -81,6 +81,42 @@ __device__ __forceinline__ float ln_scaled_eps(float eps, float f) {
     return eps > 0.f ? fmaxf(eps * f * f, 1.17549435e-38f) : eps;
 }
 
+// A row's values scaled in place where the row passes 2^40 (above): rescale(f) multiplies
+// the row by f and returns its new sum, which replaces `sum`. Returns eps for the row:
+// eps f^2 where it was scaled, else eps (and `sum` unchanged).
+template <class Rescale>
+__device__ __forceinline__ float ln_rescale_huge(float amax, float eps, float& sum,
+                                                 Rescale rescale) {
+    float eps_row = eps;
+    if (ln_row_is_huge(amax)) {
+        const float f = ln_row_scale(amax);
+        eps_row = ln_scaled_eps(eps, f);
+        sum = rescale(f);
+    }
+    return eps_row;
+}
+
+// LayerNorm's pieces of 4 values, in the order every kernel sums them: their sum, the
+// largest magnitude so far, the values times f, the sum of squared deviations so far.
+__device__ __forceinline__ float sum4(float4 v) { return (v.x + v.y) + (v.z + v.w); }
+__device__ __forceinline__ float absmax4(float amax, float4 v) {
+    return fmaxf(amax, fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w))));
+}
+__device__ __forceinline__ float4 scale4(float4 v, float f) {
+    return make_float4(v.x * f, v.y * f, v.z * f, v.w * f);
+}
+__device__ __forceinline__ float4 minus4(float4 v, float mu) {
+    return make_float4(v.x - mu, v.y - mu, v.z - mu, v.w - mu);
+}
+__device__ __forceinline__ float sum_squares4(float acc, float4 d) {
+    return fmaf(d.x, d.x, fmaf(d.y, d.y, fmaf(d.z, d.z, fmaf(d.w, d.w, acc))));
+}
+// (x - mu) rstd gamma + beta: LayerNorm's output
+__device__ __forceinline__ float4 ln_affine4(float4 v, float mu, float rstd, float4 g, float4 c) {
+    return make_float4((v.x - mu) * rstd * g.x + c.x, (v.y - mu) * rstd * g.y + c.y,
+                       (v.z - mu) * rstd * g.z + c.z, (v.w - mu) * rstd * g.w + c.w);
+}
+
 // The pair bias as fp16 bits (the bf16 and wgmma attentions hold it so): fp16 has TF32's
 // 10-bit mantissa at half the bytes of a bias tile; finite values beyond fp16's range
 // saturate to +-65504 (2^-65504 is 0 in any softmax), -inf and NaN stay.

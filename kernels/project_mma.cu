@@ -198,8 +198,8 @@ __device__ __forceinline__ void split_terms(float (&acc)[4], const u32 (&ah)[4],
     for (int e = 0; e < 4; ++e) acc[e] += t[e];
 }
 
-// acc += a b for one m16n8k8 fragment pair as loaded: TF32 values as they are, or (SPLIT)
-// fp32 values split here into three TF32 products.
+// acc += a b for one m16n8k8 fragment pair of TF32 values (pair_bias's TF32 products; the
+// split products of SPLIT are fp16 ones: split_terms).
 __device__ __forceinline__ void mma_product(float (&acc)[4], const u32 (&a)[4], const u32 (&b)[2]) {
     mma_tf32(acc, a[0], a[1], a[2], a[3], b[0], b[1]);
 }
@@ -415,7 +415,10 @@ __device__ __forceinline__ void project_columns(const float* As, int astr, const
 // spills (ptxas); called once per block, the call costs nothing that shows.
 // F16_TERMS: As in fp16 hi and lo chunks (F16_TERMS 1: hi only, its lo words stale), Wb
 // scaled on the host, split here (F16_TERMS 3) or rounded to fp16 (1); the products times
-// `unscale`.
+// `unscale`. Wb's B fragments (b0 = Wb[h0 + g][k + t], b1 = ...[k + t + 4]; F16_TERMS:
+// pairs at k + 2t and k + 2t + 8) come straight from global memory, a small array every
+// block reads (L1). As per-thread FFMA dot products, each thread loading all of Wb, this
+// was ~40% of the kernel's stall samples (the loads waited for one at a time).
 __device__ __noinline__ void pair_bias(const float* As, int astr, const float* __restrict__ Wb,
                                           int D, int dpad, int H, i64 m0, i64 M, int N,
                                           const void* __restrict__ mask, int mask_kind,
@@ -441,12 +444,12 @@ __device__ __noinline__ void pair_bias(const float* As, int astr, const float* _
             ok[h] = m < M;
             const i64 mc = ok[h] ? m : M - 1, b = mc / NN, r = mc - b * NN, i = r / N;
             j[h] = (int)(r - i * N);
-#if KV_TILED  // tiles: where they start is worked out per value (store_pair_bias_tiled)
-            brow[h] = bias + b * H;  // only to carry b H: brow[h] - bias + head = b H + head
-            rows[h] = (int)i;
-#else
-            brow[h] = bias + (b * H * N + i) * (i64)npk;
-#endif
+            if constexpr (KV_TILED) {  // tiles: where they start is worked out per value
+                brow[h] = bias + b * H;  // (store_pair_bias_tiled): only to carry b H,
+                rows[h] = (int)i;        // brow[h] - bias + head = b H + head
+            } else {
+                brow[h] = bias + (b * H * N + i) * (i64)npk;
+            }
             keep[h] = mask_keeps(mask, mask_kind, b * mb + i * mi + j[h] * mj);
         }
         for (int h0 = 0; h0 < H; h0 += 8) {
@@ -457,22 +460,18 @@ __device__ __noinline__ void pair_bias(const float* As, int astr, const float* _
             const float* const w2 = w + t;  // this lane's k pairs: 2t, 2t + 1 (+ 8)
 #pragma unroll 2
             for (int k0 = 0; k0 < dpad; k0 += 16) {
-                u32 ah[4], bh[2], bl[2];
+                u32 ah[4], al[4], bh[2], bl[2];  // (al: F16_TERMS 3's lo parts)
                 ldsm_x4(ah, a_row + 4 * k0);
-#if F16_TERMS == F16_TERMS_HI_LO
-                u32 al[4];
-                ldsm_x4(al, a_row + 4 * k0 + 32);
-#endif
+                if constexpr (F16_TERMS == F16_TERMS_HI_LO) ldsm_x4(al, a_row + 4 * k0 + 32);
                 // D % 4 == 0: k0 + 2t < D covers k0 + 2t + 1
                 const float2 w0 = head_ok && k0 + 2 * t < D ? ld2(w2 + k0) : make_float2(0.f, 0.f);
                 const float2 w1 = head_ok && k0 + 2 * t + 8 < D ? ld2(w2 + k0 + 8) : make_float2(0.f, 0.f);
                 split_f16(w0.x, w0.y, bh[0], bl[0]);
                 split_f16(w1.x, w1.y, bh[1], bl[1]);
-#if F16_TERMS == F16_TERMS_HI_LO
-                split_terms<mma_f16>(c, ah, al, bh, bl);
-#else
-                mma_f16(c, ah[0], ah[1], ah[2], ah[3], bh[0], bh[1]);
-#endif
+                if constexpr (F16_TERMS == F16_TERMS_HI_LO)
+                    split_terms<mma_f16>(c, ah, al, bh, bl);
+                else
+                    mma_f16(c, ah[0], ah[1], ah[2], ah[3], bh[0], bh[1]);
             }
 #pragma unroll
             for (int e = 0; e < 4; ++e) c[e] *= unscale;
@@ -490,12 +489,11 @@ __device__ __noinline__ void pair_bias(const float* As, int astr, const float* _
 #pragma unroll
             for (int e = 0; e < 4; ++e) {  // c0 (g, 2t) c1 (g, 2t+1) c2 (g+8, 2t) c3 (g+8, 2t+1)
                 const int h = e / 2, head = h0 + 2 * t + e % 2;
-#if KV_TILED
                 if (ok[h] && head < H)
+#if KV_TILED  // (store_pair_bias_tiled exists only then)
                     store_pair_bias_tiled(bias, brow[h] - bias + head, rows[h], j[h], N, npk,
                                           keep[h], c[e]);
 #else
-                if (ok[h] && head < H)
                     store_pair_bias(brow[h] + (i64)head * N * npk, j[h], N, npk, keep[h], c[e]);
 #endif
             }
@@ -606,52 +604,160 @@ __device__ __forceinline__ SmemLayout smem_layout(int dpad) {
     return s;
 }
 
+// LayerNorm's mean and 1 / sigma (x: mean, y: rstd) of a row of As, a thread alone: its
+// float4 reads are conflict-free (8 consecutive rows fall on distinct bank groups) and
+// need no reduction across threads (a warp per row, reducing by shuffles after every
+// pass, made this phase a chain of latencies: docs/performance.md). The mean, then the
+// squared deviations (two passes: no cancellation); a row past 2^40 scaled in place first
+// (project_math.cuh).
+__device__ __forceinline__ float2 row_stats(float* row, int D, float eps) {
+    float acc = 0.f, amax = 0.f;
+#pragma unroll 8
+    for (int k = 0; k < D; k += 4) {
+        const float4 v = *reinterpret_cast<const float4*>(row + k);
+        acc += sum4(v);
+        amax = absmax4(amax, v);
+    }
+    const float eps_row = ln_rescale_huge(amax, eps, acc, [&](float f) {
+        float sum = 0.f;
+        for (int k = 0; k < D; k += 4) {
+            const float4 v = scale4(*reinterpret_cast<const float4*>(row + k), f);
+            *reinterpret_cast<float4*>(row + k) = v;
+            sum += sum4(v);
+        }
+        return sum;
+    });
+    const float mu = acc / D;
+    acc = 0.f;
+#pragma unroll 8
+    for (int k = 0; k < D; k += 4)
+        acc = sum_squares4(acc, minus4(*reinterpret_cast<const float4*>(row + k), mu));
+    return make_float2(mu, inverse_sqrt(acc / D + eps_row));  // biased variance, as torch
+}
+
+// row_stats with 2 threads per row (LN_PAIRS): thread `part` of a row takes its 16-wide
+// chunks part, part + 2, ... (the 8 lanes of a quarter warp read distinct bank groups);
+// each pass's sums meet by one shuffle.
+__device__ __forceinline__ float2 row_stats_pair(float* row, int D, float eps, int part) {
+    float acc = 0.f, amax = 0.f;
+    for (int c0 = 16 * part; c0 < D; c0 += 32)
+#pragma unroll
+        for (int q = 0; q < 4; ++q)
+            if (c0 + 4 * q < D) {
+                const float4 v = *reinterpret_cast<const float4*>(row + c0 + 4 * q);
+                acc += sum4(v);
+                amax = absmax4(amax, v);
+            }
+    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
+    const float eps_row = ln_rescale_huge(amax, eps, acc, [&](float f) {  // (both threads)
+        float sum = 0.f;
+        for (int c0 = 16 * part; c0 < D; c0 += 32)
+            for (int q = 0; q < 4; ++q)
+                if (c0 + 4 * q < D) {
+                    float4* const p = reinterpret_cast<float4*>(row + c0 + 4 * q);
+                    const float4 v = scale4(*p, f);
+                    *p = v;
+                    sum += sum4(v);
+                }
+        return sum;
+    });
+    const float mu = (acc + __shfl_xor_sync(0xffffffffu, acc, 1)) / D;
+    acc = 0.f;
+    for (int c0 = 16 * part; c0 < D; c0 += 32)
+#pragma unroll
+        for (int q = 0; q < 4; ++q)
+            if (c0 + 4 * q < D)
+                acc = sum_squares4(acc, minus4(*reinterpret_cast<const float4*>(row + c0 + 4 * q), mu));
+    acc += __shfl_xor_sync(0xffffffffu, acc, 1);
+    return make_float2(mu, inverse_sqrt(acc / D + eps_row));
+}
+
+// xn = (x - mean) rstd gamma + beta of a row of As (stats: mean, rstd), in place, as the
+// TF32 products take it (operand4; pad columns stay 0): this thread's 16-wide chunks,
+// `part` of LN_STEP. (F16_TERMS writes fp16 chunks: ln_qkvg_project step 3.)
+__device__ __forceinline__ void normalise_row_tf32(float* row, int D, float2 stats,
+                                                   const float* __restrict__ gamma,
+                                                   const float* __restrict__ beta, int part) {
+    const float mu = stats.x, rstd = stats.y;
+#pragma unroll 4  // gamma and beta are the same for every thread: loads of 4 trips in flight
+    for (int k = 0; k < D; k += 4) {
+        if (LN_STEP > 1 && (k / 16) % LN_STEP != part) continue;  // (this thread's chunks)
+        st4(row + k, operand4(ln_affine4(*reinterpret_cast<const float4*>(row + k), mu, rstd,
+                                         ld4(gamma + k), ld4(beta + k))));
+    }
+}
+
+// F16_TERMS: the row tile's scale a_scale and the products' unscale = 1 / (a_scale W's
+// scale), two more arguments of ln_qkvg_project (TF32: none; the functions that take
+// them ignore theirs, F16_SCALES gives them 1).
+#if F16_TERMS
+#define F16_SCALE_PARAMS , float a_scale, float unscale
+#define F16_SCALES a_scale, unscale
+#define F16_SCALE_ARG(x) , x
+#else
+#define F16_SCALE_PARAMS
+#define F16_SCALES 1.f, 1.f
+#define F16_SCALE_ARG(x)
+#endif
+struct F16Scales {
+    float a, un;  // a_scale, unscale
+};
+
+// q, k, v and gate: every 4D output column of the block's rows, BN at a time, into qkvg
+// (store_qkvg: rows of QKVG_LD(D) words from the block's first, < 2^31 words: BM 4D) and
+// vt. The ring is primed for the first pass.
+__device__ __forceinline__ void project_qkvg(const float* As, int astr, const WeightRing& ring,
+                                             BlockRows rows, int D, int N, int H, int npk,
+                                             float q_scale, float* __restrict__ qkvg,
+                                             float* __restrict__ vt, float unscale) {
+    const int rows_here = rows.here();
+    float* const block_out = qkvg + rows.m0 * QKVG_LD(D);
+    auto store = [&](Tile& acc, int n0, const float2 (&cb)[4]) {
+        store_qkvg(acc, n0, cb, D, q_scale, block_out, rows_here,
+                   VtTarget{vt, rows.m0, N, H, npk});
+    };
+    project_columns<F16_TERMS>(As, astr, ring, store, unscale);
+}
+
 extern "C" __global__ void __launch_bounds__(THREADS, PROJECT_MIN_BLOCKS)
 LN_QKVG_ENTRY(LN_QKVG_PARAMS(W)  // (project_epilogue.cuh)
-#if F16_TERMS
-                , float a_scale, float unscale
-#endif
-                ROW_BLOCK_ARGS  // (common.cuh ROW_BLOCK: the rows [row_begin, row_end))
-                ) {
+              F16_SCALE_PARAMS
+              ROW_BLOCK_ARGS  // (common.cuh ROW_BLOCK: the rows [row_begin, row_end))
+              ) {
     allow_next_kernel();  // the attention may launch (it waits for this kernel: common.cuh)
     const int dpad = (D + BK - 1) / BK * BK, astr = dpad + 4;
     const SmemLayout s = smem_layout(dpad);
     const int t = threadIdx.x, lane = t & 31, warp = t >> 5;
-#if ROW_BLOCK  // the pair rows of (b, i) in [row_begin, row_end) only (common.cuh)
-    const i64 NN = (i64)N * N, M = row_end * N;
-    const i64 m0 = row_begin * N + (i64)blockIdx.x * BM;
-    (void)NN;
-#else
-    const i64 NN = (i64)N * N, M = (i64)B * NN;
-    const i64 m0 = (i64)blockIdx.x * BM;
-#endif
+    const BlockRows rows = block_rows(B, N, (i64)N * N, ROW_RANGE);
+    const F16Scales scales{F16_SCALES};
     const int NO = 4 * D;
     const WeightRing ring{smem_addr(s.Ws), s.cbias, W, b_qkvg, D, NO, ring_chunks(dpad)};
 
     // 1. Where each row starts in x.
-    row_offsets(s.rowoff, m0, M, N, sb, si, sj);
+    row_offsets(s.rowoff, rows.m0, rows.M, N, sb, si, sj);
     __syncthreads();  // rowoff visible to every loader
 
     // 2. The raw row tile As[m][k], a warp per row, its lanes over consecutive 16 bytes
     //    (coalesced); zero past M and past D. One commit group, then the first weight
-    //    chunks behind it, so they travel during the LayerNorm.
-    //    16-bit pairs (PAIR_DTYPE) with aligned rows: copied into each row's upper half
-    //    (bytes 2 dpad on), widened in place once they land (below).
+    //    chunks behind it, so they travel during the LayerNorm (BIAS_ONLY: none, no q, k,
+    //    v or gate). 16-bit pairs (PAIR_DTYPE) with aligned rows: copied into each row's
+    //    upper half (bytes 2 dpad on), widened in place once they land, a warp per row:
+    //    every lane reads its pieces before any writes (a piece's floats cover other
+    //    lanes' halves). (This step is written here, not in functions of its own: there,
+    //    the compiler arranged the loops' address arithmetic and the widened halves'
+    //    registers otherwise, and the machine code changed.)
     for (int ml = warp; ml < BM; ml += WARPS) {
-        const bool row_ok = m0 + ml < M;
+        const bool row_ok = rows.m0 + ml < rows.M;
         const pair_t* const p = x + s.rowoff[ml];
         float* const dst = s.As + ml * astr;
         for (int k = 4 * lane; k < dpad; k += 128) {
             const bool ok = row_ok && k < D;
-#if PAIR_DTYPE == PAIR_F32
-            if (x_vec)
-                cp_async16_or_zero(smem_addr(dst + k), ok ? p + k : x, ok);
-            else
-#else
-            if (x_vec)
-                cp_async8_or_zero(smem_addr(dst) + 2 * (dpad + k), ok ? p + k : x, ok);
-            else
-#endif
+            if (x_vec) {
+                if constexpr (PAIR_DTYPE == PAIR_F32)
+                    cp_async16_or_zero(smem_addr(dst + k), ok ? p + k : x, ok);
+                else
+                    cp_async8_or_zero(smem_addr(dst) + 2 * (dpad + k), ok ? p + k : x, ok);
+            } else
                 st4(dst + k, ok ? make_float4(pair_value(p[k * sc]), pair_value(p[(k + 1) * sc]),
                                               pair_value(p[(k + 2) * sc]),
                                               pair_value(p[(k + 3) * sc]))
@@ -659,16 +765,14 @@ LN_QKVG_ENTRY(LN_QKVG_PARAMS(W)  // (project_epilogue.cuh)
         }
     }
     cp_async_commit();
-#if BIAS_ONLY  // (no weight chunks: no q, k, v or gate products)
-    cp_async_wait<0>();  // the row tile landed
-#else
-    ring.prime(0);
-    cp_async_wait<WSTAGES - 1>();  // the row tile landed (the weight chunks may not have)
-#endif
+    if constexpr (BIAS_ONLY) {
+        cp_async_wait<0>();  // the row tile landed
+    } else {
+        ring.prime(0);
+        cp_async_wait<WSTAGES - 1>();  // the row tile landed (the weight chunks may not have)
+    }
     __syncthreads();  // every warp's rows visible
-#if PAIR_DTYPE != PAIR_F32
-    if (x_vec) {  // the 16-bit rows widened to fp32 in place, a warp per row: every lane
-        // reads its pieces before any writes (a piece's floats cover other lanes' halves)
+    if constexpr (PAIR_DTYPE != PAIR_F32) if (x_vec) {
         for (int ml = warp; ml < BM; ml += WARPS) {
             float* const row = s.As + ml * astr;
             const char* const halves = reinterpret_cast<const char*>(row) + 2 * dpad;
@@ -691,183 +795,98 @@ LN_QKVG_ENTRY(LN_QKVG_PARAMS(W)  // (project_epilogue.cuh)
         }
         __syncthreads();  // widened rows visible to the LayerNorm threads
     }
-#endif
 
-    // 3. LayerNorm, a thread per row (threads t < BM), whose float4 reads of As are
-    //    conflict-free (8 consecutive rows fall on distinct bank groups) and need no
-    //    reduction across threads (a warp per row, reducing by shuffles after every pass,
-    //    made this phase a chain of latencies: docs/performance.md). The mean, the squared
-    //    deviations (two passes: no cancellation), then xn = (x - mean) * rstd * gamma +
-    //    beta in place, as the products take it (operand4; pad columns stay 0).
-    //    LN_PAIRS (off): every thread, 2 per row.
-#if LN_PAIRS
-    // (Thread `part` of a row takes its 16-wide chunks part, part + 2, ...: the 8 lanes of
-    // a quarter warp read distinct bank groups; each pass's sums meet by one shuffle.)
-    const int part = t % 2;
-    {
-        float* const row = s.As + (t / 2) * astr;
-        float acc = 0.f, amax = 0.f;
-        for (int c0 = 16 * part; c0 < D; c0 += 32)
+    // 3. LayerNorm in place, a thread per row (threads t < BM; row_stats), or (LN_PAIRS,
+    //    off: LN_SPLIT) every thread, 2 per row: the statistics, then xn = (x - mean) rstd
+    //    gamma + beta as the products take it.
+    if (LN_PAIRS || t < BM) {
+        const int part = LN_PAIRS ? t % 2 : 0;
+        float* const row = s.As + (t / LN_STEP) * astr;
+        float2 stats;
+        if constexpr (LN_PAIRS) stats = row_stats_pair(row, D, eps, part);
+        else stats = row_stats(row, D, eps);
+        if constexpr (F16_TERMS != F16_TERMS_TF32) {
+            // Each 16-wide chunk's 64 bytes in place: its 16 values (zero past D) times
+            // a_scale as fp16 hi pairs, then lo pairs (F16_TERMS 3). (Here, not in a
+            // function of its own: there, the compiler numbered the products' accumulator
+            // registers otherwise, and the machine code of every F16_TERMS kernel changed.)
+            const float mu = stats.x, rstd = stats.y;
+            for (int c0 = 16 * part; c0 < dpad; c0 += 16 * LN_STEP) {  // (this thread's chunks)
+                float y[16];
 #pragma unroll
-            for (int q = 0; q < 4; ++q)
-                if (c0 + 4 * q < D) {
-                    const float4 v = *reinterpret_cast<const float4*>(row + c0 + 4 * q);
-                    acc += (v.x + v.y) + (v.z + v.w);
-                    amax = fmaxf(amax, fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w))));
-                }
-        amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
-        float eps_row = eps;  // eps f^2 for a row scaled by f (project_math.cuh)
-        if (ln_row_is_huge(amax)) {  // a row past 2^40 (both its threads): scaled, summed again
-            const float f = ln_row_scale(amax);
-            eps_row = ln_scaled_eps(eps, f);
-            acc = 0.f;
-            for (int c0 = 16 * part; c0 < D; c0 += 32)
-                for (int q = 0; q < 4; ++q)
-                    if (c0 + 4 * q < D) {
-                        float4* const p = reinterpret_cast<float4*>(row + c0 + 4 * q);
-                        const float4 w = *p, v = make_float4(w.x * f, w.y * f, w.z * f, w.w * f);
-                        *p = v;
-                        acc += (v.x + v.y) + (v.z + v.w);
+                for (int q = 0; q < 4; ++q) {
+                    const int k = c0 + 4 * q;
+                    float4 x = zero4();
+                    if (k < D) {
+                        const float4 v = *reinterpret_cast<const float4*>(row + k);
+                        const float4 g = ld4(gamma + k), c = ld4(beta + k);
+                        x = make_float4((v.x - mu) * rstd * g.x + c.x, (v.y - mu) * rstd * g.y + c.y,
+                                        (v.z - mu) * rstd * g.z + c.z, (v.w - mu) * rstd * g.w + c.w);
                     }
-        }
-        const float mu = (acc + __shfl_xor_sync(0xffffffffu, acc, 1)) / D;
-        acc = 0.f;
-        for (int c0 = 16 * part; c0 < D; c0 += 32)
-#pragma unroll
-            for (int q = 0; q < 4; ++q)
-                if (c0 + 4 * q < D) {
-                    const float4 v = *reinterpret_cast<const float4*>(row + c0 + 4 * q);
-                    const float dx = v.x - mu, dy = v.y - mu, dz = v.z - mu, dw = v.w - mu;
-                    acc = fmaf(dx, dx, fmaf(dy, dy, fmaf(dz, dz, fmaf(dw, dw, acc))));
+                    y[4 * q] = x.x * scales.a, y[4 * q + 1] = x.y * scales.a;
+                    y[4 * q + 2] = x.z * scales.a, y[4 * q + 3] = x.w * scales.a;
                 }
-        acc += __shfl_xor_sync(0xffffffffu, acc, 1);
-#else
-    const int part = 0;
-    if (t < BM) {
-        float* const row = s.As + t * astr;
-        float acc = 0.f, amax = 0.f;
-#pragma unroll 8
-        for (int k = 0; k < D; k += 4) {
-            const float4 v = *reinterpret_cast<const float4*>(row + k);
-            acc += (v.x + v.y) + (v.z + v.w);
-            amax = fmaxf(amax, fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w))));
-        }
-        float eps_row = eps;  // eps f^2 for a row scaled by f (project_math.cuh)
-        if (ln_row_is_huge(amax)) {  // a row past 2^40: scaled in place, its sum again
-            const float f = ln_row_scale(amax);
-            eps_row = ln_scaled_eps(eps, f);
-            acc = 0.f;
-            for (int k = 0; k < D; k += 4) {
-                const float4 w = *reinterpret_cast<const float4*>(row + k);
-                const float4 v = make_float4(w.x * f, w.y * f, w.z * f, w.w * f);
-                *reinterpret_cast<float4*>(row + k) = v;
-                acc += (v.x + v.y) + (v.z + v.w);
-            }
-        }
-        const float mu = acc / D;
-        acc = 0.f;
-#pragma unroll 8
-        for (int k = 0; k < D; k += 4) {
-            const float4 v = *reinterpret_cast<const float4*>(row + k);
-            const float dx = v.x - mu, dy = v.y - mu, dz = v.z - mu, dw = v.w - mu;
-            acc = fmaf(dx, dx, fmaf(dy, dy, fmaf(dz, dz, fmaf(dw, dw, acc))));
-        }
-#endif
-        const float rstd = inverse_sqrt(acc / D + eps_row);  // biased variance, as torch.nn.LayerNorm
-#if F16_TERMS
-        // Each 16-wide chunk's 64 bytes in place: its 16 values (zero past D) times a_scale
-        // as fp16 hi pairs, then lo pairs (F16_TERMS 3).
-        for (int c0 = 16 * part; c0 < dpad; c0 += 16 * LN_STEP) {  // (this thread's chunks)
-            float y[16];
+                u32 hi[8], lo[8];
 #pragma unroll
-            for (int q = 0; q < 4; ++q) {
-                const int k = c0 + 4 * q;
-                float4 x = zero4();
-                if (k < D) {
-                    const float4 v = *reinterpret_cast<const float4*>(row + k);
-                    const float4 g = ld4(gamma + k), c = ld4(beta + k);
-                    x = make_float4((v.x - mu) * rstd * g.x + c.x, (v.y - mu) * rstd * g.y + c.y,
-                                    (v.z - mu) * rstd * g.z + c.z, (v.w - mu) * rstd * g.w + c.w);
+                for (int p = 0; p < 8; ++p) {
+                    if (F16_TERMS == F16_TERMS_HI)  // (its products read the hi parts alone)
+                        hi[p] = pack_f16(y[2 * p], y[2 * p + 1]);
+                    else
+                        split_f16(y[2 * p], y[2 * p + 1], hi[p], lo[p]);
                 }
-                y[4 * q] = x.x * a_scale, y[4 * q + 1] = x.y * a_scale;
-                y[4 * q + 2] = x.z * a_scale, y[4 * q + 3] = x.w * a_scale;
+                uint4* const chunk = reinterpret_cast<uint4*>(row + c0);
+                chunk[0] = make_uint4(hi[0], hi[1], hi[2], hi[3]);
+                chunk[1] = make_uint4(hi[4], hi[5], hi[6], hi[7]);
+                if (F16_TERMS == F16_TERMS_HI_LO) {
+                    chunk[2] = make_uint4(lo[0], lo[1], lo[2], lo[3]);
+                    chunk[3] = make_uint4(lo[4], lo[5], lo[6], lo[7]);
+                }
             }
-            u32 hi[8], lo[8];
-#pragma unroll
-            for (int p = 0; p < 8; ++p) {
-                if (F16_TERMS == F16_TERMS_HI)  // (its products read the hi parts alone)
-                    hi[p] = pack_f16(y[2 * p], y[2 * p + 1]);
-                else
-                    split_f16(y[2 * p], y[2 * p + 1], hi[p], lo[p]);
-            }
-            uint4* const chunk = reinterpret_cast<uint4*>(row + c0);
-            chunk[0] = make_uint4(hi[0], hi[1], hi[2], hi[3]);
-            chunk[1] = make_uint4(hi[4], hi[5], hi[6], hi[7]);
-            if (F16_TERMS == F16_TERMS_HI_LO) {
-                chunk[2] = make_uint4(lo[0], lo[1], lo[2], lo[3]);
-                chunk[3] = make_uint4(lo[4], lo[5], lo[6], lo[7]);
-            }
+        } else {
+            normalise_row_tf32(row, D, stats, gamma, beta, part);
         }
-#else
-#pragma unroll 4  // gamma and beta are the same for every thread: loads of 4 trips in flight
-        for (int k = 0; k < D; k += 4) {
-            if (LN_STEP > 1 && (k / 16) % LN_STEP != part) continue;  // (this thread's chunks)
-            const float4 v = *reinterpret_cast<const float4*>(row + k);
-            const float4 g = ld4(gamma + k), c = ld4(beta + k);
-            st4(row + k, operand4(make_float4((v.x - mu) * rstd * g.x + c.x,
-                                            (v.y - mu) * rstd * g.y + c.y,
-                                            (v.z - mu) * rstd * g.z + c.z,
-                                            (v.w - mu) * rstd * g.w + c.w)));
-        }
-#endif
     }
     __syncthreads();  // normalised tile complete
 
-    // 4. The pair bias on tensor cores, with the mask folded in: xn [16 rows] x Wb^T
-    //    [8 heads] per warp and m-tile, a product like the others (TF32 as PyTorch's TF32
-    //    mode has it, or fp16 products).
-    //    Wb's B fragments (b0 = Wb[h0 + g][k + t], b1 = ...[k + t + 4]; F16_TERMS: pairs at
-    //    k + 2t and k + 2t + 8, rounded or split to fp16 here) come straight from
-    //    global memory, a small array every block reads (L1), rounded here. As per-thread
-    //    FFMA dot products, each thread loading all of Wb, it was ~40% of the kernel's
-    //    stall samples (the loads waited for one at a time).
-#if ROW_BLOCK
-    if (bias != nullptr)  // (null: a block's projection after the bias pass: common.cuh)
-#endif
-    pair_bias(s.As, astr, Wb, D, dpad, H, m0, M, N, mask, mask_kind, mb, mi, mj,
-              reinterpret_cast<bias_t*>(bias), npk
-#if F16_TERMS
-              , unscale
-#endif
-              );
-#if BIAS_ONLY
-    (void)ring;
-    (void)q_scale;
-#else
+    // 4. The pair bias on tensor cores, with the mask folded in (pair_bias; ROW_BLOCK:
+    //    none with a null bias, a block's projection after the bias pass: common.cuh).
+    if (!ROW_BLOCK || bias != nullptr)
+        pair_bias(s.As, astr, Wb, D, dpad, H, rows.m0, rows.M, N, mask, mask_kind, mb, mi, mj,
+                  reinterpret_cast<bias_t*>(bias), npk F16_SCALE_ARG(scales.un));
 
     // 5. q, k, v and gate: every 4D output column of these rows, BN at a time.
-    const int rows_here = (int)min((i64)BM, M - m0);
-    float* const block_out = qkvg + m0 * QKVG_LD(D);  // row r at r QKVG_LD (< 2^31: BM * 4D)
-    auto store = [&](Tile& acc, int n0, const float2 (&cb)[4]) {
-        store_qkvg(acc, n0, cb, D, q_scale, block_out, rows_here, VtTarget{vt, m0, N, H, npk});
-    };
-#if F16_TERMS
-    project_columns<F16_TERMS>(s.As, astr, ring, store, unscale);
-#else
-    project_columns<F16_TERMS_TF32>(s.As, astr, ring, store);
-#endif
-#endif  // BIAS_ONLY
+    if constexpr (!BIAS_ONLY)
+        project_qkvg(s.As, astr, ring, rows, D, N, H, npk, q_scale, qkvg, vt, scales.un);
 }
+
+// gated_out_project's A = op(g * o) (load_gated_tile: TF32; F16_TERMS: load_gated_tile_f16,
+// scaled fp16 hi and lo, hi only for F16_TERMS 1; its maximum in rowoff, which is free
+// here: a word per warp). Returns 1 / the block's scale a (F16_TERMS), else 1.
+__device__ __forceinline__ float load_gated_operands(const float* __restrict__ qkvg, i64 M, int D,
+                                                     int dpad, int astr, i64 m0,
+                                                     const SmemLayout& s) {
+#if F16_TERMS
+    return load_gated_tile_f16(qkvg, M, D, dpad, astr, m0, s.As,
+                               reinterpret_cast<float*>(s.rowoff));
+#else
+    load_gated_tile(qkvg, M, D, dpad, astr, m0, s.As);
+    return 1.f;
+#endif
+}
+
+// F16_TERMS: gated_out_project's w_unscale, 1 / Wo's scale (the block scales g o itself);
+// F16_OUT_SCALE passes it on (TF32: none, 1).
+#if F16_TERMS
+#define F16_OUT_SCALE_PARAMS , float w_unscale
+#define F16_OUT_SCALE w_unscale
+#else
+#define F16_OUT_SCALE_PARAMS
+#define F16_OUT_SCALE 1.f
+#endif
 
 extern "C" __global__ void __launch_bounds__(THREADS, OUT_MIN_BLOCKS)
 GATED_OUT_ENTRY(GATED_OUT_PARAMS(W)  // (project_epilogue.cuh)
-#if F16_TERMS
-                  , float w_unscale  // 1 / Wo's scale (the block scales g o itself)
-#endif
-#if OUT_TRANSPOSED
-                  , int N  // the pair's N: rows go to caller_row (common.cuh)
-#endif
-                  ) {
+                F16_OUT_SCALE_PARAMS OUT_TRANSPOSED_ARGS) {
     const int dpad = (D + BK - 1) / BK * BK, astr = dpad + 4;
     const SmemLayout s = smem_layout(dpad);
     const i64 m0 = (i64)blockIdx.x * BM;
@@ -875,34 +894,14 @@ GATED_OUT_ENTRY(GATED_OUT_PARAMS(W)  // (project_epilogue.cuh)
     ring.prime(0);  // the first weight chunks and biases travel while the row tile loads
     wait_for_previous_kernel();  // (and while the attention drains: o comes from it, common.cuh)
 
-    // 1. A = g * o (operand4; F16_TERMS: scaled fp16 hi and lo, hi only for F16_TERMS 1),
-    //    row-major: the gated intermediate exists only here.
-#if F16_TERMS
-    // (rowoff, ln_qkvg_project's, is free here: a word per warp for the block maximum)
-    const float a_unscale = load_gated_tile_f16(qkvg, M, D, dpad, astr, m0, s.As,
-                                                reinterpret_cast<float*>(s.rowoff));
-#else
-    load_gated_tile(qkvg, M, D, dpad, astr, m0, s.As);
-#endif
+    // 1. A = g * o, row-major: the gated intermediate exists only here.
+    const float a_unscale = load_gated_operands(qkvg, M, D, dpad, astr, m0, s);
     __syncthreads();  // tile complete before the products read it
 
-    // 2. out = A Wo^T + bo.
+    // 2. out = A Wo^T + bo. (F16_TERMS: w_unscale * a_unscale underflowed to 0 where a
+    //    block's largest |g o| was below ~2^-96, its own scale a past 2^110: every output
+    //    of the block 0, relative error 1; so the two factors one after the other.)
     const int rows_here = (int)min((i64)BM, M - m0);
-#if OUT_TRANSPOSED
-    auto store = [&](Tile& acc, int n0, const float2 (&cb)[4]) {
-        store_out_transposed(acc, n0, cb, D, out, m0, N, rows_here);
-    };
-#else
-    pair_t* const block_out = out + m0 * D;
-    auto store = [&](Tile& acc, int n0, const float2 (&cb)[4]) {
-        store_out(acc, n0, cb, D, block_out, rows_here);
-    };
-#endif
-#if F16_TERMS
-    // (w_unscale * a_unscale underflowed to 0 where a block's largest |g o| was below
-    // ~2^-96, its own scale a past 2^110: every output of the block 0, relative error 1)
-    project_columns<F16_TERMS>(s.As, astr, ring, store, w_unscale, a_unscale);
-#else
-    project_columns<F16_TERMS_TF32>(s.As, astr, ring, store);
-#endif
+    project_columns<F16_TERMS>(s.As, astr, ring, out_rows(out, m0, D, OUT_N, rows_here),
+                               F16_OUT_SCALE, a_unscale);
 }
