@@ -481,6 +481,60 @@ __device__ __forceinline__ void store_kv(char* smem, const float4 (&kv)[LOADS_PE
     }
 }
 
+// ---- one key tile ----
+// S (MT m-tiles x NT n-tiles of 16 x 8 scores, C fragments) as the bias (ONTO false), or
+// plus the bias (ONTO true). `bias_tile`: this lane's first element, at query row
+// bias_row and column 2t of the tile. TF32 and bf16: the products accumulate onto the
+// bias. 3xTF32 and f16x3: onto zero, and the bias is added after them in fp32: the tensor
+// cores' accumulation does not round to nearest, and its error is relative to the
+// accumulator, which the bias would make larger (f16x3: the products in units of s_q s_k,
+// undone in the same instruction). fp32: rows 8 bytes apart in a lane pair, BSTR = 8 mod
+// 32 words: each half-warp's float2 reads hit 32 distinct banks; fp16: rows of BSTR / 2 =
+// 4 (mod 8) words, a lane's pair one word: the warp's 32 words on 32 banks.
+template <bool ONTO>
+__device__ __forceinline__ void add_bias(float (&s)[MT][NT][4], const bias_elem* bias_tile,
+                                         float qk_unscale) {
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int n = 0; n < NT; ++n) {
+            float2 x0, x1;
+            if constexpr (BF16) {
+                x0 = half2_to_float2(*reinterpret_cast<const u32*>(bias_tile + 16 * mt * BSTR + 8 * n));
+                x1 = half2_to_float2(*reinterpret_cast<const u32*>(bias_tile + (16 * mt + 8) * BSTR + 8 * n));
+            } else {
+                x0 = *reinterpret_cast<const float2*>(bias_tile + 16 * mt * BSTR + 8 * n);
+                x1 = *reinterpret_cast<const float2*>(bias_tile + (16 * mt + 8) * BSTR + 8 * n);
+            }
+            const float b[4] = {x0.x, x0.y, x1.x, x1.y};
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                if constexpr (!ONTO) s[mt][n][e] = b[e];
+                else if constexpr (F16X3) s[mt][n][e] = fmaf(s[mt][n][e], qk_unscale, b[e]);
+                else s[mt][n][e] = s[mt][n][e] + b[e];
+            }
+        }
+}
+
+// ROW_MASK: the keys masked for every query of this warp's row i (keep_row: its key bits)
+// set to -inf in S, as a masked bias entry: on S's start (the bias) before the products
+// accumulate onto it, where fewer registers are live than after them (TF32 and bf16);
+// after add_bias for the split products, which start from zero. This lane's keys kc, kc +
+// 1 (kc even: one word) are columns 2t, 2t + 1 of n-tile n of the tile at k0.
+__device__ __forceinline__ void mask_row_keys(float (&s)[MT][NT][4], const unsigned* keep_row,
+                                              int k0, int t) {
+#pragma unroll
+    for (int n = 0; n < NT; ++n) {
+        const int kc = k0 + 8 * n + 2 * t;
+        const unsigned bits = __ldg(keep_row + (kc >> 5)) >> (kc & 31);
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+            if (!(bits & 1u)) s[mt][n][0] = s[mt][n][2] = neg_inf();
+            if (!(bits & 2u)) s[mt][n][1] = s[mt][n][3] = neg_inf();
+        }
+    }
+}
+
 // o / l of this warp's rows, written over q (`row`: qkvg at (b, i0 + rw, j = 0), this
 // head's columns). l = 0 only when every key was masked (the maximum term of a row with
 // any unmasked key is 2^0 = 1): then 0, or NaN where nan_fully_masked. f16x3: O in units
@@ -630,57 +684,16 @@ ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int 
         // = 4 (mod 8) words, a lane's pair one word: the warp's 32 words on 32 banks.
         float s[MT][NT][4];
         const bias_elem* const bias_tile = bias_tile_base + bias_row * BSTR + 2 * t;
-        auto add_bias = [&](bool onto) {  // s = bias, or s += bias
-#pragma unroll
-            for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-                for (int n = 0; n < NT; ++n) {
-#if BF16
-                    const float2 x0 = half2_to_float2(*reinterpret_cast<const u32*>(bias_tile + 16 * mt * BSTR + 8 * n));
-                    const float2 x1 = half2_to_float2(*reinterpret_cast<const u32*>(bias_tile + (16 * mt + 8) * BSTR + 8 * n));
-#else
-                    const float2 x0 = *reinterpret_cast<const float2*>(bias_tile + 16 * mt * BSTR + 8 * n);
-                    const float2 x1 = *reinterpret_cast<const float2*>(bias_tile + (16 * mt + 8) * BSTR + 8 * n);
-#endif
-                    const float b[4] = {x0.x, x0.y, x1.x, x1.y};
-#pragma unroll
-                    for (int e = 0; e < 4; ++e)
-#if F16X3  // the products in units of s_q s_k, undone in the same instruction
-                        s[mt][n][e] = onto ? fmaf(s[mt][n][e], qk_unscale, b[e]) : b[e];
-#else
-                        s[mt][n][e] = onto ? s[mt][n][e] + b[e] : b[e];
-#endif
-                }
-        };
-#if ROW_MASK
-        // Keys masked for every query of this warp's row i: -inf in S, as a masked bias
-        // entry: on S's start (the bias) before the products accumulate onto it, where
-        // fewer registers are live than after them (TF32 and bf16); after add_bias for the
-        // split products, which start from zero. This lane's keys kc, kc + 1 (kc even: one
-        // word) are columns 2t, 2t + 1 of n-tile n.
-        auto mask_row_keys = [&]() {
-#pragma unroll
-            for (int n = 0; n < NT; ++n) {
-                const int kc = mask_k0 + 8 * n + 2 * t;
-                const unsigned bits = __ldg(keep_row + (kc >> 5)) >> (kc & 31);
-#pragma unroll
-                for (int mt = 0; mt < MT; ++mt) {
-                    if (!(bits & 1u)) s[mt][n][0] = s[mt][n][2] = neg_inf();
-                    if (!(bits & 2u)) s[mt][n][1] = s[mt][n][3] = neg_inf();
-                }
-            }
-        };
-#endif
 #if SPLIT
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
             for (int n = 0; n < NT; ++n) s[mt][n][0] = s[mt][n][1] = s[mt][n][2] = s[mt][n][3] = 0.f;
 #else
-        add_bias(false);
+        add_bias<false>(s, bias_tile, qk_unscale);
 #endif
 #if ROW_MASK && !SPLIT
-        mask_row_keys();
+        mask_row_keys(s, keep_row, mask_k0, t);
 #endif
 
         // This lane's ldmatrix rows in K and V (byte addresses; see opaque()).
@@ -779,10 +792,10 @@ ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int 
 #endif
 
 #if SPLIT
-        add_bias(true);
+        add_bias<true>(s, bias_tile, qk_unscale);
 #endif
 #if ROW_MASK && SPLIT
-        mask_row_keys();
+        mask_row_keys(s, keep_row, mask_k0, t);
 #endif
 
         // ---- online softmax of rows j0 (r = 0: s[..][0..1]) and j1 (r = 1: s[..][2..3]) ----
