@@ -535,6 +535,91 @@ __device__ __forceinline__ void mask_row_keys(float (&s)[MT][NT][4], const unsig
     }
 }
 
+// ---- the online softmax of rows j0 (r = 0: s[..][0..1]) and j1 (r = 1: s[..][2..3]) ----
+
+// This lane's share of the tile's row maxima (the 4 lanes of a quad hold a row's BK keys),
+// in two interleaved chains: more operations in flight than one serial chain. Returns
+// whether any exceeds m_lim: that needs no exchange between the lanes; only a rescale
+// (rare) needs the row's whole maximum.
+__device__ __forceinline__ bool tile_maxima(float (&mx)[MT][2], const float (&s)[MT][NT][4],
+                                            const float (&m_lim)[MT][2]) {
+    bool grow = false;
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            float mx0 = neg_inf(), mx1 = neg_inf();
+#pragma unroll
+            for (int n = 0; n < NT; ++n) {
+                mx0 = fmaxf(mx0, s[mt][n][2 * r]);
+                mx1 = fmaxf(mx1, s[mt][n][2 * r + 1]);
+            }
+            mx[mt][r] = fmaxf(mx0, mx1);
+            grow |= mx[mt][r] > m_lim[mt][r];
+        }
+    return grow;
+}
+
+// Moves the reference maximum of every row of the warp to its maximum so far (mx: this
+// lane's share of the tile's), and rescales O and l to it.
+__device__ __forceinline__ void rescale(const float (&mx)[MT][2], float (&m_sub)[MT][2],
+                                        float (&m_lim)[MT][2], float (&l)[MT][4],
+                                        float (&o)[MT][DT][4]) {
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            float x = mx[mt][r];  // the row's maximum, from the quad's shares
+            x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
+            x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+            const float m_old = m_lim[mt][r] == neg_inf() ? neg_inf() : m_sub[mt][r];
+            const float m_new = fmaxf(m_old, x);
+            // m_new = -inf: every key so far masked, nothing summed to rescale
+            // (and -inf - -inf would be NaN).
+            const float alpha = m_new == neg_inf() ? 1.f : fast_exp2(m_old - m_new);
+            m_sub[mt][r] = m_new == neg_inf() ? 0.f : m_new;
+            m_lim[mt][r] = m_new + RESCALE_SLACK;  // -inf + slack = -inf
+            l[mt][2 * r] *= alpha;
+            l[mt][2 * r + 1] *= alpha;
+#pragma unroll
+            for (int v = 0; v < DT; ++v) {
+                o[mt][v][2 * r] *= alpha;
+                o[mt][v][2 * r + 1] *= alpha;
+            }
+        }
+}
+
+// S becomes P = 2^(s - m) (f16x3: 2^(s - m + P_SHIFT)); without SUM_MMA its row sums are
+// added to l here (this lane's share).
+__device__ __forceinline__ void exponentiate(float (&s)[MT][NT][4], const float (&m_sub)[MT][2],
+                                             float (&l)[MT][4]) {
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            float m_ref;
+            if constexpr (F16X3) m_ref = m_sub[mt][r] - P_SHIFT;  // 2^(s - m + P_SHIFT)
+            else m_ref = m_sub[mt][r];
+            if constexpr (SUM_MMA) {
+#pragma unroll
+                for (int n = 0; n < NT; ++n) {
+                    s[mt][n][2 * r] = fast_exp2(s[mt][n][2 * r] - m_ref);
+                    s[mt][n][2 * r + 1] = fast_exp2(s[mt][n][2 * r + 1] - m_ref);
+                }
+            } else {
+                float sum0 = 0.f, sum1 = 0.f;
+#pragma unroll
+                for (int n = 0; n < NT; ++n) {
+                    s[mt][n][2 * r] = fast_exp2(s[mt][n][2 * r] - m_ref);
+                    s[mt][n][2 * r + 1] = fast_exp2(s[mt][n][2 * r + 1] - m_ref);
+                    sum0 += s[mt][n][2 * r];
+                    sum1 += s[mt][n][2 * r + 1];
+                }
+                l[mt][2 * r] += sum0 + sum1;
+            }
+        }
+}
+
 // o / l of this warp's rows, written over q (`row`: qkvg at (b, i0 + rw, j = 0), this
 // head's columns). l = 0 only when every key was masked (the maximum term of a row with
 // any unmasked key is 2^0 = 1): then 0, or NaN where nan_fully_masked. f16x3: O in units
@@ -798,81 +883,16 @@ ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int 
         mask_row_keys(s, keep_row, mask_k0, t);
 #endif
 
-        // ---- online softmax of rows j0 (r = 0: s[..][0..1]) and j1 (r = 1: s[..][2..3]) ----
-        // This lane's share of the tile's row maxima (the 4 lanes of a quad hold a row's BK
-        // keys), in two interleaved chains: more operations in flight than one serial chain.
-        // Whether any exceeds m_lim needs no exchange between the lanes; only a rescale
-        // (rare) needs the row's whole maximum.
-        float mx[MT][2];
-        bool grow = false;
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-            for (int r = 0; r < 2; ++r) {
-                float mx0 = neg_inf(), mx1 = neg_inf();
-#pragma unroll
-                for (int n = 0; n < NT; ++n) {
-                    mx0 = fmaxf(mx0, s[mt][n][2 * r]);
-                    mx1 = fmaxf(mx1, s[mt][n][2 * r + 1]);
-                }
-                mx[mt][r] = fmaxf(mx0, mx1);
-                grow |= mx[mt][r] > m_lim[mt][r];
-            }
+        // ---- the online softmax: S becomes P ----
         // Lazy rescaling: the reference maximum m moves, and O and l are rescaled, only when
         // a row of the warp exceeds it by more than RESCALE_SLACK; below that the terms are
         // 2^(s - m) <= 2^RESCALE_SLACK, as exact in fp32 (and bf16) as any other. After the
-        // first tiles the branch is rarely taken, and it is warp-uniform.
-        if (__any_sync(0xffffffffu, grow)) {
-#pragma unroll
-            for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-                for (int r = 0; r < 2; ++r) {
-                    float x = mx[mt][r];  // the row's maximum, from the quad's shares
-                    x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
-                    x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
-                    const float m_old = m_lim[mt][r] == neg_inf() ? neg_inf() : m_sub[mt][r];
-                    const float m_new = fmaxf(m_old, x);
-                    // m_new = -inf: every key so far masked, nothing summed to rescale
-                    // (and -inf - -inf would be NaN).
-                    const float alpha = m_new == neg_inf() ? 1.f : fast_exp2(m_old - m_new);
-                    m_sub[mt][r] = m_new == neg_inf() ? 0.f : m_new;
-                    m_lim[mt][r] = m_new + RESCALE_SLACK;  // -inf + slack = -inf
-                    l[mt][2 * r] *= alpha;
-                    l[mt][2 * r + 1] *= alpha;
-#pragma unroll
-                    for (int v = 0; v < DT; ++v) {
-                        o[mt][v][2 * r] *= alpha;
-                        o[mt][v][2 * r + 1] *= alpha;
-                    }
-                }
-        }
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-            for (int r = 0; r < 2; ++r) {
-#if F16X3  // 2^(s - m + P_SHIFT)
-                const float m_ref = m_sub[mt][r] - P_SHIFT;
-#else
-                const float m_ref = m_sub[mt][r];
-#endif
-#if SUM_MMA
-#pragma unroll
-                for (int n = 0; n < NT; ++n) {
-                    s[mt][n][2 * r] = fast_exp2(s[mt][n][2 * r] - m_ref);
-                    s[mt][n][2 * r + 1] = fast_exp2(s[mt][n][2 * r + 1] - m_ref);
-                }
-#else
-                float sum0 = 0.f, sum1 = 0.f;
-#pragma unroll
-                for (int n = 0; n < NT; ++n) {
-                    s[mt][n][2 * r] = fast_exp2(s[mt][n][2 * r] - m_ref);
-                    s[mt][n][2 * r + 1] = fast_exp2(s[mt][n][2 * r + 1] - m_ref);
-                    sum0 += s[mt][n][2 * r];
-                    sum1 += s[mt][n][2 * r + 1];
-                }
-                l[mt][2 * r] += sum0 + sum1;
-#endif
-            }
+        // first tiles the branch is rarely taken, and it is warp-uniform. (Not a function of
+        // its own: one more level of inlining reordered the ROW_MASK selects.)
+        float mx[MT][2];
+        const bool grow = tile_maxima(mx, s, m_lim);
+        if (__any_sync(0xffffffffu, grow)) rescale(mx, m_sub, m_lim, l, o);
+        exponentiate(s, m_sub, l);
 
         // ---- O += P V, P taken from the S accumulators ----
 #if BF16
