@@ -917,6 +917,39 @@ __device__ __forceinline__ void process_tile(float (&o)[MT][DT][4], float (&m_su
 #endif
 }
 
+// ---- the key loops ----
+
+// Staged (3xTF32, f16x3): K/V tiles through registers, loaded one tile ahead (fetch_kv,
+// with PREFETCH) and stored split (store_kv); bias tiles in two buffers, copied one tile
+// ahead; process(the rows' K/V, the bias tile, k0) runs on each tile in turn.
+template <class Process, class CopyBias, class RowBase>
+__device__ __forceinline__ void staged_loop(const Process& process, const CopyBias& copy_bias,
+                                            const RowBase& row_base, char* smem, u32 smem_s,
+                                            int tid, int i0, int i_end, int D, int N, i64 ld,
+                                            float s_k, float s_v) {
+    const bias_elem* const bias_tiles = reinterpret_cast<const bias_elem*>(smem + KV_BYTES);
+    const u32 bias_tiles_s = smem_s + KV_BYTES;
+    float4 kv[LOADS_PER_THREAD][4];
+    if (PREFETCH) fetch_kv(kv, 0, row_base, i0, i_end, D, N, ld, tid);
+    copy_bias(0, bias_tiles_s);
+    cp_async_commit();
+    for (int k0 = 0, tile = 0; k0 < N; k0 += BK, ++tile) {
+        const bool more = k0 + BK < N;
+        if (!PREFETCH) fetch_kv(kv, k0, row_base, i0, i_end, D, N, ld, tid);
+        __syncthreads();  // every warp is done with the previous tile (and bias buffer)
+        store_kv(smem, kv, tid, s_k, s_v);
+        if (more) {
+            copy_bias(k0 + BK, bias_tiles_s + BIAS_BYTES * ((tile + 1) & 1) * BIAS_TILE);
+            cp_async_commit();
+        }
+        if (more) cp_async_wait<1>(); else cp_async_wait<0>();  // this tile's bias landed
+        __syncthreads();  // K, V and bias tiles visible to every warp
+        // in flight while this tile is multiplied
+        if (PREFETCH && more) fetch_kv(kv, k0 + BK, row_base, i0, i_end, D, N, ld, tid);
+        process(smem, bias_tiles + (tile & 1) * BIAS_TILE, k0);
+    }
+}
+
 // o / l of this warp's rows, written over q (`row`: qkvg at (b, i0 + rw, j = 0), this
 // head's columns). l = 0 only when every key was masked (the maximum term of a row with
 // any unmasked key is 2^0 = 1): then 0, or NaN where nan_fully_masked. f16x3: O in units
@@ -1087,29 +1120,7 @@ ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int 
             stage = stage == STAGES - 1 ? 0 : stage + 1;
         }
     } else {
-        // ---- staged: K/V tiles through registers (one tile ahead), bias tiles in two
-        // buffers copied one tile ahead ----
-        const bias_elem* const bias_tiles = reinterpret_cast<const bias_elem*>(smem + KV_BYTES);
-        const u32 bias_tiles_s = smem_s + KV_BYTES;
-        float4 kv[LOADS_PER_THREAD][4];
-        if (PREFETCH) fetch_kv(kv, 0, row_base, i0, i_end, D, N, ld, tid);
-        copy_bias(0, bias_tiles_s);
-        cp_async_commit();
-        for (int k0 = 0, tile = 0; k0 < N; k0 += BK, ++tile) {
-            const bool more = k0 + BK < N;
-            if (!PREFETCH) fetch_kv(kv, k0, row_base, i0, i_end, D, N, ld, tid);
-            __syncthreads();  // every warp is done with the previous tile (and bias buffer)
-            store_kv(smem, kv, tid, s_k, s_v);
-            if (more) {
-                copy_bias(k0 + BK, bias_tiles_s + BIAS_BYTES * ((tile + 1) & 1) * BIAS_TILE);
-                cp_async_commit();
-            }
-            if (more) cp_async_wait<1>(); else cp_async_wait<0>();  // this tile's bias landed
-            __syncthreads();  // K, V and bias tiles visible to every warp
-            // in flight while this tile is multiplied
-            if (PREFETCH && more) fetch_kv(kv, k0 + BK, row_base, i0, i_end, D, N, ld, tid);
-            process(smem, bias_tiles + (tile & 1) * BIAS_TILE, k0);
-        }
+        staged_loop(process, copy_bias, row_base, smem, smem_s, tid, i0, i_end, D, N, ld, s_k, s_v);
     }
 
     if (!row_ok) return;
