@@ -620,6 +620,19 @@ __device__ __forceinline__ void exponentiate(float (&s)[MT][NT][4], const float 
         }
 }
 
+// f16x3: acc += P_lo V_hi + P_hi V_lo + P_hi V_hi of one k-step, summed in a fragment of its
+// own and added to O in fp32 (as 3xTF32's: the tensor cores' accumulation truncates).
+__device__ __forceinline__ void add_split_f16_pv(float (&acc)[4], const u32 (&a_hi)[4],
+                                                 const u32 (&a_lo)[4], u32 h0, u32 h1, u32 l0,
+                                                 u32 l1) {
+    float f[4] = {0.f, 0.f, 0.f, 0.f};
+    mma_f16(f, a_lo[0], a_lo[1], a_lo[2], a_lo[3], h0, h1);
+    mma_f16(f, a_hi[0], a_hi[1], a_hi[2], a_hi[3], l0, l1);
+    mma_f16(f, a_hi[0], a_hi[1], a_hi[2], a_hi[3], h0, h1);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc[e] += f[e];
+}
+
 // ---- one key tile, whole ----
 // S = bias + Q K^T of this warp's queries (q) and the tile's keys, the online softmax's
 // step, O += P V. kv: the stage (or the staged buffer) holding the rows' K and V, row
@@ -651,98 +664,90 @@ __device__ __forceinline__ void process_tile(float (&o)[MT][DT][4], float (&m_su
 
     // This lane's ldmatrix rows in K and V (byte addresses; see opaque()).
     const u32 k_lane = opaque(smem_addr(kv + k_offset));
-#if BF16 || SPLIT
-    const u32 v_lane = opaque(smem_addr(kv + v_offset));
-#endif
+    u32 v_lane = 0;  // (DIRECT TF32 reads V with scalar loads)
+    if constexpr (BF16 || SPLIT) v_lane = opaque(smem_addr(kv + v_offset));
 
     // ---- S += Q K^T ----
-#if BF16
+    // K [key][dim] at k_lane, each ldmatrix x4 the b0, b1 of n-tiles 2 n2 and 2 n2 + 1.
+    // bf16: one m16n8k16 per product; f16x3: three (hi and lo parts, the two small cross
+    // terms first, so they are not rounded away against hi.hi); TF32: one m16n8k8,
+    // 3xTF32 three likewise, q split here per tile unless QSPLIT_ONCE.
+    if constexpr (BF16) {
 #pragma unroll
-    for (int kk = 0; kk < KS; ++kk)
+        for (int kk = 0; kk < KS; ++kk)
 #pragma unroll
-        for (int n2 = 0; n2 < NT / 2; ++n2) {
-            // matrices: n-tile 2 n2 (b0, b1), n-tile 2 n2 + 1 (b0, b1)
-            u32 kb[4];
-            ldsm_x4(kb, k_lane + ELEM_BYTES * ((16 * n2 + 8 * (lane >> 4) + (lane & 7)) * KSTR
-                                               + 16 * kk + 8 * ((lane >> 3) & 1)));
+            for (int n2 = 0; n2 < NT / 2; ++n2) {
+                u32 kb[4];
+                ldsm_x4(kb, k_lane + ELEM_BYTES * ((16 * n2 + 8 * (lane >> 4) + (lane & 7)) * KSTR
+                                                   + 16 * kk + 8 * ((lane >> 3) & 1)));
 #pragma unroll
-            for (int mt = 0; mt < MT; ++mt) {
-                mma_bf16(s[mt][2 * n2], q.hi[mt][kk][0], q.hi[mt][kk][1], q.hi[mt][kk][2],
-                         q.hi[mt][kk][3], kb[0], kb[1]);
-                mma_bf16(s[mt][2 * n2 + 1], q.hi[mt][kk][0], q.hi[mt][kk][1], q.hi[mt][kk][2],
-                         q.hi[mt][kk][3], kb[2], kb[3]);
+                for (int mt = 0; mt < MT; ++mt) {
+                    mma_bf16(s[mt][2 * n2], q.hi[mt][kk][0], q.hi[mt][kk][1], q.hi[mt][kk][2],
+                             q.hi[mt][kk][3], kb[0], kb[1]);
+                    mma_bf16(s[mt][2 * n2 + 1], q.hi[mt][kk][0], q.hi[mt][kk][1], q.hi[mt][kk][2],
+                             q.hi[mt][kk][3], kb[2], kb[3]);
+                }
             }
-        }
-#elif F16X3
+    } else if constexpr (F16X3) {
 #pragma unroll
-    for (int kk = 0; kk < KS; ++kk)
+        for (int kk = 0; kk < KS; ++kk)
 #pragma unroll
-        for (int n2 = 0; n2 < NT / 2; ++n2) {
-            // matrices: n-tile 2 n2 (b0, b1), n-tile 2 n2 + 1 (b0, b1); hi, then lo
-            const u32 a = k_lane + ELEM_BYTES * ((16 * n2 + 8 * (lane >> 4) + (lane & 7)) * KSTR
-                                                 + 16 * kk + 8 * ((lane >> 3) & 1));
-            u32 kh[4], kl[4];
-            ldsm_x4(kh, a);
-            ldsm_x4(kl, a + ELEM_BYTES * K_ELEMS);
+            for (int n2 = 0; n2 < NT / 2; ++n2) {
+                const u32 a = k_lane + ELEM_BYTES * ((16 * n2 + 8 * (lane >> 4) + (lane & 7)) * KSTR
+                                                     + 16 * kk + 8 * ((lane >> 3) & 1));
+                u32 kh[4], kl[4];
+                ldsm_x4(kh, a);
+                ldsm_x4(kl, a + ELEM_BYTES * K_ELEMS);
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                    for (int h = 0; h < 2; ++h) {
+                        float (&acc)[4] = s[mt][2 * n2 + h];
+                        const u32 (&ah)[4] = q.hi[mt][kk], (&al)[4] = q.lo[mt][kk];
+                        mma_f16(acc, al[0], al[1], al[2], al[3], kh[2 * h], kh[2 * h + 1]);
+                        mma_f16(acc, ah[0], ah[1], ah[2], ah[3], kl[2 * h], kl[2 * h + 1]);
+                        mma_f16(acc, ah[0], ah[1], ah[2], ah[3], kh[2 * h], kh[2 * h + 1]);
+                    }
+            }
+    } else {
+#pragma unroll
+        for (int kk = 0; kk < DT; ++kk) {
+            u32 ah[MT][4], al[MT][4];
 #pragma unroll
             for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-                for (int h = 0; h < 2; ++h) {  // the two small cross terms first
-                    float (&acc)[4] = s[mt][2 * n2 + h];
-                    const u32 (&ah)[4] = q.hi[mt][kk], (&al)[4] = q.lo[mt][kk];
-                    mma_f16(acc, al[0], al[1], al[2], al[3], kh[2 * h], kh[2 * h + 1]);
-                    mma_f16(acc, ah[0], ah[1], ah[2], ah[3], kl[2 * h], kl[2 * h + 1]);
-                    mma_f16(acc, ah[0], ah[1], ah[2], ah[3], kh[2 * h], kh[2 * h + 1]);
+                for (int e = 0; e < 4; ++e) {
+                    if constexpr (!SPLIT || QSPLIT_ONCE) {
+                        ah[mt][e] = q.hi[mt][kk][e];
+                        if constexpr (SPLIT) al[mt][e] = q.lo[mt][kk][e];
+                    } else {
+                        ah[mt][e] = to_tf32_here(q.f[mt][kk][e]);
+                        al[mt][e] = to_tf32_here(q.f[mt][kk][e] - __uint_as_float(ah[mt][e]));
+                    }
                 }
-        }
-#else
 #pragma unroll
-    for (int kk = 0; kk < DT; ++kk) {
-        u32 ah[MT][4];
-#if SPLIT
-        u32 al[MT][4];
-#endif
+            for (int n2 = 0; n2 < NT / 2; ++n2) {
+                const u32 a = k_lane + ELEM_BYTES * ((16 * n2 + 8 * (lane >> 4) + (lane & 7)) * KSTR
+                                                     + 8 * kk + 4 * ((lane >> 3) & 1));
+                u32 kh[4], kl[4];
+                ldsm_x4(kh, a);
+                if constexpr (SPLIT) ldsm_x4(kl, a + ELEM_BYTES * K_ELEMS);
 #pragma unroll
-        for (int mt = 0; mt < MT; ++mt)
+                for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-#if !SPLIT || QSPLIT_ONCE
-                ah[mt][e] = q.hi[mt][kk][e];
-#if SPLIT
-                al[mt][e] = q.lo[mt][kk][e];
-#endif
-#else
-                ah[mt][e] = to_tf32_here(q.f[mt][kk][e]);
-                al[mt][e] = to_tf32_here(q.f[mt][kk][e] - __uint_as_float(ah[mt][e]));
-#endif
+                    for (int h = 0; h < 2; ++h) {
+                        if constexpr (SPLIT) {
+                            mma_tf32(s[mt][2 * n2 + h], al[mt][0], al[mt][1], al[mt][2], al[mt][3],
+                                     kh[2 * h], kh[2 * h + 1]);
+                            mma_tf32(s[mt][2 * n2 + h], ah[mt][0], ah[mt][1], ah[mt][2], ah[mt][3],
+                                     kl[2 * h], kl[2 * h + 1]);
+                        }
+                        mma_tf32(s[mt][2 * n2 + h], ah[mt][0], ah[mt][1], ah[mt][2], ah[mt][3],
+                                 kh[2 * h], kh[2 * h + 1]);
+                    }
             }
-#pragma unroll
-        for (int n2 = 0; n2 < NT / 2; ++n2) {
-            // matrices: n-tile 2 n2 (b0, b1), n-tile 2 n2 + 1 (b0, b1)
-            const u32 a = k_lane + ELEM_BYTES * ((16 * n2 + 8 * (lane >> 4) + (lane & 7)) * KSTR
-                                                 + 8 * kk + 4 * ((lane >> 3) & 1));
-            u32 kh[4];
-            ldsm_x4(kh, a);
-#if SPLIT
-            u32 kl[4];
-            ldsm_x4(kl, a + ELEM_BYTES * K_ELEMS);
-#endif
-#pragma unroll
-            for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-                for (int h = 0; h < 2; ++h) {
-#if SPLIT  // the two small cross terms first, so they are not rounded away against hi.hi
-                    mma_tf32(s[mt][2 * n2 + h], al[mt][0], al[mt][1], al[mt][2], al[mt][3],
-                             kh[2 * h], kh[2 * h + 1]);
-                    mma_tf32(s[mt][2 * n2 + h], ah[mt][0], ah[mt][1], ah[mt][2], ah[mt][3],
-                             kl[2 * h], kl[2 * h + 1]);
-#endif
-                    mma_tf32(s[mt][2 * n2 + h], ah[mt][0], ah[mt][1], ah[mt][2], ah[mt][3],
-                             kh[2 * h], kh[2 * h + 1]);
-                }
         }
     }
-#endif
 
     if constexpr (SPLIT) add_bias<true>(s, bias_tile, qk_unscale);
     if constexpr (ROW_MASK && SPLIT) mask_row_keys(s, keep_row, k0, t);
@@ -759,162 +764,152 @@ __device__ __forceinline__ void process_tile(float (&o)[MT][DT][4], float (&m_su
     exponentiate(s, m_sub, l);
 
     // ---- O += P V, P taken from the S accumulators ----
-#if BF16
+    // SUM_MMA: l += P times ones too. bf16: P packed to bf16 A fragments, V by
+    // ldmatrix.trans; f16x3: P and V split into fp16 hi and lo, three products per k-step
+    // (add_split_f16_pv); TF32: P's fragments (c0, c2, c1, c3) as is, V read with scalar
+    // loads (DIRECT); 3xTF32: P split, V^T by ldmatrix, three products per k-step.
+    if constexpr (BF16) {
 #pragma unroll
-    for (int kk = 0; kk < NT / 2; ++kk) {
-        u32 pa[MT][4];
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt) {
-            pa[mt][0] = pack_bf16(s[mt][2 * kk][0], s[mt][2 * kk][1]);
-            pa[mt][1] = pack_bf16(s[mt][2 * kk][2], s[mt][2 * kk][3]);
-            pa[mt][2] = pack_bf16(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
-            pa[mt][3] = pack_bf16(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
-            mma_bf16(l[mt], pa[mt][0], pa[mt][1], pa[mt][2], pa[mt][3], BF16_ONES, BF16_ONES);
-        }
-        // matrices: keys 16 kk + 0..7 and + 8..15 (b0, b1) of d-tiles 2 v2 and 2 v2 + 1
-        const u32 vrow = v_lane + ELEM_BYTES * (16 * kk + 8 * ((lane >> 3) & 1) + (lane & 7)) * VSTR;
-#pragma unroll
-        for (int v2 = 0; v2 < DT / 2; ++v2) {
-            u32 vb[4];
-            ldsm_x4_trans(vb, vrow + ELEM_BYTES * 8 * (2 * v2 + (lane >> 4)));
+        for (int kk = 0; kk < NT / 2; ++kk) {
+            u32 pa[MT][4];
 #pragma unroll
             for (int mt = 0; mt < MT; ++mt) {
-                mma_bf16(o[mt][2 * v2], pa[mt][0], pa[mt][1], pa[mt][2], pa[mt][3], vb[0], vb[1]);
-                mma_bf16(o[mt][2 * v2 + 1], pa[mt][0], pa[mt][1], pa[mt][2], pa[mt][3], vb[2], vb[3]);
+                pa[mt][0] = pack_bf16(s[mt][2 * kk][0], s[mt][2 * kk][1]);
+                pa[mt][1] = pack_bf16(s[mt][2 * kk][2], s[mt][2 * kk][3]);
+                pa[mt][2] = pack_bf16(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
+                pa[mt][3] = pack_bf16(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
+                mma_bf16(l[mt], pa[mt][0], pa[mt][1], pa[mt][2], pa[mt][3], BF16_ONES, BF16_ONES);
             }
-        }
-#if DT % 2
-        u32 vb[2];
-        ldsm_x2_trans(vb, vrow + ELEM_BYTES * 8 * (DT - 1));
+            // matrices: keys 16 kk + 0..7 and + 8..15 (b0, b1) of d-tiles 2 v2 and 2 v2 + 1
+            const u32 vrow = v_lane + ELEM_BYTES * (16 * kk + 8 * ((lane >> 3) & 1) + (lane & 7)) * VSTR;
 #pragma unroll
-        for (int mt = 0; mt < MT; ++mt)
-            mma_bf16(o[mt][DT - 1], pa[mt][0], pa[mt][1], pa[mt][2], pa[mt][3], vb[0], vb[1]);
-#endif
-    }
-#elif F16X3
+            for (int v2 = 0; v2 < DT / 2; ++v2) {
+                u32 vb[4];
+                ldsm_x4_trans(vb, vrow + ELEM_BYTES * 8 * (2 * v2 + (lane >> 4)));
 #pragma unroll
-    for (int kk = 0; kk < NT / 2; ++kk) {
-        // A fragments of k-step kk (keys 16 kk ..), hi and lo: S n-tiles 2 kk and 2 kk + 1
-        u32 ph[MT][4], pl[MT][4];
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt) {
-            split_f16(s[mt][2 * kk][0], s[mt][2 * kk][1], ph[mt][0], pl[mt][0]);
-            split_f16(s[mt][2 * kk][2], s[mt][2 * kk][3], ph[mt][1], pl[mt][1]);
-            split_f16(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1], ph[mt][2], pl[mt][2]);
-            split_f16(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3], ph[mt][3], pl[mt][3]);
-        }
-        // O += P_lo V_hi + P_hi V_lo + P_hi V_hi, summed in a fragment of its own and added
-        // to O in fp32 (as PREC 0's: the tensor cores' accumulation truncates)
-        auto pv = [&](float (&acc)[4], const u32 (&a_hi)[4], const u32 (&a_lo)[4],
-                      u32 h0, u32 h1, u32 l0, u32 l1) {
-            float f[4] = {0.f, 0.f, 0.f, 0.f};
-            mma_f16(f, a_lo[0], a_lo[1], a_lo[2], a_lo[3], h0, h1);
-            mma_f16(f, a_hi[0], a_hi[1], a_hi[2], a_hi[3], l0, l1);
-            mma_f16(f, a_hi[0], a_hi[1], a_hi[2], a_hi[3], h0, h1);
-#pragma unroll
-            for (int e = 0; e < 4; ++e) acc[e] += f[e];
-        };
-        // matrices: keys 16 kk + 0..7 and + 8..15 (b0, b1) of d-tiles 2 v2 and 2 v2 + 1
-        const u32 vrow = v_lane + ELEM_BYTES * (16 * kk + 8 * ((lane >> 3) & 1) + (lane & 7)) * VSTR;
-#pragma unroll
-        for (int v2 = 0; v2 < DT / 2; ++v2) {
-            u32 vh[4], vl[4];
-            ldsm_x4_trans(vh, vrow + ELEM_BYTES * 8 * (2 * v2 + (lane >> 4)));
-            ldsm_x4_trans(vl, vrow + ELEM_BYTES * (V_ELEMS + 8 * (2 * v2 + (lane >> 4))));
-#pragma unroll
-            for (int mt = 0; mt < MT; ++mt) {
-                pv(o[mt][2 * v2], ph[mt], pl[mt], vh[0], vh[1], vl[0], vl[1]);
-                pv(o[mt][2 * v2 + 1], ph[mt], pl[mt], vh[2], vh[3], vl[2], vl[3]);
-            }
-        }
-#if DT % 2
-        u32 vh[2], vl[2];
-        ldsm_x2_trans(vh, vrow + ELEM_BYTES * 8 * (DT - 1));
-        ldsm_x2_trans(vl, vrow + ELEM_BYTES * (V_ELEMS + 8 * (DT - 1)));
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt)
-            pv(o[mt][DT - 1], ph[mt], pl[mt], vh[0], vh[1], vl[0], vl[1]);
-#endif
-    }
-#else
-#pragma unroll
-    for (int kk = 0; kk < NT / 2; ++kk) {
-        // A fragments of k-steps 2 kk and 2 kk + 1: (c0, c2, c1, c3) of their S n-tiles
-        u32 ph[MT][2][4];
-#if SPLIT
-        u32 pl[MT][2][4];
-#endif
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                const float* c = s[mt][2 * kk + h];
-                const float a[4] = {c[0], c[2], c[1], c[3]};
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-#if SPLIT
-                    ph[mt][h][e] = to_tf32(a[e]);
-                    pl[mt][h][e] = to_tf32(a[e] - __uint_as_float(ph[mt][h][e]));
-#else
-                    // As is: the tensor cores read the top 19 bits (truncation). The
-                    // row sums come from the same truncated P (SUM_MMA), so its bias
-                    // (< 2^-10 relative, always down) cancels in O / l.
-                    ph[mt][h][e] = __float_as_uint(a[e]);
-#endif
+                for (int mt = 0; mt < MT; ++mt) {
+                    mma_bf16(o[mt][2 * v2], pa[mt][0], pa[mt][1], pa[mt][2], pa[mt][3], vb[0], vb[1]);
+                    mma_bf16(o[mt][2 * v2 + 1], pa[mt][0], pa[mt][1], pa[mt][2], pa[mt][3], vb[2], vb[3]);
                 }
             }
-#if DIRECT
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-            for (int h = 0; h < 2; ++h)
-                mma_tf32(l[mt], ph[mt][h][0], ph[mt][h][1], ph[mt][h][2], ph[mt][h][3],
-                         TF32_ONE, TF32_ONE);
-        // B of key step 2 kk + h: V[key 2t][dim 8v + g] and V[key 2t + 1][dim 8v + g]
-        // of its 8 keys (scalar loads, conflict-free: see the header).
-        const u32* const vs = reinterpret_cast<const u32*>(kv + v_offset) + 2 * t * VSTR + g;
-#pragma unroll
-        for (int v = 0; v < DT; ++v)
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                const u32* const p = vs + 8 * (2 * kk + h) * VSTR + 8 * v;
-                const u32 b0 = p[0], b1 = p[VSTR];
+            if constexpr (DT % 2) {
+                u32 vb[2];
+                ldsm_x2_trans(vb, vrow + ELEM_BYTES * 8 * (DT - 1));
 #pragma unroll
                 for (int mt = 0; mt < MT; ++mt)
-                    mma_tf32(o[mt][v], ph[mt][h][0], ph[mt][h][1], ph[mt][h][2], ph[mt][h][3],
-                             b0, b1);
+                    mma_bf16(o[mt][DT - 1], pa[mt][0], pa[mt][1], pa[mt][2], pa[mt][3], vb[0], vb[1]);
             }
-#else  // staged: 3xTF32
-        // matrices: positions 16 kk + 0..3, 4..7 (b0, b1 of k-step 2 kk), 8..11, 12..15
-        const u32 a = v_lane + ELEM_BYTES * ((lane & 7) * VSTR + 16 * kk + 4 * (lane >> 3));
+        }
+    } else if constexpr (F16X3) {
 #pragma unroll
-        for (int v = 0; v < DT; ++v) {
-            u32 vh[4], vl[4];
-            ldsm_x4(vh, a + ELEM_BYTES * 8 * v * VSTR);
-            ldsm_x4(vl, a + ELEM_BYTES * (V_ELEMS + 8 * v * VSTR));
-            // Each k-step's three terms summed in a fragment of their own, then added to O
-            // in fp32: chained through O over every key (3 N / 8 mma), the tensor cores'
-            // accumulation, which does not round to nearest, made the fp32 mode's error
-            // grow with N, to 2-2.6x PyTorch's fp32 error at N = 64-75 (the projections'
-            // grew with D the same way; docs/performance.md).
+        for (int kk = 0; kk < NT / 2; ++kk) {
+            // A fragments of k-step kk (keys 16 kk ..), hi and lo: S n-tiles 2 kk and 2 kk + 1
+            u32 ph[MT][4], pl[MT][4];
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+                split_f16(s[mt][2 * kk][0], s[mt][2 * kk][1], ph[mt][0], pl[mt][0]);
+                split_f16(s[mt][2 * kk][2], s[mt][2 * kk][3], ph[mt][1], pl[mt][1]);
+                split_f16(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1], ph[mt][2], pl[mt][2]);
+                split_f16(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3], ph[mt][3], pl[mt][3]);
+            }
+            // matrices: keys 16 kk + 0..7 and + 8..15 (b0, b1) of d-tiles 2 v2 and 2 v2 + 1
+            const u32 vrow = v_lane + ELEM_BYTES * (16 * kk + 8 * ((lane >> 3) & 1) + (lane & 7)) * VSTR;
+#pragma unroll
+            for (int v2 = 0; v2 < DT / 2; ++v2) {
+                u32 vh[4], vl[4];
+                ldsm_x4_trans(vh, vrow + ELEM_BYTES * 8 * (2 * v2 + (lane >> 4)));
+                ldsm_x4_trans(vl, vrow + ELEM_BYTES * (V_ELEMS + 8 * (2 * v2 + (lane >> 4))));
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt) {
+                    add_split_f16_pv(o[mt][2 * v2], ph[mt], pl[mt], vh[0], vh[1], vl[0], vl[1]);
+                    add_split_f16_pv(o[mt][2 * v2 + 1], ph[mt], pl[mt], vh[2], vh[3], vl[2], vl[3]);
+                }
+            }
+            if constexpr (DT % 2) {
+                u32 vh[2], vl[2];
+                ldsm_x2_trans(vh, vrow + ELEM_BYTES * 8 * (DT - 1));
+                ldsm_x2_trans(vl, vrow + ELEM_BYTES * (V_ELEMS + 8 * (DT - 1)));
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt)
+                    add_split_f16_pv(o[mt][DT - 1], ph[mt], pl[mt], vh[0], vh[1], vl[0], vl[1]);
+            }
+        }
+    } else {
+#pragma unroll
+        for (int kk = 0; kk < NT / 2; ++kk) {
+            // A fragments of k-steps 2 kk and 2 kk + 1: (c0, c2, c1, c3) of their S n-tiles
+            u32 ph[MT][2][4], pl[MT][2][4];
 #pragma unroll
             for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
                 for (int h = 0; h < 2; ++h) {
-                    float t[4] = {0.f, 0.f, 0.f, 0.f};
-                    mma_tf32(t, pl[mt][h][0], pl[mt][h][1], pl[mt][h][2], pl[mt][h][3],
-                             vh[2 * h], vh[2 * h + 1]);
-                    mma_tf32(t, ph[mt][h][0], ph[mt][h][1], ph[mt][h][2], ph[mt][h][3],
-                             vl[2 * h], vl[2 * h + 1]);
-                    mma_tf32(t, ph[mt][h][0], ph[mt][h][1], ph[mt][h][2], ph[mt][h][3],
-                             vh[2 * h], vh[2 * h + 1]);
+                    const float* c = s[mt][2 * kk + h];
+                    const float a[4] = {c[0], c[2], c[1], c[3]};
 #pragma unroll
-                    for (int e = 0; e < 4; ++e) o[mt][v][e] += t[e];
+                    for (int e = 0; e < 4; ++e) {
+                        if constexpr (SPLIT) {
+                            ph[mt][h][e] = to_tf32(a[e]);
+                            pl[mt][h][e] = to_tf32(a[e] - __uint_as_float(ph[mt][h][e]));
+                        } else {
+                            // As is: the tensor cores read the top 19 bits (truncation). The
+                            // row sums come from the same truncated P (SUM_MMA), so its bias
+                            // (< 2^-10 relative, always down) cancels in O / l.
+                            ph[mt][h][e] = __float_as_uint(a[e]);
+                        }
+                    }
                 }
+            if constexpr (DIRECT) {
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                    for (int h = 0; h < 2; ++h)
+                        mma_tf32(l[mt], ph[mt][h][0], ph[mt][h][1], ph[mt][h][2], ph[mt][h][3],
+                                 TF32_ONE, TF32_ONE);
+                // B of key step 2 kk + h: V[key 2t][dim 8v + g] and V[key 2t + 1][dim 8v + g]
+                // of its 8 keys (scalar loads, conflict-free: see the header).
+                const u32* const vs = reinterpret_cast<const u32*>(kv + v_offset) + 2 * t * VSTR + g;
+#pragma unroll
+                for (int v = 0; v < DT; ++v)
+#pragma unroll
+                    for (int h = 0; h < 2; ++h) {
+                        const u32* const p = vs + 8 * (2 * kk + h) * VSTR + 8 * v;
+                        const u32 b0 = p[0], b1 = p[VSTR];
+#pragma unroll
+                        for (int mt = 0; mt < MT; ++mt)
+                            mma_tf32(o[mt][v], ph[mt][h][0], ph[mt][h][1], ph[mt][h][2], ph[mt][h][3],
+                                     b0, b1);
+                    }
+            } else {  // staged: 3xTF32
+                // matrices: positions 16 kk + 0..3, 4..7 (b0, b1 of k-step 2 kk), 8..11, 12..15
+                const u32 a = v_lane + ELEM_BYTES * ((lane & 7) * VSTR + 16 * kk + 4 * (lane >> 3));
+#pragma unroll
+                for (int v = 0; v < DT; ++v) {
+                    u32 vh[4], vl[4];
+                    ldsm_x4(vh, a + ELEM_BYTES * 8 * v * VSTR);
+                    ldsm_x4(vl, a + ELEM_BYTES * (V_ELEMS + 8 * v * VSTR));
+                    // Each k-step's three terms summed in a fragment of their own, then added
+                    // to O in fp32: chained through O over every key (3 N / 8 mma), the tensor
+                    // cores' accumulation, which does not round to nearest, made the fp32
+                    // mode's error grow with N, to 2-2.6x PyTorch's fp32 error at N = 64-75
+                    // (the projections' grew with D the same way; docs/performance.md).
+#pragma unroll
+                    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                        for (int h = 0; h < 2; ++h) {
+                            float f[4] = {0.f, 0.f, 0.f, 0.f};
+                            mma_tf32(f, pl[mt][h][0], pl[mt][h][1], pl[mt][h][2], pl[mt][h][3],
+                                     vh[2 * h], vh[2 * h + 1]);
+                            mma_tf32(f, ph[mt][h][0], ph[mt][h][1], ph[mt][h][2], ph[mt][h][3],
+                                     vl[2 * h], vl[2 * h + 1]);
+                            mma_tf32(f, ph[mt][h][0], ph[mt][h][1], ph[mt][h][2], ph[mt][h][3],
+                                     vh[2 * h], vh[2 * h + 1]);
+#pragma unroll
+                            for (int e = 0; e < 4; ++e) o[mt][v][e] += f[e];
+                        }
+                }
+            }
         }
-#endif
     }
-#endif
 }
 
 // ---- the key loops ----
