@@ -633,14 +633,58 @@ __device__ __forceinline__ void add_split_f16_pv(float (&acc)[4], const u32 (&a_
     for (int e = 0; e < 4; ++e) acc[e] += f[e];
 }
 
+// bf16 and f16x3: S += Q K^T, m16n8k16 (process_tile says how). (The TF32 products stay
+// in process_tile: as a function of their own they reordered the ROW_MASK selects.)
+__device__ __forceinline__ void add_products_16(float (&s)[MT][NT][4], const QueryFragments& q,
+                                                u32 k_lane, int lane) {
+    if constexpr (BF16) {
+#pragma unroll
+        for (int kk = 0; kk < KS; ++kk)
+#pragma unroll
+            for (int n2 = 0; n2 < NT / 2; ++n2) {
+                u32 kb[4];
+                ldsm_x4(kb, k_lane + ELEM_BYTES * ((16 * n2 + 8 * (lane >> 4) + (lane & 7)) * KSTR
+                                                   + 16 * kk + 8 * ((lane >> 3) & 1)));
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt) {
+                    mma_bf16(s[mt][2 * n2], q.hi[mt][kk][0], q.hi[mt][kk][1], q.hi[mt][kk][2],
+                             q.hi[mt][kk][3], kb[0], kb[1]);
+                    mma_bf16(s[mt][2 * n2 + 1], q.hi[mt][kk][0], q.hi[mt][kk][1], q.hi[mt][kk][2],
+                             q.hi[mt][kk][3], kb[2], kb[3]);
+                }
+            }
+    } else {
+#pragma unroll
+        for (int kk = 0; kk < KS; ++kk)
+#pragma unroll
+            for (int n2 = 0; n2 < NT / 2; ++n2) {
+                const u32 a = k_lane + ELEM_BYTES * ((16 * n2 + 8 * (lane >> 4) + (lane & 7)) * KSTR
+                                                     + 16 * kk + 8 * ((lane >> 3) & 1));
+                u32 kh[4], kl[4];
+                ldsm_x4(kh, a);
+                ldsm_x4(kl, a + ELEM_BYTES * K_ELEMS);
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                    for (int h = 0; h < 2; ++h) {
+                        float (&acc)[4] = s[mt][2 * n2 + h];
+                        const u32 (&ah)[4] = q.hi[mt][kk], (&al)[4] = q.lo[mt][kk];
+                        mma_f16(acc, al[0], al[1], al[2], al[3], kh[2 * h], kh[2 * h + 1]);
+                        mma_f16(acc, ah[0], ah[1], ah[2], ah[3], kl[2 * h], kl[2 * h + 1]);
+                        mma_f16(acc, ah[0], ah[1], ah[2], ah[3], kh[2 * h], kh[2 * h + 1]);
+                    }
+            }
+    }
+}
+
 // ---- one key tile, whole ----
 // S = bias + Q K^T of this warp's queries (q) and the tile's keys, the online softmax's
 // step, O += P V. kv: the stage (or the staged buffer) holding the rows' K and V, row
 // rw's at k_offset and v_offset bytes; bias_tile_base: its bias tile, this lane's rows
 // from bias_row; keep_row: ROW_MASK's key bits of row i, k0 the tile's first key.
-// (S += Q K^T and O += P V are written out here: as functions of their own, called from
-// here, they changed the order of the loop's registers or of the ROW_MASK selects, and
-// so the machine code.)
+// (The TF32 products and every P V are written out here: as functions of their own they
+// changed the order of the loop's registers or of the ROW_MASK selects, and so the
+// machine code.)
 __device__ __forceinline__ void process_tile(float (&o)[MT][DT][4], float (&m_sub)[MT][2],
                                              float (&m_lim)[MT][2], float (&l)[MT][4],
                                              const QueryFragments& q, const char* kv,
@@ -672,43 +716,8 @@ __device__ __forceinline__ void process_tile(float (&o)[MT][DT][4], float (&m_su
     // bf16: one m16n8k16 per product; f16x3: three (hi and lo parts, the two small cross
     // terms first, so they are not rounded away against hi.hi); TF32: one m16n8k8,
     // 3xTF32 three likewise, q split here per tile unless QSPLIT_ONCE.
-    if constexpr (BF16) {
-#pragma unroll
-        for (int kk = 0; kk < KS; ++kk)
-#pragma unroll
-            for (int n2 = 0; n2 < NT / 2; ++n2) {
-                u32 kb[4];
-                ldsm_x4(kb, k_lane + ELEM_BYTES * ((16 * n2 + 8 * (lane >> 4) + (lane & 7)) * KSTR
-                                                   + 16 * kk + 8 * ((lane >> 3) & 1)));
-#pragma unroll
-                for (int mt = 0; mt < MT; ++mt) {
-                    mma_bf16(s[mt][2 * n2], q.hi[mt][kk][0], q.hi[mt][kk][1], q.hi[mt][kk][2],
-                             q.hi[mt][kk][3], kb[0], kb[1]);
-                    mma_bf16(s[mt][2 * n2 + 1], q.hi[mt][kk][0], q.hi[mt][kk][1], q.hi[mt][kk][2],
-                             q.hi[mt][kk][3], kb[2], kb[3]);
-                }
-            }
-    } else if constexpr (F16X3) {
-#pragma unroll
-        for (int kk = 0; kk < KS; ++kk)
-#pragma unroll
-            for (int n2 = 0; n2 < NT / 2; ++n2) {
-                const u32 a = k_lane + ELEM_BYTES * ((16 * n2 + 8 * (lane >> 4) + (lane & 7)) * KSTR
-                                                     + 16 * kk + 8 * ((lane >> 3) & 1));
-                u32 kh[4], kl[4];
-                ldsm_x4(kh, a);
-                ldsm_x4(kl, a + ELEM_BYTES * K_ELEMS);
-#pragma unroll
-                for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-                    for (int h = 0; h < 2; ++h) {
-                        float (&acc)[4] = s[mt][2 * n2 + h];
-                        const u32 (&ah)[4] = q.hi[mt][kk], (&al)[4] = q.lo[mt][kk];
-                        mma_f16(acc, al[0], al[1], al[2], al[3], kh[2 * h], kh[2 * h + 1]);
-                        mma_f16(acc, ah[0], ah[1], ah[2], ah[3], kl[2 * h], kl[2 * h + 1]);
-                        mma_f16(acc, ah[0], ah[1], ah[2], ah[3], kh[2 * h], kh[2 * h + 1]);
-                    }
-            }
+    if constexpr (HALF) {
+        add_products_16(s, q, k_lane, lane);
     } else {
 #pragma unroll
         for (int kk = 0; kk < DT; ++kk) {
