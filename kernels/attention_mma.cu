@@ -677,14 +677,52 @@ __device__ __forceinline__ void add_products_16(float (&s)[MT][NT][4], const Que
     }
 }
 
+// f16x3: O += P V (process_tile says how).
+__device__ __forceinline__ void add_pv_f16x3(float (&o)[MT][DT][4], const float (&s)[MT][NT][4],
+                                             u32 v_lane, int lane) {
+#pragma unroll
+    for (int kk = 0; kk < NT / 2; ++kk) {
+        // A fragments of k-step kk (keys 16 kk ..), hi and lo: S n-tiles 2 kk and 2 kk + 1
+        u32 ph[MT][4], pl[MT][4];
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+            split_f16(s[mt][2 * kk][0], s[mt][2 * kk][1], ph[mt][0], pl[mt][0]);
+            split_f16(s[mt][2 * kk][2], s[mt][2 * kk][3], ph[mt][1], pl[mt][1]);
+            split_f16(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1], ph[mt][2], pl[mt][2]);
+            split_f16(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3], ph[mt][3], pl[mt][3]);
+        }
+        // matrices: keys 16 kk + 0..7 and + 8..15 (b0, b1) of d-tiles 2 v2 and 2 v2 + 1
+        const u32 vrow = v_lane + ELEM_BYTES * (16 * kk + 8 * ((lane >> 3) & 1) + (lane & 7)) * VSTR;
+#pragma unroll
+        for (int v2 = 0; v2 < DT / 2; ++v2) {
+            u32 vh[4], vl[4];
+            ldsm_x4_trans(vh, vrow + ELEM_BYTES * 8 * (2 * v2 + (lane >> 4)));
+            ldsm_x4_trans(vl, vrow + ELEM_BYTES * (V_ELEMS + 8 * (2 * v2 + (lane >> 4))));
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+                add_split_f16_pv(o[mt][2 * v2], ph[mt], pl[mt], vh[0], vh[1], vl[0], vl[1]);
+                add_split_f16_pv(o[mt][2 * v2 + 1], ph[mt], pl[mt], vh[2], vh[3], vl[2], vl[3]);
+            }
+        }
+        if constexpr (DT % 2) {
+            u32 vh[2], vl[2];
+            ldsm_x2_trans(vh, vrow + ELEM_BYTES * 8 * (DT - 1));
+            ldsm_x2_trans(vl, vrow + ELEM_BYTES * (V_ELEMS + 8 * (DT - 1)));
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt)
+                add_split_f16_pv(o[mt][DT - 1], ph[mt], pl[mt], vh[0], vh[1], vl[0], vl[1]);
+        }
+    }
+}
+
 // ---- one key tile, whole ----
 // S = bias + Q K^T of this warp's queries (q) and the tile's keys, the online softmax's
 // step, O += P V. kv: the stage (or the staged buffer) holding the rows' K and V, row
 // rw's at k_offset and v_offset bytes; bias_tile_base: its bias tile, this lane's rows
 // from bias_row; keep_row: ROW_MASK's key bits of row i, k0 the tile's first key.
-// (The TF32 products and every P V are written out here: as functions of their own they
-// changed the order of the loop's registers or of the ROW_MASK selects, and so the
-// machine code.)
+// (The TF32 products and the bf16 and TF32 P V are written out here: as functions of
+// their own they changed the order of the loop's registers or of the ROW_MASK selects, and
+// so the machine code.)
 __device__ __forceinline__ void process_tile(float (&o)[MT][DT][4], float (&m_sub)[MT][2],
                                              float (&m_lim)[MT][2], float (&l)[MT][4],
                                              const QueryFragments& q, const char* kv,
@@ -810,39 +848,7 @@ __device__ __forceinline__ void process_tile(float (&o)[MT][DT][4], float (&m_su
             }
         }
     } else if constexpr (F16X3) {
-#pragma unroll
-        for (int kk = 0; kk < NT / 2; ++kk) {
-            // A fragments of k-step kk (keys 16 kk ..), hi and lo: S n-tiles 2 kk and 2 kk + 1
-            u32 ph[MT][4], pl[MT][4];
-#pragma unroll
-            for (int mt = 0; mt < MT; ++mt) {
-                split_f16(s[mt][2 * kk][0], s[mt][2 * kk][1], ph[mt][0], pl[mt][0]);
-                split_f16(s[mt][2 * kk][2], s[mt][2 * kk][3], ph[mt][1], pl[mt][1]);
-                split_f16(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1], ph[mt][2], pl[mt][2]);
-                split_f16(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3], ph[mt][3], pl[mt][3]);
-            }
-            // matrices: keys 16 kk + 0..7 and + 8..15 (b0, b1) of d-tiles 2 v2 and 2 v2 + 1
-            const u32 vrow = v_lane + ELEM_BYTES * (16 * kk + 8 * ((lane >> 3) & 1) + (lane & 7)) * VSTR;
-#pragma unroll
-            for (int v2 = 0; v2 < DT / 2; ++v2) {
-                u32 vh[4], vl[4];
-                ldsm_x4_trans(vh, vrow + ELEM_BYTES * 8 * (2 * v2 + (lane >> 4)));
-                ldsm_x4_trans(vl, vrow + ELEM_BYTES * (V_ELEMS + 8 * (2 * v2 + (lane >> 4))));
-#pragma unroll
-                for (int mt = 0; mt < MT; ++mt) {
-                    add_split_f16_pv(o[mt][2 * v2], ph[mt], pl[mt], vh[0], vh[1], vl[0], vl[1]);
-                    add_split_f16_pv(o[mt][2 * v2 + 1], ph[mt], pl[mt], vh[2], vh[3], vl[2], vl[3]);
-                }
-            }
-            if constexpr (DT % 2) {
-                u32 vh[2], vl[2];
-                ldsm_x2_trans(vh, vrow + ELEM_BYTES * 8 * (DT - 1));
-                ldsm_x2_trans(vl, vrow + ELEM_BYTES * (V_ELEMS + 8 * (DT - 1)));
-#pragma unroll
-                for (int mt = 0; mt < MT; ++mt)
-                    add_split_f16_pv(o[mt][DT - 1], ph[mt], pl[mt], vh[0], vh[1], vl[0], vl[1]);
-            }
-        }
+        add_pv_f16x3(o, s, v_lane, lane);
     } else {
 #pragma unroll
         for (int kk = 0; kk < NT / 2; ++kk) {
