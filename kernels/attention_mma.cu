@@ -620,15 +620,19 @@ __device__ __forceinline__ void exponentiate(float (&s)[MT][NT][4], const float 
         }
 }
 
-// f16x3: acc += P_lo V_hi + P_hi V_lo + P_hi V_hi of one k-step, summed in a fragment of its
-// own and added to O in fp32 (as 3xTF32's: the tensor cores' accumulation truncates).
-__device__ __forceinline__ void add_split_f16_pv(float (&acc)[4], const u32 (&a_hi)[4],
-                                                 const u32 (&a_lo)[4], u32 h0, u32 h1, u32 l0,
-                                                 u32 l1) {
+// The split products' P V step: acc += P_lo V_hi + P_hi V_lo + P_hi V_hi of one k-step
+// (MMA: mma_tf32 or mma_f16), summed in a fragment of its own and added to O in fp32:
+// chained through O over every key (3 N / 8 mma), the tensor cores' accumulation, which
+// does not round to nearest, made the fp32 mode's error grow with N, to 2-2.6x PyTorch's
+// fp32 error at N = 64-75 (the projections' grew with D the same way; docs/performance.md).
+template <void (*MMA)(float (&)[4], u32, u32, u32, u32, u32, u32)>
+__device__ __forceinline__ void add_split_pv(float (&acc)[4], const u32 (&a_hi)[4],
+                                             const u32 (&a_lo)[4], u32 h0, u32 h1, u32 l0,
+                                             u32 l1) {
     float f[4] = {0.f, 0.f, 0.f, 0.f};
-    mma_f16(f, a_lo[0], a_lo[1], a_lo[2], a_lo[3], h0, h1);
-    mma_f16(f, a_hi[0], a_hi[1], a_hi[2], a_hi[3], l0, l1);
-    mma_f16(f, a_hi[0], a_hi[1], a_hi[2], a_hi[3], h0, h1);
+    MMA(f, a_lo[0], a_lo[1], a_lo[2], a_lo[3], h0, h1);
+    MMA(f, a_hi[0], a_hi[1], a_hi[2], a_hi[3], l0, l1);
+    MMA(f, a_hi[0], a_hi[1], a_hi[2], a_hi[3], h0, h1);
 #pragma unroll
     for (int e = 0; e < 4; ++e) acc[e] += f[e];
 }
@@ -700,8 +704,8 @@ __device__ __forceinline__ void add_pv_f16x3(float (&o)[MT][DT][4], const float 
             ldsm_x4_trans(vl, vrow + ELEM_BYTES * (V_ELEMS + 8 * (2 * v2 + (lane >> 4))));
 #pragma unroll
             for (int mt = 0; mt < MT; ++mt) {
-                add_split_f16_pv(o[mt][2 * v2], ph[mt], pl[mt], vh[0], vh[1], vl[0], vl[1]);
-                add_split_f16_pv(o[mt][2 * v2 + 1], ph[mt], pl[mt], vh[2], vh[3], vl[2], vl[3]);
+                add_split_pv<mma_f16>(o[mt][2 * v2], ph[mt], pl[mt], vh[0], vh[1], vl[0], vl[1]);
+                add_split_pv<mma_f16>(o[mt][2 * v2 + 1], ph[mt], pl[mt], vh[2], vh[3], vl[2], vl[3]);
             }
         }
         if constexpr (DT % 2) {
@@ -710,7 +714,7 @@ __device__ __forceinline__ void add_pv_f16x3(float (&o)[MT][DT][4], const float 
             ldsm_x2_trans(vl, vrow + ELEM_BYTES * (V_ELEMS + 8 * (DT - 1)));
 #pragma unroll
             for (int mt = 0; mt < MT; ++mt)
-                add_split_f16_pv(o[mt][DT - 1], ph[mt], pl[mt], vh[0], vh[1], vl[0], vl[1]);
+                add_split_pv<mma_f16>(o[mt][DT - 1], ph[mt], pl[mt], vh[0], vh[1], vl[0], vl[1]);
         }
     }
 }
@@ -813,7 +817,7 @@ __device__ __forceinline__ void process_tile(float (&o)[MT][DT][4], float (&m_su
     // ---- O += P V, P taken from the S accumulators ----
     // SUM_MMA: l += P times ones too. bf16: P packed to bf16 A fragments, V by
     // ldmatrix.trans; f16x3: P and V split into fp16 hi and lo, three products per k-step
-    // (add_split_f16_pv); TF32: P's fragments (c0, c2, c1, c3) as is, V read with scalar
+    // (add_split_pv); TF32: P's fragments (c0, c2, c1, c3) as is, V read with scalar
     // loads (DIRECT); 3xTF32: P split, V^T by ldmatrix, three products per k-step.
     if constexpr (BF16) {
 #pragma unroll
@@ -902,25 +906,12 @@ __device__ __forceinline__ void process_tile(float (&o)[MT][DT][4], float (&m_su
                     u32 vh[4], vl[4];
                     ldsm_x4(vh, a + ELEM_BYTES * 8 * v * VSTR);
                     ldsm_x4(vl, a + ELEM_BYTES * (V_ELEMS + 8 * v * VSTR));
-                    // Each k-step's three terms summed in a fragment of their own, then added
-                    // to O in fp32: chained through O over every key (3 N / 8 mma), the tensor
-                    // cores' accumulation, which does not round to nearest, made the fp32
-                    // mode's error grow with N, to 2-2.6x PyTorch's fp32 error at N = 64-75
-                    // (the projections' grew with D the same way; docs/performance.md).
 #pragma unroll
                     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-                        for (int h = 0; h < 2; ++h) {
-                            float f[4] = {0.f, 0.f, 0.f, 0.f};
-                            mma_tf32(f, pl[mt][h][0], pl[mt][h][1], pl[mt][h][2], pl[mt][h][3],
-                                     vh[2 * h], vh[2 * h + 1]);
-                            mma_tf32(f, ph[mt][h][0], ph[mt][h][1], ph[mt][h][2], ph[mt][h][3],
-                                     vl[2 * h], vl[2 * h + 1]);
-                            mma_tf32(f, ph[mt][h][0], ph[mt][h][1], ph[mt][h][2], ph[mt][h][3],
-                                     vh[2 * h], vh[2 * h + 1]);
-#pragma unroll
-                            for (int e = 0; e < 4; ++e) o[mt][v][e] += f[e];
-                        }
+                        for (int h = 0; h < 2; ++h)
+                            add_split_pv<mma_tf32>(o[mt][v], ph[mt][h], pl[mt][h], vh[2 * h],
+                                                   vh[2 * h + 1], vl[2 * h], vl[2 * h + 1]);
                 }
             }
         }
