@@ -719,14 +719,62 @@ __device__ __forceinline__ void add_pv_f16x3(float (&o)[MT][DT][4], const float 
     }
 }
 
+// TF32 (DIRECT): O += P V of k-steps 2 kk and 2 kk + 1 and l += P times ones, P's A
+// fragments ph as is; V [key][dim] of row rw at v_offset bytes into kv.
+__device__ __forceinline__ void add_pv_tf32_step(float (&o)[MT][DT][4], float (&l)[MT][4],
+                                                 const u32 (&ph)[MT][2][4], const char* kv,
+                                                 int v_offset, int kk, int g, int t) {
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+            mma_tf32(l[mt], ph[mt][h][0], ph[mt][h][1], ph[mt][h][2], ph[mt][h][3],
+                     TF32_ONE, TF32_ONE);
+    // B of key step 2 kk + h: V[key 2t][dim 8v + g] and V[key 2t + 1][dim 8v + g]
+    // of its 8 keys (scalar loads, conflict-free: see the header).
+    const u32* const vs = reinterpret_cast<const u32*>(kv + v_offset) + 2 * t * VSTR + g;
+#pragma unroll
+    for (int v = 0; v < DT; ++v)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const u32* const p = vs + 8 * (2 * kk + h) * VSTR + 8 * v;
+            const u32 b0 = p[0], b1 = p[VSTR];
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt)
+                mma_tf32(o[mt][v], ph[mt][h][0], ph[mt][h][1], ph[mt][h][2], ph[mt][h][3],
+                         b0, b1);
+        }
+}
+
+// 3xTF32 (staged): O += P V of k-steps 2 kk and 2 kk + 1, P's hi and lo A fragments ph, pl;
+// V^T's positions 16 kk + 0..3, 4..7 (b0, b1 of k-step 2 kk), 8..11, 12..15 by ldmatrix.
+__device__ __forceinline__ void add_pv_tf32x3_step(float (&o)[MT][DT][4], const u32 (&ph)[MT][2][4],
+                                                   const u32 (&pl)[MT][2][4], u32 v_lane,
+                                                   int lane, int kk) {
+    // matrices: positions 16 kk + 0..3, 4..7 (b0, b1 of k-step 2 kk), 8..11, 12..15
+    const u32 a = v_lane + ELEM_BYTES * ((lane & 7) * VSTR + 16 * kk + 4 * (lane >> 3));
+#pragma unroll
+    for (int v = 0; v < DT; ++v) {
+        u32 vh[4], vl[4];
+        ldsm_x4(vh, a + ELEM_BYTES * 8 * v * VSTR);
+        ldsm_x4(vl, a + ELEM_BYTES * (V_ELEMS + 8 * v * VSTR));
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int h = 0; h < 2; ++h)
+                add_split_pv<mma_tf32>(o[mt][v], ph[mt][h], pl[mt][h], vh[2 * h],
+                                       vh[2 * h + 1], vl[2 * h], vl[2 * h + 1]);
+    }
+}
+
 // ---- one key tile, whole ----
 // S = bias + Q K^T of this warp's queries (q) and the tile's keys, the online softmax's
 // step, O += P V. kv: the stage (or the staged buffer) holding the rows' K and V, row
 // rw's at k_offset and v_offset bytes; bias_tile_base: its bias tile, this lane's rows
 // from bias_row; keep_row: ROW_MASK's key bits of row i, k0 the tile's first key.
-// (The TF32 products and the bf16 and TF32 P V are written out here: as functions of
-// their own they changed the order of the loop's registers or of the ROW_MASK selects, and
-// so the machine code.)
+// (The TF32 products, the bf16 P V and the TF32 P V's key-step loop are written out here:
+// as functions of their own they changed the order of the loop's registers or of the
+// ROW_MASK selects, and so the machine code.)
 __device__ __forceinline__ void process_tile(float (&o)[MT][DT][4], float (&m_sub)[MT][2],
                                              float (&m_lim)[MT][2], float (&l)[MT][4],
                                              const QueryFragments& q, const char* kv,
@@ -878,41 +926,9 @@ __device__ __forceinline__ void process_tile(float (&o)[MT][DT][4], float (&m_su
                     }
                 }
             if constexpr (DIRECT) {
-#pragma unroll
-                for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-                    for (int h = 0; h < 2; ++h)
-                        mma_tf32(l[mt], ph[mt][h][0], ph[mt][h][1], ph[mt][h][2], ph[mt][h][3],
-                                 TF32_ONE, TF32_ONE);
-                // B of key step 2 kk + h: V[key 2t][dim 8v + g] and V[key 2t + 1][dim 8v + g]
-                // of its 8 keys (scalar loads, conflict-free: see the header).
-                const u32* const vs = reinterpret_cast<const u32*>(kv + v_offset) + 2 * t * VSTR + g;
-#pragma unroll
-                for (int v = 0; v < DT; ++v)
-#pragma unroll
-                    for (int h = 0; h < 2; ++h) {
-                        const u32* const p = vs + 8 * (2 * kk + h) * VSTR + 8 * v;
-                        const u32 b0 = p[0], b1 = p[VSTR];
-#pragma unroll
-                        for (int mt = 0; mt < MT; ++mt)
-                            mma_tf32(o[mt][v], ph[mt][h][0], ph[mt][h][1], ph[mt][h][2], ph[mt][h][3],
-                                     b0, b1);
-                    }
+                add_pv_tf32_step(o, l, ph, kv, v_offset, kk, g, t);
             } else {  // staged: 3xTF32
-                // matrices: positions 16 kk + 0..3, 4..7 (b0, b1 of k-step 2 kk), 8..11, 12..15
-                const u32 a = v_lane + ELEM_BYTES * ((lane & 7) * VSTR + 16 * kk + 4 * (lane >> 3));
-#pragma unroll
-                for (int v = 0; v < DT; ++v) {
-                    u32 vh[4], vl[4];
-                    ldsm_x4(vh, a + ELEM_BYTES * 8 * v * VSTR);
-                    ldsm_x4(vl, a + ELEM_BYTES * (V_ELEMS + 8 * v * VSTR));
-#pragma unroll
-                    for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-                        for (int h = 0; h < 2; ++h)
-                            add_split_pv<mma_tf32>(o[mt][v], ph[mt][h], pl[mt][h], vh[2 * h],
-                                                   vh[2 * h + 1], vl[2 * h], vl[2 * h + 1]);
-                }
+                add_pv_tf32x3_step(o, ph, pl, v_lane, lane, kk);
             }
         }
     }
