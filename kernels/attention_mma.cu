@@ -481,6 +481,492 @@ __device__ __forceinline__ void store_kv(char* smem, const float4 (&kv)[LOADS_PE
     }
 }
 
+// ---- one key tile ----
+// S (MT m-tiles x NT n-tiles of 16 x 8 scores, C fragments) as the bias (ONTO false), or
+// plus the bias (ONTO true). `bias_tile`: this lane's first element, at query row
+// bias_row and column 2t of the tile. TF32 and bf16: the products accumulate onto the
+// bias. 3xTF32 and f16x3: onto zero, and the bias is added after them in fp32: the tensor
+// cores' accumulation does not round to nearest, and its error is relative to the
+// accumulator, which the bias would make larger (f16x3: the products in units of s_q s_k,
+// undone in the same instruction). fp32: rows 8 bytes apart in a lane pair, BSTR = 8 mod
+// 32 words: each half-warp's float2 reads hit 32 distinct banks; fp16: rows of BSTR / 2 =
+// 4 (mod 8) words, a lane's pair one word: the warp's 32 words on 32 banks.
+template <bool ONTO>
+__device__ __forceinline__ void add_bias(float (&s)[MT][NT][4], const bias_elem* bias_tile,
+                                         float qk_unscale) {
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int n = 0; n < NT; ++n) {
+            float2 x0, x1;
+            if constexpr (BF16) {
+                x0 = half2_to_float2(*reinterpret_cast<const u32*>(bias_tile + 16 * mt * BSTR + 8 * n));
+                x1 = half2_to_float2(*reinterpret_cast<const u32*>(bias_tile + (16 * mt + 8) * BSTR + 8 * n));
+            } else {
+                x0 = *reinterpret_cast<const float2*>(bias_tile + 16 * mt * BSTR + 8 * n);
+                x1 = *reinterpret_cast<const float2*>(bias_tile + (16 * mt + 8) * BSTR + 8 * n);
+            }
+            const float b[4] = {x0.x, x0.y, x1.x, x1.y};
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                if constexpr (!ONTO) s[mt][n][e] = b[e];
+                else if constexpr (F16X3) s[mt][n][e] = fmaf(s[mt][n][e], qk_unscale, b[e]);
+                else s[mt][n][e] = s[mt][n][e] + b[e];
+            }
+        }
+}
+
+// ROW_MASK: the keys masked for every query of this warp's row i (keep_row: its key bits)
+// set to -inf in S, as a masked bias entry: on S's start (the bias) before the products
+// accumulate onto it, where fewer registers are live than after them (TF32 and bf16);
+// after add_bias for the split products, which start from zero. This lane's keys kc, kc +
+// 1 (kc even: one word) are columns 2t, 2t + 1 of n-tile n of the tile at k0.
+__device__ __forceinline__ void mask_row_keys(float (&s)[MT][NT][4], const unsigned* keep_row,
+                                              int k0, int t) {
+#pragma unroll
+    for (int n = 0; n < NT; ++n) {
+        const int kc = k0 + 8 * n + 2 * t;
+        const unsigned bits = __ldg(keep_row + (kc >> 5)) >> (kc & 31);
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+            if (!(bits & 1u)) s[mt][n][0] = s[mt][n][2] = neg_inf();
+            if (!(bits & 2u)) s[mt][n][1] = s[mt][n][3] = neg_inf();
+        }
+    }
+}
+
+// ---- the online softmax of rows j0 (r = 0: s[..][0..1]) and j1 (r = 1: s[..][2..3]) ----
+
+// This lane's share of the tile's row maxima (the 4 lanes of a quad hold a row's BK keys),
+// in two interleaved chains: more operations in flight than one serial chain. Returns
+// whether any exceeds m_lim: that needs no exchange between the lanes; only a rescale
+// (rare) needs the row's whole maximum.
+__device__ __forceinline__ bool tile_maxima(float (&mx)[MT][2], const float (&s)[MT][NT][4],
+                                            const float (&m_lim)[MT][2]) {
+    bool grow = false;
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            float mx0 = neg_inf(), mx1 = neg_inf();
+#pragma unroll
+            for (int n = 0; n < NT; ++n) {
+                mx0 = fmaxf(mx0, s[mt][n][2 * r]);
+                mx1 = fmaxf(mx1, s[mt][n][2 * r + 1]);
+            }
+            mx[mt][r] = fmaxf(mx0, mx1);
+            grow |= mx[mt][r] > m_lim[mt][r];
+        }
+    return grow;
+}
+
+// Moves the reference maximum of every row of the warp to its maximum so far (mx: this
+// lane's share of the tile's), and rescales O and l to it.
+__device__ __forceinline__ void rescale(const float (&mx)[MT][2], float (&m_sub)[MT][2],
+                                        float (&m_lim)[MT][2], float (&l)[MT][4],
+                                        float (&o)[MT][DT][4]) {
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            float x = mx[mt][r];  // the row's maximum, from the quad's shares
+            x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
+            x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+            const float m_old = m_lim[mt][r] == neg_inf() ? neg_inf() : m_sub[mt][r];
+            const float m_new = fmaxf(m_old, x);
+            // m_new = -inf: every key so far masked, nothing summed to rescale
+            // (and -inf - -inf would be NaN).
+            const float alpha = m_new == neg_inf() ? 1.f : fast_exp2(m_old - m_new);
+            m_sub[mt][r] = m_new == neg_inf() ? 0.f : m_new;
+            m_lim[mt][r] = m_new + RESCALE_SLACK;  // -inf + slack = -inf
+            l[mt][2 * r] *= alpha;
+            l[mt][2 * r + 1] *= alpha;
+#pragma unroll
+            for (int v = 0; v < DT; ++v) {
+                o[mt][v][2 * r] *= alpha;
+                o[mt][v][2 * r + 1] *= alpha;
+            }
+        }
+}
+
+// S becomes P = 2^(s - m) (f16x3: 2^(s - m + P_SHIFT)); without SUM_MMA its row sums are
+// added to l here (this lane's share).
+__device__ __forceinline__ void exponentiate(float (&s)[MT][NT][4], const float (&m_sub)[MT][2],
+                                             float (&l)[MT][4]) {
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            float m_ref;
+            if constexpr (F16X3) m_ref = m_sub[mt][r] - P_SHIFT;  // 2^(s - m + P_SHIFT)
+            else m_ref = m_sub[mt][r];
+            if constexpr (SUM_MMA) {
+#pragma unroll
+                for (int n = 0; n < NT; ++n) {
+                    s[mt][n][2 * r] = fast_exp2(s[mt][n][2 * r] - m_ref);
+                    s[mt][n][2 * r + 1] = fast_exp2(s[mt][n][2 * r + 1] - m_ref);
+                }
+            } else {
+                float sum0 = 0.f, sum1 = 0.f;
+#pragma unroll
+                for (int n = 0; n < NT; ++n) {
+                    s[mt][n][2 * r] = fast_exp2(s[mt][n][2 * r] - m_ref);
+                    s[mt][n][2 * r + 1] = fast_exp2(s[mt][n][2 * r + 1] - m_ref);
+                    sum0 += s[mt][n][2 * r];
+                    sum1 += s[mt][n][2 * r + 1];
+                }
+                l[mt][2 * r] += sum0 + sum1;
+            }
+        }
+}
+
+// The split products' P V step: acc += P_lo V_hi + P_hi V_lo + P_hi V_hi of one k-step
+// (MMA: mma_tf32 or mma_f16), summed in a fragment of its own and added to O in fp32:
+// chained through O over every key (3 N / 8 mma), the tensor cores' accumulation, which
+// does not round to nearest, made the fp32 mode's error grow with N, to 2-2.6x PyTorch's
+// fp32 error at N = 64-75 (the projections' grew with D the same way; docs/performance.md).
+template <void (*MMA)(float (&)[4], u32, u32, u32, u32, u32, u32)>
+__device__ __forceinline__ void add_split_pv(float (&acc)[4], const u32 (&a_hi)[4],
+                                             const u32 (&a_lo)[4], u32 h0, u32 h1, u32 l0,
+                                             u32 l1) {
+    float f[4] = {0.f, 0.f, 0.f, 0.f};
+    MMA(f, a_lo[0], a_lo[1], a_lo[2], a_lo[3], h0, h1);
+    MMA(f, a_hi[0], a_hi[1], a_hi[2], a_hi[3], l0, l1);
+    MMA(f, a_hi[0], a_hi[1], a_hi[2], a_hi[3], h0, h1);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc[e] += f[e];
+}
+
+// bf16 and f16x3: S += Q K^T, m16n8k16 (process_tile says how). (The TF32 products stay
+// in process_tile: as a function of their own they reordered the ROW_MASK selects.)
+__device__ __forceinline__ void add_products_16(float (&s)[MT][NT][4], const QueryFragments& q,
+                                                u32 k_lane, int lane) {
+    if constexpr (BF16) {
+#pragma unroll
+        for (int kk = 0; kk < KS; ++kk)
+#pragma unroll
+            for (int n2 = 0; n2 < NT / 2; ++n2) {
+                u32 kb[4];
+                ldsm_x4(kb, k_lane + ELEM_BYTES * ((16 * n2 + 8 * (lane >> 4) + (lane & 7)) * KSTR
+                                                   + 16 * kk + 8 * ((lane >> 3) & 1)));
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt) {
+                    mma_bf16(s[mt][2 * n2], q.hi[mt][kk][0], q.hi[mt][kk][1], q.hi[mt][kk][2],
+                             q.hi[mt][kk][3], kb[0], kb[1]);
+                    mma_bf16(s[mt][2 * n2 + 1], q.hi[mt][kk][0], q.hi[mt][kk][1], q.hi[mt][kk][2],
+                             q.hi[mt][kk][3], kb[2], kb[3]);
+                }
+            }
+    } else {
+#pragma unroll
+        for (int kk = 0; kk < KS; ++kk)
+#pragma unroll
+            for (int n2 = 0; n2 < NT / 2; ++n2) {
+                const u32 a = k_lane + ELEM_BYTES * ((16 * n2 + 8 * (lane >> 4) + (lane & 7)) * KSTR
+                                                     + 16 * kk + 8 * ((lane >> 3) & 1));
+                u32 kh[4], kl[4];
+                ldsm_x4(kh, a);
+                ldsm_x4(kl, a + ELEM_BYTES * K_ELEMS);
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                    for (int h = 0; h < 2; ++h) {
+                        float (&acc)[4] = s[mt][2 * n2 + h];
+                        const u32 (&ah)[4] = q.hi[mt][kk], (&al)[4] = q.lo[mt][kk];
+                        mma_f16(acc, al[0], al[1], al[2], al[3], kh[2 * h], kh[2 * h + 1]);
+                        mma_f16(acc, ah[0], ah[1], ah[2], ah[3], kl[2 * h], kl[2 * h + 1]);
+                        mma_f16(acc, ah[0], ah[1], ah[2], ah[3], kh[2 * h], kh[2 * h + 1]);
+                    }
+            }
+    }
+}
+
+// f16x3: O += P V (process_tile says how).
+__device__ __forceinline__ void add_pv_f16x3(float (&o)[MT][DT][4], const float (&s)[MT][NT][4],
+                                             u32 v_lane, int lane) {
+#pragma unroll
+    for (int kk = 0; kk < NT / 2; ++kk) {
+        // A fragments of k-step kk (keys 16 kk ..), hi and lo: S n-tiles 2 kk and 2 kk + 1
+        u32 ph[MT][4], pl[MT][4];
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+            split_f16(s[mt][2 * kk][0], s[mt][2 * kk][1], ph[mt][0], pl[mt][0]);
+            split_f16(s[mt][2 * kk][2], s[mt][2 * kk][3], ph[mt][1], pl[mt][1]);
+            split_f16(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1], ph[mt][2], pl[mt][2]);
+            split_f16(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3], ph[mt][3], pl[mt][3]);
+        }
+        // matrices: keys 16 kk + 0..7 and + 8..15 (b0, b1) of d-tiles 2 v2 and 2 v2 + 1
+        const u32 vrow = v_lane + ELEM_BYTES * (16 * kk + 8 * ((lane >> 3) & 1) + (lane & 7)) * VSTR;
+#pragma unroll
+        for (int v2 = 0; v2 < DT / 2; ++v2) {
+            u32 vh[4], vl[4];
+            ldsm_x4_trans(vh, vrow + ELEM_BYTES * 8 * (2 * v2 + (lane >> 4)));
+            ldsm_x4_trans(vl, vrow + ELEM_BYTES * (V_ELEMS + 8 * (2 * v2 + (lane >> 4))));
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+                add_split_pv<mma_f16>(o[mt][2 * v2], ph[mt], pl[mt], vh[0], vh[1], vl[0], vl[1]);
+                add_split_pv<mma_f16>(o[mt][2 * v2 + 1], ph[mt], pl[mt], vh[2], vh[3], vl[2], vl[3]);
+            }
+        }
+        if constexpr (DT % 2) {
+            u32 vh[2], vl[2];
+            ldsm_x2_trans(vh, vrow + ELEM_BYTES * 8 * (DT - 1));
+            ldsm_x2_trans(vl, vrow + ELEM_BYTES * (V_ELEMS + 8 * (DT - 1)));
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt)
+                add_split_pv<mma_f16>(o[mt][DT - 1], ph[mt], pl[mt], vh[0], vh[1], vl[0], vl[1]);
+        }
+    }
+}
+
+// TF32 (DIRECT): O += P V of k-steps 2 kk and 2 kk + 1 and l += P times ones, P's A
+// fragments ph as is; V [key][dim] of row rw at v_offset bytes into kv.
+__device__ __forceinline__ void add_pv_tf32_step(float (&o)[MT][DT][4], float (&l)[MT][4],
+                                                 const u32 (&ph)[MT][2][4], const char* kv,
+                                                 int v_offset, int kk, int g, int t) {
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+            mma_tf32(l[mt], ph[mt][h][0], ph[mt][h][1], ph[mt][h][2], ph[mt][h][3],
+                     TF32_ONE, TF32_ONE);
+    // B of key step 2 kk + h: V[key 2t][dim 8v + g] and V[key 2t + 1][dim 8v + g]
+    // of its 8 keys (scalar loads, conflict-free: see the header).
+    const u32* const vs = reinterpret_cast<const u32*>(kv + v_offset) + 2 * t * VSTR + g;
+#pragma unroll
+    for (int v = 0; v < DT; ++v)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const u32* const p = vs + 8 * (2 * kk + h) * VSTR + 8 * v;
+            const u32 b0 = p[0], b1 = p[VSTR];
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt)
+                mma_tf32(o[mt][v], ph[mt][h][0], ph[mt][h][1], ph[mt][h][2], ph[mt][h][3],
+                         b0, b1);
+        }
+}
+
+// 3xTF32 (staged): O += P V of k-steps 2 kk and 2 kk + 1, P's hi and lo A fragments ph, pl;
+// V^T's positions 16 kk + 0..3, 4..7 (b0, b1 of k-step 2 kk), 8..11, 12..15 by ldmatrix.
+__device__ __forceinline__ void add_pv_tf32x3_step(float (&o)[MT][DT][4], const u32 (&ph)[MT][2][4],
+                                                   const u32 (&pl)[MT][2][4], u32 v_lane,
+                                                   int lane, int kk) {
+    // matrices: positions 16 kk + 0..3, 4..7 (b0, b1 of k-step 2 kk), 8..11, 12..15
+    const u32 a = v_lane + ELEM_BYTES * ((lane & 7) * VSTR + 16 * kk + 4 * (lane >> 3));
+#pragma unroll
+    for (int v = 0; v < DT; ++v) {
+        u32 vh[4], vl[4];
+        ldsm_x4(vh, a + ELEM_BYTES * 8 * v * VSTR);
+        ldsm_x4(vl, a + ELEM_BYTES * (V_ELEMS + 8 * v * VSTR));
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int h = 0; h < 2; ++h)
+                add_split_pv<mma_tf32>(o[mt][v], ph[mt][h], pl[mt][h], vh[2 * h],
+                                       vh[2 * h + 1], vl[2 * h], vl[2 * h + 1]);
+    }
+}
+
+// ---- one key tile, whole ----
+// S = bias + Q K^T of this warp's queries (q) and the tile's keys, the online softmax's
+// step, O += P V. kv: the stage (or the staged buffer) holding the rows' K and V, row
+// rw's at k_offset and v_offset bytes; bias_tile_base: its bias tile, this lane's rows
+// from bias_row; keep_row: ROW_MASK's key bits of row i, k0 the tile's first key.
+// (The TF32 products, the bf16 P V and the TF32 P V's key-step loop are written out here:
+// as functions of their own they changed the order of the loop's registers or of the
+// ROW_MASK selects, and so the machine code.)
+__device__ __forceinline__ void process_tile(float (&o)[MT][DT][4], float (&m_sub)[MT][2],
+                                             float (&m_lim)[MT][2], float (&l)[MT][4],
+                                             const QueryFragments& q, const char* kv,
+                                             const bias_elem* bias_tile_base,
+                                             const unsigned* keep_row, int k0, int k_offset,
+                                             int v_offset, int bias_row, int lane, int g, int t,
+                                             float qk_unscale) {
+    // S starts as the bias (-inf where masked and on the padded keys [N, NPK)), or as zero
+    // for the split products (add_bias says why).
+    float s[MT][NT][4];
+    const bias_elem* const bias_tile = bias_tile_base + bias_row * BSTR + 2 * t;
+    if constexpr (SPLIT) {
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int n = 0; n < NT; ++n) s[mt][n][0] = s[mt][n][1] = s[mt][n][2] = s[mt][n][3] = 0.f;
+    } else {
+        add_bias<false>(s, bias_tile, qk_unscale);
+    }
+    if constexpr (ROW_MASK && !SPLIT) mask_row_keys(s, keep_row, k0, t);
+
+    // This lane's ldmatrix rows in K and V (byte addresses; see opaque()).
+    const u32 k_lane = opaque(smem_addr(kv + k_offset));
+    u32 v_lane = 0;  // (DIRECT TF32 reads V with scalar loads)
+    if constexpr (BF16 || SPLIT) v_lane = opaque(smem_addr(kv + v_offset));
+
+    // ---- S += Q K^T ----
+    // K [key][dim] at k_lane, each ldmatrix x4 the b0, b1 of n-tiles 2 n2 and 2 n2 + 1.
+    // bf16: one m16n8k16 per product; f16x3: three (hi and lo parts, the two small cross
+    // terms first, so they are not rounded away against hi.hi); TF32: one m16n8k8,
+    // 3xTF32 three likewise, q split here per tile unless QSPLIT_ONCE.
+    if constexpr (HALF) {
+        add_products_16(s, q, k_lane, lane);
+    } else {
+#pragma unroll
+        for (int kk = 0; kk < DT; ++kk) {
+            u32 ah[MT][4], al[MT][4];
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    if constexpr (!SPLIT || QSPLIT_ONCE) {
+                        ah[mt][e] = q.hi[mt][kk][e];
+                        if constexpr (SPLIT) al[mt][e] = q.lo[mt][kk][e];
+                    } else {
+                        ah[mt][e] = to_tf32_here(q.f[mt][kk][e]);
+                        al[mt][e] = to_tf32_here(q.f[mt][kk][e] - __uint_as_float(ah[mt][e]));
+                    }
+                }
+#pragma unroll
+            for (int n2 = 0; n2 < NT / 2; ++n2) {
+                const u32 a = k_lane + ELEM_BYTES * ((16 * n2 + 8 * (lane >> 4) + (lane & 7)) * KSTR
+                                                     + 8 * kk + 4 * ((lane >> 3) & 1));
+                u32 kh[4], kl[4];
+                ldsm_x4(kh, a);
+                if constexpr (SPLIT) ldsm_x4(kl, a + ELEM_BYTES * K_ELEMS);
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                    for (int h = 0; h < 2; ++h) {
+                        if constexpr (SPLIT) {
+                            mma_tf32(s[mt][2 * n2 + h], al[mt][0], al[mt][1], al[mt][2], al[mt][3],
+                                     kh[2 * h], kh[2 * h + 1]);
+                            mma_tf32(s[mt][2 * n2 + h], ah[mt][0], ah[mt][1], ah[mt][2], ah[mt][3],
+                                     kl[2 * h], kl[2 * h + 1]);
+                        }
+                        mma_tf32(s[mt][2 * n2 + h], ah[mt][0], ah[mt][1], ah[mt][2], ah[mt][3],
+                                 kh[2 * h], kh[2 * h + 1]);
+                    }
+            }
+        }
+    }
+
+    if constexpr (SPLIT) add_bias<true>(s, bias_tile, qk_unscale);
+    if constexpr (ROW_MASK && SPLIT) mask_row_keys(s, keep_row, k0, t);
+
+    // ---- the online softmax: S becomes P ----
+    // Lazy rescaling: the reference maximum m moves, and O and l are rescaled, only when
+    // a row of the warp exceeds it by more than RESCALE_SLACK; below that the terms are
+    // 2^(s - m) <= 2^RESCALE_SLACK, as exact in fp32 (and bf16) as any other. After the
+    // first tiles the branch is rarely taken, and it is warp-uniform. (Not a function of
+    // its own: one more level of inlining reordered the ROW_MASK selects.)
+    float mx[MT][2];
+    const bool grow = tile_maxima(mx, s, m_lim);
+    if (__any_sync(0xffffffffu, grow)) rescale(mx, m_sub, m_lim, l, o);
+    exponentiate(s, m_sub, l);
+
+    // ---- O += P V, P taken from the S accumulators ----
+    // SUM_MMA: l += P times ones too. bf16: P packed to bf16 A fragments, V by
+    // ldmatrix.trans; f16x3: P and V split into fp16 hi and lo, three products per k-step
+    // (add_split_pv); TF32: P's fragments (c0, c2, c1, c3) as is, V read with scalar
+    // loads (DIRECT); 3xTF32: P split, V^T by ldmatrix, three products per k-step.
+    if constexpr (BF16) {
+#pragma unroll
+        for (int kk = 0; kk < NT / 2; ++kk) {
+            u32 pa[MT][4];
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+                pa[mt][0] = pack_bf16(s[mt][2 * kk][0], s[mt][2 * kk][1]);
+                pa[mt][1] = pack_bf16(s[mt][2 * kk][2], s[mt][2 * kk][3]);
+                pa[mt][2] = pack_bf16(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
+                pa[mt][3] = pack_bf16(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
+                mma_bf16(l[mt], pa[mt][0], pa[mt][1], pa[mt][2], pa[mt][3], BF16_ONES, BF16_ONES);
+            }
+            // matrices: keys 16 kk + 0..7 and + 8..15 (b0, b1) of d-tiles 2 v2 and 2 v2 + 1
+            const u32 vrow = v_lane + ELEM_BYTES * (16 * kk + 8 * ((lane >> 3) & 1) + (lane & 7)) * VSTR;
+#pragma unroll
+            for (int v2 = 0; v2 < DT / 2; ++v2) {
+                u32 vb[4];
+                ldsm_x4_trans(vb, vrow + ELEM_BYTES * 8 * (2 * v2 + (lane >> 4)));
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt) {
+                    mma_bf16(o[mt][2 * v2], pa[mt][0], pa[mt][1], pa[mt][2], pa[mt][3], vb[0], vb[1]);
+                    mma_bf16(o[mt][2 * v2 + 1], pa[mt][0], pa[mt][1], pa[mt][2], pa[mt][3], vb[2], vb[3]);
+                }
+            }
+            if constexpr (DT % 2) {
+                u32 vb[2];
+                ldsm_x2_trans(vb, vrow + ELEM_BYTES * 8 * (DT - 1));
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt)
+                    mma_bf16(o[mt][DT - 1], pa[mt][0], pa[mt][1], pa[mt][2], pa[mt][3], vb[0], vb[1]);
+            }
+        }
+    } else if constexpr (F16X3) {
+        add_pv_f16x3(o, s, v_lane, lane);
+    } else {
+#pragma unroll
+        for (int kk = 0; kk < NT / 2; ++kk) {
+            // A fragments of k-steps 2 kk and 2 kk + 1: (c0, c2, c1, c3) of their S n-tiles
+            u32 ph[MT][2][4], pl[MT][2][4];
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    const float* c = s[mt][2 * kk + h];
+                    const float a[4] = {c[0], c[2], c[1], c[3]};
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        if constexpr (SPLIT) {
+                            ph[mt][h][e] = to_tf32(a[e]);
+                            pl[mt][h][e] = to_tf32(a[e] - __uint_as_float(ph[mt][h][e]));
+                        } else {
+                            // As is: the tensor cores read the top 19 bits (truncation). The
+                            // row sums come from the same truncated P (SUM_MMA), so its bias
+                            // (< 2^-10 relative, always down) cancels in O / l.
+                            ph[mt][h][e] = __float_as_uint(a[e]);
+                        }
+                    }
+                }
+            if constexpr (DIRECT) {
+                add_pv_tf32_step(o, l, ph, kv, v_offset, kk, g, t);
+            } else {  // staged: 3xTF32
+                add_pv_tf32x3_step(o, ph, pl, v_lane, lane, kk);
+            }
+        }
+    }
+}
+
+// ---- the key loops ----
+
+// Staged (3xTF32, f16x3): K/V tiles through registers, loaded one tile ahead (fetch_kv,
+// with PREFETCH) and stored split (store_kv); bias tiles in two buffers, copied one tile
+// ahead; process(the rows' K/V, the bias tile, k0) runs on each tile in turn.
+template <class Process, class CopyBias, class RowBase>
+__device__ __forceinline__ void staged_loop(const Process& process, const CopyBias& copy_bias,
+                                            const RowBase& row_base, char* smem, u32 smem_s,
+                                            int tid, int i0, int i_end, int D, int N, i64 ld,
+                                            float s_k, float s_v) {
+    const bias_elem* const bias_tiles = reinterpret_cast<const bias_elem*>(smem + KV_BYTES);
+    const u32 bias_tiles_s = smem_s + KV_BYTES;
+    float4 kv[LOADS_PER_THREAD][4];
+    if (PREFETCH) fetch_kv(kv, 0, row_base, i0, i_end, D, N, ld, tid);
+    copy_bias(0, bias_tiles_s);
+    cp_async_commit();
+    for (int k0 = 0, tile = 0; k0 < N; k0 += BK, ++tile) {
+        const bool more = k0 + BK < N;
+        if (!PREFETCH) fetch_kv(kv, k0, row_base, i0, i_end, D, N, ld, tid);
+        __syncthreads();  // every warp is done with the previous tile (and bias buffer)
+        store_kv(smem, kv, tid, s_k, s_v);
+        if (more) {
+            copy_bias(k0 + BK, bias_tiles_s + BIAS_BYTES * ((tile + 1) & 1) * BIAS_TILE);
+            cp_async_commit();
+        }
+        if (more) cp_async_wait<1>(); else cp_async_wait<0>();  // this tile's bias landed
+        __syncthreads();  // K, V and bias tiles visible to every warp
+        // in flight while this tile is multiplied
+        if (PREFETCH && more) fetch_kv(kv, k0 + BK, row_base, i0, i_end, D, N, ld, tid);
+        process(smem, bias_tiles + (tile & 1) * BIAS_TILE, k0);
+    }
+}
+
 // o / l of this warp's rows, written over q (`row`: qkvg at (b, i0 + rw, j = 0), this
 // head's columns). l = 0 only when every key was masked (the maximum term of a row with
 // any unmasked key is 2^0 = 1): then 0, or NaN where nan_fully_masked. f16x3: O in units
@@ -612,412 +1098,14 @@ ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int 
 #if ROW_MASK
     // Row rw's key bits (rows past i_end: row i_end - 1's, read and never written out)
     const unsigned* const keep_row = row_mask + ((i64)b * N + min(i0 + rw, i_end - 1)) * (npk / 32);
-    int mask_k0 = 0;  // the key tile `process` works on, set before each call
+#else
+    const unsigned* const keep_row = nullptr;
 #endif
 
-    // One key tile (at mask_k0): S = bias + Q K^T, the online softmax, O += P V. `kv` is the
-    // stage (or the staged buffer) holding the rows' K and V, `bias_tile_base` its bias
-    // tile. (Its steps and the key loops below are written out in the kernel: as functions
-    // of their own, which the compiler optimizes before inlining them, they changed the
-    // order of S's and O's instructions, and so the machine code.)
-    auto process = [&](const char* kv, const bias_elem* bias_tile_base) {
-        // S = the bias (-inf where masked and on the padded keys [N, NPK)) + Q K^T. TF32 and
-        // bf16: the products accumulate onto the bias. 3xTF32: onto zero, and the bias is
-        // added after them in fp32 (add_bias): the tensor cores' accumulation does not
-        // round to nearest, and its error is relative to the accumulator, which the bias
-        // would make larger. fp32: rows 8 bytes apart in a lane pair, BSTR = 8 mod 32
-        // words: each half-warp's float2 reads hit 32 distinct banks; fp16: rows of BSTR / 2
-        // = 4 (mod 8) words, a lane's pair one word: the warp's 32 words on 32 banks.
-        float s[MT][NT][4];
-        const bias_elem* const bias_tile = bias_tile_base + bias_row * BSTR + 2 * t;
-        auto add_bias = [&](bool onto) {  // s = bias, or s += bias
-#pragma unroll
-            for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-                for (int n = 0; n < NT; ++n) {
-#if BF16
-                    const float2 x0 = half2_to_float2(*reinterpret_cast<const u32*>(bias_tile + 16 * mt * BSTR + 8 * n));
-                    const float2 x1 = half2_to_float2(*reinterpret_cast<const u32*>(bias_tile + (16 * mt + 8) * BSTR + 8 * n));
-#else
-                    const float2 x0 = *reinterpret_cast<const float2*>(bias_tile + 16 * mt * BSTR + 8 * n);
-                    const float2 x1 = *reinterpret_cast<const float2*>(bias_tile + (16 * mt + 8) * BSTR + 8 * n);
-#endif
-                    const float b[4] = {x0.x, x0.y, x1.x, x1.y};
-#pragma unroll
-                    for (int e = 0; e < 4; ++e)
-#if F16X3  // the products in units of s_q s_k, undone in the same instruction
-                        s[mt][n][e] = onto ? fmaf(s[mt][n][e], qk_unscale, b[e]) : b[e];
-#else
-                        s[mt][n][e] = onto ? s[mt][n][e] + b[e] : b[e];
-#endif
-                }
-        };
-#if ROW_MASK
-        // Keys masked for every query of this warp's row i: -inf in S, as a masked bias
-        // entry: on S's start (the bias) before the products accumulate onto it, where
-        // fewer registers are live than after them (TF32 and bf16); after add_bias for the
-        // split products, which start from zero. This lane's keys kc, kc + 1 (kc even: one
-        // word) are columns 2t, 2t + 1 of n-tile n.
-        auto mask_row_keys = [&]() {
-#pragma unroll
-            for (int n = 0; n < NT; ++n) {
-                const int kc = mask_k0 + 8 * n + 2 * t;
-                const unsigned bits = __ldg(keep_row + (kc >> 5)) >> (kc & 31);
-#pragma unroll
-                for (int mt = 0; mt < MT; ++mt) {
-                    if (!(bits & 1u)) s[mt][n][0] = s[mt][n][2] = neg_inf();
-                    if (!(bits & 2u)) s[mt][n][1] = s[mt][n][3] = neg_inf();
-                }
-            }
-        };
-#endif
-#if SPLIT
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-            for (int n = 0; n < NT; ++n) s[mt][n][0] = s[mt][n][1] = s[mt][n][2] = s[mt][n][3] = 0.f;
-#else
-        add_bias(false);
-#endif
-#if ROW_MASK && !SPLIT
-        mask_row_keys();
-#endif
-
-        // This lane's ldmatrix rows in K and V (byte addresses; see opaque()).
-        const u32 k_lane = opaque(smem_addr(kv + k_offset));
-#if BF16 || SPLIT
-        const u32 v_lane = opaque(smem_addr(kv + v_offset));
-#endif
-
-        // ---- S += Q K^T ----
-#if BF16
-#pragma unroll
-        for (int kk = 0; kk < KS; ++kk)
-#pragma unroll
-            for (int n2 = 0; n2 < NT / 2; ++n2) {
-                // matrices: n-tile 2 n2 (b0, b1), n-tile 2 n2 + 1 (b0, b1)
-                u32 kb[4];
-                ldsm_x4(kb, k_lane + ELEM_BYTES * ((16 * n2 + 8 * (lane >> 4) + (lane & 7)) * KSTR
-                                                   + 16 * kk + 8 * ((lane >> 3) & 1)));
-#pragma unroll
-                for (int mt = 0; mt < MT; ++mt) {
-                    mma_bf16(s[mt][2 * n2], q.hi[mt][kk][0], q.hi[mt][kk][1], q.hi[mt][kk][2],
-                             q.hi[mt][kk][3], kb[0], kb[1]);
-                    mma_bf16(s[mt][2 * n2 + 1], q.hi[mt][kk][0], q.hi[mt][kk][1], q.hi[mt][kk][2],
-                             q.hi[mt][kk][3], kb[2], kb[3]);
-                }
-            }
-#elif F16X3
-#pragma unroll
-        for (int kk = 0; kk < KS; ++kk)
-#pragma unroll
-            for (int n2 = 0; n2 < NT / 2; ++n2) {
-                // matrices: n-tile 2 n2 (b0, b1), n-tile 2 n2 + 1 (b0, b1); hi, then lo
-                const u32 a = k_lane + ELEM_BYTES * ((16 * n2 + 8 * (lane >> 4) + (lane & 7)) * KSTR
-                                                     + 16 * kk + 8 * ((lane >> 3) & 1));
-                u32 kh[4], kl[4];
-                ldsm_x4(kh, a);
-                ldsm_x4(kl, a + ELEM_BYTES * K_ELEMS);
-#pragma unroll
-                for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-                    for (int h = 0; h < 2; ++h) {  // the two small cross terms first
-                        float (&acc)[4] = s[mt][2 * n2 + h];
-                        const u32 (&ah)[4] = q.hi[mt][kk], (&al)[4] = q.lo[mt][kk];
-                        mma_f16(acc, al[0], al[1], al[2], al[3], kh[2 * h], kh[2 * h + 1]);
-                        mma_f16(acc, ah[0], ah[1], ah[2], ah[3], kl[2 * h], kl[2 * h + 1]);
-                        mma_f16(acc, ah[0], ah[1], ah[2], ah[3], kh[2 * h], kh[2 * h + 1]);
-                    }
-            }
-#else
-#pragma unroll
-        for (int kk = 0; kk < DT; ++kk) {
-            u32 ah[MT][4];
-#if SPLIT
-            u32 al[MT][4];
-#endif
-#pragma unroll
-            for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-#if !SPLIT || QSPLIT_ONCE
-                    ah[mt][e] = q.hi[mt][kk][e];
-#if SPLIT
-                    al[mt][e] = q.lo[mt][kk][e];
-#endif
-#else
-                    ah[mt][e] = to_tf32_here(q.f[mt][kk][e]);
-                    al[mt][e] = to_tf32_here(q.f[mt][kk][e] - __uint_as_float(ah[mt][e]));
-#endif
-                }
-#pragma unroll
-            for (int n2 = 0; n2 < NT / 2; ++n2) {
-                // matrices: n-tile 2 n2 (b0, b1), n-tile 2 n2 + 1 (b0, b1)
-                const u32 a = k_lane + ELEM_BYTES * ((16 * n2 + 8 * (lane >> 4) + (lane & 7)) * KSTR
-                                                     + 8 * kk + 4 * ((lane >> 3) & 1));
-                u32 kh[4];
-                ldsm_x4(kh, a);
-#if SPLIT
-                u32 kl[4];
-                ldsm_x4(kl, a + ELEM_BYTES * K_ELEMS);
-#endif
-#pragma unroll
-                for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-                    for (int h = 0; h < 2; ++h) {
-#if SPLIT  // the two small cross terms first, so they are not rounded away against hi.hi
-                        mma_tf32(s[mt][2 * n2 + h], al[mt][0], al[mt][1], al[mt][2], al[mt][3],
-                                 kh[2 * h], kh[2 * h + 1]);
-                        mma_tf32(s[mt][2 * n2 + h], ah[mt][0], ah[mt][1], ah[mt][2], ah[mt][3],
-                                 kl[2 * h], kl[2 * h + 1]);
-#endif
-                        mma_tf32(s[mt][2 * n2 + h], ah[mt][0], ah[mt][1], ah[mt][2], ah[mt][3],
-                                 kh[2 * h], kh[2 * h + 1]);
-                    }
-            }
-        }
-#endif
-
-#if SPLIT
-        add_bias(true);
-#endif
-#if ROW_MASK && SPLIT
-        mask_row_keys();
-#endif
-
-        // ---- online softmax of rows j0 (r = 0: s[..][0..1]) and j1 (r = 1: s[..][2..3]) ----
-        // This lane's share of the tile's row maxima (the 4 lanes of a quad hold a row's BK
-        // keys), in two interleaved chains: more operations in flight than one serial chain.
-        // Whether any exceeds m_lim needs no exchange between the lanes; only a rescale
-        // (rare) needs the row's whole maximum.
-        float mx[MT][2];
-        bool grow = false;
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-            for (int r = 0; r < 2; ++r) {
-                float mx0 = neg_inf(), mx1 = neg_inf();
-#pragma unroll
-                for (int n = 0; n < NT; ++n) {
-                    mx0 = fmaxf(mx0, s[mt][n][2 * r]);
-                    mx1 = fmaxf(mx1, s[mt][n][2 * r + 1]);
-                }
-                mx[mt][r] = fmaxf(mx0, mx1);
-                grow |= mx[mt][r] > m_lim[mt][r];
-            }
-        // Lazy rescaling: the reference maximum m moves, and O and l are rescaled, only when
-        // a row of the warp exceeds it by more than RESCALE_SLACK; below that the terms are
-        // 2^(s - m) <= 2^RESCALE_SLACK, as exact in fp32 (and bf16) as any other. After the
-        // first tiles the branch is rarely taken, and it is warp-uniform.
-        if (__any_sync(0xffffffffu, grow)) {
-#pragma unroll
-            for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-                for (int r = 0; r < 2; ++r) {
-                    float x = mx[mt][r];  // the row's maximum, from the quad's shares
-                    x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
-                    x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
-                    const float m_old = m_lim[mt][r] == neg_inf() ? neg_inf() : m_sub[mt][r];
-                    const float m_new = fmaxf(m_old, x);
-                    // m_new = -inf: every key so far masked, nothing summed to rescale
-                    // (and -inf - -inf would be NaN).
-                    const float alpha = m_new == neg_inf() ? 1.f : fast_exp2(m_old - m_new);
-                    m_sub[mt][r] = m_new == neg_inf() ? 0.f : m_new;
-                    m_lim[mt][r] = m_new + RESCALE_SLACK;  // -inf + slack = -inf
-                    l[mt][2 * r] *= alpha;
-                    l[mt][2 * r + 1] *= alpha;
-#pragma unroll
-                    for (int v = 0; v < DT; ++v) {
-                        o[mt][v][2 * r] *= alpha;
-                        o[mt][v][2 * r + 1] *= alpha;
-                    }
-                }
-        }
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-            for (int r = 0; r < 2; ++r) {
-#if F16X3  // 2^(s - m + P_SHIFT)
-                const float m_ref = m_sub[mt][r] - P_SHIFT;
-#else
-                const float m_ref = m_sub[mt][r];
-#endif
-#if SUM_MMA
-#pragma unroll
-                for (int n = 0; n < NT; ++n) {
-                    s[mt][n][2 * r] = fast_exp2(s[mt][n][2 * r] - m_ref);
-                    s[mt][n][2 * r + 1] = fast_exp2(s[mt][n][2 * r + 1] - m_ref);
-                }
-#else
-                float sum0 = 0.f, sum1 = 0.f;
-#pragma unroll
-                for (int n = 0; n < NT; ++n) {
-                    s[mt][n][2 * r] = fast_exp2(s[mt][n][2 * r] - m_ref);
-                    s[mt][n][2 * r + 1] = fast_exp2(s[mt][n][2 * r + 1] - m_ref);
-                    sum0 += s[mt][n][2 * r];
-                    sum1 += s[mt][n][2 * r + 1];
-                }
-                l[mt][2 * r] += sum0 + sum1;
-#endif
-            }
-
-        // ---- O += P V, P taken from the S accumulators ----
-#if BF16
-#pragma unroll
-        for (int kk = 0; kk < NT / 2; ++kk) {
-            u32 pa[MT][4];
-#pragma unroll
-            for (int mt = 0; mt < MT; ++mt) {
-                pa[mt][0] = pack_bf16(s[mt][2 * kk][0], s[mt][2 * kk][1]);
-                pa[mt][1] = pack_bf16(s[mt][2 * kk][2], s[mt][2 * kk][3]);
-                pa[mt][2] = pack_bf16(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
-                pa[mt][3] = pack_bf16(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
-                mma_bf16(l[mt], pa[mt][0], pa[mt][1], pa[mt][2], pa[mt][3], BF16_ONES, BF16_ONES);
-            }
-            // matrices: keys 16 kk + 0..7 and + 8..15 (b0, b1) of d-tiles 2 v2 and 2 v2 + 1
-            const u32 vrow = v_lane + ELEM_BYTES * (16 * kk + 8 * ((lane >> 3) & 1) + (lane & 7)) * VSTR;
-#pragma unroll
-            for (int v2 = 0; v2 < DT / 2; ++v2) {
-                u32 vb[4];
-                ldsm_x4_trans(vb, vrow + ELEM_BYTES * 8 * (2 * v2 + (lane >> 4)));
-#pragma unroll
-                for (int mt = 0; mt < MT; ++mt) {
-                    mma_bf16(o[mt][2 * v2], pa[mt][0], pa[mt][1], pa[mt][2], pa[mt][3], vb[0], vb[1]);
-                    mma_bf16(o[mt][2 * v2 + 1], pa[mt][0], pa[mt][1], pa[mt][2], pa[mt][3], vb[2], vb[3]);
-                }
-            }
-#if DT % 2
-            u32 vb[2];
-            ldsm_x2_trans(vb, vrow + ELEM_BYTES * 8 * (DT - 1));
-#pragma unroll
-            for (int mt = 0; mt < MT; ++mt)
-                mma_bf16(o[mt][DT - 1], pa[mt][0], pa[mt][1], pa[mt][2], pa[mt][3], vb[0], vb[1]);
-#endif
-        }
-#elif F16X3
-#pragma unroll
-        for (int kk = 0; kk < NT / 2; ++kk) {
-            // A fragments of k-step kk (keys 16 kk ..), hi and lo: S n-tiles 2 kk and 2 kk + 1
-            u32 ph[MT][4], pl[MT][4];
-#pragma unroll
-            for (int mt = 0; mt < MT; ++mt) {
-                split_f16(s[mt][2 * kk][0], s[mt][2 * kk][1], ph[mt][0], pl[mt][0]);
-                split_f16(s[mt][2 * kk][2], s[mt][2 * kk][3], ph[mt][1], pl[mt][1]);
-                split_f16(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1], ph[mt][2], pl[mt][2]);
-                split_f16(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3], ph[mt][3], pl[mt][3]);
-            }
-            // O += P_lo V_hi + P_hi V_lo + P_hi V_hi, summed in a fragment of its own and added
-            // to O in fp32 (as PREC 0's: the tensor cores' accumulation truncates)
-            auto pv = [&](float (&acc)[4], const u32 (&a_hi)[4], const u32 (&a_lo)[4],
-                          u32 h0, u32 h1, u32 l0, u32 l1) {
-                float f[4] = {0.f, 0.f, 0.f, 0.f};
-                mma_f16(f, a_lo[0], a_lo[1], a_lo[2], a_lo[3], h0, h1);
-                mma_f16(f, a_hi[0], a_hi[1], a_hi[2], a_hi[3], l0, l1);
-                mma_f16(f, a_hi[0], a_hi[1], a_hi[2], a_hi[3], h0, h1);
-#pragma unroll
-                for (int e = 0; e < 4; ++e) acc[e] += f[e];
-            };
-            // matrices: keys 16 kk + 0..7 and + 8..15 (b0, b1) of d-tiles 2 v2 and 2 v2 + 1
-            const u32 vrow = v_lane + ELEM_BYTES * (16 * kk + 8 * ((lane >> 3) & 1) + (lane & 7)) * VSTR;
-#pragma unroll
-            for (int v2 = 0; v2 < DT / 2; ++v2) {
-                u32 vh[4], vl[4];
-                ldsm_x4_trans(vh, vrow + ELEM_BYTES * 8 * (2 * v2 + (lane >> 4)));
-                ldsm_x4_trans(vl, vrow + ELEM_BYTES * (V_ELEMS + 8 * (2 * v2 + (lane >> 4))));
-#pragma unroll
-                for (int mt = 0; mt < MT; ++mt) {
-                    pv(o[mt][2 * v2], ph[mt], pl[mt], vh[0], vh[1], vl[0], vl[1]);
-                    pv(o[mt][2 * v2 + 1], ph[mt], pl[mt], vh[2], vh[3], vl[2], vl[3]);
-                }
-            }
-#if DT % 2
-            u32 vh[2], vl[2];
-            ldsm_x2_trans(vh, vrow + ELEM_BYTES * 8 * (DT - 1));
-            ldsm_x2_trans(vl, vrow + ELEM_BYTES * (V_ELEMS + 8 * (DT - 1)));
-#pragma unroll
-            for (int mt = 0; mt < MT; ++mt)
-                pv(o[mt][DT - 1], ph[mt], pl[mt], vh[0], vh[1], vl[0], vl[1]);
-#endif
-        }
-#else
-#pragma unroll
-        for (int kk = 0; kk < NT / 2; ++kk) {
-            // A fragments of k-steps 2 kk and 2 kk + 1: (c0, c2, c1, c3) of their S n-tiles
-            u32 ph[MT][2][4];
-#if SPLIT
-            u32 pl[MT][2][4];
-#endif
-#pragma unroll
-            for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-                for (int h = 0; h < 2; ++h) {
-                    const float* c = s[mt][2 * kk + h];
-                    const float a[4] = {c[0], c[2], c[1], c[3]};
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) {
-#if SPLIT
-                        ph[mt][h][e] = to_tf32(a[e]);
-                        pl[mt][h][e] = to_tf32(a[e] - __uint_as_float(ph[mt][h][e]));
-#else
-                        // As is: the tensor cores read the top 19 bits (truncation). The
-                        // row sums come from the same truncated P (SUM_MMA), so its bias
-                        // (< 2^-10 relative, always down) cancels in O / l.
-                        ph[mt][h][e] = __float_as_uint(a[e]);
-#endif
-                    }
-                }
-#if DIRECT
-#pragma unroll
-            for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-                for (int h = 0; h < 2; ++h)
-                    mma_tf32(l[mt], ph[mt][h][0], ph[mt][h][1], ph[mt][h][2], ph[mt][h][3],
-                             TF32_ONE, TF32_ONE);
-            // B of key step 2 kk + h: V[key 2t][dim 8v + g] and V[key 2t + 1][dim 8v + g]
-            // of its 8 keys (scalar loads, conflict-free: see the header).
-            const u32* const vs = reinterpret_cast<const u32*>(kv + v_offset) + 2 * t * VSTR + g;
-#pragma unroll
-            for (int v = 0; v < DT; ++v)
-#pragma unroll
-                for (int h = 0; h < 2; ++h) {
-                    const u32* const p = vs + 8 * (2 * kk + h) * VSTR + 8 * v;
-                    const u32 b0 = p[0], b1 = p[VSTR];
-#pragma unroll
-                    for (int mt = 0; mt < MT; ++mt)
-                        mma_tf32(o[mt][v], ph[mt][h][0], ph[mt][h][1], ph[mt][h][2], ph[mt][h][3],
-                                 b0, b1);
-                }
-#else  // staged: 3xTF32
-            // matrices: positions 16 kk + 0..3, 4..7 (b0, b1 of k-step 2 kk), 8..11, 12..15
-            const u32 a = v_lane + ELEM_BYTES * ((lane & 7) * VSTR + 16 * kk + 4 * (lane >> 3));
-#pragma unroll
-            for (int v = 0; v < DT; ++v) {
-                u32 vh[4], vl[4];
-                ldsm_x4(vh, a + ELEM_BYTES * 8 * v * VSTR);
-                ldsm_x4(vl, a + ELEM_BYTES * (V_ELEMS + 8 * v * VSTR));
-                // Each k-step's three terms summed in a fragment of their own, then added to O
-                // in fp32: chained through O over every key (3 N / 8 mma), the tensor cores'
-                // accumulation, which does not round to nearest, made the fp32 mode's error
-                // grow with N, to 2-2.6x PyTorch's fp32 error at N = 64-75 (the projections'
-                // grew with D the same way; docs/performance.md).
-#pragma unroll
-                for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-                    for (int h = 0; h < 2; ++h) {
-                        float t[4] = {0.f, 0.f, 0.f, 0.f};
-                        mma_tf32(t, pl[mt][h][0], pl[mt][h][1], pl[mt][h][2], pl[mt][h][3],
-                                 vh[2 * h], vh[2 * h + 1]);
-                        mma_tf32(t, ph[mt][h][0], ph[mt][h][1], ph[mt][h][2], ph[mt][h][3],
-                                 vl[2 * h], vl[2 * h + 1]);
-                        mma_tf32(t, ph[mt][h][0], ph[mt][h][1], ph[mt][h][2], ph[mt][h][3],
-                                 vh[2 * h], vh[2 * h + 1]);
-#pragma unroll
-                        for (int e = 0; e < 4; ++e) o[mt][v][e] += t[e];
-                    }
-            }
-#endif
-        }
-#endif
+    // One key tile (process_tile): `kv` the stage or staged buffer holding it, k0 its first key.
+    auto process = [&](const char* kv, const bias_elem* bias_tile_base, int k0) {
+        process_tile(o, m_sub, m_lim, l, q, kv, bias_tile_base, keep_row, k0, k_offset,
+                     v_offset, bias_row, lane, g, t, qk_unscale);
     };
 
     if constexpr (DIRECT) {
@@ -1045,39 +1133,11 @@ ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int 
             // The stage freed by the last tile takes the tile STAGES - 1 ahead.
             issue(k0 + (STAGES - 1) * BK, stage == 0 ? STAGES - 1 : stage - 1);
             const char* const st = smem + stage * STAGE_BYTES;
-#if ROW_MASK
-            mask_k0 = k0;
-#endif
-            process(st, reinterpret_cast<const bias_elem*>(st + KV_BYTES));
+            process(st, reinterpret_cast<const bias_elem*>(st + KV_BYTES), k0);
             stage = stage == STAGES - 1 ? 0 : stage + 1;
         }
     } else {
-        // ---- staged: K/V tiles through registers (one tile ahead), bias tiles in two
-        // buffers copied one tile ahead ----
-        const bias_elem* const bias_tiles = reinterpret_cast<const bias_elem*>(smem + KV_BYTES);
-        const u32 bias_tiles_s = smem_s + KV_BYTES;
-        float4 kv[LOADS_PER_THREAD][4];
-        if (PREFETCH) fetch_kv(kv, 0, row_base, i0, i_end, D, N, ld, tid);
-        copy_bias(0, bias_tiles_s);
-        cp_async_commit();
-        for (int k0 = 0, tile = 0; k0 < N; k0 += BK, ++tile) {
-            const bool more = k0 + BK < N;
-            if (!PREFETCH) fetch_kv(kv, k0, row_base, i0, i_end, D, N, ld, tid);
-            __syncthreads();  // every warp is done with the previous tile (and bias buffer)
-            store_kv(smem, kv, tid, s_k, s_v);
-            if (more) {
-                copy_bias(k0 + BK, bias_tiles_s + BIAS_BYTES * ((tile + 1) & 1) * BIAS_TILE);
-                cp_async_commit();
-            }
-            if (more) cp_async_wait<1>(); else cp_async_wait<0>();  // this tile's bias landed
-            __syncthreads();  // K, V and bias tiles visible to every warp
-            // in flight while this tile is multiplied
-            if (PREFETCH && more) fetch_kv(kv, k0 + BK, row_base, i0, i_end, D, N, ld, tid);
-#if ROW_MASK
-            mask_k0 = k0;
-#endif
-            process(smem, bias_tiles + (tile & 1) * BIAS_TILE);
-        }
+        staged_loop(process, copy_bias, row_base, smem, smem_s, tid, i0, i_end, D, N, ld, s_k, s_v);
     }
 
     if (!row_ok) return;
