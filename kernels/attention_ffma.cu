@@ -225,11 +225,8 @@ __device__ __forceinline__ void store_output(float* row, i64 ld, const float (&o
 
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
 attention_ffma_fp32(float* qkvg, const float* __restrict__ bias, int B, int N, int H, int npk,
-               int nan_fully_masked, const int* __restrict__ key_extent
-#if ROW_MASK
-               , const unsigned* __restrict__ row_mask  // [B N][npk / 32] key bits (common.cuh)
-#endif
-               ROW_BLOCK_ARGS  // (common.cuh ROW_BLOCK: the rows [row_begin, row_end))
+               int nan_fully_masked
+               ATTENTION_TAIL_ARGS  // key_extent, row_mask, row range (common.cuh)
                ) {
     wait_for_previous_kernel();  // q, k, v, the bias and the key extent come from it
     allow_next_kernel();

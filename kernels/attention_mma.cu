@@ -1012,11 +1012,7 @@ ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int 
 #if F16X3
       , float s_q, float s_k, float s_v
 #endif
-      , const int* __restrict__ key_extent
-#if ROW_MASK
-      , const unsigned* __restrict__ row_mask  // [B N][npk / 32] key bits (common.cuh)
-#endif
-      ROW_BLOCK_ARGS  // (common.cuh ROW_BLOCK: the rows [row_begin, row_end))
+      ATTENTION_TAIL_ARGS  // key_extent, row_mask, row range (common.cuh)
       ) {
 #if !F16X3
     const float s_q = 1.f, s_k = 1.f, s_v = 1.f;  // (unscaled)

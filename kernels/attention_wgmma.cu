@@ -821,11 +821,7 @@ ENTRY(float* qkvg, const bias_elem* __restrict__ bias, int B, int N, int H, int 
 #if F16
       , float qk_unscale, float v_unscale
 #endif
-      , const int* __restrict__ key_extent
-#if ROW_MASK
-      , const unsigned* __restrict__ row_mask  // [B N][npk / 32] key bits (common.cuh)
-#endif
-      ROW_BLOCK_ARGS  // (common.cuh ROW_BLOCK: the rows [row_begin, row_end))
+      ATTENTION_TAIL_ARGS  // key_extent, row_mask, row range (common.cuh)
       ) {
     extern __shared__ float4 smem4[];
     wait_for_previous_kernel();  // q, k, v, the bias and the key extent come from it

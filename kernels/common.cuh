@@ -89,6 +89,12 @@ __device__ __forceinline__ i64 caller_row(i64 m, int N) {
     const i64 i = bi % N, b = bi / N;
     return (b * N + j) * N + i;
 }
+// The out projections' last parameter, and OUT_N the value they pass on (0, unused, without)
+#define OUT_TRANSPOSED_ARGS , int N
+#define OUT_N N
+#else
+#define OUT_TRANSPOSED_ARGS
+#define OUT_N 0
 #endif
 
 // ROW_MASK (the row mask layout; the attention kernels' feature, off by default): key k is
@@ -163,4 +169,13 @@ __device__ __forceinline__ AttentionBlock attention_block_rows(int N, int H, int
     const AttentionBlock blk = attention_block(N, H, bq, rows);                        \
     const int i_end = N
 #define ROW_BLOCK_ARGS
+#endif
+
+// The attention kernels' last parameters, alike in every engine: the key extent
+// (key_extent.cu, or null), ROW_MASK's key bits [B N][npk / 32], ROW_BLOCK's row range.
+#if ROW_MASK
+#define ATTENTION_TAIL_ARGS                                                            \
+    , const int* __restrict__ key_extent, const unsigned* __restrict__ row_mask ROW_BLOCK_ARGS
+#else
+#define ATTENTION_TAIL_ARGS , const int* __restrict__ key_extent ROW_BLOCK_ARGS
 #endif

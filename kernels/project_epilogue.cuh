@@ -31,15 +31,6 @@
     const float* __restrict__ qkvg, i64 M, int D,                                           \
     const float* __restrict__ W_NAME, const float* __restrict__ b_out,                      \
     pair_t* __restrict__ out
-// OUT_TRANSPOSED (common.cuh): the out projections' last argument, the pair's N (rows go
-// to caller_row); OUT_N passes it on (0, unused, without).
-#if OUT_TRANSPOSED
-#define OUT_TRANSPOSED_ARGS , int N
-#define OUT_N N
-#else
-#define OUT_TRANSPOSED_ARGS
-#define OUT_N 0
-#endif
 
 // The block's rows: the first, m0, and the end M of the launch's rows (the last block's
 // rows from M on are padding: zero in, nothing out). ROW_BLOCK (common.cuh): the pair rows

@@ -500,9 +500,7 @@ gated_out_project_wgmma_f16(const float* __restrict__ qkvg, i64 M,
                         const uint4* __restrict__ wo_image,  // WO_BYTES
                         const float* __restrict__ b_out, pair_t* __restrict__ out,
                         float w_unscale
-#if OUT_TRANSPOSED
-                        , int N  // the pair's N: rows go to caller_row (common.cuh)
-#endif
+                        OUT_TRANSPOSED_ARGS  // the pair's N: rows go to caller_row (common.cuh)
                         ) {
     gated_out_projection<OutSteps>(qkvg, M, wo_image, b_out, out, w_unscale, OUT_N);
 }

@@ -375,11 +375,6 @@ __device__ __forceinline__ void store_out_rows(pair_t* out, i64 T, int rows_here
                             acc[4 * n + 2 * h + 1] * w_unscale * a_unscale + bo[n].y);
     }
 }
-#if OUT_TRANSPOSED
-#define OUT_N N  // the out projections' N argument to store_out_rows
-#else
-#define OUT_N 0
-#endif
 
 // An out projection's whole body, both formats: out = (g o) Wo^T + bo over tiles of 64 qkvg
 // rows (Steps: the kernel's layout of shared memory, off_* and in_bytes, row_words, and

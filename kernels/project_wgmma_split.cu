@@ -448,9 +448,7 @@ gated_out_project_wgmma_f16x3(const float* __restrict__ qkvg, i64 M,
                         const uint4* __restrict__ wo_image,  // 2 W_PART
                         const float* __restrict__ b_out, pair_t* __restrict__ out,
                         float w_unscale
-#if OUT_TRANSPOSED
-                        , int N  // the pair's N: rows go to caller_row (common.cuh)
-#endif
+                        OUT_TRANSPOSED_ARGS  // the pair's N: rows go to caller_row (common.cuh)
                         ) {
     gated_out_projection<SplitOutSteps>(qkvg, M, wo_image, b_out, out, w_unscale, OUT_N);
 }
